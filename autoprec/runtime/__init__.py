@@ -1,0 +1,1 @@
+"""Runtime pieces used while training: loss scaling, monitoring, applying a policy (DESIGN §7)."""

@@ -1,0 +1,441 @@
+"""Dynamic loss scaling for fp16 training, with a floor and a diagnosis (DESIGN §7, cases C07/C09/C14).
+
+:class:`DynamicLossScaler` is a drop-in for :class:`torch.amp.GradScaler` (same method names, same
+scale trajectory bit for bit, a compatible ``state_dict``) with three additions taken from DeepSpeed's
+fp16 ``DynamicLossScaler`` (``min_loss_scale``) and from failures seen in practice:
+
+* the scale is clamped to ``[min_scale, max_scale]``, so it can neither collapse to ~1e-15 while every
+  step is skipped nor grow towards ``inf`` on a tiny loss (case C09);
+* when the gradients stay non-finite with the scale already at its floor, the overflow is not a scaling
+  problem: after ``max_skips_at_floor`` such steps a :class:`~autoprec.errors.LossScaleError` says that
+  the non-finite values come from the forward pass and names the first node that produced one;
+* the whole state (scale, growth tracker, skip counters) is plain JSON, so a resumed run continues
+  bit-identically (case C14).
+
+Sources:
+    * ``torch.amp.GradScaler`` (torch/amp/grad_scaler.py) and its kernels
+      ``torch._amp_foreach_non_finite_check_and_unscale_`` / ``torch._amp_update_scale_``.
+    * DeepSpeed ``deepspeed/runtime/fp16/loss_scaler.py`` (``DynamicLossScaler``, ``min_loss_scale``).
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from autoprec.errors import LossScaleError
+
+__all__ = ["DynamicLossScaler", "unscaled_grad_norm"]
+
+_FP32_MAX = float(torch.finfo(torch.float32).max)
+
+# Per-optimizer stage within one iteration (GradScaler's OptState).
+_READY, _UNSCALED, _STEPPED = "ready", "unscaled", "stepped"
+
+# Keys GradScaler.state_dict() writes (required on load) and the ones autoprec adds (optional on load).
+_GRADSCALER_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+_AUTOPREC_KEYS = ("min_scale", "max_scale", "max_skips_at_floor", "skipped_steps", "consecutive_skips",
+                  "skips_at_floor")
+
+
+def _to_fp32(x: float) -> float:
+    """Rounds a Python float to the nearest float32 (C ``static_cast<float>``; overflow gives ``±inf``)."""
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:
+        return math.copysign(math.inf, x)
+
+
+def _as_float(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {value!r}")  # noqa: TRY004 (bad value)
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    return value
+
+
+def _as_int(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an int, got {value!r}")  # noqa: TRY004 (bad value)
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value!r}")
+    return value
+
+
+def _check_fp32_exact(name: str, value: float) -> None:
+    if _to_fp32(value) != value:
+        raise ValueError(f"{name}={value!r} is not exactly representable in float32 (use e.g. a power of 2)")
+
+
+def _check_config(scale_name: str, scale: Any, growth_factor: Any, backoff_factor: Any,
+                  growth_interval: Any, min_scale: Any, max_scale: Any,
+                  max_skips_at_floor: Any) -> tuple[float, float, float, int, float, float, int]:
+    """Validates the scaler's configuration; raises ``ValueError`` naming the offending argument."""
+    growth_factor = _as_float("growth_factor", growth_factor)
+    if growth_factor <= 1.0:
+        raise ValueError(f"growth_factor must be > 1, got {growth_factor!r}")
+    backoff_factor = _as_float("backoff_factor", backoff_factor)
+    if not 0.0 < backoff_factor < 1.0:
+        raise ValueError(f"backoff_factor must be in (0, 1), got {backoff_factor!r}")
+    growth_interval = _as_int("growth_interval", growth_interval, 1)
+    max_skips_at_floor = _as_int("max_skips_at_floor", max_skips_at_floor, 1)
+    min_scale, max_scale = _as_float("min_scale", min_scale), _as_float("max_scale", max_scale)
+    if min_scale <= 0.0:
+        raise ValueError(f"min_scale must be > 0, got {min_scale!r}")
+    if max_scale > _FP32_MAX:
+        raise ValueError(f"max_scale must be <= float32 max ({_FP32_MAX!r}), got {max_scale!r}")
+    _check_fp32_exact("min_scale", min_scale)
+    _check_fp32_exact("max_scale", max_scale)
+    scale = _as_float(scale_name, scale)
+    if not min_scale <= scale <= max_scale:
+        raise ValueError(f"need 0 < min_scale <= {scale_name} <= max_scale, got min_scale={min_scale!r}, "
+                         f"{scale_name}={scale!r}, max_scale={max_scale!r}")
+    return scale, growth_factor, backoff_factor, growth_interval, min_scale, max_scale, max_skips_at_floor
+
+
+def _amp_update_scale(scale: float, tracker: int, found_inf: bool, growth_factor: float,
+                      backoff_factor: float, growth_interval: int) -> tuple[float, int]:
+    """One step of ``torch._amp_update_scale_``, bit for bit.
+
+    The kernel multiplies the float32 scale by the (double) factor in double precision and rounds the
+    product to float32; a growth that would overflow float32 to ``inf`` is dropped (the scale is kept)
+    but still resets the tracker.
+    """
+    if found_inf:
+        return _to_fp32(scale * backoff_factor), 0
+    tracker += 1
+    if tracker == growth_interval:
+        grown = _to_fp32(scale * growth_factor)
+        return (grown if math.isfinite(grown) else scale), 0
+    return scale, tracker
+
+
+def _grads_of(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The dense gradient tensors of every parameter in ``optimizer.param_groups`` (coalesced if sparse)."""
+    grads = []
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if param.grad is None:
+                continue
+            if param.grad.is_sparse:
+                if not param.grad.is_coalesced():
+                    param.grad = param.grad.coalesce()  # duplicates are summed before the check
+                grads.append(param.grad._values())
+            else:
+                grads.append(param.grad)
+    return grads
+
+
+def _unscale_grads_(optimizer: torch.optim.Optimizer, inv_scale: float) -> bool:
+    """Multiplies every gradient by ``inv_scale`` in place (computed in fp32); True if any is inf/NaN."""
+    by_device_dtype: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
+    for grad in _grads_of(optimizer):
+        by_device_dtype[(grad.device, grad.dtype)].append(grad)
+    found = []
+    with torch.no_grad():
+        for (device, _), grads in by_device_dtype.items():
+            found_inf = torch.zeros((), dtype=torch.float32, device=device)
+            inv = torch.full((), inv_scale, dtype=torch.float32, device=device)
+            # GradScaler's fused kernel: flags non-finite values, then grad = float(grad) * inv.
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv)
+            found.append(found_inf)
+    return any(bool(f.item()) for f in found)
+
+
+class DynamicLossScaler:
+    """Dynamic loss scaler with ``torch.amp.GradScaler`` semantics plus a floor, a cap and a diagnosis.
+
+    Usage is GradScaler's::
+
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)          # optional, e.g. before clipping
+        applied = scaler.step(optimizer)    # False: non-finite grads, step skipped
+        scaler.update()
+
+    The scale is kept as a float32 value, and ``update`` reproduces ``torch._amp_update_scale_``
+    exactly (so, with the floor and cap not binding, the trajectory equals GradScaler's): on a step
+    with inf/NaN gradients the scale is multiplied by ``backoff_factor`` and the growth tracker reset;
+    after ``growth_interval`` consecutive clean steps it is multiplied by ``growth_factor``. The result
+    is then clamped to ``[min_scale, max_scale]`` (DeepSpeed's ``min_loss_scale``).
+
+    Args:
+        init_scale: Initial scale (rounded to float32, like GradScaler).
+        growth_factor: Factor (> 1) applied after ``growth_interval`` clean steps.
+        backoff_factor: Factor in (0, 1) applied on a step with non-finite gradients.
+        growth_interval: Number (>= 1) of consecutive clean steps between growths.
+        min_scale: Floor of the scale (> 0, exactly representable in float32).
+        max_scale: Cap of the scale (<= float32 max, exactly representable in float32).
+        max_skips_at_floor: Consecutive skipped steps with the scale at ``min_scale`` after which
+            ``update`` raises :class:`~autoprec.errors.LossScaleError`.
+        enabled: If False, ``scale`` is the identity, ``step`` a plain ``optimizer.step()``, and
+            ``unscale_``/``update``/``load_state_dict`` do nothing (like GradScaler).
+        diagnose: Optional zero-argument callable returning the name of the first graph node that
+            produced a non-finite value (e.g. ``lambda: monitor.first_nonfinite_node``), or None.
+            Called only when the error above is raised.
+
+    Raises:
+        ValueError: An argument is out of range; the message names it.
+    """
+
+    def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
+                 growth_interval: int = 2000, min_scale: float = 1.0, max_scale: float = 2.0**24,
+                 max_skips_at_floor: int = 8, enabled: bool = True,
+                 diagnose: Callable[[], str | None] | None = None) -> None:
+        (scale, self._growth_factor, self._backoff_factor, self._growth_interval, self._min_scale,
+         self._max_scale, self._max_skips_at_floor) = _check_config(
+            "init_scale", init_scale, growth_factor, backoff_factor, growth_interval, min_scale,
+            max_scale, max_skips_at_floor)
+        if diagnose is not None and not callable(diagnose):
+            raise ValueError(f"diagnose must be a zero-argument callable or None, got {diagnose!r}")
+        self._enabled = bool(enabled)
+        self._diagnose = diagnose
+        self._scale = _to_fp32(scale)  # always a float32 value held in a Python float
+        self._growth_tracker = 0
+        self._skipped_steps = 0
+        self._consecutive_skips = 0
+        self._skips_at_floor = 0
+        self._found_inf = False
+        self._per_optimizer: dict[int, dict[str, Any]] = {}
+
+    # ----------------------------------------------------------------- GradScaler API
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """Returns ``loss * scale`` computed in fp32 (``loss`` unchanged if disabled).
+
+        Raises:
+            TypeError: ``loss`` is not a Tensor.
+        """
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(f"scale() expects a Tensor, got {type(loss).__name__}")
+        if not self._enabled:
+            return loss
+        return loss.float() * self._scale
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divides the optimizer's gradients by the scale in place (fp32) and records inf/NaN.
+
+        Call at most once per optimizer per iteration, before ``step`` (e.g. to clip gradients).
+
+        Raises:
+            RuntimeError: Called twice for this optimizer since the last ``update()``, or after ``step``.
+        """
+        if not self._enabled:
+            return
+        state = self._per_optimizer.setdefault(id(optimizer), {"stage": _READY, "found_inf": False})
+        if state["stage"] == _UNSCALED:
+            raise RuntimeError(
+                "unscale_() has already been called on this optimizer since the last update().")
+        if state["stage"] == _STEPPED:
+            raise RuntimeError("unscale_() is being called after step().")
+        state["found_inf"] = _unscale_grads_(optimizer, 1.0 / self._scale)
+        state["stage"] = _UNSCALED
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> bool:
+        """Unscales (if not yet done), then ``optimizer.step(*args, **kwargs)`` unless grads are non-finite.
+
+        A skipped step leaves parameters and optimizer state bitwise unchanged.
+
+        Returns:
+            True if the optimizer step was applied, False if it was skipped.
+
+        Raises:
+            RuntimeError: ``step`` was already called since the last ``update()``, or a ``closure``
+                was passed (as GradScaler, closures are not supported).
+        """
+        if not self._enabled:
+            optimizer.step(*args, **kwargs)
+            return True
+        if "closure" in kwargs:
+            raise RuntimeError("Closure use is not supported if DynamicLossScaler is enabled.")
+        state = self._per_optimizer.get(id(optimizer))
+        if state is not None and state["stage"] == _STEPPED:
+            raise RuntimeError("step() has already been called since the last update().")
+        if state is None or state["stage"] == _READY:
+            self.unscale_(optimizer)
+            state = self._per_optimizer[id(optimizer)]
+        state["stage"] = _STEPPED
+        if state["found_inf"]:
+            return False
+        optimizer.step(*args, **kwargs)
+        return True
+
+    def update(self) -> None:
+        """Updates the scale from this iteration's inf checks (GradScaler's rule, then the clamp).
+
+        Raises:
+            RuntimeError: No ``unscale_``/``step`` was recorded since the last ``update()``.
+            LossScaleError: ``max_skips_at_floor`` consecutive steps were skipped at ``min_scale``.
+        """
+        if not self._enabled:
+            return
+        if not self._per_optimizer:
+            raise RuntimeError("No inf checks were recorded prior to update(); call step(optimizer) first.")
+        found_inf = any(s["found_inf"] for s in self._per_optimizer.values())
+        self._per_optimizer = {}
+        self._found_inf = found_inf
+        at_floor = self._scale <= self._min_scale
+        scale, self._growth_tracker = _amp_update_scale(
+            self._scale, self._growth_tracker, found_inf, self._growth_factor, self._backoff_factor,
+            self._growth_interval)
+        self._scale = min(max(scale, self._min_scale), self._max_scale)
+        if not found_inf:
+            self._consecutive_skips = self._skips_at_floor = 0
+            return
+        self._skipped_steps += 1
+        self._consecutive_skips += 1
+        self._skips_at_floor = self._skips_at_floor + 1 if at_floor else 0
+        if self._skips_at_floor >= self._max_skips_at_floor:
+            raise LossScaleError(self._floor_message())
+
+    def _floor_message(self) -> str:
+        head = (f"{self._skips_at_floor} consecutive optimizer steps were skipped with the loss scale at "
+                f"its floor (min_scale={self._min_scale!r}): the gradients are inf/NaN even at the minimum "
+                "scale, so this is not a loss-scaling overflow - the non-finite values come from the forward "
+                "pass (an op overflowing its dtype, or inf/NaN in the inputs or weights).")
+        hint = ("To find the first node that produced one, record a step with autoprec.Monitor and read "
+                "Monitor.first_nonfinite_node (or pass diagnose=... to DynamicLossScaler).")
+        if self._diagnose is None:
+            return f"{head} {hint}"
+        try:
+            node = self._diagnose()
+        except Exception as e:  # noqa: BLE001 - a failing diagnosis must not hide the real error
+            return f"{head} diagnose() failed ({e!r}). {hint}"
+        if node is None:
+            return f"{head} diagnose() found no node with a non-finite output. {hint}"
+        return f"{head} First node that produced a non-finite value: {str(node)!r}."
+
+    def get_scale(self) -> float:
+        """The current scale as a Python float (a float32 value); 1.0 if disabled, like GradScaler."""
+        return self._scale if self._enabled else 1.0
+
+    def is_enabled(self) -> bool:
+        """Whether scaling is enabled."""
+        return self._enabled
+
+    @property
+    def found_inf(self) -> bool:
+        """Whether the gradients of the current (or else the last updated) iteration had inf/NaN."""
+        if self._per_optimizer:
+            return any(s["found_inf"] for s in self._per_optimizer.values())
+        return self._found_inf
+
+    @property
+    def skipped_steps(self) -> int:
+        """Total number of skipped iterations."""
+        return self._skipped_steps
+
+    @property
+    def consecutive_skips(self) -> int:
+        """Number of skipped iterations since the last clean one."""
+        return self._consecutive_skips
+
+    @property
+    def skips_at_floor(self) -> int:
+        """Number of consecutive skipped iterations that ran with the scale at ``min_scale``."""
+        return self._skips_at_floor
+
+    # ----------------------------------------------------------------- checkpointing
+    def state_dict(self) -> dict[str, Any]:
+        """The scaler state as plain JSON-able Python floats/ints ({} if disabled, like GradScaler).
+
+        Keys shared with ``GradScaler.state_dict()``: ``scale``, ``growth_factor``, ``backoff_factor``,
+        ``growth_interval``, ``_growth_tracker``; added: ``min_scale``, ``max_scale``,
+        ``max_skips_at_floor``, ``skipped_steps``, ``consecutive_skips``, ``skips_at_floor``.
+        Call it after ``update()``.
+        """
+        if not self._enabled:
+            return {}
+        return {"scale": self._scale, "growth_factor": self._growth_factor,
+                "backoff_factor": self._backoff_factor, "growth_interval": self._growth_interval,
+                "_growth_tracker": self._growth_tracker, "min_scale": self._min_scale,
+                "max_scale": self._max_scale, "max_skips_at_floor": self._max_skips_at_floor,
+                "skipped_steps": self._skipped_steps, "consecutive_skips": self._consecutive_skips,
+                "skips_at_floor": self._skips_at_floor}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restores a state from :meth:`state_dict` exactly (``state_dict()`` then equals it).
+
+        A ``GradScaler.state_dict()`` is accepted too: missing autoprec keys keep this scaler's
+        ``min_scale``/``max_scale``/``max_skips_at_floor`` and set the skip counters to 0.
+        Nothing is changed unless the whole dict is valid. No-op if disabled, like GradScaler.
+
+        Raises:
+            ValueError: The dict is empty, has an unknown or missing key, or an invalid value
+                (e.g. a scale outside ``[min_scale, max_scale]`` or not a float32 value); the
+                message names the key.
+        """
+        if not self._enabled:
+            return
+        if not state_dict:
+            raise ValueError("the scaler state dict is empty, possibly because it was saved from a "
+                             "disabled scaler")
+        unknown = sorted(set(state_dict) - set(_GRADSCALER_KEYS) - set(_AUTOPREC_KEYS))
+        if unknown:
+            raise ValueError(f"unknown key {unknown[0]!r} in scaler state dict; valid keys: "
+                             f"{list(_GRADSCALER_KEYS + _AUTOPREC_KEYS)}")
+        missing = [k for k in _GRADSCALER_KEYS if k not in state_dict]
+        if missing:
+            raise ValueError(f"missing key {missing[0]!r} in scaler state dict")
+        d = {"min_scale": self._min_scale, "max_scale": self._max_scale,
+             "max_skips_at_floor": self._max_skips_at_floor, "skipped_steps": 0, "consecutive_skips": 0,
+             "skips_at_floor": 0, **state_dict}
+        config = _check_config("scale", d["scale"], d["growth_factor"], d["backoff_factor"],
+                               d["growth_interval"], d["min_scale"], d["max_scale"], d["max_skips_at_floor"])
+        _check_fp32_exact("scale", config[0])
+        counters = _check_counters(d, growth_interval=config[3])
+        (self._scale, self._growth_factor, self._backoff_factor, self._growth_interval, self._min_scale,
+         self._max_scale, self._max_skips_at_floor) = config
+        self._growth_tracker, self._skipped_steps, self._consecutive_skips, self._skips_at_floor = counters
+
+
+def _check_counters(d: dict[str, Any], growth_interval: int) -> tuple[int, int, int, int]:
+    """Validates the tracker and skip counters of a state dict against each other."""
+    tracker = _as_int("_growth_tracker", d["_growth_tracker"], 0)
+    if tracker >= growth_interval:
+        raise ValueError(f"_growth_tracker must be < growth_interval ({growth_interval}), got {tracker}")
+    skipped = _as_int("skipped_steps", d["skipped_steps"], 0)
+    consecutive = _as_int("consecutive_skips", d["consecutive_skips"], 0)
+    if consecutive > skipped:
+        raise ValueError(f"consecutive_skips ({consecutive}) must be <= skipped_steps ({skipped})")
+    if consecutive and tracker:
+        raise ValueError(f"_growth_tracker must be 0 after a skipped step (consecutive_skips={consecutive}), "
+                         f"got {tracker}")
+    at_floor = _as_int("skips_at_floor", d["skips_at_floor"], 0)
+    if at_floor > consecutive:
+        raise ValueError(f"skips_at_floor ({at_floor}) must be <= consecutive_skips ({consecutive})")
+    return tracker, skipped, consecutive, at_floor
+
+
+def unscaled_grad_norm(parameters: torch.Tensor | Iterable[torch.Tensor]) -> float:
+    """Total L2 norm of the parameters' gradients, computed in fp32; ``inf`` if any is inf/NaN.
+
+    Call it after ``DynamicLossScaler.unscale_`` so the norm is that of the true gradients (as
+    ``torch.nn.utils.clip_grad_norm_`` would see them). Parameters without a gradient are ignored.
+
+    Args:
+        parameters: A tensor or an iterable of tensors (e.g. ``model.parameters()``).
+
+    Returns:
+        ``sqrt(sum_i ||grad_i||_2^2)`` as a Python float (0.0 if no parameter has a gradient);
+        ``math.inf`` if any gradient element is non-finite (or the fp32 norm overflows).
+    """
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    norms = []
+    for p in parameters:
+        grad = p.grad
+        if grad is None:
+            continue
+        if grad.is_sparse:
+            grad = grad.coalesce()._values()
+        norms.append(torch.linalg.vector_norm(grad.detach(), 2, dtype=torch.float32))
+    if not norms:
+        return 0.0
+    device = norms[0].device
+    total = float(torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), 2))
+    return total if math.isfinite(total) else math.inf

@@ -1,0 +1,92 @@
+"""C09: the loss scale collapses forever (inf from the forward pass) or grows to inf (tiny loss)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.fx
+
+from autoprec.errors import LossScaleError
+from autoprec.runtime.scaler import DynamicLossScaler
+
+
+class InfForward(torch.nn.Module):
+    """``(p * tensor([1, inf])).sum()``: the forward pass itself produces the inf."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.p = torch.nn.Parameter(torch.ones(2))
+        self.register_buffer("w", torch.tensor([1.0, math.inf]))
+
+    def forward(self) -> torch.Tensor:
+        return (self.p * self.w).sum()
+
+
+def first_nonfinite_node(module: torch.nn.Module) -> str | None:
+    """A minimal Monitor.first_nonfinite_node: the first fx op whose output is inf/NaN."""
+    found: list[str] = []
+
+    class Probe(torch.fx.Interpreter):
+        def run_node(self, n: torch.fx.Node):
+            out = super().run_node(n)
+            computed = n.op in ("call_function", "call_method", "call_module")  # not constants/inputs
+            if computed and not found and isinstance(out, torch.Tensor) and not torch.isfinite(out).all():
+                found.append(n.name)
+            return out
+
+    with torch.no_grad():
+        Probe(torch.fx.symbolic_trace(module)).run()
+    return found[0] if found else None
+
+
+def test_c09_gradscaler_collapses_without_a_word():
+    """The fault, for reference: 65 skipped steps take GradScaler's scale from 65536 to ~1e-15."""
+    model = InfForward()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref = torch.amp.GradScaler("cpu")
+    for _ in range(65):
+        opt.zero_grad()
+        ref.scale(model()).backward()
+        ref.step(opt)
+        ref.update()
+    assert ref.get_scale() == 2.0**-49
+
+
+def test_c09_skips_keep_params_floor_the_scale_and_name_the_forward_node():
+    model = InfForward()
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    scaler = DynamicLossScaler(init_scale=2.0**16, min_scale=1.0, max_skips_at_floor=8,
+                               diagnose=lambda: first_nonfinite_node(model))
+    before = model.p.detach().clone()
+    updates = 0
+    with pytest.raises(LossScaleError) as excinfo:
+        for _ in range(65):
+            opt.zero_grad()
+            scaler.scale(model()).backward()
+            assert scaler.step(opt) is False
+            assert torch.equal(model.p.detach(), before) and not opt.state  # bitwise unchanged, no state
+            updates += 1
+            scaler.update()
+            assert scaler.get_scale() >= 1.0
+    assert updates == 16 + 8  # 16 halvings reach the floor, then 8 skips at the floor
+    assert scaler.get_scale() == 1.0 and scaler.skipped_steps == 24 and scaler.skips_at_floor == 8
+    msg = str(excinfo.value)
+    assert "forward" in msg
+    assert first_nonfinite_node(model) == "mul"
+    assert "'mul'" in msg
+
+
+def test_c09_tiny_loss_growth_is_capped_not_inf():
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=1e-3)
+    scaler = DynamicLossScaler(init_scale=2.0**16, growth_interval=1, max_scale=2.0**24)
+    for _ in range(200):
+        opt.zero_grad()
+        scaler.scale((p * 1e-30).sum()).backward()
+        assert scaler.step(opt) is True
+        scaler.update()
+        assert scaler.get_scale() <= 2.0**24
+    assert scaler.get_scale() == 2.0**24 and math.isfinite(scaler.get_scale())
+    assert scaler.skipped_steps == 0
