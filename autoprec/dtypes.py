@@ -1,0 +1,40 @@
+"""The dtype names used in policy files and their torch dtypes (DESIGN §4)."""
+
+from __future__ import annotations
+
+import torch
+
+#: Policy dtype name -> torch dtype. ``fp8_e4m3`` is reserved for matmuls on devices that have it.
+DTYPES: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+}
+#: torch dtype -> policy dtype name.
+NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+#: The low-precision dtypes the search may choose from.
+LOW_DTYPES: tuple[str, ...] = ("bf16", "fp16")
+
+
+def to_torch(name: str) -> torch.dtype:
+    """Map a policy dtype name (``"fp32"``, ``"bf16"``, ``"fp16"``) to a ``torch.dtype``.
+
+    Raises:
+        ValueError: ``name`` is not one of :data:`DTYPES`; the message lists the valid names.
+    """
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; valid: {sorted(DTYPES)}") from None
+
+
+def to_name(dtype: torch.dtype) -> str:
+    """Map a floating ``torch.dtype`` to its policy name.
+
+    Raises:
+        ValueError: ``dtype`` has no policy name (e.g. ``torch.float64`` or an integer dtype).
+    """
+    try:
+        return NAMES[dtype]
+    except KeyError:
+        raise ValueError(f"dtype {dtype} has no policy name; valid: {sorted(NAMES.values())}") from None

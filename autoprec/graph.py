@@ -1,0 +1,217 @@
+"""Graph views and cast placement for ``follow`` nodes (DESIGN §1, issue "compiler core").
+
+A cast is paid once per producer and target dtype: if a tensor ``u`` of ``B`` bytes is read by
+consumers in a dtype other than its own, one conversion of ``B`` bytes is needed. ``follow``
+nodes (elementwise and data movement) can run in either dtype, so their dtype is chosen to
+minimise the total bytes converted.
+
+For two dtypes (fp32 vs one low dtype) this is a binary labelling problem whose cost is a sum
+of "group is mixed" terms, one per producer group ``{u} ∪ consumers(u)``. Each such term is
+represented exactly in an s–t graph with two auxiliary vertices (the P^n Potts construction of
+Kohli, Kumar & Torr, "P3 & Beyond", CVPR 2007), so a minimum cut (networkx) gives the optimal
+placement. With two low dtypes in one policy, the cut decides fp32 vs low, and each low
+follow node then takes the low dtype of the lowered nodes it is connected to (most bytes wins).
+
+Modes, for comparison (docs/cast_placement.md):
+
+- ``naive``: follow nodes stay fp32; every lowered node casts its inputs down and its output back.
+- ``paint``: TensorFlow-AMP-style forward painting: a follow node is low when one of its float
+  inputs (other than a parameter) is low.
+- ``mincut``: the optimal placement above (default).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections import defaultdict
+from collections.abc import Iterable
+
+import networkx as nx
+import torch
+from torch import fx
+
+__all__ = ["PLACEMENT_MODES", "tensor_bytes", "float_inputs", "place_follow", "to_networkx"]
+
+PLACEMENT_MODES = ("mincut", "paint", "naive")
+_INF = float("inf")
+# Tie-break: among placements with equal cast bytes prefer low precision (fewer bytes moved by
+# the follow op itself); the weight is far below one byte of cast so it never trades a cast.
+_PREFER_LOW = 1e-6
+
+
+def tensor_bytes(node: fx.Node) -> int:
+    """Bytes of the floating tensor(s) ``node`` produces, from ``node.meta["val"]`` (fp32 size)."""
+    val = node.meta.get("val")
+    vals = val if isinstance(val, (tuple, list)) else [val]
+    total = 0
+    for v in vals:
+        if isinstance(v, torch.Tensor) and v.dtype.is_floating_point:
+            total += int(v.numel()) * v.element_size()
+    return total
+
+
+def float_inputs(node: fx.Node) -> list[fx.Node]:
+    """The distinct input nodes of ``node`` that produce floating tensors, in argument order."""
+    seen: dict[fx.Node, None] = {}
+    for a in node.all_input_nodes:
+        if tensor_bytes(a) > 0 or _is_float_tensor(a):
+            seen[a] = None
+    return list(seen)
+
+
+def _is_float_tensor(node: fx.Node) -> bool:
+    v = node.meta.get("val")
+    return isinstance(v, torch.Tensor) and v.dtype.is_floating_point
+
+
+def to_networkx(gm: fx.GraphModule) -> nx.DiGraph:
+    """A ``networkx.DiGraph`` of ``gm``: one vertex per FX node, an edge per data dependency.
+
+    Edge attribute ``bytes`` is the size of the tensor(s) flowing along it (0 for non-float).
+    Vertex attributes: ``op`` (FX opcode) and the node's ``autoprec`` meta if any.
+    """
+    g = nx.DiGraph()
+    for n in gm.graph.nodes:
+        g.add_node(n.name, op=n.op, **n.meta.get("autoprec", {}))
+        for a in n.all_input_nodes:
+            g.add_edge(a.name, n.name, bytes=tensor_bytes(a))
+    return g
+
+
+def place_follow(
+    nodes: Iterable[fx.Node],
+    labels: dict[fx.Node, str | None],
+    casting: set[fx.Node],
+    mode: str = "mincut",
+    low_default: str = "bf16",
+) -> dict[fx.Node, str]:
+    """Choose a dtype for every node labelled ``"auto"``.
+
+    Args:
+        nodes: All FX nodes in graph order.
+        labels: Current dtype name per float-producing node: a dtype (fixed), ``"auto"`` (to be
+            placed) or ``None`` (not a float producer). The output node is labelled with the
+            graph's original output dtype when it consumes float tensors.
+        casting: Nodes whose float inputs are cast to their own dtype (every lowered/auto node
+            and the output node); nodes outside it (explicit ``.to`` casts) accept any dtype.
+        mode: One of :data:`PLACEMENT_MODES`.
+        low_default: Low dtype used when the cut puts a node on the low side and no lowered
+            neighbour says which low dtype (policy's default low dtype).
+
+    Returns:
+        ``{node: dtype name}`` for the ``"auto"`` nodes.
+
+    Raises:
+        ValueError: ``mode`` is not in :data:`PLACEMENT_MODES`.
+    """
+    if mode not in PLACEMENT_MODES:
+        raise ValueError(f"unknown placement mode {mode!r}; valid: {', '.join(PLACEMENT_MODES)}")
+    nodes = list(nodes)
+    auto = [n for n in nodes if labels.get(n) == "auto"]
+    if not auto:
+        return {}
+    lows = {d for d in labels.values() if d not in (None, "auto", "fp32")}
+    if not lows or mode == "naive":
+        return {n: "fp32" for n in auto}
+    if mode == "paint":
+        return _paint(nodes, labels)
+    low_side = _mincut(nodes, labels, casting)
+    out: dict[fx.Node, str] = {n: "fp32" for n in auto if n not in low_side}
+    out.update(_pick_low(nodes, labels, [n for n in auto if n in low_side], lows, low_default))
+    return out
+
+
+def _consumers(nodes: list[fx.Node], labels: dict[fx.Node, str | None], casting: set[fx.Node]):
+    cons: dict[fx.Node, list[fx.Node]] = defaultdict(list)
+    for v in nodes:
+        if v not in casting:
+            continue
+        for u in v.all_input_nodes:
+            if labels.get(u) is not None:
+                cons[u].append(v)
+    return cons
+
+
+def _mincut(nodes, labels, casting) -> set[fx.Node]:
+    """Nodes on the low side of an optimal two-label placement (S = low, T = fp32)."""
+    g = nx.DiGraph()
+    s, t = "__low__", "__fp32__"
+    g.add_node(s)
+    g.add_node(t)
+
+    def vid(n: fx.Node) -> str:
+        return "n:" + n.name
+
+    for n, lab in labels.items():
+        if lab is None:
+            continue
+        if lab == "auto":
+            g.add_edge(vid(n), t, capacity=_PREFER_LOW * max(tensor_bytes(n), 1))
+        elif lab == "fp32":
+            g.add_edge(vid(n), t, capacity=_INF)
+        else:
+            g.add_edge(s, vid(n), capacity=_INF)
+    for n in labels:
+        if n.op == "call_function" and n.target is operator.getitem and labels.get(n) == "auto":
+            parent = n.args[0]
+            if isinstance(parent, fx.Node) and labels.get(parent) is not None:
+                g.add_edge(vid(parent), vid(n), capacity=_INF)  # a getitem has its parent's dtype
+                g.add_edge(vid(n), vid(parent), capacity=_INF)
+    for u, vs in _consumers(nodes, labels, casting).items():
+        c = float(tensor_bytes(u))
+        if c <= 0:
+            continue
+        members = [vid(u)] + [vid(v) for v in vs]
+        a1, a2 = f"any_fp32:{u.name}", f"any_low:{u.name}"
+        g.add_edge(s, a1, capacity=c)  # cut iff some member is fp32
+        g.add_edge(a2, t, capacity=c)  # cut iff some member is low
+        for m in members:
+            g.add_edge(a1, m, capacity=_INF)
+            g.add_edge(m, a2, capacity=_INF)
+    _value, (s_side, _t_side) = nx.minimum_cut(g, s, t)
+    by_id = {vid(n): n for n in labels}
+    return {by_id[x] for x in s_side if x in by_id}
+
+
+def _pick_low(nodes, labels, low_nodes, lows, low_default) -> dict[fx.Node, str]:
+    """Give each low-side follow node the low dtype its lowered neighbours use most (by bytes)."""
+    if len(lows) == 1:
+        only = next(iter(lows))
+        return {n: only for n in low_nodes}
+    chosen: dict[fx.Node, str] = {}
+    pending = set(low_nodes)
+    for _ in range(len(low_nodes) + 1):
+        progressed = False
+        for n in [m for m in nodes if m in pending]:
+            votes: dict[str, int] = defaultdict(int)
+            neigh = list(n.all_input_nodes) + list(n.users)
+            for m in neigh:
+                d = chosen.get(m) or labels.get(m)
+                if d in lows:
+                    votes[d] += max(tensor_bytes(m), 1)
+            if votes:
+                chosen[n] = max(sorted(votes), key=lambda d: votes[d])
+                pending.discard(n)
+                progressed = True
+        if not progressed:
+            break
+    for n in pending:
+        chosen[n] = low_default if low_default in lows else sorted(lows)[0]
+    return chosen
+
+
+def _paint(nodes, labels) -> dict[fx.Node, str]:
+    out: dict[fx.Node, str] = {}
+    for n in nodes:
+        if labels.get(n) != "auto":
+            continue
+        d = "fp32"
+        for u in n.all_input_nodes:
+            if u.op == "get_attr":
+                continue
+            du = out.get(u) or labels.get(u)
+            if du not in (None, "auto", "fp32"):
+                d = du
+                break
+        out[n] = d
+    return out

@@ -1,0 +1,180 @@
+"""The op table: every ATen op autoprec knows, its class and the numerical reason (DESIGN §3).
+
+Classes (TVM ``ToMixedPrecision`` ALWAYS/FOLLOW/NEVER, TensorFlow AMP allow/infer/deny lists):
+
+- ``matmul``: compute-bound contractions; Tensor Core / AMX / AVX512-BF16 candidates.
+- ``sensitive``: fp32 by default. Seeded from PyTorch autocast's fp32 op lists (CUDA and CPU,
+  https://pytorch.org/docs/stable/amp.html#autocast-op-reference): exponentials, logs, powers,
+  norms, losses and large reductions lose range or accumulate error in 8-bit-mantissa types.
+- ``follow``: elementwise and data movement; exact or ≤ 0.5 ulp in any float type, so they
+  take whichever dtype makes the fewest bytes of casts.
+- ``nonfloat``: any node whose output is not a floating tensor (indices, masks, shapes); never
+  cast, whatever the op.
+
+Ops that set their output dtype themselves (``.to(dtype)``, factories such as ``full`` or
+``arange``) are ``fixed``: the pass keeps their dtype and never casts their inputs.
+
+An op missing from the table is treated as ``follow`` with one warning per op name.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import fx
+
+__all__ = ["OP_TABLE", "FIXED_DTYPE_OPS", "classify", "is_float_value", "reason"]
+
+_M = "matmul"
+_S = "sensitive"
+_F = "follow"
+
+#: ATen op name (``OpOverloadPacket`` name) -> (class, numerical reason).
+OP_TABLE: dict[str, tuple[str, str]] = {
+    # --- matmul: compute-bound; low-precision inputs with fp32 accumulation in the kernel.
+    "linear": (_M, "GEMM; BLAS/Tensor Core kernels accumulate in fp32"),
+    "mm": (_M, "GEMM; fp32 accumulation in the kernel"),
+    "bmm": (_M, "batched GEMM; fp32 accumulation in the kernel"),
+    "addmm": (_M, "GEMM + bias; fp32 accumulation in the kernel"),
+    "baddbmm": (_M, "batched GEMM + bias; fp32 accumulation in the kernel"),
+    "addbmm": (_M, "batched GEMM reduced; fp32 accumulation in the kernel"),
+    "matmul": (_M, "GEMM; fp32 accumulation in the kernel"),
+    "einsum": (_M, "contraction lowered to bmm"),
+    "conv1d": (_M, "convolution; fp32 accumulation in the kernel"),
+    "conv2d": (_M, "convolution; fp32 accumulation in the kernel"),
+    "conv3d": (_M, "convolution; fp32 accumulation in the kernel"),
+    "convolution": (_M, "convolution; fp32 accumulation in the kernel"),
+    "scaled_dot_product_attention": (_M, "fused attention; softmax inside runs in fp32"),
+    # --- sensitive: range or accumulation problems in 8-bit (bf16) / 5-bit-exponent (fp16) types.
+    "softmax": (_S, "exp overflows fp16 past 11.1; normaliser sums many terms"),
+    "_softmax": (_S, "exp overflows fp16 past 11.1; normaliser sums many terms"),
+    "log_softmax": (_S, "log-sum-exp; catastrophic cancellation in low precision"),
+    "_log_softmax": (_S, "log-sum-exp; catastrophic cancellation in low precision"),
+    "layer_norm": (_S, "mean/variance over the hidden size; variance underflows/overflows"),
+    "native_layer_norm": (_S, "mean/variance over the hidden size"),
+    "group_norm": (_S, "mean/variance reduction"),
+    "native_group_norm": (_S, "mean/variance reduction"),
+    "batch_norm": (_S, "running statistics need fp32"),
+    "rms_norm": (_S, "mean of squares overflows fp16 for |x| > 256 (case C04)"),
+    "_fused_rms_norm": (_S, "mean of squares overflows fp16 for |x| > 256 (case C04)"),
+    "cross_entropy_loss": (_S, "loss: log-sum-exp over the vocabulary"),
+    "nll_loss": (_S, "loss: mean over many tokens"),
+    "nll_loss_forward": (_S, "loss: mean over many tokens"),
+    "nll_loss_nd": (_S, "loss: mean over many tokens"),
+    "mse_loss": (_S, "loss: squares and a large mean"),
+    "l1_loss": (_S, "loss: large mean"),
+    "smooth_l1_loss": (_S, "loss: large mean"),
+    "binary_cross_entropy_with_logits": (_S, "loss: log/exp"),
+    "kl_div": (_S, "loss: log of ratios"),
+    "exp": (_S, "overflows fp16 past 11.1, bf16 keeps 8 bits of mantissa"),
+    "exp2": (_S, "overflow, as exp"),
+    "expm1": (_S, "cancellation near 0"),
+    "log": (_S, "large relative error near 1 with 8-bit mantissa"),
+    "log2": (_S, "as log"),
+    "log10": (_S, "as log"),
+    "log1p": (_S, "cancellation near 0"),
+    "pow": (_S, "x**2 overflows fp16 for |x| > 256 (case C04)"),
+    "rsqrt": (_S, "inf/0 from overflowed inputs; part of the RMSNorm pattern"),
+    "reciprocal": (_S, "overflow for small inputs"),
+    "sum": (_S, "large reduction: accumulation error grows with length (case C06)"),
+    "mean": (_S, "large reduction: accumulation error grows with length"),
+    "var": (_S, "variance: cancellation"),
+    "var_mean": (_S, "variance: cancellation"),
+    "std": (_S, "variance: cancellation"),
+    "std_mean": (_S, "variance: cancellation"),
+    "norm": (_S, "sum of squares overflows"),
+    "linalg_vector_norm": (_S, "sum of squares overflows"),
+    "cumsum": (_S, "running sum: error grows with length"),
+    "cumprod": (_S, "running product: under/overflow"),
+    "prod": (_S, "product: under/overflow"),
+    "logsumexp": (_S, "log-sum-exp over many terms"),
+    "softplus": (_S, "log(1+exp): overflow"),
+    "erfinv": (_S, "steep near ±1"),
+    "acos": (_S, "steep near ±1"),
+    "asin": (_S, "steep near ±1"),
+    "cosh": (_S, "overflow"),
+    "sinh": (_S, "overflow"),
+    "tan": (_S, "poles"),
+    "dist": (_S, "sum of squares"),
+    "cdist": (_S, "sum of squares"),
+    "renorm": (_S, "norm of rows"),
+    # --- follow: elementwise / data movement; exact or correctly rounded in any float type.
+    **{
+        name: (_F, "elementwise; correctly rounded in any float type")
+        for name in (
+            "add", "sub", "mul", "div", "neg", "abs", "relu", "gelu", "silu", "sigmoid", "tanh",
+            "where", "masked_fill", "clamp", "clamp_min", "clamp_max", "maximum", "minimum",
+            "sin", "cos", "sqrt", "rsub", "dropout", "native_dropout", "hardtanh", "leaky_relu",
+            "elu", "mish", "erf", "square", "sign", "fill", "lerp", "addcmul", "addcdiv",
+            "triu", "tril", "scalar_tensor", "zeros_like", "ones_like", "full_like", "fill_",
+            "copy", "copy_", "empty_like", "bernoulli", "rand_like", "randn_like", "round",
+            "floor", "ceil", "trunc", "frac", "remainder", "fmod", "max", "min", "amax", "amin",
+            "glu", "gelu_", "relu_", "hardswish", "hardsigmoid", "logit", "threshold",
+        )
+    },
+    **{
+        name: (_F, "data movement; exact in any dtype")
+        for name in (
+            "view", "reshape", "_unsafe_view", "permute", "transpose", "t", "expand", "unsqueeze",
+            "squeeze", "slice", "select", "index", "index_select", "gather", "cat", "stack",
+            "split", "split_with_sizes", "chunk", "unbind", "contiguous", "clone", "alias",
+            "flatten", "unflatten", "narrow", "repeat", "repeat_interleave", "roll", "flip",
+            "pad", "constant_pad_nd", "embedding", "getitem", "detach", "lift_fresh_copy",
+            "movedim", "view_as", "expand_as", "diagonal", "as_strided", "index_put",
+            "scatter", "scatter_add", "masked_select", "to", "new_zeros", "new_ones", "new_full",
+            "new_empty", "type_as", "_unsafe_index", "unfold", "tile", "swapaxes", "mT",
+            "dim", "sym_size", "size", "softmax_backward_data",
+        )
+    },
+}
+
+#: Ops whose output dtype is set by an argument; the pass keeps their dtype as captured.
+FIXED_DTYPE_OPS: frozenset[str] = frozenset(
+    {
+        "_to_copy", "to", "full", "arange", "ones", "zeros", "empty", "scalar_tensor", "rand",
+        "randn", "randint", "linspace", "new_ones", "new_zeros", "new_full", "new_empty",
+        "empty_like", "zeros_like", "ones_like", "full_like", "type_as", "lift_fresh_copy",
+        "tensor", "eye", "_assert_tensor_metadata",
+    }
+)
+
+_warned: set[str] = set()
+
+
+def is_float_value(val: object) -> bool:
+    """True if ``val`` (a ``node.meta["val"]``) is a floating-point tensor."""
+    return isinstance(val, torch.Tensor) and val.dtype.is_floating_point
+
+
+def _float_outputs(node: fx.Node) -> bool:
+    val = node.meta.get("val")
+    if isinstance(val, (tuple, list)):
+        return any(is_float_value(v) for v in val)
+    return is_float_value(val)
+
+
+def classify(node: fx.Node) -> str:
+    """The op class of a ``call_function`` node: matmul / sensitive / follow / nonfloat.
+
+    A node whose output is not a floating tensor is ``nonfloat`` whatever its op. An op
+    missing from :data:`OP_TABLE` is ``follow``, with a one-time ``UserWarning`` naming it.
+    """
+    if not _float_outputs(node):
+        return "nonfloat"
+    name = getattr(node.target, "_opname", None) or getattr(node.target, "__name__", str(node.target))
+    entry = OP_TABLE.get(name)
+    if entry is None:
+        if name not in _warned:
+            _warned.add(name)
+            warnings.warn(
+                f"autoprec: op {name!r} is not in the op table; treating it as 'follow'",
+                stacklevel=2,
+            )
+        return "follow"
+    return entry[0]
+
+
+def reason(op: str) -> str:
+    """The one-line numerical reason recorded for ``op`` (``""`` if the op is unknown)."""
+    return OP_TABLE.get(op, ("", ""))[1]

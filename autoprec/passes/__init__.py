@@ -1,0 +1,14 @@
+"""Graph passes: each a pure ``GraphModule -> PassResult`` (torch.fx ``PassBase`` style).
+
+The pipeline (:func:`run_pipeline`) is: assign dtypes (op classes, policy rules, cast
+placement for ``follow`` nodes) -> insert casts -> verify. Every pass records its decision in
+``node.meta["autoprec"]`` and raises :class:`autoprec.errors.PassError` naming the pass and
+``node.format_node()`` on failure.
+"""
+
+from __future__ import annotations
+
+from autoprec.passes.base import PassResult, pass_error
+from autoprec.passes.pipeline import lower, run_pipeline
+
+__all__ = ["PassResult", "pass_error", "lower", "run_pipeline"]

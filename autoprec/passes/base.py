@@ -1,0 +1,52 @@
+"""Pass result type and error helper shared by all passes."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import fx
+
+from autoprec.errors import PassError
+
+
+@dataclass
+class PassResult:
+    """What a pass returns (mirrors ``torch.fx.passes.infra.pass_base.PassResult``).
+
+    Attributes:
+        graph_module: The transformed ``GraphModule`` (a new object; the input is not modified).
+        modified: Whether the pass changed the graph.
+        stats: Pass-specific numbers (e.g. ``{"casts": 12, "cast_bytes": 1048576}``).
+    """
+
+    graph_module: fx.GraphModule
+    modified: bool
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+def pass_error(pass_name: str, node: fx.Node | None, msg: str) -> PassError:
+    """Build a :class:`PassError` that names the pass, the node's key and ``node.format_node()``."""
+    if node is None:
+        return PassError(f"[{pass_name}] {msg}")
+    key = node.meta.get("autoprec", {}).get("key", node.name)
+    return PassError(f"[{pass_name}] node {key} ({node.format_node()}): {msg}")
+
+
+def clone_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """A new ``GraphModule`` with a deep copy of ``gm``'s graph and the *same* Parameters.
+
+    ``copy.deepcopy(gm)`` would copy the Parameters (training would then update copies), and
+    ``copy.deepcopy(gm.graph)`` shares each node's ``meta`` values, so the ``autoprec`` meta
+    dicts are copied here explicitly. Pytree in/out specs (``_in_spec``/``_out_spec``) carry over.
+    """
+    graph = copy.deepcopy(gm.graph)
+    for node in graph.nodes:
+        if "autoprec" in node.meta:
+            node.meta["autoprec"] = dict(node.meta["autoprec"])
+    new = fx.GraphModule(gm, graph)
+    for attr in ("_in_spec", "_out_spec"):
+        if hasattr(gm, attr):
+            setattr(new, attr, getattr(gm, attr))
+    return new

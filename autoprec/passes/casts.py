@@ -1,0 +1,110 @@
+"""Pass 2: insert casts where a floating tensor crosses a dtype boundary.
+
+A node with an assigned dtype ``d`` reads each floating input in ``d``; where the producer's
+dtype differs, one ``aten._to_copy(x, dtype=d)`` per (producer, dtype) is inserted right after
+the producer and shared by all consumers. Integer/bool tensors (indices, masks) are never cast
+(case C11). Graph outputs are cast back to the dtype they had when captured, so the module is a
+drop-in replacement. Ops that set their own dtype (``.to``) read any dtype and get no cast.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from autoprec.dtypes import to_torch
+from autoprec.graph import tensor_bytes
+from autoprec.passes.base import PassResult, clone_graph_module, pass_error
+
+PASS = "insert_casts"
+CAST_OP = torch.ops.aten._to_copy.default
+
+
+def _dtype_of(node: fx.Node) -> str | None:
+    return node.meta.get("autoprec", {}).get("dtype")
+
+
+def is_inserted_cast(node: fx.Node) -> bool:
+    """True for a cast node inserted by :func:`insert_casts`."""
+    return node.op == "call_function" and bool(node.meta.get("autoprec", {}).get("inserted_cast"))
+
+
+def insert_casts(gm: fx.GraphModule) -> PassResult:
+    """Insert the casts the assigned dtypes require (on a copy of ``gm``).
+
+    Args:
+        gm: Output of :func:`autoprec.passes.assign.assign_dtypes`.
+
+    Returns:
+        ``PassResult`` with ``stats = {"casts": count, "cast_bytes": bytes converted}`` where
+        bytes are those of the source tensors (from ``node.meta["val"]``).
+
+    Raises:
+        PassError: a node that must be cast has no dtype assigned.
+    """
+    gm = clone_graph_module(gm)
+    graph = gm.graph
+    cache: dict[tuple[fx.Node, str], fx.Node] = {}
+    stats = {"casts": 0, "cast_bytes": 0}
+
+    def cast(u: fx.Node, dt: str, consumer: fx.Node) -> fx.Node:
+        du = _dtype_of(u)
+        if du is None or du == "auto":
+            raise pass_error(PASS, u, f"no dtype assigned to this input of {consumer.name}")
+        if du == dt:
+            return u
+        if (u, dt) not in cache:
+            with graph.inserting_after(u):
+                c = graph.call_function(CAST_OP, (u,), {"dtype": to_torch(dt)})
+            if "val" in u.meta:  # shape only; dtypes are re-derived by the verifier
+                c.meta["val"] = u.meta["val"]
+            c.meta["nn_module_stack"] = u.meta.get("nn_module_stack", {})
+            c.meta["autoprec"] = {"dtype": dt, "inserted_cast": True, "op_class": "cast",
+                                  "key": f"cast({u.meta.get('autoprec', {}).get('key', u.name)})->{dt}"}
+            cache[(u, dt)] = c
+            stats["casts"] += 1
+            stats["cast_bytes"] += tensor_bytes(u)
+        return cache[(u, dt)]
+
+    for node in list(graph.nodes):
+        meta = node.meta.get("autoprec", {})
+        if node.op == "output":
+            _cast_outputs(node, cast)
+            continue
+        if node.op != "call_function" or meta.get("inserted_cast"):
+            continue
+        dt = meta.get("dtype")
+        if dt is None or meta.get("decided_by") == "fixed-dtype op":
+            continue
+
+        def repl(a, dt=dt, node=node):
+            if isinstance(a, fx.Node) and _dtype_of(a) is not None and _is_float(a):
+                return cast(a, dt, node)
+            return a
+
+        node.args = fx.node.map_arg(node.args, repl)
+        node.kwargs = fx.node.map_arg(node.kwargs, repl)
+    graph.lint()
+    gm.recompile()
+    return PassResult(gm, stats["casts"] > 0, stats)
+
+
+def _is_float(node: fx.Node) -> bool:
+    v = node.meta.get("val")
+    return isinstance(v, torch.Tensor) and v.dtype.is_floating_point
+
+
+def _cast_outputs(out: fx.Node, cast) -> None:
+    def repl(a):
+        if isinstance(a, fx.Node) and _is_float(a) and _dtype_of(a) is not None:
+            orig = a.meta.get("autoprec", {}).get("orig_dtype") or _orig_name(a)
+            return cast(a, orig, out)
+        return a
+
+    out.args = fx.node.map_arg(out.args, repl)
+
+
+def _orig_name(node: fx.Node) -> str:
+    from autoprec.dtypes import to_name
+
+    return to_name(node.meta["val"].dtype)
