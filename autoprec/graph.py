@@ -145,8 +145,8 @@ def _mincut(nodes, labels, casting) -> set[fx.Node]:
     for n, lab in labels.items():
         if lab is None:
             continue
-        if lab == "auto":
-            g.add_edge(vid(n), t, capacity=_PREFER_LOW * max(tensor_bytes(n), 1))
+        if lab == "auto":  # cut (paid) iff n ends on the fp32 side
+            g.add_edge(s, vid(n), capacity=_PREFER_LOW * max(tensor_bytes(n), 1))
         elif lab == "fp32":
             g.add_edge(vid(n), t, capacity=_INF)
         else:

@@ -24,7 +24,10 @@ import warnings
 import torch
 from torch import fx
 
-__all__ = ["OP_TABLE", "FIXED_DTYPE_OPS", "classify", "is_float_value", "reason"]
+__all__ = [
+    "OP_TABLE", "FIXED_DTYPE_OPS", "REGION_OPS", "REDUCTION_OPS", "MASK_FILL_OPS", "classify",
+    "is_float_value", "reason", "rmsnorm_regions", "RMSNORM_REASON",
+]
 
 _M = "matmul"
 _S = "sensitive"
@@ -124,10 +127,55 @@ OP_TABLE: dict[str, tuple[str, str]] = {
             "movedim", "view_as", "expand_as", "diagonal", "as_strided", "index_put",
             "scatter", "scatter_add", "masked_select", "to", "new_zeros", "new_ones", "new_full",
             "new_empty", "type_as", "_unsafe_index", "unfold", "tile", "swapaxes", "mT",
-            "dim", "sym_size", "size", "softmax_backward_data",
+            "dim", "sym_size", "size", "softmax_backward_data", "diff", "masked_scatter",
+            "index_copy", "index_add", "take_along_dim", "as_strided_scatter", "slice_scatter",
+            "select_scatter", "view_as_real", "view_as_complex", "zero", "zero_", "native_dropout",
+            "feature_dropout", "alpha_dropout", "split_with_sizes_copy", "unsafe_split",
+            "broadcast_to", "atleast_1d", "atleast_2d", "squeeze_", "unsqueeze_", "t_", "_to_copy",
+            "item", "_local_scalar_dense",
+        )
+    },
+    **{
+        name: (_F, "elementwise; correctly rounded in any float type")
+        for name in (
+            "gelu_tanh", "tanh_", "sigmoid_", "pow_", "mul_", "add_", "sub_", "div_", "neg_",
+            "masked_fill_", "clamp_", "erfc", "exp_", "softsign", "silu_", "selu", "celu",
+            "logical_not", "bitwise_not", "isnan", "isinf", "isfinite", "nan_to_num",
+            "heaviside", "hypot", "atan", "atan2", "cos_", "sin_", "xlogy", "float_power",
         )
     },
 }
+
+#: Higher-order ops torch.export records for ``with torch.autocast(...)`` and ``torch.no_grad()``
+#: blocks. autoprec keeps them whole (an opaque region computing in fp32): the user asked for a
+#: numerics/autograd context there, and inlining them would silently drop it (case C13).
+REGION_OPS: dict[str, str] = {
+    "wrap_with_autocast": "user's torch.autocast region (enabled=False: fp32 by request)",
+    "wrap_with_set_grad_enabled": "user's torch.no_grad()/enable_grad() region; kept whole, fp32",
+}
+
+#: Reductions that accumulate many terms; with ``policy.accumulate == "fp32"`` a lowered one
+#: accumulates in fp32 (``dtype=torch.float32`` where the op has that argument, else fp32 inputs)
+#: and casts its (small) result back (case C06).
+REDUCTION_OPS: frozenset[str] = frozenset(
+    {"sum", "mean", "var", "std", "var_mean", "std_mean", "cumsum", "cumprod", "prod", "norm",
+     "linalg_vector_norm", "logsumexp", "nansum", "nanmean"}
+)
+#: Reductions whose ATen schema has a ``dtype`` (accumulation dtype) keyword.
+REDUCTIONS_WITH_DTYPE: frozenset[str] = frozenset(
+    {"sum", "mean", "cumsum", "cumprod", "prod", "linalg_vector_norm", "nansum", "nanmean"}
+)
+#: Ops that write a scalar fill value into a tensor (attention masks); an out-of-range fill value
+#: such as ``-1e9`` in fp16 is replaced by ``finfo(dtype).min`` rather than keeping fp32 (C03).
+MASK_FILL_OPS: frozenset[str] = frozenset(
+    {"masked_fill", "masked_fill_", "fill", "fill_", "full", "full_like", "new_full", "where",
+     "scalar_tensor"}
+)
+
+RMSNORM_REASON = (
+    "decomposed RMSNorm (pow->mean->rsqrt->mul): x**2 overflows fp16 for |x| > 256 and rsqrt(inf)=0 "
+    "zeroes the output silently (case C04)"
+)
 
 #: Ops whose output dtype is set by an argument; the pass keeps their dtype as captured.
 FIXED_DTYPE_OPS: frozenset[str] = frozenset(
@@ -177,4 +225,74 @@ def classify(node: fx.Node) -> str:
 
 def reason(op: str) -> str:
     """The one-line numerical reason recorded for ``op`` (``""`` if the op is unknown)."""
+    if op in REGION_OPS:
+        return REGION_OPS[op]
     return OP_TABLE.get(op, ("", ""))[1]
+
+
+def _op(node: object) -> str:
+    if not isinstance(node, fx.Node) or node.op != "call_function":
+        return ""
+    t = node.target
+    return str(getattr(t, "_opname", None) or getattr(t, "__name__", None) or t)
+
+
+_PASS_THROUGH = {"to", "_to_copy", "contiguous", "clone", "alias", "type_as"}
+
+
+def _base(node: object) -> object:
+    """``node`` with dtype conversions / copies stripped (``x.to(float32)`` -> ``x``)."""
+    while isinstance(node, fx.Node) and _op(node) in _PASS_THROUGH and node.args:
+        node = node.args[0]
+    return node
+
+
+def _is_square_of(node: fx.Node) -> object | None:
+    """If ``node`` computes ``x**2`` (pow 2, square, or x*x), return ``x``'s base."""
+    op = _op(node)
+    if op == "pow" and len(node.args) >= 2 and node.args[1] == 2:
+        return _base(node.args[0])
+    if op == "square":
+        return _base(node.args[0])
+    if op == "mul" and len(node.args) == 2 and _base(node.args[0]) is _base(node.args[1]):
+        return _base(node.args[0])
+    return None
+
+
+def rmsnorm_regions(nodes: list[fx.Node]) -> list[list[fx.Node]]:
+    """Find decomposed RMSNorms: ``x * rsqrt(mean(x**2) + eps)`` (or ``x / sqrt(...)``).
+
+    Matches what HF Llama/Qwen2/Mistral/Gemma/T5 RMSNorm modules export to: ``pow(x, 2)``
+    (or ``x * x``, ``square``) -> ``mean`` -> optional ``add(eps)`` -> ``rsqrt`` -> ``mul`` by
+    ``x`` (``sqrt`` -> ``div`` also), where ``x`` may pass through ``.to``/copies.
+
+    Args:
+        nodes: Graph nodes.
+
+    Returns:
+        One list per match: the square, mean, optional add, rsqrt/sqrt and the applying
+        mul/div nodes (the scale by the weight is not included: it is an ordinary ``follow``).
+    """
+    regions = []
+    for r in nodes:
+        rop = _op(r)
+        if rop not in ("rsqrt", "sqrt"):
+            continue
+        chain = [r]
+        m = r.args[0]
+        if _op(m) == "add":
+            chain.append(m)
+            m = next((a for a in m.args if isinstance(a, fx.Node)), None)
+        if _op(m) != "mean" or not isinstance(m.args[0], fx.Node):
+            continue
+        x = _is_square_of(m.args[0])
+        if x is None:
+            continue
+        chain += [m, m.args[0]]
+        apply_op = "mul" if rop == "rsqrt" else "div"
+        for u in r.users:
+            if _op(u) == apply_op and any(a is not r and _base(a) is x for a in u.args):
+                chain.append(u)
+        if len(chain) > 3 and chain[-1] not in chain[:-1] and _op(chain[-1]) == apply_op:
+            regions.append(list(reversed(chain)))
+    return regions

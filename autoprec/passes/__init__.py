@@ -1,7 +1,8 @@
 """Graph passes: each a pure ``GraphModule -> PassResult`` (torch.fx ``PassBase`` style).
 
 The pipeline (:func:`run_pipeline`) is: assign dtypes (op classes, policy rules, cast
-placement for ``follow`` nodes) -> insert casts -> verify. Every pass records its decision in
+placement for ``follow`` nodes, constant range checks) -> insert casts -> fp32 accumulation ->
+verify. :func:`first_nonfinite_node` diagnoses overflow. Every pass records its decision in
 ``node.meta["autoprec"]`` and raises :class:`autoprec.errors.PassError` naming the pass and
 ``node.format_node()`` on failure.
 """
@@ -9,6 +10,7 @@ placement for ``follow`` nodes) -> insert casts -> verify. Every pass records it
 from __future__ import annotations
 
 from autoprec.passes.base import PassResult, pass_error
+from autoprec.passes.diagnose import first_nonfinite_node, nonfinite_nodes
 from autoprec.passes.pipeline import lower, run_pipeline
 
-__all__ = ["PassResult", "pass_error", "lower", "run_pipeline"]
+__all__ = ["PassResult", "pass_error", "lower", "run_pipeline", "first_nonfinite_node", "nonfinite_nodes"]

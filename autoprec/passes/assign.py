@@ -4,12 +4,18 @@ Order of decisions for a ``call_function`` node with a floating output:
 
 1. ``nonfloat`` (not a float tensor): no dtype, never cast.
 2. Fixed-dtype ops (``.to(dtype)``, factories): keep the captured dtype.
-3. Nodes captured in a dtype other than fp32 (the user's own choice), and nodes inside a
-   ``torch.autocast(enabled=False)`` region: keep fp32 / the captured dtype in every policy.
+3. Nodes captured in a dtype other than fp32 (the user's own choice), ``torch.autocast`` /
+   ``no_grad`` regions (higher-order ops, kept whole) and nodes marked ``autocast_disabled``:
+   keep fp32 / the captured dtype in every policy (case C13).
 4. The policy: the last matching rule (node rules win); else ``default_dtype`` for ``matmul``
    and ``sensitive`` nodes; else ``follow`` nodes are placed by :func:`autoprec.graph.place_follow`.
+   The nodes of a decomposed RMSNorm (:func:`autoprec.ops.rmsnorm_regions`) are ``sensitive``,
+   including the ``mul`` that applies ``rsqrt`` (case C04).
+5. Scalar constants out of the chosen low dtype's range (:mod:`autoprec.passes.constants`,
+   case C03): keep the node fp32 or clamp a mask fill value to ``finfo(dtype).min``.
 
-The decision is stored in ``node.meta["autoprec"]``: ``op_class``, ``dtype``, ``decided_by``.
+The decision is stored in ``node.meta["autoprec"]``: ``op_class``, ``dtype``, ``decided_by``
+and ``reason`` (the op table's numerical reason).
 """
 
 from __future__ import annotations
@@ -17,12 +23,19 @@ from __future__ import annotations
 import operator
 import warnings
 
+import torch
 from torch import fx
 
-from autoprec.dtypes import NAMES
+from autoprec.dtypes import NAMES, to_torch
 from autoprec.graph import place_follow
-from autoprec.ops import FIXED_DTYPE_OPS, classify
+from autoprec.ops import FIXED_DTYPE_OPS, REGION_OPS, RMSNORM_REASON, classify, reason, rmsnorm_regions
 from autoprec.passes.base import PassResult, clone_graph_module, pass_error
+from autoprec.passes.constants import (
+    CONSTANT_MODES,
+    clamp_to_range,
+    is_mask_fill,
+    out_of_range_constants,
+)
 from autoprec.policy import Policy
 
 PASS = "assign_dtypes"
@@ -53,22 +66,34 @@ def _check_node_rules(policy: Policy, nodes: list[fx.Node]) -> None:
             )
 
 
-def assign_dtypes(gm: fx.GraphModule, policy: Policy, placement: str = "mincut") -> PassResult:
+def assign_dtypes(
+    gm: fx.GraphModule, policy: Policy, placement: str = "mincut", constants: str = "fix"
+) -> PassResult:
     """Assign a dtype to every float node of a copy of ``gm``.
 
     Args:
         gm: A captured graph (see :func:`autoprec.capture.capture`); not modified.
         policy: The policy to apply.
         placement: Cast placement mode for ``follow`` nodes (:data:`autoprec.graph.PLACEMENT_MODES`).
+        constants: ``"fix"`` (keep fp32 / clamp mask fills) or ``"strict"`` (raise) for scalar
+            constants outside a lowered node's dtype range (case C03).
 
     Returns:
-        ``PassResult`` whose graph's nodes carry ``meta["autoprec"]["dtype"]``.
+        ``PassResult`` whose graph's nodes carry ``meta["autoprec"]["dtype"]``; stats
+        ``placed`` (follow nodes placed), ``constants_fp32`` and ``constants_clamped``.
 
     Raises:
-        PassError: a policy node rule targets a non-float node (case C11).
+        PassError: a policy node rule targets a non-float node (case C11); ``constants`` is
+            ``"strict"`` and a constant does not fit its node's dtype (C03).
+        ValueError: unknown ``placement`` or ``constants`` mode.
     """
+    if constants not in CONSTANT_MODES:
+        raise ValueError(f"unknown constants mode {constants!r}; valid: {', '.join(CONSTANT_MODES)}")
     gm = clone_graph_module(gm)
     nodes = list(gm.graph.nodes)
+    for region in rmsnorm_regions(nodes):
+        for n in region:
+            n.meta.setdefault("autoprec", {})["pattern"] = "rms_norm"
     labels: dict[fx.Node, str | None] = {}
     casting: set[fx.Node] = set()
     for node in nodes:
@@ -84,22 +109,89 @@ def assign_dtypes(gm: fx.GraphModule, policy: Policy, placement: str = "mincut")
             labels[node] = _orig_dtype(outs[0]) if outs else None
             casting.add(node)
     _check_node_rules(policy, nodes)
+    n_fp32 = _constants_before(nodes, labels, policy, constants)
     low_default = policy.default_dtype if policy.default_dtype != "fp32" else "bf16"
     placed = place_follow(nodes, labels, casting, mode=placement, low_default=low_default)
     for node, dt in placed.items():
         node.meta["autoprec"].update(dtype=dt, decided_by=f"placement:{placement}")
-    return PassResult(gm, True, {"placed": len(placed)})
+    n_clamped = _constants_after(nodes, constants)
+    stats = {"placed": len(placed), "constants_fp32": n_fp32, "constants_clamped": n_clamped}
+    return PassResult(gm, True, stats)
+
+
+def _lows(policy: Policy) -> list[str]:
+    return [d for d in policy.dtypes_used() if d in ("bf16", "fp16")]
+
+
+def _constants_before(nodes, labels, policy: Policy, mode: str) -> int:
+    """Keep fp32 the nodes whose (non mask-fill) constants do not fit their low dtype (C03).
+
+    ``auto`` nodes are checked against every low dtype the policy uses (placement may pick any).
+    """
+    if mode == "strict":
+        return 0
+    count = 0
+    for n in nodes:
+        lab = labels.get(n)
+        if n.op != "call_function" or lab in (None, "fp32") or is_mask_fill(n):
+            continue
+        targets = _lows(policy) if lab == "auto" else [lab]
+        bad = [(d, c) for d in targets for c in out_of_range_constants(n, d)]
+        if bad:
+            d, (_pos, value) = bad[0]
+            labels[n] = "fp32"
+            n.meta["autoprec"].update(
+                dtype="fp32", decided_by="constant out of range",
+                reason=f"constant {value!r} is outside the {d} range "
+                f"(max {torch.finfo(to_torch(d)).max:g}); kept fp32",
+            )
+            count += 1
+    return count
+
+
+def _constants_after(nodes, mode: str) -> int:
+    """Clamp mask fill values to the node's dtype range, or raise in strict mode (C03)."""
+    count = 0
+    for n in nodes:
+        meta = n.meta.get("autoprec", {})
+        dt = meta.get("dtype")
+        if n.op != "call_function" or dt in (None, "fp32", "auto") or meta.get("decided_by") == "fixed-dtype op":
+            continue
+        bad = out_of_range_constants(n, dt)
+        if not bad:
+            continue
+        if mode == "strict":
+            pos, value = bad[0]
+            raise pass_error(
+                PASS, n, f"constant {value!r} (argument {pos}) is outside the {dt} range "
+                f"(max {torch.finfo(to_torch(dt)).max:g}); keep this node fp32 with a rule or "
+                "use constants='fix'"
+            )
+        if is_mask_fill(n):
+            changed = clamp_to_range(n, dt)
+            meta["constants_clamped"] = [(str(p), old, new) for p, old, new in changed]
+            count += 1
+    return count
 
 
 def _decide(node, meta, orig, policy: Policy, labels, casting) -> None:
-    cls = classify(node)
+    cls = "sensitive" if meta.get("pattern") == "rms_norm" and classify(node) != "nonfloat" else None
+    op = meta.get("op", "")
+    if op in REGION_OPS:
+        cls = "region"
+    elif cls is None:
+        cls = classify(node)
     meta["op_class"] = cls
-    if cls == "nonfloat" or orig is None:
+    meta["reason"] = RMSNORM_REASON if meta.get("pattern") == "rms_norm" else reason(op)
+    if cls == "nonfloat" or (orig is None and cls != "region"):
         labels[node] = None
         meta.update(dtype=None, decided_by="nonfloat")
         return
-    op = meta.get("op", "")
-    if op in FIXED_DTYPE_OPS:
+    if cls == "region":
+        what = "autocast" if op == "wrap_with_autocast" else "grad-mode"
+        dt, by = "fp32", f"{what} region (kept whole, fp32)"
+        meta["autocast_disabled"] = True
+    elif op in FIXED_DTYPE_OPS:
         dt, by = orig, "fixed-dtype op"
     elif node.target is operator.getitem:
         dt, by = "auto", "getitem"

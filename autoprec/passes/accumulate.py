@@ -1,0 +1,90 @@
+"""Pass 3: fp32 accumulation for reductions computed in a low dtype (DESIGN §1, case C06).
+
+Adding ``0.01`` into a bf16 accumulator 1000 times gives 4.0, not 10.0: each partial sum is
+rounded to 8 mantissa bits. When ``policy.accumulate == "fp32"`` (the default) every reduction
+(:data:`autoprec.ops.REDUCTION_OPS`) whose assigned dtype is low is rewritten to accumulate in
+fp32 and cast its result back to the low dtype, so the rest of the graph (and cast placement)
+is unchanged:
+
+- ops with an accumulation-dtype argument (``sum``, ``mean``, ``cumsum``, ``prod``,
+  ``linalg_vector_norm``): ``dtype=torch.float32`` is set on the node (inputs stay low: no
+  extra cast of the large input), then ``_to_copy(.., dtype=low)``;
+- others (``var``, ``std``, ``logsumexp``...): the low inputs are upcast to fp32 first.
+
+Matmuls need no rewrite: BLAS/oneDNN/cuBLAS kernels for bf16/fp16 already accumulate in fp32
+(TVM's ToMixedPrecision leaves accumulation to the kernel; this pass covers the reductions that
+are separate ops in the graph).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from autoprec.dtypes import to_torch
+from autoprec.ops import REDUCTION_OPS, REDUCTIONS_WITH_DTYPE
+from autoprec.passes.base import PassResult, clone_graph_module, pass_error
+from autoprec.passes.casts import CAST_OP
+from autoprec.policy import Policy
+
+PASS = "accumulate_fp32"
+
+
+def _new_cast(graph: fx.Graph, src: fx.Node, dt: str, where: str, after: fx.Node) -> fx.Node:
+    with graph.inserting_after(after):
+        c = graph.call_function(CAST_OP, (src,), {"dtype": to_torch(dt)})
+    c.meta["val"] = src.meta.get("val")
+    c.meta["nn_module_stack"] = src.meta.get("nn_module_stack", {})
+    key = src.meta.get("autoprec", {}).get("key", src.name)
+    c.meta["autoprec"] = {"dtype": dt, "inserted_cast": True, "op_class": "cast",
+                          "decided_by": PASS, "key": f"{where}({key})->{dt}"}
+    return c
+
+
+def accumulate_fp32(gm: fx.GraphModule, policy: Policy) -> PassResult:
+    """Make low-precision reductions of ``gm`` (a copy) accumulate in fp32.
+
+    Args:
+        gm: Output of :func:`autoprec.passes.casts.insert_casts`; not modified.
+        policy: Its ``accumulate`` field: ``"fp32"`` rewrites, ``"none"`` returns a copy unchanged.
+
+    Returns:
+        ``PassResult`` with stats ``accumulate_fp32`` (reductions rewritten) and
+        ``accumulate_casts`` (casts this pass added).
+
+    Raises:
+        PassError: a reduction's output is not a single tensor (cannot be cast back).
+    """
+    gm = clone_graph_module(gm)
+    stats = {"accumulate_fp32": 0, "accumulate_casts": 0}
+    if policy.accumulate != "fp32":
+        return PassResult(gm, False, stats)
+    graph = gm.graph
+    for node in list(graph.nodes):
+        meta = node.meta.get("autoprec", {})
+        op, dt = meta.get("op"), meta.get("dtype")
+        if node.op != "call_function" or op not in REDUCTION_OPS or dt not in ("bf16", "fp16"):
+            continue
+        if not isinstance(node.meta.get("val"), torch.Tensor):
+            raise pass_error(PASS, node, "reduction with several outputs cannot accumulate in fp32")
+        if op in REDUCTIONS_WITH_DTYPE:
+            node.kwargs = {**node.kwargs, "dtype": torch.float32}
+        else:
+            def up(a, node=node):
+                if isinstance(a, fx.Node) and a.meta.get("autoprec", {}).get("dtype") == dt:
+                    stats["accumulate_casts"] += 1
+                    return _new_cast(graph, a, "fp32", "upcast", a)
+                return a
+
+            node.args = fx.node.map_arg(node.args, up)
+        users = list(node.users)
+        back = _new_cast(graph, node, dt, "accumulated", node)
+        for u in users:
+            u.replace_input_with(node, back)
+        meta.update(dtype="fp32", accumulate="fp32", lowered_to=dt,
+                    decided_by=f"{meta.get('decided_by')}; {PASS}")
+        stats["accumulate_fp32"] += 1
+        stats["accumulate_casts"] += 1
+    graph.lint()
+    gm.recompile()
+    return PassResult(gm, stats["accumulate_fp32"] > 0, stats)

@@ -1,0 +1,82 @@
+"""Find the node whose output first went non-finite (cases C01, C02, C09).
+
+Runs a graph node by node with :class:`torch.fx.Interpreter` (eager, no compile) and returns
+the stable key of the first node, in graph order, whose floating output holds an ``inf`` or
+``NaN``: the place to put a policy rule (keep that node fp32) or to fix the model.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import fx
+from torch.utils import _pytree as pytree
+
+__all__ = ["first_nonfinite_node", "nonfinite_nodes"]
+
+
+class _Found(Exception):
+    pass
+
+
+class _Watch(fx.Interpreter):
+    def __init__(self, gm: fx.GraphModule, stop_at_first: bool) -> None:
+        super().__init__(gm)
+        self.stop = stop_at_first
+        self.bad: list[str] = []
+
+    def run_node(self, n: fx.Node) -> Any:
+        out = super().run_node(n)
+        if n.op in ("call_function", "call_module", "placeholder", "get_attr"):
+            for t in pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.dtype.is_floating_point and not bool(
+                    torch.isfinite(t).all()
+                ):
+                    self.bad.append(n.meta.get("autoprec", {}).get("key", n.name))
+                    if self.stop:
+                        raise _Found
+                    break
+        return out
+
+
+def _run(gm: fx.GraphModule, args: tuple, kwargs: dict, stop: bool) -> list[str]:
+    w = _Watch(gm, stop)
+    with torch.no_grad():
+        try:
+            w.run(*args, **kwargs) if not kwargs else w.run(*_flat(gm, args, kwargs))
+        except _Found:
+            pass
+    return w.bad
+
+
+def _flat(gm: fx.GraphModule, args: tuple, kwargs: dict) -> list[Any]:
+    """Flatten ``(args, kwargs)`` into placeholder order (exported modules use a pytree spec)."""
+    names = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
+    flat = list(args)
+    for name in names[len(args):]:
+        if name in kwargs:
+            flat.append(kwargs[name])
+    if len(flat) != len(names):
+        flat = pytree.tree_leaves((args, kwargs))
+    return flat
+
+
+def first_nonfinite_node(gm: fx.GraphModule, *args: Any, **kwargs: Any) -> str | None:
+    """The key of the first node (graph order) whose floating output has an inf or NaN.
+
+    Args:
+        gm: A captured or lowered graph (``autoprec.capture`` / ``autoprec.passes.lower``).
+        *args, **kwargs: Inputs, as for ``gm(*args, **kwargs)``.
+
+    Returns:
+        ``node.meta["autoprec"]["key"]`` (FX name for nodes without one, e.g. placeholders),
+        or ``None`` if every floating value is finite.
+    """
+    bad = _run(gm, args, kwargs, stop=True)
+    return bad[0] if bad else None
+
+
+def nonfinite_nodes(gm: fx.GraphModule, *args: Any, **kwargs: Any) -> list[str]:
+    """Keys of every node with a non-finite floating output, in graph order."""
+    return _run(gm, args, kwargs, stop=False)

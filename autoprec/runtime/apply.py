@@ -1,0 +1,114 @@
+"""``autoprec.apply``: a policy applied to a model as a trainable drop-in module (DESIGN §7)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from autoprec.capture import capture
+from autoprec.passes import run_pipeline
+from autoprec.policy import Policy
+
+__all__ = ["MixedPrecisionModule", "apply", "compile_graph", "INDUCTOR_OPTIONS"]
+
+#: Inductor options used for every compile. ``emulate_precision_casts`` makes fused kernels
+#: round at each explicit low-precision cast as eager does, instead of keeping fp32
+#: intermediates (torch/_inductor/config.py), so the compiled graph honours the policy and the
+#: drift the search measures is the drift training sees.
+INDUCTOR_OPTIONS: dict[str, Any] = {"emulate_precision_casts": True}
+
+
+def compile_graph(gm: fx.GraphModule) -> Any:
+    """``torch.compile`` a lowered graph with Inductor and :data:`INDUCTOR_OPTIONS`.
+
+    Compilation is lazy: the first call (typically 10–90 s on a 2-core CPU for a small
+    transformer) pays for it.
+    """
+    return torch.compile(gm, backend="inductor", options=dict(INDUCTOR_OPTIONS), dynamic=False)
+
+
+class MixedPrecisionModule(nn.Module):
+    """A model whose forward runs a policy-lowered graph on the model's own Parameters.
+
+    Call it exactly like the model (same positional/keyword structure and shapes as the example
+    batch given to :func:`apply`); it returns the same output structure, outputs in their
+    original dtype (fp32). ``parameters()``, ``named_parameters()``, ``state_dict()`` and
+    ``load_state_dict()`` are the wrapped model's, so optimizers and checkpoints are unchanged;
+    parameters (master weights) stay fp32 and low-precision copies are cast inside the graph.
+
+    Attributes:
+        model: The original model (its Parameters are the ones trained).
+        graph_module: The lowered ``torch.fx.GraphModule``.
+        policy: The policy applied.
+        stats: Pass statistics (``casts``, ``cast_bytes``).
+        compiled: Whether forward runs through ``torch.compile``.
+    """
+
+    def __init__(self, model: nn.Module, graph_module: fx.GraphModule, policy: Policy,
+                 stats: dict[str, Any], compile: bool) -> None:
+        super().__init__()
+        object.__setattr__(self, "model", model)  # not a submodule: state_dict keys unchanged
+        object.__setattr__(self, "graph_module", graph_module)
+        self.policy = policy
+        self.stats = stats
+        self.compiled = compile
+        object.__setattr__(self, "_fn", compile_graph(graph_module) if compile else graph_module)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the lowered graph; same signature and outputs as ``model.forward``."""
+        return self._fn(*args, **kwargs)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+        """The wrapped model's named parameters (fp32 master weights)."""
+        return self.model.named_parameters(prefix, recurse, remove_duplicate)
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True,
+                      remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        """The wrapped model's named buffers."""
+        return self.model.named_buffers(prefix, recurse, remove_duplicate)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """The wrapped model's ``state_dict`` (same keys as without autoprec)."""
+        return self.model.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """Load into the wrapped model in place (the graph reads the same tensors)."""
+        if assign:
+            raise ValueError("load_state_dict(assign=True) would replace the Parameters the graph reads")
+        return self.model.load_state_dict(state_dict, strict=strict)
+
+    def train(self, mode: bool = True) -> MixedPrecisionModule:
+        """Set the wrapped model's training flag (the captured graph was traced in train mode)."""
+        self.model.train(mode)
+        return super().train(mode)
+
+
+def apply(model: nn.Module, policy: Policy, example_batch: Any, compile: bool = True,
+          placement: str = "mincut", graph_module: fx.GraphModule | None = None) -> MixedPrecisionModule:
+    """Apply ``policy`` to ``model``: capture, lower (passes), optionally compile.
+
+    Args:
+        model: fp32 model; its Parameters are shared, not copied.
+        policy: The dtype policy (e.g. ``Policy.load("policy.json")``).
+        example_batch: A batch as ``get_batch`` returns it (dict, tuple or tensor); fixes the
+            call structure and shapes.
+        compile: Compile with ``torch.compile`` (Inductor) and :data:`INDUCTOR_OPTIONS`.
+        placement: Cast placement mode for ``follow`` nodes (``mincut``, ``paint``, ``naive``).
+        graph_module: An already captured graph of ``model`` (skips the capture).
+
+    Returns:
+        A :class:`MixedPrecisionModule`, a drop-in for ``model`` in the training loop. If the
+        policy uses fp16, train it with a :class:`autoprec.DynamicLossScaler` (see
+        :func:`autoprec.runtime.train.make_scaler`).
+
+    Raises:
+        CaptureError: the model cannot be captured.
+        PassError: the policy cannot be applied to this graph (names the node).
+    """
+    gm = graph_module if graph_module is not None else capture(model, example_batch)
+    result = run_pipeline(gm, policy, placement)
+    return MixedPrecisionModule(model, result.graph_module, policy, result.stats, compile)

@@ -1,0 +1,140 @@
+"""One training step under a policy: forward, loss, (scaled) backward, unscale, step, update.
+
+The same :class:`TrainStep` runs in ``autoprec train``, in every search trial and in
+``autoprec bench``, so what the tuner measures is what training runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from autoprec.modelspec import call_model
+from autoprec.policy import Policy
+from autoprec.runtime.scaler import DynamicLossScaler, unscaled_grad_norm
+
+__all__ = ["StepStats", "TrainStep", "make_scaler"]
+
+
+def make_scaler(policy: Policy) -> DynamicLossScaler | None:
+    """A :class:`DynamicLossScaler` configured from ``policy.loss_scaling`` if the policy uses
+    fp16 (fp16 gradients underflow without one: case C07), else ``None`` (bf16 has fp32's range).
+    """
+    if not policy.needs_loss_scaling:
+        return None
+    cfg = policy.loss_scaling
+    return DynamicLossScaler(
+        init_scale=cfg.init_scale, growth_factor=cfg.growth_factor, backoff_factor=cfg.backoff_factor,
+        growth_interval=cfg.growth_interval, min_scale=cfg.min_scale, max_scale=cfg.max_scale,
+    )
+
+
+@dataclass
+class StepStats:
+    """What one training step did.
+
+    Attributes:
+        loss: Loss value (fp32 Python float; may be inf/NaN on an overflow step).
+        skipped: True if the optimizer step was skipped (non-finite gradients).
+        loss_scale: Loss scale used for this step (1.0 without a scaler).
+        grad_norm: L2 norm of the unscaled gradients (inf if any is non-finite).
+        nonfinite_grads: Number of non-finite gradient elements.
+    """
+
+    loss: float
+    skipped: bool
+    loss_scale: float
+    grad_norm: float
+    nonfinite_grads: int
+
+
+class TrainStep:
+    """A callable doing one full training step on a batch.
+
+    Args:
+        module: What to call on the batch (model, lowered module, or compiled module).
+        params: The fp32 parameters (master weights) the optimizer updates.
+        optimizer: Optimizer over ``params``; its state stays fp32.
+        loss_fn: ``(output, batch) -> scalar Tensor``.
+        scaler: Dynamic loss scaler, required when any compute is fp16.
+        autocast_dtype: Run forward under ``torch.autocast(device, dtype)`` (the AMP baseline).
+        device_type: ``"cpu"`` or ``"cuda"`` (for autocast).
+        max_grad_norm: Clip the unscaled gradients to this L2 norm (None: no clipping).
+        stats: Compute grad norm and non-finite count each step (costs one pass over grads).
+    """
+
+    def __init__(self, module: Callable[..., Any], params: list[nn.Parameter], optimizer: torch.optim.Optimizer,
+                 loss_fn: Callable[[Any, Any], torch.Tensor], scaler: DynamicLossScaler | None = None,
+                 autocast_dtype: torch.dtype | None = None, device_type: str = "cpu",
+                 max_grad_norm: float | None = None, stats: bool = True) -> None:
+        self.module, self.params, self.optimizer, self.loss_fn = module, params, optimizer, loss_fn
+        self.scaler, self.autocast_dtype, self.device_type = scaler, autocast_dtype, device_type
+        self.max_grad_norm, self.stats = max_grad_norm, stats
+
+    def _context(self):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, dtype=self.autocast_dtype)
+
+    def forward_backward(self, batch: Any) -> torch.Tensor:
+        """Forward, loss and (scaled) backward; gradients accumulate into ``param.grad`` (fp32).
+
+        Returns the unscaled loss (detached). Call it several times before :meth:`finish` for
+        gradient accumulation across micro-batches: accumulation happens in the fp32 ``.grad``
+        of the master weights whatever the compute dtype (case C06).
+        """
+        with self._context():
+            out = call_model(self.module, batch)
+            loss = self.loss_fn(out, batch)
+        loss = loss.float()
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+        return loss.detach()
+
+    def finish(self) -> tuple[bool, float, float, int]:
+        """Unscale, check, clip, optimizer step (or skip), scaler update, zero grads.
+
+        Returns:
+            ``(skipped, loss_scale_used, grad_norm, nonfinite_count)``.
+        """
+        scale = self.scaler.get_scale() if self.scaler is not None else 1.0
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        norm, bad = (unscaled_grad_norm(self.params), _count_nonfinite(self.params)) if self.stats else (0.0, 0)
+        if self.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            skipped = bool(self.scaler.found_inf)
+            self.scaler.update()
+        else:
+            skipped = bool(bad) if self.stats else False
+            if not skipped:
+                self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return skipped, scale, norm, bad
+
+    def __call__(self, batch: Any) -> StepStats:
+        """One step on ``batch``. Without a scaler a step with non-finite gradients is skipped too
+        (no NaN is ever written into the weights)."""
+        loss = self.forward_backward(batch)
+        skipped, scale, norm, bad = self.finish()
+        return StepStats(float(loss), skipped, scale, norm, bad)
+
+
+def _count_nonfinite(params: list[nn.Parameter]) -> int:
+    total = 0
+    for p in params:
+        if p.grad is not None:
+            total += int((~torch.isfinite(p.grad)).sum())
+    return total
+
+
+def is_finite(x: float) -> bool:
+    """``math.isfinite`` that also accepts None (→ False)."""
+    return x is not None and math.isfinite(x)

@@ -1,0 +1,265 @@
+"""Measurements (DESIGN §5): training-step throughput, drift against FP32, memory.
+
+One :class:`Harness` holds the model, its captured graph, a snapshot of the initial weights and
+the FP32 reference gradients; every configuration (FP32, torch.autocast, a policy, eager or
+compiled) is measured on the same weights and batches, and the weights are restored after each.
+``autoprec tune`` and ``autoprec bench`` use the same code.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from autoprec.capture import capture
+from autoprec.modelspec import ModelSpec
+from autoprec.runtime.scaler import DynamicLossScaler
+from autoprec.runtime.train import TrainStep
+
+__all__ = ["Measurement", "Harness", "grad_rel_l2", "grad_sqnr_db_min", "resolve_device", "sync"]
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    """``"auto"`` -> ``cuda`` when available else ``cpu``; otherwise ``torch.device(device)``.
+
+    Raises:
+        ValueError: ``device`` is ``cuda`` but no CUDA device is available, or is unknown.
+    """
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise ValueError(f"unknown device {device!r}; valid: auto, cpu, cuda")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} requested but torch.cuda.is_available() is False")
+    return torch.device(device)
+
+
+def sync(device: torch.device) -> None:
+    """Wait for queued device work (CUDA) so wall-clock timings cover it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def grad_rel_l2(grads: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
+    """‖g − g₃₂‖₂ / ‖g₃₂‖₂ over all gradients concatenated (DESIGN §5); inf if non-finite.
+
+    Args:
+        grads: Gradients (any float dtype; compared in fp64), same shapes as ``ref``.
+        ref: FP32 reference gradients.
+    """
+    num = 0.0
+    den = 0.0
+    for g, r in zip(grads, ref, strict=True):
+        d = g.double() - r.double()
+        num += float((d * d).sum())
+        den += float((r.double() ** 2).sum())
+    if not math.isfinite(num):
+        return math.inf
+    return math.sqrt(num) / max(math.sqrt(den), 1e-300)
+
+
+def grad_sqnr_db_min(grads: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
+    """min over parameters of 20·log₁₀(‖g₃₂‖/‖g − g₃₂‖) in dB (torchao's SQNR); −inf if non-finite."""
+    worst = math.inf
+    for g, r in zip(grads, ref, strict=True):
+        err = float((g.double() - r.double()).norm())
+        sig = float(r.double().norm())
+        if not math.isfinite(err):
+            return -math.inf
+        if err == 0.0 or sig == 0.0:
+            continue
+        worst = min(worst, 20.0 * math.log10(sig / err))
+    return worst
+
+
+@dataclass
+class Measurement:
+    """One configuration measured on the harness's weights and batches.
+
+    Attributes:
+        step_s: Median wall-clock seconds of a full training step after warm-up (inf if not timed).
+        tokens_per_s: Tokens per batch / ``step_s``.
+        grad_rel_l2: ‖g − g₃₂‖/‖g₃₂‖ on batch 0 (inf if non-finite).
+        loss_rel: |L − L₃₂| / |L₃₂| on batch 0.
+        grad_sqnr_db_min: Minimum per-parameter gradient SQNR in dB.
+        peak_bytes: CUDA peak allocated bytes; on CPU bytes saved for backward + parameter,
+            gradient and optimizer-state bytes.
+        step_times: All timed step durations (seconds).
+        error: Why the measurement failed (non-finite, too slow, compile error), else None.
+    """
+
+    step_s: float = math.inf
+    tokens_per_s: float = 0.0
+    grad_rel_l2: float = math.inf
+    loss_rel: float = math.inf
+    grad_sqnr_db_min: float = -math.inf
+    peak_bytes: int = 0
+    step_times: list[float] = field(default_factory=list)
+    error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-dict form (JSON-ready except for inf, which callers map to None)."""
+        return asdict(self)
+
+
+class _SavedBytes:
+    """Counts bytes of distinct tensors saved for backward (``saved_tensors_hooks``)."""
+
+    def __init__(self) -> None:
+        self.seen: set[int] = set()
+        self.total = 0
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        try:
+            key = t.untyped_storage().data_ptr()
+        except Exception:  # tensors without storage (fake/meta)
+            key = id(t)
+        if key not in self.seen:
+            self.seen.add(key)
+            self.total += t.numel() * t.element_size()
+        return t
+
+
+class Harness:
+    """The model, its captured FP32 graph, initial weights and the FP32 reference gradients.
+
+    Args:
+        spec: Loaded model file.
+        device: Where to run.
+        warmup: Untimed steps before timing (the first compiles, when compiled).
+        steps: Timed steps; the median is reported (DESIGN §5: ≥ 5).
+
+    Raises:
+        CaptureError: the model cannot be captured.
+    """
+
+    def __init__(self, spec: ModelSpec, device: torch.device, warmup: int = 2, steps: int = 5) -> None:
+        self.spec, self.device, self.warmup, self.steps = spec, device, warmup, steps
+        self.model: nn.Module = spec.build_model().to(device)
+        self.model.train()
+        self.batches = [spec.get_batch(i, device) for i in range(max(steps, 1))]
+        t0 = time.perf_counter()
+        self.graph_module = capture(self.model, self.batches[0])
+        self.capture_s = time.perf_counter() - t0
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.initial = [p.detach().clone() for p in self.params]
+        self.tokens = spec.tokens_per_batch(self.batches[0])
+        self.ref_loss, self.ref_grads = self._grads(self.graph_module, None, None)
+
+    def restore(self) -> None:
+        """Put the initial weights back and drop gradients."""
+        with torch.no_grad():
+            for p, p0 in zip(self.params, self.initial, strict=True):
+                p.copy_(p0)
+                p.grad = None
+
+    def _grads(self, fn: Callable[..., Any], scaler: DynamicLossScaler | None,
+               autocast_dtype: torch.dtype | None, counter: _SavedBytes | None = None):
+        self.restore()
+        step = TrainStep(fn, self.params, _NoOpt(), self.spec.loss_fn, scaler=scaler,
+                         autocast_dtype=autocast_dtype, device_type=self.device.type)
+        if counter is not None:
+            with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
+                loss = step.forward_backward(self.batches[0])
+        else:
+            loss = step.forward_backward(self.batches[0])
+        inv = 1.0 / scaler.get_scale() if scaler is not None else 1.0
+        grads = [(p.grad.float() * inv) if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        self.restore()
+        return float(loss), grads
+
+    def drift(self, fn: Callable[..., Any], scaler: DynamicLossScaler | None = None,
+              autocast_dtype: torch.dtype | None = None) -> Measurement:
+        """Drift of ``fn`` against the FP32 reference on batch 0 (no timing)."""
+        counter = _SavedBytes()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        loss, grads = self._grads(fn, scaler, autocast_dtype, counter)
+        m = Measurement()
+        m.grad_rel_l2 = grad_rel_l2(grads, self.ref_grads)
+        m.loss_rel = abs(loss - self.ref_loss) / max(abs(self.ref_loss), 1e-30) if math.isfinite(loss) else math.inf
+        m.grad_sqnr_db_min = grad_sqnr_db_min(grads, self.ref_grads)
+        m.peak_bytes = counter.total + self._state_bytes()
+        if not (math.isfinite(m.grad_rel_l2) and math.isfinite(m.loss_rel)):
+            m.grad_rel_l2, m.error = math.inf, "non-finite loss or gradients"
+        return m
+
+    def _state_bytes(self) -> int:
+        # fp32 parameters + fp32 gradients + AdamW's two fp32 moments (master weights, DESIGN §7).
+        return sum(p.numel() * p.element_size() for p in self.params) * 4
+
+    def measure(self, fn: Callable[..., Any], scaler_factory: Callable[[], DynamicLossScaler | None] = lambda: None,
+                autocast_dtype: torch.dtype | None = None, timing: bool = True,
+                max_step_s: float | None = None) -> Measurement:
+        """Drift, memory and (optionally) median step time of full training steps of ``fn``.
+
+        Args:
+            fn: Module to train (lowered graph, compiled graph or the FP32 graph).
+            scaler_factory: Makes a fresh loss scaler per phase (``None`` for bf16/fp32).
+            autocast_dtype: Wrap forward in ``torch.autocast`` (the AMP baseline).
+            timing: Also time ``warmup + steps`` optimizer steps.
+            max_step_s: Abort timing when a step takes longer (e.g. a dtype the device emulates
+                slowly); the measurement then reports that single step. Compilation happens in
+                the drift pass, before timing, so it never counts here.
+
+        Returns:
+            A :class:`Measurement`; on failure ``error`` says why (never raises for numerics).
+        """
+        m = self.drift(fn, scaler_factory(), autocast_dtype)
+        if m.error is not None or not timing:
+            return m
+        try:
+            m.step_times = self._time(fn, scaler_factory(), autocast_dtype, max_step_s)
+        except _TooSlow as e:
+            m.step_times, m.error = [e.seconds], str(e)
+        finally:
+            self.restore()
+        m.step_s = statistics.median(m.step_times)
+        m.tokens_per_s = self.tokens / m.step_s
+        if self.device.type == "cuda":
+            m.peak_bytes = int(torch.cuda.max_memory_allocated(self.device))
+        return m
+
+    def _time(self, fn, scaler, autocast_dtype, max_step_s) -> list[float]:
+        self.restore()
+        opt = self.spec.make_optimizer(self.params)
+        step = TrainStep(fn, self.params, opt, self.spec.loss_fn, scaler=scaler,
+                         autocast_dtype=autocast_dtype, device_type=self.device.type, stats=False)
+        times = []
+        for i in range(self.warmup + self.steps):
+            batch = self.batches[i % len(self.batches)]
+            sync(self.device)
+            t0 = time.perf_counter()
+            step(batch)
+            sync(self.device)
+            dt = time.perf_counter() - t0
+            if max_step_s is not None and dt > max_step_s:
+                raise _TooSlow(dt, max_step_s)
+            if i >= self.warmup:
+                times.append(dt)
+        return times
+
+
+class _TooSlow(Exception):
+    def __init__(self, seconds: float, limit: float) -> None:
+        super().__init__(f"too slow: a training step took {seconds:.2f} s (limit {limit:.2f} s)")
+        self.seconds = seconds
+
+
+class _NoOpt:
+    """Stands in for an optimizer where only gradients are wanted."""
+
+    param_groups: list[dict[str, Any]] = []
+
+    def step(self) -> None:  # pragma: no cover - never called
+        pass
+
+    def zero_grad(self, set_to_none: bool = True) -> None:  # pragma: no cover
+        pass
