@@ -68,11 +68,12 @@ def to_networkx(gm: fx.GraphModule) -> nx.DiGraph:
     """A ``networkx.DiGraph`` of ``gm``: one vertex per FX node, an edge per data dependency.
 
     Edge attribute ``bytes`` is the size of the tensor(s) flowing along it (0 for non-float).
-    Vertex attributes: ``op`` (FX opcode) and the node's ``autoprec`` meta if any.
+    Vertex attributes: ``fx_op`` (FX opcode) plus the node's ``autoprec`` meta if any (``key``,
+    ``op`` (ATen op name), ``dtype``...).
     """
     g = nx.DiGraph()
     for n in gm.graph.nodes:
-        g.add_node(n.name, op=n.op, **n.meta.get("autoprec", {}))
+        g.add_node(n.name, **{**n.meta.get("autoprec", {}), "fx_op": n.op})
         for a in n.all_input_nodes:
             g.add_edge(a.name, n.name, bytes=tensor_bytes(a))
     return g

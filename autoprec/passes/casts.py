@@ -37,7 +37,8 @@ def insert_casts(gm: fx.GraphModule) -> PassResult:
 
     Returns:
         ``PassResult`` with ``stats = {"casts": count, "cast_bytes": bytes converted}`` where
-        bytes are those of the source tensors (from ``node.meta["val"]``).
+        bytes are the source tensors' element counts times 4 (fp32 size, from the captured
+        ``node.meta["val"]``), the same unit the min-cut objective minimises.
 
     Raises:
         PassError: a node that must be cast has no dtype assigned.
