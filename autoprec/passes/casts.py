@@ -18,6 +18,26 @@ from autoprec.passes.base import PassResult, clone_graph_module, pass_error
 
 PASS = "insert_casts"
 CAST_OP = torch.ops.aten._to_copy.default
+CLAMP_OP = torch.ops.aten.clamp.default
+_VIEW_OPS = {"view", "reshape", "_unsafe_view", "unsqueeze", "squeeze", "expand", "slice", "select",
+             "permute", "transpose", "t", "contiguous", "clone", "to", "_to_copy", "alias"}
+
+
+def _constant_fill_source(u: fx.Node, dt: str) -> str | None:
+    """The key of a constant-fill producer (``full(-1e9)``...) behind ``u`` whose value does not
+    fit ``dt``, looking through views and copies; ``None`` otherwise."""
+    from autoprec.passes.constants import is_mask_fill, out_of_range_constants
+
+    n = u
+    for _ in range(32):
+        if not isinstance(n, fx.Node) or n.op != "call_function":
+            return None
+        if is_mask_fill(n) and out_of_range_constants(n, dt):
+            return n.meta.get("autoprec", {}).get("key", n.name)
+        if n.meta.get("autoprec", {}).get("op") not in _VIEW_OPS or not n.args:
+            return None
+        n = n.args[0]
+    return None
 
 
 def _dtype_of(node: fx.Node) -> str | None:
@@ -55,8 +75,18 @@ def insert_casts(gm: fx.GraphModule) -> PassResult:
         if du == dt:
             return u
         if (u, dt) not in cache:
-            with graph.inserting_after(u):
-                c = graph.call_function(CAST_OP, (u,), {"dtype": to_torch(dt)})
+            src = u
+            fill = _constant_fill_source(u, dt)
+            if fill is not None:  # saturate: -1e9 -> finfo(dt).min, not -inf (case C03)
+                fi = torch.finfo(to_torch(dt))
+                with graph.inserting_after(u):
+                    src = graph.call_function(CLAMP_OP, (u, float(fi.min), float(fi.max)))
+                src.meta["val"] = u.meta.get("val")
+                src.meta["autoprec"] = {"dtype": du, "op_class": "cast", "saturating_cast": True,
+                                        "reason": f"constant fill of {fill} is outside {dt}'s range",
+                                        "key": f"saturate({u.meta.get('autoprec', {}).get('key', u.name)})"}
+            with graph.inserting_after(src):
+                c = graph.call_function(CAST_OP, (src,), {"dtype": to_torch(dt)})
             if "val" in u.meta:  # shape only; dtypes are re-derived by the verifier
                 c.meta["val"] = u.meta["val"]
             c.meta["nn_module_stack"] = u.meta.get("nn_module_stack", {})

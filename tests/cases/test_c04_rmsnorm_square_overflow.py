@@ -1,0 +1,96 @@
+"""C04: the decomposed RMSNorm x * rsqrt(mean(x**2) + eps) overflows fp16 for |x| > 256."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from autoprec.capture import capture
+from autoprec.passes import lower, run_pipeline
+from autoprec.policy import Policy, Rule
+
+
+class RMSNorm(nn.Module):
+    """HF Llama/Qwen2 style: ``weight * (x * rsqrt(mean(x**2) + eps))``."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        var = x.pow(2).mean(-1, keepdim=True)
+        return self.weight * (x * torch.rsqrt(var + 1e-6))
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(8))
+        self.norm = RMSNorm(8)
+
+    def forward(self, x):
+        return self.norm(x * self.gain)
+
+
+def drift(model, f, x):
+    """(grad_rel_l2, loss_rel) against fp32; NaN/inf count as infinite drift."""
+    def run(fn):
+        model.zero_grad()
+        out = fn(x).float()
+        loss = (out * torch.linspace(1, 2, 8)).sum()
+        loss.backward()
+        return loss.detach(), torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    l32, g32 = run(model)
+    l, g = run(f)
+    if not (torch.isfinite(l) and torch.isfinite(g).all()):
+        return math.inf, math.inf
+    return float((g - g32).norm() / g32.norm()), float((l - l32).abs() / l32.abs())
+
+
+REGION = {"norm/pow#0", "norm/mean#0", "norm/add#0", "norm/rsqrt#0", "norm/mul#0"}
+
+
+def _dtypes(gm):
+    return {n.meta["autoprec"]["key"]: n.meta["autoprec"].get("dtype") for n in gm.graph.nodes
+            if "key" in n.meta.get("autoprec", {})}
+
+
+@pytest.mark.parametrize("policy", [
+    Policy.default("fp16"),
+    # even a policy that lowers every follow op keeps the norm's mul (it is part of the pattern)
+    Policy(default_dtype="fp16", rules=(Rule(op_class="sensitive", dtype="fp32"),
+                                        Rule(op_class="follow", dtype="fp16"))),
+])
+def test_c04_rmsnorm_square_overflow(policy):
+    model = Net()
+    x = torch.full((1, 8), 300.0)
+    gm = capture(model, (x,))
+    r = run_pipeline(gm, policy)
+    d = _dtypes(r.graph_module)
+    assert {k: d[k] for k in REGION} == dict.fromkeys(REGION, "fp32")
+    for n in r.graph_module.graph.nodes:
+        if n.meta.get("autoprec", {}).get("key") in REGION:
+            assert n.meta["autoprec"]["op_class"] == "sensitive"
+            assert n.meta["autoprec"]["pattern"] == "rms_norm"
+            assert "C04" in n.meta["autoprec"]["reason"]
+    out = r.graph_module(x)
+    torch.testing.assert_close(out, torch.ones(1, 8), rtol=1e-3, atol=0)  # true answer: all ones
+    g_rel, l_rel = drift(model, r.graph_module, x)
+    assert g_rel < 1e-2 and l_rel < 1e-3
+
+
+def test_c04_lowering_the_norm_is_caught_by_drift():
+    model = Net()
+    x = torch.full((1, 8), 300.0)
+    gm = capture(model, (x,))
+    lowered = lower(gm, Policy(default_dtype="fp16", rules=(Rule(module="norm", op_class="sensitive",
+                                                                  dtype="fp16"),)))
+    assert _dtypes(lowered)["norm/pow#0"] == "fp16"
+    out = lowered(x)
+    assert torch.all(out == 0)  # x**2 = 90000 -> inf, rsqrt(inf) = 0: silently all zeros
+    g_rel, l_rel = drift(model, lowered, x)
+    assert g_rel > 0.5 and l_rel > 0.5  # huge (or infinite): never within a drift budget

@@ -1,0 +1,164 @@
+"""Pass infrastructure: purity, decisions in node.meta, lint, outputs, fp32 accumulation, errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from autoprec.capture import capture
+from autoprec.errors import PassError
+from autoprec.passes import run_pipeline
+from autoprec.passes.accumulate import accumulate_fp32
+from autoprec.passes.assign import assign_dtypes
+from autoprec.passes.casts import insert_casts
+from autoprec.policy import Policy, Rule
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(32, 8)
+        self.fc = nn.Linear(8, 8)
+        self.ln = nn.LayerNorm(8)
+
+    def forward(self, ids):
+        h = self.fc(self.emb(ids))
+        return torch.softmax(self.ln(h), -1), ids * 2
+
+
+@pytest.fixture(scope="module")
+def net():
+    torch.manual_seed(0)
+    m = Net()
+    ids = torch.randint(0, 32, (2, 5))
+    return m, ids, capture(m, (ids,))
+
+
+def _meta(gm, key):
+    return next(n.meta["autoprec"] for n in gm.graph.nodes if n.meta.get("autoprec", {}).get("key") == key)
+
+
+def test_passes_are_pure(net):
+    _m, _ids, gm = net
+    before = [(n.name, dict(n.meta.get("autoprec", {}))) for n in gm.graph.nodes]
+    code = gm.code
+    r = run_pipeline(gm, Policy.default())
+    assert r.graph_module is not gm
+    assert gm.code == code
+    assert [(n.name, dict(n.meta.get("autoprec", {}))) for n in gm.graph.nodes] == before
+    # same Parameter objects (training updates the user's model)
+    assert {id(p) for p in r.graph_module.parameters()} == {id(p) for p in gm.parameters()}
+
+
+def test_each_pass_lints_and_records_decisions(net):
+    _m, _ids, gm = net
+    r1 = assign_dtypes(gm, Policy.default())
+    r1.graph_module.graph.lint()
+    fc = _meta(r1.graph_module, "fc/linear#0")
+    assert fc["op_class"] == "matmul" and fc["dtype"] == "bf16" and fc["decided_by"] == "default_dtype"
+    assert "GEMM" in fc["reason"]
+    sm = _meta(r1.graph_module, "softmax#0")
+    assert sm["op_class"] == "sensitive" and sm["dtype"] == "fp32" and sm["decided_by"] == "rule"
+    assert "exp" in sm["reason"]
+    emb = _meta(r1.graph_module, "emb/embedding#0")
+    assert emb["op_class"] == "follow" and emb["decided_by"].startswith("placement:")
+    mul = _meta(r1.graph_module, "mul#0")  # ids * 2: integer
+    assert mul["op_class"] == "nonfloat" and mul["dtype"] is None
+    r2 = insert_casts(r1.graph_module)
+    r2.graph_module.graph.lint()
+    r3 = accumulate_fp32(r2.graph_module, Policy.default())
+    r3.graph_module.graph.lint()
+
+
+def test_outputs_keep_dtype_and_ints_never_cast(net):
+    m, ids, gm = net
+    for policy in (Policy.default(), Policy.default("fp16"), Policy(default_dtype="bf16")):
+        low = run_pipeline(gm, policy).graph_module
+        probs, ids2 = low(ids)
+        assert probs.dtype == torch.float32 and ids2.dtype == torch.int64
+        assert torch.equal(ids2, ids * 2)
+        for n in low.graph.nodes:
+            if n.meta.get("autoprec", {}).get("inserted_cast"):
+                assert n.args[0].meta["val"].dtype.is_floating_point, n.format_node()
+
+
+def test_node_rule_on_nonfloat_node_is_rejected(net):
+    _m, _ids, gm = net
+    policy = Policy(default_dtype="bf16", rules=(Rule(node="mul#0", dtype="fp16"),))
+    with pytest.raises(PassError, match=r"assign_dtypes.*mul#0.*non-float"):
+        run_pipeline(gm, policy)
+
+
+def test_node_rule_wins(net):
+    _m, _ids, gm = net
+    policy = Policy(default_dtype="bf16", rules=(Rule(op_class="sensitive", dtype="fp32"),
+                                                  Rule(node="softmax#0", dtype="bf16")))
+    r = run_pipeline(gm, policy)
+    assert _meta(r.graph_module, "softmax#0")["dtype"] == "bf16"
+    assert _meta(r.graph_module, "ln/layer_norm#0")["dtype"] == "fp32"
+
+
+def test_unknown_op_warns_once_and_follows():
+    from torch import fx
+
+    from autoprec import ops
+
+    g = fx.Graph()
+    x = g.placeholder("x")
+    x.meta["val"] = torch.empty(2)
+    n = g.call_function(torch.ops.aten.special_bessel_j0.default, (x,))
+    n.meta["val"] = torch.empty(2)
+    ops._warned.discard("special_bessel_j0")
+    with pytest.warns(UserWarning, match="special_bessel_j0"):
+        assert ops.classify(n) == "follow"
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert ops.classify(n) == "follow"
+
+
+class Summer(nn.Module):
+    def forward(self, x):
+        return (x * 1.0).sum(-1), (x * 1.0).var(-1)
+
+
+@pytest.mark.parametrize("low", ["bf16", "fp16"])
+def test_fp32_accumulation_of_lowered_reductions(low):
+    """C06 style: summing 4096 copies of 0.01 in a low dtype stalls; fp32 accumulation does not."""
+    x = torch.full((2, 4096), 0.01)
+    gm = capture(Summer(), (x,))
+    lowered = Policy(default_dtype=low)  # no rules: sum/var are lowered too
+    r = run_pipeline(gm, lowered)
+    assert r.stats["accumulate_fp32"] == 2
+    s, v = r.graph_module(x)
+    ref = torch.tensor(0.01, dtype=getattr(torch, {"bf16": "bfloat16", "fp16": "float16"}[low])).float() * 4096
+    # the result is the exact fp32 sum of the low-precision inputs, rounded once to `low`
+    tol = {"bf16": 1.6e-2, "fp16": 1e-3}[low]
+    torch.testing.assert_close(s, ref.expand(2), rtol=tol, atol=0)
+    assert torch.all(v.abs() < 1e-6)
+    # accumulate="none" leaves the reduction in the low dtype
+    r_none = run_pipeline(gm, Policy(default_dtype=low, accumulate="none"))
+    assert r_none.stats["accumulate_fp32"] == 0
+
+
+def test_accumulate_rewrite_shape(net):
+    x = torch.randn(3, 64)
+    gm = capture(Summer(), (x,))
+    r = run_pipeline(gm, Policy(default_dtype="bf16"))
+    sums = [n for n in r.graph_module.graph.nodes if n.meta.get("autoprec", {}).get("op") == "sum"]
+    assert len(sums) == 1 and sums[0].kwargs.get("dtype") == torch.float32
+    assert sums[0].meta["autoprec"]["accumulate"] == "fp32"
+    back = list(sums[0].users)
+    assert len(back) == 1 and back[0].kwargs["dtype"] == torch.bfloat16
+    vars_ = [n for n in r.graph_module.graph.nodes if n.meta.get("autoprec", {}).get("op") == "var"]
+    assert vars_[0].args[0].kwargs["dtype"] == torch.float32  # var's input upcast
+
+
+def test_unknown_modes_rejected(net):
+    _m, _ids, gm = net
+    with pytest.raises(ValueError, match="mincut"):
+        run_pipeline(gm, Policy.default(), placement="best")
+    with pytest.raises(ValueError, match="strict"):
+        run_pipeline(gm, Policy.default(), constants="ignore")
