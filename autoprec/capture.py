@@ -23,7 +23,7 @@ from torch import fx, nn
 
 from autoprec.errors import CaptureError
 
-__all__ = ["capture", "module_path", "node_key", "op_name", "assign_keys"]
+__all__ = ["capture", "module_path", "node_key", "op_name", "assign_keys", "mark_regions"]
 
 # Export inserts these runtime checks after `.to()` calls; they assert the fp32 dtype seen at
 # trace time and would fail once a pass lowers the producer, so capture removes them.
@@ -88,16 +88,35 @@ def _split_batch(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     return (batch,), {}
 
 
-def _where(exc: BaseException) -> str:
-    """The innermost user-code frame of a traceback, as ``file:line (function)``."""
-    import traceback
+def _is_user(filename: str) -> bool:
+    return not any(p in filename for p in ("/torch/", "/autoprec/", "/transformers/utils/", "/contextlib.py"))
 
-    frames = traceback.extract_tb(exc.__traceback__)
-    user = [f for f in frames if "/torch/" not in f.filename and "/autoprec/" not in f.filename]
-    f = (user or frames or [None])[-1]
-    if f is None:
+
+def _where(exc: BaseException, model: nn.Module | None = None) -> str:
+    """The innermost user-code frame of a traceback, as ``file:line (function): code``.
+
+    When that frame is a method of a submodule of ``model``, the module's dotted path and class
+    are named too (``in module 'layers.0.mlp' (MyMLP)``).
+    """
+    import linecache
+
+    tb, user = exc.__traceback__, None
+    while tb is not None:
+        if _is_user(tb.tb_frame.f_code.co_filename):
+            user = tb
+        tb = tb.tb_next
+    if user is None:
         return "unknown location"
-    return f"{f.filename}:{f.lineno} ({f.name}): {(f.line or '').strip()}"
+    frame, lineno = user.tb_frame, user.tb_lineno
+    fname = frame.f_code.co_filename
+    line = linecache.getline(fname, lineno).strip()
+    where = f"{fname}:{lineno} ({frame.f_code.co_name}): {line}"
+    owner = frame.f_locals.get("self")
+    if isinstance(owner, nn.Module):
+        path = next((n for n, m in (model.named_modules() if model is not None else []) if m is owner), None)
+        label = "the root module" if path == "" else f"module {path!r}" if path else "module"
+        where += f" [in {label} ({type(owner).__name__})]"
+    return where
 
 
 def capture(model: nn.Module, example_batch: Any) -> fx.GraphModule:
@@ -127,7 +146,7 @@ def capture(model: nn.Module, example_batch: Any) -> fx.GraphModule:
     except Exception as e:  # torch raises many types here (UserError, GuardOnDataDependent...)
         raise CaptureError(
             f"torch.export could not capture {type(model).__name__}: {type(e).__name__} at "
-            f"{_where(e)}.\n  {str(e).splitlines()[0] if str(e) else ''}\n"
+            f"{_where(e, model)}.\n  {str(e).splitlines()[0] if str(e) else ''}\n"
             "  What to do: data-dependent Python control flow (an `if` on tensor values) cannot "
             "be captured; rewrite it with torch.where / torch.cond, or move it out of forward()."
         ) from e
@@ -137,7 +156,46 @@ def capture(model: nn.Module, example_batch: Any) -> fx.GraphModule:
     _strip_asserts(gm)
     _check_shared_parameters(model, gm)
     assign_keys(gm)
+    mark_regions(gm)
     return gm
+
+
+def mark_regions(gm: fx.GraphModule) -> list[fx.Node]:
+    """Record the user's ``torch.autocast`` / ``torch.no_grad`` blocks (case C13).
+
+    torch.export (non-strict, training IR) keeps each such block as a higher-order op,
+    ``higher_order.wrap_with_autocast(device, dtype, enabled, cache_enabled, submod, *inputs)`` or
+    ``higher_order.wrap_with_set_grad_enabled(enabled, submod, *inputs)``, whose body is a
+    sub-``GraphModule``. autoprec keeps these nodes whole (fp32 inputs, fp32 body unless the
+    user's own autocast says otherwise), never inlines and so never drops the context. Sets
+    ``meta["autoprec"]["region"]`` (``{"kind": "autocast"|"grad", "enabled": bool, ...}``) and
+    ``autocast_disabled`` on the node and on every node of its body.
+
+    Returns:
+        The region nodes, in graph order.
+    """
+    found = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        name = op_name(node)
+        if name == "wrap_with_autocast":
+            device, dtype, enabled = node.args[0], node.args[1], bool(node.args[2])
+            region = {"kind": "autocast", "device": str(device), "dtype": str(dtype), "enabled": enabled}
+            body = node.args[4]
+        elif name == "wrap_with_set_grad_enabled":
+            region = {"kind": "grad", "enabled": bool(node.args[0])}
+            body = node.args[1]
+        else:
+            continue
+        meta = node.meta.setdefault("autoprec", {})
+        meta.update(region=region, autocast_disabled=True)
+        sub = getattr(gm, body.target, None) if isinstance(body, fx.Node) and body.op == "get_attr" else None
+        if isinstance(sub, fx.GraphModule):
+            for inner in sub.graph.nodes:
+                inner.meta.setdefault("autoprec", {}).update(autocast_disabled=True, region=region)
+        found.append(node)
+    return found
 
 
 def _strip_asserts(gm: fx.GraphModule) -> None:

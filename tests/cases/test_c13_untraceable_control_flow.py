@@ -1,0 +1,105 @@
+"""C13: data-dependent control flow, and autocast(enabled=False) / no_grad blocks in forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from autoprec.capture import capture
+from autoprec.errors import CaptureError
+from autoprec.passes import run_pipeline
+from autoprec.policy import Policy, Rule
+
+
+class Branchy(nn.Module):
+    def forward(self, x):
+        if x.abs().max() > 100:
+            x = x / 100
+        return 2 * x
+
+
+class Inner(nn.Module):
+    def forward(self, x):
+        if x.sum() > 0:
+            return x
+        return -x
+
+
+class Outer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(4, 4), Inner()])
+
+    def forward(self, x):
+        return self.blocks[1](self.blocks[0](x))
+
+
+def test_c13_untraceable_control_flow():
+    with pytest.raises(CaptureError) as ei:
+        capture(Branchy(), (torch.randn(3),))
+    msg = str(ei.value)
+    assert "Branchy" in msg
+    assert "test_c13_untraceable_control_flow.py:" in msg and "if x.abs().max() > 100:" in msg
+    assert "torch.where" in msg and "torch.cond" in msg  # what to do
+
+
+def test_c13_error_names_the_submodule():
+    with pytest.raises(CaptureError, match=r"module 'blocks\.1' \(Inner\)") as ei:
+        capture(Outer(), (torch.randn(2, 4),))
+    assert "if x.sum() > 0:" in str(ei.value)
+
+
+class Contexts(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.a(x)
+        with torch.autocast("cpu", enabled=False):
+            h = torch.exp(h.float() * 0.5) * 2  # the user wants this in fp32
+        with torch.no_grad():
+            z = h.sum(-1, keepdim=True)  # a statistic without gradient
+        return self.b(h) + z
+
+
+POLICIES = [
+    Policy.default("bf16"),
+    Policy.default("fp16"),
+    Policy(default_dtype="fp16", rules=(Rule(op_class="follow", dtype="fp16"),)),
+]
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=["default-bf16", "default-fp16", "all-fp16"])
+def test_c13_autocast_disabled_and_no_grad_regions_kept(policy):
+    torch.manual_seed(0)
+    m = Contexts()
+    x = torch.randn(2, 8)
+    gm = capture(m, (x,))
+    regions = [n for n in gm.graph.nodes if "region" in n.meta.get("autoprec", {})]
+    assert [n.meta["autoprec"]["region"]["kind"] for n in regions] == ["autocast", "grad"]
+    assert regions[0].meta["autoprec"]["region"]["enabled"] is False
+    r = run_pipeline(gm, policy)
+    for n in r.graph_module.graph.nodes:
+        meta = n.meta.get("autoprec", {})
+        if "region" in meta:
+            assert meta["dtype"] == "fp32" and "region" in meta["decided_by"]
+            # every float input of the region reaches it in fp32
+            for a in n.all_input_nodes:
+                v = a.meta.get("val")
+                if isinstance(v, torch.Tensor):
+                    assert v.dtype == torch.float32, a.format_node()
+    out = r.graph_module(x)
+    ref = m(x)
+    torch.testing.assert_close(out, ref, rtol=5e-2, atol=5e-2)
+    # no_grad is kept: the gradient of a.weight equals the fp32 one up to low-precision error,
+    # and differs clearly from what it would be if z carried gradient.
+    m.zero_grad()
+    ref.sum().backward()
+    g32 = m.a.weight.grad.clone()
+    m.zero_grad()
+    r.graph_module(x).sum().backward()
+    rel = (m.a.weight.grad - g32).norm() / g32.norm()
+    assert rel < 5e-2
