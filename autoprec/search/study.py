@@ -26,7 +26,7 @@ import optuna
 import torch
 
 from autoprec._version import __version__
-from autoprec.dtypes import to_torch
+from autoprec.dtypes import LOW_DTYPES, to_torch
 from autoprec.errors import SearchError
 from autoprec.modelspec import load_model_spec
 from autoprec.passes import run_pipeline
@@ -143,6 +143,7 @@ class Objective:
             for k, v in prior.user_attrs.items():
                 if k.startswith(_A) and k not in (_A + "policy", _A + "fingerprint"):
                     trial.set_user_attr(k, v)
+            _constrain(trial, float(prior.user_attrs.get(_A + "constraint", 1e30)))
             trial.set_user_attr(_A + "reused_from", prior.number)
             return prior.value if prior.values else math.nan
         fn = compile_graph(lowered.graph_module) if self.compile else lowered.graph_module
@@ -158,7 +159,7 @@ def _record(trial: optuna.Trial, m: Measurement, budget: float) -> None:
         v = getattr(m, k)
         trial.set_user_attr(_A + k, v if (not isinstance(v, float) or math.isfinite(v)) else None)
     g = m.grad_rel_l2
-    trial.set_user_attr(_A + "constraint", (g - budget) if math.isfinite(g) else 1e30)
+    _constrain(trial, (g - budget) if math.isfinite(g) else 1e30)
     if m.error is not None:
         trial.set_user_attr(_A + "error", m.error)
 
@@ -173,8 +174,11 @@ def _find_measured(study: optuna.Study, fp: str, number: int) -> optuna.trial.Fr
     return None
 
 
-def _constraints(trial: optuna.trial.FrozenTrial) -> list[float]:
-    return [float(trial.user_attrs.get(_A + "constraint", 1e30))]
+def _constrain(trial: optuna.Trial, value: float) -> None:
+    """Record the drift constraint (feasible when ≤ 0) for the sampler and for selection."""
+    trial.set_user_attr(_A + "constraint", value)
+    if hasattr(trial, "set_constraint"):  # Optuna ≥ 5; older samplers take constraints_func
+        trial.set_constraint("drift", value)
 
 
 def _row(name: str, m: Measurement, fp32: Measurement) -> dict[str, Any]:
@@ -194,7 +198,8 @@ def _log(msg: str, quiet: bool) -> None:
 def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: float | None = None,
          max_drift: str | float = "auto", device: str = "auto", storage: str | None = None,
          study_name: str | None = None, compile: bool = True, out: str | os.PathLike = "policy.json",
-         seed: int = 0, finalists: int = 2, quiet: bool = False, progress: bool = True) -> TuneResult:
+         seed: int = 0, finalists: int = 2, quiet: bool = False, progress: bool = True,
+         dtypes: str | list[str] = "auto") -> TuneResult:
     """Search for the fastest policy within a drift budget and write it to ``out``.
 
     Args:
@@ -213,6 +218,8 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
         seed: Sampler seed (reproducible sampling).
         finalists: How many of the fastest feasible trials are re-measured compiled.
         quiet: No log lines. progress: Show Optuna's progress bar.
+        dtypes: Low dtypes to search: ``"auto"`` keeps those whose matmul the probe measured
+            faster than fp32 on this device; a list (or comma-separated string) forces them.
 
     Returns:
         :class:`TuneResult`.
@@ -223,6 +230,7 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
         SearchError: bad ``max_drift``, or no policy met the budget.
     """
     budget_arg = _parse_budget(max_drift)
+    forced = _parse_dtypes(dtypes)
     spec = load_model_spec(model_path)
     dev = resolve_device(device)
     timings: dict[str, float] = {}
@@ -236,14 +244,15 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
     for p in probes.values():
         _log(f"probe {p.dtype}: matmul {p.seconds * 1e3:.2f} ms ({p.speedup:.2f}x fp32)"
              + ("" if p.usable else f" -> excluded: {p.reason}"), quiet)
-    lows = sorted((p.dtype for p in probes.values() if p.usable and p.dtype != "fp32"),
-                  key=lambda d: probes[d].seconds)
+    usable = forced if forced is not None else [d for d, p in probes.items() if p.usable and d != "fp32"]
+    lows = sorted(usable, key=lambda d: probes[d].seconds)
     space = SearchSpace(lows)
     ac_dtype = to_torch(lows[0]) if lows else (torch.bfloat16 if dev.type == "cpu" else torch.float16)
 
     t1 = time.perf_counter()
     fp32 = harness.measure(harness.graph_module)
-    autocast = harness.measure(harness.graph_module, autocast_dtype=ac_dtype)
+    slow = max(10 * fp32.step_s, 1.0)  # a config 10x slower than fp32 is timed on one step only
+    autocast = harness.measure(harness.graph_module, autocast_dtype=ac_dtype, max_step_s=slow)
     budget = autocast.grad_rel_l2 if budget_arg is None else budget_arg
     if not math.isfinite(budget):
         raise SearchError(f"drift budget is not finite (torch.autocast drift: {autocast.error}); pass --max-drift X")
@@ -256,7 +265,7 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
     t2 = time.perf_counter()
     target = trials if trials is not None else 20
     remaining = max(0, target - len([t for t in study.trials if t.state.is_finished()]))
-    objective = Objective(harness, space, budget, max_step_s=max(10 * fp32.step_s, 1.0))
+    objective = Objective(harness, space, budget, max_step_s=slow)
     if remaining:
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         study.optimize(objective, n_trials=remaining, timeout=timeout, show_progress_bar=progress and not quiet,
@@ -264,7 +273,7 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
     timings["trials_s"] = time.perf_counter() - t2
 
     t3 = time.perf_counter()
-    chosen, chosen_m, rows_extra = _finalists(study, harness, space, budget, finalists, compile, ac_dtype, quiet)
+    chosen, chosen_m, rows_extra = _finalists(study, harness, budget, finalists, compile, ac_dtype, slow, quiet)
     timings["finalists_s"] = time.perf_counter() - t3
     timings["total_s"] = time.perf_counter() - t0
 
@@ -290,6 +299,16 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
     return TuneResult(policy, study, table, timings, {k: vars(v) for k, v in probes.items()})
 
 
+def _parse_dtypes(dtypes: str | list[str]) -> list[str] | None:
+    if dtypes == "auto":
+        return None
+    names = [d.strip() for d in (dtypes.split(",") if isinstance(dtypes, str) else dtypes) if d.strip()]
+    bad = [d for d in names if d not in LOW_DTYPES]
+    if bad:
+        raise SearchError(f"--dtypes: {', '.join(bad)} not valid; expected 'auto' or some of {', '.join(LOW_DTYPES)}")
+    return names
+
+
 def _parse_budget(max_drift: str | float) -> float | None:
     if max_drift == "auto":
         return None
@@ -305,7 +324,12 @@ def _parse_budget(max_drift: str | float) -> float | None:
 def _open_study(path, harness, dev, storage, study_name, out, seed) -> optuna.Study:
     storage = storage or default_storage(out)
     name = study_name or f"autoprec-{Path(str(path)).stem}-{graph_fingerprint(harness.graph_module)[:8]}-{dev.type}"
-    sampler = optuna.samplers.TPESampler(seed=seed, constraints_func=_constraints, n_startup_trials=6)
+    if hasattr(optuna.Trial, "set_constraint"):
+        sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=6)
+    else:  # Optuna < 5
+        sampler = optuna.samplers.TPESampler(
+            seed=seed, n_startup_trials=6,
+            constraints_func=lambda t: [float(t.user_attrs.get(_A + "constraint", 1e30))])
     return optuna.create_study(storage=storage, study_name=name, direction="maximize", sampler=sampler,
                                load_if_exists=True)
 
@@ -329,7 +353,7 @@ def _feasible(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
     return out
 
 
-def _finalists(study, harness, space, budget, k, compile, ac_dtype, quiet):
+def _finalists(study, harness, budget, k, compile, ac_dtype, slow, quiet):
     feasible = _feasible(study)
     if not feasible:
         raise SearchError("no trial met the drift budget; not even all-fp32 finished (see the study's "
@@ -341,13 +365,14 @@ def _finalists(study, harness, space, budget, k, compile, ac_dtype, quiet):
         m = harness.measure(run_pipeline(harness.graph_module, pol).graph_module, lambda: make_scaler(pol))
         return pol, m, extra
     _log("compiling torch.autocast baseline with Inductor", quiet)
-    extra["autocast_compiled"] = harness.measure(compile_graph(harness.graph_module), autocast_dtype=ac_dtype)
+    extra["autocast_compiled"] = harness.measure(compile_graph(harness.graph_module), autocast_dtype=ac_dtype,
+                                                max_step_s=slow)
     best: tuple[Policy, Measurement] | None = None
     for t in feasible[:k]:
         pol = Policy.from_dict(t.user_attrs[_A + "policy"])
         _log(f"compiling finalist trial {t.number} ({pol.summary()}; eager {t.value:.0f} tok/s)", quiet)
         lowered = run_pipeline(harness.graph_module, pol).graph_module
-        m = harness.measure(compile_graph(lowered), lambda pol=pol: make_scaler(pol))
+        m = harness.measure(compile_graph(lowered), lambda pol=pol: make_scaler(pol), max_step_s=slow)
         _log(f"  compiled: {m.tokens_per_s:.0f} tok/s, grad_rel_l2 {m.grad_rel_l2:.3g}"
              + (f" ({m.error})" if m.error else ""), quiet)
         if m.error is None and m.grad_rel_l2 <= budget and (best is None or m.tokens_per_s > best[1].tokens_per_s):

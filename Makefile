@@ -1,0 +1,36 @@
+# Quick start: `make tune` then `make test`. Both create .venv and install on first use.
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+# The CPU build of torch; pyproject.toml stays permissive (torch>=2.5) for other machines.
+TORCH   ?= torch==2.13.0
+MODEL   ?= examples/qwen2_tiny.py
+OUT     ?= out/qwen2_tiny.policy.json
+TUNE_ARGS ?=
+
+.PHONY: install tune train test test-slow clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q -e ".[examples,dev]"
+	touch $@
+
+tune: install
+	mkdir -p $(dir $(OUT))
+	$(BIN)/autoprec tune $(MODEL) --out $(OUT) $(TUNE_ARGS)
+
+train: install
+	$(BIN)/autoprec train $(MODEL) --policy $(OUT) --steps 50
+
+test: install
+	$(BIN)/python -m pytest -q
+
+test-slow: install
+	$(BIN)/python -m pytest -q -m slow
+
+clean:
+	rm -rf out .pytest_cache
