@@ -23,7 +23,7 @@ from autoprec.modelspec import ModelSpec
 from autoprec.runtime.scaler import DynamicLossScaler
 from autoprec.runtime.train import TrainStep
 
-__all__ = ["Measurement", "Harness", "grad_rel_l2", "grad_sqnr_db_min", "resolve_device", "sync"]
+__all__ = ["Measurement", "Harness", "grad_rel_l2", "grad_sqnr_db_min", "traj_rel", "resolve_device", "sync"]
 
 
 def resolve_device(device: str = "auto") -> torch.device:
@@ -212,13 +212,20 @@ class Harness:
         Returns:
             A :class:`Measurement`; on failure ``error`` says why (never raises for numerics).
         """
-        m = self.drift(fn, scaler_factory(), autocast_dtype)
+        try:
+            m = self.drift(fn, scaler_factory(), autocast_dtype)
+        except Exception as e:  # compile errors, OOM, kernels missing for a dtype
+            self.restore()
+            return Measurement(error=_describe_failure(e))
         if m.error is not None or not timing:
             return m
         try:
             m.step_times = self._time(fn, scaler_factory(), autocast_dtype, max_step_s)
         except _TooSlow as e:
             m.step_times, m.error = [e.seconds], str(e)
+        except Exception as e:
+            m.error = _describe_failure(e)
+            return m
         finally:
             self.restore()
         m.step_s = statistics.median(m.step_times)
@@ -245,6 +252,38 @@ class Harness:
             if i >= self.warmup:
                 times.append(dt)
         return times
+
+
+    def trajectory(self, fn: Callable[..., Any], scaler_factory: Callable[[], DynamicLossScaler | None] = lambda: None,
+                   autocast_dtype: torch.dtype | None = None, steps: int = 20) -> list[float]:
+        """Losses of ``steps`` optimizer steps on batches ``get_batch(0..steps-1)`` from the
+        initial weights (the weights are restored afterwards). Non-finite losses are kept as-is."""
+        while len(self.batches) < steps:
+            self.batches.append(self.spec.get_batch(len(self.batches), self.device))
+        self.restore()
+        opt = self.spec.make_optimizer(self.params)
+        step = TrainStep(fn, self.params, opt, self.spec.loss_fn, scaler=scaler_factory(),
+                         autocast_dtype=autocast_dtype, device_type=self.device.type, stats=False)
+        try:
+            return [step(self.batches[i]).loss for i in range(steps)]
+        finally:
+            self.restore()
+
+
+def traj_rel(losses: list[float], ref: list[float]) -> float:
+    """max over steps k of |L_k − L32_k| / |L32_k| (DESIGN §5); inf if any loss is non-finite."""
+    worst = 0.0
+    for a, b in zip(losses, ref, strict=True):
+        if not math.isfinite(a):
+            return math.inf
+        worst = max(worst, abs(a - b) / max(abs(b), 1e-30))
+    return worst
+
+
+def _describe_failure(e: BaseException) -> str:
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    kind = "out of memory" if "out of memory" in str(e).lower() else type(e).__name__
+    return f"{kind}: {text[:300]}"
 
 
 class _TooSlow(Exception):
