@@ -187,6 +187,9 @@ FIXED_DTYPE_OPS: frozenset[str] = frozenset(
     }
 )
 
+for _name in FIXED_DTYPE_OPS:  # factories / explicit casts: in the table so they never warn
+    OP_TABLE.setdefault(_name, (_F, "sets its own dtype (argument); kept as captured, inputs never cast"))
+
 _warned: set[str] = set()
 
 
