@@ -22,9 +22,14 @@ from autoprec.runtime.scaler import DynamicLossScaler, unscaled_grad_norm
 __all__ = ["StepStats", "TrainStep", "make_scaler"]
 
 
-def make_scaler(policy: Policy) -> DynamicLossScaler | None:
+def make_scaler(policy: Policy, diagnose: Callable[[], str | None] | None = None) -> DynamicLossScaler | None:
     """A :class:`DynamicLossScaler` configured from ``policy.loss_scaling`` if the policy uses
     fp16 (fp16 gradients underflow without one: case C07), else ``None`` (bf16 has fp32's range).
+
+    Args:
+        policy: The policy trained with.
+        diagnose: Zero-argument callable naming the first non-finite forward node, called when the
+            scaler gives up at its floor (e.g. :meth:`autoprec.Monitor.diagnoser`).
     """
     if not policy.needs_loss_scaling:
         return None
@@ -32,6 +37,7 @@ def make_scaler(policy: Policy) -> DynamicLossScaler | None:
     return DynamicLossScaler(
         init_scale=cfg.init_scale, growth_factor=cfg.growth_factor, backoff_factor=cfg.backoff_factor,
         growth_interval=cfg.growth_interval, min_scale=cfg.min_scale, max_scale=cfg.max_scale,
+        diagnose=diagnose,
     )
 
 

@@ -1,0 +1,250 @@
+"""Training monitor: per-step numbers, a JSONL log, and the diagnosis of non-finite values (DESIGN §7).
+
+:class:`Monitor` records, for every optimizer step, the loss, the loss scale used, whether the step was
+skipped, the (unscaled) gradient L2 norm, the number of non-finite gradient elements and the throughput;
+it appends each record as one JSON object per line to a JSONL file and summarises the run (overflow
+steps, skip rate). Non-finite floats are written as the strings ``"inf"``, ``"-inf"`` and ``"nan"``, so
+every line is strict JSON (``json.loads`` with no ``NaN`` extension; RFC 8259 has no inf/NaN).
+
+:func:`first_nonfinite_node` re-runs a forward pass through an instrumented
+:class:`torch.fx.Interpreter` (``autoprec.passes.diagnose``) and returns the stable key
+(``node.meta["autoprec"]["key"]``, DESIGN §3) of the first node whose floating output holds an inf or
+NaN. :meth:`Monitor.diagnoser` wraps it as the zero-argument ``diagnose`` callable of
+:class:`~autoprec.runtime.scaler.DynamicLossScaler`, so a ``LossScaleError`` at the scale floor names
+that node.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+from torch import fx
+
+from autoprec.passes.diagnose import first_nonfinite_node as _first_nonfinite_in_graph
+
+__all__ = ["Monitor", "StepRecord", "first_nonfinite_node", "json_safe", "read_jsonl"]
+
+
+def json_safe(x: Any) -> Any:
+    """``x`` with every non-finite float replaced by ``"inf"``, ``"-inf"`` or ``"nan"`` (recursively).
+
+    Tensors with one element become Python numbers; dicts, lists and tuples are walked.
+    """
+    if isinstance(x, torch.Tensor) and x.numel() == 1:
+        x = x.item()
+    if isinstance(x, float):
+        if math.isnan(x):
+            return "nan"
+        if math.isinf(x):
+            return "inf" if x > 0 else "-inf"
+        return x
+    if isinstance(x, Mapping):
+        return {str(k): json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [json_safe(v) for v in x]
+    return x
+
+
+def first_nonfinite_node(gm: fx.GraphModule, batch: Any) -> str | None:
+    """The key of the first node (graph order) whose floating output has an inf or NaN on ``batch``.
+
+    Runs the forward pass eagerly, node by node, under ``torch.no_grad`` (no compile, no backward);
+    it stops at the first bad node.
+
+    Args:
+        gm: A captured or lowered graph, e.g. ``MixedPrecisionModule.graph_module``.
+        batch: A batch as ``get_batch`` returns it: a mapping (called as ``gm(**batch)``), a tuple or
+            list (``gm(*batch)``), or a single tensor (``gm(batch)``).
+
+    Returns:
+        ``node.meta["autoprec"]["key"]`` (e.g. ``"proj/linear#0"``; the FX name for nodes without a
+        key, such as inputs), or ``None`` when every floating value of the forward pass is finite
+        (then the non-finite gradients, if any, arise in the backward pass).
+    """
+    if isinstance(batch, Mapping):
+        return _first_nonfinite_in_graph(gm, **batch)
+    if isinstance(batch, (tuple, list)):
+        return _first_nonfinite_in_graph(gm, *batch)
+    return _first_nonfinite_in_graph(gm, batch)
+
+
+@dataclass
+class StepRecord:
+    """One optimizer step as the monitor logs it.
+
+    Attributes:
+        step: Optimizer step index (0-based, counts skipped steps).
+        loss: Unscaled loss (fp32 value as a Python float; may be inf/NaN).
+        loss_scale: Loss scale used for this step (1.0 without a scaler).
+        skipped: True if the optimizer step was skipped (non-finite gradients).
+        grad_norm: L2 norm of the unscaled gradients over all parameters (inf if any is non-finite).
+        nonfinite_grads: Number of inf/NaN gradient elements.
+        tokens_per_s: Tokens (or samples) per second of this step's wall-clock time (0 if unknown).
+        seconds: Wall-clock seconds of the step.
+        first_nonfinite_node: Key of the first forward node with a non-finite output, when the step
+            was diagnosed (only on overflow steps, see :class:`Monitor`), else None.
+    """
+
+    step: int
+    loss: float
+    loss_scale: float
+    skipped: bool
+    grad_norm: float
+    nonfinite_grads: int
+    tokens_per_s: float = 0.0
+    seconds: float = 0.0
+    first_nonfinite_node: str | None = None
+
+
+class Monitor:
+    """Per-step training monitor with a JSONL log and non-finite diagnosis.
+
+    Args:
+        path: JSONL file to append one line per step to (parent directories are created; an existing
+            file is appended to, e.g. on resume), or None to keep records in memory only.
+        graph_module: The (lowered) graph the model runs, used to diagnose overflow steps; None
+            disables diagnosis.
+        diagnose_overflows: Diagnose each step with non-finite gradients (re-runs the forward pass
+            through an interpreter: costs about one eager forward per overflow step). Only the
+            first ``max_diagnoses`` overflow steps are diagnosed.
+        max_diagnoses: Upper bound on diagnosed steps per run.
+
+    Example::
+
+        mon = Monitor("run/log.jsonl", graph_module=mp.graph_module)
+        stats = step(batch)
+        mon.record(i, stats, tokens=4096, seconds=dt, batch=batch)
+        print(mon.summary())
+    """
+
+    def __init__(self, path: str | os.PathLike | None = None, graph_module: fx.GraphModule | None = None,
+                 diagnose_overflows: bool = True, max_diagnoses: int = 3) -> None:
+        self.path = Path(path) if path is not None else None
+        self.graph_module = graph_module
+        self.diagnose_overflows = diagnose_overflows
+        self.max_diagnoses = max_diagnoses
+        self.records: list[StepRecord] = []
+        self.last_batch: Any = None
+        self._diagnosed = 0
+        self._file: IO[str] | None = None
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+
+    # -------------------------------------------------------------------------- recording
+    def record(self, step: int, stats: Any, tokens: int = 0, seconds: float = 0.0,
+               batch: Any = None) -> StepRecord:
+        """Record one step and append it to the JSONL log.
+
+        Args:
+            step: Optimizer step index.
+            stats: A :class:`~autoprec.runtime.train.StepStats` (``loss``, ``skipped``, ``loss_scale``,
+                ``grad_norm``, ``nonfinite_grads``).
+            tokens: Tokens (or samples) the step processed, for tokens/s.
+            seconds: Wall-clock seconds the step took.
+            batch: The step's batch; kept for :meth:`diagnoser` and used to diagnose an overflow step.
+
+        Returns:
+            The :class:`StepRecord` written.
+        """
+        if batch is not None:
+            self.last_batch = batch
+        rec = StepRecord(step=int(step), loss=float(stats.loss), loss_scale=float(stats.loss_scale),
+                         skipped=bool(stats.skipped), grad_norm=float(stats.grad_norm),
+                         nonfinite_grads=int(stats.nonfinite_grads),
+                         tokens_per_s=(tokens / seconds) if tokens and seconds > 0 else 0.0,
+                         seconds=float(seconds))
+        overflow = rec.nonfinite_grads > 0 or not math.isfinite(rec.loss)
+        if (overflow and self.diagnose_overflows and self.graph_module is not None and batch is not None
+                and self._diagnosed < self.max_diagnoses):
+            self._diagnosed += 1
+            rec.first_nonfinite_node = first_nonfinite_node(self.graph_module, batch)
+        self.records.append(rec)
+        if self._file is not None:
+            self._file.write(json.dumps(json_safe(asdict(rec)), allow_nan=False) + "\n")
+            self._file.flush()
+        return rec
+
+    def diagnoser(self) -> Callable[[], str | None]:
+        """A zero-argument callable for ``DynamicLossScaler(diagnose=...)``.
+
+        It re-runs :attr:`last_batch` through :func:`first_nonfinite_node` on :attr:`graph_module`.
+        The scaler raises inside ``update()``, before the step is recorded, so a training loop sets
+        ``monitor.last_batch = batch`` before each step (``autoprec.runtime.loop`` does).
+
+        Raises:
+            ValueError: the monitor has no ``graph_module``.
+        """
+        if self.graph_module is None:
+            raise ValueError("Monitor.diagnoser() needs a graph_module (e.g. MixedPrecisionModule.graph_module)")
+
+        def diagnose() -> str | None:
+            if self.last_batch is None:
+                return None
+            return first_nonfinite_node(self.graph_module, self.last_batch)
+
+        return diagnose
+
+    # -------------------------------------------------------------------------- summary
+    def summary(self) -> dict[str, Any]:
+        """Run summary (JSON-safe values).
+
+        Returns:
+            ``steps``, ``overflow_steps`` (steps with non-finite gradients or loss), ``skipped_steps``,
+            ``skip_rate`` (skipped / steps, 0 for no steps), ``first_nonfinite_nodes`` (distinct
+            diagnosed keys, in order), ``final_loss_scale``, ``max_grad_norm`` (over finite norms),
+            ``median_tokens_per_s`` (steps after the first, which may include compilation).
+        """
+        recs = self.records
+        n = len(recs)
+        overflow = [r for r in recs if r.nonfinite_grads > 0 or not math.isfinite(r.loss)]
+        skipped = sum(r.skipped for r in recs)
+        keys: list[str] = []
+        for r in recs:
+            if r.first_nonfinite_node is not None and r.first_nonfinite_node not in keys:
+                keys.append(r.first_nonfinite_node)
+        norms = [r.grad_norm for r in recs if math.isfinite(r.grad_norm)]
+        tps = sorted(r.tokens_per_s for r in recs[1:] if r.tokens_per_s > 0) or \
+            sorted(r.tokens_per_s for r in recs if r.tokens_per_s > 0)
+        return json_safe({
+            "steps": n, "overflow_steps": len(overflow), "skipped_steps": skipped,
+            "skip_rate": skipped / n if n else 0.0, "first_nonfinite_nodes": keys,
+            "final_loss_scale": recs[-1].loss_scale if recs else None,
+            "max_grad_norm": max(norms) if norms else None,
+            "median_tokens_per_s": tps[len(tps) // 2] if tps else 0.0,
+        })
+
+    def close(self) -> None:
+        """Close the JSONL file (idempotent)."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def __enter__(self) -> Monitor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """Read a monitor log back: one dict per line, ``"inf"``/``"-inf"``/``"nan"`` strings turned into floats
+    for the numeric fields."""
+    out = []
+    numeric = ("loss", "loss_scale", "grad_norm", "tokens_per_s", "seconds")
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                d = json.loads(line)
+                for k in numeric:
+                    if isinstance(d.get(k), str):
+                        d[k] = float(d[k])
+                out.append(d)
+    return out
