@@ -27,12 +27,14 @@ from autoprec.errors import (
 )
 from autoprec.policy import LossScalingConfig, Policy, Rule
 from autoprec.runtime.apply import MixedPrecisionModule, apply
+from autoprec.runtime.checkpoint import load_checkpoint, save_checkpoint
 from autoprec.runtime.monitor import Monitor
 from autoprec.runtime.scaler import DynamicLossScaler
 
 __all__ = [
     "__version__", "capture", "apply", "tune", "TuneResult", "Policy", "Rule", "LossScalingConfig",
-    "MixedPrecisionModule", "DynamicLossScaler", "Monitor", "AutoprecError", "CaptureError", "LossScaleError",
+    "MixedPrecisionModule", "DynamicLossScaler", "Monitor",
+    "save_checkpoint", "load_checkpoint", "AutoprecError", "CaptureError", "LossScaleError",
     "ModelSpecError", "PassError", "PolicyError", "SearchError",
 ]
 

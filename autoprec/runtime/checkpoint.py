@@ -1,0 +1,186 @@
+"""Training checkpoints: model, optimizer, loss scaler, policy, step counter and RNG states (DESIGN §7, C14).
+
+A checkpoint is one ``torch.save`` file whose content is plain tensors, dicts, lists, strings and
+numbers only, so it loads with ``torch.load(weights_only=True)`` (no arbitrary unpickling). It holds
+
+* ``model``: ``model.state_dict()`` (fp32 master weights; a :class:`MixedPrecisionModule` gives the
+  wrapped model's keys, so checkpoints are interchangeable with plain-model ones);
+* ``optimizer``: ``optimizer.state_dict()`` (fp32 state);
+* ``scaler``: :meth:`DynamicLossScaler.state_dict` (scale, growth tracker, skip counters), or ``{}``;
+* ``policy``: the policy JSON text (schema v1), or ``None``;
+* ``step``: the number of optimizer steps done (the next batch is ``get_batch(step)``); ``extra``: a
+  JSON-able dict of the caller's counters;
+* ``rng``: the CPU torch generator state, the CUDA generator states (if CUDA is initialised), and
+  Python's ``random`` state, so dropout and any sampling continue as in the uninterrupted run.
+
+Writes are atomic (temp file in the same directory, ``fsync``, ``os.replace``, directory ``fsync``):
+a crash leaves either the old checkpoint or the new one, never a torn file. With the same batches
+(``get_batch(step)``) and eager execution on the CPU, a resumed run is bit-identical to an
+uninterrupted one (``tests/test_checkpoint.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from autoprec.errors import AutoprecError
+from autoprec.policy import Policy
+from autoprec.runtime.scaler import DynamicLossScaler
+
+__all__ = ["CHECKPOINT_FORMAT", "Checkpoint", "load_checkpoint", "save_checkpoint"]
+
+#: Format version written under the ``"autoprec_checkpoint"`` key; loading rejects any other.
+CHECKPOINT_FORMAT = 1
+
+
+@dataclass
+class Checkpoint:
+    """What :func:`load_checkpoint` restored besides the objects it loaded into.
+
+    Attributes:
+        step: Optimizer steps done before the save (resume with batch ``get_batch(step)``).
+        policy: The saved policy, or None.
+        extra: The caller's JSON-able counters.
+    """
+
+    step: int
+    policy: Policy | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _rng_state() -> dict[str, Any]:
+    version, internal, gauss = random.getstate()
+    state: dict[str, Any] = {"torch": torch.get_rng_state(),
+                             "python": [version, list(internal), gauss]}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # pragma: no cover - e.g. platforms without directory fds
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover
+        pass
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    scaler: DynamicLossScaler | None = None, policy: Policy | None = None, step: int = 0,
+                    extra: dict[str, Any] | None = None) -> None:
+    """Write a checkpoint atomically to ``path`` (parent directories are created).
+
+    Args:
+        path: Checkpoint file (e.g. ``run/ckpt.pt``).
+        model: The model (or :class:`~autoprec.MixedPrecisionModule`) whose ``state_dict`` to save.
+        optimizer: Its optimizer.
+        scaler: The loss scaler, if training uses one (call after ``update()``).
+        policy: The policy trained with.
+        step: Optimizer steps done so far.
+        extra: JSON-able counters of the caller (ints, floats, strings, lists, dicts).
+
+    Raises:
+        OSError: the file system refused the write (an existing checkpoint at ``path`` is intact).
+    """
+    payload = {
+        "autoprec_checkpoint": CHECKPOINT_FORMAT,
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "scaler": scaler.state_dict() if scaler is not None else {},
+        "policy": policy.to_json() if policy is not None else None,
+        "step": int(step),
+        "extra": dict(extra or {}),
+        "rng": _rng_state(),
+    }
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(payload, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    _fsync_dir(target.parent)
+
+
+def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                    scaler: DynamicLossScaler | None = None, restore_rng: bool = True) -> Checkpoint:
+    """Load a checkpoint written by :func:`save_checkpoint` into ``model``, ``optimizer`` and ``scaler``.
+
+    Loading uses ``torch.load(weights_only=True, map_location="cpu")``; tensors are copied into the
+    existing parameters (in place: a :class:`MixedPrecisionModule` keeps reading the same tensors)
+    and optimizer state is moved to the parameters' device by ``Optimizer.load_state_dict``.
+
+    Args:
+        path: Checkpoint file.
+        model: Model to load the weights into (same architecture).
+        optimizer: Optimizer over ``model``'s parameters, or None to skip its state.
+        scaler: Loss scaler to restore, or None. A checkpoint without scaler state leaves it as is.
+        restore_rng: Restore the torch (CPU, CUDA) and Python RNG states.
+
+    Returns:
+        A :class:`Checkpoint` with the step counter, the saved policy and ``extra``.
+
+    Raises:
+        AutoprecError: the file is missing, not a checkpoint, of an unknown format version, or does
+            not match the model (the message names the path and the problem).
+        ValueError: the scaler state is invalid (from ``DynamicLossScaler.load_state_dict``).
+    """
+    source = os.fspath(path)
+    try:
+        payload = torch.load(source, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise AutoprecError(f"{source}: no such checkpoint") from None
+    except Exception as e:  # noqa: BLE001 - unpickling errors come in many types
+        raise AutoprecError(f"{source}: not a loadable autoprec checkpoint ({type(e).__name__}: {e})") from e
+    if not isinstance(payload, dict) or "autoprec_checkpoint" not in payload:
+        raise AutoprecError(f"{source}: not an autoprec checkpoint (no 'autoprec_checkpoint' key)")
+    if payload["autoprec_checkpoint"] != CHECKPOINT_FORMAT:
+        raise AutoprecError(f"{source}: checkpoint format {payload['autoprec_checkpoint']!r} is not supported; "
+                            f"this autoprec reads format {CHECKPOINT_FORMAT}")
+    try:
+        model.load_state_dict(payload["model"])
+    except RuntimeError as e:
+        raise AutoprecError(f"{source}: model weights do not match this model: {e}") from e
+    if optimizer is not None:
+        try:
+            optimizer.load_state_dict(payload["optimizer"])
+        except (ValueError, KeyError) as e:
+            raise AutoprecError(f"{source}: optimizer state does not match this optimizer: {e}") from e
+    if scaler is not None and payload["scaler"]:
+        scaler.load_state_dict(payload["scaler"])
+    if restore_rng:
+        _set_rng_state(payload["rng"])
+    policy = Policy.from_dict(json.loads(payload["policy"]), source=f"{source}:policy") \
+        if payload["policy"] is not None else None
+    return Checkpoint(step=int(payload["step"]), policy=policy, extra=dict(payload["extra"]))
+
