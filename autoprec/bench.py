@@ -1,0 +1,402 @@
+"""``autoprec bench``: a policy side by side with the standard baselines (DESIGN §5).
+
+In one process, on the same weights and batches, every configuration below runs full training
+steps (forward, loss, backward, optimizer step, loss scaler) through the one measurement
+:class:`~autoprec.search.measure.Harness` that ``autoprec tune`` uses:
+
+=====================  ===========================================================================
+``fp32_eager``         the user's ``nn.Module`` in fp32
+``fp32_compiled``      the captured fp32 graph compiled with Inductor
+``autocast_eager``     ``torch.autocast`` at the device's default low dtype around the ``nn.Module``
+``autocast_compiled``  ``torch.autocast`` around the compiled fp32 graph
+``pure_low_eager``     a copy of the model cast to the low dtype (``model.to(dtype)``): no master
+                       weights, optimizer state in the low dtype
+``pure_low_compiled``  that copy captured and compiled
+``policy_eager``       the policy-lowered graph (fp32 master weights)
+``policy_compiled``    the policy-lowered graph compiled (what ``autoprec train`` runs)
+=====================  ===========================================================================
+
+Compiled configurations all use :data:`autoprec.runtime.apply.INDUCTOR_OPTIONS`, so compiled
+rows differ only in their dtypes. A configuration whose first step is more than
+``max_step_ratio`` times slower than ``fp32_eager`` (e.g. bf16 on a CPU without native bf16
+arithmetic) is timed on that one step only, and its row says so.
+
+MFU counts model FLOPs per step as ``6 · N · tokens`` (N: trainable parameters except embedding
+tables, whose forward is a gather, not a matmul; Kaplan et al. 2020, PaLM appendix B) plus
+attention ``12 · layers · seq · hidden · tokens`` (QKᵀ and AV, forward + backward, full
+non-causal count as in PaLM), read from ``model.config`` when the model has one; it divides
+FLOP/s by the device's matmul peak measured in the same run with a large square matmul in the
+policy's main dtype (the dtype most of its matmuls run in).
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import json
+import math
+import os
+import platform
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from autoprec.capture import capture
+from autoprec.dtypes import NAMES, to_torch
+from autoprec.modelspec import load_model_spec
+from autoprec.passes import run_pipeline
+from autoprec.policy import Policy
+from autoprec.runtime.apply import compile_graph
+from autoprec.runtime.scaler import DynamicLossScaler
+from autoprec.runtime.train import make_scaler
+from autoprec.search.measure import Harness, Measurement, resolve_device, sync
+
+__all__ = [
+    "CONFIGS",
+    "default_low_dtype",
+    "describe_machine",
+    "format_bench_table",
+    "matmul_peak_flops",
+    "model_flops",
+    "run_bench",
+    "write_bench_json",
+]
+
+#: Every configuration ``autoprec bench`` knows, in table order.
+CONFIGS: tuple[str, ...] = (
+    "fp32_eager", "fp32_compiled", "autocast_eager", "autocast_compiled",
+    "pure_low_eager", "pure_low_compiled", "policy_eager", "policy_compiled",
+)
+
+
+def default_low_dtype(device: torch.device) -> torch.dtype:
+    """The device's default ``torch.autocast`` low dtype: bf16 on CPU, bf16 on CUDA if supported
+    (Ampere and later), else fp16."""
+    if device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        return torch.float16
+    return torch.bfloat16
+
+
+def describe_machine(device: torch.device) -> dict[str, Any]:
+    """Where the numbers come from: device name, CPU model and bf16/fp16-relevant flags, load.
+
+    Returns:
+        ``{"device", "cpu", "cpu_count", "cpu_flags", "loadavg_1m", "gpu"}``; ``cpu_flags`` maps
+        ``avx512_bf16``, ``amx_bf16``, ``avx512_fp16``, ``amx_fp16``, ``avx512f`` and ``avx2`` to
+        whether ``/proc/cpuinfo`` lists them.
+    """
+    cpu, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                elif line.startswith("flags") and not flags:
+                    flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    wanted = ("avx512_bf16", "amx_bf16", "avx512_fp16", "amx_fp16", "avx512f", "avx2")
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    return {
+        "device": gpu or f"{cpu} ({os.cpu_count()} cores)",
+        "cpu": cpu, "cpu_count": os.cpu_count(),
+        "cpu_flags": {k: k in flags for k in wanted},
+        "loadavg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        "gpu": gpu,
+    }
+
+
+def matmul_peak_flops(dtype: torch.dtype, device: torch.device, max_n: int | None = None,
+                      target_s: float = 0.25, reps: int = 3) -> tuple[float, int]:
+    """Measured matmul peak: the best FLOP/s of square ``n×n @ n×n`` matmuls, growing ``n``.
+
+    ``n`` doubles from 512 until one matmul takes ``target_s`` or ``n`` reaches ``max_n``
+    (default 8192 on CUDA, 2048 on CPU), so a dtype the device emulates slowly costs little.
+
+    Args:
+        dtype: Element dtype of both operands (the output is the same dtype).
+        device: Where to run.
+        max_n: Largest matrix size tried.
+        target_s: Stop growing once one matmul takes at least this many seconds.
+        reps: Timed repetitions per size after one warm-up; the fastest counts.
+
+    Returns:
+        ``(flops_per_s, n)``: the best rate (2·n³ FLOPs per matmul) and the size that reached it.
+    """
+    max_n = max_n or (8192 if device.type == "cuda" else 2048)
+    best, best_n, n = 0.0, 0, 512
+    while n <= max_n:
+        a = torch.randn(n, n, device=device).to(dtype)
+        b = torch.randn(n, n, device=device).to(dtype)
+        times = []
+        for _ in range(reps + 1):
+            sync(device)
+            t0 = time.perf_counter()
+            a @ b
+            sync(device)
+            times.append(time.perf_counter() - t0)
+            if times[-1] > 4 * target_s:  # emulated dtype: one slow matmul is enough
+                break
+        times = times[1:] or times
+        dt = min(times)
+        if 2 * n**3 / dt > best:
+            best, best_n = 2 * n**3 / dt, n
+        if dt >= target_s:
+            break
+        n *= 2
+    return best, best_n
+
+
+def model_flops(model: nn.Module, batch: Any, tokens: int) -> dict[str, Any]:
+    """Training FLOPs per step: ``6·N·tokens`` plus attention ``12·layers·seq·hidden·tokens``.
+
+    Args:
+        model: The fp32 model (``model.config`` with ``num_hidden_layers`` and ``hidden_size``
+            enables the attention term).
+        batch: One batch (``input_ids`` or the first tensor gives the sequence length, last dim).
+        tokens: Tokens per batch.
+
+    Returns:
+        ``{"flops_per_step", "params_matmul", "params_embedding", "layers", "seq", "hidden",
+        "formula"}`` (FLOPs, counts).
+    """
+    emb = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    params = [p for p in model.parameters() if p.requires_grad]
+    n_emb = sum(p.numel() for p in params if id(p) in emb)
+    n_mm = sum(p.numel() for p in params) - n_emb
+    cfg = getattr(model, "config", None)
+    layers = int(getattr(cfg, "num_hidden_layers", 0) or 0)
+    hidden = int(getattr(cfg, "hidden_size", 0) or 0)
+    x = batch.get("input_ids") if isinstance(batch, dict) else batch[0] if isinstance(batch, (tuple, list)) else batch
+    seq = int(x.shape[-1]) if isinstance(x, torch.Tensor) and x.dim() >= 1 else 0
+    flops = 6 * n_mm * tokens + 12 * layers * seq * hidden * tokens
+    return {"flops_per_step": float(flops), "params_matmul": n_mm, "params_embedding": n_emb,
+            "layers": layers, "seq": seq, "hidden": hidden,
+            "formula": "6*params_matmul*tokens + 12*layers*seq*hidden*tokens"}
+
+
+def _main_dtype(lowered: torch.fx.GraphModule, policy: Policy) -> str:
+    """Most common dtype among the lowered graph's ``matmul``-class nodes (else the default)."""
+    seen = Counter(n.meta["autoprec"]["dtype"] for n in lowered.graph.nodes
+                   if n.meta.get("autoprec", {}).get("op_class") == "matmul" and n.meta["autoprec"].get("dtype"))
+    return seen.most_common(1)[0][0] if seen else policy.default_dtype
+
+
+@dataclass
+class _Config:
+    """How to run one configuration: module, scaler, autocast dtype and harness (weights)."""
+
+    fn: Callable[[], Any]
+    harness: Harness
+    scaler: Callable[[], DynamicLossScaler | None]
+    autocast: torch.dtype | None
+    dtype: str
+    compiled: bool
+
+
+def _pure_low(h: Harness, dtype: torch.dtype) -> Harness:
+    """A shallow copy of ``h`` whose model, parameters and initial weights are ``dtype`` copies
+    (same values rounded; no fp32 master weights); batches and FP32 reference are shared."""
+    low = copy.copy(h)
+    low.model = copy.deepcopy(h.model).to(dtype)
+    low.params = [p for p in low.model.parameters() if p.requires_grad]
+    low.initial = [p.detach().clone() for p in low.params]
+    return low
+
+
+def _build_configs(h: Harness, policy: Policy, low: torch.dtype, names: Sequence[str]) -> dict[str, _Config]:
+    lowered = run_pipeline(h.graph_module, policy).graph_module
+    pol_scaler = lambda: make_scaler(policy)
+    low_scaler = (lambda: DynamicLossScaler()) if low == torch.float16 else (lambda: None)
+    lname, pdt = NAMES[low], _main_dtype(lowered, policy)
+    plow = _pure_low(h, low) if any(n.startswith("pure_low") for n in names) else None
+    table = {
+        "fp32_eager": lambda: _Config(lambda: h.model, h, lambda: None, None, "fp32", False),
+        "fp32_compiled": lambda: _Config(lambda: compile_graph(h.graph_module), h, lambda: None, None, "fp32", True),
+        "autocast_eager": lambda: _Config(lambda: h.model, h, low_scaler, low, lname, False),
+        "autocast_compiled": lambda: _Config(lambda: compile_graph(h.graph_module), h, low_scaler, low, lname, True),
+        "pure_low_eager": lambda: _Config(lambda: plow.model, plow, low_scaler, None, lname, False),
+        "pure_low_compiled": lambda: _Config(lambda: compile_graph(capture(plow.model, plow.batches[0])), plow,
+                                             low_scaler, None, lname, True),
+        "policy_eager": lambda: _Config(lambda: lowered, h, pol_scaler, None, pdt, False),
+        "policy_compiled": lambda: _Config(lambda: compile_graph(lowered), h, pol_scaler, None, pdt, True),
+    }
+    return {n: table[n]() for n in names}
+
+
+def _fin(x: float | None) -> float | None:
+    return x if isinstance(x, (int, float)) and math.isfinite(x) else None
+
+
+def _row(m: Measurement, cfg: _Config, flops: float, peak: float, ratio: float) -> dict[str, Any]:
+    too_slow = m.error is not None and m.error.startswith("too slow")
+    step = m.step_s if m.step_times else math.inf
+    return {
+        "dtype": cfg.dtype, "compiled": cfg.compiled,
+        "step_s": _fin(step), "tokens_per_s": m.tokens_per_s if m.step_times else 0.0,
+        "grad_rel_l2": _fin(m.grad_rel_l2), "loss_rel": _fin(m.loss_rel),
+        "grad_sqnr_db_min": _fin(m.grad_sqnr_db_min), "peak_bytes": int(m.peak_bytes),
+        "mfu": (flops / step / peak) if (m.step_times and peak > 0) else None,
+        "steps_timed": len(m.step_times), "step_times": list(m.step_times),
+        "capped": too_slow,
+        "note": (f"timed on 1 step: first step {step:.1f} s > {ratio:g}x fp32 eager" if too_slow else None),
+        "error": None if too_slow else m.error,
+    }
+
+
+def _log(msg: str, quiet: bool) -> None:
+    if not quiet:
+        print(f"[autoprec bench] {msg}", flush=True)
+
+
+def run_bench(model_path: str | os.PathLike, policy: Policy | str | os.PathLike, steps: int = 5, warmup: int = 2,
+              device: str = "auto", configs: Sequence[str] | None = None, max_step_ratio: float = 10.0,
+              skip_slow: bool = False, quiet: bool = False) -> dict[str, Any]:
+    """Measure ``policy`` and the baselines (:data:`CONFIGS`) on ``model_path`` in this process.
+
+    Args:
+        model_path: Model file (DESIGN §2).
+        policy: A :class:`Policy` or a policy JSON file.
+        steps: Timed training steps per configuration (median reported).
+        warmup: Untimed steps before timing.
+        device: ``auto``, ``cpu``, ``cuda``.
+        configs: Subset of :data:`CONFIGS` (``fp32_eager`` is always measured: it is the reference).
+        max_step_ratio: A configuration whose step exceeds this multiple of ``fp32_eager``'s
+            (floor 1 s) is timed on one step only and flagged ``capped``.
+        skip_slow: Skip (not run) low-precision baselines when the low dtype's measured matmul
+            peak is more than ``max_step_ratio`` times below fp32's; for CPUs that emulate bf16.
+
+    Returns:
+        ``{"device", "machine", "torch", "autoprec", "date", "model", "policy", "steps", "warmup",
+        "tokens_per_batch", "flops", "matmul_peak", "low_dtype", "configs": {name: row}}`` where a
+        row holds ``step_s`` (s), ``tokens_per_s``, ``ratio_vs_fp32_eager``,
+        ``ratio_vs_autocast_compiled`` (throughput ratios; > 1 is faster), ``grad_rel_l2``,
+        ``peak_bytes`` (bytes), ``mfu`` (0..1), ``steps_timed``, ``capped``, ``note``, ``error``.
+        Non-finite numbers are ``None``.
+
+    Raises:
+        ModelSpecError, CaptureError, PolicyError: bad model or policy file.
+        ValueError: unknown configuration name or device.
+    """
+    from autoprec._version import __version__
+
+    names = list(configs) if configs else list(CONFIGS)
+    bad = [n for n in names if n not in CONFIGS]
+    if bad:
+        raise ValueError(f"unknown bench config(s) {', '.join(bad)}; valid: {', '.join(CONFIGS)}")
+    names = ["fp32_eager"] + [n for n in CONFIGS if n in names and n != "fp32_eager"]
+    pol = policy if isinstance(policy, Policy) else Policy.load(policy)
+    spec = load_model_spec(model_path)
+    dev = resolve_device(device)
+    low = default_low_dtype(dev)
+    h = Harness(spec, dev, warmup=warmup, steps=steps)
+    flops = model_flops(h.model, h.batches[0], h.tokens)
+    cfgs = _build_configs(h, pol, low, names)
+    main = cfgs["policy_eager"].dtype if "policy_eager" in cfgs else _main_dtype(
+        run_pipeline(h.graph_module, pol).graph_module, pol)
+    peaks = {}
+    for dn in dict.fromkeys([main, "fp32", NAMES[low]]):
+        peaks[dn], n = matmul_peak_flops(to_torch(dn), dev)
+        _log(f"matmul peak {dn}: {peaks[dn] / 1e12:.3f} TFLOP/s (n={n})", quiet)
+    slow_low = peaks[NAMES[low]] * max_step_ratio < peaks["fp32"]
+    rows: dict[str, dict[str, Any]] = {}
+    limit: float | None = None
+    for name in names:
+        cfg = cfgs[name]
+        if skip_slow and slow_low and cfg.dtype == NAMES[low] and not name.startswith("policy"):
+            rows[name] = _skipped(cfg, f"skipped: {NAMES[low]} matmul measured "
+                                       f"{peaks['fp32'] / peaks[NAMES[low]]:.0f}x slower than fp32 here")
+            _log(f"{name}: {rows[name]['note']}", quiet)
+            continue
+        _log(f"{name}: measuring ({cfg.dtype}{', compiling' if cfg.compiled else ''})", quiet)
+        t0 = time.perf_counter()
+        try:
+            m = cfg.harness.measure(cfg.fn(), cfg.scaler, cfg.autocast, max_step_s=limit)
+        except Exception as e:  # noqa: BLE001 - a configuration that cannot run is reported, not fatal
+            m = Measurement(error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        finally:
+            cfg.harness.restore()
+        rows[name] = _row(m, cfg, flops["flops_per_step"], peaks[main], max_step_ratio)
+        rows[name]["wall_s"] = time.perf_counter() - t0
+        if name == "fp32_eager" and m.step_times:
+            limit = max(max_step_ratio * m.step_s, 1.0)
+        _log(f"{name}: {rows[name]['tokens_per_s']:.0f} tok/s, grad_rel_l2 {rows[name]['grad_rel_l2']}, "
+             f"{rows[name]['wall_s']:.0f} s" + (f" ({rows[name]['note'] or rows[name]['error']})"
+                                              if rows[name]['note'] or rows[name]['error'] else ""), quiet)
+    _ratios(rows)
+    machine = describe_machine(dev)
+    return {
+        "device": machine["device"], "machine": machine, "torch": torch.__version__, "autoprec": __version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "model": str(spec.path), "policy": pol.to_dict(), "policy_main_dtype": main, "low_dtype": NAMES[low],
+        "steps": steps, "warmup": warmup, "max_step_ratio": max_step_ratio, "tokens_per_batch": h.tokens,
+        "flops": flops, "matmul_peak": {"dtype": main, "flops_per_s": peaks[main],
+                                        "by_dtype": peaks},
+        "configs": rows,
+    }
+
+
+def _skipped(cfg: _Config, note: str) -> dict[str, Any]:
+    return {"dtype": cfg.dtype, "compiled": cfg.compiled, "step_s": None, "tokens_per_s": 0.0,
+            "grad_rel_l2": None, "loss_rel": None, "grad_sqnr_db_min": None, "peak_bytes": 0, "mfu": None,
+            "steps_timed": 0, "step_times": [], "capped": False, "skipped": True, "note": note, "error": None}
+
+
+def _ratios(rows: dict[str, dict[str, Any]]) -> None:
+    base = rows["fp32_eager"]["tokens_per_s"]
+    ac = rows.get("autocast_compiled", {}).get("tokens_per_s") or 0.0
+    for r in rows.values():
+        t = r["tokens_per_s"]
+        r["ratio_vs_fp32_eager"] = t / base if (base and t) else None
+        r["ratio_vs_autocast_compiled"] = t / ac if (ac and t) else None
+
+
+def format_bench_table(result: dict[str, Any]) -> str:
+    """Markdown table of a :func:`run_bench` result (one row per configuration)."""
+    def num(x: float | None, fmt: str) -> str:
+        return "—" if x is None else format(x, fmt)
+
+    lines = [("| config | dtype | step s | tokens/s | vs fp32 eager | vs autocast+compile | grad_rel_l2 "
+             "| peak MiB | MFU | steps | note |"),
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for name, r in result["configs"].items():
+        lines.append(
+            f"| {name} | {r['dtype']} | {num(r['step_s'], '.3f')} | {num(r['tokens_per_s'] or None, '.0f')} | "
+            f"{num(r['ratio_vs_fp32_eager'], '.2f')} | {num(r['ratio_vs_autocast_compiled'], '.2f')} | "
+            f"{num(r['grad_rel_l2'], '.2e')} | {num(r['peak_bytes'] / 2**20 if r['peak_bytes'] else None, '.1f')} | "
+            f"{num(r['mfu'] * 100 if r['mfu'] is not None else None, '.2f')}% | {r['steps_timed']} | "
+            f"{r.get('note') or r.get('error') or ''} |")
+    mp = result["matmul_peak"]
+    lines.append("")
+    lines.append(f"{result['device']}; torch {result['torch']}; {result['date']}; "
+                 f"{result['tokens_per_batch']} tokens/step; model {result['flops']['flops_per_step'] / 1e9:.1f} "
+                 f"GFLOP/step; MFU vs measured {mp['dtype']} matmul peak {mp['flops_per_s'] / 1e12:.3f} TFLOP/s")
+    return "\n".join(lines)
+
+
+def write_bench_json(result: dict[str, Any], path: str | os.PathLike) -> None:
+    """Write ``result`` as JSON (atomic: temp file, fsync, rename); non-finite floats become null."""
+    def clean(x: Any) -> Any:
+        if isinstance(x, float) and not math.isfinite(x):
+            return None
+        if isinstance(x, dict):
+            return {k: clean(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [clean(v) for v in x]
+        return x
+
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(p.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(clean(result), f, indent=2, allow_nan=False)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, p)
