@@ -162,3 +162,33 @@ def test_unknown_modes_rejected(net):
         run_pipeline(gm, Policy.default(), placement="best")
     with pytest.raises(ValueError, match="strict"):
         run_pipeline(gm, Policy.default(), constants="ignore")
+
+
+class TwoLow(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        return self.b(h * 0.5) + h
+
+
+def test_two_low_dtypes_in_one_policy():
+    """fp16 for module a, bf16 elsewhere: follow nodes take a low dtype of their neighbours,
+    every edge is consistent (verify) and the result matches fp32."""
+    torch.manual_seed(0)
+    m = TwoLow()
+    x = torch.randn(4, 8)
+    gm = capture(m, (x,))
+    policy = Policy(default_dtype="bf16", rules=(Rule(module="a", op_class="matmul", dtype="fp16"),))
+    r = run_pipeline(gm, policy)
+    d = {n.meta["autoprec"].get("key"): n.meta["autoprec"].get("dtype") for n in r.graph_module.graph.nodes
+         if "key" in n.meta.get("autoprec", {})}
+    assert d["a/linear#0"] == "fp16" and d["b/linear#0"] == "bf16"
+    assert d["relu#0"] in ("fp16", "bf16")
+    for n in r.graph_module.graph.nodes:
+        if n.meta.get("autoprec", {}).get("inserted_cast"):
+            assert n.meta["autoprec"]["decided_by"] == "insert_casts"
+    torch.testing.assert_close(r.graph_module(x), m(x), rtol=3e-2, atol=3e-2)

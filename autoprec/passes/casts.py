@@ -91,6 +91,7 @@ def insert_casts(gm: fx.GraphModule) -> PassResult:
                 c.meta["val"] = u.meta["val"]
             c.meta["nn_module_stack"] = u.meta.get("nn_module_stack", {})
             c.meta["autoprec"] = {"dtype": dt, "inserted_cast": True, "op_class": "cast",
+                                  "decided_by": PASS, "reason": f"{du} producer read in {dt}",
                                   "key": f"cast({u.meta.get('autoprec', {}).get('key', u.name)})->{dt}"}
             cache[(u, dt)] = c
             stats["casts"] += 1
