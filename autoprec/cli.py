@@ -10,6 +10,7 @@ import argparse
 import math
 import sys
 import time
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -49,6 +50,14 @@ def _parser() -> argparse.ArgumentParser:
                    help="low dtypes to search: 'auto' (those the device runs faster than fp32, measured) "
                         "or a list such as bf16,fp16")
     t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--traj-steps", type=int, default=20,
+                   help="optimizer steps of the traj_rel check on finalists that lower anything (0: off)")
+    t.add_argument("--finalists", type=int, default=2, help="fastest feasible trials re-measured compiled")
+
+    rp = sub.add_parser("report", help="write the report (Pareto front, trials table) of a study")
+    rp.add_argument("--storage", required=True, help="Optuna storage URL, e.g. sqlite:///policy.optuna.db")
+    rp.add_argument("--study-name", required=True)
+    rp.add_argument("--out", default="report", help="path stem of the files written (default: report)")
 
     r = sub.add_parser("train", help="train with a policy")
     r.add_argument("model")
@@ -57,10 +66,37 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--device", default="auto")
     r.add_argument("--no-compile", action="store_true")
     r.add_argument("--log-every", type=int, default=1)
+    r.add_argument("--checkpoint", default=None, metavar="PATH",
+                   help="checkpoint file written at the end (and every --checkpoint-every steps)")
+    r.add_argument("--resume", action="store_true", help="continue from --checkpoint if it exists")
+    r.add_argument("--checkpoint-every", type=int, default=0, metavar="N")
+    r.add_argument("--log", default=None, metavar="JSONL", help="append per-step monitor records here")
+    r.add_argument("--max-grad-norm", type=float, default=None, help="clip unscaled gradients to this norm")
+    r.add_argument("--compare", default=None, metavar="LIST",
+                   help="convergence check: also train these baselines (fp32,autocast) from the same "
+                        "weights on the same batches and compare the loss curves")
+    r.add_argument("--out-dir", default="convergence", help="where --compare writes JSON + PNG")
 
     s = sub.add_parser("show", help="print a policy file (and per-node dtypes with --model)")
     s.add_argument("policy")
     s.add_argument("--model", default=None)
+
+    b = sub.add_parser("bench", help="time a policy side by side with fp32, autocast and pure low precision")
+    b.add_argument("model", help="model file (DESIGN §2)")
+    b.add_argument("--policy", required=True, help="policy JSON file")
+    b.add_argument("--steps", type=int, default=5, help="timed steps per configuration (median reported)")
+    b.add_argument("--warmup", type=int, default=2, help="untimed steps before timing")
+    b.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    b.add_argument("--json", default=None, help="write the results as JSON here")
+    b.add_argument("--md", default=None, help="write the markdown table here")
+    b.add_argument("--configs", nargs="+", default=None,
+                   help="subset of: fp32_eager fp32_compiled autocast_eager autocast_compiled pure_low_eager "
+                        "pure_low_compiled policy_eager policy_compiled (default all)")
+    b.add_argument("--max-step-ratio", type=float, default=10.0,
+                   help="time a config on one step only when its step exceeds this multiple of fp32 eager's")
+    b.add_argument("--skip-slow", action="store_true",
+                   help="skip low-precision baselines when the device's low-dtype matmul is more than "
+                        "--max-step-ratio times slower than fp32 (CPUs that emulate bf16)")
     return p
 
 
@@ -69,7 +105,7 @@ def _cmd_tune(a: argparse.Namespace) -> int:
 
     res = tune(a.model, trials=a.trials, timeout=a.timeout, max_drift=a.max_drift, device=a.device,
                storage=a.storage, study_name=a.study_name, compile=not a.no_compile, out=a.out,
-               seed=a.seed, dtypes=a.dtypes)
+               seed=a.seed, dtypes=a.dtypes, traj_steps=a.traj_steps, finalists=a.finalists)
     print()
     print(format_table(res.table))
     m = res.policy.measured
@@ -81,13 +117,56 @@ def _cmd_tune(a: argparse.Namespace) -> int:
 
 
 def _cmd_train(a: argparse.Namespace) -> int:
+    if a.compare is not None:
+        return _cmd_compare(a)
+    if a.resume and a.checkpoint is None:
+        print("autoprec train: error: --resume needs --checkpoint PATH", file=sys.stderr)
+        return 2
     from autoprec.runtime.loop import train
 
     res = train(a.model, a.policy, steps=a.steps, device=a.device, compile=not a.no_compile,
-                log_every=a.log_every)
+                log_every=a.log_every, checkpoint=a.checkpoint, resume=a.resume,
+                checkpoint_every=a.checkpoint_every, log_path=a.log, max_grad_norm=a.max_grad_norm)
     print(f"final loss {res.final_loss:.4f}; {res.tokens_per_s:.0f} tokens/s; "
           f"skipped steps {res.skipped}; loss scale {res.loss_scale:g}")
     return 0 if math.isfinite(res.final_loss) else 1
+
+
+def _cmd_compare(a: argparse.Namespace) -> int:
+    """``autoprec train --compare fp32,autocast``: convergence check against the baselines."""
+    from autoprec.runtime.compare import BASELINES, compare
+
+    names = [n.strip() for n in a.compare.split(",") if n.strip()]
+    bad = [n for n in names if n not in BASELINES]
+    if bad:
+        print(f"autoprec train: error: --compare: unknown baseline {bad[0]!r}; valid: {', '.join(BASELINES)}",
+              file=sys.stderr)
+        return 2
+    res = compare(a.model, a.policy, a.steps, baselines=names, device=a.device, compile=not a.no_compile,
+                  out_dir=a.out_dir, log_every=a.log_every)
+    print(f"\n{'config':10s} {'max rel dev vs fp32':>20s} {'held-out loss':>14s} {'s/step':>8s} {'skipped':>8s}")
+    for name in res.curves:
+        print(f"{name:10s} {res.max_rel_dev[name]:20.3e} {res.heldout_loss[name]:14.4f} "
+              f"{res.seconds_per_step[name]:8.3f} {res.skipped[name]:8d}")
+    print(f"wrote {a.out_dir}/convergence.json and {a.out_dir}/convergence.png")
+    return 0 if all(math.isfinite(x) for x in res.curves["policy"]) else 1
+
+
+def _cmd_report(a: argparse.Namespace) -> int:
+    import optuna
+
+    from autoprec.errors import SearchError
+    from autoprec.report import write_report
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    try:
+        study = optuna.load_study(study_name=a.study_name, storage=a.storage)
+    except KeyError:
+        names = [s.study_name for s in optuna.get_all_study_summaries(a.storage)]
+        raise SearchError(f"{a.storage}: no study named {a.study_name!r}; studies there: {names}") from None
+    for p in write_report(study, a.out):
+        print(f"wrote {p}")
+    return 0
 
 
 def _cmd_show(a: argparse.Namespace) -> int:
@@ -102,12 +181,42 @@ def _cmd_show(a: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench(a: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from autoprec.bench import format_bench_table, run_bench, write_bench_json
+
+    try:
+        res = run_bench(a.model, a.policy, steps=a.steps, warmup=a.warmup, device=a.device, configs=a.configs,
+                        max_step_ratio=a.max_step_ratio, skip_slow=a.skip_slow)
+    except ValueError as e:
+        print(f"autoprec bench: error: {e}", file=sys.stderr)
+        return 2
+    table = format_bench_table(res)
+    print()
+    print(table)
+    if a.json:
+        write_bench_json(res, a.json)
+        print(f"wrote {a.json}")
+    if a.md:
+        Path(a.md).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.md).write_text(table + "\n")
+        print(f"wrote {a.md}")
+    return 0
+
+
+_COMMANDS = {"tune": _cmd_tune, "train": _cmd_train, "show": _cmd_show, "report": _cmd_report,
+             "bench": _cmd_bench}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``autoprec`` console script; returns the exit code."""
     args = _parser().parse_args(argv)
+    # torch.export's pytree deprecation notice is noise for users of the CLI.
+    warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
     t0 = time.perf_counter()
     try:
-        code = {"tune": _cmd_tune, "train": _cmd_train, "show": _cmd_show}[args.cmd](args)
+        code = _COMMANDS[args.cmd](args)
     except AutoprecError as e:
         print(f"autoprec {args.cmd}: error: {e}", file=sys.stderr)
         return 2
