@@ -92,7 +92,8 @@ class Measurement:
         peak_bytes: CUDA peak allocated bytes; on CPU bytes saved for backward + parameter,
             gradient and optimizer-state bytes.
         step_times: All timed step durations (seconds).
-        error: Why the measurement failed (non-finite, too slow, compile error), else None.
+        error: Why the measurement failed (non-finite values, compile error, out of memory).
+        note: Remarks that do not invalidate it (e.g. timed on fewer steps because too slow).
     """
 
     step_s: float = math.inf
@@ -103,6 +104,7 @@ class Measurement:
     peak_bytes: int = 0
     step_times: list[float] = field(default_factory=list)
     error: str | None = None
+    note: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain-dict form (JSON-ready except for inf, which callers map to None)."""
@@ -222,7 +224,7 @@ class Harness:
         try:
             m.step_times = self._time(fn, scaler_factory(), autocast_dtype, max_step_s)
         except _TooSlow as e:
-            m.step_times, m.error = [e.seconds], str(e)
+            m.step_times, m.note = [e.seconds], str(e)
         except Exception as e:
             m.error = _describe_failure(e)
             return m
@@ -288,7 +290,7 @@ def _describe_failure(e: BaseException) -> str:
 
 class _TooSlow(Exception):
     def __init__(self, seconds: float, limit: float) -> None:
-        super().__init__(f"too slow: a training step took {seconds:.2f} s (limit {limit:.2f} s)")
+        super().__init__(f"timed on one step: it took {seconds:.2f} s (> {limit:.2f} s)")
         self.seconds = seconds
 
 

@@ -8,6 +8,7 @@ is dropped from the space with the measured reason.
 
 from __future__ import annotations
 
+import re
 import statistics
 import time
 from collections.abc import Mapping
@@ -17,9 +18,10 @@ import optuna
 import torch
 
 from autoprec.dtypes import LOW_DTYPES, to_torch
+from autoprec.ops import classify
 from autoprec.policy import Policy, Rule
 
-__all__ = ["DtypeProbe", "probe_dtypes", "SearchSpace", "BASELINES"]
+__all__ = ["DtypeProbe", "probe_dtypes", "SearchSpace", "BASELINES", "find_blocks", "outside_matmuls"]
 
 
 @dataclass(frozen=True)
@@ -98,43 +100,99 @@ BASELINES: tuple[tuple[str, Mapping[str, str]], ...] = (
 )
 
 
-class SearchSpace:
-    """Per-op-class dtype choices over the dtypes the device runs usefully.
+_BLOCK = re.compile(r"^(.*?\.\d+)(?:\.|$)")
 
-    Parameters (Optuna categorical): ``matmul`` and ``sensitive`` in ``fp32`` + usable low
-    dtypes; ``follow`` in ``auto`` (min-cut placement), ``fp32`` + usable low dtypes.
+
+def find_blocks(gm: torch.fx.GraphModule) -> list[str]:
+    """Repeated layer blocks of a captured graph, in graph order: the module path up to the first
+    numeric component (``model.layers.3``, ``transformer.h.0``, ``encoder.block.1``)."""
+    seen: dict[str, None] = {}
+    for n in gm.graph.nodes:
+        mod = n.meta.get("autoprec", {}).get("module", "")
+        m = _BLOCK.match(mod)
+        if m:
+            seen.setdefault(m.group(1), None)
+    return list(seen)
+
+
+def outside_matmuls(gm: torch.fx.GraphModule, blocks: list[str]) -> list[str]:
+    """Keys of ``matmul`` nodes outside every block (e.g. ``lm_head/linear#0``): few, large and
+    often the most sensitive nodes, so each gets its own search parameter."""
+    out = []
+    for n in gm.graph.nodes:
+        meta = n.meta.get("autoprec", {})
+        if n.op != "call_function" or classify(n) != "matmul":
+            continue
+        mod = meta.get("module", "")
+        if not any(mod == b or mod.startswith(b + ".") for b in blocks):
+            out.append(meta["key"])
+    return out
+
+
+class SearchSpace:
+    """Hierarchical dtype choices over the dtypes the device runs usefully.
+
+    Levels (the number of parameters grows linearly with the number of layers):
+
+    1. Op class: ``matmul`` and ``sensitive`` in fp32 + usable low dtypes; ``follow`` in
+       ``auto`` (min-cut placement), fp32 + usable low dtypes.
+    2. Per layer block: ``block:<path>`` in ``inherit`` or a dtype for that block's matmuls.
+    3. Per node: ``node:<key>`` for matmul nodes outside the blocks (LM head, projections) in
+       ``inherit`` or a dtype.
+
+    Levels 2–3 exist only when a low dtype is usable (otherwise every choice is fp32).
 
     Args:
         low_dtypes: Usable low dtypes, fastest first (from :func:`probe_dtypes`).
+        blocks: Block module paths (:func:`find_blocks`).
+        nodes: Node keys with their own parameter (:func:`outside_matmuls`).
     """
 
-    def __init__(self, low_dtypes: list[str]) -> None:
+    def __init__(self, low_dtypes: list[str], blocks: list[str] = (), nodes: list[str] = ()) -> None:
         self.low_dtypes = list(low_dtypes)
         self.dtypes = ["fp32", *self.low_dtypes]
+        self.blocks = list(blocks) if self.low_dtypes else []
+        self.nodes = list(nodes) if self.low_dtypes else []
+
+    @property
+    def n_params(self) -> int:
+        """Number of free parameters."""
+        return 3 + len(self.blocks) + len(self.nodes)
 
     def suggest(self, trial: optuna.Trial) -> dict[str, str]:
         """Sample one parameter set."""
-        return {
+        p = {
             "matmul": trial.suggest_categorical("matmul", self.dtypes),
             "sensitive": trial.suggest_categorical("sensitive", self.dtypes),
             "follow": trial.suggest_categorical("follow", ["auto", *self.dtypes]),
         }
+        for b in self.blocks:
+            p[f"block:{b}"] = trial.suggest_categorical(f"block:{b}", ["inherit", *self.dtypes])
+        for k in self.nodes:
+            p[f"node:{k}"] = trial.suggest_categorical(f"node:{k}", ["inherit", *self.dtypes])
+        return p
 
     def baselines(self) -> list[tuple[str, dict[str, str]]]:
-        """Baseline parameter sets with ``{low}`` filled in by the fastest usable low dtype."""
+        """Baseline parameter sets (:data:`BASELINES`) with ``{low}`` = the fastest usable low
+        dtype and every block/node parameter ``inherit``."""
+        rest = {f"block:{b}": "inherit" for b in self.blocks} | {f"node:{k}": "inherit" for k in self.nodes}
         if not self.low_dtypes:
             return [(BASELINES[0][0], dict(BASELINES[0][1]))]
         low = self.low_dtypes[0]
-        return [(name, {k: v.format(low=low) for k, v in p.items()}) for name, p in BASELINES]
+        return [(name, {k: v.format(low=low) for k, v in p.items()} | rest) for name, p in BASELINES]
 
     @staticmethod
     def to_policy(params: Mapping[str, str]) -> Policy:
-        """Build the policy a parameter set stands for.
-
-        Raises:
-            PolicyError: an invalid combination (cannot happen for sampled parameters).
-        """
+        """Build the policy a parameter set stands for (later rules override earlier ones;
+        node rules win, DESIGN §4)."""
         rules = [Rule(op_class="sensitive", dtype=params["sensitive"])]
         if params["follow"] != "auto":
             rules.append(Rule(op_class="follow", dtype=params["follow"]))
+        for name, value in params.items():
+            if value == "inherit":
+                continue
+            if name.startswith("block:"):
+                rules.append(Rule(module=name[len("block:"):] + ".*", op_class="matmul", dtype=value))
+            elif name.startswith("node:"):
+                rules.append(Rule(node=name[len("node:"):], dtype=value))
         return Policy(default_dtype=params["matmul"], rules=tuple(rules))

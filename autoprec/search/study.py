@@ -1,10 +1,11 @@
 """``autoprec.tune``: an Optuna study over policies, measured on the device (DESIGN §1, §5).
 
-Flow: load model.py -> capture -> FP32 reference -> probe dtypes -> baselines (FP32, torch.autocast
-eager and compiled) -> Optuna trials (each lowers the graph and measures eager training steps and
-``grad_rel_l2``; duplicates of an already measured per-node dtype assignment reuse its result) ->
-finalists (fastest feasible trials) compiled with Inductor and measured again, drift included, on
-the compiled form -> the fastest compiled finalist within the drift budget -> policy file.
+Flow: load model.py -> capture -> FP32 reference -> probe dtypes -> baselines (FP32 and
+torch.autocast, eager) -> Optuna trials (each lowers the graph and measures eager training steps,
+``grad_rel_l2`` and memory; a per-node dtype assignment already measured in the study is reused)
+-> finalists (fastest feasible trials) compiled with Inductor and measured again on the compiled
+form, drift included, and checked on ``traj_rel`` over K optimizer steps -> the fastest finalist
+within the budgets -> policy file + report.
 
 Screening eagerly and compiling only finalists keeps a trial to seconds instead of a ~60 s
 Inductor compile; the finalists' compiled numbers are what the policy file reports.
@@ -13,11 +14,11 @@ Inductor compile; the finalists' compiled numbers are what the policy file repor
 from __future__ import annotations
 
 import hashlib
+import warnings
 import math
 import os
 import platform
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,12 +34,13 @@ from autoprec.passes import run_pipeline
 from autoprec.policy import Policy
 from autoprec.runtime.apply import compile_graph
 from autoprec.runtime.train import make_scaler
-from autoprec.search.measure import Harness, Measurement, resolve_device
-from autoprec.search.space import SearchSpace, probe_dtypes
+from autoprec.search.measure import Harness, Measurement, resolve_device, traj_rel
+from autoprec.search.objective import ATTR, DIRECTIONS, Objective
+from autoprec.search.space import SearchSpace, find_blocks, outside_matmuls, probe_dtypes
 
-__all__ = ["TuneResult", "Objective", "tune", "policy_fingerprint", "graph_fingerprint", "default_storage"]
+__all__ = ["TuneResult", "tune", "graph_fingerprint", "default_storage", "device_name", "open_study"]
 
-_A = "autoprec:"  # user-attribute namespace (optuna-integration style)
+_A = ATTR
 
 
 def graph_fingerprint(gm: torch.fx.GraphModule) -> str:
@@ -48,20 +50,6 @@ def graph_fingerprint(gm: torch.fx.GraphModule) -> str:
         v = n.meta.get("val")
         h.update(f"{n.op}|{n.meta.get('autoprec', {}).get('key', n.target)}|{getattr(v, 'shape', '')}|"
                  f"{getattr(v, 'dtype', '')};".encode())
-    return h.hexdigest()[:16]
-
-
-def policy_fingerprint(lowered: torch.fx.GraphModule) -> str:
-    """SHA-256 (16 hex) of the effective per-node dtypes of a lowered graph.
-
-    Two policies with the same fingerprint run the same computation, whatever parameters
-    produced them; the study measures it once.
-    """
-    h = hashlib.sha256()
-    for n in lowered.graph.nodes:
-        meta = n.meta.get("autoprec", {})
-        if meta.get("dtype") is not None:
-            h.update(f"{meta.get('key', n.name)}={meta['dtype']};".encode())
     return h.hexdigest()[:16]
 
 
@@ -94,7 +82,7 @@ class TuneResult:
         study: The Optuna study (all trials and their ``autoprec:`` user attributes).
         table: Rows ``{"config", "tokens_per_s", "speedup_vs_fp32", "grad_rel_l2", "peak_bytes"}``
             for FP32, torch.autocast (eager and compiled) and the chosen policy.
-        timings: Seconds spent per phase (capture, baselines, trials, finalists).
+        timings: Seconds spent per phase (capture, probe, baselines, trials, compile, finalists).
         probes: Per-dtype matmul probe results.
     """
 
@@ -105,89 +93,13 @@ class TuneResult:
     probes: dict[str, Any] = field(default_factory=dict)
 
 
-class Objective:
-    """Optuna objective: params -> policy -> lowered graph -> eager measurement.
-
-    Returns tokens/s (maximised). The drift constraint ``grad_rel_l2 - budget`` (feasible when
-    ≤ 0) is stored as ``autoprec:constraint`` for the sampler's ``constraints_func``. A trial
-    whose graph fails to lower, produces non-finite values or runs too slowly returns NaN, which
-    Optuna records as FAIL, with the reason in ``autoprec:error``; the study goes on.
-
-    Args:
-        harness: Shared model/graph/reference.
-        space: The search space.
-        budget: Maximum ``grad_rel_l2``.
-        max_step_s: A trial step slower than this is aborted (several times the FP32 step).
-        compile: Measure the compiled graph in every trial (slow; default screens eagerly).
-    """
-
-    def __init__(self, harness: Harness, space: SearchSpace, budget: float, max_step_s: float,
-                 compile: bool = False) -> None:
-        self.harness, self.space, self.budget = harness, space, budget
-        self.max_step_s, self.compile = max_step_s, compile
-
-    def __call__(self, trial: optuna.Trial) -> float:
-        params = self.space.suggest(trial)
-        policy = self.space.to_policy(params)
-        trial.set_user_attr(_A + "policy", policy.to_dict())
-        try:
-            lowered = run_pipeline(self.harness.graph_module, policy)
-        except Exception as e:
-            trial.set_user_attr(_A + "error", f"lowering failed: {e}")
-            return math.nan
-        fp = policy_fingerprint(lowered.graph_module)
-        trial.set_user_attr(_A + "fingerprint", fp)
-        trial.set_user_attr(_A + "casts", lowered.stats.get("casts", 0))
-        prior = _find_measured(trial.study, fp, trial.number)
-        if prior is not None:
-            for k, v in prior.user_attrs.items():
-                if k.startswith(_A) and k not in (_A + "policy", _A + "fingerprint"):
-                    trial.set_user_attr(k, v)
-            _constrain(trial, float(prior.user_attrs.get(_A + "constraint", 1e30)))
-            trial.set_user_attr(_A + "reused_from", prior.number)
-            return prior.value if prior.values else math.nan
-        fn = compile_graph(lowered.graph_module) if self.compile else lowered.graph_module
-        m = self.harness.measure(fn, lambda: make_scaler(policy), max_step_s=self.max_step_s)
-        _record(trial, m, self.budget)
-        if m.error is not None:
-            return math.nan
-        return m.tokens_per_s
-
-
-def _record(trial: optuna.Trial, m: Measurement, budget: float) -> None:
-    for k in ("tokens_per_s", "step_s", "grad_rel_l2", "loss_rel", "grad_sqnr_db_min", "peak_bytes"):
-        v = getattr(m, k)
-        trial.set_user_attr(_A + k, v if (not isinstance(v, float) or math.isfinite(v)) else None)
-    g = m.grad_rel_l2
-    _constrain(trial, (g - budget) if math.isfinite(g) else 1e30)
-    if m.error is not None:
-        trial.set_user_attr(_A + "error", m.error)
-
-
-def _find_measured(study: optuna.Study, fp: str, number: int) -> optuna.trial.FrozenTrial | None:
-    for t in study.get_trials(deepcopy=False):
-        if t.number == number or t.user_attrs.get(_A + "fingerprint") != fp:
-            continue
-        if t.state == optuna.trial.TrialState.COMPLETE or (
-                t.state == optuna.trial.TrialState.FAIL and _A + "error" in t.user_attrs):
-            return t
-    return None
-
-
-def _constrain(trial: optuna.Trial, value: float) -> None:
-    """Record the drift constraint (feasible when ≤ 0) for the sampler and for selection."""
-    trial.set_user_attr(_A + "constraint", value)
-    if hasattr(trial, "set_constraint"):  # Optuna ≥ 5; older samplers take constraints_func
-        trial.set_constraint("drift", value)
-
-
 def _row(name: str, m: Measurement, fp32: Measurement) -> dict[str, Any]:
     def fin(x: float) -> float | None:
         return x if math.isfinite(x) else None
 
     return {"config": name, "tokens_per_s": m.tokens_per_s,
             "speedup_vs_fp32": m.tokens_per_s / fp32.tokens_per_s if fp32.tokens_per_s else 0.0,
-            "grad_rel_l2": fin(m.grad_rel_l2), "peak_bytes": m.peak_bytes, "error": m.error}
+            "grad_rel_l2": fin(m.grad_rel_l2), "peak_bytes": m.peak_bytes, "error": m.error or m.note}
 
 
 def _log(msg: str, quiet: bool) -> None:
@@ -199,104 +111,142 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
          max_drift: str | float = "auto", device: str = "auto", storage: str | None = None,
          study_name: str | None = None, compile: bool = True, out: str | os.PathLike = "policy.json",
          seed: int = 0, finalists: int = 2, quiet: bool = False, progress: bool = True,
-         dtypes: str | list[str] = "auto") -> TuneResult:
+         dtypes: str | list[str] = "auto", traj_steps: int = 20, report: bool = True) -> TuneResult:
     """Search for the fastest policy within a drift budget and write it to ``out``.
 
     Args:
         model_path: A model file following the model.py contract (DESIGN §2).
-        trials: Finished trials the study should hold (default 20; a resumed study counts the
-            trials it already has).
+        trials: Finished trials the study should hold (default 20); a resumed or shared study
+            counts the trials it already has, so re-running the same command resumes.
         timeout: Stop sampling new trials after this many seconds.
         max_drift: ``"auto"``: the ``grad_rel_l2`` of ``torch.autocast`` at the device's default
             low dtype, measured in this run; or a number.
         device: ``auto``, ``cpu`` or ``cuda``.
-        storage: Optuna storage URL (default: SQLite file beside ``out``); re-running resumes.
+        storage: Optuna storage URL (default: SQLite file beside ``out``). Any RDB URL works,
+            so several workers can share one study.
         study_name: Study name (default derived from the model file, graph and device).
-        compile: Compile finalists and baselines with Inductor (the policy is then measured
-            as training runs it); ``False`` measures everything eagerly.
-        out: Policy file to write (atomically).
+        compile: Compile finalists with Inductor (the policy is measured as training runs it);
+            ``False`` measures everything eagerly.
+        out: Policy file to write (atomically); the report goes beside it.
         seed: Sampler seed (reproducible sampling).
         finalists: How many of the fastest feasible trials are re-measured compiled.
         quiet: No log lines. progress: Show Optuna's progress bar.
         dtypes: Low dtypes to search: ``"auto"`` keeps those whose matmul the probe measured
             faster than fp32 on this device; a list (or comma-separated string) forces them.
+        traj_steps: K, the optimizer steps of the ``traj_rel`` check on finalists that lower
+            anything (budget: torch.autocast's ``traj_rel`` over the same steps).
+        report: Write the markdown report and plots beside ``out``.
 
     Returns:
         :class:`TuneResult`.
 
     Raises:
         ModelSpecError: the model file is invalid (nothing is written).
-        CaptureError: the model cannot be captured.
-        SearchError: bad ``max_drift``, or no policy met the budget.
+        CaptureError: the model cannot be captured (nothing is written).
+        SearchError: bad ``max_drift`` or ``dtypes``; no policy met the budget.
     """
     budget_arg = _parse_budget(max_drift)
     forced = _parse_dtypes(dtypes)
     spec = load_model_spec(model_path)
     dev = resolve_device(device)
-    timings: dict[str, float] = {}
-    t0 = time.perf_counter()
-    harness = Harness(spec, dev)
-    timings["capture_s"] = harness.capture_s
-    _log(f"captured {spec.path}: {sum(1 for _ in harness.graph_module.graph.nodes)} nodes, "
-         f"{harness.tokens} tokens/batch, device {device_name(dev)}", quiet)
-
-    probes = probe_dtypes(dev)
+    clock = _Clock()
+    with clock("capture_s"):
+        harness = Harness(spec, dev)
+    gm = harness.graph_module
+    _log(f"captured {spec.path}: {len(gm.graph.nodes)} nodes, {harness.tokens} tokens/batch, "
+         f"device {device_name(dev)}", quiet)
+    with clock("probe_s"):
+        probes = probe_dtypes(dev)
     for p in probes.values():
         _log(f"probe {p.dtype}: matmul {p.seconds * 1e3:.2f} ms ({p.speedup:.2f}x fp32)"
              + ("" if p.usable else f" -> excluded: {p.reason}"), quiet)
     usable = forced if forced is not None else [d for d, p in probes.items() if p.usable and d != "fp32"]
     lows = sorted(usable, key=lambda d: probes[d].seconds)
-    space = SearchSpace(lows)
-    ac_dtype = to_torch(lows[0]) if lows else (torch.bfloat16 if dev.type == "cpu" else torch.float16)
+    blocks = find_blocks(gm)
+    space = SearchSpace(lows, blocks, outside_matmuls(gm, blocks))
+    ac_dtype = to_torch(lows[0]) if lows else _autocast_default(dev)
 
-    t1 = time.perf_counter()
-    fp32 = harness.measure(harness.graph_module)
-    slow = max(10 * fp32.step_s, 1.0)  # a config 10x slower than fp32 is timed on one step only
-    autocast = harness.measure(harness.graph_module, autocast_dtype=ac_dtype, max_step_s=slow)
+    with clock("baselines_s"):
+        fp32 = harness.measure(gm)
+        slow = max(20 * fp32.step_s, 2.0)  # a config 20x slower than fp32 is timed on one step only
+        autocast = harness.measure(gm, autocast_dtype=ac_dtype, max_step_s=slow)
     budget = autocast.grad_rel_l2 if budget_arg is None else budget_arg
     if not math.isfinite(budget):
-        raise SearchError(f"drift budget is not finite (torch.autocast drift: {autocast.error}); pass --max-drift X")
-    _log(f"fp32 eager {fp32.tokens_per_s:.0f} tok/s; autocast({ac_dtype}) eager {autocast.tokens_per_s:.0f} tok/s, "
-         f"grad_rel_l2 {autocast.grad_rel_l2:.3g} -> drift budget {budget:.3g}", quiet)
-    timings["baselines_s"] = time.perf_counter() - t1
+        raise SearchError(f"drift budget is not finite (torch.autocast: {autocast.error}); pass --max-drift X")
+    _log(f"fp32 eager {fp32.tokens_per_s:.0f} tok/s; autocast({ac_dtype}) eager {autocast.tokens_per_s:.0f} tok/s"
+         f"{' (' + (autocast.error or autocast.note) + ')' if autocast.error or autocast.note else ''}, grad_rel_l2 {autocast.grad_rel_l2:.3g} "
+         f"-> drift budget {budget:.3g}; {space.n_params} search parameters", quiet)
 
-    study = _open_study(spec.path, harness, dev, storage, study_name, out, seed)
+    study = open_study(storage or default_storage(out), study_name or _default_name(spec.path, gm, dev), seed)
     _enqueue_baselines(study, space)
-    t2 = time.perf_counter()
     target = trials if trials is not None else 20
-    remaining = max(0, target - len([t for t in study.trials if t.state.is_finished()]))
     objective = Objective(harness, space, budget, max_step_s=slow)
-    if remaining:
-        optuna.logging.set_verbosity(optuna.logging.WARNING)
-        study.optimize(objective, n_trials=remaining, timeout=timeout, show_progress_bar=progress and not quiet,
-                       catch=(Exception,))
-    timings["trials_s"] = time.perf_counter() - t2
+    with clock("trials_s"):
+        _optimize(study, objective, target, timeout, progress and not quiet)
+    sel = _Selector(harness, budget, compile, ac_dtype, slow, traj_steps, clock, quiet)
+    with clock("finalists_s"):
+        chosen, chosen_m = sel.choose(_feasible(study), finalists)
+    timings = clock.done()
 
-    t3 = time.perf_counter()
-    chosen, chosen_m, rows_extra = _finalists(study, harness, budget, finalists, compile, ac_dtype, slow, quiet)
-    timings["finalists_s"] = time.perf_counter() - t3
-    timings["total_s"] = time.perf_counter() - t0
-
-    ac_compiled = rows_extra.get("autocast_compiled")
+    ref = sel.autocast_compiled or autocast
     measured = {
-        "tokens_per_s": chosen_m.tokens_per_s,
-        "speedup_vs_fp32": chosen_m.tokens_per_s / fp32.tokens_per_s,
-        "speedup_vs_autocast": chosen_m.tokens_per_s / (ac_compiled or autocast).tokens_per_s,
+        "tokens_per_s": chosen_m.tokens_per_s, "speedup_vs_fp32": chosen_m.tokens_per_s / fp32.tokens_per_s,
+        "speedup_vs_autocast": chosen_m.tokens_per_s / ref.tokens_per_s if ref.tokens_per_s else 0.0,
         "grad_rel_l2": chosen_m.grad_rel_l2, "loss_rel": chosen_m.loss_rel,
-        "peak_bytes": chosen_m.peak_bytes, "drift_budget": budget,
-        "autocast_grad_rel_l2": autocast.grad_rel_l2,
+        "traj_rel": sel.traj.get(id(chosen), 0.0), "peak_bytes": chosen_m.peak_bytes,
+        "drift_budget": budget, "autocast_grad_rel_l2": autocast.grad_rel_l2,
     }
     policy = chosen.with_measured(measured).with_provenance(
-        model=str(spec.path), graph_fingerprint=graph_fingerprint(harness.graph_module),
-        device=device_name(dev), torch=torch.__version__, autoprec=__version__,
-        created=time.strftime("%Y-%m-%dT%H:%M:%S%z"), study=study.study_name, compiled=compile,
+        model=str(spec.path), graph_fingerprint=graph_fingerprint(gm), device=device_name(dev),
+        torch=torch.__version__, autoprec=__version__, created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        study=study.study_name, compiled=compile,
     )
     policy.save(out)
-    table = [_row("fp32 eager", fp32, fp32), _row(f"autocast {ac_dtype} eager", autocast, fp32)]
-    if ac_compiled is not None:
-        table.append(_row(f"autocast {ac_dtype} + compile", ac_compiled, fp32))
+    table = [_row("fp32 eager", fp32, fp32), _row(f"autocast {_short(ac_dtype)} eager", autocast, fp32)]
+    if sel.autocast_compiled is not None:
+        table.append(_row(f"autocast {_short(ac_dtype)} + compile", sel.autocast_compiled, fp32))
     table.append(_row("autoprec policy" + (" + compile" if compile else " (eager)"), chosen_m, fp32))
-    return TuneResult(policy, study, table, timings, {k: vars(v) for k, v in probes.items()})
+    result = TuneResult(policy, study, table, timings, {k: vars(v) for k, v in probes.items()})
+    if report:
+        from autoprec.report import write_report
+
+        paths = write_report(study, Path(out).with_suffix(""), table=table, policy=policy, gm=gm, timings=timings)
+        _log("report: " + ", ".join(str(p) for p in paths), quiet)
+    return result
+
+
+def _short(dt: torch.dtype) -> str:
+    from autoprec.dtypes import NAMES
+
+    return NAMES.get(dt, str(dt))
+
+
+def _autocast_default(dev: torch.device) -> torch.dtype:
+    # torch.autocast's own defaults: bfloat16 on CPU, float16 on CUDA (PyTorch AMP docs).
+    return torch.bfloat16 if dev.type == "cpu" else torch.float16
+
+
+class _Clock:
+    """Accumulates wall-clock seconds per phase."""
+
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+        self.times: dict[str, float] = {}
+
+    def __call__(self, name: str):
+        import contextlib
+
+        @contextlib.contextmanager
+        def cm():
+            t = time.perf_counter()
+            try:
+                yield
+            finally:
+                self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t
+        return cm()
+
+    def done(self) -> dict[str, float]:
+        return {**self.times, "total_s": time.perf_counter() - self.t0}
 
 
 def _parse_dtypes(dtypes: str | list[str]) -> list[str] | None:
@@ -304,8 +254,9 @@ def _parse_dtypes(dtypes: str | list[str]) -> list[str] | None:
         return None
     names = [d.strip() for d in (dtypes.split(",") if isinstance(dtypes, str) else dtypes) if d.strip()]
     bad = [d for d in names if d not in LOW_DTYPES]
-    if bad:
-        raise SearchError(f"--dtypes: {', '.join(bad)} not valid; expected 'auto' or some of {', '.join(LOW_DTYPES)}")
+    if bad or not names:
+        raise SearchError(f"--dtypes: {', '.join(bad) or 'empty'} not valid; expected 'auto' or some of "
+                          f"{', '.join(LOW_DTYPES)}")
     return names
 
 
@@ -321,31 +272,64 @@ def _parse_budget(max_drift: str | float) -> float | None:
     return v
 
 
-def _open_study(path, harness, dev, storage, study_name, out, seed) -> optuna.Study:
-    storage = storage or default_storage(out)
-    name = study_name or f"autoprec-{Path(str(path)).stem}-{graph_fingerprint(harness.graph_module)[:8]}-{dev.type}"
-    if hasattr(optuna.Trial, "set_constraint"):
-        sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=6)
-    else:  # Optuna < 5
-        sampler = optuna.samplers.TPESampler(
-            seed=seed, n_startup_trials=6,
-            constraints_func=lambda t: [float(t.user_attrs.get(_A + "constraint", 1e30))])
-    return optuna.create_study(storage=storage, study_name=name, direction="maximize", sampler=sampler,
-                               load_if_exists=True)
+def _default_name(path, gm, dev) -> str:
+    return f"autoprec-{Path(str(path)).stem}-{graph_fingerprint(gm)[:8]}-{dev.type}"
+
+
+def open_study(storage: str, study_name: str, seed: int = 0) -> optuna.Study:
+    """Create or load (resume) the multi-objective study ``study_name`` in ``storage``.
+
+    RDB URLs get a heartbeat so trials of a killed worker are marked failed after the grace
+    period and re-queued once (``RetryFailedTrialCallback``) instead of hanging as RUNNING.
+    """
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    if storage.split(":", 1)[0].split("+")[0] in ("sqlite", "postgresql", "mysql"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # heartbeat is flagged experimental
+            storage = optuna.storages.RDBStorage(
+                storage, heartbeat_interval=5, grace_period=30,
+                failed_trial_callback=optuna.storages.RetryFailedTrialCallback(max_retry=1))
+    sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=6, multivariate=True, group=True) \
+        if _quiet_experimental() else optuna.samplers.TPESampler(seed=seed)
+    return optuna.create_study(storage=storage, study_name=study_name, directions=list(DIRECTIONS),
+                               sampler=sampler, load_if_exists=True)
+
+
+def _quiet_experimental() -> bool:
+    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+    return True
 
 
 def _enqueue_baselines(study: optuna.Study, space: SearchSpace) -> None:
-    if study.trials:  # resumed: baselines were enqueued when the study was created
+    if study.trials:  # resumed or shared: baselines were enqueued when the study was created
         return
     for _name, params in space.baselines():
         study.enqueue_trial(params, skip_if_exists=True)
 
 
+def _finished(study: optuna.Study) -> int:
+    states = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL, optuna.trial.TrialState.PRUNED)
+    return len(study.get_trials(deepcopy=False, states=states))
+
+
+def _optimize(study: optuna.Study, objective: Objective, target: int, timeout: float | None, progress: bool) -> None:
+    remaining = target - _finished(study)
+    if remaining > 0:
+        stop = optuna.study.MaxTrialsCallback(target, states=(optuna.trial.TrialState.COMPLETE,
+                                                              optuna.trial.TrialState.FAIL))
+        study.optimize(objective, n_trials=remaining, timeout=timeout, show_progress_bar=progress,
+                       catch=(Exception,), callbacks=[stop])
+    # Another worker may still be measuring: wait (bounded) so every worker selects from the same trials.
+    deadline = time.time() + 600
+    while time.time() < deadline and study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
+        time.sleep(1.0)
+
+
 def _feasible(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
-    done = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    done = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
     ok = [t for t in done if t.user_attrs.get(_A + "constraint", 1e30) <= 0]
     seen, out = set(), []
-    for t in sorted(ok, key=lambda t: -t.value):
+    for t in sorted(ok, key=lambda t: (-t.values[0], t.number)):
         fp = t.user_attrs.get(_A + "fingerprint")
         if fp not in seen:
             seen.add(fp)
@@ -353,31 +337,58 @@ def _feasible(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
     return out
 
 
-def _finalists(study, harness, budget, k, compile, ac_dtype, slow, quiet):
-    feasible = _feasible(study)
-    if not feasible:
-        raise SearchError("no trial met the drift budget; not even all-fp32 finished (see the study's "
-                          "autoprec:error attributes)")
-    extra: dict[str, Measurement] = {}
-    if not compile:
-        best = feasible[0]
-        pol = Policy.from_dict(best.user_attrs[_A + "policy"])
-        m = harness.measure(run_pipeline(harness.graph_module, pol).graph_module, lambda: make_scaler(pol))
-        return pol, m, extra
-    _log("compiling torch.autocast baseline with Inductor", quiet)
-    extra["autocast_compiled"] = harness.measure(compile_graph(harness.graph_module), autocast_dtype=ac_dtype,
-                                                max_step_s=slow)
-    best: tuple[Policy, Measurement] | None = None
-    for t in feasible[:k]:
-        pol = Policy.from_dict(t.user_attrs[_A + "policy"])
-        _log(f"compiling finalist trial {t.number} ({pol.summary()}; eager {t.value:.0f} tok/s)", quiet)
-        lowered = run_pipeline(harness.graph_module, pol).graph_module
-        m = harness.measure(compile_graph(lowered), lambda pol=pol: make_scaler(pol), max_step_s=slow)
-        _log(f"  compiled: {m.tokens_per_s:.0f} tok/s, grad_rel_l2 {m.grad_rel_l2:.3g}"
-             + (f" ({m.error})" if m.error else ""), quiet)
-        if m.error is None and m.grad_rel_l2 <= budget and (best is None or m.tokens_per_s > best[1].tokens_per_s):
-            best = (pol, m)
-    if best is None:
-        pol = Policy.fp32()
-        best = (pol, harness.measure(compile_graph(run_pipeline(harness.graph_module, pol).graph_module)))
-    return best[0], best[1], extra
+class _Selector:
+    """Re-measures the fastest feasible trials as training will run them and picks one."""
+
+    def __init__(self, harness, budget, compile, ac_dtype, slow, traj_steps, clock, quiet) -> None:
+        self.h, self.budget, self.compile, self.ac_dtype = harness, budget, compile, ac_dtype
+        self.slow, self.traj_steps, self.clock, self.quiet = slow, traj_steps, clock, quiet
+        self.autocast_compiled: Measurement | None = None
+        self.traj: dict[int, float] = {}
+        self._ref_traj: list[float] | None = None
+        self._traj_budget: float | None = None
+
+    def _fn(self, gm):
+        if not self.compile:
+            return gm
+        with self.clock("compile_s"):
+            return compile_graph(gm)
+
+    def choose(self, feasible: list[optuna.trial.FrozenTrial], k: int) -> tuple[Policy, Measurement]:
+        if not feasible:
+            raise SearchError("no trial met the drift budget, not even all-fp32 (see the study's "
+                              "autoprec:error attributes)")
+        if self.compile and feasible and any(Policy.from_dict(t.user_attrs[_A + "policy"]).dtypes_used() - {"fp32"}
+                                             for t in feasible[:k]):
+            _log("compiling the torch.autocast baseline with Inductor", self.quiet)
+            self.autocast_compiled = self.h.measure(self._fn(self.h.graph_module), autocast_dtype=self.ac_dtype,
+                                                    max_step_s=self.slow)
+        best: tuple[Policy, Measurement] | None = None
+        for t in feasible[:k]:
+            pol = Policy.from_dict(t.user_attrs[_A + "policy"])
+            _log(f"finalist trial {t.number}: {pol.summary()} (eager {t.values[0]:.0f} tok/s)", self.quiet)
+            fn = self._fn(run_pipeline(self.h.graph_module, pol).graph_module)
+            m = self.h.measure(fn, lambda pol=pol: make_scaler(pol), max_step_s=self.slow)
+            ok = m.error is None and m.grad_rel_l2 <= self.budget and self._traj_ok(pol, fn)
+            _log(f"  {'compiled' if self.compile else 'eager'}: {m.tokens_per_s:.0f} tok/s, grad_rel_l2 "
+                 f"{m.grad_rel_l2:.3g}, traj_rel {self.traj.get(id(pol), 0.0):.3g}"
+                 + ("" if ok else f" -> rejected{': ' + m.error if m.error else ''}"), self.quiet)
+            if ok and (best is None or m.tokens_per_s > best[1].tokens_per_s):
+                best = (pol, m)
+        if best is None:
+            pol = Policy.fp32()
+            best = (pol, self.h.measure(self._fn(run_pipeline(self.h.graph_module, pol).graph_module)))
+        return best
+
+    def _traj_ok(self, pol: Policy, fn) -> bool:
+        """``traj_rel`` ≤ torch.autocast's over the same K steps; policies that lower nothing
+        compute what FP32 computes and skip the check."""
+        if not (pol.dtypes_used() - {"fp32"}) or self.traj_steps <= 0:
+            return True
+        if self._ref_traj is None:
+            self._ref_traj = self.h.trajectory(self.h.graph_module, steps=self.traj_steps)
+            ac = self.h.trajectory(self.h.graph_module, autocast_dtype=self.ac_dtype, steps=self.traj_steps)
+            self._traj_budget = traj_rel(ac, self._ref_traj)
+        tr = traj_rel(self.h.trajectory(fn, lambda: make_scaler(pol), steps=self.traj_steps), self._ref_traj)
+        self.traj[id(pol)] = tr
+        return tr <= max(self._traj_budget, 1e-12)

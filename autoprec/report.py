@@ -1,0 +1,194 @@
+"""Reports: markdown table of trials, Pareto-front plot, per-layer dtype map, ``show`` listing.
+
+Plots use matplotlib's Agg backend (no display needed).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import optuna
+from torch import fx
+
+from autoprec.policy import Policy
+from autoprec.search.objective import ATTR
+
+__all__ = ["write_report", "trial_rows", "pareto_front", "show_nodes", "dtype_map"]
+
+_A = ATTR
+_DT_COLOUR = {"fp32": 0, "bf16": 1, "fp16": 2}
+
+
+def trial_rows(study: optuna.Study) -> list[dict[str, Any]]:
+    """One row per finished trial: number, state, tokens/s, grad_rel_l2, peak bytes, feasible,
+    policy summary, error, reused_from."""
+    rows = []
+    for t in study.get_trials(deepcopy=False):
+        if not t.state.is_finished():
+            continue
+        ua = t.user_attrs
+        pol = ua.get(_A + "policy")
+        rows.append({
+            "number": t.number, "state": t.state.name,
+            "tokens_per_s": ua.get(_A + "tokens_per_s"), "grad_rel_l2": ua.get(_A + "grad_rel_l2"),
+            "peak_bytes": ua.get(_A + "peak_bytes"),
+            "feasible": ua.get(_A + "constraint", 1e30) <= 0 and t.state == optuna.trial.TrialState.COMPLETE,
+            "policy": Policy.from_dict(pol).summary() if pol else "", "error": ua.get(_A + "error"),
+            "reused_from": ua.get(_A + "reused_from"),
+        })
+    return rows
+
+
+def pareto_front(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rows not dominated on (tokens/s ↑, grad_rel_l2 ↓, peak bytes ↓), completed trials only."""
+    ok = [r for r in rows if r["state"] == "COMPLETE" and r["tokens_per_s"] and r["grad_rel_l2"] is not None]
+
+    def dominates(a, b) -> bool:
+        ge = (a["tokens_per_s"] >= b["tokens_per_s"] and a["grad_rel_l2"] <= b["grad_rel_l2"]
+              and (a["peak_bytes"] or 0) <= (b["peak_bytes"] or 0))
+        gt = (a["tokens_per_s"] > b["tokens_per_s"] or a["grad_rel_l2"] < b["grad_rel_l2"]
+              or (a["peak_bytes"] or 0) < (b["peak_bytes"] or 0))
+        return ge and gt
+
+    return [r for r in ok if not any(dominates(o, r) for o in ok if o is not r)]
+
+
+def _markdown(rows, front, table, policy, timings) -> str:
+    lines = ["# autoprec tuning report", ""]
+    if policy is not None:
+        lines += [f"Chosen policy: `{policy.summary()}`", ""]
+    if table:
+        from autoprec.cli import format_table
+
+        lines += ["## Side by side (same weights and batches, one process)", "", format_table(table), ""]
+    if timings:
+        lines += ["## Where tuning time went", "", "| phase | seconds |", "|---|---:|"]
+        lines += [f"| {k} | {v:.1f} |" for k, v in timings.items()] + [""]
+    front_ids = {r["number"] for r in front}
+    lines += ["## Trials", "", "| # | state | tokens/s | grad_rel_l2 | peak MiB | feasible | Pareto | policy | note |",
+              "|---:|---|---:|---:|---:|---|---|---|---|"]
+    for r in rows:
+        tok = f"{r['tokens_per_s']:.0f}" if r["tokens_per_s"] else ""
+        g = f"{r['grad_rel_l2']:.2e}" if r["grad_rel_l2"] is not None else "inf"
+        mem = f"{r['peak_bytes'] / 2**20:.1f}" if r["peak_bytes"] else ""
+        note = r["error"] or (f"same graph as #{r['reused_from']}" if r["reused_from"] is not None else "")
+        lines.append(f"| {r['number']} | {r['state']} | {tok} | {g} | {mem} | {'yes' if r['feasible'] else 'no'} | "
+                     f"{'*' if r['number'] in front_ids else ''} | {r['policy']} | {note} |")
+    return "\n".join(lines) + "\n"
+
+
+def _plot_pareto(rows, front, fp32_tps: float | None, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if r["state"] == "COMPLETE" and r["tokens_per_s"] and r["grad_rel_l2"] is not None]
+    base = fp32_tps or max((r["tokens_per_s"] for r in ok), default=1.0)
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=110)
+    if ok:
+        xs = [max(r["grad_rel_l2"], 1e-9) for r in ok]
+        ys = [r["tokens_per_s"] / base for r in ok]
+        cs = [(r["peak_bytes"] or 0) / 2**20 for r in ok]
+        sc = ax.scatter(xs, ys, c=cs, cmap="viridis", s=30)
+        fig.colorbar(sc, ax=ax, label="peak memory (MiB)")
+        fr = sorted(front, key=lambda r: r["grad_rel_l2"])
+        ax.plot([max(r["grad_rel_l2"], 1e-9) for r in fr], [r["tokens_per_s"] / base for r in fr], "r--",
+                lw=1, label="Pareto front")
+        ax.legend(loc="best")
+    ax.set_xscale("log")
+    ax.set_xlabel("grad_rel_l2 vs FP32 (log)")
+    ax.set_ylabel("speedup vs fp32 eager" if fp32_tps else "relative tokens/s")
+    ax.set_title("autoprec trials")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def dtype_map(gm: fx.GraphModule, policy: Policy) -> dict[str, dict[str, str]]:
+    """``{module: {op class: dtype}}`` for the lowered graph (majority dtype per class)."""
+    from autoprec.passes import run_pipeline
+
+    lowered = run_pipeline(gm, policy).graph_module
+    counts: dict[str, dict[str, dict[str, int]]] = defaultdict(lambda: defaultdict(lambda: defaultdict(int)))
+    for n in lowered.graph.nodes:
+        meta = n.meta.get("autoprec", {})
+        if n.op == "call_function" and meta.get("dtype") and not meta.get("inserted_cast"):
+            counts[meta.get("module", "")][meta.get("op_class", "?")][meta["dtype"]] += 1
+    return {m: {c: max(d, key=d.get) for c, d in cl.items()} for m, cl in counts.items()}
+
+
+def _plot_dtype_map(gm: fx.GraphModule, policy: Policy, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import ListedColormap
+
+    dm = dtype_map(gm, policy)
+    mods = [m for m in dm if m]
+    classes = ["matmul", "sensitive", "follow"]
+    grid = [[_DT_COLOUR.get(dm[m].get(c, ""), math.nan) for c in classes] for m in mods]
+    fig, ax = plt.subplots(figsize=(5, max(2.0, 0.18 * len(mods) + 1)), dpi=110)
+    ax.imshow(grid or [[math.nan] * 3], aspect="auto", cmap=ListedColormap(["#4c72b0", "#dd8452", "#c44e52"]),
+              vmin=0, vmax=2)
+    ax.set_xticks(range(3), classes)
+    ax.set_yticks(range(len(mods)), mods, fontsize=6)
+    ax.set_title("dtype per module and op class (blue fp32, orange bf16, red fp16)", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def write_report(study: optuna.Study, stem: str | os.PathLike, table: list[dict[str, Any]] | None = None,
+                 policy: Policy | None = None, gm: fx.GraphModule | None = None,
+                 timings: dict[str, float] | None = None) -> list[Path]:
+    """Write ``<stem>.report.md``, ``<stem>.pareto.png`` and (with ``gm`` and ``policy``)
+    ``<stem>.dtype_map.png``; returns the paths written."""
+    stem = Path(stem)
+    rows = trial_rows(study)
+    front = pareto_front(rows)
+    fp32 = next((r["tokens_per_s"] for r in (table or []) if r["config"] == "fp32 eager"), None)
+    md = stem.with_name(stem.name + ".report.md")
+    md.write_text(_markdown(rows, front, table, policy, timings))
+    png = stem.with_name(stem.name + ".pareto.png")
+    _plot_pareto(rows, front, fp32, png)
+    paths = [md, png]
+    if gm is not None and policy is not None:
+        dm = stem.with_name(stem.name + ".dtype_map.png")
+        _plot_dtype_map(gm, policy, dm)
+        paths.append(dm)
+    return paths
+
+
+def show_nodes(policy: Policy, model_path: str | os.PathLike) -> str:
+    """Per-module dtypes of ``policy`` on the model of ``model_path``, and the nodes each rule
+    matched (a rule matching nothing is flagged).
+
+    Raises:
+        ModelSpecError, CaptureError, PassError: as loading, capturing and lowering do.
+    """
+    import torch
+
+    from autoprec.capture import capture
+    from autoprec.modelspec import load_model_spec
+    from autoprec.ops import classify
+
+    spec = load_model_spec(model_path)
+    model = spec.build_model()
+    gm = capture(model, spec.get_batch(0, torch.device("cpu")))
+    lines = ["", "module | op class -> dtype", "---"]
+    for mod, classes in dtype_map(gm, policy).items():
+        lines.append(f"{mod or '<root>'} | " + ", ".join(f"{c}->{d}" for c, d in sorted(classes.items())))
+    lines += ["", "rule -> matched nodes", "---"]
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    for i, rule in enumerate(policy.rules):
+        hits = [n.meta["autoprec"]["key"] for n in nodes
+                if rule.matches(n.meta["autoprec"]["key"], classify(n), n.meta["autoprec"]["module"])]
+        shown = ", ".join(hits[:8]) + (f", … (+{len(hits) - 8})" if len(hits) > 8 else "")
+        lines.append(f"rules[{i}] {rule.describe()}: {len(hits)} nodes" + (f": {shown}" if hits else "  (matches no node)"))
+    return "\n".join(lines)
