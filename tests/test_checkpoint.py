@@ -135,3 +135,18 @@ def test_loop_resume_matches_uninterrupted(tmp_path):
     Policy.default("bf16").save(other)
     with pytest.raises(AutoprecError, match="different policy"):
         train(TINY, other, steps=5, checkpoint=ck, resume=True, **kw)
+
+
+def test_cli_checkpoint_resume(tmp_path, capsys):
+    from autoprec.cli import main
+
+    pol = tmp_path / "p.json"
+    Policy.fp32().save(pol)
+    ck = tmp_path / "ck.pt"
+    base = ["train", str(TINY), "--policy", str(pol), "--no-compile", "--checkpoint", str(ck)]
+    assert main(base + ["--steps", "2"]) == 0
+    capsys.readouterr()
+    assert main(base + ["--steps", "3", "--resume", "--log", str(tmp_path / "l.jsonl")]) == 0
+    out = capsys.readouterr().out
+    assert "resumed from" in out and "at step 2" in out and "step    2" in out and "step    1 " not in out
+    assert main(["train", str(TINY), "--policy", str(pol), "--resume"]) == 2

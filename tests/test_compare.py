@@ -1,0 +1,58 @@
+"""Convergence check (``autoprec train --compare``): same weights, same batches, curves JSON + PNG."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from autoprec import Policy
+from autoprec.cli import main
+from autoprec.runtime.compare import compare, max_rel_dev
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = str(REPO / "examples" / "tiny_mlp.py")
+
+
+def test_max_rel_dev():
+    assert max_rel_dev([1.0, 2.2], [1.0, 2.0]) == pytest.approx(0.1)
+    assert max_rel_dev([1.0, math.nan], [1.0, 2.0]) == math.inf
+
+
+def test_fp32_policy_reproduces_fp32_exactly(tmp_path):
+    """The fp32 policy graph runs the same kernels on the same weights and batches: zero deviation."""
+    pol = tmp_path / "p.json"
+    Policy.fp32().save(pol)
+    res = compare(TINY, pol, steps=3, baselines=["fp32"], compile=False, quiet=True, heldout_batches=1)
+    assert list(res.curves) == ["fp32", "policy"]
+    assert res.curves["policy"] == res.curves["fp32"] and res.max_rel_dev == {"fp32": 0.0, "policy": 0.0}
+    assert res.curves["fp32"][-1] < res.curves["fp32"][0]  # it trains
+    assert res.heldout_loss["policy"] == res.heldout_loss["fp32"]
+
+
+def test_cli_compare_bf16_writes_json_and_png(tmp_path, capsys):
+    pol = tmp_path / "p.json"
+    Policy.default("bf16").save(pol)
+    out = tmp_path / "cmp"
+    code = main(["train", TINY, "--policy", str(pol), "--steps", "2", "--compare", "fp32,autocast",
+                 "--no-compile", "--out-dir", str(out)])
+    assert code == 0
+    text = capsys.readouterr().out
+    assert "max rel dev vs fp32" in text and "autocast" in text
+    d = json.loads((out / "convergence.json").read_text(), parse_constant=lambda c: pytest.fail(c))
+    assert set(d["curves"]) == {"fp32", "policy", "autocast"} and all(len(c) == 2 for c in d["curves"].values())
+    assert d["meta"]["autocast_dtype"] == "bfloat16" and d["meta"]["steps"] == 2
+    assert d["curves"]["policy"][0] != d["curves"]["fp32"][0]  # bf16 compute really ran
+    for name in ("policy", "autocast"):
+        assert 0 < d["max_rel_dev_vs_fp32"][name] < 1e-2  # bf16 drift, small
+        assert abs(d["heldout_loss"][name] - d["heldout_loss"]["fp32"]) < 1e-2
+    assert (out / "convergence.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_compare_rejects_unknown_baseline(tmp_path, capsys):
+    pol = tmp_path / "p.json"
+    Policy.fp32().save(pol)
+    assert main(["train", TINY, "--policy", str(pol), "--compare", "fp32,apex"]) == 2
+    assert "unknown baseline 'apex'" in capsys.readouterr().err
