@@ -23,7 +23,7 @@ from torch import fx, nn
 
 from autoprec.errors import CaptureError
 
-__all__ = ["capture", "module_path", "node_key", "op_name", "assign_keys", "mark_regions"]
+__all__ = ["assign_keys", "capture", "mark_regions", "module_path", "node_key", "op_name"]
 
 # Export inserts these runtime checks after `.to()` calls; they assert the fp32 dtype seen at
 # trace time and would fail once a pass lowers the producer, so capture removes them.

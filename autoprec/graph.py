@@ -30,7 +30,7 @@ import networkx as nx
 import torch
 from torch import fx
 
-__all__ = ["PLACEMENT_MODES", "tensor_bytes", "float_inputs", "place_follow", "to_networkx"]
+__all__ = ["PLACEMENT_MODES", "float_inputs", "place_follow", "tensor_bytes", "to_networkx"]
 
 PLACEMENT_MODES = ("mincut", "paint", "naive")
 _INF = float("inf")
@@ -197,7 +197,7 @@ def _pick_low(nodes, labels, low_nodes, lows, low_default) -> dict[fx.Node, str]
         if not progressed:
             break
     for n in pending:
-        chosen[n] = low_default if low_default in lows else sorted(lows)[0]
+        chosen[n] = low_default if low_default in lows else min(lows)
     return chosen
 
 

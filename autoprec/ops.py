@@ -25,8 +25,16 @@ import torch
 from torch import fx
 
 __all__ = [
-    "OP_TABLE", "FIXED_DTYPE_OPS", "REGION_OPS", "REDUCTION_OPS", "MASK_FILL_OPS", "classify",
-    "is_float_value", "reason", "rmsnorm_regions", "RMSNORM_REASON",
+    "FIXED_DTYPE_OPS",
+    "MASK_FILL_OPS",
+    "OP_TABLE",
+    "REDUCTION_OPS",
+    "REGION_OPS",
+    "RMSNORM_REASON",
+    "classify",
+    "is_float_value",
+    "reason",
+    "rmsnorm_regions",
 ]
 
 _M = "matmul"

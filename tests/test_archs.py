@@ -34,7 +34,7 @@ def _hf(name):
     import transformers as tf
 
     ids = _ids()
-    common = dict(vocab_size=V, use_cache=False, attn_implementation="sdpa")
+    common = {"vocab_size": V, "use_cache": False, "attn_implementation": "sdpa"}
     llama_like = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, **common)
     if name == "qwen2":
@@ -121,7 +121,7 @@ def test_arch_capture_default_policy_within_2x_autocast(name, record_property):
     assert r.stats["casts"] > 0
     low = r.graph_module
     l32, g32 = _grads(model, model, batch, loss_fn)
-    l_ac, g_ac = _grads(model, model, batch, loss_fn, autocast=True)
+    _l_ac, g_ac = _grads(model, model, batch, loss_fn, autocast=True)
     l_ap, g_ap = _grads(model, low, batch, loss_fn)
     assert math.isfinite(l_ap)
     rel_ap, rel_ac = _rel(g_ap, g32), _rel(g_ac, g32)

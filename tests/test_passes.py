@@ -72,7 +72,7 @@ def test_each_pass_lints_and_records_decisions(net):
 
 
 def test_outputs_keep_dtype_and_ints_never_cast(net):
-    m, ids, gm = net
+    _m, ids, gm = net
     for policy in (Policy.default(), Policy.default("fp16"), Policy(default_dtype="bf16")):
         low = run_pipeline(gm, policy).graph_module
         probs, ids2 = low(ids)

@@ -13,4 +13,4 @@ from autoprec.passes.base import PassResult, pass_error
 from autoprec.passes.diagnose import first_nonfinite_node, nonfinite_nodes
 from autoprec.passes.pipeline import lower, run_pipeline
 
-__all__ = ["PassResult", "pass_error", "lower", "run_pipeline", "first_nonfinite_node", "nonfinite_nodes"]
+__all__ = ["PassResult", "first_nonfinite_node", "lower", "nonfinite_nodes", "pass_error", "run_pipeline"]

@@ -70,7 +70,7 @@ def accumulate_fp32(gm: fx.GraphModule, policy: Policy) -> PassResult:
         if op in REDUCTIONS_WITH_DTYPE:
             node.kwargs = {**node.kwargs, "dtype": torch.float32}
         else:
-            def up(a, node=node):
+            def up(a, dt=dt):
                 if isinstance(a, fx.Node) and a.meta.get("autoprec", {}).get("dtype") == dt:
                     stats["accumulate_casts"] += 1
                     return _new_cast(graph, a, "fp32", "upcast", a)

@@ -27,8 +27,13 @@ from torch import fx
 from autoprec.dtypes import to_torch
 from autoprec.ops import MASK_FILL_OPS
 
-__all__ = ["CONSTANT_MODES", "out_of_range_constants", "is_mask_fill", "clamp_to_range",
-           "fill_limit"]
+__all__ = [
+    "CONSTANT_MODES",
+    "clamp_to_range",
+    "fill_limit",
+    "is_mask_fill",
+    "out_of_range_constants",
+]
 
 CONSTANT_MODES = ("fix", "strict")
 
