@@ -56,3 +56,21 @@ def test_cli_compare_rejects_unknown_baseline(tmp_path, capsys):
     Policy.fp32().save(pol)
     assert main(["train", TINY, "--policy", str(pol), "--compare", "fp32,apex"]) == 2
     assert "unknown baseline 'apex'" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_qwen2_tiny_300_step_convergence():
+    """The full issue-4 run: qwen2_tiny, 300 steps, policy vs fp32 vs autocast (hours on a CPU without
+    AVX512-BF16; minutes on a GPU). Policy: $AUTOPREC_POLICY (the tuned policy) or the bf16 default.
+    Writes benchmarks/convergence_qwen2_tiny_300/convergence.{json,png}."""
+    import os
+
+    pol = os.environ.get("AUTOPREC_POLICY")
+    if pol is None:
+        pol = REPO / "benchmarks" / "convergence_qwen2_tiny_300" / "policy.json"
+        Policy.default("bf16").save(pol)
+    res = compare(REPO / "examples" / "qwen2_tiny.py", pol, steps=300, log_every=10,
+                  out_dir=REPO / "benchmarks" / "convergence_qwen2_tiny_300")
+    assert all(math.isfinite(x) for c in res.curves.values() for x in c)
+    assert res.max_rel_dev["policy"] <= 1.5 * res.max_rel_dev["autocast"] + 1e-3
+    assert abs(res.heldout_loss["policy"] - res.heldout_loss["fp32"]) <= 0.01 * res.heldout_loss["fp32"]
