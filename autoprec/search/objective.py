@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import math
+import time
+import warnings
 
 import optuna
 import torch
@@ -101,14 +103,40 @@ def _record(trial: optuna.Trial, m: Measurement, budget: float) -> None:
         trial.set_user_attr(_A + "note", m.note)
 
 
-def _find_measured(study: optuna.Study, fp: str, number: int) -> optuna.trial.FrozenTrial | None:
-    for t in study.get_trials(deepcopy=False):
-        if t.number == number or t.user_attrs.get(_A + "fingerprint") != fp:
-            continue
-        if t.state == optuna.trial.TrialState.COMPLETE or (
-                t.state == optuna.trial.TrialState.FAIL and _A + "error" in t.user_attrs):
-            return t
-    return None
+def _find_measured(study: optuna.Study, fp: str, number: int, wait_s: float = 900.0,
+                   poll_s: float = 0.5) -> optuna.trial.FrozenTrial | None:
+    """A trial of the study that measured (or is measuring) the same per-node dtypes.
+
+    A trial of another worker still RUNNING with a lower number that has the same fingerprint,
+    or none yet (still lowering), is waited for (at most ``wait_s``), so two workers never
+    measure one graph twice; only lower numbers are waited for, so no two workers wait for
+    each other.
+    """
+    deadline = time.monotonic() + wait_s
+    while True:
+        running = False
+        for t in study.get_trials(deepcopy=False):
+            other = t.user_attrs.get(_A + "fingerprint")
+            if t.number < number and t.state == optuna.trial.TrialState.RUNNING and other in (None, fp):
+                running = True  # measuring this graph, or not yet lowered: wait and look again
+            if t.number == number or other != fp:
+                continue
+            if t.state == optuna.trial.TrialState.COMPLETE or (
+                    t.state == optuna.trial.TrialState.FAIL and _A + "error" in t.user_attrs):
+                return t
+        if not running or time.monotonic() > deadline:
+            return None
+        time.sleep(poll_s)
+        _fail_stale(study)  # a killed worker's trial turns FAIL after the heartbeat grace period
+
+
+def _fail_stale(study: optuna.Study) -> None:
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            optuna.storages.fail_stale_trials(study)
+    except Exception:  # storages without heartbeat support
+        pass
 
 
 def _constrain(trial: optuna.Trial, value: float) -> None:

@@ -1,0 +1,164 @@
+"""Search: failed candidates, reuse of equal graphs, SIGKILL resume, two workers on one study."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import optuna
+import pytest
+import torch
+
+from autoprec.modelspec import load_model_spec
+from autoprec.policy import Policy
+from autoprec.search.measure import Harness
+from autoprec.search.objective import ATTR, Objective
+from autoprec.search.space import SearchSpace, find_blocks, outside_matmuls
+from autoprec.search.study import open_study
+
+OVERFLOW_MODEL = '''
+import torch
+from torch import nn
+
+class Net(nn.Module):
+    """C01: x @ w is 66355 > 65504 in fp16 -> inf; then a residual add and an RMSNorm -> NaN."""
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(256, 1, bias=False)
+        self.out = nn.Linear(1, 4, bias=False)
+        with torch.no_grad():
+            self.up.weight.fill_(16.2)
+            self.out.weight.fill_(0.01)
+
+    def forward(self, x):
+        h = self.up(x) + x[:, :1]
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return self.out(h).pow(2).mean()
+
+def build_model():
+    return Net()
+
+def get_batch(step, device):
+    return (torch.full((2, 256), 16.0, device=device),)
+'''
+
+
+@pytest.fixture
+def overflow_spec(tmp_path):
+    p = tmp_path / "overflow.py"
+    p.write_text(OVERFLOW_MODEL)
+    return load_model_spec(p)
+
+
+def _run(study, spec, lows, n, budget=1.0):
+    h = Harness(spec, torch.device("cpu"), warmup=1, steps=2)
+    blocks = find_blocks(h.graph_module)
+    space = SearchSpace(lows, blocks, outside_matmuls(h.graph_module, blocks))
+    for _name, params in space.baselines():
+        study.enqueue_trial(params)
+    study.optimize(Objective(h, space, budget, max_step_s=60.0), n_trials=n, catch=(Exception,))
+    return study
+
+
+def test_nan_candidate_recorded_failed_and_study_continues(tmp_path, overflow_spec):
+    study = open_study(f"sqlite:///{tmp_path}/s.db", "nan", seed=0)
+    _run(study, overflow_spec, ["fp16"], n=4)
+    states = {t.number: t.state for t in study.trials}
+    assert len(states) == 4
+    # Baseline 0 is all fp32: finite, completes. The all-fp16 baseline overflows (C01): FAIL.
+    assert states[0] == optuna.trial.TrialState.COMPLETE
+    all_low = study.trials[3]
+    assert {k: all_low.params[k] for k in ("matmul", "sensitive", "follow")} == {
+        "matmul": "fp16", "sensitive": "fp16", "follow": "fp16"}
+    assert all_low.state == optuna.trial.TrialState.FAIL
+    assert "non-finite" in all_low.user_attrs[ATTR + "error"]
+    # Never exported: no failed trial counts as feasible.
+    from autoprec.search.study import _feasible
+
+    assert all(t.state == optuna.trial.TrialState.COMPLETE for t in _feasible(study))
+    assert all(Policy.from_dict(t.user_attrs[ATTR + "policy"]).default_dtype == "fp32" or
+               math.isfinite(t.values[1]) for t in _feasible(study))
+
+
+def test_equal_graphs_are_measured_once(tmp_path, overflow_spec):
+    study = open_study(f"sqlite:///{tmp_path}/s.db", "dedup", seed=0)
+    h = Harness(overflow_spec, torch.device("cpu"), warmup=1, steps=2)
+    space = SearchSpace(["bf16"])
+    # 'follow' explicitly fp32 and 'auto' give the same graph when nothing is lowered.
+    study.enqueue_trial({"matmul": "fp32", "sensitive": "fp32", "follow": "fp32"})
+    study.enqueue_trial({"matmul": "fp32", "sensitive": "fp32", "follow": "auto"})
+    study.optimize(Objective(h, space, 1.0, max_step_s=60.0), n_trials=2)
+    a, b = study.trials
+    assert a.user_attrs[ATTR + "fingerprint"] == b.user_attrs[ATTR + "fingerprint"]
+    assert ATTR + "reused_from" not in a.user_attrs
+    assert b.user_attrs[ATTR + "reused_from"] == 0 and b.values == a.values
+
+
+def _tune_cmd(model, out, trials, extra=()):
+    return [sys.executable, "-m", "autoprec.cli", "tune", str(model), "--out", str(out), "--trials", str(trials),
+            "--no-compile", "--dtypes", "bf16", "--traj-steps", "0", *extra]
+
+
+def _finished(db, name):
+    try:
+        s = optuna.load_study(study_name=name, storage=f"sqlite:///{db}")
+    except KeyError:
+        return []
+    return [t for t in s.trials if t.state.is_finished()]
+
+
+def _study_name(db):
+    names = [s.study_name for s in optuna.get_all_study_summaries(f"sqlite:///{db}")]
+    return names[0] if names else None
+
+
+def test_sigkill_resume_keeps_finished_trials(tmp_path):
+    model = os.path.join(os.path.dirname(__file__), "..", "examples", "tiny_mlp.py")
+    out = tmp_path / "p.json"
+    db = tmp_path / "p.optuna.db"
+    proc = subprocess.Popen(_tune_cmd(model, out, 12), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    done = []
+    while time.time() < deadline and proc.poll() is None:
+        name = _study_name(db) if db.exists() else None
+        done = _finished(db, name) if name else []
+        if len(done) >= 3:
+            break
+        time.sleep(0.3)
+    assert proc.poll() is None, "tune finished before it could be killed"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    name = _study_name(db)
+    before = {t.number: (t.state, t.values) for t in _finished(db, name)}
+    assert len(before) >= 3
+    assert not out.exists()  # killed before the end: no half-written policy
+    r = subprocess.run(_tune_cmd(model, out, 12), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    after = {t.number: (t.state, t.values) for t in _finished(db, name)}
+    for num, val in before.items():
+        assert after[num] == val  # kept, not re-run
+    assert len(after) == 12
+    assert Policy.load(out).measured["tokens_per_s"] > 0
+
+
+def test_two_workers_share_one_study(tmp_path):
+    model = os.path.join(os.path.dirname(__file__), "..", "examples", "tiny_mlp.py")
+    storage = f"sqlite:///{tmp_path}/shared.db"
+    extra = ("--storage", storage, "--study-name", "shared")
+    procs = [subprocess.Popen(_tune_cmd(model, tmp_path / f"p{i}.json", 10, extra), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for i in range(2)]
+    for p in procs:
+        _out, err = p.communicate(timeout=600)
+        assert p.returncode == 0, err[-2000:]
+    study = optuna.load_study(study_name="shared", storage=storage)
+    finished = [t for t in study.trials if t.state.is_finished()]
+    assert len(finished) >= 10
+    measured = [t for t in finished if ATTR + "reused_from" not in t.user_attrs]
+    fps = [t.user_attrs.get(ATTR + "fingerprint") for t in measured]
+    assert len(fps) == len(set(fps)), "a graph was measured twice"
+    p0, p1 = Policy.load(tmp_path / "p0.json"), Policy.load(tmp_path / "p1.json")
+    assert p0.rules == p1.rules and p0.default_dtype == p1.default_dtype
