@@ -257,7 +257,8 @@ def _log(msg: str, quiet: bool) -> None:
 
 def run_bench(model_path: str | os.PathLike, policy: Policy | str | os.PathLike, steps: int = 5, warmup: int = 2,
               device: str = "auto", configs: Sequence[str] | None = None, max_step_ratio: float = 10.0,
-              skip_slow: bool = False, quiet: bool = False) -> dict[str, Any]:
+              skip_slow: bool = False, quiet: bool = False,
+              json_path: str | os.PathLike | None = None) -> dict[str, Any]:
     """Measure ``policy`` and the baselines (:data:`CONFIGS`) on ``model_path`` in this process.
 
     Args:
@@ -266,11 +267,14 @@ def run_bench(model_path: str | os.PathLike, policy: Policy | str | os.PathLike,
         steps: Timed training steps per configuration (median reported).
         warmup: Untimed steps before timing.
         device: ``auto``, ``cpu``, ``cuda``.
-        configs: Subset of :data:`CONFIGS` (``fp32_eager`` is always measured: it is the reference).
+        configs: Subset of :data:`CONFIGS`, measured in the order given (``fp32_eager`` is always
+            measured, first: it is the reference and sets the slow-step limit).
         max_step_ratio: A configuration whose step exceeds this multiple of ``fp32_eager``'s
             (floor 1 s) is timed on one step only and flagged ``capped``.
         skip_slow: Skip (not run) low-precision baselines when the low dtype's measured matmul
             peak is more than ``max_step_ratio`` times below fp32's; for CPUs that emulate bf16.
+        json_path: Also write the result here after every configuration (``"partial": true``
+            until the last), so a run cut short by a time limit keeps what it measured.
 
     Returns:
         ``{"device", "machine", "torch", "autoprec", "date", "model", "policy", "steps", "warmup",
@@ -290,7 +294,7 @@ def run_bench(model_path: str | os.PathLike, policy: Policy | str | os.PathLike,
     bad = [n for n in names if n not in CONFIGS]
     if bad:
         raise ValueError(f"unknown bench config(s) {', '.join(bad)}; valid: {', '.join(CONFIGS)}")
-    names = ["fp32_eager"] + [n for n in CONFIGS if n in names and n != "fp32_eager"]
+    names = ["fp32_eager"] + [n for n in dict.fromkeys(names) if n != "fp32_eager"]
     pol = policy if isinstance(policy, Policy) else Policy.load(policy)
     spec = load_model_spec(model_path)
     dev = resolve_device(device)
@@ -307,12 +311,22 @@ def run_bench(model_path: str | os.PathLike, policy: Policy | str | os.PathLike,
     slow_low = peaks[NAMES[low]] * max_step_ratio < peaks["fp32"]
     rows: dict[str, dict[str, Any]] = {}
     limit: float | None = None
+    machine = describe_machine(dev)
+    result = {
+        "device": machine["device"], "machine": machine, "torch": torch.__version__, "autoprec": __version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "model": str(spec.path), "policy": pol.to_dict(), "policy_main_dtype": main, "low_dtype": NAMES[low],
+        "steps": steps, "warmup": warmup, "max_step_ratio": max_step_ratio, "tokens_per_batch": h.tokens,
+        "flops": flops, "matmul_peak": {"dtype": main, "flops_per_s": peaks[main], "by_dtype": peaks},
+        "partial": True, "configs": rows,
+    }
     for name in names:
         cfg = cfgs[name]
         if skip_slow and slow_low and cfg.dtype == NAMES[low] and not name.startswith("policy"):
             rows[name] = _skipped(cfg, f"skipped: {NAMES[low]} matmul measured "
                                        f"{peaks['fp32'] / peaks[NAMES[low]]:.0f}x slower than fp32 here")
             _log(f"{name}: {rows[name]['note']}", quiet)
+            _checkpoint(result, json_path)
             continue
         _log(f"{name}: measuring ({cfg.dtype}{', compiling' if cfg.compiled else ''})", quiet)
         t0 = time.perf_counter()
@@ -329,17 +343,16 @@ def run_bench(model_path: str | os.PathLike, policy: Policy | str | os.PathLike,
         _log(f"{name}: {rows[name]['tokens_per_s']:.0f} tok/s, grad_rel_l2 {rows[name]['grad_rel_l2']}, "
              f"{rows[name]['wall_s']:.0f} s" + (f" ({rows[name]['note'] or rows[name]['error']})"
                                               if rows[name]['note'] or rows[name]['error'] else ""), quiet)
-    _ratios(rows)
-    machine = describe_machine(dev)
-    return {
-        "device": machine["device"], "machine": machine, "torch": torch.__version__, "autoprec": __version__,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "model": str(spec.path), "policy": pol.to_dict(), "policy_main_dtype": main, "low_dtype": NAMES[low],
-        "steps": steps, "warmup": warmup, "max_step_ratio": max_step_ratio, "tokens_per_batch": h.tokens,
-        "flops": flops, "matmul_peak": {"dtype": main, "flops_per_s": peaks[main],
-                                        "by_dtype": peaks},
-        "configs": rows,
-    }
+        _checkpoint(result, json_path)
+    result["partial"] = False
+    _checkpoint(result, json_path)
+    return result
+
+
+def _checkpoint(result: dict[str, Any], json_path: str | os.PathLike | None) -> None:
+    _ratios(result["configs"])
+    if json_path is not None:
+        write_bench_json(result, json_path)
 
 
 def _skipped(cfg: _Config, note: str) -> dict[str, Any]:

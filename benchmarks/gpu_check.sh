@@ -1,0 +1,124 @@
+#!/usr/bin/env bash
+# One prepared GPU check: tune a Qwen2-0.5B-shaped model, bench it, write JSON and logs.
+#
+# Usage: benchmarks/gpu_check.sh OUTDIR [--dry-run]
+#
+# For a CUDA machine (H200) whose Python has torch and Triton but no Optuna/networkx/transformers
+# and no network: wheels brought in .whl/ at the repo root (benchmarks/fetch_gpu_wheels.sh) are
+# installed with pip --no-index --no-deps into a temporary site folder on PYTHONPATH; only the
+# distributions not already installed. Every step runs under `timeout`; the whole script ends
+# within 8 minutes (budgets below add up to < 470 s) and always writes OUTDIR/summary.json.
+#
+# --dry-run: the same steps on the CPU with a tiny model (AUTOPREC_QWEN2_05B_TINY=1) and tiny
+# budgets, eager configurations only (< 1 min), to check the script before spending GPU time.
+#
+# Writes into OUTDIR: gpu_check.log (everything), env.json (device, torch, CUDA), nvidia-smi.txt,
+# policy.json, tune.log, bench.json (partial if the budget cut it), bench.md, bench.log,
+# summary.json ({"dry_run", "steps": {name: {"rc", "seconds"}}, "policy_source"}).
+set -uo pipefail
+usage() { echo "usage: $0 OUTDIR [--dry-run]" >&2; exit 2; }
+[ $# -ge 1 ] || usage
+OUT=$1; shift
+DRY=0
+for a in "$@"; do case "$a" in --dry-run) DRY=1 ;; *) usage ;; esac; done
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
+PY=${PY:-python3}
+export PYTHONUNBUFFERED=1  # logs survive a timeout kill
+exec > >(tee -a "$OUT/gpu_check.log") 2>&1
+cd "$REPO"
+
+if [ "$DRY" = 1 ]; then
+  export AUTOPREC_QWEN2_05B_TINY=1
+  DEVICE=cpu
+  T_ENV=60; T_TUNE=90; T_BENCH=60  # generous: a loaded 2-core CI box; idle it takes ~1/3
+  TUNE_ARGS=(--trials 1 --timeout 5 --no-compile --traj-steps 0 --finalists 1)
+  BENCH_ARGS=(--steps 1 --warmup 0 --configs fp32_eager policy_eager autocast_eager pure_low_eager)
+else
+  DEVICE=cuda
+  T_ENV=60; T_TUNE=250; T_BENCH=150
+  # Trials screen eagerly (seconds each on an H200); one finalist and the autocast baseline are
+  # compiled. The Inductor cache then serves the same graphs to bench.
+  TUNE_ARGS=(--trials 16 --timeout 60 --finalists 1 --traj-steps 10)
+  # Most important first: a bench cut short by its budget keeps these (bench.json is partial).
+  BENCH_ARGS=(--steps 10 --warmup 3 --configs fp32_eager policy_compiled autocast_compiled policy_eager
+              autocast_eager pure_low_eager fp32_compiled pure_low_compiled)
+fi
+MODEL=examples/qwen2_05b.py
+STEPS_JSON=""
+step() {  # step NAME SECONDS CMD...: run CMD under timeout, record rc and seconds
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  echo "== $name (limit ${limit}s): ${*:0:200}"
+  timeout --kill-after=10 "$limit" "$@"
+  local rc=$?
+  [ $rc -eq 124 ] && echo "== $name: timed out after ${limit}s"
+  echo "== $name: rc=$rc, $((SECONDS - t0)) s"
+  STEPS_JSON+="\"$name\": {\"rc\": $rc, \"seconds\": $((SECONDS - t0))}, "
+  return $rc
+}
+
+echo "gpu_check: $(date -u +%FT%TZ) out=$OUT dry_run=$DRY repo=$REPO"
+
+# 1. Wheels: install the ones whose distribution is missing here.
+SITE=$(mktemp -d "${TMPDIR:-/tmp}/autoprec-site.XXXXXX")
+install_wheels() {
+  shopt -s nullglob
+  local whls=("$REPO"/.whl/*.whl)
+  [ ${#whls[@]} -gt 0 ] || { echo "wheels: no .whl/ folder, using what is installed"; return 0; }
+  # Wheel names start with the distribution name; keep the ones not installed here.
+  mapfile -t need < <("$PY" - "${whls[@]}" <<'PYEOF'
+import importlib.metadata as m, os, sys
+for w in sys.argv[1:]:
+    try:
+        m.version(os.path.basename(w).split("-")[0])
+    except m.PackageNotFoundError:
+        print(w)
+PYEOF
+)
+  echo "wheels: ${#whls[@]} in .whl/, ${#need[@]} to install"
+  [ ${#need[@]} -eq 0 ] || "$PY" -m pip install -q --no-index --no-deps --target "$SITE" "${need[@]}"
+}
+export -f install_wheels; export REPO PY SITE
+step wheels 120 bash -c install_wheels
+export PYTHONPATH="$REPO:$SITE${PYTHONPATH:+:$PYTHONPATH}"
+
+# 2. Environment.
+[ "$DRY" = 1 ] || (timeout 20 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 || echo "nvidia-smi failed")
+step env "$T_ENV" "$PY" - "$OUT/env.json" "$DEVICE" <<'PY'
+import json, sys, torch
+import optuna, networkx, transformers, autoprec  # noqa: F401  (fail here, not mid-tune)
+from autoprec.bench import describe_machine
+dev = torch.device(sys.argv[2])
+if dev.type == "cuda":
+    assert torch.cuda.is_available(), "CUDA not available"
+env = describe_machine(dev) | {"torch": torch.__version__, "cuda": torch.version.cuda,
+      "optuna": optuna.__version__, "networkx": networkx.__version__, "transformers": transformers.__version__,
+      "autoprec": autoprec.__version__, "bf16_supported": dev.type == "cuda" and torch.cuda.is_bf16_supported()}
+json.dump(env, open(sys.argv[1], "w"), indent=2)
+print(json.dumps(env))
+PY
+env_rc=$?
+
+# 3. Tune within a fixed budget.
+POLICY_SOURCE=tune
+if [ $env_rc -eq 0 ]; then
+  step tune "$T_TUNE" "$PY" -m autoprec.cli tune "$MODEL" --device "$DEVICE" --out "$OUT/policy.json" \
+      --storage "sqlite:///$OUT/study.db" "${TUNE_ARGS[@]}" > >(tee "$OUT/tune.log") 2>&1
+fi
+if [ ! -s "$OUT/policy.json" ]; then  # tune failed or ran out of time: bench the default policy
+  POLICY_SOURCE=default_bf16_fallback
+  "$PY" -c "import sys, autoprec; autoprec.Policy.default('bf16').save(sys.argv[1])" "$OUT/policy.json"
+fi
+
+# 4. Bench (JSON written after every configuration).
+step bench "$T_BENCH" "$PY" -m autoprec.cli bench "$MODEL" --device "$DEVICE" --policy "$OUT/policy.json" \
+    --json "$OUT/bench.json" --md "$OUT/bench.md" "${BENCH_ARGS[@]}" > >(tee "$OUT/bench.log") 2>&1
+
+cat > "$OUT/summary.json" <<JSON
+{"dry_run": $([ "$DRY" = 1 ] && echo true || echo false), "device": "$DEVICE", "policy_source": "$POLICY_SOURCE",
+ "steps": {${STEPS_JSON%, }}, "total_seconds": $SECONDS}
+JSON
+rm -rf "$SITE"
+echo "gpu_check: done in $SECONDS s; results in $OUT"
+[ -s "$OUT/bench.json" ]

@@ -1,0 +1,37 @@
+"""``benchmarks/gpu_check.sh --dry-run``: every step of the GPU check on the CPU, tiny model."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from tests.conftest import ROOT
+
+
+def test_gpu_check_dry_run(tmp_path):
+    out = tmp_path / "gpu"
+    env = os.environ | {"PY": sys.executable}
+    r = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), str(out), "--dry-run"],
+                       capture_output=True, text=True, env=env, timeout=420)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["dry_run"] is True and summary["policy_source"] == "tune"
+    assert all(s["rc"] == 0 for s in summary["steps"].values()), summary
+    assert set(summary["steps"]) == {"wheels", "env", "tune", "bench"}
+    env_info = json.loads((out / "env.json").read_text())
+    assert env_info["torch"] and "cpu_flags" in env_info
+    policy = json.loads((out / "policy.json").read_text())
+    assert policy["schema_version"] == 1
+    bench = json.loads((out / "bench.json").read_text())
+    assert bench["partial"] is False
+    assert bench["configs"]["fp32_eager"]["ratio_vs_fp32_eager"] == 1.0
+    assert "| policy_eager |" in (out / "bench.md").read_text()
+    for log in ("gpu_check.log", "tune.log", "bench.log"):
+        assert (out / log).stat().st_size > 0
+
+
+def test_gpu_check_usage():
+    r = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh")], capture_output=True, text=True)
+    assert r.returncode == 2 and "usage" in r.stderr
