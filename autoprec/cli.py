@@ -184,11 +184,11 @@ def _cmd_show(a: argparse.Namespace) -> int:
 def _cmd_bench(a: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from autoprec.bench import format_bench_table, run_bench, write_bench_json
+    from autoprec.bench import format_bench_table, run_bench
 
     try:
         res = run_bench(a.model, a.policy, steps=a.steps, warmup=a.warmup, device=a.device, configs=a.configs,
-                        max_step_ratio=a.max_step_ratio, skip_slow=a.skip_slow)
+                        max_step_ratio=a.max_step_ratio, skip_slow=a.skip_slow, json_path=a.json)
     except ValueError as e:
         print(f"autoprec bench: error: {e}", file=sys.stderr)
         return 2
@@ -196,7 +196,6 @@ def _cmd_bench(a: argparse.Namespace) -> int:
     print()
     print(table)
     if a.json:
-        write_bench_json(res, a.json)
         print(f"wrote {a.json}")
     if a.md:
         Path(a.md).parent.mkdir(parents=True, exist_ok=True)
