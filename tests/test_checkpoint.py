@@ -124,7 +124,7 @@ def test_load_errors_name_the_file(tmp_path):
 def test_loop_resume_matches_uninterrupted(tmp_path):
     pol = tmp_path / "p.json"
     Policy.fp32().save(pol)
-    kw = dict(compile=False, quiet=True)
+    kw = {"compile": False, "quiet": True}
     full = train(TINY, pol, steps=4, **kw)
     ck = tmp_path / "ck.pt"
     part = train(TINY, pol, steps=2, checkpoint=ck, **kw)

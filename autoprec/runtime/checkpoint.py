@@ -160,7 +160,7 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
         payload = torch.load(source, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise AutoprecError(f"{source}: no such checkpoint") from None
-    except Exception as e:  # noqa: BLE001 - unpickling errors come in many types
+    except Exception as e:  # unpickling errors come in many types
         raise AutoprecError(f"{source}: not a loadable autoprec checkpoint ({type(e).__name__}: {e})") from e
     if not isinstance(payload, dict) or "autoprec_checkpoint" not in payload:
         raise AutoprecError(f"{source}: not an autoprec checkpoint (no 'autoprec_checkpoint' key)")

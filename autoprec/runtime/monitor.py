@@ -227,7 +227,7 @@ class Monitor:
             self._file.close()
             self._file = None
 
-    def __enter__(self) -> Monitor:
+    def __enter__(self) -> Monitor:  # noqa: PYI034 - Python 3.10 has no typing.Self
         return self
 
     def __exit__(self, *exc: object) -> None:
