@@ -136,3 +136,50 @@ def test_record_accepts_step_stats_with_nan_loss(tmp_path):
 def test_diagnoser_needs_a_graph():
     with pytest.raises(ValueError, match="graph_module"):
         Monitor().diagnoser()
+
+
+FFN_FILE = '''
+import torch
+from torch import nn
+
+class FFN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(256, 1, bias=False)
+        with torch.no_grad():
+            self.proj.weight.fill_(16.2)
+
+    def forward(self, x):
+        h = self.proj(x) + x[:, :1]
+        return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+def build_model():
+    return FFN()
+
+def get_batch(step, device):
+    return torch.full((1, 256), 16.0, device=device)
+
+def loss_fn(out, batch):
+    return out.float().sum()
+
+def make_optimizer(params):
+    return torch.optim.SGD(params, lr=0.1)
+'''
+
+
+def test_autoprec_train_names_the_overflowing_node(tmp_path, capsys):
+    """``autoprec train`` wires the monitor's diagnosis into the scaler: exit 2, the error names the node."""
+    from autoprec.cli import main
+    from autoprec.policy import LossScalingConfig
+
+    (tmp_path / "ffn.py").write_text(FFN_FILE)
+    pol = tmp_path / "p.json"
+    Policy(default_dtype="fp16", rules=Policy.default("fp16").rules,
+           loss_scaling=LossScalingConfig(init_scale=2.0, min_scale=1.0)).save(pol)
+    code = main(["train", str(tmp_path / "ffn.py"), "--policy", str(pol), "--steps", "20", "--no-compile",
+                 "--log", str(tmp_path / "log.jsonl")])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "forward pass" in err and "'proj/linear#0'" in err
+    recs = read_jsonl(tmp_path / "log.jsonl")
+    assert recs and all(r["skipped"] for r in recs) and recs[0]["first_nonfinite_node"] == "proj/linear#0"
