@@ -6,8 +6,9 @@
 # For a CUDA machine (H200) whose Python has torch and Triton but no Optuna/networkx/transformers
 # and no network: wheels brought in .whl/ at the repo root (benchmarks/fetch_gpu_wheels.sh) are
 # installed with pip --no-index --no-deps into a temporary site folder on PYTHONPATH; only the
-# distributions not already installed. Every step runs under `timeout`; the whole script ends
-# within 8 minutes (budgets below add up to < 470 s) and always writes OUTDIR/summary.json.
+# distributions not already installed. Every step runs under `timeout`, its limit also clipped to
+# what is left of a 460 s deadline, so the whole script ends within 8 minutes; it always writes
+# OUTDIR/summary.json.
 #
 # --dry-run: the same steps on the CPU with a tiny model (AUTOPREC_QWEN2_05B_TINY=1) and tiny
 # budgets, eager configurations only (< 1 min), to check the script before spending GPU time.
@@ -31,26 +32,33 @@ cd "$REPO"
 if [ "$DRY" = 1 ]; then
   export AUTOPREC_QWEN2_05B_TINY=1
   DEVICE=cpu
-  T_ENV=60; T_TUNE=90; T_BENCH=60  # generous: a loaded 2-core CI box; idle it takes ~1/3
+  T_WHEELS=60; T_ENV=60; T_TUNE=90; T_BENCH=60; DEADLINE=400  # generous: a loaded 2-core CI box
   TUNE_ARGS=(--trials 1 --timeout 5 --no-compile --traj-steps 0 --finalists 1)
   BENCH_ARGS=(--steps 1 --warmup 0 --configs fp32_eager policy_eager autocast_eager pure_low_eager)
 else
   DEVICE=cuda
-  T_ENV=60; T_TUNE=250; T_BENCH=150
-  # Trials screen eagerly (seconds each on an H200); one finalist and the autocast baseline are
-  # compiled. The Inductor cache then serves the same graphs to bench.
-  TUNE_ARGS=(--trials 16 --timeout 60 --finalists 1 --traj-steps 10)
-  # Most important first: a bench cut short by its budget keeps these (bench.json is partial).
-  BENCH_ARGS=(--steps 10 --warmup 3 --configs fp32_eager policy_compiled autocast_compiled policy_eager
-              autocast_eager pure_low_eager fp32_compiled pure_low_compiled)
+  T_WHEELS=45; T_ENV=45; T_TUNE=150; T_BENCH=230; DEADLINE=460
+  # Tune screens and picks eagerly (seconds per trial on an H200; each Inductor compile of the
+  # 24-layer graph costs 1-2 minutes, spent in bench instead), sampling for at most 45 s.
+  TUNE_ARGS=(--trials 24 --timeout 45 --no-compile --finalists 2 --traj-steps 10)
+  # Eager rows first (seconds), then the compiled ones, most important first: a bench cut short
+  # by its budget keeps what it finished (bench.json is rewritten after every configuration).
+  BENCH_ARGS=(--steps 10 --warmup 3 --configs fp32_eager policy_eager autocast_eager pure_low_eager
+              policy_compiled autocast_compiled fp32_compiled pure_low_compiled)
 fi
 MODEL=examples/qwen2_05b.py
 STEPS_JSON=""
 step() {  # step NAME SECONDS CMD...: run CMD under timeout, record rc and seconds
   local name=$1 limit=$2; shift 2
-  local t0=$SECONDS
+  local t0=$SECONDS left=$((DEADLINE - SECONDS))
+  [ "$left" -lt "$limit" ] && limit=$left
+  if [ "$limit" -le 0 ]; then
+    echo "== $name: skipped, no time left"
+    STEPS_JSON+="\"$name\": {\"rc\": -1, \"seconds\": 0}, "
+    return 1
+  fi
   echo "== $name (limit ${limit}s): ${*:0:200}"
-  timeout --kill-after=10 "$limit" "$@"
+  timeout --kill-after=5 "$limit" "$@"
   local rc=$?
   [ $rc -eq 124 ] && echo "== $name: timed out after ${limit}s"
   echo "== $name: rc=$rc, $((SECONDS - t0)) s"
@@ -80,11 +88,11 @@ PYEOF
   [ ${#need[@]} -eq 0 ] || "$PY" -m pip install -q --no-index --no-deps --target "$SITE" "${need[@]}"
 }
 export -f install_wheels; export REPO PY SITE
-step wheels 120 bash -c install_wheels
+step wheels "$T_WHEELS" bash -c install_wheels
 export PYTHONPATH="$REPO:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 
 # 2. Environment.
-[ "$DRY" = 1 ] || (timeout 20 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 || echo "nvidia-smi failed")
+[ "$DRY" = 1 ] || (timeout 10 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 || echo "nvidia-smi failed")
 step env "$T_ENV" "$PY" - "$OUT/env.json" "$DEVICE" <<'PY'
 import json, sys, torch
 import optuna, networkx, transformers, autoprec  # noqa: F401  (fail here, not mid-tune)
