@@ -32,7 +32,8 @@ cd "$REPO"
 if [ "$DRY" = 1 ]; then
   export AUTOPREC_QWEN2_05B_TINY=1
   DEVICE=cpu
-  T_WHEELS=60; T_ENV=60; T_TUNE=90; T_BENCH=60; DEADLINE=400  # generous: a loaded 2-core CI box
+  # Idle 2-core CPU: ~60 s in all. The limits are generous for a loaded CI box.
+  T_WHEELS=60; T_ENV=60; T_TUNE=150; T_BENCH=120; DEADLINE=420
   TUNE_ARGS=(--trials 1 --timeout 5 --no-compile --traj-steps 0 --finalists 1)
   BENCH_ARGS=(--steps 1 --warmup 0 --configs fp32_eager policy_eager autocast_eager pure_low_eager)
 else
@@ -57,7 +58,8 @@ step() {  # step NAME SECONDS CMD...: run CMD under timeout, record rc and secon
     STEPS_JSON+="\"$name\": {\"rc\": -1, \"seconds\": 0}, "
     return 1
   fi
-  echo "== $name (limit ${limit}s): ${*:0:200}"
+  local cmd="$*"
+  echo "== $name (limit ${limit}s): ${cmd:0:200}"
   timeout --kill-after=5 "$limit" "$@"
   local rc=$?
   [ $rc -eq 124 ] && echo "== $name: timed out after ${limit}s"
