@@ -117,7 +117,7 @@ def _study_name(db):
 
 
 def test_sigkill_resume_keeps_finished_trials(tmp_path):
-    model = os.path.join(os.path.dirname(__file__), "..", "examples", "tiny_mlp.py")
+    model = os.path.join(os.path.dirname(__file__), "models", "micro_lm.py")
     out = tmp_path / "p.json"
     db = tmp_path / "p.optuna.db"
     proc = subprocess.Popen(_tune_cmd(model, out, 12), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -146,7 +146,7 @@ def test_sigkill_resume_keeps_finished_trials(tmp_path):
 
 
 def test_two_workers_share_one_study(tmp_path):
-    model = os.path.join(os.path.dirname(__file__), "..", "examples", "tiny_mlp.py")
+    model = os.path.join(os.path.dirname(__file__), "models", "micro_lm.py")
     storage = f"sqlite:///{tmp_path}/shared.db"
     extra = ("--storage", storage, "--study-name", "shared")
     procs = [subprocess.Popen(_tune_cmd(model, tmp_path / f"p{i}.json", 10, extra), stdout=subprocess.PIPE,

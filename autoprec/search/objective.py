@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
+import socket
 import time
-import warnings
 
 import optuna
 import torch
@@ -64,6 +65,7 @@ class Objective:
         self.max_step_s, self.compile = max_step_s, compile
 
     def __call__(self, trial: optuna.Trial) -> tuple[float, float, float] | float:
+        trial.set_user_attr(_A + "worker", f"{socket.gethostname()}:{os.getpid()}")  # see is_dead_worker
         params = self.space.suggest(trial)
         policy = self.space.to_policy(params)
         trial.set_user_attr(_A + "policy", policy.to_dict())
@@ -117,7 +119,8 @@ def _find_measured(study: optuna.Study, fp: str, number: int, wait_s: float = 90
         running = False
         for t in study.get_trials(deepcopy=False):
             other = t.user_attrs.get(_A + "fingerprint")
-            if t.number < number and t.state == optuna.trial.TrialState.RUNNING and other in (None, fp):
+            if (t.number < number and t.state == optuna.trial.TrialState.RUNNING and other in (None, fp)
+                    and not is_dead_worker(t)):
                 running = True  # measuring this graph, or not yet lowered: wait and look again
             if t.number == number or other != fp:
                 continue
@@ -127,16 +130,20 @@ def _find_measured(study: optuna.Study, fp: str, number: int, wait_s: float = 90
         if not running or time.monotonic() > deadline:
             return None
         time.sleep(poll_s)
-        _fail_stale(study)  # a killed worker's trial turns FAIL after the heartbeat grace period
 
 
-def _fail_stale(study: optuna.Study) -> None:
+def is_dead_worker(trial: optuna.trial.FrozenTrial) -> bool:
+    """True if ``trial`` was started by a process of this host that no longer exists (killed)."""
+    host, _, pid = str(trial.user_attrs.get(_A + "worker", "")).rpartition(":")
+    if host != socket.gethostname() or not pid.isdigit():
+        return False
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            optuna.storages.fail_stale_trials(study)
-    except Exception:  # storages without heartbeat support
-        pass
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
 
 
 def _constrain(trial: optuna.Trial, value: float) -> None:

@@ -35,7 +35,7 @@ from autoprec.policy import Policy
 from autoprec.runtime.apply import compile_graph
 from autoprec.runtime.train import make_scaler
 from autoprec.search.measure import Harness, Measurement, resolve_device, traj_rel
-from autoprec.search.objective import ATTR, DIRECTIONS, Objective
+from autoprec.search.objective import ATTR, DIRECTIONS, Objective, is_dead_worker
 from autoprec.search.space import SearchSpace, find_blocks, outside_matmuls, probe_dtypes
 
 __all__ = ["TuneResult", "tune", "graph_fingerprint", "default_storage", "device_name", "open_study"]
@@ -279,25 +279,18 @@ def _default_name(path, gm, dev) -> str:
 def open_study(storage: str, study_name: str, seed: int = 0) -> optuna.Study:
     """Create or load (resume) the multi-objective study ``study_name`` in ``storage``.
 
-    RDB URLs get a heartbeat so trials of a killed worker are marked failed after the grace
-    period and re-queued once (``RetryFailedTrialCallback``) instead of hanging as RUNNING.
+    Trials left RUNNING by a killed worker of this host (its process is gone) are marked FAIL,
+    so a resumed run neither waits for nor counts them.
     """
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    if storage.split(":", 1)[0].split("+")[0] in ("sqlite", "postgresql", "mysql"):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # heartbeat is flagged experimental
-            storage = optuna.storages.RDBStorage(
-                storage, heartbeat_interval=5, grace_period=30,
-                failed_trial_callback=optuna.storages.RetryFailedTrialCallback(max_retry=1))
-    sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=6, multivariate=True, group=True) \
-        if _quiet_experimental() else optuna.samplers.TPESampler(seed=seed)
-    return optuna.create_study(storage=storage, study_name=study_name, directions=list(DIRECTIONS),
-                               sampler=sampler, load_if_exists=True)
-
-
-def _quiet_experimental() -> bool:
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
-    return True
+    sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=6, multivariate=True, group=True)
+    study = optuna.create_study(storage=storage, study_name=study_name, directions=list(DIRECTIONS),
+                                sampler=sampler, load_if_exists=True)
+    for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
+        if is_dead_worker(t):
+            study._storage.set_trial_state_values(t._trial_id, optuna.trial.TrialState.FAIL)
+    return study
 
 
 def _enqueue_baselines(study: optuna.Study, space: SearchSpace) -> None:
