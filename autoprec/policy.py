@@ -19,13 +19,13 @@ import fnmatch
 import json
 import math
 import os
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from autoprec._io import atomic_write
 from autoprec.dtypes import DTYPES
 from autoprec.errors import PolicyError
 
@@ -457,24 +457,7 @@ class Policy:
             OSError: the file system refused the write (the old file stays intact).
         """
         text = self.to_json() + "\n"
-        target = Path(path)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        mode = target.stat().st_mode & 0o777 if target.exists() else 0o644
-        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(text)
-                f.flush()
-                os.fsync(f.fileno())
-            os.chmod(tmp, mode)
-            os.replace(tmp, target)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
-            raise
-        _fsync_dir(target.parent)
+        atomic_write(path, lambda f: f.write(text))
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Policy:
@@ -588,17 +571,3 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
             raise _DuplicateKey(k)
         out[k] = v
     return out
-
-
-def _fsync_dir(directory: Path) -> None:
-    """Persist the rename itself (POSIX); a no-op where directories cannot be opened."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

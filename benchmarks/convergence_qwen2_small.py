@@ -14,7 +14,6 @@ import importlib.util
 import os
 
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _spec = importlib.util.spec_from_file_location(
@@ -28,27 +27,15 @@ SEQ_LEN = 128
 
 def build_model() -> torch.nn.Module:
     """Qwen2ForCausalLM, hidden 128, 2 layers, random fp32 init with seed 0 (global RNG restored)."""
-    config = Qwen2Config(vocab_size=256, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, intermediate_size=344, max_position_embeddings=256,
-                         tie_word_embeddings=False, use_cache=False, attn_implementation="sdpa")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = Qwen2ForCausalLM(config)
-    return model.float().train()
-
-
-def _batch(data: torch.Tensor, step: int, device: torch.device | str) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(step)
-    starts = torch.randint(0, len(data) - SEQ_LEN + 1, (BATCH_SIZE,), generator=gen)
-    ids = torch.stack([data[s : s + SEQ_LEN] for s in starts.tolist()]).long().to(device)
-    return {"input_ids": ids, "labels": ids.clone()}
+    return _q.build_qwen2(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          intermediate_size=344, max_position_embeddings=256)
 
 
 def get_batch(step: int, device: torch.device | str) -> dict[str, torch.Tensor]:
     """Training batch ``{"input_ids", "labels"}``: LongTensor[4, 128] byte windows, deterministic in step."""
-    return _batch(_q._split(heldout=False), step, device)
+    return _q.make_batch(step, device, BATCH_SIZE, SEQ_LEN)
 
 
 def get_heldout_batch(step: int, device: torch.device | str) -> dict[str, torch.Tensor]:
     """Batch from the held-out last 10% of the corpus; same form as :func:`get_batch`."""
-    return _batch(_q._split(heldout=True), step, device)
+    return _q.make_batch(step, device, BATCH_SIZE, SEQ_LEN, heldout=True)

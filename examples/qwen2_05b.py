@@ -23,7 +23,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import qwen2_tiny  # noqa: E402  (corpus and splits are shared, not duplicated)
+import qwen2_tiny
 
 TINY = os.environ.get("AUTOPREC_QWEN2_05B_TINY", "") not in ("", "0")
 BATCH_SIZE, SEQ_LEN = (2, 32) if TINY else (8, 512)
@@ -51,19 +51,12 @@ def build_model() -> torch.nn.Module:
     return model.float().train()
 
 
-def _batch(data: torch.Tensor, step: int, device: torch.device | str) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(step)
-    starts = torch.randint(0, len(data) - SEQ_LEN + 1, (BATCH_SIZE,), generator=gen)
-    input_ids = torch.stack([data[s : s + SEQ_LEN] for s in starts.tolist()]).long().to(device)
-    return {"input_ids": input_ids, "labels": input_ids.clone()}
-
-
 def get_batch(step: int, device: torch.device | str) -> dict[str, torch.Tensor]:
     """A training batch deterministic in ``step``: ``{"input_ids", "labels"}``,
     LongTensor[8, 512] (LongTensor[2, 32] when tiny)."""
-    return _batch(qwen2_tiny._split(heldout=False), step, device)
+    return qwen2_tiny.make_batch(step, device, BATCH_SIZE, SEQ_LEN)
 
 
 def get_heldout_batch(step: int, device: torch.device | str) -> dict[str, torch.Tensor]:
     """A held-out batch (last 10% of the corpus); same form as :func:`get_batch`."""
-    return _batch(qwen2_tiny._split(heldout=True), step, device)
+    return qwen2_tiny.make_batch(step, device, BATCH_SIZE, SEQ_LEN, heldout=True)

@@ -32,30 +32,31 @@ HELDOUT_FRACTION = 0.1
 _corpus: torch.Tensor | None = None  # uint8 [n_bytes], loaded once per process
 
 
-def build_model() -> torch.nn.Module:
-    """Build the model: Qwen2ForCausalLM, ~11.9M fp32 parameters, random init with seed 0.
+def build_qwen2(**shape) -> torch.nn.Module:
+    """A Qwen2ForCausalLM with byte-level vocabulary, random init with seed 0, fp32, training mode.
+
+    Args:
+        **shape: ``Qwen2Config`` fields (hidden_size, num_hidden_layers, ...) overriding the
+            defaults below (no KV cache, SDPA attention, untied embeddings).
 
     The global RNG state is restored afterwards, so building does not perturb the caller.
+    """
+    fields = {"vocab_size": VOCAB_SIZE, "max_position_embeddings": 512, "tie_word_embeddings": False,
+              "use_cache": False, "attn_implementation": "sdpa", **shape}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = Qwen2ForCausalLM(Qwen2Config(**fields))
+    return model.float().train()
+
+
+def build_model() -> torch.nn.Module:
+    """Build the model: Qwen2ForCausalLM, ~11.9M fp32 parameters, random init with seed 0.
 
     Returns:
         The model on CPU, fp32, in training mode (dropout is 0 in this config).
     """
-    config = Qwen2Config(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=512,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        intermediate_size=1376,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-        use_cache=False,
-        attn_implementation="sdpa",
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = Qwen2ForCausalLM(config)
-    return model.float().train()
+    return build_qwen2(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                       intermediate_size=1376)
 
 
 def _load_corpus() -> torch.Tensor:
@@ -84,11 +85,14 @@ def _split(heldout: bool) -> torch.Tensor:
     return corpus[n_train:] if heldout else corpus[:n_train]
 
 
-def _batch(data: torch.Tensor, step: int, device: torch.device | str) -> dict[str, torch.Tensor]:
+def make_batch(step: int, device: torch.device | str, batch_size: int = BATCH_SIZE, seq_len: int = SEQ_LEN,
+               heldout: bool = False) -> dict[str, torch.Tensor]:
+    """``batch_size`` windows of ``seq_len`` bytes from the training (or held-out) split, chosen
+    by a generator seeded with ``step``: ``{"input_ids", "labels"}``, LongTensor[batch, seq]."""
+    data = _split(heldout)
     gen = torch.Generator().manual_seed(step)
-    starts = torch.randint(0, len(data) - SEQ_LEN + 1, (BATCH_SIZE,), generator=gen)
-    input_ids = torch.stack([data[s : s + SEQ_LEN] for s in starts.tolist()]).long()
-    input_ids = input_ids.to(device)
+    starts = torch.randint(0, len(data) - seq_len + 1, (batch_size,), generator=gen)
+    input_ids = torch.stack([data[s : s + seq_len] for s in starts.tolist()]).long().to(device)
     return {"input_ids": input_ids, "labels": input_ids.clone()}
 
 
@@ -103,7 +107,7 @@ def get_batch(step: int, device: torch.device | str) -> dict[str, torch.Tensor]:
         ``{"input_ids": LongTensor[4, 256], "labels": LongTensor[4, 256]}``, equal byte values
         in 0..255 (the model shifts labels internally for next-token prediction).
     """
-    return _batch(_split(heldout=False), step, device)
+    return make_batch(step, device)
 
 
 def get_heldout_batch(step: int, device: torch.device | str) -> dict[str, torch.Tensor]:
@@ -116,4 +120,4 @@ def get_heldout_batch(step: int, device: torch.device | str) -> dict[str, torch.
     Returns:
         ``{"input_ids": LongTensor[4, 256], "labels": LongTensor[4, 256]}``.
     """
-    return _batch(_split(heldout=True), step, device)
+    return make_batch(step, device, heldout=True)
