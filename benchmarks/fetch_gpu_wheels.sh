@@ -8,14 +8,19 @@
 # the versions installed in this checkout's venv (PY, default .venv/bin/python, so what was
 # tested here is what runs there), and downloads cp312 manylinux / pure-python wheels, one
 # package at a time with --no-deps. gpu_check.sh installs only those not already installed there.
+# EXCLUDE (space-separated names, default "hf-xet": only used for hub downloads) leaves packages
+# out; the full set is ~70 MB, so where the copy to the GPU machine is limited (e.g. 64 MiB) and
+# its Python already has numpy, use EXCLUDE="hf-xet numpy" (~55 MB).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DEST=${1:-.whl}
 PY=${PY:-.venv/bin/python}
 [ -x "$PY" ] || PY=python3
+EXCLUDE=${EXCLUDE-hf-xet}
 mkdir -p "$DEST"
-mapfile -t PINS < <("$PY" - <<'PY'
+mapfile -t PINS < <(EXCLUDE="$EXCLUDE" "$PY" - <<'PY'
 import importlib.metadata as md
+import os
 import re
 from packaging.markers import default_environment
 from packaging.requirements import Requirement
@@ -24,7 +29,7 @@ env = default_environment() | {"python_version": "3.12", "python_full_version": 
                                "sys_platform": "linux", "platform_system": "Linux",
                                "platform_machine": "x86_64", "extra": ""}
 roots = ["optuna", "networkx", "transformers", "matplotlib"]  # matplotlib: tune's report plots
-skip = {"torch", "triton"}  # the GPU machine brings its own
+skip = {"torch", "triton", *os.environ.get("EXCLUDE", "").split()}  # the GPU machine brings torch
 seen, todo = {}, list(roots)
 while todo:
     name = re.sub(r"[-_.]+", "-", todo.pop()).lower()
