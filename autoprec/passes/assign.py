@@ -58,7 +58,7 @@ def _check_node_rules(policy: Policy, nodes: list[fx.Node]) -> None:
             continue
         n = by_key.get(rule.node)
         if n is None:
-            warnings.warn(f"autoprec: policy rules[{i}] names node {rule.node!r}, which is not in the graph")
+            warnings.warn(f"autoprec: policy rules[{i}] names node {rule.node!r}, which is not in the graph", stacklevel=3)
         elif n.meta["autoprec"]["op_class"] == "nonfloat":
             raise pass_error(
                 PASS, n, f"policy rules[{i}] sets dtype {rule.dtype} on a non-float node "

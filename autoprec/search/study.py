@@ -14,11 +14,11 @@ Inductor compile; the finalists' compiled numbers are what the policy file repor
 from __future__ import annotations
 
 import hashlib
-import warnings
 import math
 import os
 import platform
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -178,7 +178,14 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
          f"-> drift budget {budget:.3g}; {space.n_params} search parameters", quiet)
 
     study = open_study(storage or default_storage(out), study_name or _default_name(spec.path, gm, dev), seed)
-    _enqueue_baselines(study, space)
+    if not study.trials:  # a new study: rank regions, then queue the baselines (resumes skip this)
+        with clock("sensitivity_s"):
+            sens = region_sensitivity(harness, space)
+        if sens:
+            study.set_user_attr(_A + "sensitivity", sens)
+            _log("sensitivity (grad_rel_l2 with only that region lowered): "
+                 + ", ".join(f"{k} {v:.2g}" for k, v in sorted(sens.items(), key=lambda kv: -kv[1])), quiet)
+        _enqueue_baselines(study, space, sens)
     target = trials if trials is not None else 20
     objective = Objective(harness, space, budget, max_step_s=slow)
     with clock("trials_s"):
@@ -293,11 +300,34 @@ def open_study(storage: str, study_name: str, seed: int = 0) -> optuna.Study:
     return study
 
 
-def _enqueue_baselines(study: optuna.Study, space: SearchSpace) -> None:
-    if study.trials:  # resumed or shared: baselines were enqueued when the study was created
-        return
+def region_sensitivity(harness: Harness, space: SearchSpace) -> dict[str, float]:
+    """``grad_rel_l2`` when only one region (a layer block's matmuls, or one outside matmul) is
+    lowered to the fastest low dtype and everything else stays fp32: one eager forward/backward
+    per region. Empty when no low dtype is usable."""
+    if not space.low_dtypes:
+        return {}
+    low = space.low_dtypes[0]
+    base = {"matmul": "fp32", "sensitive": "fp32", "follow": "auto"}
+    base |= {f"block:{b}": "inherit" for b in space.blocks} | {f"node:{k}": "inherit" for k in space.nodes}
+    out = {}
+    for name in [f"block:{b}" for b in space.blocks] + [f"node:{k}" for k in space.nodes]:
+        pol = space.to_policy(base | {name: low})
+        try:
+            gm = run_pipeline(harness.graph_module, pol).graph_module
+            g = harness.drift(gm, make_scaler(pol)).grad_rel_l2
+        except Exception:  # a region that cannot be lowered is maximally sensitive
+            g = math.inf
+        out[name] = g if math.isfinite(g) else 1e30
+    return out
+
+
+def _enqueue_baselines(study: optuna.Study, space: SearchSpace, sensitivity: dict[str, float] | None = None) -> None:
+    """Queue the baselines, plus "autocast-equivalent with the most sensitive region in fp32"."""
     for _name, params in space.baselines():
         study.enqueue_trial(params, skip_if_exists=True)
+    if sensitivity and len(space.baselines()) > 1:
+        worst = max(sensitivity, key=sensitivity.get)
+        study.enqueue_trial(space.baselines()[1][1] | {worst: "fp32"}, skip_if_exists=True)
 
 
 def _finished(study: optuna.Study) -> int:

@@ -22,10 +22,10 @@ def drift(model, gm_low, x):
         return loss.detach(), g
 
     l32, g32 = run(model)
-    l, g = run(gm_low)
-    if not (torch.isfinite(l) and torch.isfinite(g).all()):
+    loss, g = run(gm_low)
+    if not (torch.isfinite(loss) and torch.isfinite(g).all()):
         return math.inf, math.inf
-    return float((g - g32).norm() / g32.norm()), float((l - l32).abs() / l32.abs())
+    return float((g - g32).norm() / g32.norm()), float((loss - l32).abs() / l32.abs())
 
 
 class FFN(nn.Module):

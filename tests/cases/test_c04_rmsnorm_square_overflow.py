@@ -45,10 +45,10 @@ def drift(model, f, x):
         return loss.detach(), torch.cat([p.grad.flatten() for p in model.parameters()])
 
     l32, g32 = run(model)
-    l, g = run(f)
-    if not (torch.isfinite(l) and torch.isfinite(g).all()):
+    loss, g = run(f)
+    if not (torch.isfinite(loss) and torch.isfinite(g).all()):
         return math.inf, math.inf
-    return float((g - g32).norm() / g32.norm()), float((l - l32).abs() / l32.abs())
+    return float((g - g32).norm() / g32.norm()), float((loss - l32).abs() / l32.abs())
 
 
 REGION = {"norm/pow#0", "norm/mean#0", "norm/add#0", "norm/rsqrt#0", "norm/mul#0"}
