@@ -162,3 +162,17 @@ def test_two_workers_share_one_study(tmp_path):
     assert len(fps) == len(set(fps)), "a graph was measured twice"
     p0, p1 = Policy.load(tmp_path / "p0.json"), Policy.load(tmp_path / "p1.json")
     assert p0.rules == p1.rules and p0.default_dtype == p1.default_dtype
+
+
+def test_region_sensitivity_ranks_the_overflowing_matmul_first(overflow_spec):
+    from autoprec.search.study import region_sensitivity
+
+    h = Harness(overflow_spec, torch.device("cpu"), warmup=1, steps=2)
+    blocks = find_blocks(h.graph_module)
+    space = SearchSpace(["fp16"], blocks, outside_matmuls(h.graph_module, blocks))
+    sens = region_sensitivity(h, space)
+    assert set(sens) == {"node:up/linear#0", "node:out/linear#0"}
+    # Lowering `up` alone overflows fp16 (C01): non-finite drift, ranked most sensitive.
+    assert sens["node:up/linear#0"] == 1e30
+    assert sens["node:out/linear#0"] < 1e-2
+    assert region_sensitivity(h, SearchSpace([])) == {}
