@@ -236,7 +236,9 @@ def _fin(x: float | None) -> float | None:
 
 
 def _row(m: Measurement, cfg: _Config, flops: float, peak: float, ratio: float) -> dict[str, Any]:
-    too_slow = m.error is not None and m.error.startswith("too slow")
+    # Harness marks a capped timing in ``note`` (older versions: an ``error`` "too slow ...").
+    legacy = m.error is not None and m.error.startswith("too slow")
+    too_slow = legacy or bool(getattr(m, "note", None))
     step = m.step_s if m.step_times else math.inf
     return {
         "dtype": cfg.dtype, "compiled": cfg.compiled,
@@ -247,7 +249,7 @@ def _row(m: Measurement, cfg: _Config, flops: float, peak: float, ratio: float) 
         "steps_timed": len(m.step_times), "step_times": list(m.step_times),
         "capped": too_slow,
         "note": (f"timed on 1 step: first step {step:.1f} s > {ratio:g}x fp32 eager" if too_slow else None),
-        "error": None if too_slow else m.error,
+        "error": None if legacy else m.error,
     }
 
 
