@@ -81,7 +81,7 @@ def _markdown(rows, front, table, policy, timings) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _plot_pareto(rows, front, fp32_tps: float | None, path: Path) -> None:
+def _plot_pareto(rows, front, fp32_tps: float | None, budget: float | None, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -96,12 +96,13 @@ def _plot_pareto(rows, front, fp32_tps: float | None, path: Path) -> None:
         cs = [(r["peak_bytes"] or 0) / 2**20 for r in ok]
         sc = ax.scatter(xs, ys, c=cs, cmap="viridis", s=30)
         fig.colorbar(sc, ax=ax, label="peak memory (MiB)")
-        fr = sorted(front, key=lambda r: r["grad_rel_l2"])
-        ax.plot([max(r["grad_rel_l2"], 1e-9) for r in fr], [r["tokens_per_s"] / base for r in fr], "r--",
-                lw=1, label="Pareto front")
-        ax.legend(loc="best")
+        ax.scatter([max(r["grad_rel_l2"], 1e-9) for r in front], [r["tokens_per_s"] / base for r in front],
+                   s=90, facecolors="none", edgecolors="red", label="Pareto front (speed, drift, memory)")
+        if budget is not None:
+            ax.axvline(max(budget, 1e-9), color="grey", ls="--", lw=1, label=f"drift budget {budget:.2g}")
+        ax.legend(loc="best", fontsize=7)
     ax.set_xscale("log")
-    ax.set_xlabel("grad_rel_l2 vs FP32 (log)")
+    ax.set_xlabel("grad_rel_l2 vs FP32 (log; 0 shown at 1e-9)")
     ax.set_ylabel("speedup vs fp32 eager" if fp32_tps else "relative tokens/s")
     ax.set_title("autoprec trials")
     fig.tight_layout()
@@ -156,7 +157,7 @@ def write_report(study: optuna.Study, stem: str | os.PathLike, table: list[dict[
     md = stem.with_name(stem.name + ".report.md")
     md.write_text(_markdown(rows, front, table, policy, timings))
     png = stem.with_name(stem.name + ".pareto.png")
-    _plot_pareto(rows, front, fp32, png)
+    _plot_pareto(rows, front, fp32, study.user_attrs.get(_A + "drift_budget"), png)
     paths = [md, png]
     if gm is not None and policy is not None:
         dm = stem.with_name(stem.name + ".dtype_map.png")

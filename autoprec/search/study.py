@@ -178,6 +178,7 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
          f"-> drift budget {budget:.3g}; {space.n_params} search parameters", quiet)
 
     study = open_study(storage or default_storage(out), study_name or _default_name(spec.path, gm, dev), seed)
+    study.set_user_attr(_A + "drift_budget", budget)
     if not study.trials:  # a new study: rank regions, then queue the baselines (resumes skip this)
         with clock("sensitivity_s"):
             sens = region_sensitivity(harness, space)
