@@ -41,6 +41,9 @@ from autoprec.search.space import SearchSpace, find_blocks, outside_matmuls, pro
 __all__ = ["TuneResult", "tune", "graph_fingerprint", "default_storage", "device_name", "open_study"]
 
 _A = ATTR
+#: A configuration whose training step takes longer than this many fp32 eager steps is timed on
+#: that one step only: it cannot win, and emulated dtypes (bf16 on AVX2 CPUs) run 10-100x slower.
+SLOW_RATIO = 3.0
 
 
 def graph_fingerprint(gm: torch.fx.GraphModule) -> str:
@@ -167,9 +170,10 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
     ac_dtype = to_torch(lows[0]) if lows else _autocast_default(dev)
 
     with clock("baselines_s"):
-        fp32 = harness.measure(gm)
-        slow = max(20 * fp32.step_s, 2.0)  # a config 20x slower than fp32 is timed on one step only
-        autocast = harness.measure(gm, autocast_dtype=ac_dtype, max_step_s=slow)
+        # The baselines are what users run without autoprec: their own module, eager.
+        fp32 = harness.measure(harness.model)
+        slow = SLOW_RATIO * fp32.step_s
+        autocast = harness.measure(harness.model, autocast_dtype=ac_dtype, max_step_s=slow)
     budget = autocast.grad_rel_l2 if budget_arg is None else budget_arg
     if not math.isfinite(budget):
         raise SearchError(f"drift budget is not finite (torch.autocast: {autocast.error}); pass --max-drift X")
