@@ -36,7 +36,7 @@ from autoprec.passes.constants import (
     is_mask_fill,
     out_of_range_constants,
 )
-from autoprec.policy import Policy
+from autoprec.policy import FP8, Policy
 
 PASS = "assign_dtypes"
 
@@ -53,11 +53,15 @@ def _orig_dtype(node: fx.Node) -> str | None:
 
 def _check_node_rules(policy: Policy, nodes: list[fx.Node]) -> None:
     by_key = {n.meta["autoprec"]["key"]: n for n in nodes if "key" in n.meta.get("autoprec", {})}
+    inputs = {str(name) for n in nodes if n.op == "placeholder" for name in (n.name, n.target)}
     for i, rule in enumerate(policy.rules):
         if rule.node is None:
             continue
         n = by_key.get(rule.node)
-        if n is None:
+        if n is None and rule.node in inputs:
+            warnings.warn(f"autoprec: policy rules[{i}] names {rule.node!r}, a graph input; inputs are never "
+                          "cast (the rule has no effect)", stacklevel=3)
+        elif n is None:
             warnings.warn(f"autoprec: policy rules[{i}] names node {rule.node!r}, which is not in the graph", stacklevel=3)
         elif n.meta["autoprec"]["op_class"] == "nonfloat":
             raise pass_error(
@@ -201,6 +205,11 @@ def _decide(node, meta, orig, policy: Policy, labels, casting) -> None:
         dt, by = "fp32", "autocast(enabled=False) region"
     else:
         rule = policy.resolve(meta.get("key", ""), cls, meta.get("module", ""))
+        if rule == FP8:
+            raise pass_error(
+                PASS, node, f"the policy sets {FP8} on this {cls} node; fp8 matmuls are not supported by "
+                "this version's passes (use bf16 or fp16)"
+            )
         if rule is not None:
             dt, by = rule, "rule"
         elif cls in ("matmul", "sensitive"):
