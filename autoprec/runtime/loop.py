@@ -9,11 +9,13 @@ from __future__ import annotations
 import math
 import os
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from autoprec.capture import capture
 from autoprec.errors import AutoprecError
 from autoprec.modelspec import load_model_spec
 from autoprec.policy import Policy
@@ -56,6 +58,17 @@ def _same_policy(a: Policy, b: Policy) -> bool:
     return {k: v for k, v in da.items() if k not in strip} == {k: v for k, v in db.items() if k not in strip}
 
 
+def _warn_if_other_model(policy: Policy, policy_path: str | os.PathLike, gm: Any, model_path: str) -> None:
+    """Warn (stderr) when the policy was tuned on a graph other than this model's."""
+    from autoprec.search.study import graph_fingerprint
+
+    tuned = policy.provenance.get("graph_fingerprint") if policy.provenance else None
+    if tuned and tuned != (here := graph_fingerprint(gm)):
+        print(f"autoprec train: warning: {policy_path} was tuned on {policy.provenance.get('model', '?')} "
+              f"(graph {tuned}), not on this model {model_path} (graph {here}); its node rules may not "
+              "match and its measurements do not apply", file=sys.stderr, flush=True)
+
+
 def train(model_path: str | os.PathLike, policy_path: str | os.PathLike, steps: int = 50, device: str = "auto",
           compile: bool = True, log_every: int = 1, quiet: bool = False,
           checkpoint: str | os.PathLike | None = None, resume: bool = False, checkpoint_every: int = 0,
@@ -81,7 +94,8 @@ def train(model_path: str | os.PathLike, policy_path: str | os.PathLike, steps: 
     Raises:
         ModelSpecError: invalid model file. PolicyError: invalid policy file.
         CaptureError / PassError: the policy cannot be applied to this model.
-        AutoprecError: ``--resume`` with a checkpoint saved under a different policy or model.
+        AutoprecError: ``--resume`` with a checkpoint saved under a different policy or model, or
+            one already at step ``steps`` or beyond.
         LossScaleError: non-finite gradients persist at the scale floor (names the node).
         ValueError: ``steps`` < 1, or ``resume`` without ``checkpoint``.
     """
@@ -95,11 +109,17 @@ def train(model_path: str | os.PathLike, policy_path: str | os.PathLike, steps: 
     model = spec.build_model().to(dev)
     model.train()
     first = spec.get_batch(0, dev)
-    mp = apply(model, policy, first, compile=compile)
+    gm = capture(model, first)
+    _warn_if_other_model(policy, policy_path, gm, spec.path)
+    mp = apply(model, policy, first, compile=compile, graph_module=gm)
     params = [p for p in model.parameters() if p.requires_grad]
-    monitor = Monitor(log_path, graph_module=mp.graph_module)
+    monitor: Monitor | None = None  # opened after the resume check: a refused resume writes nothing
+
+    def diagnose() -> str | None:
+        return monitor.diagnoser()() if monitor is not None else None
+
     optimizer = spec.make_optimizer(params)
-    step = TrainStep(mp, params, optimizer, spec.loss_fn, scaler=make_scaler(policy, monitor.diagnoser()),
+    step = TrainStep(mp, params, optimizer, spec.loss_fn, scaler=make_scaler(policy, diagnose),
                      device_type=dev.type, max_grad_norm=max_grad_norm)
     start = 0
     if resume and Path(checkpoint).exists():
@@ -108,10 +128,14 @@ def train(model_path: str | os.PathLike, policy_path: str | os.PathLike, steps: 
             raise AutoprecError(f"{checkpoint}: saved under a different policy than {policy_path} "
                                 f"({ck.policy.summary()} vs {policy.summary()})")
         start = ck.step
+        if start >= steps:
+            raise AutoprecError(f"checkpoint {checkpoint} is already at step {start} ≥ --steps {steps}; "
+                                f"pass --steps larger than {start} to train further")
         if not quiet:
             print(f"resumed from {checkpoint} at step {start}", flush=True)
     elif resume and not quiet:
         print(f"no checkpoint at {checkpoint}; starting from step 0", flush=True)
+    monitor = Monitor(log_path, graph_module=mp.graph_module)
     res = TrainResult(start_step=start)
     times = []
 
