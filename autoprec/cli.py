@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import time
 import warnings
@@ -44,7 +45,7 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--device", default="auto", help="auto | cpu | cuda")
     t.add_argument("--out", default="policy.json", help="policy file to write (default policy.json)")
     t.add_argument("--storage", default=None, help="Optuna storage URL (default: SQLite beside --out)")
-    t.add_argument("--study-name", default=None)
+    t.add_argument("--study-name", default=None, help="Optuna study name (default: derived from the model)")
     t.add_argument("--no-compile", action="store_true", help="measure eagerly, no torch.compile")
     t.add_argument("--dtypes", default="auto",
                    help="low dtypes to search: 'auto' (those the device runs faster than fp32, measured) "
@@ -60,16 +61,18 @@ def _parser() -> argparse.ArgumentParser:
     rp.add_argument("--out", default="report", help="path stem of the files written (default: report)")
 
     r = sub.add_parser("train", help="train with a policy")
-    r.add_argument("model")
-    r.add_argument("--policy", required=True, help="policy JSON file")
-    r.add_argument("--steps", type=int, default=50)
-    r.add_argument("--device", default="auto")
-    r.add_argument("--no-compile", action="store_true")
-    r.add_argument("--log-every", type=int, default=1)
+    r.add_argument("model", help="model file (build_model, get_batch; DESIGN §2)")
+    r.add_argument("--policy", required=True, help="policy JSON file (from autoprec tune)")
+    r.add_argument("--steps", type=int, default=50,
+                   help="total optimizer steps of the run; a resumed run continues up to this step (default 50)")
+    r.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    r.add_argument("--no-compile", action="store_true", help="run the lowered graph eagerly, no torch.compile")
+    r.add_argument("--log-every", type=int, default=1, metavar="N", help="print every N-th step (default 1)")
     r.add_argument("--checkpoint", default=None, metavar="PATH",
                    help="checkpoint file written at the end (and every --checkpoint-every steps)")
     r.add_argument("--resume", action="store_true", help="continue from --checkpoint if it exists")
-    r.add_argument("--checkpoint-every", type=int, default=0, metavar="N")
+    r.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
+                   help="also save the checkpoint every N steps (default 0: only at the end)")
     r.add_argument("--log", default=None, metavar="JSONL", help="append per-step monitor records here")
     r.add_argument("--max-grad-norm", type=float, default=None, help="clip unscaled gradients to this norm")
     r.add_argument("--compare", default=None, metavar="LIST",
@@ -78,8 +81,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--out-dir", default="convergence", help="where --compare writes JSON + PNG")
 
     s = sub.add_parser("show", help="print a policy file (and per-node dtypes with --model)")
-    s.add_argument("policy")
-    s.add_argument("--model", default=None)
+    s.add_argument("policy", help="policy JSON file")
+    s.add_argument("--model", default=None, help="model file: also print the dtype of each module's nodes")
 
     b = sub.add_parser("bench", help="time a policy side by side with fp32, autocast and pure low precision")
     b.add_argument("model", help="model file (DESIGN §2)")
@@ -100,7 +103,57 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _validate_model(path: str, device: str = "auto") -> None:
+    """Load the model file and run each entry point once (one forward pass), so a bad file fails
+    with a :class:`ModelSpecError` naming it before anything is written."""
+    from autoprec.modelspec import load_model_spec, validate_spec
+    from autoprec.search.measure import resolve_device
+
+    validate_spec(load_model_spec(path), resolve_device(device))
+
+
+def _make_parents(*paths: str | None) -> list:
+    """Create the missing parent directories of ``paths``; returns those created (outermost first)."""
+    from pathlib import Path
+
+    created = []
+    for p in paths:
+        if not p:
+            continue
+        missing = [d for d in reversed(Path(p).absolute().parents) if not d.exists()]
+        for d in missing:
+            d.mkdir()
+            created.append(d)
+    return created
+
+
+def _remove_if_empty(dirs: list) -> None:
+    """Undo :func:`_make_parents` for directories a failed command left empty (innermost first)."""
+    for d in reversed(dirs):
+        try:
+            d.rmdir()
+        except OSError:
+            pass
+
+
+def _sqlite_path(storage: str | None) -> str | None:
+    """The file of a ``sqlite:///PATH`` storage URL (None for other URLs and in-memory SQLite)."""
+    if storage and storage.startswith("sqlite:///") and storage[len("sqlite:///"):] not in ("", ":memory:"):
+        return storage[len("sqlite:///"):]
+    return None
+
+
 def _cmd_tune(a: argparse.Namespace) -> int:
+    _validate_model(a.model, a.device)
+    created = _make_parents(a.out, _sqlite_path(a.storage))
+    try:
+        return _tune(a)
+    except BaseException:
+        _remove_if_empty(created)
+        raise
+
+
+def _tune(a: argparse.Namespace) -> int:
     from autoprec.search.study import tune
 
     res = tune(a.model, trials=a.trials, timeout=a.timeout, max_drift=a.max_drift, device=a.device,
@@ -116,18 +169,44 @@ def _cmd_tune(a: argparse.Namespace) -> int:
     return 0
 
 
+def _naming_policy(policy_path: str):
+    """Context manager: a :class:`PassError` (the policy does not fit this model) is re-raised with
+    the policy file's path in front."""
+    import contextlib
+
+    from autoprec.errors import PassError
+
+    @contextlib.contextmanager
+    def ctx():
+        try:
+            yield
+        except PassError as e:
+            if str(e).startswith(f"{policy_path}:"):
+                raise
+            raise PassError(f"{policy_path}: {e}") from e
+
+    return ctx()
+
+
 def _cmd_train(a: argparse.Namespace) -> int:
-    if a.compare is not None:
-        return _cmd_compare(a)
     if a.resume and a.checkpoint is None:
         print("autoprec train: error: --resume needs --checkpoint PATH", file=sys.stderr)
         return 2
+    from autoprec.policy import Policy
+
+    Policy.load(a.policy)  # a bad policy file fails before the model is built
+    _validate_model(a.model, a.device)
+    if a.compare is not None:
+        with _naming_policy(a.policy):
+            return _cmd_compare(a)
     from autoprec.runtime.loop import train
 
-    res = train(a.model, a.policy, steps=a.steps, device=a.device, compile=not a.no_compile,
-                log_every=a.log_every, checkpoint=a.checkpoint, resume=a.resume,
-                checkpoint_every=a.checkpoint_every, log_path=a.log, max_grad_norm=a.max_grad_norm)
-    print(f"final loss {res.final_loss:.4f}; {res.tokens_per_s:.0f} tokens/s; "
+    with _naming_policy(a.policy):
+        res = train(a.model, a.policy, steps=a.steps, device=a.device, compile=not a.no_compile,
+                    log_every=a.log_every, checkpoint=a.checkpoint, resume=a.resume,
+                    checkpoint_every=a.checkpoint_every, log_path=a.log, max_grad_norm=a.max_grad_norm)
+    print(f"final loss (mean of last {min(5, len(res.losses))} steps) {res.final_loss:.4f}; "
+          f"{res.tokens_per_s:.0f} tokens/s; "
           f"skipped steps {res.skipped}; loss scale {res.loss_scale:g}")
     return 0 if math.isfinite(res.final_loss) else 1
 
@@ -159,11 +238,18 @@ def _cmd_report(a: argparse.Namespace) -> int:
     from autoprec.report import write_report
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+    if "://" not in a.storage:
+        hint = f"; for a SQLite file use --storage sqlite:///{a.storage}" if not a.storage.startswith("sqlite:") else ""
+        raise SearchError(f"--storage {a.storage!r} is not a storage URL{hint}")
+    db = _sqlite_path(a.storage)
+    if db is not None and not os.path.isfile(db):
+        raise SearchError(f"{db}: no such study database (--storage {a.storage})")
     try:
         study = optuna.load_study(study_name=a.study_name, storage=a.storage)
     except KeyError:
         names = [s.study_name for s in optuna.get_all_study_summaries(a.storage)]
         raise SearchError(f"{a.storage}: no study named {a.study_name!r}; studies there: {names}") from None
+    _make_parents(a.out)
     for p in write_report(study, a.out):
         print(f"wrote {p}")
     return 0
@@ -173,11 +259,15 @@ def _cmd_show(a: argparse.Namespace) -> int:
     from autoprec.policy import Policy
 
     pol = Policy.load(a.policy)
-    print(pol.to_json())
     if a.model:
         from autoprec.report import show_nodes
 
-        print(show_nodes(pol, a.model))
+        _validate_model(a.model, "cpu")
+        with _naming_policy(a.policy):
+            nodes = show_nodes(pol, a.model)
+    print(pol.to_json())
+    if a.model:
+        print(nodes)
     return 0
 
 
@@ -186,6 +276,7 @@ def _cmd_bench(a: argparse.Namespace) -> int:
 
     from autoprec.bench import format_bench_table, run_bench
 
+    _validate_model(a.model, a.device)
     try:
         res = run_bench(a.model, a.policy, steps=a.steps, warmup=a.warmup, device=a.device, configs=a.configs,
                         max_step_ratio=a.max_step_ratio, skip_slow=a.skip_slow, json_path=a.json)
