@@ -109,7 +109,12 @@ def _validate_model(path: str, device: str = "auto") -> None:
     from autoprec.modelspec import load_model_spec, validate_spec
     from autoprec.search.measure import resolve_device
 
-    validate_spec(load_model_spec(path), resolve_device(device))
+    spec = load_model_spec(path)
+    try:
+        dev = resolve_device(device)
+    except ValueError as e:
+        raise AutoprecError(f"--device: {e}") from None
+    validate_spec(spec, dev)
 
 
 def _make_parents(*paths: str | None) -> list:
