@@ -17,6 +17,7 @@ import hashlib
 import math
 import os
 import platform
+import statistics
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -44,6 +45,8 @@ _A = ATTR
 #: A configuration whose training step takes longer than this many fp32 eager steps is timed on
 #: that one step only: it cannot win, and emulated dtypes (bf16 on AVX2 CPUs) run 10-100x slower.
 SLOW_RATIO = 3.0
+#: ... but never below this many seconds: tiny models' steps are dominated by Python overhead noise.
+SLOW_FLOOR_S = 0.25
 
 
 def graph_fingerprint(gm: torch.fx.GraphModule) -> str:
@@ -172,7 +175,7 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
     with clock("baselines_s"):
         # The baselines are what users run without autoprec: their own module, eager.
         fp32 = harness.measure(harness.model)
-        slow = SLOW_RATIO * fp32.step_s
+        slow = max(SLOW_RATIO * fp32.step_s, SLOW_FLOOR_S)
         autocast = harness.measure(harness.model, autocast_dtype=ac_dtype, max_step_s=slow)
     budget = autocast.grad_rel_l2 if budget_arg is None else budget_arg
     if not math.isfinite(budget):
@@ -198,6 +201,8 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
     sel = _Selector(harness, budget, compile, ac_dtype, slow, traj_steps, clock, quiet)
     with clock("finalists_s"):
         chosen, chosen_m = sel.choose(_feasible(study), finalists)
+    with clock("baselines_s"):  # fp32 again, after the finalists: ratios rest on both runs' steps
+        fp32 = _pooled(fp32, harness.measure(harness.model), harness.tokens)
     timings = clock.done()
 
     ref = sel.autocast_compiled or autocast
@@ -218,6 +223,10 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
     if sel.autocast_compiled is not None:
         table.append(_row(f"autocast {_short(ac_dtype)} + compile", sel.autocast_compiled, fp32))
     table.append(_row("autoprec policy" + (" + compile" if compile else " (eager)"), chosen_m, fp32))
+    eager = sel.eager_tokens_per_s.get(id(chosen))
+    if compile and eager and eager > 1.1 * chosen_m.tokens_per_s:
+        _log(f"note: this policy ran faster eagerly ({eager:.0f} tok/s) than compiled ({chosen_m.tokens_per_s:.0f}); "
+             "for this model consider training without compile (autoprec train --no-compile)", quiet)
     result = TuneResult(policy, study, table, timings, {k: vars(v) for k, v in probes.items()})
     if report:
         from autoprec.report import write_report
@@ -225,6 +234,16 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
         paths = write_report(study, Path(out).with_suffix(""), table=table, policy=policy, gm=gm, timings=timings)
         _log("report: " + ", ".join(str(p) for p in paths), quiet)
     return result
+
+
+def _pooled(a: Measurement, b: Measurement, tokens: int) -> Measurement:
+    """``a`` with ``b``'s step times added (median over both runs): one noisy run moves it less."""
+    if b.error is not None or not b.step_times:
+        return a
+    a.step_times = a.step_times + b.step_times
+    a.step_s = statistics.median(a.step_times)
+    a.tokens_per_s = tokens / a.step_s
+    return a
 
 
 def _short(dt: torch.dtype) -> str:
@@ -297,8 +316,15 @@ def open_study(storage: str, study_name: str, seed: int = 0) -> optuna.Study:
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
     sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=6, multivariate=True, group=True)
-    study = optuna.create_study(storage=storage, study_name=study_name, directions=list(DIRECTIONS),
-                                sampler=sampler, load_if_exists=True)
+    for attempt in range(6):
+        try:
+            study = optuna.create_study(storage=storage, study_name=study_name, directions=list(DIRECTIONS),
+                                        sampler=sampler, load_if_exists=True)
+            break
+        except Exception as e:  # workers creating one new RDB schema at the same moment race
+            if attempt == 5 or "IntegrityError" not in type(e).__name__ + repr(e):
+                raise
+            time.sleep(0.2 * (attempt + 1))
     for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
         if is_dead_worker(t):
             study._storage.set_trial_state_values(t._trial_id, optuna.trial.TrialState.FAIL)
@@ -373,6 +399,7 @@ class _Selector:
         self.slow, self.traj_steps, self.clock, self.quiet = slow, traj_steps, clock, quiet
         self.autocast_compiled: Measurement | None = None
         self.traj: dict[int, float] = {}
+        self.eager_tokens_per_s: dict[int, float] = {}
         self._ref_traj: list[float] | None = None
         self._traj_budget: float | None = None
 
@@ -389,24 +416,43 @@ class _Selector:
         if self.compile and feasible and any(Policy.from_dict(t.user_attrs[_A + "policy"]).dtypes_used() - {"fp32"}
                                              for t in feasible[:k]):
             _log("compiling the torch.autocast baseline with Inductor", self.quiet)
-            self.autocast_compiled = self.h.measure(self._fn(self.h.graph_module), autocast_dtype=self.ac_dtype,
+            self.autocast_compiled = self.h.measure(self._fn(self.h.model), autocast_dtype=self.ac_dtype,
                                                     max_step_s=self.slow)
         best: tuple[Policy, Measurement] | None = None
-        for t in feasible[:k]:
-            pol = Policy.from_dict(t.user_attrs[_A + "policy"])
-            _log(f"finalist trial {t.number}: {pol.summary()} (eager {t.values[0]:.0f} tok/s)", self.quiet)
+        for pol, label in self._candidates(feasible, k):
+            _log(f"finalist {label}: {pol.summary()}", self.quiet)
             fn = self._fn(run_pipeline(self.h.graph_module, pol).graph_module)
             m = self.h.measure(fn, lambda pol=pol: make_scaler(pol), max_step_s=self.slow)
-            ok = m.error is None and m.grad_rel_l2 <= self.budget and self._traj_ok(pol, fn)
+            why = self._reject_reason(pol, fn, m)
             _log(f"  {'compiled' if self.compile else 'eager'}: {m.tokens_per_s:.0f} tok/s, grad_rel_l2 "
                  f"{m.grad_rel_l2:.3g}, traj_rel {self.traj.get(id(pol), 0.0):.3g}"
-                 + ("" if ok else f" -> rejected{': ' + m.error if m.error else ''}"), self.quiet)
-            if ok and (best is None or m.tokens_per_s > best[1].tokens_per_s):
+                 + (f" -> rejected: {why}" if why else ""), self.quiet)
+            if why is None and (best is None or m.tokens_per_s > best[1].tokens_per_s):
                 best = (pol, m)
         if best is None:
-            pol = Policy.fp32()
-            best = (pol, self.h.measure(self._fn(run_pipeline(self.h.graph_module, pol).graph_module)))
+            raise SearchError("every finalist failed when re-measured, all-fp32 included (see the log)")
         return best
+
+    def _candidates(self, feasible: list[optuna.trial.FrozenTrial], k: int) -> list[tuple[Policy, str]]:
+        """The k fastest feasible trials, plus all-fp32 so that a lowered policy must beat FP32
+        measured the same way (compiled or not) to be chosen."""
+        out = []
+        for t in feasible[:k]:
+            pol = Policy.from_dict(t.user_attrs[_A + "policy"])
+            self.eager_tokens_per_s[id(pol)] = t.values[0]
+            out.append((pol, f"trial {t.number} (eager {t.values[0]:.0f} tok/s)"))
+        if all(p.dtypes_used() - {"fp32"} for p, _ in out):
+            out.append((Policy.fp32(), "all-fp32 (always re-measured)"))
+        return out
+
+    def _reject_reason(self, pol: Policy, fn, m: Measurement) -> str | None:
+        if m.error is not None:
+            return m.error
+        if m.grad_rel_l2 > self.budget:
+            return f"grad_rel_l2 {m.grad_rel_l2:.3g} > budget {self.budget:.3g}"
+        if not self._traj_ok(pol, fn):
+            return f"traj_rel {self.traj[id(pol)]:.3g} > torch.autocast's {self._traj_budget:.3g}"
+        return None
 
     def _traj_ok(self, pol: Policy, fn) -> bool:
         """``traj_rel`` ≤ torch.autocast's over the same K steps; policies that lower nothing
@@ -415,7 +461,7 @@ class _Selector:
             return True
         if self._ref_traj is None:
             self._ref_traj = self.h.trajectory(self.h.graph_module, steps=self.traj_steps)
-            ac = self.h.trajectory(self.h.graph_module, autocast_dtype=self.ac_dtype, steps=self.traj_steps)
+            ac = self.h.trajectory(self.h.model, autocast_dtype=self.ac_dtype, steps=self.traj_steps)
             self._traj_budget = traj_rel(ac, self._ref_traj)
         tr = traj_rel(self.h.trajectory(fn, lambda: make_scaler(pol), steps=self.traj_steps), self._ref_traj)
         self.traj[id(pol)] = tr
