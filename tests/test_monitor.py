@@ -15,21 +15,8 @@ from autoprec.runtime.apply import apply
 from autoprec.runtime.monitor import first_nonfinite_node, json_safe, read_jsonl
 from autoprec.runtime.scaler import DynamicLossScaler
 from autoprec.runtime.train import StepStats, TrainStep
-
-
-class FFN(nn.Module):
-    """Case C01: x @ w = 256 * 16 * 16.2 = 66355 > fp16 max (65504), then residual + RMSNorm."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.proj = nn.Linear(256, 1, bias=False)
-        self.norm_weight = nn.Parameter(torch.ones(1))
-        with torch.no_grad():
-            self.proj.weight.fill_(16.2)
-
-    def forward(self, x):
-        h = self.proj(x) + x[:, :1]
-        return self.norm_weight * h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+from tests.conftest import ROOT
+from tests.models.c01_ffn import FFN
 
 
 class MLP(nn.Module):
@@ -138,45 +125,16 @@ def test_diagnoser_needs_a_graph():
         Monitor().diagnoser()
 
 
-FFN_FILE = '''
-import torch
-from torch import nn
-
-class FFN(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.proj = nn.Linear(256, 1, bias=False)
-        with torch.no_grad():
-            self.proj.weight.fill_(16.2)
-
-    def forward(self, x):
-        h = self.proj(x) + x[:, :1]
-        return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
-
-def build_model():
-    return FFN()
-
-def get_batch(step, device):
-    return torch.full((1, 256), 16.0, device=device)
-
-def loss_fn(out, batch):
-    return out.float().sum()
-
-def make_optimizer(params):
-    return torch.optim.SGD(params, lr=0.1)
-'''
-
-
 def test_autoprec_train_names_the_overflowing_node(tmp_path, capsys):
     """``autoprec train`` wires the monitor's diagnosis into the scaler: exit 2, the error names the node."""
     from autoprec.cli import main
     from autoprec.policy import LossScalingConfig
 
-    (tmp_path / "ffn.py").write_text(FFN_FILE)
+    model_file = ROOT / "tests" / "models" / "c01_ffn.py"
     pol = tmp_path / "p.json"
     Policy(default_dtype="fp16", rules=Policy.default("fp16").rules,
            loss_scaling=LossScalingConfig(init_scale=2.0, min_scale=1.0)).save(pol)
-    code = main(["train", str(tmp_path / "ffn.py"), "--policy", str(pol), "--steps", "20", "--no-compile",
+    code = main(["train", str(model_file), "--policy", str(pol), "--steps", "20", "--no-compile",
                  "--log", str(tmp_path / "log.jsonl")])
     assert code == 2
     err = capsys.readouterr().err

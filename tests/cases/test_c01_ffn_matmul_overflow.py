@@ -5,11 +5,11 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import nn
 
 from autoprec.capture import capture
 from autoprec.passes import first_nonfinite_node, lower
 from autoprec.policy import Policy
+from tests.models.c01_ffn import FFN
 
 
 def drift(model, gm_low, x):
@@ -26,19 +26,6 @@ def drift(model, gm_low, x):
     if not (torch.isfinite(loss) and torch.isfinite(g).all()):
         return math.inf, math.inf
     return float((g - g32).norm() / g32.norm()), float((loss - l32).abs() / l32.abs())
-
-
-class FFN(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.proj = nn.Linear(256, 1, bias=False)
-        self.norm_weight = nn.Parameter(torch.ones(1))
-        with torch.no_grad():
-            self.proj.weight.fill_(16.2)
-
-    def forward(self, x):
-        h = self.proj(x) + x[:, :1]  # residual
-        return self.norm_weight * h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
 
 
 def test_c01_ffn_matmul_overflow():
