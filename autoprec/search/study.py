@@ -28,12 +28,13 @@ import optuna
 import torch
 
 from autoprec._version import __version__
-from autoprec.dtypes import LOW_DTYPES, to_torch
+from autoprec.dtypes import LOW_DTYPES, NAMES, to_torch
 from autoprec.errors import SearchError
 from autoprec.modelspec import load_model_spec
 from autoprec.passes import run_pipeline
 from autoprec.policy import Policy
 from autoprec.runtime.apply import compile_graph
+from autoprec.runtime.scaler import DynamicLossScaler
 from autoprec.runtime.train import make_scaler
 from autoprec.search.measure import Harness, Measurement, resolve_device, traj_rel
 from autoprec.search.objective import ATTR, DIRECTIONS, Objective, is_dead_worker
@@ -170,13 +171,14 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
     lows = sorted(usable, key=lambda d: probes[d].seconds)
     blocks = find_blocks(gm)
     space = SearchSpace(lows, blocks, outside_matmuls(gm, blocks))
-    ac_dtype = to_torch(lows[0]) if lows else _autocast_default(dev)
+    ac_dtype = _autocast_default(dev, lows)
 
     with clock("baselines_s"):
         # The baselines are what users run without autoprec: their own module, eager.
         fp32 = harness.measure(harness.model)
         slow = max(SLOW_RATIO * fp32.step_s, SLOW_FLOOR_S)
-        autocast = harness.measure(harness.model, autocast_dtype=ac_dtype, max_step_s=slow)
+        autocast = harness.measure(harness.model, autocast_scaler(ac_dtype), autocast_dtype=ac_dtype,
+                                   max_step_s=slow)
     budget = autocast.grad_rel_l2 if budget_arg is None else budget_arg
     if not math.isfinite(budget):
         raise SearchError(f"drift budget is not finite (torch.autocast: {autocast.error}); pass --max-drift X")
@@ -247,14 +249,22 @@ def _pooled(a: Measurement, b: Measurement, tokens: int) -> Measurement:
 
 
 def _short(dt: torch.dtype) -> str:
-    from autoprec.dtypes import NAMES
-
     return NAMES.get(dt, str(dt))
 
 
-def _autocast_default(dev: torch.device) -> torch.dtype:
-    # torch.autocast's own defaults: bfloat16 on CPU, float16 on CUDA (PyTorch AMP docs).
-    return torch.bfloat16 if dev.type == "cpu" else torch.float16
+def _autocast_default(dev: torch.device, lows: list[str]) -> torch.dtype:
+    """torch.autocast's own default low dtype (PyTorch AMP docs: bfloat16 on CPU, float16 on
+    CUDA), unless the probe left it out and another low dtype is usable."""
+    default = torch.bfloat16 if dev.type == "cpu" else torch.float16
+    if lows and NAMES.get(default) not in lows:
+        return to_torch(lows[0])
+    return default
+
+
+def autocast_scaler(dtype: torch.dtype):
+    """Scaler factory for the AMP baseline: fp16 autocast is used with a GradScaler (PyTorch
+    AMP recipe), bf16 without."""
+    return (lambda: DynamicLossScaler()) if dtype == torch.float16 else (lambda: None)
 
 
 class _Clock:
@@ -367,15 +377,28 @@ def _finished(study: optuna.Study) -> int:
 
 
 def _optimize(study: optuna.Study, objective: Objective, target: int, timeout: float | None, progress: bool) -> None:
-    remaining = target - _finished(study)
-    if remaining > 0:
-        stop = optuna.study.MaxTrialsCallback(target, states=(optuna.trial.TrialState.COMPLETE,
-                                                              optuna.trial.TrialState.FAIL))
-        study.optimize(objective, n_trials=remaining, timeout=timeout, show_progress_bar=progress,
-                       catch=(Exception,), callbacks=[stop])
+    """Run trials until the study holds ``target`` finished ones (shared with other workers)."""
+    t_end = None if timeout is None else time.monotonic() + timeout
+    stop = optuna.study.MaxTrialsCallback(target, states=(optuna.trial.TrialState.COMPLETE,
+                                                          optuna.trial.TrialState.FAIL))
+    for _ in range(target + 1):
+        remaining = target - _finished(study)
+        left = None if t_end is None else t_end - time.monotonic()
+        if remaining <= 0 or (left is not None and left <= 0):
+            break
+        try:
+            study.optimize(objective, n_trials=remaining, timeout=left, show_progress_bar=progress,
+                           catch=(Exception,), callbacks=[stop])
+            break
+        except ValueError as e:
+            # SQLite has no row locks: two workers can pop the same queued trial, and the second
+            # to finish cannot tell it. Its result is the same graph; carry on with the rest.
+            if "Cannot tell a" not in str(e):
+                raise
     # Another worker may still be measuring: wait (bounded) so every worker selects from the same trials.
     deadline = time.time() + 600
-    while time.time() < deadline and study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
+    while time.time() < deadline and any(
+            not is_dead_worker(t) for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))):
         time.sleep(1.0)
 
 
@@ -416,8 +439,11 @@ class _Selector:
         if self.compile and feasible and any(Policy.from_dict(t.user_attrs[_A + "policy"]).dtypes_used() - {"fp32"}
                                              for t in feasible[:k]):
             _log("compiling the torch.autocast baseline with Inductor", self.quiet)
-            self.autocast_compiled = self.h.measure(self._fn(self.h.model), autocast_dtype=self.ac_dtype,
+            self.autocast_compiled = self.h.measure(self._fn(self.h.model), autocast_scaler(self.ac_dtype),
+                                                    autocast_dtype=self.ac_dtype,
                                                     max_step_s=self.slow)
+        if not self.compile:
+            return self._choose_eager(feasible)
         best: tuple[Policy, Measurement] | None = None
         for pol, label in self._candidates(feasible, k):
             _log(f"finalist {label}: {pol.summary()}", self.quiet)
@@ -432,6 +458,22 @@ class _Selector:
         if best is None:
             raise SearchError("every finalist failed when re-measured, all-fp32 included (see the log)")
         return best
+
+    def _choose_eager(self, feasible: list[optuna.trial.FrozenTrial]) -> tuple[Policy, Measurement]:
+        """Without compile the trials' own measurements are what training runs: take the fastest
+        feasible trial that passes the trajectory check (deterministic given the study, so
+        workers sharing it agree), then re-measure it for the policy's ``measured`` block."""
+        for t in feasible:
+            pol = Policy.from_dict(t.user_attrs[_A + "policy"])
+            fn = run_pipeline(self.h.graph_module, pol).graph_module
+            if not self._traj_ok(pol, fn):
+                _log(f"trial {t.number} ({pol.summary()}) rejected: traj_rel {self.traj[id(pol)]:.3g} > "
+                     f"torch.autocast's {self._traj_budget:.3g}", self.quiet)
+                continue
+            m = self.h.measure(fn, lambda pol=pol: make_scaler(pol), max_step_s=self.slow)
+            if m.error is None:
+                return pol, m
+        raise SearchError("no feasible trial passed the trajectory check")
 
     def _candidates(self, feasible: list[optuna.trial.FrozenTrial], k: int) -> list[tuple[Policy, str]]:
         """The k fastest feasible trials, plus all-fp32 so that a lowered policy must beat FP32
@@ -461,7 +503,8 @@ class _Selector:
             return True
         if self._ref_traj is None:
             self._ref_traj = self.h.trajectory(self.h.graph_module, steps=self.traj_steps)
-            ac = self.h.trajectory(self.h.model, autocast_dtype=self.ac_dtype, steps=self.traj_steps)
+            ac = self.h.trajectory(self.h.model, autocast_scaler(self.ac_dtype), autocast_dtype=self.ac_dtype,
+                                   steps=self.traj_steps)
             self._traj_budget = traj_rel(ac, self._ref_traj)
         tr = traj_rel(self.h.trajectory(fn, lambda: make_scaler(pol), steps=self.traj_steps), self._ref_traj)
         self.traj[id(pol)] = tr
