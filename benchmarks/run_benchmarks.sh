@@ -16,15 +16,16 @@ RESULTS=${RESULTS:-benchmarks/results}
 SIZES=("$@")
 [ ${#SIZES[@]} -gt 0 ] || SIZES=(tiny medium)
 
-# The 4-layer example: eager screening (on a CPU without native bf16, tune's 10x slow-step cap does
-# not trigger for bf16 steps ~8x slower than fp32, so every compiled bf16 measurement costs
-# minutes), all eight bench configs; a config > 3x slower than fp32 eager is timed on one step.
-# The policy rows come first so that a run cut short still has them (bench.json is progressive).
-TUNE_ARGS_TINY=${TUNE_ARGS_TINY:---trials 3 --no-compile --traj-steps 0 --finalists 1}
+# The 4-layer example: the default tune (what `make tune` runs), all eight bench configs; a config
+# > 3x slower than fp32 eager is timed on one step. The policy rows come first so that a run cut
+# short still has them (bench.json is progressive).
+TUNE_ARGS_TINY=${TUNE_ARGS_TINY:-}
 BENCH_ARGS_TINY=${BENCH_ARGS_TINY:---steps 3 --warmup 1 --max-step-ratio 3 --configs fp32_eager policy_eager
   policy_compiled fp32_compiled autocast_eager autocast_compiled pure_low_eager pure_low_compiled}
-# 8 layers, hidden 1024: eager screening only and fewer steps; on a CPU without native bf16 the
-# bf16 baselines (minutes per step) are skipped by --skip-slow, with the measured reason.
+# 8 layers, hidden 1024: eager screening only and fewer steps. On a CPU without native bf16 one
+# bf16 forward/backward of this model takes minutes, so tune's autocast baseline alone exceeds a
+# short run (use POLICY_MEDIUM to bench the tiny example's policy), and the bf16 bench baselines
+# are skipped by --skip-slow, with the measured reason.
 TUNE_ARGS_MEDIUM=${TUNE_ARGS_MEDIUM:---trials 2 --no-compile --traj-steps 0 --finalists 1}
 BENCH_ARGS_MEDIUM=${BENCH_ARGS_MEDIUM:---steps 2 --warmup 1 --skip-slow}
 

@@ -436,8 +436,7 @@ class _Selector:
         if not feasible:
             raise SearchError("no trial met the drift budget, not even all-fp32 (see the study's "
                               "autoprec:error attributes)")
-        if self.compile and feasible and any(Policy.from_dict(t.user_attrs[_A + "policy"]).dtypes_used() - {"fp32"}
-                                             for t in feasible[:k]):
+        if self.compile:  # the comparison users care about: torch.autocast + torch.compile, same run
             _log("compiling the torch.autocast baseline with Inductor", self.quiet)
             self.autocast_compiled = self.h.measure(self._fn(self.h.model), autocast_scaler(self.ac_dtype),
                                                     autocast_dtype=self.ac_dtype,
