@@ -131,14 +131,14 @@ def _plot_dtype_map(gm: fx.GraphModule, policy: Policy, path: Path) -> None:
     from matplotlib.colors import ListedColormap
 
     dm = dtype_map(gm, policy)
-    mods = [m for m in dm if m]
+    mods = list(dm)
     classes = ["matmul", "sensitive", "follow"]
     grid = [[_DT_COLOUR.get(dm[m].get(c, ""), math.nan) for c in classes] for m in mods]
     fig, ax = plt.subplots(figsize=(5, max(2.0, 0.18 * len(mods) + 1)), dpi=110)
     ax.imshow(grid or [[math.nan] * 3], aspect="auto", cmap=ListedColormap(["#4c72b0", "#dd8452", "#c44e52"]),
               vmin=0, vmax=2)
     ax.set_xticks(range(3), classes)
-    ax.set_yticks(range(len(mods)), mods, fontsize=6)
+    ax.set_yticks(range(len(mods)), [m or "<root>" for m in mods], fontsize=6)
     ax.set_title("dtype per module and op class (blue fp32, orange bf16, red fp16)", fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
@@ -191,5 +191,6 @@ def show_nodes(policy: Policy, model_path: str | os.PathLike) -> str:
         hits = [n.meta["autoprec"]["key"] for n in nodes
                 if rule.matches(n.meta["autoprec"]["key"], classify(n), n.meta["autoprec"]["module"])]
         shown = ", ".join(hits[:8]) + (f", … (+{len(hits) - 8})" if len(hits) > 8 else "")
-        lines.append(f"rules[{i}] {rule.describe()}: {len(hits)} nodes" + (f": {shown}" if hits else "  (matches no node)"))
+        count = f"{len(hits)} node{'' if len(hits) == 1 else 's'}"
+        lines.append(f"rules[{i}] {rule.describe()}: {count}" + (f": {shown}" if hits else "  (matches no node)"))
     return "\n".join(lines)
