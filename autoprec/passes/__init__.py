@@ -9,8 +9,12 @@ verify. :func:`first_nonfinite_node` diagnoses overflow. Every pass records its 
 
 from __future__ import annotations
 
+from autoprec.passes.assign import assign_dtypes
 from autoprec.passes.base import PassResult, pass_error
 from autoprec.passes.diagnose import first_nonfinite_node, nonfinite_nodes
-from autoprec.passes.pipeline import lower, run_pipeline
+from autoprec.passes.pipeline import finish_pipeline, lower, run_pipeline
 
-__all__ = ["PassResult", "first_nonfinite_node", "lower", "nonfinite_nodes", "pass_error", "run_pipeline"]
+__all__ = [
+    "PassResult", "assign_dtypes", "finish_pipeline", "first_nonfinite_node", "lower", "nonfinite_nodes",
+    "pass_error", "run_pipeline",
+]

@@ -50,12 +50,28 @@ def run_pipeline(
     Raises:
         PassError: a pass or the verifier failed; the message names the pass and the node.
     """
-    out_dtypes = _output_dtypes(gm)
-    r1 = assign_dtypes(gm, policy, placement, constants)
-    r2 = insert_casts(_lint(r1, "assign_dtypes"))
+    return finish_pipeline(gm, assign_dtypes(gm, policy, placement, constants), policy)
+
+
+def finish_pipeline(gm: fx.GraphModule, assigned: PassResult, policy: Policy) -> PassResult:
+    """The passes after :func:`assign_dtypes`: insert casts -> fp32 accumulation -> verify.
+
+    Split from :func:`run_pipeline` so a caller can look at the assigned dtypes first (the
+    search fingerprints them and skips the rest, verification included, for graphs it has
+    already measured).
+
+    Args:
+        gm: The captured graph ``assigned`` was computed from (for its output dtypes).
+        assigned: ``assign_dtypes(gm, policy, ...)``.
+        policy: The same policy.
+
+    Raises:
+        PassError: a pass or the verifier failed; the message names the pass and the node.
+    """
+    r2 = insert_casts(_lint(assigned, "assign_dtypes"))
     r3 = accumulate_fp32(_lint(r2, "insert_casts"), policy)
-    verify(_lint(r3, "accumulate_fp32"), out_dtypes)
-    return PassResult(r3.graph_module, True, {**r1.stats, **r2.stats, **r3.stats})
+    verify(_lint(r3, "accumulate_fp32"), _output_dtypes(gm))
+    return PassResult(r3.graph_module, True, {**assigned.stats, **r2.stats, **r3.stats})
 
 
 def lower(

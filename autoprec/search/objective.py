@@ -18,8 +18,7 @@ import time
 import optuna
 import torch
 
-from autoprec.passes import run_pipeline
-from autoprec.runtime.apply import compile_graph
+from autoprec.passes import assign_dtypes, finish_pipeline
 from autoprec.runtime.train import make_scaler
 from autoprec.search.measure import Harness, Measurement
 from autoprec.search.space import SearchSpace
@@ -33,7 +32,7 @@ DIRECTIONS = ("maximize", "minimize", "minimize")
 
 
 def policy_fingerprint(lowered: torch.fx.GraphModule) -> str:
-    """SHA-256 (16 hex) of the effective per-node dtypes of a lowered graph.
+    """SHA-256 (16 hex) of the effective per-node dtypes of an assigned (or lowered) graph.
 
     Two policies with the same fingerprint run the same computation, whatever parameters
     produced them; the study measures it once.
@@ -56,27 +55,26 @@ class Objective:
         space: The search space.
         budget: Maximum ``grad_rel_l2``.
         max_step_s: A trial step slower than this is aborted (several times the FP32 step).
-        compile: Measure the compiled graph in every trial (slow; default screens eagerly).
     """
 
-    def __init__(self, harness: Harness, space: SearchSpace, budget: float, max_step_s: float,
-                 compile: bool = False) -> None:
-        self.harness, self.space, self.budget = harness, space, budget
-        self.max_step_s, self.compile = max_step_s, compile
+    def __init__(self, harness: Harness, space: SearchSpace, budget: float, max_step_s: float) -> None:
+        self.harness, self.space, self.budget, self.max_step_s = harness, space, budget, max_step_s
 
     def __call__(self, trial: optuna.Trial) -> tuple[float, float, float] | float:
         trial.set_user_attr(_A + "worker", f"{socket.gethostname()}:{os.getpid()}")  # see is_dead_worker
         params = self.space.suggest(trial)
         policy = self.space.to_policy(params)
         trial.set_user_attr(_A + "policy", policy.to_dict())
+        gm = self.harness.graph_module
         try:
-            lowered = run_pipeline(self.harness.graph_module, policy)
+            assigned = assign_dtypes(gm, policy)
         except Exception as e:
             trial.set_user_attr(_A + "error", f"lowering failed: {e}")
             return math.nan
-        fp = policy_fingerprint(lowered.graph_module)
+        # The fingerprint needs only the assigned dtypes: a graph already measured skips the
+        # remaining passes and their verification (most of a lowering's cost).
+        fp = policy_fingerprint(assigned.graph_module)
         trial.set_user_attr(_A + "fingerprint", fp)
-        trial.set_user_attr(_A + "casts", lowered.stats.get("casts", 0))
         prior = _find_measured(trial.study, fp, trial.number)
         if prior is not None:
             for k, v in prior.user_attrs.items():
@@ -85,8 +83,13 @@ class Objective:
             _constrain(trial, float(prior.user_attrs.get(_A + "constraint", 1e30)))
             trial.set_user_attr(_A + "reused_from", prior.number)
             return tuple(prior.values) if prior.values else math.nan
-        fn = compile_graph(lowered.graph_module) if self.compile else lowered.graph_module
-        m = self.harness.measure(fn, lambda: make_scaler(policy), max_step_s=self.max_step_s)
+        try:
+            lowered = finish_pipeline(gm, assigned, policy)
+        except Exception as e:
+            trial.set_user_attr(_A + "error", f"lowering failed: {e}")
+            return math.nan
+        trial.set_user_attr(_A + "casts", lowered.stats.get("casts", 0))
+        m = self.harness.measure(lowered.graph_module, lambda: make_scaler(policy), max_step_s=self.max_step_s)
         _record(trial, m, self.budget)
         if m.error is not None:
             return math.nan
