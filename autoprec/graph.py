@@ -30,6 +30,8 @@ import networkx as nx
 import torch
 from torch import fx
 
+from autoprec.ops import is_float_value
+
 __all__ = ["PLACEMENT_MODES", "float_inputs", "place_follow", "tensor_bytes", "to_networkx"]
 
 PLACEMENT_MODES = ("mincut", "paint", "naive")
@@ -54,14 +56,9 @@ def float_inputs(node: fx.Node) -> list[fx.Node]:
     """The distinct input nodes of ``node`` that produce floating tensors, in argument order."""
     seen: dict[fx.Node, None] = {}
     for a in node.all_input_nodes:
-        if tensor_bytes(a) > 0 or _is_float_tensor(a):
+        if tensor_bytes(a) > 0 or is_float_value(a.meta.get("val")):
             seen[a] = None
     return list(seen)
-
-
-def _is_float_tensor(node: fx.Node) -> bool:
-    v = node.meta.get("val")
-    return isinstance(v, torch.Tensor) and v.dtype.is_floating_point
 
 
 def to_networkx(gm: fx.GraphModule) -> nx.DiGraph:

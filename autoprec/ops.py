@@ -24,6 +24,8 @@ import warnings
 import torch
 from torch import fx
 
+from autoprec.dtypes import NAMES
+
 __all__ = [
     "FIXED_DTYPE_OPS",
     "MASK_FILL_OPS",
@@ -206,11 +208,20 @@ def is_float_value(val: object) -> bool:
     return isinstance(val, torch.Tensor) and val.dtype.is_floating_point
 
 
-def _float_outputs(node: fx.Node) -> bool:
+def produces_float(node: fx.Node) -> bool:
+    """True if ``node`` outputs a floating tensor (or a tuple holding one), per ``meta["val"]``."""
+    return captured_dtype(node) is not None
+
+
+def captured_dtype(node: fx.Node) -> str | None:
+    """Policy name of the dtype ``node`` had when captured: its first floating output's dtype
+    from ``node.meta["val"]`` (``str(dtype)`` for dtypes without a policy name, e.g. float64),
+    or ``None`` when it produces no floating tensor."""
     val = node.meta.get("val")
-    if isinstance(val, (tuple, list)):
-        return any(is_float_value(v) for v in val)
-    return is_float_value(val)
+    for v in val if isinstance(val, (tuple, list)) else [val]:
+        if is_float_value(v):
+            return NAMES.get(v.dtype, str(v.dtype))
+    return None
 
 
 def classify(node: fx.Node) -> str:
@@ -219,7 +230,7 @@ def classify(node: fx.Node) -> str:
     A node whose output is not a floating tensor is ``nonfloat`` whatever its op. An op
     missing from :data:`OP_TABLE` is ``follow``, with a one-time ``UserWarning`` naming it.
     """
-    if not _float_outputs(node):
+    if not produces_float(node):
         return "nonfloat"
     name = getattr(node.target, "_opname", None) or getattr(node.target, "__name__", str(node.target))
     entry = OP_TABLE.get(name)

@@ -26,9 +26,17 @@ import warnings
 import torch
 from torch import fx
 
-from autoprec.dtypes import NAMES, to_torch
+from autoprec.dtypes import to_torch
 from autoprec.graph import place_follow
-from autoprec.ops import FIXED_DTYPE_OPS, REGION_OPS, RMSNORM_REASON, classify, reason, rmsnorm_regions
+from autoprec.ops import (
+    FIXED_DTYPE_OPS,
+    REGION_OPS,
+    RMSNORM_REASON,
+    captured_dtype,
+    classify,
+    reason,
+    rmsnorm_regions,
+)
 from autoprec.passes.base import PassResult, clone_graph_module, pass_error
 from autoprec.passes.constants import (
     CONSTANT_MODES,
@@ -39,16 +47,6 @@ from autoprec.passes.constants import (
 from autoprec.policy import FP8, Policy
 
 PASS = "assign_dtypes"
-
-
-def _orig_dtype(node: fx.Node) -> str | None:
-    val = node.meta.get("val")
-    vals = val if isinstance(val, (tuple, list)) else [val]
-    for v in vals:
-        dt = getattr(v, "dtype", None)
-        if dt is not None and dt.is_floating_point:
-            return NAMES.get(dt, str(dt))
-    return None
 
 
 def _check_node_rules(policy: Policy, nodes: list[fx.Node]) -> None:
@@ -102,15 +100,15 @@ def assign_dtypes(
     casting: set[fx.Node] = set()
     for node in nodes:
         meta = node.meta.setdefault("autoprec", {})
-        orig = _orig_dtype(node)
+        orig = captured_dtype(node)
         if node.op in ("placeholder", "get_attr"):
             labels[node] = orig
             meta.update(dtype=orig, decided_by="input")
         elif node.op == "call_function":
             _decide(node, meta, orig, policy, labels, casting)
         elif node.op == "output":
-            outs = [a for a in node.all_input_nodes if _orig_dtype(a) is not None]
-            labels[node] = _orig_dtype(outs[0]) if outs else None
+            outs = [a for a in node.all_input_nodes if captured_dtype(a) is not None]
+            labels[node] = captured_dtype(outs[0]) if outs else None
             casting.add(node)
     _check_node_rules(policy, nodes)
     n_fp32 = _constants_before(nodes, labels, policy, constants)

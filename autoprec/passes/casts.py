@@ -14,6 +14,7 @@ from torch import fx
 
 from autoprec.dtypes import to_torch
 from autoprec.graph import tensor_bytes
+from autoprec.ops import captured_dtype, is_float_value
 from autoprec.passes.base import PassResult, clone_graph_module, pass_error
 
 PASS = "insert_casts"
@@ -110,7 +111,7 @@ def insert_casts(gm: fx.GraphModule) -> PassResult:
             continue
 
         def repl(a, dt=dt, node=node):
-            if isinstance(a, fx.Node) and _dtype_of(a) is not None and _is_float(a):
+            if isinstance(a, fx.Node) and _dtype_of(a) is not None and is_float_value(a.meta.get("val")):
                 return cast(a, dt, node)
             return a
 
@@ -121,22 +122,10 @@ def insert_casts(gm: fx.GraphModule) -> PassResult:
     return PassResult(gm, stats["casts"] > 0, stats)
 
 
-def _is_float(node: fx.Node) -> bool:
-    v = node.meta.get("val")
-    return isinstance(v, torch.Tensor) and v.dtype.is_floating_point
-
-
 def _cast_outputs(out: fx.Node, cast) -> None:
     def repl(a):
-        if isinstance(a, fx.Node) and _is_float(a) and _dtype_of(a) is not None:
-            orig = a.meta.get("autoprec", {}).get("orig_dtype") or _orig_name(a)
-            return cast(a, orig, out)
+        if isinstance(a, fx.Node) and is_float_value(a.meta.get("val")) and _dtype_of(a) is not None:
+            return cast(a, captured_dtype(a), out)
         return a
 
     out.args = fx.node.map_arg(out.args, repl)
-
-
-def _orig_name(node: fx.Node) -> str:
-    from autoprec.dtypes import to_name
-
-    return to_name(node.meta["val"].dtype)
