@@ -37,7 +37,6 @@ import datetime
 import json
 import math
 import os
-import platform
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -55,8 +54,8 @@ from autoprec.passes import run_pipeline
 from autoprec.policy import Policy
 from autoprec.runtime.apply import compile_graph
 from autoprec.runtime.scaler import DynamicLossScaler
-from autoprec.runtime.train import make_scaler
-from autoprec.search.measure import Harness, Measurement, resolve_device, sync
+from autoprec.runtime.train import autocast_scaler, make_scaler
+from autoprec.search.measure import Harness, Measurement, describe_machine, resolve_device, sync
 
 __all__ = [
     "CONFIGS",
@@ -82,35 +81,6 @@ def default_low_dtype(device: torch.device) -> torch.dtype:
     if device.type == "cuda" and not torch.cuda.is_bf16_supported():
         return torch.float16
     return torch.bfloat16
-
-
-def describe_machine(device: torch.device) -> dict[str, Any]:
-    """Where the numbers come from: device name, CPU model and bf16/fp16-relevant flags, load.
-
-    Returns:
-        ``{"device", "cpu", "cpu_count", "cpu_flags", "loadavg_1m", "gpu"}``; ``cpu_flags`` maps
-        ``avx512_bf16``, ``amx_bf16``, ``avx512_fp16``, ``amx_fp16``, ``avx512f`` and ``avx2`` to
-        whether ``/proc/cpuinfo`` lists them.
-    """
-    cpu, flags = platform.processor() or platform.machine(), set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                elif line.startswith("flags") and not flags:
-                    flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    wanted = ("avx512_bf16", "amx_bf16", "avx512_fp16", "amx_fp16", "avx512f", "avx2")
-    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
-    return {
-        "device": gpu or f"{cpu} ({os.cpu_count()} cores)",
-        "cpu": cpu, "cpu_count": os.cpu_count(),
-        "cpu_flags": {k: k in flags for k in wanted},
-        "loadavg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
-        "gpu": gpu,
-    }
 
 
 def matmul_peak_flops(dtype: torch.dtype, device: torch.device, max_n: int | None = None,
@@ -214,14 +184,14 @@ def _pure_low(h: Harness, dtype: torch.dtype) -> Harness:
 def _build_configs(h: Harness, policy: Policy, low: torch.dtype, names: Sequence[str]) -> dict[str, _Config]:
     lowered = run_pipeline(h.graph_module, policy).graph_module
     pol_scaler = lambda: make_scaler(policy)
-    low_scaler = (lambda: DynamicLossScaler()) if low == torch.float16 else (lambda: None)
+    low_scaler = autocast_scaler(low)
     lname, pdt = NAMES[low], _main_dtype(lowered, policy)
     plow = _pure_low(h, low) if any(n.startswith("pure_low") for n in names) else None
     table = {
         "fp32_eager": lambda: _Config(lambda: h.model, h, lambda: None, None, "fp32", False),
         "fp32_compiled": lambda: _Config(lambda: compile_graph(h.graph_module), h, lambda: None, None, "fp32", True),
         "autocast_eager": lambda: _Config(lambda: h.model, h, low_scaler, low, lname, False),
-        "autocast_compiled": lambda: _Config(lambda: compile_graph(h.graph_module), h, low_scaler, low, lname, True),
+        "autocast_compiled": lambda: _Config(lambda: compile_graph(h.model), h, low_scaler, low, lname, True),
         "pure_low_eager": lambda: _Config(lambda: plow.model, plow, low_scaler, None, lname, False),
         "pure_low_compiled": lambda: _Config(lambda: compile_graph(capture(plow.model, plow.batches[0])), plow,
                                              low_scaler, None, lname, True),

@@ -36,8 +36,7 @@ from autoprec.modelspec import ModelSpec, call_model, load_model_spec
 from autoprec.policy import Policy
 from autoprec.runtime.apply import apply
 from autoprec.runtime.monitor import json_safe
-from autoprec.runtime.scaler import DynamicLossScaler
-from autoprec.runtime.train import TrainStep, make_scaler
+from autoprec.runtime.train import TrainStep, autocast_scaler, make_scaler
 from autoprec.search.measure import resolve_device, sync
 
 __all__ = ["BASELINES", "CompareResult", "compare", "cpu_name", "max_rel_dev", "plot_curves"]
@@ -118,7 +117,7 @@ def _run(name: str, spec: ModelSpec, init: dict[str, torch.Tensor], policy: Poli
         scaler = make_scaler(policy)
     elif name == "autocast":
         autocast_dtype = torch.get_autocast_dtype(dev.type)
-        scaler = DynamicLossScaler() if autocast_dtype == torch.float16 else None
+        scaler = autocast_scaler(autocast_dtype)()
     step = TrainStep(module, params, spec.make_optimizer(params), spec.loss_fn, scaler=scaler,
                      autocast_dtype=autocast_dtype, device_type=dev.type)
     torch.manual_seed(seed)

@@ -18,7 +18,6 @@ where Inductor fuses them.
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +29,7 @@ from autoprec.modelspec import call_model
 from autoprec.policy import Policy
 from autoprec.runtime.scaler import DynamicLossScaler, unscaled_grad_norm
 
-__all__ = ["StepStats", "TrainStep", "make_scaler"]
+__all__ = ["StepStats", "TrainStep", "autocast_scaler", "make_scaler"]
 
 
 def make_scaler(policy: Policy, diagnose: Callable[[], str | None] | None = None) -> DynamicLossScaler | None:
@@ -50,6 +49,12 @@ def make_scaler(policy: Policy, diagnose: Callable[[], str | None] | None = None
         growth_interval=cfg.growth_interval, min_scale=cfg.min_scale, max_scale=cfg.max_scale,
         diagnose=diagnose,
     )
+
+
+def autocast_scaler(dtype: torch.dtype | None) -> Callable[[], DynamicLossScaler | None]:
+    """Scaler factory for a ``torch.autocast`` baseline: fp16 autocast trains with a dynamic
+    loss scaler (the PyTorch AMP recipe: autocast + GradScaler), bf16 and fp32 without."""
+    return (lambda: DynamicLossScaler()) if dtype == torch.float16 else (lambda: None)
 
 
 @dataclass
@@ -150,8 +155,3 @@ def _count_nonfinite(params: list[nn.Parameter]) -> int:
         if p.grad is not None:
             total += int((~torch.isfinite(p.grad)).sum())
     return total
-
-
-def is_finite(x: float) -> bool:
-    """``math.isfinite`` that also accepts None (→ False)."""
-    return x is not None and math.isfinite(x)

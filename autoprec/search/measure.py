@@ -9,6 +9,8 @@ compiled) is measured on the same weights and batches, and the weights are resto
 from __future__ import annotations
 
 import math
+import os
+import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -23,7 +25,7 @@ from autoprec.modelspec import ModelSpec
 from autoprec.runtime.scaler import DynamicLossScaler
 from autoprec.runtime.train import TrainStep
 
-__all__ = ["Measurement", "Harness", "grad_rel_l2", "grad_sqnr_db_min", "traj_rel", "resolve_device", "sync"]
+__all__ = ["Measurement", "Harness", "describe_machine", "grad_rel_l2", "grad_sqnr_db_min", "traj_rel", "resolve_device", "sync"]
 
 
 def resolve_device(device: str = "auto") -> torch.device:
@@ -45,6 +47,35 @@ def sync(device: torch.device) -> None:
     """Wait for queued device work (CUDA) so wall-clock timings cover it."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def describe_machine(device: torch.device) -> dict[str, Any]:
+    """Where the numbers come from: device name, CPU model and bf16/fp16-relevant flags, load.
+
+    Returns:
+        ``{"device", "cpu", "cpu_count", "cpu_flags", "loadavg_1m", "gpu"}``; ``cpu_flags`` maps
+        ``avx512_bf16``, ``amx_bf16``, ``avx512_fp16``, ``amx_fp16``, ``avx512f`` and ``avx2`` to
+        whether ``/proc/cpuinfo`` lists them.
+    """
+    cpu, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                elif line.startswith("flags") and not flags:
+                    flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    wanted = ("avx512_bf16", "amx_bf16", "avx512_fp16", "amx_fp16", "avx512f", "avx2")
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    return {
+        "device": gpu or f"{cpu} ({os.cpu_count()} cores)",
+        "cpu": cpu, "cpu_count": os.cpu_count(),
+        "cpu_flags": {k: k in flags for k in wanted},
+        "loadavg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        "gpu": gpu,
+    }
 
 
 def grad_rel_l2(grads: list[torch.Tensor], ref: list[torch.Tensor]) -> float:

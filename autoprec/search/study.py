@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import math
 import os
-import platform
 import statistics
 import time
 import warnings
@@ -34,9 +33,8 @@ from autoprec.modelspec import load_model_spec
 from autoprec.passes import run_pipeline
 from autoprec.policy import Policy
 from autoprec.runtime.apply import compile_graph
-from autoprec.runtime.scaler import DynamicLossScaler
-from autoprec.runtime.train import make_scaler
-from autoprec.search.measure import Harness, Measurement, resolve_device, traj_rel
+from autoprec.runtime.train import autocast_scaler, make_scaler
+from autoprec.search.measure import Harness, Measurement, describe_machine, resolve_device, traj_rel
 from autoprec.search.objective import ATTR, DIRECTIONS, Objective, is_dead_worker
 from autoprec.search.space import SearchSpace, find_blocks, outside_matmuls, probe_dtypes
 
@@ -67,17 +65,8 @@ def default_storage(out: str | os.PathLike) -> str:
 
 
 def device_name(device: torch.device) -> str:
-    """Human-readable device description (GPU name, or CPU model from /proc/cpuinfo)."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return f"{line.split(':', 1)[1].strip()} ({os.cpu_count()} cores)"
-    except OSError:
-        pass
-    return f"{platform.processor() or platform.machine()} ({os.cpu_count()} cores)"
+    """Human-readable device description: the GPU's name, or the CPU model and core count."""
+    return describe_machine(device)["device"]
 
 
 @dataclass
@@ -255,16 +244,10 @@ def _short(dt: torch.dtype) -> str:
 def _autocast_default(dev: torch.device, lows: list[str]) -> torch.dtype:
     """torch.autocast's own default low dtype (PyTorch AMP docs: bfloat16 on CPU, float16 on
     CUDA), unless the probe left it out and another low dtype is usable."""
-    default = torch.bfloat16 if dev.type == "cpu" else torch.float16
+    default = torch.get_autocast_dtype(dev.type)
     if lows and NAMES.get(default) not in lows:
         return to_torch(lows[0])
     return default
-
-
-def autocast_scaler(dtype: torch.dtype):
-    """Scaler factory for the AMP baseline: fp16 autocast is used with a GradScaler (PyTorch
-    AMP recipe), bf16 without."""
-    return (lambda: DynamicLossScaler()) if dtype == torch.float16 else (lambda: None)
 
 
 class _Clock:
