@@ -55,7 +55,7 @@ from autoprec.policy import Policy
 from autoprec.runtime.apply import compile_graph
 from autoprec.runtime.scaler import DynamicLossScaler
 from autoprec.runtime.train import autocast_scaler, make_scaler
-from autoprec.search.measure import Harness, Measurement, describe_machine, resolve_device, sync
+from autoprec.search.measure import Harness, Measurement, describe_machine, resolve_device, time_matmul
 
 __all__ = [
     "CONFIGS",
@@ -103,19 +103,7 @@ def matmul_peak_flops(dtype: torch.dtype, device: torch.device, max_n: int | Non
     max_n = max_n or (8192 if device.type == "cuda" else 2048)
     best, best_n, n = 0.0, 0, 512
     while n <= max_n:
-        a = torch.randn(n, n, device=device).to(dtype)
-        b = torch.randn(n, n, device=device).to(dtype)
-        times = []
-        for _ in range(reps + 1):
-            sync(device)
-            t0 = time.perf_counter()
-            a @ b
-            sync(device)
-            times.append(time.perf_counter() - t0)
-            if times[-1] > 4 * target_s:  # emulated dtype: one slow matmul is enough
-                break
-        times = times[1:] or times
-        dt = min(times)
+        dt = min(time_matmul(dtype, device, n, reps, 4 * target_s))  # emulated dtype: stops early
         if 2 * n**3 / dt > best:
             best, best_n = 2 * n**3 / dt, n
         if dt >= target_s:

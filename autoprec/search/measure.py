@@ -25,7 +25,7 @@ from autoprec.modelspec import ModelSpec
 from autoprec.runtime.scaler import DynamicLossScaler
 from autoprec.runtime.train import TrainStep
 
-__all__ = ["Measurement", "Harness", "describe_machine", "grad_rel_l2", "grad_sqnr_db_min", "traj_rel", "resolve_device", "sync"]
+__all__ = ["Measurement", "Harness", "describe_machine", "grad_rel_l2", "grad_sqnr_db_min", "traj_rel", "resolve_device", "sync", "time_matmul"]
 
 
 def resolve_device(device: str = "auto") -> torch.device:
@@ -76,6 +76,33 @@ def describe_machine(device: torch.device) -> dict[str, Any]:
         "loadavg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         "gpu": gpu,
     }
+
+
+def time_matmul(dtype: torch.dtype, device: torch.device, n: int, reps: int, stop_after_s: float) -> list[float]:
+    """Wall-clock seconds of ``n×n @ n×n`` matmuls in ``dtype`` on ``device``.
+
+    One warm-up, then up to ``reps`` timed runs (device-synchronised), stopping early once
+    ``stop_after_s`` seconds have passed, so a dtype the device emulates slowly costs little.
+
+    Returns:
+        The timed durations (the warm-up's alone if the budget ran out before any).
+
+    Raises:
+        RuntimeError: the device has no kernel for ``dtype``.
+    """
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    times = []
+    start = time.perf_counter()
+    for _ in range(reps + 1):
+        sync(device)
+        t0 = time.perf_counter()
+        a @ b
+        sync(device)
+        times.append(time.perf_counter() - t0)
+        if time.perf_counter() - start > stop_after_s:
+            break
+    return times[1:] or times
 
 
 def grad_rel_l2(grads: list[torch.Tensor], ref: list[torch.Tensor]) -> float:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import re
 import statistics
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -20,6 +19,7 @@ import torch
 from autoprec.dtypes import LOW_DTYPES, to_torch
 from autoprec.ops import classify
 from autoprec.policy import Policy, Rule
+from autoprec.search.measure import time_matmul
 
 __all__ = ["DtypeProbe", "probe_dtypes", "SearchSpace", "BASELINES", "find_blocks", "outside_matmuls"]
 
@@ -43,22 +43,6 @@ class DtypeProbe:
     reason: str = ""
 
 
-def _time_matmul(dtype: torch.dtype, device: torch.device, n: int, reps: int, budget_s: float) -> float:
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
-    times = []
-    start = time.perf_counter()
-    for _ in range(reps + 1):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        (a @ b).sum().item()
-        times.append(time.perf_counter() - t0)
-        if time.perf_counter() - start > budget_s:
-            break
-    return statistics.median(times[1:] if len(times) > 1 else times)
-
-
 def probe_dtypes(device: torch.device, n: int = 512, reps: int = 5, min_speedup: float = 1.1,
                  budget_s: float = 3.0) -> dict[str, DtypeProbe]:
     """Time a square matmul per dtype on ``device``; keep the low dtypes that beat fp32.
@@ -74,11 +58,11 @@ def probe_dtypes(device: torch.device, n: int = 512, reps: int = 5, min_speedup:
     Returns:
         ``{dtype name: DtypeProbe}`` for fp32 and every low dtype.
     """
-    base = _time_matmul(torch.float32, device, n, reps, budget_s)
+    base = statistics.median(time_matmul(torch.float32, device, n, reps, budget_s))
     out = {"fp32": DtypeProbe("fp32", base, 1.0, True)}
     for name in LOW_DTYPES:
         try:
-            s = _time_matmul(to_torch(name), device, n, reps, budget_s)
+            s = statistics.median(time_matmul(to_torch(name), device, n, reps, budget_s))
         except Exception as e:  # dtype not supported by this device/build
             out[name] = DtypeProbe(name, float("inf"), 0.0, False, f"matmul failed: {type(e).__name__}: {e}")
             continue
