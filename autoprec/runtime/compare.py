@@ -24,7 +24,6 @@ import json
 import math
 import os
 import platform
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,7 +36,7 @@ from autoprec.policy import Policy
 from autoprec.runtime.apply import apply
 from autoprec.runtime.monitor import json_safe
 from autoprec.runtime.train import TrainStep, autocast_scaler, make_scaler
-from autoprec.search.measure import resolve_device, sync
+from autoprec.search.measure import resolve_device
 
 __all__ = ["BASELINES", "CompareResult", "compare", "cpu_name", "max_rel_dev", "plot_curves"]
 
@@ -124,11 +123,8 @@ def _run(name: str, spec: ModelSpec, init: dict[str, torch.Tensor], policy: Poli
     losses, times, skipped = [], [], 0
     for i in range(steps):
         batch = first if i == 0 else spec.get_batch(i, dev)
-        sync(dev)
-        t0 = time.perf_counter()
-        st = step(batch)
-        sync(dev)
-        times.append(time.perf_counter() - t0)
+        st, seconds = step.timed(batch)
+        times.append(seconds)
         losses.append(st.loss)
         skipped += int(st.skipped)
         log(i, f"[{name}] step {i:4d}  loss {st.loss:.4f}  {times[-1]:.2f}s")

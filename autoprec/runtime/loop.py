@@ -10,7 +10,6 @@ import math
 import os
 import statistics
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ from autoprec.runtime.apply import apply
 from autoprec.runtime.checkpoint import load_checkpoint, save_checkpoint
 from autoprec.runtime.monitor import Monitor
 from autoprec.runtime.train import TrainStep, make_scaler
-from autoprec.search.measure import resolve_device, sync
+from autoprec.search.measure import resolve_device
 
 __all__ = ["TrainResult", "train"]
 
@@ -146,11 +145,8 @@ def train(model_path: str | os.PathLike, policy_path: str | os.PathLike, steps: 
         for i in range(start, steps):
             batch = first if i == 0 else spec.get_batch(i, dev)
             monitor.last_batch = batch
-            sync(dev)
-            t0 = time.perf_counter()
-            st = step(batch)
-            sync(dev)
-            times.append(time.perf_counter() - t0)
+            st, seconds = step.timed(batch)
+            times.append(seconds)
             monitor.record(i, st, tokens=spec.tokens_per_batch(batch), seconds=times[-1], batch=batch)
             res.losses.append(st.loss)
             res.skipped += int(st.skipped)

@@ -18,6 +18,7 @@ where Inductor fuses them.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -147,6 +148,19 @@ class TrainStep:
         loss = self.forward_backward(batch)
         skipped, scale, norm, bad = self.finish()
         return StepStats(float(loss), skipped, scale, norm, bad)
+
+    def timed(self, batch: Any) -> tuple[StepStats, float]:
+        """One step and its wall-clock seconds, with the device synchronised before and after
+        (queued CUDA work is counted) — the one timing loop body of tune, bench, train."""
+        self._sync()
+        t0 = time.perf_counter()
+        stats = self(batch)
+        self._sync()
+        return stats, time.perf_counter() - t0
+
+    def _sync(self) -> None:
+        if self.device_type == "cuda":
+            torch.cuda.synchronize()
 
 
 def _count_nonfinite(params: list[nn.Parameter]) -> int:

@@ -303,11 +303,7 @@ class Harness:
         times, slow_in_a_row = [], 0
         for i in range(self.warmup + self.steps):
             batch = self.batches[i % len(self.batches)]
-            sync(self.device)
-            t0 = time.perf_counter()
-            step(batch)
-            sync(self.device)
-            dt = time.perf_counter() - t0
+            _stats, dt = step.timed(batch)
             if max_step_s is not None:
                 # Two slow steps in a row (one noisy step is not enough), or one far too slow.
                 slow_in_a_row = slow_in_a_row + 1 if dt > max_step_s else 0
