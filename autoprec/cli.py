@@ -70,9 +70,11 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--log-every", type=int, default=1, metavar="N", help="print every N-th step (default 1)")
     r.add_argument("--checkpoint", default=None, metavar="PATH",
                    help="checkpoint file written at the end (and every --checkpoint-every steps)")
-    r.add_argument("--resume", action="store_true", help="continue from --checkpoint if it exists")
+    r.add_argument("--resume", action="store_true",
+                   help="continue from --checkpoint if it exists (with --compare: the unfinished run in --out-dir)")
     r.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
-                   help="also save the checkpoint every N steps (default 0: only at the end)")
+                   help="also save the checkpoint every N steps (default 0: only at the end); with --compare, "
+                        "save the running configuration every N steps under --out-dir")
     r.add_argument("--log", default=None, metavar="JSONL", help="append per-step monitor records here")
     r.add_argument("--max-grad-norm", type=float, default=None, help="clip unscaled gradients to this norm")
     r.add_argument("--compare", default=None, metavar="LIST",
@@ -194,7 +196,11 @@ def _naming_policy(policy_path: str):
 
 
 def _cmd_train(a: argparse.Namespace) -> int:
-    if a.resume and a.checkpoint is None:
+    if a.compare is not None and a.checkpoint is not None:
+        print("autoprec train: error: --checkpoint does not apply to --compare, which keeps its progress "
+              "in --out-dir (use --checkpoint-every N and --resume)", file=sys.stderr)
+        return 2
+    if a.resume and a.checkpoint is None and a.compare is None:
         print("autoprec train: error: --resume needs --checkpoint PATH", file=sys.stderr)
         return 2
     from autoprec.policy import Policy
@@ -227,7 +233,8 @@ def _cmd_compare(a: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     res = compare(a.model, a.policy, a.steps, baselines=names, device=a.device, compile=not a.no_compile,
-                  out_dir=a.out_dir, log_every=a.log_every)
+                  out_dir=a.out_dir, log_every=a.log_every, checkpoint_every=a.checkpoint_every,
+                  resume=a.resume)
     print(f"\n{'config':10s} {'max rel dev vs fp32':>20s} {'held-out loss':>14s} {'s/step':>8s} {'skipped':>8s}")
     for name in res.curves:
         print(f"{name:10s} {res.max_rel_dev[name]:20.3e} {res.heldout_loss[name]:14.4f} "

@@ -10,6 +10,7 @@ import pytest
 
 from autoprec import Policy
 from autoprec.cli import main
+from autoprec.errors import AutoprecError
 from autoprec.runtime.compare import compare, max_rel_dev
 
 REPO = Path(__file__).resolve().parents[1]
@@ -56,6 +57,63 @@ def test_cli_compare_rejects_unknown_baseline(tmp_path, capsys):
     Policy.fp32().save(pol)
     assert main(["train", TINY, "--policy", str(pol), "--compare", "fp32,apex"]) == 2
     assert "unknown baseline 'apex'" in capsys.readouterr().err
+
+
+class _Crash(Exception):
+    pass
+
+
+def _crash_after(monkeypatch, n_steps):
+    """Make the n-th training step of the whole compare run raise (a killed process)."""
+    from autoprec.runtime import compare as cmp
+
+    real, calls = cmp.TrainStep.timed, []
+
+    def timed(self, batch):
+        calls.append(1)
+        if len(calls) == n_steps:
+            raise _Crash
+        return real(self, batch)
+
+    monkeypatch.setattr(cmp.TrainStep, "timed", timed)
+
+
+def test_compare_resume_is_bit_identical(tmp_path, monkeypatch):
+    """A run killed inside its third configuration resumes from the saved state (the finished
+    configurations are not re-run; the running one continues from its checkpoint) and gives the
+    same curves and held-out losses as an uninterrupted run."""
+    pol = tmp_path / "p.json"
+    Policy.default("bf16").save(pol)
+    kw = dict(steps=6, baselines=["fp32", "autocast"], compile=False, quiet=True, heldout_batches=1)
+    ref = compare(TINY, pol, out_dir=tmp_path / "ref", **kw)
+    out = tmp_path / "cmp"
+    with monkeypatch.context() as m:
+        _crash_after(m, 6 + 6 + 4)  # fp32 and policy done; autocast dies in its 4th step (checkpoint at 2)
+        with pytest.raises(_Crash):
+            compare(TINY, pol, out_dir=out, checkpoint_every=2, **kw)
+    state = out / "compare_state"
+    assert set(json.loads((state / "results.json").read_text())["done"]) == {"fp32", "policy"}
+    assert (state / "autocast.pt").exists() and not (out / "convergence.json").exists()
+
+    with pytest.raises(AutoprecError, match="unfinished --compare run; pass --resume"):
+        compare(TINY, pol, out_dir=out, **kw)  # without --resume nothing is overwritten
+    with pytest.raises(AutoprecError, match=r"different run \(steps differ\)"):
+        compare(TINY, pol, out_dir=out, resume=True, **{**kw, "steps": 7})
+    with monkeypatch.context() as m:
+        _crash_after(m, 5)  # the resumed run only trains autocast's steps 2..5 (4 steps)
+        res = compare(TINY, pol, out_dir=out, checkpoint_every=2, resume=True, **kw)
+    assert res.curves == ref.curves and res.heldout_loss == ref.heldout_loss
+    assert res.max_rel_dev == ref.max_rel_dev and res.max_rel_dev["autocast"] > 0
+    assert not state.exists() and (out / "convergence.json").exists()
+
+
+def test_cli_compare_checkpoint_flag_is_refused(tmp_path, capsys):
+    pol = tmp_path / "p.json"
+    Policy.fp32().save(pol)
+    assert main(["train", TINY, "--policy", str(pol), "--compare", "fp32", "--checkpoint", str(tmp_path / "c.pt"),
+                 "--out-dir", str(tmp_path / "o")]) == 2
+    assert "--checkpoint does not apply to --compare" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists() and not (tmp_path / "c.pt").exists()
 
 
 @pytest.mark.slow

@@ -15,15 +15,26 @@ For each curve the maximum relative deviation from the FP32 curve, ``max_k |L_k 
 ``get_heldout_batch(j)``, or of ``get_batch(10**6 + j)`` when the model file has none, evaluated
 under ``torch.no_grad`` in the configuration's own precision) are reported, and written with the curves
 to ``convergence.json`` and ``convergence.png`` (matplotlib, Agg backend).
+
+A run on a CPU without native bf16 can take hours (torch.autocast bf16 there is ~30x slower than
+fp32), so progress is kept in ``OUT_DIR/compare_state/``: each finished configuration's results go to
+``results.json`` as soon as it ends, and with ``checkpoint_every=N`` the running one saves a checkpoint
+(:func:`save_checkpoint`: weights, optimizer, scaler, RNG, losses so far) every N steps. ``resume=True``
+(``autoprec train --compare … --resume``) re-runs nothing that is saved there; it refuses a state
+written for another model file, policy, step count, seed, device or torch version. On CPU, eager
+configurations resume bit-identically. The state directory is removed once ``convergence.json`` is
+written.
 """
 
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import math
 import os
 import platform
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,9 +42,12 @@ from typing import Any
 
 import torch
 
+from autoprec._io import atomic_write
+from autoprec.errors import AutoprecError
 from autoprec.modelspec import ModelSpec, call_model, load_model_spec
 from autoprec.policy import Policy
 from autoprec.runtime.apply import apply
+from autoprec.runtime.checkpoint import load_checkpoint, save_checkpoint
 from autoprec.runtime.monitor import json_safe
 from autoprec.runtime.train import TrainStep, autocast_scaler, make_scaler
 from autoprec.search.measure import resolve_device
@@ -45,6 +59,9 @@ BASELINES = ("fp32", "autocast")
 
 #: Offset of the training-batch steps used as held-out data when the model file has no get_heldout_batch.
 FAR_STEP = 10**6
+
+#: Subdirectory of the output directory holding the progress of an unfinished run.
+STATE_DIR = "compare_state"
 
 
 @dataclass
@@ -101,10 +118,55 @@ def _heldout(spec: ModelSpec, j: int, dev: torch.device) -> Any:
     return spec.heldout_batch(j, dev) if spec.heldout_batch is not None else spec.get_batch(FAR_STEP + j, dev)
 
 
+class _State:
+    """Progress of one compare run under ``OUT_DIR/compare_state/`` (see the module docstring).
+
+    ``key`` identifies the run (model file bytes, policy, steps, seed, device, compile, torch); a
+    state written under another key is refused rather than mixed in or overwritten.
+    """
+
+    def __init__(self, out_dir: Path, key: dict[str, Any], resume: bool) -> None:
+        self.dir = out_dir / STATE_DIR
+        self.key = key
+        self.done: dict[str, dict[str, Any]] = {}
+        results = self.dir / "results.json"
+        if self.dir.exists() and not resume:
+            raise AutoprecError(f"{self.dir} holds an unfinished --compare run; pass --resume to continue it, "
+                                "or remove that directory (or use another --out-dir) to start over")
+        if resume and results.exists():
+            try:
+                saved = json.loads(results.read_text(encoding="utf-8"))
+            except (OSError, json.JSONDecodeError) as e:
+                raise AutoprecError(f"{results}: unreadable compare state ({e}); remove {self.dir} to start over") from e
+            diff = [k for k in sorted(set(key) | set(saved.get("key", {}))) if saved.get("key", {}).get(k) != key.get(k)]
+            if diff:
+                raise AutoprecError(f"{results}: saved for a different run ({', '.join(diff)} differ); "
+                                    f"remove {self.dir} or use another --out-dir")
+            self.done = saved.get("done", {})
+
+    def checkpoint(self, name: str) -> Path:
+        return self.dir / f"{name}.pt"
+
+    def finish(self, name: str, result: dict[str, Any]) -> None:
+        """Record a finished configuration (atomically) and drop its checkpoint."""
+        self.done[name] = result
+        payload = json.dumps(json_safe({"key": self.key, "done": self.done}), allow_nan=False)
+        atomic_write(self.dir / "results.json", lambda f: f.write(payload + "\n"))
+        self.checkpoint(name).unlink(missing_ok=True)
+
+    def remove(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
 def _run(name: str, spec: ModelSpec, init: dict[str, torch.Tensor], policy: Policy, steps: int,
          dev: torch.device, compile: bool, heldout_batches: int, seed: int,
-         log: Callable[[int, str], None]) -> tuple[list[float], float, float, int]:
-    """Train one configuration; returns (losses, heldout loss, median s/step, skipped steps)."""
+         log: Callable[[int, str], None], state: _State | None = None,
+         checkpoint_every: int = 0) -> dict[str, Any]:
+    """Train one configuration; returns its losses, held-out loss, median s/step and skipped steps.
+
+    With ``state``, resumes from ``state.checkpoint(name)`` if it exists and saves it every
+    ``checkpoint_every`` steps (0: never).
+    """
     model = spec.build_model().to(dev)
     model.load_state_dict(init)
     model.train()
@@ -117,28 +179,48 @@ def _run(name: str, spec: ModelSpec, init: dict[str, torch.Tensor], policy: Poli
     elif name == "autocast":
         autocast_dtype = torch.get_autocast_dtype(dev.type)
         scaler = autocast_scaler(autocast_dtype)()
-    step = TrainStep(module, params, spec.make_optimizer(params), spec.loss_fn, scaler=scaler,
+    optimizer = spec.make_optimizer(params)
+    step = TrainStep(module, params, optimizer, spec.loss_fn, scaler=scaler,
                      autocast_dtype=autocast_dtype, device_type=dev.type)
     torch.manual_seed(seed)
-    losses, times, skipped = [], [], 0
-    for i in range(steps):
+    losses, times, skipped, start = [], [], 0, 0
+    ckpt = state.checkpoint(name) if state is not None else None
+    if ckpt is not None and ckpt.exists():
+        ck = load_checkpoint(ckpt, model, optimizer, scaler)  # also restores the RNG state
+        start, losses, times, skipped = ck.step, list(ck.extra["losses"]), list(ck.extra["times"]), ck.extra["skipped"]
+        log(start, f"[{name}] resumed from {ckpt} at step {start}")
+    for i in range(start, steps):
         batch = first if i == 0 else spec.get_batch(i, dev)
         st, seconds = step.timed(batch)
         times.append(seconds)
         losses.append(st.loss)
         skipped += int(st.skipped)
         log(i, f"[{name}] step {i:4d}  loss {st.loss:.4f}  {times[-1]:.2f}s")
+        if ckpt is not None and checkpoint_every > 0 and (i + 1) % checkpoint_every == 0 and i + 1 < steps:
+            save_checkpoint(ckpt, model, optimizer, scaler, step=i + 1,
+                            extra={"losses": losses, "times": times, "skipped": skipped})
     with torch.no_grad(), step._context():
         held = [float(spec.loss_fn(call_model(module, b), b).float())
                 for b in (_heldout(spec, j, dev) for j in range(heldout_batches))]
     timed = sorted(times[1:] or times)
-    return losses, sum(held) / len(held), timed[len(timed) // 2], skipped
+    return {"losses": losses, "heldout_loss": sum(held) / len(held), "seconds_per_step": timed[len(timed) // 2],
+            "skipped": skipped}
+
+
+def _run_key(model_path: str | os.PathLike, policy: Policy, steps: int, seed: int, dev: torch.device,
+             compile: bool, heldout_batches: int) -> dict[str, Any]:
+    """What must match for a saved compare state to be resumed."""
+    sha = hashlib.sha256(Path(model_path).read_bytes()).hexdigest()
+    return {"model_sha256": sha, "policy_sha256": hashlib.sha256(policy.to_json().encode()).hexdigest(),
+            "steps": steps, "seed": seed, "device": str(dev), "compile_policy": compile,
+            "heldout_batches": heldout_batches, "torch": torch.__version__}
 
 
 def compare(model_path: str | os.PathLike, policy_path: str | os.PathLike, steps: int,
             baselines: tuple[str, ...] | list[str] = BASELINES, device: str = "auto", compile: bool = True,
             out_dir: str | os.PathLike | None = None, heldout_batches: int = 4, seed: int = 0,
-            quiet: bool = False, log_every: int = 10) -> CompareResult:
+            quiet: bool = False, log_every: int = 10, checkpoint_every: int = 0,
+            resume: bool = False) -> CompareResult:
     """Train the policy and the baselines from the same weights on the same batches; compare the curves.
 
     Args:
@@ -146,16 +228,23 @@ def compare(model_path: str | os.PathLike, policy_path: str | os.PathLike, steps
         steps: Optimizer steps per configuration.
         baselines: Any of :data:`BASELINES`; ``fp32`` is always run (it is the reference).
         device: ``auto``, ``cpu`` or ``cuda``. compile: Compile the policy's graph (baselines run eager).
-        out_dir: Write ``convergence.json`` and ``convergence.png`` there (created), or None.
+        out_dir: Write ``convergence.json`` and ``convergence.png`` there (created), or None. While
+            the run is unfinished its progress is kept in ``out_dir/compare_state/``.
         heldout_batches: Number of held-out batches averaged for the final held-out loss.
         seed: Global torch seed set before each configuration's first step.
         quiet: Print nothing. log_every: Print every n-th step's loss.
+        checkpoint_every: Save the running configuration every N steps (0: only finished
+            configurations are kept). Needs ``out_dir``.
+        resume: Continue the unfinished run saved in ``out_dir/compare_state/``.
 
     Returns:
         A :class:`CompareResult`.
 
     Raises:
-        ValueError: ``steps`` < 1 or an unknown baseline name (lists the valid ones).
+        ValueError: ``steps`` < 1, an unknown baseline name (lists the valid ones), or
+            ``checkpoint_every``/``resume`` without ``out_dir``.
+        AutoprecError: ``out_dir`` holds an unfinished run and ``resume`` is False, or a saved state
+            of a different run (names the fields that differ).
         ModelSpecError / PolicyError / CaptureError / PassError: as for ``autoprec train``.
     """
     if steps < 1:
@@ -163,9 +252,13 @@ def compare(model_path: str | os.PathLike, policy_path: str | os.PathLike, steps
     unknown = [b for b in baselines if b not in BASELINES]
     if unknown:
         raise ValueError(f"unknown --compare baseline {unknown[0]!r}; valid: {', '.join(BASELINES)}")
+    if out_dir is None and (checkpoint_every > 0 or resume):
+        raise ValueError("checkpoint_every and resume need out_dir (the state is kept there)")
     policy = Policy.load(policy_path)
     spec = load_model_spec(model_path)
     dev = resolve_device(device)
+    state = None if out_dir is None else _State(
+        Path(out_dir), _run_key(spec.path, policy, steps, seed, dev, compile, heldout_batches), resume)
     init = {k: v.detach().clone() for k, v in spec.build_model().state_dict().items()}
     names = ["fp32", "policy"] + [b for b in BASELINES if b in baselines and b != "fp32"]
     res = CompareResult(meta={
@@ -182,16 +275,23 @@ def compare(model_path: str | os.PathLike, policy_path: str | os.PathLike, steps
             print(msg, flush=True)
 
     for name in names:
-        losses, held, sps, skipped = _run(name, spec, init, policy, steps, dev, compile, heldout_batches, seed, log)
-        res.curves[name], res.heldout_loss[name] = losses, held
-        res.seconds_per_step[name], res.skipped[name] = sps, skipped
+        if state is not None and name in state.done:
+            r = state.done[name]
+            log(0, f"[{name}] finished in an earlier run: kept from {state.dir}")
+        else:
+            r = _run(name, spec, init, policy, steps, dev, compile, heldout_batches, seed, log, state, checkpoint_every)
+            if state is not None:
+                state.finish(name, r)
+        res.curves[name], res.heldout_loss[name] = [float(x) for x in r["losses"]], float(r["heldout_loss"])
+        res.seconds_per_step[name], res.skipped[name] = float(r["seconds_per_step"]), int(r["skipped"])
     for name in names:
         res.max_rel_dev[name] = max_rel_dev(res.curves[name], res.curves["fp32"])
     if out_dir is not None:
         out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "convergence.json").write_text(json.dumps(res.to_dict(), indent=1, allow_nan=False) + "\n")
+        payload = json.dumps(res.to_dict(), indent=1, allow_nan=False) + "\n"
+        atomic_write(out / "convergence.json", lambda f: f.write(payload))
         plot_curves(res, out / "convergence.png")
+        state.remove()
     return res
 
 
