@@ -184,7 +184,8 @@ def _build_configs(h: Harness, policy: Policy, low: torch.dtype, names: Sequence
         "pure_low_compiled": lambda: _Config(lambda: compile_graph(capture(plow.model, plow.batches[0])), plow,
                                              low_scaler, None, lname, True),
         "policy_eager": lambda: _Config(lambda: lowered, h, pol_scaler, None, pdt, False),
-        "policy_compiled": lambda: _Config(lambda: compile_graph(lowered), h, pol_scaler, None, pdt, True),
+        "policy_compiled": lambda: _Config(lambda: compile_graph(lowered, policy.activation_memory_budget), h,
+                                           pol_scaler, None, pdt, True),
     }
     return {n: table[n]() for n in names}
 

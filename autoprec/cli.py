@@ -42,6 +42,10 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--trials", type=int, default=None, help="finished trials the study should hold (default 20)")
     t.add_argument("--timeout", type=float, default=None, help="stop sampling after S seconds")
     t.add_argument("--max-drift", default="auto", help="'auto' (torch.autocast's grad_rel_l2) or a number")
+    t.add_argument("--max-memory", default=None, metavar="M",
+                   help="memory budget for the policy's peak bytes: 'auto' (torch.autocast's, measured in this "
+                        "run), '0.8x' (of FP32 eager's), or bytes ('300MiB', '2GiB'); compiled policies over "
+                        "it recompute activations in backward (default: none)")
     t.add_argument("--device", default="auto", help="auto | cpu | cuda")
     t.add_argument("--out", default="policy.json", help="policy file to write (default policy.json)")
     t.add_argument("--storage", default=None, help="Optuna storage URL (default: SQLite beside --out)")
@@ -151,6 +155,9 @@ def _sqlite_path(storage: str | None) -> str | None:
 
 
 def _cmd_tune(a: argparse.Namespace) -> int:
+    from autoprec.search.study import parse_max_memory
+
+    parse_max_memory(a.max_memory)  # a bad value fails before the model is built
     _validate_model(a.model, a.device)
     created = _make_parents(a.out, _sqlite_path(a.storage))
     try:
@@ -165,13 +172,15 @@ def _tune(a: argparse.Namespace) -> int:
 
     res = tune(a.model, trials=a.trials, timeout=a.timeout, max_drift=a.max_drift, device=a.device,
                storage=a.storage, study_name=a.study_name, compile=not a.no_compile, out=a.out,
-               seed=a.seed, dtypes=a.dtypes, traj_steps=a.traj_steps, finalists=a.finalists)
+               seed=a.seed, dtypes=a.dtypes, traj_steps=a.traj_steps, finalists=a.finalists,
+               max_memory=a.max_memory)
     print()
     print(format_table(res.table))
     m = res.policy.measured
     print(f"\nchosen: {res.policy.summary()}")
     print(f"wrote {a.out}: {m['tokens_per_s']:.0f} tokens/s, {m['speedup_vs_fp32']:.2f}x fp32 eager, "
-          f"grad_rel_l2 {m['grad_rel_l2']:.3g} (budget {m['drift_budget']:.3g})")
+          f"grad_rel_l2 {m['grad_rel_l2']:.3g} (budget {m['drift_budget']:.3g}), peak {m['peak_bytes'] / 2**20:.1f} MiB"
+          + (f" (budget {m['memory_budget_bytes'] / 2**20:.1f} MiB)" if "memory_budget_bytes" in m else ""))
     print("time: " + ", ".join(f"{k} {v:.0f}s" for k, v in res.timings.items()))
     return 0
 

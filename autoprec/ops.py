@@ -136,6 +136,7 @@ OP_TABLE: dict[str, tuple[str, str]] = {
             "pad", "constant_pad_nd", "embedding", "getitem", "detach", "lift_fresh_copy",
             "movedim", "view_as", "expand_as", "diagonal", "as_strided", "index_put",
             "scatter", "scatter_add", "masked_select", "to", "new_zeros", "new_ones", "new_full",
+            "broadcast_tensors", "broadcast_to",
             "new_empty", "type_as", "_unsafe_index", "unfold", "tile", "swapaxes", "mT",
             "dim", "sym_size", "size", "softmax_backward_data", "diff", "masked_scatter",
             "index_copy", "index_add", "take_along_dim", "as_strided_scatter", "slice_scatter",

@@ -45,7 +45,7 @@ LOSS_SCALING_KEYS: tuple[str, ...] = (
 )
 TOP_LEVEL_KEYS: tuple[str, ...] = (
     "schema_version", "default_dtype", "rules", "accumulate", "loss_scaling",
-    "master_weights", "optimizer_state", "provenance", "measured",
+    "master_weights", "optimizer_state", "activation_memory_budget", "provenance", "measured",
 )
 
 
@@ -297,6 +297,12 @@ class Policy:
         loss_scaling: :class:`LossScalingConfig`.
         master_weights: Only ``"fp32"`` is supported (cases C08).
         optimizer_state: Only ``"fp32"`` is supported (cases C08).
+        activation_memory_budget: Fraction in [0, 1] of the activations the compiled graph keeps
+            for backward, relative to Inductor's runtime-optimal partition (1.0, the default);
+            the rest is recomputed in backward. 0.0 recomputes the whole forward (activation
+            checkpointing of the compiled region). Passed to
+            ``torch._functorch.config.activation_memory_budget`` when the graph is compiled;
+            eager execution ignores it. ``autoprec tune --max-memory`` sets it.
         provenance: Read-only JSON-ready mapping (model, graph fingerprint, device, versions, ...).
         measured: Read-only mapping of finite numbers (tokens_per_s, grad_rel_l2, peak_bytes, ...).
 
@@ -310,12 +316,14 @@ class Policy:
     loss_scaling: LossScalingConfig = field(default_factory=LossScalingConfig)
     master_weights: str = "fp32"
     optimizer_state: str = "fp32"
+    activation_memory_budget: float = 1.0
     provenance: Mapping[str, Any] = field(default_factory=dict)
     measured: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _check_policy(self, "Policy")
         object.__setattr__(self, "rules", tuple(self.rules))
+        object.__setattr__(self, "activation_memory_budget", float(self.activation_memory_budget))
         object.__setattr__(self, "provenance", _readonly(self.provenance, "Policy", "provenance"))
         object.__setattr__(self, "measured", MappingProxyType(dict(self.measured)))
 
@@ -382,6 +390,8 @@ class Policy:
             parts.append(f"{n_node} node rule{'s' if n_node != 1 else ''}")
         if self.needs_loss_scaling:
             parts.append(f"loss scaling {self.loss_scaling.mode}")
+        if self.activation_memory_budget < 1.0:
+            parts.append(f"activation memory budget {self.activation_memory_budget:g}")
         return "; ".join(parts)
 
     # -- JSON -----------------------------------------------------------------------------------
@@ -395,6 +405,7 @@ class Policy:
             "loss_scaling": self.loss_scaling.to_dict(),
             "master_weights": self.master_weights,
             "optimizer_state": self.optimizer_state,
+            "activation_memory_budget": self.activation_memory_budget,
             "provenance": _jsonable(self.provenance, "Policy", "provenance"),
             "measured": dict(self.measured),
         }
@@ -421,7 +432,7 @@ class Policy:
                         f"{version!r} is not supported; this autoprec reads version {SCHEMA_VERSION}")
         _check_keys(d, TOP_LEVEL_KEYS, "top-level", source, "")
         kw: dict[str, Any] = {k: d[k] for k in ("default_dtype", "accumulate", "master_weights",
-                                                  "optimizer_state") if k in d}
+                                                  "optimizer_state", "activation_memory_budget") if k in d}
         kw["rules"] = _rules_from_json(d.get("rules", []), source)
         if "loss_scaling" in d:
             ls = _check_mapping(d["loss_scaling"], source, "loss_scaling")
@@ -506,6 +517,10 @@ def _check_policy(p: Policy, source: str) -> None:
         if value != "fp32":
             raise _fail(source, name, f"{value!r} is not supported; autoprec keeps {name.replace('_', ' ')} "
                         "in fp32 whatever the compute dtype (low-precision state stalls or NaNs, cases C08)")
+    amb = _check_number(p.activation_memory_budget, source, "activation_memory_budget")
+    if not 0.0 <= amb <= 1.0:
+        raise _fail(source, "activation_memory_budget", f"{amb!r} is outside [0, 1] (a fraction of the "
+                    "activations Inductor saves by default; 1.0 = no extra recomputation)")
     _check_mapping(p.provenance, source, "provenance")
     for k, v in _check_mapping(p.measured, source, "measured").items():
         if not isinstance(k, str):

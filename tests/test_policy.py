@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -71,7 +73,9 @@ def test_save_load_round_trip(tmp_path, name):
 def test_to_dict_layout_matches_design():
     d = complex_policy().to_dict()
     assert list(d) == ["schema_version", "default_dtype", "rules", "accumulate", "loss_scaling",
-                       "master_weights", "optimizer_state", "provenance", "measured"]
+                       "master_weights", "optimizer_state", "activation_memory_budget", "provenance",
+                       "measured"]
+    assert d["activation_memory_budget"] == 1.0
     assert d["schema_version"] == SCHEMA_VERSION == 1
     assert d["rules"][0] == {"op_class": "sensitive", "dtype": "fp32"}
     assert d["rules"][1] == {"module": "model.layers.0.*", "op_class": "matmul", "dtype": "fp32"}
@@ -448,3 +452,19 @@ def test_property_round_trip(tmp_path):
         assert Policy.load(tmp_path / "h.json") == p
 
     check()
+
+
+def test_activation_memory_budget_round_trip_and_validation(tmp_path):
+    p = dataclasses.replace(Policy.fp32(), activation_memory_budget=0.25)
+    path = tmp_path / "p.json"
+    p.save(path)
+    back = Policy.load(path)
+    assert back == p and back.activation_memory_budget == 0.25
+    assert "activation memory budget 0.25" in back.summary()
+    assert Policy.from_dict({"schema_version": 1}).activation_memory_budget == 1.0  # older files
+    for bad, msg in ((1.5, "outside [0, 1]"), (-0.1, "outside [0, 1]"), ("0.5", "expected a number"),
+                     (True, "expected a number")):
+        d = {**p.to_dict(), "activation_memory_budget": bad}
+        path.write_text(json.dumps(d))
+        with pytest.raises(PolicyError, match=rf"p.json: activation_memory_budget: .*{re.escape(msg)}"):
+            Policy.load(path)

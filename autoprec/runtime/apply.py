@@ -21,13 +21,36 @@ __all__ = ["MixedPrecisionModule", "apply", "compile_graph", "INDUCTOR_OPTIONS"]
 INDUCTOR_OPTIONS: dict[str, Any] = {"emulate_precision_casts": True}
 
 
-def compile_graph(gm: fx.GraphModule) -> Any:
-    """``torch.compile`` a lowered graph with Inductor and :data:`INDUCTOR_OPTIONS`.
+def compile_graph(gm: nn.Module, activation_memory_budget: float = 1.0) -> Any:
+    """``torch.compile`` a lowered graph (or a module) with Inductor and :data:`INDUCTOR_OPTIONS`.
 
     Compilation is lazy: the first call (typically 10–90 s on a 2-core CPU for a small
     transformer) pays for it.
+
+    Args:
+        gm: The graph (or module) to compile.
+        activation_memory_budget: Below 1.0, every call runs under
+            ``torch._functorch.config.patch(activation_memory_budget=...)``, so AOTAutograd's
+            partitioner, which splits forward and backward when the graph is first compiled, keeps
+            only that fraction of its default saved activations and recomputes the rest in backward
+            (a 0-1 knapsack on estimated FLOPs; torch/_functorch/config.py).
+
+    Returns:
+        A callable with ``gm``'s signature.
     """
-    return torch.compile(gm, backend="inductor", options=dict(INDUCTOR_OPTIONS), dynamic=False)
+    fn = torch.compile(gm, backend="inductor", options=dict(INDUCTOR_OPTIONS), dynamic=False)
+    return fn if activation_memory_budget >= 1.0 else _WithMemoryBudget(fn, activation_memory_budget)
+
+
+class _WithMemoryBudget:
+    """Calls a compiled function with the partitioner's activation memory budget set."""
+
+    def __init__(self, fn: Any, budget: float) -> None:
+        self.fn, self.budget = fn, float(budget)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with torch._functorch.config.patch(activation_memory_budget=self.budget):
+            return self.fn(*args, **kwargs)
 
 
 class MixedPrecisionModule(nn.Module):
@@ -55,7 +78,8 @@ class MixedPrecisionModule(nn.Module):
         self.policy = policy
         self.stats = stats
         self.compiled = compile
-        object.__setattr__(self, "_fn", compile_graph(graph_module) if compile else graph_module)
+        object.__setattr__(self, "_fn", compile_graph(graph_module, policy.activation_memory_budget)
+                           if compile else graph_module)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the lowered graph; same signature and outputs as ``model.forward``."""
@@ -96,7 +120,8 @@ def apply(model: nn.Module, policy: Policy, example_batch: Any, compile: bool = 
         policy: The dtype policy (e.g. ``Policy.load("policy.json")``).
         example_batch: A batch as ``get_batch`` returns it (dict, tuple or tensor); fixes the
             call structure and shapes.
-        compile: Compile with ``torch.compile`` (Inductor) and :data:`INDUCTOR_OPTIONS`.
+        compile: Compile with ``torch.compile`` (Inductor) and :data:`INDUCTOR_OPTIONS`, under the
+            policy's ``activation_memory_budget`` (see :func:`compile_graph`).
         placement: Cast placement mode for ``follow`` nodes (``mincut``, ``paint``, ``naive``).
         graph_module: An already captured graph of ``model`` (skips the capture).
 

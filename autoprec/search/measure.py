@@ -147,8 +147,10 @@ class Measurement:
         grad_rel_l2: ‖g − g₃₂‖/‖g₃₂‖ on batch 0 (inf if non-finite).
         loss_rel: |L − L₃₂| / |L₃₂| on batch 0.
         grad_sqnr_db_min: Minimum per-parameter gradient SQNR in dB.
-        peak_bytes: CUDA peak allocated bytes; on CPU bytes saved for backward + parameter,
-            gradient and optimizer-state bytes.
+        peak_bytes: CUDA peak allocated bytes; on CPU (DESIGN §5) bytes of the distinct tensors
+            saved for backward (``saved_tensors_hooks``; a saved parameter allocates nothing and
+            is not counted again) + parameter, gradient and optimizer-state bytes (16 per fp32
+            parameter with AdamW).
         step_times: All timed step durations (seconds).
         error: Why the measurement failed (non-finite values, compile error, out of memory).
         note: Remarks that do not invalidate it (e.g. timed on fewer steps because too slow).
@@ -170,10 +172,14 @@ class Measurement:
 
 
 class _SavedBytes:
-    """Counts bytes of distinct tensors saved for backward (``saved_tensors_hooks``)."""
+    """Counts bytes of distinct tensors saved for backward (``saved_tensors_hooks``).
 
-    def __init__(self) -> None:
-        self.seen: set[int] = set()
+    A saved tensor that shares storage with a parameter (e.g. a weight a matmul keeps for its
+    input gradient) allocates nothing: it is counted once, with the parameters, not here.
+    """
+
+    def __init__(self, params: list[torch.Tensor] = ()) -> None:
+        self.seen: set[int] = {p.untyped_storage().data_ptr() for p in params}
         self.total = 0
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
@@ -238,7 +244,7 @@ class Harness:
     def drift(self, fn: Callable[..., Any], scaler: DynamicLossScaler | None = None,
               autocast_dtype: torch.dtype | None = None) -> Measurement:
         """Drift of ``fn`` against the FP32 reference on batch 0 (no timing)."""
-        counter = _SavedBytes()
+        counter = _SavedBytes(self.params)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         loss, grads = self._grads(fn, scaler, autocast_dtype, counter)
@@ -246,13 +252,15 @@ class Harness:
         m.grad_rel_l2 = grad_rel_l2(grads, self.ref_grads)
         m.loss_rel = abs(loss - self.ref_loss) / max(abs(self.ref_loss), 1e-30) if math.isfinite(loss) else math.inf
         m.grad_sqnr_db_min = grad_sqnr_db_min(grads, self.ref_grads)
-        m.peak_bytes = counter.total + self._state_bytes()
+        m.peak_bytes = counter.total + self.state_bytes
         if not (math.isfinite(m.grad_rel_l2) and math.isfinite(m.loss_rel)):
             m.grad_rel_l2, m.error = math.inf, "non-finite loss or gradients"
         return m
 
-    def _state_bytes(self) -> int:
-        # fp32 parameters + fp32 gradients + AdamW's two fp32 moments (master weights, DESIGN §7).
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of the parameters, their gradients and AdamW's two moments: 4 x the parameter
+        bytes (fp32 master weights and optimizer state, DESIGN §7)."""
         return sum(p.numel() * p.element_size() for p in self.params) * 4
 
     def measure(self, fn: Callable[..., Any], scaler_factory: Callable[[], DynamicLossScaler | None] = lambda: None,

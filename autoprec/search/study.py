@@ -4,8 +4,9 @@ Flow: load model.py -> capture -> FP32 reference -> probe dtypes -> baselines (F
 torch.autocast, eager) -> Optuna trials (each lowers the graph and measures eager training steps,
 ``grad_rel_l2`` and memory; a per-node dtype assignment already measured in the study is reused)
 -> finalists (fastest feasible trials) compiled with Inductor and measured again on the compiled
-form, drift included, and checked on ``traj_rel`` over K optimizer steps -> the fastest finalist
-within the budgets -> policy file + report.
+form, drift included, and checked on ``traj_rel`` over K optimizer steps -> with ``max_memory``,
+finalists over the memory budget get the largest activation memory budget (recomputation in
+backward) that fits -> the fastest finalist within the budgets -> policy file + report.
 
 Screening eagerly and compiling only finalists keeps a trial to seconds instead of a ~60 s
 Inductor compile; the finalists' compiled numbers are what the policy file reports.
@@ -13,12 +14,15 @@ Inductor compile; the finalists' compiled numbers are what the policy file repor
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import os
+import re
 import statistics
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -107,7 +111,8 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
          max_drift: str | float = "auto", device: str = "auto", storage: str | None = None,
          study_name: str | None = None, compile: bool = True, out: str | os.PathLike = "policy.json",
          seed: int = 0, finalists: int = 2, quiet: bool = False, progress: bool = True,
-         dtypes: str | list[str] = "auto", traj_steps: int = 20, report: bool = True) -> TuneResult:
+         dtypes: str | list[str] = "auto", traj_steps: int = 20, report: bool = True,
+         max_memory: str | float | None = None) -> TuneResult:
     """Search for the fastest policy within a drift budget and write it to ``out``.
 
     Args:
@@ -132,6 +137,12 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
         traj_steps: K, the optimizer steps of the ``traj_rel`` check on finalists that lower
             anything (budget: torch.autocast's ``traj_rel`` over the same steps).
         report: Write the markdown report and plots beside ``out``.
+        max_memory: Memory budget for the chosen policy's ``peak_bytes`` (DESIGN §5): ``None``
+            (none), ``"auto"`` (torch.autocast's peak measured in this run: with ``compile``, that
+            of torch.autocast + torch.compile), ``"<r>x"`` (r times FP32 eager's peak), or bytes
+            (a number, or a string with a ``KiB``/``MiB``/``GiB`` suffix). With ``compile``, a
+            finalist over it gets the largest ``activation_memory_budget`` that fits (Inductor
+            recomputes the rest of the activations in backward); without, it is a trial constraint.
 
     Returns:
         :class:`TuneResult`.
@@ -139,9 +150,10 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
     Raises:
         ModelSpecError: the model file is invalid (nothing is written).
         CaptureError: the model cannot be captured (nothing is written).
-        SearchError: bad ``max_drift`` or ``dtypes``; no policy met the budget.
+        SearchError: bad ``max_drift``, ``max_memory`` or ``dtypes``; no policy met the budgets.
     """
     budget_arg = _parse_budget(max_drift)
+    memory_arg = parse_max_memory(max_memory)
     forced = _parse_dtypes(dtypes)
     spec = load_model_spec(model_path)
     dev = resolve_device(device)
@@ -191,7 +203,8 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
         _optimize(study, objective, target, timeout, progress and not quiet)
     sel = _Selector(harness, budget, compile, ac_dtype, slow, traj_steps, clock, quiet)
     with clock("finalists_s"):
-        chosen, chosen_m = sel.choose(_feasible(study), finalists)
+        chosen, chosen_m = sel.choose(_feasible(study), finalists,
+                                      lambda: _memory_budget(memory_arg, fp32, sel.autocast_compiled or autocast))
     with clock("baselines_s"):  # fp32 again, after the finalists: ratios rest on both runs' steps
         fp32 = _pooled(fp32, harness.measure(harness.model), harness.tokens)
     timings = clock.done()
@@ -203,6 +216,7 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
         "grad_rel_l2": chosen_m.grad_rel_l2, "loss_rel": chosen_m.loss_rel,
         "traj_rel": sel.traj.get(id(chosen), 0.0), "peak_bytes": chosen_m.peak_bytes,
         "drift_budget": budget, "autocast_grad_rel_l2": autocast.grad_rel_l2,
+        **({"memory_budget_bytes": sel.memory_budget} if sel.memory_budget is not None else {}),
     }
     policy = chosen.with_measured(measured).with_provenance(
         model=str(spec.path), graph_fingerprint=graph_fingerprint(gm), device=device_name(dev),
@@ -282,6 +296,50 @@ def _parse_dtypes(dtypes: str | list[str]) -> list[str] | None:
         raise SearchError(f"--dtypes: {', '.join(bad) or 'empty'} not valid; expected 'auto' or some of "
                           f"{', '.join(LOW_DTYPES)}")
     return names
+
+
+_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
+
+
+def parse_max_memory(max_memory: str | float | None) -> tuple[str, float] | None:
+    """Parse ``--max-memory``: ``None``/``"none"`` -> None; ``"auto"`` -> ``("autocast", 1.0)``;
+    ``"0.8x"`` -> ``("fp32", 0.8)``; ``"300MiB"``, ``"2GiB"``, ``"5e8"`` or a number -> ``("bytes", n)``.
+
+    Raises:
+        SearchError: anything else, or a non-positive value (the message lists the accepted forms).
+    """
+    if max_memory is None or max_memory == "none":
+        return None
+    if max_memory == "auto":
+        return ("autocast", 1.0)
+    text = str(max_memory).strip().lower().replace(" ", "")
+    m = re.fullmatch(r"([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)(x|[kmg]i?b|b)?", text)
+    if m is not None:
+        value, unit = float(m.group(1)), m.group(2) or ""
+        if value > 0 and math.isfinite(value):
+            return ("fp32", value) if unit == "x" else ("bytes", value * _UNITS[unit])
+    raise SearchError(f"--max-memory: expected 'auto', 'none', a multiple of FP32's peak like '0.8x', or bytes "
+                      f"like '300MiB', '2GiB' or '5e8'; got {max_memory!r}")
+
+
+def _bytes(n: float) -> str:
+    """``n`` bytes for messages: MiB when large, else the exact count."""
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n:.0f} bytes"
+
+
+def _memory_budget(arg: tuple[str, float] | None, fp32: Measurement, autocast: Measurement) -> float | None:
+    """Bytes allowed by the parsed ``--max-memory`` given this run's baselines."""
+    if arg is None:
+        return None
+    kind, value = arg
+    if kind == "bytes":
+        return value
+    ref = autocast if kind == "autocast" else fp32
+    if ref.error is not None or ref.peak_bytes <= 0:
+        name = "torch.autocast" if kind == "autocast" else "FP32"
+        raise SearchError(f"--max-memory: {name}'s peak memory could not be measured ({ref.error}); "
+                          "pass a number of bytes instead")
+    return value * ref.peak_bytes
 
 
 def _parse_budget(max_drift: str | float) -> float | None:
@@ -404,18 +462,25 @@ class _Selector:
         self.h, self.budget, self.compile, self.ac_dtype = harness, budget, compile, ac_dtype
         self.slow, self.traj_steps, self.clock, self.quiet = slow, traj_steps, clock, quiet
         self.autocast_compiled: Measurement | None = None
+        self.memory_budget: float | None = None
         self.traj: dict[int, float] = {}
         self.eager_tokens_per_s: dict[int, float] = {}
         self._ref_traj: list[float] | None = None
         self._traj_budget: float | None = None
 
-    def _fn(self, gm):
+    def _fn(self, gm, activation_memory_budget: float = 1.0):
         if not self.compile:
             return gm
         with self.clock("compile_s"):
-            return compile_graph(gm)
+            return compile_graph(gm, activation_memory_budget)
 
-    def choose(self, feasible: list[optuna.trial.FrozenTrial], k: int) -> tuple[Policy, Measurement]:
+    def choose(self, feasible: list[optuna.trial.FrozenTrial], k: int,
+               memory_budget: Callable[[], float | None] = lambda: None) -> tuple[Policy, Measurement]:
+        """The fastest finalist within the drift (and memory) budgets, with its measurement.
+
+        ``memory_budget`` is called once the torch.autocast baselines are measured (``--max-memory
+        auto`` refers to them) and gives the byte budget or None.
+        """
         if not feasible:
             raise SearchError("no trial met the drift budget, not even all-fp32 (see the study's "
                               "autoprec:error attributes)")
@@ -424,6 +489,9 @@ class _Selector:
             self.autocast_compiled = self.h.measure(self._fn(self.h.model), autocast_scaler(self.ac_dtype),
                                                     autocast_dtype=self.ac_dtype,
                                                     max_step_s=self.slow)
+        self.memory_budget = memory_budget()
+        if self.memory_budget is not None:
+            _log(f"memory budget {_bytes(self.memory_budget)}", self.quiet)
         if not self.compile:
             return self._choose_eager(feasible)
         best: tuple[Policy, Measurement] | None = None
@@ -431,6 +499,8 @@ class _Selector:
             _log(f"finalist {label}: {pol.summary()}", self.quiet)
             fn = self._fn(run_pipeline(self.h.graph_module, pol).graph_module)
             m = self.h.measure(fn, lambda pol=pol: make_scaler(pol), max_step_s=self.slow)
+            if self.memory_budget is not None and m.error is None and m.peak_bytes > self.memory_budget:
+                pol, fn, m = self._fit_memory(pol, m)
             why = self._reject_reason(pol, fn, m)
             _log(f"  {'compiled' if self.compile else 'eager'}: {m.tokens_per_s:.0f} tok/s, grad_rel_l2 "
                  f"{m.grad_rel_l2:.3g}, traj_rel {self.traj.get(id(pol), 0.0):.3g}"
@@ -445,6 +515,13 @@ class _Selector:
         """Without compile the trials' own measurements are what training runs: take the fastest
         feasible trial that passes the trajectory check (deterministic given the study, so
         workers sharing it agree), then re-measure it for the policy's ``measured`` block."""
+        if self.memory_budget is not None:
+            fits = [t for t in feasible if t.values[2] <= self.memory_budget]
+            if not fits:
+                raise SearchError(f"no feasible trial fits the memory budget ({_bytes(self.memory_budget)}; the "
+                                  f"smallest peak was {min(t.values[2] for t in feasible) / 2**20:.1f} MiB); "
+                                  "without --no-compile, recomputation in backward can lower the peak")
+            feasible = fits
         for t in feasible:
             pol = Policy.from_dict(t.user_attrs[_A + "policy"])
             fn = run_pipeline(self.h.graph_module, pol).graph_module
@@ -453,9 +530,10 @@ class _Selector:
                      f"torch.autocast's {self._traj_budget:.3g}", self.quiet)
                 continue
             m = self.h.measure(fn, lambda pol=pol: make_scaler(pol), max_step_s=self.slow)
-            if m.error is None:
+            if m.error is None and (self.memory_budget is None or m.peak_bytes <= self.memory_budget):
                 return pol, m
-        raise SearchError("no feasible trial passed the trajectory check")
+        raise SearchError("no feasible trial passed the trajectory check"
+                          + ("" if self.memory_budget is None else " and the memory budget"))
 
     def _candidates(self, feasible: list[optuna.trial.FrozenTrial], k: int) -> list[tuple[Policy, str]]:
         """The k fastest feasible trials, plus all-fp32 so that a lowered policy must beat FP32
@@ -469,11 +547,51 @@ class _Selector:
             out.append((Policy.fp32(), "all-fp32 (always re-measured)"))
         return out
 
+    def _fit_memory(self, pol: Policy, m: Measurement) -> tuple[Policy, Any, Measurement]:
+        """Lower ``pol``'s ``activation_memory_budget`` until the compiled graph's peak fits.
+
+        Saved activations scale about linearly with the partitioner's budget (its definition:
+        torch/_functorch/config.py), so the first guess is proportional, the second a secant
+        through the measured points, the third 0.0 (full recomputation); each aims 10% under
+        the budget. On the CPU memory is counted on one forward/backward (compile included) and
+        only the budget that fits is timed; on CUDA each try is timed (its peak is read then). Returns the policy, callable and measurement to judge (over
+        the budget when even full recomputation does not fit).
+        """
+        state = self.h.state_bytes
+        room = self.memory_budget - state
+        if room <= 0:
+            m.error = (f"peak {m.peak_bytes / 2**20:.1f} MiB > memory budget {self.memory_budget / 2**20:.1f} MiB, "
+                       f"which is below the fp32 parameter, gradient and optimizer state alone ({state / 2**20:.1f} MiB)")
+            return pol, None, m
+        points = [(pol.activation_memory_budget, m.peak_bytes - state)]
+        for attempt in range(3):
+            (b1, a1), (b0, a0) = points[-1], points[-2] if len(points) > 1 else (0.0, 0.0)
+            slope = (a1 - a0) / (b1 - b0) if (a1 - a0) * (b1 - b0) > 0 else a1 / max(b1, 1e-9)
+            b = 0.0 if attempt == 2 else max(0.0, math.floor(100 * (b1 - (a1 - 0.9 * room) / slope)) / 100)
+            cand = dataclasses.replace(pol, activation_memory_budget=b)
+            fn = self._fn(run_pipeline(self.h.graph_module, cand).graph_module, b)  # a fresh graph: Dynamo caches per graph
+            # CUDA's peak (max_memory_allocated) is read after timed steps; the CPU's count needs none
+            probe = self.h.measure(fn, lambda cand=cand: make_scaler(cand), timing=self.h.device.type == "cuda",
+                                   max_step_s=self.slow)
+            _log(f"  peak {points[-1][1] / 2**20 + state / 2**20:.1f} MiB > memory budget "
+                 f"{self.memory_budget / 2**20:.1f} MiB: activation memory budget {b:g} -> "
+                 f"{probe.peak_bytes / 2**20:.1f} MiB", self.quiet)
+            if probe.error is not None or probe.peak_bytes <= self.memory_budget or b == 0.0:
+                break
+            points.append((b, probe.peak_bytes - state))
+        self.eager_tokens_per_s[id(cand)] = self.eager_tokens_per_s.get(id(pol), 0.0)
+        if probe.error is not None or probe.peak_bytes > self.memory_budget or probe.step_times:
+            return cand, fn, probe
+        return cand, fn, self.h.measure(fn, lambda cand=cand: make_scaler(cand), max_step_s=self.slow)
+
     def _reject_reason(self, pol: Policy, fn, m: Measurement) -> str | None:
         if m.error is not None:
             return m.error
         if m.grad_rel_l2 > self.budget:
             return f"grad_rel_l2 {m.grad_rel_l2:.3g} > budget {self.budget:.3g}"
+        if self.memory_budget is not None and m.peak_bytes > self.memory_budget:
+            return (f"peak {m.peak_bytes / 2**20:.1f} MiB > memory budget {self.memory_budget / 2**20:.1f} MiB"
+                    + (" even with full recomputation" if self.compile else ""))
         if not self._traj_ok(pol, fn):
             return f"traj_rel {self.traj[id(pol)]:.3g} > torch.autocast's {self._traj_budget:.3g}"
         return None

@@ -1,0 +1,111 @@
+"""Memory: what peak_bytes counts on the CPU, the policy's activation memory budget (recomputation
+in the compiled graph), and ``autoprec tune --max-memory``."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from autoprec import Policy, apply
+from autoprec.cli import main
+from autoprec.errors import SearchError
+from autoprec.modelspec import load_model_spec
+from autoprec.search.measure import Harness
+from autoprec.search.study import parse_max_memory, tune
+
+MODELS = Path(__file__).resolve().parent / "models"
+WIDE = str(MODELS / "wide_mlp.py")
+
+TWO_LINEAR = '''
+import torch
+from torch import nn
+
+def build_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 16, bias=False), nn.Linear(16, 8, bias=False))
+
+def get_batch(step, device):
+    return (torch.ones(4, 32, device=device),)
+
+def loss_fn(out, batch):
+    return out.pow(2).mean()
+'''
+
+
+def test_parse_max_memory():
+    assert parse_max_memory(None) is None and parse_max_memory("none") is None
+    assert parse_max_memory("auto") == ("autocast", 1.0)
+    assert parse_max_memory("0.8x") == ("fp32", 0.8)
+    assert parse_max_memory("300MiB") == ("bytes", 300 * 2**20)
+    assert parse_max_memory("2 GiB") == ("bytes", 2 * 2**30)
+    assert parse_max_memory("1.5GB") == ("bytes", 1.5e9)
+    assert parse_max_memory("5e8") == ("bytes", 5e8)
+    assert parse_max_memory(123456) == ("bytes", 123456.0)
+    for bad in ("lots", "-3MiB", "0x", "3 TiB", "0"):
+        with pytest.raises(SearchError, match="--max-memory: expected 'auto'"):
+            parse_max_memory(bad)
+
+
+def test_saved_parameters_are_counted_once(tmp_path):
+    """peak_bytes = activations saved for backward + 16 bytes per fp32 parameter (weights,
+    gradients, two AdamW moments). The second Linear keeps its weight for the input gradient:
+    that tensor is the parameter itself and allocates nothing, so it is not counted again."""
+    f = tmp_path / "two_linear.py"
+    f.write_text(TWO_LINEAR)
+    h = Harness(load_model_spec(f), torch.device("cpu"), warmup=1, steps=1)
+    state = (32 * 16 + 16 * 8) * 4 * 4
+    assert h.state_bytes == state
+    saved = (4 * 32 + 4 * 16 + 4 * 8) * 4  # x (for W1's grad), h (for W2's grad), out (for pow)
+    assert h.drift(h.model).peak_bytes == state + saved
+
+
+def test_activation_memory_budget_recomputes_and_keeps_gradients():
+    """A policy's activation_memory_budget reaches the partitioner: 0.0 saves far less for backward
+    than 1.0 (Inductor's default) and the gradients stay those of FP32."""
+    h = Harness(load_model_spec(WIDE), torch.device("cpu"), warmup=1, steps=1)
+    peaks = {}
+    for b in (1.0, 0.0):
+        mp = apply(h.model, dataclasses.replace(Policy.fp32(), activation_memory_budget=b), h.batches[0])
+        m = h.drift(mp)
+        assert m.grad_rel_l2 < 1e-5  # fp32 compiled vs fp32 eager, recomputation included
+        peaks[b] = m.peak_bytes - h.state_bytes
+    assert peaks[0.0] < 0.5 * peaks[1.0]
+
+
+def test_tune_max_memory_fits_by_recomputation(tmp_path, capsys):
+    """With a memory budget between full recomputation and Inductor's default, the compiled
+    policy gets an activation memory budget below 1 and its measured peak fits."""
+    h = Harness(load_model_spec(WIDE), torch.device("cpu"), warmup=1, steps=1)
+    peak = {b: h.drift(apply(h.model, dataclasses.replace(Policy.fp32(), activation_memory_budget=b),
+                             h.batches[0])).peak_bytes for b in (1.0, 0.0)}
+    budget = int((peak[1.0] + peak[0.0]) / 2)
+    out = tmp_path / "p.json"
+    res = tune(WIDE, trials=2, out=out, max_memory=str(budget), dtypes="auto", finalists=1, traj_steps=2,
+               progress=False, report=False)
+    pol = Policy.load(out)
+    assert 0.0 <= pol.activation_memory_budget < 1.0
+    assert pol.measured["peak_bytes"] <= budget and pol.measured["memory_budget_bytes"] == budget
+    assert res.policy == pol
+    assert "activation memory budget" in capsys.readouterr().out
+
+
+def test_tune_memory_budget_nothing_fits_eager(tmp_path):
+    """Without compile the budget is a trial constraint: below the parameter state, no trial
+    fits, the error says so and no policy file is written."""
+    out = tmp_path / "p.json"
+    with pytest.raises(SearchError, match=r"no feasible trial fits the memory budget \(1000 bytes; "
+                                          r"the smallest peak was \d+\.\d MiB\)"):
+        tune(WIDE, trials=1, out=out, max_memory="1000", compile=False, progress=False, report=False,
+             quiet=True)
+    assert not out.exists()
+
+
+def test_cli_bad_max_memory_exits_2_before_building(tmp_path, capsys):
+    out = tmp_path / "sub" / "p.json"
+    assert main(["tune", WIDE, "--max-memory", "lots", "--out", str(out)]) == 2
+    assert "--max-memory: expected 'auto'" in capsys.readouterr().err
+    assert not (tmp_path / "sub").exists()
+
