@@ -107,6 +107,23 @@ def test_compare_resume_is_bit_identical(tmp_path, monkeypatch):
     assert not state.exists() and (out / "convergence.json").exists()
 
 
+def test_compare_checkpoint_of_another_run_is_refused(tmp_path, monkeypatch):
+    """A run killed in its first configuration has only a checkpoint; its key is saved with it,
+    so resuming with other settings is refused instead of continuing someone else's weights."""
+    pol = tmp_path / "p.json"
+    Policy.fp32().save(pol)
+    kw = dict(baselines=["fp32"], compile=False, quiet=True, heldout_batches=1, out_dir=tmp_path / "o")
+    with monkeypatch.context() as m:
+        _crash_after(m, 4)
+        with pytest.raises(_Crash):
+            compare(TINY, pol, steps=6, checkpoint_every=2, **kw)
+    assert (tmp_path / "o" / "compare_state" / "fp32.pt").exists()
+    with pytest.raises(AutoprecError, match=r"different run \(steps differ\)"):
+        compare(TINY, pol, steps=8, resume=True, **kw)
+    res = compare(TINY, pol, steps=6, resume=True, **kw)
+    assert len(res.curves["fp32"]) == 6 and res.curves["policy"] == res.curves["fp32"]
+
+
 def test_cli_compare_checkpoint_flag_is_refused(tmp_path, capsys):
     pol = tmp_path / "p.json"
     Policy.fp32().save(pol)

@@ -127,31 +127,45 @@ class _State:
 
     def __init__(self, out_dir: Path, key: dict[str, Any], resume: bool) -> None:
         self.dir = out_dir / STATE_DIR
+        self.results = self.dir / "results.json"
         self.key = key
         self.done: dict[str, dict[str, Any]] = {}
-        results = self.dir / "results.json"
-        if self.dir.exists() and not resume:
+        if not self.dir.exists():
+            return
+        if not resume:
             raise AutoprecError(f"{self.dir} holds an unfinished --compare run; pass --resume to continue it, "
                                 "or remove that directory (or use another --out-dir) to start over")
-        if resume and results.exists():
-            try:
-                saved = json.loads(results.read_text(encoding="utf-8"))
-            except (OSError, json.JSONDecodeError) as e:
-                raise AutoprecError(f"{results}: unreadable compare state ({e}); remove {self.dir} to start over") from e
-            diff = [k for k in sorted(set(key) | set(saved.get("key", {}))) if saved.get("key", {}).get(k) != key.get(k)]
-            if diff:
-                raise AutoprecError(f"{results}: saved for a different run ({', '.join(diff)} differ); "
-                                    f"remove {self.dir} or use another --out-dir")
-            self.done = saved.get("done", {})
+        try:
+            saved = json.loads(self.results.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as e:
+            raise AutoprecError(f"{self.results}: unreadable compare state ({e}); remove {self.dir} to start over") from e
+        old = saved.get("key", {}) if isinstance(saved, dict) else {}
+        diff = [k for k in sorted(set(key) | set(old)) if old.get(k) != key.get(k)]
+        if diff:
+            raise AutoprecError(f"{self.results}: saved for a different run ({', '.join(diff)} differ); "
+                                f"remove {self.dir} or use another --out-dir")
+        self.done = saved.get("done", {})
 
     def checkpoint(self, name: str) -> Path:
+        """The running configuration's checkpoint file."""
         return self.dir / f"{name}.pt"
+
+    def _write(self) -> None:
+        payload = json.dumps(json_safe({"key": self.key, "done": self.done}), allow_nan=False)
+        atomic_write(self.results, lambda f: f.write(payload + "\n"))
+
+    def save(self, name: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+             scaler: Any, step: int, extra: dict[str, Any]) -> None:
+        """Checkpoint the running configuration (the run's key is written first, so any saved
+        state can be checked before it is resumed)."""
+        if not self.results.exists():
+            self._write()
+        save_checkpoint(self.checkpoint(name), model, optimizer, scaler, step=step, extra=extra)
 
     def finish(self, name: str, result: dict[str, Any]) -> None:
         """Record a finished configuration (atomically) and drop its checkpoint."""
         self.done[name] = result
-        payload = json.dumps(json_safe({"key": self.key, "done": self.done}), allow_nan=False)
-        atomic_write(self.dir / "results.json", lambda f: f.write(payload + "\n"))
+        self._write()
         self.checkpoint(name).unlink(missing_ok=True)
 
     def remove(self) -> None:
@@ -184,8 +198,8 @@ def _run(name: str, spec: ModelSpec, init: dict[str, torch.Tensor], policy: Poli
                      autocast_dtype=autocast_dtype, device_type=dev.type)
     torch.manual_seed(seed)
     losses, times, skipped, start = [], [], 0, 0
-    ckpt = state.checkpoint(name) if state is not None else None
-    if ckpt is not None and ckpt.exists():
+    if state is not None and state.checkpoint(name).exists():
+        ckpt = state.checkpoint(name)
         ck = load_checkpoint(ckpt, model, optimizer, scaler)  # also restores the RNG state
         start, losses, times, skipped = ck.step, list(ck.extra["losses"]), list(ck.extra["times"]), ck.extra["skipped"]
         log(start, f"[{name}] resumed from {ckpt} at step {start}")
@@ -196,9 +210,8 @@ def _run(name: str, spec: ModelSpec, init: dict[str, torch.Tensor], policy: Poli
         losses.append(st.loss)
         skipped += int(st.skipped)
         log(i, f"[{name}] step {i:4d}  loss {st.loss:.4f}  {times[-1]:.2f}s")
-        if ckpt is not None and checkpoint_every > 0 and (i + 1) % checkpoint_every == 0 and i + 1 < steps:
-            save_checkpoint(ckpt, model, optimizer, scaler, step=i + 1,
-                            extra={"losses": losses, "times": times, "skipped": skipped})
+        if state is not None and checkpoint_every > 0 and (i + 1) % checkpoint_every == 0 and i + 1 < steps:
+            state.save(name, model, optimizer, scaler, i + 1, {"losses": losses, "times": times, "skipped": skipped})
     with torch.no_grad(), step._context():
         held = [float(spec.loss_fn(call_model(module, b), b).float())
                 for b in (_heldout(spec, j, dev) for j in range(heldout_batches))]

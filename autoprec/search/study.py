@@ -554,8 +554,12 @@ class _Selector:
         torch/_functorch/config.py), so the first guess is proportional, the second a secant
         through the measured points, the third 0.0 (full recomputation); each aims 10% under
         the budget. On the CPU memory is counted on one forward/backward (compile included) and
-        only the budget that fits is timed; on CUDA each try is timed (its peak is read then). Returns the policy, callable and measurement to judge (over
-        the budget when even full recomputation does not fit).
+        only the budget that fits is timed; on CUDA each try is timed (its peak is read then).
+
+        Returns:
+            The policy, callable and measurement to judge: still over the budget when even full
+            recomputation does not fit, with ``error`` set when the budget is below the fp32
+            parameter, gradient and optimizer state alone.
         """
         state = self.h.state_bytes
         room = self.memory_budget - state
@@ -569,7 +573,8 @@ class _Selector:
             slope = (a1 - a0) / (b1 - b0) if (a1 - a0) * (b1 - b0) > 0 else a1 / max(b1, 1e-9)
             b = 0.0 if attempt == 2 else max(0.0, math.floor(100 * (b1 - (a1 - 0.9 * room) / slope)) / 100)
             cand = dataclasses.replace(pol, activation_memory_budget=b)
-            fn = self._fn(run_pipeline(self.h.graph_module, cand).graph_module, b)  # a fresh graph: Dynamo caches per graph
+            # a fresh graph per budget: Dynamo caches compiled code per graph, not per config
+            fn = self._fn(run_pipeline(self.h.graph_module, cand).graph_module, b)
             # CUDA's peak (max_memory_allocated) is read after timed steps; the CPU's count needs none
             probe = self.h.measure(fn, lambda cand=cand: make_scaler(cand), timing=self.h.device.type == "cuda",
                                    max_step_s=self.slow)
