@@ -396,8 +396,12 @@ class Policy:
 
     # -- JSON -----------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        """The DESIGN §4 JSON layout with ``"schema_version": 1`` (``loss_scaling`` adds max_scale)."""
-        return {
+        """The DESIGN §4 JSON layout with ``"schema_version": 1`` (``loss_scaling`` adds max_scale).
+
+        ``activation_memory_budget`` is written only below 1.0, so a policy without it stays
+        readable by autoprec versions that predate the field.
+        """
+        d = {
             "schema_version": SCHEMA_VERSION,
             "default_dtype": self.default_dtype,
             "rules": [r.to_dict() for r in self.rules],
@@ -405,10 +409,11 @@ class Policy:
             "loss_scaling": self.loss_scaling.to_dict(),
             "master_weights": self.master_weights,
             "optimizer_state": self.optimizer_state,
-            "activation_memory_budget": self.activation_memory_budget,
-            "provenance": _jsonable(self.provenance, "Policy", "provenance"),
-            "measured": dict(self.measured),
         }
+        if self.activation_memory_budget < 1.0:
+            d["activation_memory_budget"] = self.activation_memory_budget
+        return d | {"provenance": _jsonable(self.provenance, "Policy", "provenance"),
+                    "measured": dict(self.measured)}
 
     @classmethod
     def from_dict(cls, d: Any, source: str = "<dict>") -> Policy:

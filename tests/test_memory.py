@@ -44,7 +44,7 @@ def test_parse_max_memory():
     assert parse_max_memory("1.5GB") == ("bytes", 1.5e9)
     assert parse_max_memory("5e8") == ("bytes", 5e8)
     assert parse_max_memory(123456) == ("bytes", 123456.0)
-    for bad in ("lots", "-3MiB", "0x", "3 TiB", "0"):
+    for bad in ("lots", "-3MiB", "0x", "3 TiB", "0", "1e300GiB", "inf"):
         with pytest.raises(SearchError, match="--max-memory: expected 'auto'"):
             parse_max_memory(bad)
 
@@ -93,14 +93,23 @@ def test_tune_max_memory_fits_by_recomputation(tmp_path, capsys):
 
 
 def test_tune_memory_budget_nothing_fits_eager(tmp_path):
-    """Without compile the budget is a trial constraint: below the parameter state, no trial
-    fits, the error says so and no policy file is written."""
+    """Without compile the budget filters the measured trials: above the parameter state but
+    below every trial's peak, nothing fits, the error says so and no policy file is written."""
     out = tmp_path / "p.json"
-    with pytest.raises(SearchError, match=r"no feasible trial fits the memory budget \(1000 bytes; "
+    with pytest.raises(SearchError, match=r"no feasible trial fits the memory budget \(2\.0 MiB; "
                                           r"the smallest peak was \d+\.\d MiB\)"):
-        tune(WIDE, trials=1, out=out, max_memory="1000", compile=False, progress=False, report=False,
-             quiet=True)
+        tune(WIDE, trials=1, out=out, max_memory="2MiB", compile=False, progress=False, report=False, quiet=True)
     assert not out.exists()
+
+
+def test_tune_budget_below_parameter_state_fails_before_trials(tmp_path):
+    """A budget below the fp32 weights, gradients and AdamW state (16 bytes per parameter) can never
+    be met: tune says so right after the baselines, before any trial or compile."""
+    out = tmp_path / "p.json"
+    with pytest.raises(SearchError, match=r"--max-memory: the budget \(1000 bytes\) is not above the fp32 "
+                                          r"parameters, gradients and AdamW state alone \(1\.5 MiB"):
+        tune(WIDE, trials=1, out=out, max_memory="1000", progress=False, report=False, quiet=True)
+    assert not out.exists() and not (tmp_path / "p.optuna.db").exists()
 
 
 def test_cli_bad_max_memory_exits_2_before_building(tmp_path, capsys):
@@ -109,3 +118,11 @@ def test_cli_bad_max_memory_exits_2_before_building(tmp_path, capsys):
     assert "--max-memory: expected 'auto'" in capsys.readouterr().err
     assert not (tmp_path / "sub").exists()
 
+
+
+def test_eager_apply_warns_that_the_budget_needs_compile():
+    spec = load_model_spec(MODELS / "micro_lm.py")
+    model = spec.build_model()
+    pol = dataclasses.replace(Policy.fp32(), activation_memory_budget=0.5)
+    with pytest.warns(UserWarning, match="activation_memory_budget 0.5 applies to compiled graphs only"):
+        apply(model, pol, spec.get_batch(0, "cpu"), compile=False)

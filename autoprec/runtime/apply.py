@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -78,6 +79,10 @@ class MixedPrecisionModule(nn.Module):
         self.policy = policy
         self.stats = stats
         self.compiled = compile
+        if not compile and policy.activation_memory_budget < 1.0:
+            warnings.warn(f"autoprec: the policy's activation_memory_budget {policy.activation_memory_budget:g} "
+                          "applies to compiled graphs only; without compile every activation is kept, so peak "
+                          "memory exceeds what tune measured", stacklevel=3)
         object.__setattr__(self, "_fn", compile_graph(graph_module, policy.activation_memory_budget)
                            if compile else graph_module)
 

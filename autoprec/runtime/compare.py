@@ -169,6 +169,11 @@ class _State:
         self.checkpoint(name).unlink(missing_ok=True)
 
     def remove(self) -> None:
+        """Delete the state once the results are written: checkpoints first and ``results.json``
+        last, so a failure part-way leaves a state that ``resume`` still reads."""
+        for f in self.dir.glob("*.pt"):
+            f.unlink(missing_ok=True)
+        self.results.unlink(missing_ok=True)
         shutil.rmtree(self.dir, ignore_errors=True)
 
 

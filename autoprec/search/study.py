@@ -5,8 +5,9 @@ torch.autocast, eager) -> Optuna trials (each lowers the graph and measures eage
 ``grad_rel_l2`` and memory; a per-node dtype assignment already measured in the study is reused)
 -> finalists (fastest feasible trials) compiled with Inductor and measured again on the compiled
 form, drift included, and checked on ``traj_rel`` over K optimizer steps -> with ``max_memory``,
-finalists over the memory budget get the largest activation memory budget (recomputation in
-backward) that fits -> the fastest finalist within the budgets -> policy file + report.
+finalists over the memory budget get an activation memory budget (recomputation in backward)
+that fits, found in at most three compiles -> the fastest finalist within the budgets -> policy
+file + report.
 
 Screening eagerly and compiling only finalists keeps a trial to seconds instead of a ~60 s
 Inductor compile; the finalists' compiled numbers are what the policy file reports.
@@ -141,8 +142,10 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
             (none), ``"auto"`` (torch.autocast's peak measured in this run: with ``compile``, that
             of torch.autocast + torch.compile), ``"<r>x"`` (r times FP32 eager's peak), or bytes
             (a number, or a string with a ``KiB``/``MiB``/``GiB`` suffix). With ``compile``, a
-            finalist over it gets the largest ``activation_memory_budget`` that fits (Inductor
-            recomputes the rest of the activations in backward); without, it is a trial constraint.
+            finalist over it gets an ``activation_memory_budget`` that fits, aimed 10% under the
+            memory budget (Inductor recomputes the rest of the activations in backward; see
+            ``_Selector._fit_memory``); without compile, trials whose measured peak is over it are
+            not selected.
 
     Returns:
         :class:`TuneResult`.
@@ -183,6 +186,8 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
     budget = autocast.grad_rel_l2 if budget_arg is None else budget_arg
     if not math.isfinite(budget):
         raise SearchError(f"drift budget is not finite (torch.autocast: {autocast.error}); pass --max-drift X")
+    if memory_arg is not None and memory_arg[0] != "autocast":  # known now: fail before the trials
+        _memory_budget(memory_arg, fp32, autocast, harness.state_bytes)
     _log(f"fp32 eager {fp32.tokens_per_s:.0f} tok/s; autocast({ac_dtype}) eager {autocast.tokens_per_s:.0f} tok/s"
          f"{' (' + (autocast.error or autocast.note) + ')' if autocast.error or autocast.note else ''}, grad_rel_l2 {autocast.grad_rel_l2:.3g} "
          f"-> drift budget {budget:.3g}; {space.n_params} search parameters", quiet)
@@ -203,8 +208,8 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
         _optimize(study, objective, target, timeout, progress and not quiet)
     sel = _Selector(harness, budget, compile, ac_dtype, slow, traj_steps, clock, quiet)
     with clock("finalists_s"):
-        chosen, chosen_m = sel.choose(_feasible(study), finalists,
-                                      lambda: _memory_budget(memory_arg, fp32, sel.autocast_compiled or autocast))
+        chosen, chosen_m = sel.choose(_feasible(study), finalists, lambda: _memory_budget(
+            memory_arg, fp32, sel.autocast_compiled if _ok(sel.autocast_compiled) else autocast, harness.state_bytes))
     with clock("baselines_s"):  # fp32 again, after the finalists: ratios rest on both runs' steps
         fp32 = _pooled(fp32, harness.measure(harness.model), harness.tokens)
     timings = clock.done()
@@ -229,7 +234,7 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
         table.append(_row(f"autocast {_short(ac_dtype)} + compile", sel.autocast_compiled, fp32))
     table.append(_row("autoprec policy" + (" + compile" if compile else " (eager)"), chosen_m, fp32))
     eager = sel.eager_tokens_per_s.get(id(chosen))
-    if compile and eager and eager > 1.1 * chosen_m.tokens_per_s:
+    if compile and eager and eager > 1.1 * chosen_m.tokens_per_s and chosen.activation_memory_budget >= 1.0:
         _log(f"note: this policy ran faster eagerly ({eager:.0f} tok/s) than compiled ({chosen_m.tokens_per_s:.0f}); "
              "for this model consider training without compile (autoprec train --no-compile)", quiet)
     result = TuneResult(policy, study, table, timings, {k: vars(v) for k, v in probes.items()})
@@ -249,6 +254,10 @@ def _pooled(a: Measurement, b: Measurement, tokens: int) -> Measurement:
     a.step_s = statistics.median(a.step_times)
     a.tokens_per_s = tokens / a.step_s
     return a
+
+
+def _ok(m: Measurement | None) -> bool:
+    return m is not None and m.error is None
 
 
 def _short(dt: torch.dtype) -> str:
@@ -316,8 +325,9 @@ def parse_max_memory(max_memory: str | float | None) -> tuple[str, float] | None
     m = re.fullmatch(r"([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)(x|[kmg]i?b|b)?", text)
     if m is not None:
         value, unit = float(m.group(1)), m.group(2) or ""
-        if value > 0 and math.isfinite(value):
-            return ("fp32", value) if unit == "x" else ("bytes", value * _UNITS[unit])
+        scaled = value if unit == "x" else value * _UNITS[unit]
+        if value > 0 and math.isfinite(scaled) and scaled < 2.0**62:
+            return ("fp32", value) if unit == "x" else ("bytes", scaled)
     raise SearchError(f"--max-memory: expected 'auto', 'none', a multiple of FP32's peak like '0.8x', or bytes "
                       f"like '300MiB', '2GiB' or '5e8'; got {max_memory!r}")
 
@@ -327,19 +337,31 @@ def _bytes(n: float) -> str:
     return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n:.0f} bytes"
 
 
-def _memory_budget(arg: tuple[str, float] | None, fp32: Measurement, autocast: Measurement) -> float | None:
-    """Bytes allowed by the parsed ``--max-memory`` given this run's baselines."""
+def _memory_budget(arg: tuple[str, float] | None, fp32: Measurement, autocast: Measurement,
+                   state_bytes: int) -> float | None:
+    """Bytes allowed by the parsed ``--max-memory`` given this run's baselines.
+
+    Raises:
+        SearchError: the reference peak was not measured, or the budget is not above the fp32
+            parameter, gradient and optimizer state (``state_bytes``), which no policy can go below.
+    """
     if arg is None:
         return None
     kind, value = arg
     if kind == "bytes":
-        return value
-    ref = autocast if kind == "autocast" else fp32
-    if ref.error is not None or ref.peak_bytes <= 0:
-        name = "torch.autocast" if kind == "autocast" else "FP32"
-        raise SearchError(f"--max-memory: {name}'s peak memory could not be measured ({ref.error}); "
-                          "pass a number of bytes instead")
-    return value * ref.peak_bytes
+        budget = value
+    else:
+        ref = autocast if kind == "autocast" else fp32
+        if ref.error is not None or ref.peak_bytes <= 0:
+            name = "torch.autocast" if kind == "autocast" else "FP32"
+            raise SearchError(f"--max-memory: {name}'s peak memory could not be measured ({ref.error}); "
+                              "pass a number of bytes instead")
+        budget = value * ref.peak_bytes
+    if budget <= state_bytes:
+        raise SearchError(f"--max-memory: the budget ({_bytes(budget)}) is not above the fp32 parameters, gradients "
+                          f"and AdamW state alone ({_bytes(state_bytes)}, 16 bytes per parameter), which every "
+                          "policy keeps (master weights, DESIGN §7)")
+    return budget
 
 
 def _parse_budget(max_drift: str | float) -> float | None:
@@ -499,7 +521,8 @@ class _Selector:
             _log(f"finalist {label}: {pol.summary()}", self.quiet)
             fn = self._fn(run_pipeline(self.h.graph_module, pol).graph_module)
             m = self.h.measure(fn, lambda pol=pol: make_scaler(pol), max_step_s=self.slow)
-            if self.memory_budget is not None and m.error is None and m.peak_bytes > self.memory_budget:
+            if (self.memory_budget is not None and m.error is None and m.grad_rel_l2 <= self.budget
+                    and m.peak_bytes > self.memory_budget):
                 pol, fn, m = self._fit_memory(pol, m)
             why = self._reject_reason(pol, fn, m)
             _log(f"  {'compiled' if self.compile else 'eager'}: {m.tokens_per_s:.0f} tok/s, grad_rel_l2 "
@@ -584,7 +607,6 @@ class _Selector:
             if probe.error is not None or probe.peak_bytes <= self.memory_budget or b == 0.0:
                 break
             points.append((b, probe.peak_bytes - state))
-        self.eager_tokens_per_s[id(cand)] = self.eager_tokens_per_s.get(id(pol), 0.0)
         if probe.error is not None or probe.peak_bytes > self.memory_budget or probe.step_times:
             return cand, fn, probe
         return cand, fn, self.h.measure(fn, lambda cand=cand: make_scaler(cand), max_step_s=self.slow)
