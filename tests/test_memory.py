@@ -62,25 +62,29 @@ def test_saved_parameters_are_counted_once(tmp_path):
     assert h.drift(h.model).peak_bytes == state + saved
 
 
-def test_activation_memory_budget_recomputes_and_keeps_gradients():
+@pytest.fixture(scope="module")
+def wide_compiled():
+    """WideMLP's fp32 policy compiled at activation memory budgets 1.0 and 0.0 (two compiles,
+    shared by the tests below): ``{budget: Measurement}`` and the harness's state bytes."""
+    h = Harness(load_model_spec(WIDE), torch.device("cpu"), warmup=1, steps=1)
+    ms = {b: h.drift(apply(h.model, dataclasses.replace(Policy.fp32(), activation_memory_budget=b), h.batches[0]))
+          for b in (1.0, 0.0)}
+    return ms, h.state_bytes
+
+
+def test_activation_memory_budget_recomputes_and_keeps_gradients(wide_compiled):
     """A policy's activation_memory_budget reaches the partitioner: 0.0 saves far less for backward
     than 1.0 (Inductor's default) and the gradients stay those of FP32."""
-    h = Harness(load_model_spec(WIDE), torch.device("cpu"), warmup=1, steps=1)
-    peaks = {}
-    for b in (1.0, 0.0):
-        mp = apply(h.model, dataclasses.replace(Policy.fp32(), activation_memory_budget=b), h.batches[0])
-        m = h.drift(mp)
+    ms, state = wide_compiled
+    for m in ms.values():
         assert m.grad_rel_l2 < 1e-5  # fp32 compiled vs fp32 eager, recomputation included
-        peaks[b] = m.peak_bytes - h.state_bytes
-    assert peaks[0.0] < 0.5 * peaks[1.0]
+    assert ms[0.0].peak_bytes - state < 0.5 * (ms[1.0].peak_bytes - state)
 
 
-def test_tune_max_memory_fits_by_recomputation(tmp_path, capsys):
+def test_tune_max_memory_fits_by_recomputation(tmp_path, capsys, wide_compiled):
     """With a memory budget between full recomputation and Inductor's default, the compiled
     policy gets an activation memory budget below 1 and its measured peak fits."""
-    h = Harness(load_model_spec(WIDE), torch.device("cpu"), warmup=1, steps=1)
-    peak = {b: h.drift(apply(h.model, dataclasses.replace(Policy.fp32(), activation_memory_budget=b),
-                             h.batches[0])).peak_bytes for b in (1.0, 0.0)}
+    peak = {b: m.peak_bytes for b, m in wide_compiled[0].items()}
     budget = int((peak[1.0] + peak[0.0]) / 2)
     out = tmp_path / "p.json"
     # a drift budget only fp32 meets: the chosen policy is fp32 on any CPU, fast bf16 or not

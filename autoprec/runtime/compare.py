@@ -33,7 +33,6 @@ import hashlib
 import json
 import math
 import os
-import platform
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -50,9 +49,9 @@ from autoprec.runtime.apply import apply
 from autoprec.runtime.checkpoint import load_checkpoint, save_checkpoint
 from autoprec.runtime.monitor import json_safe
 from autoprec.runtime.train import TrainStep, autocast_scaler, make_scaler
-from autoprec.search.measure import resolve_device
+from autoprec.search.measure import describe_machine, resolve_device, traj_rel
 
-__all__ = ["BASELINES", "CompareResult", "compare", "cpu_name", "max_rel_dev", "plot_curves"]
+__all__ = ["BASELINES", "CompareResult", "compare", "plot_curves"]
 
 #: Baseline names accepted by ``--compare``.
 BASELINES = ("fp32", "autocast")
@@ -90,28 +89,6 @@ class CompareResult:
         return json_safe({"meta": self.meta, "max_rel_dev_vs_fp32": self.max_rel_dev,
                           "heldout_loss": self.heldout_loss, "seconds_per_step": self.seconds_per_step,
                           "skipped": self.skipped, "curves": self.curves})
-
-
-def max_rel_dev(losses: list[float], ref: list[float]) -> float:
-    """``max_k |L_k − ref_k| / |ref_k|`` over the common steps; inf if any loss is non-finite."""
-    worst = 0.0
-    for a, b in zip(losses, ref):
-        if not (math.isfinite(a) and math.isfinite(b)):
-            return math.inf
-        worst = max(worst, abs(a - b) / max(abs(b), 1e-30))
-    return worst
-
-
-def cpu_name() -> str:
-    """The CPU model name (``/proc/cpuinfo`` on Linux, else ``platform.processor()``)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _heldout(spec: ModelSpec, j: int, dev: torch.device) -> Any:
@@ -281,7 +258,7 @@ def compare(model_path: str | os.PathLike, policy_path: str | os.PathLike, steps
     names = ["fp32", "policy"] + [b for b in BASELINES if b in baselines and b != "fp32"]
     res = CompareResult(meta={
         "model": os.fspath(model_path), "policy_file": os.fspath(policy_path), "policy": policy.summary(),
-        "steps": steps, "device": str(dev), "cpu": cpu_name(), "torch": torch.__version__,
+        "steps": steps, "device": str(dev), "cpu": describe_machine(dev)["cpu"], "torch": torch.__version__,
         "compile_policy": compile, "seed": seed, "heldout_batches": heldout_batches,
         "heldout_source": "get_heldout_batch" if spec.heldout_batch is not None else f"get_batch({FAR_STEP}+j)",
         "autocast_dtype": str(torch.get_autocast_dtype(dev.type)).replace("torch.", ""),
@@ -303,7 +280,7 @@ def compare(model_path: str | os.PathLike, policy_path: str | os.PathLike, steps
         res.curves[name], res.heldout_loss[name] = [float(x) for x in r["losses"]], float(r["heldout_loss"])
         res.seconds_per_step[name], res.skipped[name] = float(r["seconds_per_step"]), int(r["skipped"])
     for name in names:
-        res.max_rel_dev[name] = max_rel_dev(res.curves[name], res.curves["fp32"])
+        res.max_rel_dev[name] = traj_rel(res.curves[name], res.curves["fp32"])
     if out_dir is not None:
         out = Path(out_dir)
         payload = json.dumps(res.to_dict(), indent=1, allow_nan=False) + "\n"

@@ -339,10 +339,13 @@ class Harness:
 
 
 def traj_rel(losses: list[float], ref: list[float]) -> float:
-    """max over steps k of |L_k − L32_k| / |L32_k| (DESIGN §5); inf if any loss is non-finite."""
+    """max over steps k of |L_k − L32_k| / |L32_k| (DESIGN §5); inf if any loss is non-finite.
+
+    Also the "max relative deviation from the FP32 curve" of ``autoprec train --compare``.
+    """
     worst = 0.0
     for a, b in zip(losses, ref, strict=True):
-        if not math.isfinite(a):
+        if not (math.isfinite(a) and math.isfinite(b)):
             return math.inf
         worst = max(worst, abs(a - b) / max(abs(b), 1e-30))
     return worst
