@@ -11,7 +11,7 @@ import pytest
 from autoprec import Policy
 from autoprec.cli import main
 from autoprec.errors import AutoprecError
-from autoprec.runtime.compare import compare
+from autoprec.runtime.compare import compare, median_step_seconds
 from autoprec.search.measure import traj_rel as max_rel_dev
 
 REPO = Path(__file__).resolve().parents[1]
@@ -21,6 +21,14 @@ TINY = str(REPO / "examples" / "tiny_mlp.py")
 def test_max_rel_dev():
     assert max_rel_dev([1.0, 2.2], [1.0, 2.0]) == pytest.approx(0.1)
     assert max_rel_dev([1.0, math.nan], [1.0, 2.0]) == math.inf
+
+
+def test_median_step_seconds_leaves_out_warm_up_steps():
+    """Step 0 and the first step after each resume compile again: they never set the median."""
+    times = [9.0, 1.0, 9.0, 9.0, 2.0]  # steps 0, 2 and 3 started a process
+    assert median_step_seconds(times, {0, 2, 3}) == 2.0
+    assert median_step_seconds(times, {0}) == 9.0  # counting them would move the median
+    assert median_step_seconds([5.0], {0}) == 5.0  # nothing else left: the one step there is
 
 
 def test_fp32_policy_reproduces_fp32_exactly(tmp_path):

@@ -180,10 +180,12 @@ def _run(name: str, spec: ModelSpec, init: dict[str, torch.Tensor], policy: Poli
                      autocast_dtype=autocast_dtype, device_type=dev.type)
     torch.manual_seed(seed)
     losses, times, skipped, start = [], [], 0, 0
+    warm = {0}  # steps whose time includes compilation and first-call warm-up
     if state is not None and state.checkpoint(name).exists():
         ckpt = state.checkpoint(name)
         ck = load_checkpoint(ckpt, model, optimizer, scaler)  # also restores the RNG state
         start, losses, times, skipped = ck.step, list(ck.extra["losses"]), list(ck.extra["times"]), ck.extra["skipped"]
+        warm = set(ck.extra.get("warm", [0])) | {start}  # the resumed process compiles again
         log(start, f"[{name}] resumed from {ckpt} at step {start}")
     for i in range(start, steps):
         batch = first if i == 0 else spec.get_batch(i, dev)
@@ -193,13 +195,21 @@ def _run(name: str, spec: ModelSpec, init: dict[str, torch.Tensor], policy: Poli
         skipped += int(st.skipped)
         log(i, f"[{name}] step {i:4d}  loss {st.loss:.4f}  {times[-1]:.2f}s")
         if state is not None and checkpoint_every > 0 and (i + 1) % checkpoint_every == 0 and i + 1 < steps:
-            state.save(name, model, optimizer, scaler, i + 1, {"losses": losses, "times": times, "skipped": skipped})
+            state.save(name, model, optimizer, scaler, i + 1, {"losses": losses, "times": times, "skipped": skipped,
+                                                                  "warm": sorted(warm)})
     with torch.no_grad(), step._context():
         held = [float(spec.loss_fn(call_model(module, b), b).float())
                 for b in (_heldout(spec, j, dev) for j in range(heldout_batches))]
-    timed = sorted(times[1:] or times)
-    return {"losses": losses, "heldout_loss": sum(held) / len(held), "seconds_per_step": timed[len(timed) // 2],
-            "skipped": skipped}
+    return {"losses": losses, "heldout_loss": sum(held) / len(held),
+            "seconds_per_step": median_step_seconds(times, warm), "skipped": skipped}
+
+
+def median_step_seconds(times: list[float], warm: set[int]) -> float:
+    """Median of the per-step wall-clock ``times`` (seconds, index = step) leaving out the
+    ``warm`` steps (step 0 and the first step after each resume: they include compilation);
+    the median of all steps if nothing else is left."""
+    timed = sorted(t for k, t in enumerate(times) if k not in warm) or sorted(times)
+    return timed[len(timed) // 2]
 
 
 def _run_key(model_path: str | os.PathLike, policy: Policy, steps: int, seed: int, dev: torch.device,
