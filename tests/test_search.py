@@ -176,3 +176,26 @@ def test_region_sensitivity_ranks_the_overflowing_matmul_first(overflow_spec):
     assert sens["node:up/linear#0"] == 1e30
     assert sens["node:out/linear#0"] < 1e-2
     assert region_sensitivity(h, SearchSpace([])) == {}
+
+
+def test_study_of_another_measurement_version_is_not_resumed(tmp_path):
+    """Trials measured by an older autoprec (no measurement-version stamp) are not mixed with
+    new ones: naming that study is refused and leaves it as it was; the default study name
+    carries the version, so the same command without --study-name starts a new study beside it."""
+    model = os.path.join(os.path.dirname(__file__), "models", "micro_lm.py")
+    out, db = tmp_path / "p.json", tmp_path / "p.optuna.db"
+    storage = f"sqlite:///{db}"
+    old = open_study(storage, "old")
+    old.enqueue_trial({})
+    t = old.ask()
+    old.tell(t, [1.0, 0.0, 0.0])
+    r = subprocess.run(_tune_cmd(model, out, 2, ("--study-name", "old")), capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode != 0 and not out.exists()
+    assert "study 'old'" in r.stderr and "measurement version 1, this one 2" in r.stderr, r.stderr[-2000:]
+    assert len(optuna.load_study(study_name="old", storage=storage).trials) == 1
+    r = subprocess.run(_tune_cmd(model, out, 2), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    new = Policy.load(out).provenance["study"]
+    assert new.endswith("-m2") and len(optuna.load_study(study_name="old", storage=storage).trials) == 1
+    assert optuna.load_study(study_name=new, storage=storage).user_attrs[ATTR + "measure_version"] == 2

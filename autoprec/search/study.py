@@ -46,6 +46,11 @@ from autoprec.search.space import SearchSpace, find_blocks, outside_matmuls, pro
 __all__ = ["TuneResult", "tune", "graph_fingerprint", "default_storage", "device_name", "open_study"]
 
 _A = ATTR
+
+#: Version of what a trial measures and how (search/measure.py). Bump it when a change makes old
+#: trials' numbers incomparable with new ones; a study holding trials of another version is not
+#: resumed. 2: a parameter saved for backward counts once in the CPU peak bytes.
+MEASURE_VERSION = 2
 #: A configuration whose training step takes longer than this many fp32 eager steps is timed on
 #: that one step only: it cannot win, and emulated dtypes (bf16 on AVX2 CPUs) run 10-100x slower.
 SLOW_RATIO = 3.0
@@ -193,6 +198,7 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
          f"-> drift budget {budget:.3g}; {space.n_params} search parameters", quiet)
 
     study = open_study(storage or default_storage(out), study_name or _default_name(spec.path, gm, dev), seed)
+    _check_measure_version(study, storage or default_storage(out))
     study.set_user_attr(_A + "drift_budget", budget)
     if not study.trials:  # a new study: rank regions, then queue the baselines (resumes skip this)
         with clock("sensitivity_s"):
@@ -377,7 +383,26 @@ def _parse_budget(max_drift: str | float) -> float | None:
 
 
 def _default_name(path, gm, dev) -> str:
-    return f"autoprec-{Path(str(path)).stem}-{graph_fingerprint(gm)[:8]}-{dev.type}"
+    # The measurement version is part of the name: after an upgrade that changes measurements,
+    # the same command starts a new study beside the old one instead of failing on it.
+    return f"autoprec-{Path(str(path)).stem}-{graph_fingerprint(gm)[:8]}-{dev.type}-m{MEASURE_VERSION}"
+
+
+def _check_measure_version(study: optuna.Study, storage: str) -> None:
+    """Stamp a new study with :data:`MEASURE_VERSION`; refuse to resume one whose trials were
+    measured by another version (studies from before the stamp count as version 1).
+
+    Raises:
+        SearchError: naming the study, the storage and both versions; the study is left as it is.
+    """
+    have = study.user_attrs.get(_A + "measure_version", 1 if study.trials else MEASURE_VERSION)
+    if have != MEASURE_VERSION:
+        raise SearchError(
+            f"study {study.study_name!r} in {storage} holds trials measured by another autoprec version "
+            f"(measurement version {have}, this one {MEASURE_VERSION}); their numbers are not comparable, "
+            "so it is not resumed. Pass another --study-name (or --storage) to start a new study; "
+            "the old one is left as it is.")
+    study.set_user_attr(_A + "measure_version", MEASURE_VERSION)
 
 
 def open_study(storage: str, study_name: str, seed: int = 0) -> optuna.Study:
