@@ -104,7 +104,7 @@ def _grads(model, f, batch, loss_fn, autocast=False):
     loss.float().backward()
     params = list(dict.fromkeys(model.parameters()))
     g = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten().float() for p in params])
-    return float(loss), g
+    return float(loss.detach()), g
 
 
 def _rel(g, g32):
