@@ -1,7 +1,9 @@
-"""Command line: ``autoprec tune | train | show`` (DESIGN §1).
+"""Command line: ``autoprec tune | train | show | bench | report`` (DESIGN §1).
 
-Exit codes: 0 success; 2 bad input (model file, policy file, arguments) with one message that
-names the file and the field or entry point at fault, nothing written; 1 other failures.
+Exit codes: 0 success; 2 bad input (model file, policy file, arguments, output paths, or
+budgets no policy meets) with one message that names the file and the field or entry point at
+fault, nothing written; 1 other failures (e.g. training that stops with a ``LossScaleError``);
+130 interrupted (Ctrl-C): finished trials stay in the study.
 """
 
 from __future__ import annotations
@@ -33,14 +35,38 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _int_at_least(low: int):
+    """argparse type: an int ≥ ``low`` (argparse names the option and exits 2 otherwise)."""
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if v < low:
+            raise argparse.ArgumentTypeError(f"must be ≥ {low}, got {v}")
+        return v
+    return parse
+
+
+def _positive_float(text: str) -> float:
+    """argparse type: a finite float > 0."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (v > 0 and math.isfinite(v)):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
+    return v
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="autoprec", description="Mixed-precision autotuner for PyTorch training.")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     t = sub.add_parser("tune", help="search for the fastest policy within a drift budget")
     t.add_argument("model", help="model file (build_model, get_batch; DESIGN §2)")
-    t.add_argument("--trials", type=int, default=None, help="finished trials the study should hold (default 20)")
-    t.add_argument("--timeout", type=float, default=None, help="stop sampling after S seconds")
+    t.add_argument("--trials", type=_int_at_least(1), default=None, help="finished trials the study should hold (default 20)")
+    t.add_argument("--timeout", type=_positive_float, default=None, help="stop sampling after S seconds")
     t.add_argument("--max-drift", default="auto", help="'auto' (torch.autocast's grad_rel_l2) or a number")
     t.add_argument("--max-memory", default=None, metavar="M",
                    help="memory budget for the policy's peak bytes: 'auto' (torch.autocast's, measured in this "
@@ -55,9 +81,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="low dtypes to search: 'auto' (those the device runs faster than fp32, measured) "
                         "or a list such as bf16,fp16")
     t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--traj-steps", type=int, default=20,
+    t.add_argument("--traj-steps", type=_int_at_least(0), default=20,
                    help="optimizer steps of the traj_rel check on finalists that lower anything (0: off)")
-    t.add_argument("--finalists", type=int, default=2, help="fastest feasible trials re-measured compiled")
+    t.add_argument("--finalists", type=_int_at_least(1), default=2, help="fastest feasible trials re-measured compiled")
 
     rp = sub.add_parser("report", help="write the report (Pareto front, trials table) of a study")
     rp.add_argument("--storage", required=True, help="Optuna storage URL, e.g. sqlite:///policy.optuna.db")
@@ -67,20 +93,20 @@ def _parser() -> argparse.ArgumentParser:
     r = sub.add_parser("train", help="train with a policy")
     r.add_argument("model", help="model file (build_model, get_batch; DESIGN §2)")
     r.add_argument("--policy", required=True, help="policy JSON file (from autoprec tune)")
-    r.add_argument("--steps", type=int, default=50,
+    r.add_argument("--steps", type=_int_at_least(1), default=50,
                    help="total optimizer steps of the run; a resumed run continues up to this step (default 50)")
     r.add_argument("--device", default="auto", help="auto | cpu | cuda")
     r.add_argument("--no-compile", action="store_true", help="run the lowered graph eagerly, no torch.compile")
-    r.add_argument("--log-every", type=int, default=1, metavar="N", help="print every N-th step (default 1)")
+    r.add_argument("--log-every", type=_int_at_least(1), default=1, metavar="N", help="print every N-th step (default 1)")
     r.add_argument("--checkpoint", default=None, metavar="PATH",
                    help="checkpoint file written at the end (and every --checkpoint-every steps)")
     r.add_argument("--resume", action="store_true",
                    help="continue from --checkpoint if it exists (with --compare: the unfinished run in --out-dir)")
-    r.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
+    r.add_argument("--checkpoint-every", type=_int_at_least(0), default=0, metavar="N",
                    help="also save the checkpoint every N steps (default 0: only at the end); with --compare, "
                         "save the running configuration every N steps under --out-dir")
     r.add_argument("--log", default=None, metavar="JSONL", help="append per-step monitor records here")
-    r.add_argument("--max-grad-norm", type=float, default=None, help="clip unscaled gradients to this norm")
+    r.add_argument("--max-grad-norm", type=_positive_float, default=None, help="clip unscaled gradients to this norm")
     r.add_argument("--compare", default=None, metavar="LIST",
                    help="convergence check: also train these baselines (fp32,autocast) from the same "
                         "weights on the same batches and compare the loss curves")
@@ -93,15 +119,15 @@ def _parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="time a policy side by side with fp32, autocast and pure low precision")
     b.add_argument("model", help="model file (DESIGN §2)")
     b.add_argument("--policy", required=True, help="policy JSON file")
-    b.add_argument("--steps", type=int, default=5, help="timed steps per configuration (median reported)")
-    b.add_argument("--warmup", type=int, default=2, help="untimed steps before timing")
+    b.add_argument("--steps", type=_int_at_least(1), default=5, help="timed steps per configuration (median reported)")
+    b.add_argument("--warmup", type=_int_at_least(0), default=2, help="untimed steps before timing")
     b.add_argument("--device", default="auto", help="auto | cpu | cuda")
     b.add_argument("--json", default=None, help="write the results as JSON here")
     b.add_argument("--md", default=None, help="write the markdown table here")
     b.add_argument("--configs", nargs="+", default=None,
                    help="subset of: fp32_eager fp32_compiled autocast_eager autocast_compiled pure_low_eager "
                         "pure_low_compiled policy_eager policy_compiled (default all)")
-    b.add_argument("--max-step-ratio", type=float, default=10.0,
+    b.add_argument("--max-step-ratio", type=_positive_float, default=10.0,
                    help="time a config on one step only when its step exceeds this multiple of fp32 eager's")
     b.add_argument("--skip-slow", action="store_true",
                    help="skip low-precision baselines when the device's low-dtype matmul is more than "
@@ -124,7 +150,12 @@ def _validate_model(path: str, device: str = "auto") -> None:
 
 
 def _make_parents(*paths: str | None) -> list:
-    """Create the missing parent directories of ``paths``; returns those created (outermost first)."""
+    """Create the missing parent directories of ``paths``; returns those created (outermost first).
+
+    Raises:
+        AutoprecError: a parent cannot be created (a file is in the way, no permission); the
+            directories created so far are removed again.
+    """
     from pathlib import Path
 
     created = []
@@ -133,9 +164,46 @@ def _make_parents(*paths: str | None) -> list:
             continue
         missing = [d for d in reversed(Path(p).absolute().parents) if not d.exists()]
         for d in missing:
-            d.mkdir()
+            try:
+                d.mkdir()
+            except OSError as e:
+                _remove_if_empty(created)
+                raise AutoprecError(f"{p}: cannot create the directory {d} ({e.strerror or e})") from None
             created.append(d)
     return created
+
+
+def _check_writable(option: str, path: str) -> None:
+    """Fail before any work when ``path`` cannot be written atomically: it is a directory, or its
+    directory takes no new files (the policy is written to a temporary file there, then renamed).
+
+    Raises:
+        AutoprecError: naming the option and the path.
+    """
+    import tempfile
+
+    if os.path.isdir(path):
+        raise AutoprecError(f"{option} {path}: is a directory; give a file path, e.g. {os.path.join(path, 'policy.json')}")
+    try:
+        with tempfile.NamedTemporaryFile(dir=os.path.dirname(os.path.abspath(path)), prefix=".autoprec-check-"):
+            pass
+    except OSError as e:
+        raise AutoprecError(f"{option} {path}: cannot write there ({e.strerror or e})") from None
+
+
+def _check_storage(url: str) -> None:
+    """Fail before any work on a storage URL that SQLAlchemy cannot use (Optuna's RDB storage).
+
+    Raises:
+        AutoprecError: naming the URL and the reason.
+    """
+    import sqlalchemy
+
+    try:
+        sqlalchemy.engine.make_url(url).get_dialect()
+    except Exception as e:
+        hint = f"; for a SQLite file use sqlite:///{url}" if "://" not in url else ""
+        raise AutoprecError(f"--storage {url!r}: not a usable database URL ({type(e).__name__}: {e}){hint}") from None
 
 
 def _remove_if_empty(dirs: list) -> None:
@@ -158,9 +226,15 @@ def _cmd_tune(a: argparse.Namespace) -> int:
     from autoprec.search.study import parse_max_memory
 
     parse_max_memory(a.max_memory)  # a bad value fails before the model is built
+    if a.storage is not None:
+        _check_storage(a.storage)
     _validate_model(a.model, a.device)
     created = _make_parents(a.out, _sqlite_path(a.storage))
     try:
+        _check_writable("--out", a.out)  # the default study database sits beside it
+        db = _sqlite_path(a.storage)
+        if db is not None and not os.path.isfile(db):
+            _check_writable("--storage", db)
         return _tune(a)
     except BaseException:
         _remove_if_empty(created)
@@ -325,17 +399,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     # torch.export's pytree deprecation notice is noise for users of the CLI.
     warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+    from autoprec._interrupt import catch_sigint, interrupted
+    from autoprec.errors import LossScaleError
+
     t0 = time.perf_counter()
     try:
-        code = _COMMANDS[args.cmd](args)
-    except AutoprecError as e:
-        print(f"autoprec {args.cmd}: error: {e}", file=sys.stderr)
-        return 2
+        with catch_sigint():
+            code = _COMMANDS[args.cmd](args)
+    except Exception as e:
+        if not interrupted():  # else: an error on the way out of an interrupt (reported below)
+            if isinstance(e, AutoprecError):
+                print(f"autoprec {args.cmd}: error: {e}", file=sys.stderr)
+                return 1 if isinstance(e, LossScaleError) else 2
+            raise
     except KeyboardInterrupt:
-        print(f"autoprec {args.cmd}: interrupted after {time.perf_counter() - t0:.0f}s; "
-              "finished trials are kept in the study", file=sys.stderr)
-        return 130
-    return code
+        pass
+    else:
+        return code
+    kept = {"tune": "; finished trials are kept in the study (re-run the command to resume)",
+            "train": "; with --checkpoint, --resume continues from the last checkpoint"}.get(args.cmd, "")
+    print(f"autoprec {args.cmd}: interrupted after {time.perf_counter() - t0:.0f}s{kept}", file=sys.stderr)
+    return 130
 
 
 if __name__ == "__main__":

@@ -134,7 +134,9 @@ class SearchSpace:
 
     def __init__(self, low_dtypes: list[str], blocks: list[str] = (), nodes: list[str] = ()) -> None:
         self.low_dtypes = list(low_dtypes)
-        self.dtypes = ["fp32", *self.low_dtypes]
+        # The choices in a fixed order, not by speed: a resumed study must offer the same choices
+        # even when a re-run's probe orders two low dtypes the other way (Optuna refuses otherwise).
+        self.dtypes = ["fp32", *sorted(self.low_dtypes, key=LOW_DTYPES.index)]
         self.blocks = list(blocks) if self.low_dtypes else []
         self.nodes = list(nodes) if self.low_dtypes else []
 

@@ -31,6 +31,7 @@ from typing import Any
 import optuna
 import torch
 
+from autoprec._interrupt import check as check_interrupt
 from autoprec._version import __version__
 from autoprec.dtypes import LOW_DTYPES, NAMES, to_torch
 from autoprec.errors import SearchError
@@ -174,8 +175,11 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
     with clock("probe_s"):
         probes = probe_dtypes(dev)
     for p in probes.values():
-        _log(f"probe {p.dtype}: matmul {p.seconds * 1e3:.2f} ms ({p.speedup:.2f}x fp32)"
-             + ("" if p.usable else f" -> excluded: {p.reason}"), quiet)
+        if forced is not None and p.dtype != "fp32":
+            verdict = " -> searched (--dtypes)" if p.dtype in forced else " -> not searched (--dtypes)"
+        else:
+            verdict = "" if p.usable else f" -> excluded: {p.reason}"
+        _log(f"probe {p.dtype}: matmul {p.seconds * 1e3:.2f} ms ({p.speedup:.2f}x fp32){verdict}", quiet)
     usable = forced if forced is not None else [d for d, p in probes.items() if p.usable and d != "fp32"]
     lows = sorted(usable, key=lambda d: probes[d].seconds)
     blocks = find_blocks(gm)
@@ -197,8 +201,8 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
          f"{' (' + (autocast.error or autocast.note) + ')' if autocast.error or autocast.note else ''}, grad_rel_l2 {autocast.grad_rel_l2:.3g} "
          f"-> drift budget {budget:.3g}; {space.n_params} search parameters", quiet)
 
-    study = open_study(storage or default_storage(out), study_name or _default_name(spec.path, gm, dev), seed)
-    _check_measure_version(study, storage or default_storage(out))
+    study = open_study(storage or default_storage(out), study_name or _default_name(spec.path, gm, dev, space), seed)
+    _check_study(study, storage or default_storage(out), space)
     study.set_user_attr(_A + "drift_budget", budget)
     if not study.trials:  # a new study: rank regions, then queue the baselines (resumes skip this)
         with clock("sensitivity_s"):
@@ -226,7 +230,9 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
         "speedup_vs_autocast": chosen_m.tokens_per_s / ref.tokens_per_s if ref.tokens_per_s else 0.0,
         "grad_rel_l2": chosen_m.grad_rel_l2, "loss_rel": chosen_m.loss_rel,
         "traj_rel": sel.traj.get(id(chosen), 0.0), "peak_bytes": chosen_m.peak_bytes,
-        "drift_budget": budget, "autocast_grad_rel_l2": autocast.grad_rel_l2,
+        "drift_budget": budget,
+        # left out when torch.autocast itself overflowed (a policy file holds finite numbers only)
+        **({"autocast_grad_rel_l2": autocast.grad_rel_l2} if math.isfinite(autocast.grad_rel_l2) else {}),
         **({"memory_budget_bytes": sel.memory_budget} if sel.memory_budget is not None else {}),
     }
     policy = chosen.with_measured(measured).with_provenance(
@@ -234,15 +240,18 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
         torch=torch.__version__, autoprec=__version__, created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         study=study.study_name, compiled=compile,
     )
+    check_interrupt()  # never write a policy after Ctrl-C
     policy.save(out)
     table = [_row("fp32 eager", fp32, fp32), _row(f"autocast {_short(ac_dtype)} eager", autocast, fp32)]
     if sel.autocast_compiled is not None:
         table.append(_row(f"autocast {_short(ac_dtype)} + compile", sel.autocast_compiled, fp32))
     table.append(_row("autoprec policy" + (" + compile" if compile else " (eager)"), chosen_m, fp32))
-    eager = sel.eager_tokens_per_s.get(id(chosen))
-    if compile and eager and eager > 1.1 * chosen_m.tokens_per_s and chosen.activation_memory_budget >= 1.0:
-        _log(f"note: this policy ran faster eagerly ({eager:.0f} tok/s) than compiled ({chosen_m.tokens_per_s:.0f}); "
-             "for this model consider training without compile (autoprec train --no-compile)", quiet)
+    eager = max([(sel.eager_tokens_per_s.get(id(chosen)) or 0.0, "this policy eager"),
+                 (fp32.tokens_per_s, "fp32 eager")])
+    if compile and eager[0] > 1.1 * chosen_m.tokens_per_s and chosen.activation_memory_budget >= 1.0:
+        _log(f"note: {eager[1]} ran faster ({eager[0]:.0f} tok/s) than this policy compiled "
+             f"({chosen_m.tokens_per_s:.0f}); for this model consider tuning and training without compile "
+             "(autoprec tune/train --no-compile)", quiet)
     result = TuneResult(policy, study, table, timings, {k: vars(v) for k, v in probes.items()})
     if report:
         from autoprec.report import write_report
@@ -382,26 +391,40 @@ def _parse_budget(max_drift: str | float) -> float | None:
     return v
 
 
-def _default_name(path, gm, dev) -> str:
-    # The measurement version is part of the name: after an upgrade that changes measurements,
-    # the same command starts a new study beside the old one instead of failing on it.
-    return f"autoprec-{Path(str(path)).stem}-{graph_fingerprint(gm)[:8]}-{dev.type}-m{MEASURE_VERSION}"
+def _default_name(path, gm, dev, space: SearchSpace) -> str:
+    # The measurement version and the searched dtypes are part of the name: after an upgrade
+    # that changes measurements, or with other --dtypes, the same command starts a new study
+    # beside the old one instead of failing on it (see _check_study).
+    return (f"autoprec-{Path(str(path)).stem}-{graph_fingerprint(gm)[:8]}-{dev.type}-"
+            f"{'-'.join(space.dtypes)}-m{MEASURE_VERSION}")
 
 
-def _check_measure_version(study: optuna.Study, storage: str) -> None:
-    """Stamp a new study with :data:`MEASURE_VERSION`; refuse to resume one whose trials were
-    measured by another version (studies from before the stamp count as version 1).
+def _check_study(study: optuna.Study, storage: str, space: SearchSpace) -> None:
+    """Stamp a new study with :data:`MEASURE_VERSION` and the search space; refuse to resume one
+    whose trials were measured by another version (studies from before the stamp count as
+    version 1) or sampled from another space (e.g. other ``--dtypes``: Optuna cannot change a
+    parameter's choices within a study).
 
     Raises:
-        SearchError: naming the study, the storage and both versions; the study is left as it is.
+        SearchError: naming the study, the storage and what differs; the study is left as it is.
     """
+    fix = ("Pass another --study-name (or --storage) to start a new study; the old one is left as it is.")
+    where = f"study {study.study_name!r} in {storage}"
     have = study.user_attrs.get(_A + "measure_version", 1 if study.trials else MEASURE_VERSION)
     if have != MEASURE_VERSION:
         raise SearchError(
-            f"study {study.study_name!r} in {storage} holds trials measured by another autoprec version "
-            f"(measurement version {have}, this one {MEASURE_VERSION}); their numbers are not comparable, "
-            "so it is not resumed. Pass another --study-name (or --storage) to start a new study; "
-            "the old one is left as it is.")
+            f"{where} holds trials measured by another autoprec version (measurement version {have}, "
+            f"this one {MEASURE_VERSION}); their numbers are not comparable, so it is not resumed. {fix}")
+    old = study.user_attrs.get(_A + "space")
+    if study.trials and old is None:  # unstamped: read the dtype choices off its trials
+        dists = [t.distributions.get("matmul") for t in study.trials if "matmul" in t.distributions]
+        old = {"dtypes": list(dists[0].choices)} if dists else None
+    if old is not None and old["dtypes"] != space.dtypes:
+        raise SearchError(
+            f"{where} searched the dtypes {', '.join(old['dtypes'])}; this run searches "
+            f"{', '.join(space.dtypes)} (--dtypes, or what the probe measured as faster than fp32), "
+            f"so it cannot resume it. {fix}")
+    study.set_user_attr(_A + "space", {"dtypes": space.dtypes})
     study.set_user_attr(_A + "measure_version", MEASURE_VERSION)
 
 
@@ -475,8 +498,9 @@ def _optimize(study: optuna.Study, objective: Objective, target: int, timeout: f
         if remaining <= 0 or (left is not None and left <= 0):
             break
         try:
+            # check: a Ctrl-C swallowed during the trial (see autoprec._interrupt) stops here
             study.optimize(objective, n_trials=remaining, timeout=left, show_progress_bar=progress,
-                           catch=(Exception,), callbacks=[stop])
+                           catch=(Exception,), callbacks=[stop, lambda _study, _trial: check_interrupt()])
             break
         except ValueError as e:
             # SQLite has no row locks: two workers can pop the same queued trial, and the second
@@ -543,6 +567,7 @@ class _Selector:
             return self._choose_eager(feasible)
         best: tuple[Policy, Measurement] | None = None
         for pol, label in self._candidates(feasible, k):
+            check_interrupt()
             _log(f"finalist {label}: {pol.summary()}", self.quiet)
             fn = self._fn(run_pipeline(self.h.graph_module, pol).graph_module)
             m = self.h.measure(fn, lambda pol=pol: make_scaler(pol), max_step_s=self.slow)
@@ -579,9 +604,24 @@ class _Selector:
                 continue
             m = self.h.measure(fn, lambda pol=pol: make_scaler(pol), max_step_s=self.slow)
             if m.error is None and (self.memory_budget is None or m.peak_bytes <= self.memory_budget):
-                return pol, m
+                return self._or_fp32(t.number, pol, m)
         raise SearchError("no feasible trial passed the trajectory check"
                           + ("" if self.memory_budget is None else " and the memory budget"))
+
+    def _or_fp32(self, number: int, pol: Policy, m: Measurement) -> tuple[Policy, Measurement]:
+        """``pol`` unless all-fp32, re-measured beside it, is faster (and fits the memory budget):
+        one screening measurement can flatter a trial, so a lowered policy must beat FP32
+        measured the same way to be chosen, as the compiled finalists must."""
+        if not (pol.dtypes_used() - {"fp32"}):
+            return pol, m
+        fp32 = Policy.fp32()
+        f = self.h.measure(run_pipeline(self.h.graph_module, fp32).graph_module, max_step_s=self.slow)
+        if f.error is None and f.tokens_per_s > m.tokens_per_s and (
+                self.memory_budget is None or f.peak_bytes <= self.memory_budget):
+            _log(f"trial {number} ({pol.summary()}) re-measured {m.tokens_per_s:.0f} tok/s, all-fp32 "
+                 f"{f.tokens_per_s:.0f} tok/s: all-fp32 chosen", self.quiet)
+            return fp32, f
+        return pol, m
 
     def _candidates(self, feasible: list[optuna.trial.FrozenTrial], k: int) -> list[tuple[Policy, str]]:
         """The k fastest feasible trials, plus all-fp32 so that a lowered policy must beat FP32

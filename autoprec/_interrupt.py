@@ -1,0 +1,55 @@
+"""Ctrl-C that is never lost.
+
+Python raises ``KeyboardInterrupt`` wherever the main thread happens to be when SIGINT arrives.
+Inside a weakref callback or ``__del__`` the exception is printed and ignored ("Exception
+ignored in ..."), and a library may turn it into another error on its way out (Optuna's trial
+loop has raised ``UnboundLocalError`` for it). :func:`catch_sigint` remembers that SIGINT came;
+:func:`check` raises ``KeyboardInterrupt`` again at the next safe point (between trials, before
+a file is written), and :func:`interrupted` lets the CLI report any error that follows as the
+interrupt it was.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from collections.abc import Iterator
+
+_seen = threading.Event()
+
+
+@contextlib.contextmanager
+def catch_sigint() -> Iterator[None]:
+    """Within the block, SIGINT raises ``KeyboardInterrupt`` as usual and is also remembered
+    (:func:`interrupted`, :func:`check`). Only in the main thread (where Python runs signal
+    handlers); elsewhere the block runs unchanged. The previous handler is restored on exit."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    _seen.clear()
+
+    def handler(signum, frame):
+        _seen.set()
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def interrupted() -> bool:
+    """True once SIGINT came inside the current :func:`catch_sigint` block."""
+    return _seen.is_set()
+
+
+def check() -> None:
+    """Raise ``KeyboardInterrupt`` if SIGINT came, even when the first one was swallowed.
+
+    Raises:
+        KeyboardInterrupt: SIGINT came inside the current :func:`catch_sigint` block.
+    """
+    if _seen.is_set():
+        raise KeyboardInterrupt

@@ -1,0 +1,227 @@
+"""Bad command-line input fails before any work, naming the option; Ctrl-C is never lost;
+studies are not resumed across search spaces; eager selection re-measures all-fp32."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import weakref
+from pathlib import Path
+
+import optuna
+import pytest
+
+from autoprec import Policy
+from autoprec._interrupt import catch_sigint, check, interrupted
+from autoprec.cli import main
+from autoprec.errors import LossScaleError, SearchError
+from autoprec.search import study as study_mod
+from autoprec.search.measure import Measurement
+from autoprec.search.space import SearchSpace
+
+MICRO = str(Path(__file__).resolve().parent / "models" / "micro_lm.py")
+
+
+@pytest.mark.parametrize("argv, option", [
+    (["tune", MICRO, "--trials", "0"], "--trials"),
+    (["tune", MICRO, "--trials", "-1"], "--trials"),
+    (["tune", MICRO, "--timeout", "0"], "--timeout"),
+    (["tune", MICRO, "--timeout", "nan"], "--timeout"),
+    (["tune", MICRO, "--finalists", "0"], "--finalists"),
+    (["tune", MICRO, "--traj-steps", "-5"], "--traj-steps"),
+    (["train", MICRO, "--policy", "p.json", "--steps", "0"], "--steps"),
+    (["train", MICRO, "--policy", "p.json", "--max-grad-norm", "-1"], "--max-grad-norm"),
+    (["bench", MICRO, "--policy", "p.json", "--steps", "0"], "--steps"),
+    (["bench", MICRO, "--policy", "p.json", "--warmup", "x"], "--warmup"),
+])
+def test_bad_numbers_exit_2_naming_the_option(argv, option, capsys, tmp_path, monkeypatch):
+    """Counts and durations out of range are rejected by the parser (exit 2) before anything runs."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert f"argument {option}" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def _tune_rc(argv, capsys):
+    rc = main(["tune", MICRO, "--trials", "1", "--no-compile", *argv])
+    return rc, capsys.readouterr().err
+
+
+def test_out_is_a_directory(tmp_path, capsys):
+    """--out naming a directory fails before the search (it used to fail at the final rename)."""
+    rc, err = _tune_rc(["--out", str(tmp_path)], capsys)
+    assert rc == 2 and f"--out {tmp_path}: is a directory" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_out_under_a_file(tmp_path, capsys):
+    """--out below a regular file: the message names the path, nothing is created."""
+    f = tmp_path / "model.py"
+    f.write_text("")
+    rc, err = _tune_rc(["--out", str(f / "p.json")], capsys)
+    assert rc == 2 and f"--out {f / 'p.json'}: cannot write there" in err
+    assert [p.name for p in tmp_path.iterdir()] == ["model.py"]
+
+
+def test_out_in_an_uncreatable_directory(tmp_path, capsys):
+    """A parent that cannot be created (a file in the way) is named; nothing is left behind."""
+    (tmp_path / "f").write_text("")
+    rc, err = _tune_rc(["--out", str(tmp_path / "a" / "b" / "p.json"), "--storage",
+                        f"sqlite:///{tmp_path / 'f' / 'x' / 's.db'}"], capsys)
+    assert rc == 2 and "cannot create the directory" in err and str(tmp_path / "f" / "x") in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f"]
+
+
+def test_bad_storage_url(tmp_path, capsys):
+    """An unknown database dialect fails before the model is built, naming the URL."""
+    rc, err = _tune_rc(["--out", str(tmp_path / "p.json"), "--storage", "bogus://x"], capsys)
+    assert rc == 2 and "--storage 'bogus://x': not a usable database URL" in err
+    rc, err = _tune_rc(["--out", str(tmp_path / "p.json"), "--storage", "study.db"], capsys)
+    assert rc == 2 and "use sqlite:///study.db" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the swallowed one
+def test_swallowed_ctrl_c_is_raised_again():
+    """SIGINT that lands in a weakref callback is printed and ignored by Python; check() raises it
+    again at the next safe point."""
+    class Obj:
+        pass
+
+    hits = []
+
+    def callback(_ref):
+        hits.append(1)
+        os.kill(os.getpid(), signal.SIGINT)  # the handler runs here; Python ignores its exception
+
+    with catch_sigint():
+        o = Obj()
+        ref = weakref.ref(o, callback)
+        del o
+        assert hits == [1] and ref() is None  # still running: the KeyboardInterrupt was swallowed
+        assert interrupted()
+        with pytest.raises(KeyboardInterrupt):
+            check()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_error_after_ctrl_c_is_reported_as_the_interrupt(monkeypatch, capsys):
+    """An exception raised on the way out of an interrupt (Optuna has turned one into an
+    UnboundLocalError) exits 130 with the interrupt message, not a traceback."""
+    def cmd(_args):
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+        except KeyboardInterrupt:
+            raise UnboundLocalError("cannot access local variable 'updated_state'") from None
+        return 0
+
+    monkeypatch.setitem(__import__("autoprec.cli", fromlist=["_COMMANDS"])._COMMANDS, "show", cmd)
+    assert main(["show", "p.json"]) == 130
+    assert "autoprec show: interrupted after" in capsys.readouterr().err
+
+
+def test_loss_scale_error_exits_1(monkeypatch, capsys):
+    """A run that stops because the loss scale collapsed is a failure (1), not bad input (2)."""
+    def cmd(_args):
+        raise LossScaleError("forward produced non-finite values at node up/linear#0")
+
+    monkeypatch.setitem(__import__("autoprec.cli", fromlist=["_COMMANDS"])._COMMANDS, "show", cmd)
+    assert main(["show", "p.json"]) == 1
+    assert "non-finite values at node up/linear#0" in capsys.readouterr().err
+
+
+def test_dtype_choices_are_in_a_fixed_order():
+    """Two probes that order bf16/fp16 differently by speed give the same categorical choices,
+    so a re-run resumes the study instead of failing in Optuna."""
+    assert SearchSpace(["fp16", "bf16"]).dtypes == SearchSpace(["bf16", "fp16"]).dtypes == ["fp32", "bf16", "fp16"]
+    assert SearchSpace(["fp16", "bf16"]).low_dtypes[0] == "fp16"  # fastest first is kept where it matters
+
+
+def test_study_of_another_search_space_is_not_resumed():
+    """A study sampled with other dtypes (e.g. other --dtypes) is refused with a message naming it
+    and both dtype lists; an unstamped old study is read off its trials' distributions."""
+    st = study_mod.open_study("sqlite:///:memory:", "s")
+    study_mod._check_study(st, "mem", SearchSpace([]))
+    st.optimize(lambda t: (SearchSpace([]).suggest(t), (1.0, 0.0, 0.0))[1], n_trials=1)
+    study_mod._check_study(st, "mem", SearchSpace([]))  # same space: resumes
+    with pytest.raises(SearchError, match=r"study 's' in mem searched the dtypes fp32; this run searches "
+                                          r"fp32, bf16 .*another --study-name"):
+        study_mod._check_study(st, "mem", SearchSpace(["bf16"]))
+    st.set_user_attr(study_mod.ATTR + "space", None)  # as a study from before the stamp
+    with pytest.raises(SearchError, match="searched the dtypes fp32;"):
+        study_mod._check_study(st, "mem", SearchSpace(["bf16"]))
+
+
+class _FakeHarness:
+    """Answers measure() with scripted throughputs (tokens/s) for the all-fp32 re-measurement."""
+
+    def __init__(self, fp32_tokens_per_s):
+        self.graph_module, self.fp32 = None, fp32_tokens_per_s
+
+    def measure(self, fn, scaler_factory=None, max_step_s=None):
+        return Measurement(step_s=1.0, tokens_per_s=self.fp32, grad_rel_l2=0.0, loss_rel=0.0)
+
+
+@pytest.mark.parametrize("fp32_tps, chosen", [(200.0, "fp32"), (50.0, "bf16")])
+def test_eager_selection_must_beat_fp32_measured_beside_it(monkeypatch, fp32_tps, chosen):
+    """Without compile, the trial picked on its screening number is re-measured, and all-fp32 with
+    it: a lowered policy slower than all-fp32 (a flattering screening run) is not written."""
+    monkeypatch.setattr(study_mod, "run_pipeline", lambda gm, pol: type("R", (), {"graph_module": None}))
+    sel = study_mod._Selector(_FakeHarness(fp32_tps), 1e-2, False, None, None, 0, None, True)
+    bf16 = Policy.default("bf16")
+    pol, m = sel._or_fp32(3, bf16, Measurement(step_s=1.0, tokens_per_s=100.0, grad_rel_l2=1e-3))
+    assert pol.dtypes_used() == ({"fp32"} if chosen == "fp32" else bf16.dtypes_used())
+    assert m.tokens_per_s == (fp32_tps if chosen == "fp32" else 100.0)
+
+
+OVERFLOW = '''
+import torch
+from torch import nn
+
+class Net(nn.Module):
+    """C01: x @ w is 66355 > 65504 in fp16 -> inf; then a residual add and an RMSNorm -> NaN."""
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(256, 1, bias=False)
+        self.out = nn.Linear(1, 4, bias=False)
+        with torch.no_grad():
+            self.up.weight.fill_(16.2)
+            self.out.weight.fill_(0.01)
+
+    def forward(self, x):
+        h = self.up(x) + x[:, :1]
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return self.out(h).pow(2).mean()
+
+def build_model():
+    return Net()
+
+def get_batch(step, device):
+    return (torch.full((2, 256), 16.0, device=device),)
+'''
+
+
+def test_autocast_overflow_with_max_drift_still_writes_a_policy(tmp_path):
+    """C01 with fp16 searched: torch.autocast's own drift is infinite, so --max-drift is required;
+    given it, the tune writes a valid policy (fp32 matmul) whose measured block leaves the infinite
+    autocast drift out instead of failing at the very end."""
+    model = tmp_path / "ovf.py"
+    model.write_text(OVERFLOW)
+    out = tmp_path / "p.json"
+    cmd = [sys.executable, "-m", "autoprec.cli", "tune", str(model), "--out", str(out), "--trials", "4",
+           "--no-compile", "--dtypes", "fp16", "--traj-steps", "0"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 2 and "drift budget is not finite" in r.stderr and "--max-drift" in r.stderr
+    assert not out.exists() and not (tmp_path / "p.optuna.db").exists()
+    r = subprocess.run(cmd + ["--max-drift", "0.01"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    pol = Policy.load(out)
+    assert "autocast_grad_rel_l2" not in pol.measured and pol.measured["grad_rel_l2"] <= 0.01
+    study = optuna.load_study(study_name=pol.provenance["study"], storage=f"sqlite:///{tmp_path / 'p.optuna.db'}")
+    lowered = [t for t in study.trials if "fp16" in json.dumps(t.user_attrs.get(study_mod.ATTR + "policy"))]
+    assert any(t.values is None or not t.values[1] <= 0.01 for t in lowered)  # the overflow was caught
