@@ -373,8 +373,9 @@ def _cmd_bench(a: argparse.Namespace) -> int:
 
     _validate_model(a.model, a.device)
     try:
-        res = run_bench(a.model, a.policy, steps=a.steps, warmup=a.warmup, device=a.device, configs=a.configs,
-                        max_step_ratio=a.max_step_ratio, skip_slow=a.skip_slow, json_path=a.json)
+        with _naming_policy(a.policy):
+            res = run_bench(a.model, a.policy, steps=a.steps, warmup=a.warmup, device=a.device, configs=a.configs,
+                            max_step_ratio=a.max_step_ratio, skip_slow=a.skip_slow, json_path=a.json)
     except ValueError as e:
         print(f"autoprec bench: error: {e}", file=sys.stderr)
         return 2
@@ -403,6 +404,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     from autoprec.errors import LossScaleError
 
     t0 = time.perf_counter()
+    plain = warnings.formatwarning
+
+    def formatwarning(message, category, filename, lineno, line=None):
+        """autoprec's own warnings (about the user's files) read as CLI messages, no source line."""
+        text = str(message)
+        if text.startswith("autoprec: "):
+            return f"autoprec {args.cmd}: warning: {text[len('autoprec: '):]}\n"
+        return plain(message, category, filename, lineno, line)
+
+    warnings.formatwarning = formatwarning
     try:
         with catch_sigint():
             code = _COMMANDS[args.cmd](args)
@@ -416,6 +427,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         pass
     else:
         return code
+    finally:
+        warnings.formatwarning = plain
     kept = {"tune": "; finished trials are kept in the study (re-run the command to resume)",
             "train": "; with --checkpoint, --resume continues from the last checkpoint"}.get(args.cmd, "")
     print(f"autoprec {args.cmd}: interrupted after {time.perf_counter() - t0:.0f}s{kept}", file=sys.stderr)

@@ -225,3 +225,27 @@ def test_autocast_overflow_with_max_drift_still_writes_a_policy(tmp_path):
     study = optuna.load_study(study_name=pol.provenance["study"], storage=f"sqlite:///{tmp_path / 'p.optuna.db'}")
     lowered = [t for t in study.trials if "fp16" in json.dumps(t.user_attrs.get(study_mod.ATTR + "policy"))]
     assert any(t.values is None or not t.values[1] <= 0.01 for t in lowered)  # the overflow was caught
+
+
+def test_train_reports_a_module_rule_that_matches_no_node(tmp_path):
+    """DESIGN §4: a rule that matches no node is reported; the CLI prints it as its own warning
+    (no Python source line), and training goes on."""
+    pol = Policy.from_dict({**Policy.fp32().to_dict(),
+                            "rules": [{"module": "model.layers.*", "op_class": "matmul", "dtype": "bf16"}]})
+    pol.save(tmp_path / "p.json")
+    r = subprocess.run([sys.executable, "-m", "autoprec.cli", "train", MICRO, "--policy", str(tmp_path / "p.json"),
+                        "--steps", "1", "--no-compile"], capture_output=True, text=True, timeout=300)
+    err = r.stderr
+    assert r.returncode == 0, err[-2000:]
+    assert ("autoprec train: warning: policy rules[0] model.layers.*:matmul->bf16 matches no node of this graph"
+            in err), err
+    assert "warnings.warn" not in err
+
+
+def test_bench_error_names_the_policy_file(tmp_path, capsys):
+    """A policy that does not fit the model fails bench with the policy file named, as in train/show."""
+    p = tmp_path / "fp8.json"
+    Policy.from_dict({**Policy.fp32().to_dict(), "rules": [{"op_class": "matmul", "dtype": "fp8_e4m3"}]}).save(p)
+    rc = main(["bench", MICRO, "--policy", str(p), "--configs", "policy_eager", "--steps", "1", "--warmup", "0"])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"autoprec bench: error: {p}: [assign_dtypes]" in err and "fp8" in err, err

@@ -54,6 +54,14 @@ def _check_node_rules(policy: Policy, nodes: list[fx.Node]) -> None:
     inputs = {str(name) for n in nodes if n.op == "placeholder" for name in (n.name, n.target)}
     for i, rule in enumerate(policy.rules):
         if rule.node is None:
+            # DESIGN §4: a rule that matches no node is reported. A rule by op class alone may
+            # fairly match nothing (a model without norms); one naming modules is a typo or a
+            # policy for another model.
+            if rule.module is not None and not any(
+                    rule.matches(n.meta["autoprec"]["key"], classify(n), n.meta["autoprec"]["module"])
+                    for n in nodes if n.op == "call_function" and "key" in n.meta.get("autoprec", {})):
+                warnings.warn(f"autoprec: policy rules[{i}] {rule.describe()} matches no node of this graph "
+                              "(the rule has no effect)", stacklevel=3)
             continue
         n = by_key.get(rule.node)
         if n is None and rule.node in inputs:
