@@ -87,7 +87,9 @@ def _parser() -> argparse.ArgumentParser:
 
     rp = sub.add_parser("report", help="write the report (Pareto front, trials table) of a study")
     rp.add_argument("--storage", required=True, help="Optuna storage URL, e.g. sqlite:///policy.optuna.db")
-    rp.add_argument("--study-name", required=True)
+    rp.add_argument("--study-name", default=None,
+                    help="study to report (default: the only study in the storage; the policy's "
+                         "provenance.study names it)")
     rp.add_argument("--out", default="report", help="path stem of the files written (default: report)")
 
     r = sub.add_parser("train", help="train with a policy")
@@ -339,11 +341,13 @@ def _cmd_report(a: argparse.Namespace) -> int:
     db = _sqlite_path(a.storage)
     if db is not None and not os.path.isfile(db):
         raise SearchError(f"{db}: no such study database (--storage {a.storage})")
-    try:
-        study = optuna.load_study(study_name=a.study_name, storage=a.storage)
-    except KeyError:
-        names = [s.study_name for s in optuna.get_all_study_summaries(a.storage)]
-        raise SearchError(f"{a.storage}: no study named {a.study_name!r}; studies there: {names}") from None
+    names = [s.study_name for s in optuna.get_all_study_summaries(a.storage)]
+    if a.study_name is None and len(names) != 1:
+        raise SearchError(f"{a.storage} holds {len(names)} studies; pick one with --study-name: {names}")
+    name = a.study_name or names[0]
+    if name not in names:
+        raise SearchError(f"{a.storage}: no study named {name!r}; studies there: {names}")
+    study = optuna.load_study(study_name=name, storage=a.storage)
     _make_parents(a.out)
     for p in write_report(study, a.out):
         print(f"wrote {p}")

@@ -129,19 +129,23 @@ def _plot_dtype_map(gm: fx.GraphModule, policy: Policy, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.colors import ListedColormap
+    from matplotlib.patches import Patch
 
     dm = dtype_map(gm, policy)
     mods = list(dm)
     classes = ["matmul", "sensitive", "follow"]
     grid = [[_DT_COLOUR.get(dm[m].get(c, ""), math.nan) for c in classes] for m in mods]
     fig, ax = plt.subplots(figsize=(5, max(2.0, 0.18 * len(mods) + 1)), dpi=110)
-    ax.imshow(grid or [[math.nan] * 3], aspect="auto", cmap=ListedColormap(["#4c72b0", "#dd8452", "#c44e52"]),
+    colours = ["#4c72b0", "#dd8452", "#c44e52"]  # _DT_COLOUR's indices: fp32, bf16, fp16
+    ax.imshow(grid or [[math.nan] * 3], aspect="auto", cmap=ListedColormap(colours),
               vmin=0, vmax=2)
     ax.set_xticks(range(3), classes)
     ax.set_yticks(range(len(mods)), [m or "<root>" for m in mods], fontsize=6)
-    ax.set_title("dtype per module and op class (blue fp32, orange bf16, red fp16)", fontsize=8)
+    ax.set_title("dtype per module and op class", fontsize=8)
+    ax.legend(handles=[Patch(color=c, label=d) for d, c in zip(("fp32", "bf16", "fp16"), colours)],
+              loc="upper center", bbox_to_anchor=(0.5, -0.06 if mods else -0.15), ncol=3, fontsize=7, frameon=False)
     fig.tight_layout()
-    fig.savefig(path)
+    fig.savefig(path, bbox_inches="tight")  # keeps the legend below the axes
     plt.close(fig)
 
 

@@ -173,3 +173,18 @@ def test_report_creates_out_directory(tmp_path, capsys):
     optuna.create_study(study_name="s", storage=storage).optimize(lambda t: t.suggest_float("a", 0, 1), n_trials=1)
     assert main(["report", "--storage", storage, "--study-name", "s", "--out", str(tmp_path / "new" / "r")]) == 0
     assert any((tmp_path / "new").iterdir())
+
+
+def test_report_without_study_name(tmp_path, capsys):
+    """--study-name may be left out when the storage holds one study; with two it is required,
+    and the message lists them."""
+    import optuna
+
+    storage = f"sqlite:///{tmp_path / 's.db'}"
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    optuna.create_study(study_name="s", storage=storage).optimize(lambda t: t.suggest_float("a", 0, 1), n_trials=1)
+    assert main(["report", "--storage", storage, "--out", str(tmp_path / "r")]) == 0
+    assert any(p.name.startswith("r") for p in tmp_path.iterdir())
+    optuna.create_study(study_name="t", storage=storage)
+    assert main(["report", "--storage", storage, "--out", str(tmp_path / "r2")]) == 2
+    assert "holds 2 studies; pick one with --study-name: ['s', 't']" in capsys.readouterr().err

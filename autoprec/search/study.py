@@ -213,6 +213,10 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
                  + ", ".join(f"{k} {v:.2g}" for k, v in sorted(sens.items(), key=lambda kv: -kv[1])), quiet)
         _enqueue_baselines(study, space, sens)
     target = trials if trials is not None else 20
+    if not space.low_dtypes and target > 1:  # every parameter's only float choice is fp32
+        _log(f"no low dtype is searched (none measured faster than fp32 here), so every policy is all-fp32: "
+             f"1 trial instead of {target} (--dtypes bf16,fp16 searches them anyway)", quiet)
+        target = 1
     objective = Objective(harness, space, budget, max_step_s=slow)
     with clock("trials_s"):
         _optimize(study, objective, target, timeout, progress and not quiet)
