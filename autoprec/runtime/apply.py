@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from autoprec.capture import capture
+from autoprec.capture import InputShapes, capture, quiet_pytree_deprecation
 from autoprec.passes import run_pipeline
 from autoprec.policy import Policy
 
@@ -63,6 +63,14 @@ class MixedPrecisionModule(nn.Module):
     ``load_state_dict()`` are the wrapped model's, so optimizers and checkpoints are unchanged;
     parameters (master weights) stay fp32 and low-precision copies are cast inside the graph.
 
+    The graph is specialised to the example batch's shapes (batch size included): a call whose
+    input tensors have other shapes raises ``ValueError`` naming the input and both shapes (see
+    :class:`autoprec.capture.InputShapes`); apply the policy once per batch shape.
+
+    When ``policy.needs_loss_scaling`` is True (the policy computes something in fp16), train it
+    with the scaler ``autoprec.runtime.train.make_scaler(mp.policy)`` returns (a
+    :class:`autoprec.DynamicLossScaler`); see :func:`apply`.
+
     Attributes:
         model: The original model (its Parameters are the ones trained).
         graph_module: The lowered ``torch.fx.GraphModule``.
@@ -85,9 +93,23 @@ class MixedPrecisionModule(nn.Module):
                           "memory exceeds what tune measured", stacklevel=3)
         object.__setattr__(self, "_fn", compile_graph(graph_module, policy.activation_memory_budget)
                            if compile else graph_module)
+        object.__setattr__(self, "_inputs", InputShapes(graph_module, what=type(self).__name__))
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the lowered graph; same signature and outputs as ``model.forward``."""
+        """Run the lowered graph; same signature and outputs as ``model.forward``.
+
+        Args:
+            *args, **kwargs: The batch, with the structure and tensor shapes of the example batch
+                the graph was captured on (dtypes and devices as the model expects).
+
+        Returns:
+            The model's output structure, floating outputs in their original dtype.
+
+        Raises:
+            ValueError: an input tensor's shape differs from the captured one (e.g. a smaller last
+                batch); the message names the input, the captured and the given shapes.
+        """
+        self._inputs.check(args, kwargs)
         return self._fn(*args, **kwargs)
 
     def named_parameters(self, prefix: str = "", recurse: bool = True,
@@ -131,14 +153,33 @@ def apply(model: nn.Module, policy: Policy, example_batch: Any, compile: bool = 
         graph_module: An already captured graph of ``model`` (skips the capture).
 
     Returns:
-        A :class:`MixedPrecisionModule`, a drop-in for ``model`` in the training loop. If the
-        policy uses fp16, train it with a :class:`autoprec.DynamicLossScaler` (see
-        :func:`autoprec.runtime.train.make_scaler`).
+        A :class:`MixedPrecisionModule`, a drop-in for ``model`` in the training loop, for batches
+        of ``example_batch``'s structure and shapes only (the capture is per shape: call ``apply``
+        again for another batch shape; another shape raises ``ValueError`` at call time).
 
     Raises:
         CaptureError: the model cannot be captured.
         PassError: the policy cannot be applied to this graph (names the node).
+
+    Loss scaling: when ``policy.needs_loss_scaling`` is True (any node computes in fp16), the
+    module must be trained with a dynamic loss scaler, or small fp16 gradients flush to zero and
+    training silently stalls (case C07); bf16/fp32-only policies need none. ``apply`` does not
+    create it (it does not see the training loop); build it from the policy's ``loss_scaling``
+    settings with::
+
+        from autoprec.runtime.train import make_scaler
+
+        scaler = make_scaler(policy)  # a DynamicLossScaler, or None when the policy has no fp16
+        loss = loss_fn(mp(**batch), batch)
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)    # optional, e.g. before clipping
+        scaler.step(optimizer)        # skipped on inf/NaN gradients
+        scaler.update()
+
+    (``autoprec.runtime.train.TrainStep(mp, params, optimizer, loss_fn, scaler=make_scaler(policy))``
+    does all of this; ``autoprec train`` uses it.)
     """
     gm = graph_module if graph_module is not None else capture(model, example_batch)
-    result = run_pipeline(gm, policy, placement)
+    with quiet_pytree_deprecation():  # the passes deep-copy the graph and its pytree specs
+        result = run_pipeline(gm, policy, placement)
     return MixedPrecisionModule(model, result.graph_module, policy, result.stats, compile)

@@ -27,6 +27,7 @@ from typing import IO, Any
 import torch
 from torch import fx
 
+from autoprec.capture import InputShapes
 from autoprec.passes.diagnose import first_nonfinite_node as _first_nonfinite_in_graph
 
 __all__ = ["Monitor", "StepRecord", "first_nonfinite_node", "json_safe", "read_jsonl"]
@@ -67,12 +68,19 @@ def first_nonfinite_node(gm: fx.GraphModule, batch: Any) -> str | None:
         ``node.meta["autoprec"]["key"]`` (e.g. ``"proj/linear#0"``; the FX name for nodes without a
         key, such as inputs), or ``None`` when every floating value of the forward pass is finite
         (then the non-finite gradients, if any, arise in the backward pass).
+
+    Raises:
+        ValueError: a tensor of ``batch`` has another shape than the graph was captured for (the
+            message names the input and both shapes).
     """
     if isinstance(batch, Mapping):
-        return _first_nonfinite_in_graph(gm, **batch)
-    if isinstance(batch, (tuple, list)):
-        return _first_nonfinite_in_graph(gm, *batch)
-    return _first_nonfinite_in_graph(gm, batch)
+        args, kwargs = (), dict(batch)
+    elif isinstance(batch, (tuple, list)):
+        args, kwargs = tuple(batch), {}
+    else:
+        args, kwargs = (batch,), {}
+    InputShapes(gm, what="the graph_module").check(args, kwargs)
+    return _first_nonfinite_in_graph(gm, *args, **kwargs)
 
 
 @dataclass

@@ -158,6 +158,15 @@ class DynamicLossScaler:
         applied = scaler.step(optimizer)    # False: non-finite grads, step skipped
         scaler.update()
 
+    To have the floor error name the node that produced the first inf/NaN, wire a
+    :class:`~autoprec.runtime.monitor.Monitor` in (``mp`` is what ``autoprec.apply`` returned)::
+
+        monitor = autoprec.Monitor(graph_module=mp.graph_module)
+        scaler = DynamicLossScaler(diagnose=monitor.diagnoser())
+        for batch in batches:
+            monitor.last_batch = batch      # the batch diagnose() re-runs if update() gives up
+            ...                             # forward, scale(loss).backward(), step, update
+
     The scale is kept as a float32 value, and ``update`` reproduces ``torch._amp_update_scale_``
     exactly (so, with the floor and cap not binding, the trajectory equals GradScaler's): on a step
     with inf/NaN gradients the scale is multiplied by ``backoff_factor`` and the growth tracker reset;
@@ -175,9 +184,11 @@ class DynamicLossScaler:
             ``update`` raises :class:`~autoprec.errors.LossScaleError`.
         enabled: If False, ``scale`` is the identity, ``step`` a plain ``optimizer.step()``, and
             ``unscale_``/``update``/``load_state_dict`` do nothing (like GradScaler).
-        diagnose: Optional zero-argument callable returning the name of the first graph node that
-            produced a non-finite value (e.g. ``lambda: monitor.first_nonfinite_node``), or None.
-            Called only when the error above is raised.
+        diagnose: Optional zero-argument callable returning the key of the first graph node that
+            produced a non-finite value, or None: typically ``Monitor(graph_module=...).diagnoser()``
+            (re-runs ``monitor.last_batch`` through the graph), or e.g.
+            ``lambda: autoprec.runtime.monitor.first_nonfinite_node(mp.graph_module, batch)``.
+            Called only when the error above is raised; if it raises, the error says so instead.
 
     Raises:
         ValueError: An argument is out of range; the message names it.
@@ -297,8 +308,12 @@ class DynamicLossScaler:
                 f"its floor (min_scale={self._min_scale!r}): the gradients are inf/NaN even at the minimum "
                 "scale, so this is not a loss-scaling overflow - the non-finite values come from the forward "
                 "pass (an op overflowing its dtype, or inf/NaN in the inputs or weights).")
-        hint = ("To find the first node that produced one, record a step with autoprec.Monitor and read "
-                "Monitor.first_nonfinite_node (or pass diagnose=... to DynamicLossScaler).")
+        hint = ("To name the first node that produced one, create "
+                "monitor = autoprec.Monitor(graph_module=mp.graph_module) (mp: the module autoprec.apply "
+                "returned), pass diagnose=monitor.diagnoser() to DynamicLossScaler and set "
+                "monitor.last_batch = batch before each step; or call "
+                "autoprec.runtime.monitor.first_nonfinite_node(mp.graph_module, batch) on a batch that "
+                "overflows (it returns the node's key).")
         if self._diagnose is None:
             return f"{head} {hint}"
         try:
@@ -306,7 +321,9 @@ class DynamicLossScaler:
         except Exception as e:  # noqa: BLE001 - a failing diagnosis must not hide the real error
             return f"{head} diagnose() failed ({e!r}). {hint}"
         if node is None:
-            return f"{head} diagnose() found no node with a non-finite output. {hint}"
+            return (f"{head} diagnose() found no node with a non-finite output: the forward pass of the batch "
+                    "it ran is finite, so the inf/NaN arise in the backward pass or that batch is not one that "
+                    f"overflows. {hint}")
         return f"{head} First node that produced a non-finite value: {str(node)!r}."
 
     def get_scale(self) -> float:
