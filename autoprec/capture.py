@@ -14,6 +14,9 @@ policies use to name nodes; keys do not depend on FX's generated node names.
 from __future__ import annotations
 
 import contextlib
+import io
+import logging
+import sys
 import warnings
 from collections import defaultdict
 from collections.abc import Iterator, Mapping
@@ -47,6 +50,32 @@ def quiet_pytree_deprecation() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r".*LeafSpec.*", category=FutureWarning)
         yield
+
+
+@contextlib.contextmanager
+def _quiet_partial_graph() -> Iterator[None]:
+    """Keep torch.export's failure dump out of the user's terminal.
+
+    When export fails, torch prints the partial FX graph (``e.partial_fx_graph``) to stderr and
+    the ``symbolic_shapes`` logger warns "Unable to find user code"; :func:`capture`'s own error
+    names the source line instead. stderr is buffered inside the block and written out afterwards
+    without the partial graph, so everything else (the model's warnings) still shows.
+    """
+    buf = io.StringIO()
+    shapes_log = logging.getLogger("torch.fx.experimental.symbolic_shapes")
+    level = shapes_log.level
+    shapes_log.setLevel(logging.ERROR)
+    try:
+        with contextlib.redirect_stderr(buf):
+            yield
+    except Exception as e:
+        partial = getattr(e, "partial_fx_graph", None)
+        sys.stderr.write(buf.getvalue().replace(f"{partial}\n", "") if partial is not None else buf.getvalue())
+        raise
+    else:
+        sys.stderr.write(buf.getvalue())
+    finally:
+        shapes_log.setLevel(level)
 
 
 def op_name(node: fx.Node) -> str:
@@ -160,7 +189,7 @@ def capture(model: nn.Module, example_batch: Any) -> fx.GraphModule:
     args, kwargs = _split_batch(example_batch)
     was_training = model.training
     try:
-        with quiet_pytree_deprecation():
+        with quiet_pytree_deprecation(), _quiet_partial_graph():
             ep = torch.export.export(model, args, kwargs, strict=False)
     except Exception as e:  # torch raises many types here (UserError, GuardOnDataDependent...)
         raise CaptureError(

@@ -88,3 +88,29 @@ def test_capture_error_is_a_capture_error():
 
     with pytest.raises(CaptureError, match="Shapey"):
         capture(Shapey(), (torch.randn(4),))
+
+
+class _DataDependent(nn.Module):
+    """Case C13's untraceable `if`, plus a line the model itself writes to stderr."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 1)
+
+    def forward(self, x):
+        import sys
+
+        print("model says hello", file=sys.stderr)
+        if x.abs().max() > 100:
+            x = x / 100
+        return self.lin(x).sum()
+
+
+def test_failed_capture_prints_no_partial_graph(capfd):
+    """torch.export prints its partial FX graph to stderr when it fails; capture's own error names
+    the source line instead, so the dump is dropped, while the model's own output still shows."""
+    with pytest.raises(CaptureError, match=r"test_capture.py:\d+ \(forward\)"):
+        capture(_DataDependent(), (torch.randn(2, 4),))
+    err = capfd.readouterr().err
+    assert "model says hello" in err
+    assert "def forward" not in err and "Unable to find user code" not in err, err
