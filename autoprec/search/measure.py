@@ -8,12 +8,13 @@ compiled) is measured on the same weights and batches, and the weights are resto
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import platform
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -25,7 +26,40 @@ from autoprec.modelspec import ModelSpec
 from autoprec.runtime.scaler import DynamicLossScaler
 from autoprec.runtime.train import TrainStep
 
-__all__ = ["Measurement", "Harness", "describe_machine", "grad_rel_l2", "grad_sqnr_db_min", "traj_rel", "resolve_device", "sync", "time_matmul"]
+__all__ = ["MEASURE_SEED", "Measurement", "Harness", "describe_machine", "grad_rel_l2", "grad_sqnr_db_min", "traj_rel",
+           "resolve_device", "same_rng", "sync", "time_matmul"]
+
+#: Seed of the global RNG (CPU, and the CUDA device when on CUDA) at the start of every drift
+#: forward/backward (the FP32 reference's and each candidate's) and of every trajectory step
+#: (step k: ``MEASURE_SEED + k``), so a model with dropout or other random ops draws the same
+#: random numbers in the reference and in every eager candidate (DESIGN §5 compares
+#: gradients "on the same weights and batch"; different dropout masks would make even FP32 differ
+#: from itself by grad_rel_l2 ~1). Timing steps are not reseeded.
+MEASURE_SEED = 0
+
+
+@contextlib.contextmanager
+def same_rng(device: torch.device, seed: int = MEASURE_SEED) -> Iterator[None]:
+    """Run the body from a fixed RNG state and give the caller its RNG state back afterwards.
+
+    Forks the CPU RNG and, on CUDA, ``device``'s RNG (``torch.random.fork_rng``), then seeds
+    exactly those generators with ``seed`` (``torch.manual_seed`` would also reseed every other
+    CUDA device, whose state ``fork_rng(devices=[device])`` does not restore).
+
+    Eager random ops (``aten.dropout``/``native_dropout``, ``rand``, ``bernoulli``) then draw
+    identical numbers in every configuration. Inductor-compiled graphs draw theirs from seeds
+    they take from the same generators (``inductor_prims.seeds`` -> ``torch.randint``), so they
+    are reproducible run to run but use Inductor's Philox stream, not eager's
+    (``torch._inductor.config.fallback_random`` is False): a compiled graph's dropout masks
+    differ from an eager graph's even from the same seed.
+    """
+    cuda = device.type == "cuda"
+    with torch.random.fork_rng(devices=[device] if cuda else [], device_type="cuda" if cuda else None):
+        torch.default_generator.manual_seed(seed)
+        if cuda:
+            with torch.cuda.device(device):
+                torch.cuda.manual_seed(seed)
+        yield
 
 
 def resolve_device(device: str = "auto") -> torch.device:
@@ -193,8 +227,62 @@ class _SavedBytes:
         return t
 
 
+def draws_random(gm: nn.Module) -> bool:
+    """Whether the graph (or any graph inside it) has an op that draws random numbers.
+
+    ATen marks such ops ``Tag.nondeterministic_seeded`` (``dropout``, ``native_dropout``,
+    ``bernoulli``, ``rand*``, ...; native_functions.yaml). Attention ops carry the tag too and
+    count only with ``dropout_p`` ≠ 0; ``dropout(x, p, train=False)`` and ``p == 0`` do not count.
+    """
+    for sub in gm.modules():
+        graph = getattr(sub, "graph", None)
+        if not isinstance(graph, torch.fx.Graph):
+            continue
+        for node in graph.nodes:
+            t = node.target
+            if node.op != "call_function" or not isinstance(t, torch._ops.OpOverload):
+                continue
+            if torch.Tag.nondeterministic_seeded not in t.tags:
+                continue
+            args = t._schema.arguments
+
+            def arg(name: str, node=node, args=args) -> Any:
+                i = next((k for k, a in enumerate(args) if a.name == name), None)
+                if i is None:
+                    return None
+                if name in node.kwargs:
+                    return node.kwargs[name]
+                return node.args[i] if i < len(node.args) else args[i].default_value
+
+            if arg("train") is False or arg("dropout_p") == 0 or (
+                    "dropout" in t._schema.name and arg("p") == 0):
+                continue
+            return True
+    return False
+
+
+def _is_compiled(fn: Callable[..., Any]) -> bool:
+    """Whether ``fn`` runs through ``torch.compile``: what ``compile_graph`` returns (an
+    ``OptimizedModule``, or apply's activation-memory-budget wrapper holding one as ``.fn``)."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return any(isinstance(f, OptimizedModule) or hasattr(f, "_torchdynamo_orig_callable")
+               for f in (fn, getattr(fn, "fn", None)) if f is not None)
+
+
 class Harness:
     """The model, its captured FP32 graph, initial weights and the FP32 reference gradients.
+
+    Every drift forward/backward (the reference's included) and every trajectory step runs from
+    a fixed RNG state (:func:`same_rng`), so random ops such as dropout see the same draws in the
+    reference and the candidates; the caller's RNG state is left as it was.
+
+    Compiled graphs draw random numbers from Inductor's own generator, not eager's
+    (``torch._inductor.config.fallback_random`` is False, as in training), so with a random op in
+    the graph (:func:`draws_random`) a compiled ``fn`` is compared against the FP32 graph compiled
+    the same way (:meth:`reference_fn`; one extra compile, cached) instead of the eager FP32
+    reference: same seed, same Inductor random stream, same masks. Without random ops every ``fn``
+    is compared against the eager reference, as before.
 
     Args:
         spec: Loaded model file.
@@ -218,6 +306,31 @@ class Harness:
         self.initial = [p.detach().clone() for p in self.params]
         self.tokens = spec.tokens_per_batch(self.batches[0])
         self.ref_loss, self.ref_grads = self._grads(self.graph_module, None, None)
+        self.random = draws_random(self.graph_module)
+        self._compiled_fp32: Callable[..., Any] | None = None
+        self._compiled_ref: tuple[float, list[torch.Tensor]] | None = None
+
+    def reference_fn(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """The FP32 function whose random draws match ``fn``'s: the captured graph, or, when
+        ``fn`` is compiled and the graph draws random numbers, that graph compiled with
+        ``compile_graph`` (compiled on first use, then cached). Use it for ``traj_rel``'s
+        reference trajectory too."""
+        if not (self.random and _is_compiled(fn)):
+            return self.graph_module
+        if self._compiled_fp32 is None:
+            from autoprec.runtime.apply import compile_graph  # apply imports the passes
+
+            self._compiled_fp32 = compile_graph(self.graph_module)
+        return self._compiled_fp32
+
+    def _reference(self, fn: Callable[..., Any]) -> tuple[float, list[torch.Tensor]]:
+        """FP32 loss and gradients on batch 0 from :meth:`reference_fn` (``fn``'s RNG stream)."""
+        ref = self.reference_fn(fn)
+        if ref is self.graph_module:
+            return self.ref_loss, self.ref_grads
+        if self._compiled_ref is None:
+            self._compiled_ref = self._grads(ref, None, None)
+        return self._compiled_ref
 
     def restore(self) -> None:
         """Put the initial weights back and drop gradients."""
@@ -231,10 +344,9 @@ class Harness:
         self.restore()
         step = TrainStep(fn, self.params, _NoOpt(), self.spec.loss_fn, scaler=scaler,
                          autocast_dtype=autocast_dtype, device_type=self.device.type)
-        if counter is not None:
-            with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
-                loss = step.forward_backward(self.batches[0])
-        else:
+        hooks = (torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t) if counter is not None
+                 else contextlib.nullcontext())
+        with same_rng(self.device), hooks:
             loss = step.forward_backward(self.batches[0])
         inv = 1.0 / scaler.get_scale() if scaler is not None else 1.0
         grads = [(p.grad.float() * inv) if p.grad is not None else torch.zeros_like(p) for p in self.params]
@@ -243,15 +355,19 @@ class Harness:
 
     def drift(self, fn: Callable[..., Any], scaler: DynamicLossScaler | None = None,
               autocast_dtype: torch.dtype | None = None) -> Measurement:
-        """Drift of ``fn`` against the FP32 reference on batch 0 (no timing)."""
+        """Drift of ``fn`` against the FP32 reference on batch 0 (no timing).
+
+        Both run from RNG seed :data:`MEASURE_SEED`; the reference is :meth:`reference_fn`'s
+        (the compiled FP32 graph for a compiled ``fn`` on a graph with random ops)."""
+        ref_loss, ref_grads = self._reference(fn)  # before the peak reset: may compile and run
         counter = _SavedBytes(self.params)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         loss, grads = self._grads(fn, scaler, autocast_dtype, counter)
         m = Measurement()
-        m.grad_rel_l2 = grad_rel_l2(grads, self.ref_grads)
-        m.loss_rel = abs(loss - self.ref_loss) / max(abs(self.ref_loss), 1e-30) if math.isfinite(loss) else math.inf
-        m.grad_sqnr_db_min = grad_sqnr_db_min(grads, self.ref_grads)
+        m.grad_rel_l2 = grad_rel_l2(grads, ref_grads)
+        m.loss_rel = abs(loss - ref_loss) / max(abs(ref_loss), 1e-30) if math.isfinite(loss) else math.inf
+        m.grad_sqnr_db_min = grad_sqnr_db_min(grads, ref_grads)
         m.peak_bytes = counter.total + self.state_bytes
         if not (math.isfinite(m.grad_rel_l2) and math.isfinite(m.loss_rel)):
             m.grad_rel_l2, m.error = math.inf, "non-finite loss or gradients"
@@ -325,15 +441,23 @@ class Harness:
     def trajectory(self, fn: Callable[..., Any], scaler_factory: Callable[[], DynamicLossScaler | None] = lambda: None,
                    autocast_dtype: torch.dtype | None = None, steps: int = 20) -> list[float]:
         """Losses of ``steps`` optimizer steps on batches ``get_batch(0..steps-1)`` from the
-        initial weights (the weights are restored afterwards). Non-finite losses are kept as-is."""
+        initial weights (the weights are restored afterwards). Non-finite losses are kept as-is.
+
+        Step k runs from RNG seed ``MEASURE_SEED + k`` (:func:`same_rng`), so every configuration
+        sees the same dropout masks at step k whatever earlier steps drew; the caller's RNG state
+        is left as it was."""
         while len(self.batches) < steps:
             self.batches.append(self.spec.get_batch(len(self.batches), self.device))
         self.restore()
         opt = self.spec.make_optimizer(self.params)
         step = TrainStep(fn, self.params, opt, self.spec.loss_fn, scaler=scaler_factory(),
                          autocast_dtype=autocast_dtype, device_type=self.device.type, stats=False)
+        losses = []
         try:
-            return [step(self.batches[i]).loss for i in range(steps)]
+            for i in range(steps):
+                with same_rng(self.device, MEASURE_SEED + i):
+                    losses.append(step(self.batches[i]).loss)
+            return losses
         finally:
             self.restore()
 

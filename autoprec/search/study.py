@@ -540,8 +540,9 @@ class _Selector:
         self.memory_budget: float | None = None
         self.traj: dict[int, float] = {}
         self.eager_tokens_per_s: dict[int, float] = {}
-        self._ref_traj: list[float] | None = None
-        self._traj_budget: float | None = None
+        self._ref_trajs: dict[int, tuple[list[float], float]] = {}  # id(reference fn) -> (losses, budget)
+        self._traj_budget: float | None = None  # of the last check (for messages)
+        self._autocast_fn = None  # torch.autocast's module as compiled for its baseline
 
     def _fn(self, gm, activation_memory_budget: float = 1.0):
         if not self.compile:
@@ -561,7 +562,8 @@ class _Selector:
                               "autoprec:error attributes)")
         if self.compile:  # the comparison users care about: torch.autocast + torch.compile, same run
             _log("compiling the torch.autocast baseline with Inductor", self.quiet)
-            self.autocast_compiled = self.h.measure(self._fn(self.h.model), autocast_scaler(self.ac_dtype),
+            self._autocast_fn = self._fn(self.h.model)
+            self.autocast_compiled = self.h.measure(self._autocast_fn, autocast_scaler(self.ac_dtype),
                                                     autocast_dtype=self.ac_dtype,
                                                     max_step_s=self.slow)
         self.memory_budget = memory_budget()
@@ -694,14 +696,22 @@ class _Selector:
 
     def _traj_ok(self, pol: Policy, fn) -> bool:
         """``traj_rel`` ≤ torch.autocast's over the same K steps; policies that lower nothing
-        compute what FP32 computes and skip the check."""
+        compute what FP32 computes and skip the check.
+
+        The reference is :meth:`Harness.reference_fn`'s: the eager FP32 graph, or, for a compiled
+        ``fn`` on a graph that draws random numbers (dropout), the compiled FP32 graph, whose
+        masks are the compiled candidate's; torch.autocast's budget is then taken compiled too.
+        """
         if not (pol.dtypes_used() - {"fp32"}) or self.traj_steps <= 0:
             return True
-        if self._ref_traj is None:
-            self._ref_traj = self.h.trajectory(self.h.graph_module, steps=self.traj_steps)
-            ac = self.h.trajectory(self.h.model, autocast_scaler(self.ac_dtype), autocast_dtype=self.ac_dtype,
+        ref_fn = self.h.reference_fn(fn)
+        if id(ref_fn) not in self._ref_trajs:
+            ref = self.h.trajectory(ref_fn, steps=self.traj_steps)
+            ac_fn = self.h.model if ref_fn is self.h.graph_module else (self._autocast_fn or self._fn(self.h.model))
+            ac = self.h.trajectory(ac_fn, autocast_scaler(self.ac_dtype), autocast_dtype=self.ac_dtype,
                                    steps=self.traj_steps)
-            self._traj_budget = traj_rel(ac, self._ref_traj)
-        tr = traj_rel(self.h.trajectory(fn, lambda: make_scaler(pol), steps=self.traj_steps), self._ref_traj)
+            self._ref_trajs[id(ref_fn)] = (ref, traj_rel(ac, ref))
+        ref, self._traj_budget = self._ref_trajs[id(ref_fn)]
+        tr = traj_rel(self.h.trajectory(fn, lambda: make_scaler(pol), steps=self.traj_steps), ref)
         self.traj[id(pol)] = tr
         return tr <= max(self._traj_budget, 1e-12)
