@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
@@ -163,8 +164,16 @@ def test_two_workers_share_one_study(tmp_path):
     measured = [t for t in finished if ATTR + "reused_from" not in t.user_attrs]
     fps = [t.user_attrs.get(ATTR + "fingerprint") for t in measured]
     assert len(fps) == len(set(fps)), "a graph was measured twice"
-    p0, p1 = Policy.load(tmp_path / "p0.json"), Policy.load(tmp_path / "p1.json")
-    assert p0.rules == p1.rules and p0.default_dtype == p1.default_dtype
+    # Each worker re-measures its pick beside all-fp32, so the two may differ within noise; both
+    # must be feasible, and a lowered pick must come from the study they share.
+    def form(d):
+        return json.dumps({k: v for k, v in d.items() if k not in ("measured", "provenance")}, sort_keys=True)
+
+    feasible = {form(t.user_attrs[ATTR + "policy"]) for t in finished if t.user_attrs.get(ATTR + "constraint", 1.0) <= 0}
+    for p in (tmp_path / "p0.json", tmp_path / "p1.json"):
+        pol = Policy.load(p)
+        assert pol.measured["grad_rel_l2"] <= pol.measured["drift_budget"]
+        assert pol.dtypes_used() == {"fp32"} or form(pol.to_dict()) in feasible
 
 
 def test_region_sensitivity_ranks_the_overflowing_matmul_first(overflow_spec):

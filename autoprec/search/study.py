@@ -592,8 +592,10 @@ class _Selector:
 
     def _choose_eager(self, feasible: list[optuna.trial.FrozenTrial]) -> tuple[Policy, Measurement]:
         """Without compile the trials' own measurements are what training runs: take the fastest
-        feasible trial that passes the trajectory check (deterministic given the study, so
-        workers sharing it agree), then re-measure it for the policy's ``measured`` block."""
+        feasible trial that passes the trajectory check, then re-measure it for the policy's
+        ``measured`` block, beside all-fp32 when it lowers anything (:meth:`_or_fp32`). As with
+        compiled finalists, that last comparison is a fresh measurement, so workers sharing a
+        study can write different (each feasible) policies when the two are within noise."""
         if self.memory_budget is not None:
             fits = [t for t in feasible if t.values[2] <= self.memory_budget]
             if not fits:
