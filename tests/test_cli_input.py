@@ -179,39 +179,13 @@ def test_eager_selection_must_beat_fp32_measured_beside_it(monkeypatch, fp32_tps
     assert m.tokens_per_s == (fp32_tps if chosen == "fp32" else 100.0)
 
 
-OVERFLOW = '''
-import torch
-from torch import nn
-
-class Net(nn.Module):
-    """C01: x @ w is 66355 > 65504 in fp16 -> inf; then a residual add and an RMSNorm -> NaN."""
-    def __init__(self):
-        super().__init__()
-        self.up = nn.Linear(256, 1, bias=False)
-        self.out = nn.Linear(1, 4, bias=False)
-        with torch.no_grad():
-            self.up.weight.fill_(16.2)
-            self.out.weight.fill_(0.01)
-
-    def forward(self, x):
-        h = self.up(x) + x[:, :1]
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
-        return self.out(h).pow(2).mean()
-
-def build_model():
-    return Net()
-
-def get_batch(step, device):
-    return (torch.full((2, 256), 16.0, device=device),)
-'''
 
 
 def test_autocast_overflow_with_max_drift_still_writes_a_policy(tmp_path):
     """C01 with fp16 searched: torch.autocast's own drift is infinite, so --max-drift is required;
     given it, the tune writes a valid policy (fp32 matmul) whose measured block leaves the infinite
     autocast drift out instead of failing at the very end."""
-    model = tmp_path / "ovf.py"
-    model.write_text(OVERFLOW)
+    model = Path(__file__).resolve().parent / "models" / "c01_overflow.py"
     out = tmp_path / "p.json"
     cmd = [sys.executable, "-m", "autoprec.cli", "tune", str(model), "--out", str(out), "--trials", "4",
            "--no-compile", "--dtypes", "fp16", "--traj-steps", "0"]
