@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from autoprec.capture import capture
+from autoprec.capture import capture, op_name
 from autoprec.errors import PassError
 from autoprec.passes import run_pipeline
 from autoprec.passes.accumulate import accumulate_fp32
@@ -117,6 +117,26 @@ def test_unknown_op_warns_once_and_follows():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert ops.classify(n) == "follow"
+
+
+class _Transposes(nn.Module):
+    def forward(self, x):
+        return (x.T @ x.mT).swapdims(0, 1).broadcast_to(2, 4, 4).sum()
+
+
+def test_transposes_and_broadcasts_are_known_data_movement():
+    """`.T` (aten.numpy_T), `.mT`, swapdims and broadcast_to are in the op table: no unknown-op
+    warning, classified as data movement (follow)."""
+    import warnings
+
+    from autoprec import ops
+
+    gm = capture(_Transposes(), (torch.randn(4, 4),))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        classes = {op_name(n): ops.classify(n) for n in gm.graph.nodes if n.op == "call_function"}
+    assert classes == {"numpy_T": "follow", "mT": "follow", "matmul": "matmul", "swapdims": "follow",
+                       "broadcast_to": "follow", "sum": "sensitive"}
 
 
 class Summer(nn.Module):
