@@ -161,3 +161,26 @@ def test_compiled_candidates_compare_against_the_compiled_fp32_graph(harness):
     ref = harness.trajectory(ref_fn, steps=3)
     assert harness.trajectory(c32, steps=3) == ref
     assert traj_rel(harness.trajectory(cbf, lambda: make_scaler(pol), steps=3), ref) < RTOL[torch.bfloat16]
+
+
+def test_selector_checks_a_compiled_lowered_finalist_on_a_dropout_model(harness):
+    """The finalist trajectory check of a compiled bf16 policy on a graph with dropout: the
+    reference is the compiled FP32 graph and the budget torch.autocast as compiled for its
+    baseline (an OptimizedModule, which must not be truth-tested: its __len__ raises). Both
+    trajectories are bf16-sized apart from the reference, not mask-sized (~0.2 against eager)."""
+    from autoprec.search import study as study_mod
+
+    sel = study_mod._Selector(harness, 1.0, True, torch.bfloat16, None, 2, study_mod._Clock(), True)
+    class NoLen(torch.nn.Module):  # a user's model class: unlike Sequential, no __len__
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def forward(self, *args):
+            return self.m(*args)
+
+    sel._autocast_fn = sel._fn(NoLen(harness.model))  # as choose() leaves it
+    pol = Policy.default("bf16")
+    fn = sel._fn(run_pipeline(harness.graph_module, pol).graph_module)
+    sel._traj_ok(pol, fn)
+    assert sel.traj[id(pol)] < RTOL[torch.bfloat16] and sel._traj_budget < RTOL[torch.bfloat16]

@@ -709,7 +709,9 @@ class _Selector:
         ref_fn = self.h.reference_fn(fn)
         if id(ref_fn) not in self._ref_trajs:
             ref = self.h.trajectory(ref_fn, steps=self.traj_steps)
-            ac_fn = self.h.model if ref_fn is self.h.graph_module else (self._autocast_fn or self._fn(self.h.model))
+            ac_fn = self.h.model
+            if ref_fn is not self.h.graph_module:  # compiled: torch.autocast as compiled for its baseline
+                ac_fn = self._autocast_fn if self._autocast_fn is not None else self._fn(self.h.model)
             ac = self.h.trajectory(ac_fn, autocast_scaler(self.ac_dtype), autocast_dtype=self.ac_dtype,
                                    steps=self.traj_steps)
             self._ref_trajs[id(ref_fn)] = (ref, traj_rel(ac, ref))
