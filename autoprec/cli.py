@@ -402,8 +402,13 @@ _COMMANDS = {"tune": _cmd_tune, "train": _cmd_train, "show": _cmd_show, "report"
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``autoprec`` console script; returns the exit code."""
     args = _parser().parse_args(argv)
-    # torch.export's pytree deprecation notice is noise for users of the CLI.
-    warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+    with warnings.catch_warnings():  # the caller's filters and formatwarning come back on return
+        # torch.export's pytree deprecation notice is noise for users of the CLI.
+        warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+        return _main(args)
+
+
+def _main(args: argparse.Namespace) -> int:
     from autoprec._interrupt import catch_sigint, interrupted
     from autoprec.errors import LossScaleError
 
@@ -430,7 +435,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         pass
     else:
-        return code
+        if not interrupted():
+            return code
+        # Ctrl-C came but Python swallowed it (e.g. in a weakref callback) and the command ran on:
+        # its files are complete (written atomically), but the user asked it to stop
     finally:
         warnings.formatwarning = plain
     kept = {"tune": "; finished trials are kept in the study (re-run the command to resume)",

@@ -125,6 +125,26 @@ def test_error_after_ctrl_c_is_reported_as_the_interrupt(monkeypatch, capsys):
     assert "autoprec show: interrupted after" in capsys.readouterr().err
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the swallowed one
+def test_command_that_ran_on_after_a_swallowed_ctrl_c_exits_130(monkeypatch, capsys):
+    """A Ctrl-C that Python swallowed (weakref callback) and the command then finishing: the user
+    asked it to stop, so the exit code says so (its files are complete: written atomically)."""
+    class Obj:
+        pass
+
+    def cmd(_args):
+        o = Obj()
+        ref = weakref.ref(o, lambda _r: os.kill(os.getpid(), signal.SIGINT))
+        del o
+        assert ref() is None
+        return 0
+
+    monkeypatch.setitem(__import__("autoprec.cli", fromlist=["_COMMANDS"])._COMMANDS, "show", cmd)
+    assert main(["show", "p.json"]) == 130
+    assert "autoprec show: interrupted after" in capsys.readouterr().err
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
 def test_loss_scale_error_exits_1(monkeypatch, capsys):
     """A run that stops because the loss scale collapsed is a failure (1), not bad input (2)."""
     def cmd(_args):

@@ -244,8 +244,6 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
         torch=torch.__version__, autoprec=__version__, created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         study=study.study_name, compiled=compile,
     )
-    check_interrupt()  # never write a policy after Ctrl-C
-    policy.save(out)
     table = [_row("fp32 eager", fp32, fp32), _row(f"autocast {_short(ac_dtype)} eager", autocast, fp32)]
     if sel.autocast_compiled is not None:
         table.append(_row(f"autocast {_short(ac_dtype)} + compile", sel.autocast_compiled, fp32))
@@ -256,13 +254,15 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
         _log(f"note: {eager[1]} ran faster ({eager[0]:.0f} tok/s) than this policy compiled "
              f"({chosen_m.tokens_per_s:.0f}); for this model consider tuning and training without compile "
              "(autoprec tune/train --no-compile)", quiet)
-    result = TuneResult(policy, study, table, timings, {k: vars(v) for k, v in probes.items()})
-    if report:
+    if report:  # before the policy: Ctrl-C while writing the report leaves no policy file
         from autoprec.report import write_report
 
+        check_interrupt()
         paths = write_report(study, Path(out).with_suffix(""), table=table, policy=policy, gm=gm, timings=timings)
         _log("report: " + ", ".join(str(p) for p in paths), quiet)
-    return result
+    check_interrupt()  # never write a policy after Ctrl-C, even one Python swallowed
+    policy.save(out)  # atomic; the last file written
+    return TuneResult(policy, study, table, timings, {k: vars(v) for k, v in probes.items()})
 
 
 def _pooled(a: Measurement, b: Measurement, tokens: int) -> Measurement:
