@@ -175,17 +175,18 @@ def _make_parents(*paths: str | None) -> list:
     return created
 
 
-def _check_writable(option: str, path: str) -> None:
-    """Fail before any work when ``path`` cannot be written atomically: it is a directory, or its
-    directory takes no new files (the policy is written to a temporary file there, then renamed).
+def _check_writable(option: str, path: str, example: str = "policy.json") -> None:
+    """Fail before any work when ``path`` cannot be written atomically: it is (or, ending in a
+    slash, names) a directory, or its directory takes no new files (files are written to a
+    temporary file there, then renamed).
 
     Raises:
         AutoprecError: naming the option and the path.
     """
     import tempfile
 
-    if os.path.isdir(path):
-        raise AutoprecError(f"{option} {path}: is a directory; give a file path, e.g. {os.path.join(path, 'policy.json')}")
+    if os.path.isdir(path) or path.endswith(("/", os.sep)):
+        raise AutoprecError(f"{option} {path}: is a directory; give a file path, e.g. {os.path.join(path, example)}")
     try:
         with tempfile.NamedTemporaryFile(dir=os.path.dirname(os.path.abspath(path)), prefix=".autoprec-check-"):
             pass
@@ -202,10 +203,40 @@ def _check_storage(url: str) -> None:
     import sqlalchemy
 
     try:
-        sqlalchemy.engine.make_url(url).get_dialect()
+        parsed = sqlalchemy.engine.make_url(url)
+        parsed.get_dialect()
     except Exception as e:
         hint = f"; for a SQLite file use sqlite:///{url}" if "://" not in url else ""
         raise AutoprecError(f"--storage {url!r}: not a usable database URL ({type(e).__name__}: {e}){hint}") from None
+    if parsed.get_backend_name() == "sqlite":
+        return  # the file is checked by _check_sqlite_file (a missing one is created)
+    try:  # a server database: its driver must import and the server must answer
+        engine = sqlalchemy.create_engine(parsed)
+        try:
+            with engine.connect():
+                pass
+        finally:
+            engine.dispose()
+    except Exception as e:
+        raise AutoprecError(f"--storage {url!r}: cannot connect ({type(e).__name__}: "
+                            f"{str(e).splitlines()[0] if str(e) else ''})") from None
+
+
+def _check_sqlite_file(option: str, path: str) -> None:
+    """An existing study database must be a SQLite file (empty is fine: SQLite fills it).
+
+    Raises:
+        AutoprecError: naming the option and the file.
+    """
+    if not os.path.exists(path):
+        return
+    if os.path.isdir(path):
+        raise AutoprecError(f"{option}: {path} is a directory, not a SQLite study database")
+    with open(path, "rb") as f:
+        head = f.read(16)
+    if head and head != b"SQLite format 3\x00":
+        raise AutoprecError(f"{option}: {path} exists and is not a SQLite database; give another path "
+                            "(autoprec never overwrites it)")
 
 
 def _remove_if_empty(dirs: list) -> None:
@@ -234,9 +265,14 @@ def _cmd_tune(a: argparse.Namespace) -> int:
     created = _make_parents(a.out, _sqlite_path(a.storage))
     try:
         _check_writable("--out", a.out)  # the default study database sits beside it
-        db = _sqlite_path(a.storage)
-        if db is not None and not os.path.isfile(db):
-            _check_writable("--storage", db)
+        if a.storage is None:
+            from autoprec.search.study import default_storage
+
+            _check_sqlite_file("--out", _sqlite_path(default_storage(a.out)))
+        elif (db := _sqlite_path(a.storage)) is not None:
+            _check_sqlite_file("--storage", db)
+            if not os.path.isfile(db):
+                _check_writable("--storage", db, "study.db")
         return _tune(a)
     except BaseException:
         _remove_if_empty(created)

@@ -243,3 +243,30 @@ def test_bench_error_names_the_policy_file(tmp_path, capsys):
     rc = main(["bench", MICRO, "--policy", str(p), "--configs", "policy_eager", "--steps", "1", "--warmup", "0"])
     err = capsys.readouterr().err
     assert rc == 2 and f"autoprec bench: error: {p}: [assign_dtypes]" in err and "fp8" in err, err
+
+
+def test_storage_that_is_not_a_database(tmp_path, capsys):
+    """An existing file that is not SQLite (as --storage, or the default database beside --out),
+    a directory as the database, and a server URL whose driver is missing or server unreachable
+    all fail before the model is measured, naming the file or URL; nothing is overwritten."""
+    junk = tmp_path / "notdb.db"
+    junk.write_text("junk")
+    rc, err = _tune_rc(["--out", str(tmp_path / "p.json"), "--storage", f"sqlite:///{junk}"], capsys)
+    assert rc == 2 and f"--storage: {junk} exists and is not a SQLite database" in err
+    (tmp_path / "q.optuna.db").write_text("junk")
+    rc, err = _tune_rc(["--out", str(tmp_path / "q.json")], capsys)
+    assert rc == 2 and f"--out: {tmp_path / 'q.optuna.db'} exists and is not a SQLite database" in err
+    (tmp_path / "sdir").mkdir()
+    rc, err = _tune_rc(["--out", str(tmp_path / "r.json"), "--storage", f"sqlite:///{tmp_path / 'sdir'}"], capsys)
+    assert rc == 2 and "is a directory, not a SQLite study database" in err
+    rc, err = _tune_rc(["--out", str(tmp_path / "s.json"), "--storage", "postgresql://u@nohost.invalid/db"], capsys)
+    assert rc == 2 and "--storage 'postgresql://u@nohost.invalid/db': cannot connect" in err
+    assert junk.read_text() == "junk" and (tmp_path / "q.optuna.db").read_text() == "junk"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notdb.db", "q.optuna.db", "sdir"]
+
+
+def test_out_with_a_trailing_slash_names_a_directory(tmp_path, capsys):
+    """`--out new/` means a directory: refused, instead of writing a policy file called `new`."""
+    rc, err = _tune_rc(["--out", str(tmp_path / "new") + "/"], capsys)
+    assert rc == 2 and "is a directory; give a file path" in err
+    assert list(tmp_path.iterdir()) == []
