@@ -162,16 +162,23 @@ def test_dtype_choices_are_in_a_fixed_order():
     assert SearchSpace(["fp16", "bf16"]).low_dtypes[0] == "fp16"  # fastest first is kept where it matters
 
 
-def test_study_of_another_search_space_is_not_resumed():
+def test_study_of_another_search_space_is_not_resumed(tmp_path):
     """A study sampled with other dtypes (e.g. other --dtypes) is refused with a message naming it
-    and both dtype lists; an unstamped old study is read off its trials' distributions."""
-    st = study_mod.open_study("sqlite:///:memory:", "s")
+    and both dtype lists, already before the baselines (read-only precheck); an unstamped old
+    study is read off its trials' distributions."""
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    study_mod._precheck_study(url, "s", SearchSpace(["bf16"]))  # no database yet: passes, creates nothing
+    assert list(tmp_path.iterdir()) == []
+    st = study_mod.open_study(url, "s")
     study_mod._check_study(st, "mem", SearchSpace([]))
     st.optimize(lambda t: (SearchSpace([]).suggest(t), (1.0, 0.0, 0.0))[1], n_trials=1)
     study_mod._check_study(st, "mem", SearchSpace([]))  # same space: resumes
     with pytest.raises(SearchError, match=r"study 's' in mem searched the dtypes fp32; this run searches "
                                           r"fp32, bf16 .*another --study-name"):
         study_mod._check_study(st, "mem", SearchSpace(["bf16"]))
+    with pytest.raises(SearchError, match=f"study 's' in {url} searched the dtypes fp32;"):
+        study_mod._precheck_study(url, "s", SearchSpace(["bf16"]))
+    study_mod._precheck_study(url, "other", SearchSpace(["bf16"]))  # another study name: passes
     st.set_user_attr(study_mod.ATTR + "space", None)  # as a study from before the stamp
     with pytest.raises(SearchError, match="searched the dtypes fp32;"):
         study_mod._check_study(st, "mem", SearchSpace(["bf16"]))

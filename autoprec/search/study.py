@@ -185,6 +185,9 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
     blocks = find_blocks(gm)
     space = SearchSpace(lows, blocks, outside_matmuls(gm, blocks))
     ac_dtype = _autocast_default(dev, lows)
+    storage = storage or default_storage(out)
+    study_name = study_name or _default_name(spec.path, gm, dev, space)
+    _precheck_study(storage, study_name, space)  # a study this run cannot resume fails now
 
     with clock("baselines_s"):
         # The baselines are what users run without autoprec: their own module, eager.
@@ -201,8 +204,8 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
          f"{' (' + (autocast.error or autocast.note) + ')' if autocast.error or autocast.note else ''}, grad_rel_l2 {autocast.grad_rel_l2:.3g} "
          f"-> drift budget {budget:.3g}; {space.n_params} search parameters", quiet)
 
-    study = open_study(storage or default_storage(out), study_name or _default_name(spec.path, gm, dev, space), seed)
-    _check_study(study, storage or default_storage(out), space)
+    study = open_study(storage, study_name, seed)
+    _check_study(study, storage, space)
     study.set_user_attr(_A + "drift_budget", budget)
     if not study.trials:  # a new study: rank regions, then queue the baselines (resumes skip this)
         with clock("sensitivity_s"):
@@ -403,7 +406,23 @@ def _default_name(path, gm, dev, space: SearchSpace) -> str:
             f"{'-'.join(space.dtypes)}-m{MEASURE_VERSION}")
 
 
-def _check_study(study: optuna.Study, storage: str, space: SearchSpace) -> None:
+def _precheck_study(storage: str, study_name: str, space: SearchSpace) -> None:
+    """:func:`_check_study` on an existing study before the baselines are measured (minutes on
+    a model whose low dtype is emulated), reading only: a missing database or study passes.
+
+    Raises:
+        SearchError: as :func:`_check_study`.
+    """
+    path = storage[len("sqlite:///"):] if storage.startswith("sqlite:///") else None
+    if path is not None and not os.path.isfile(path):
+        return
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    if study_name not in {s.study_name for s in optuna.get_all_study_summaries(storage)}:
+        return
+    _check_study(optuna.load_study(study_name=study_name, storage=storage), storage, space, stamp=False)
+
+
+def _check_study(study: optuna.Study, storage: str, space: SearchSpace, stamp: bool = True) -> None:
     """Stamp a new study with :data:`MEASURE_VERSION` and the search space; refuse to resume one
     whose trials were measured by another version (studies from before the stamp count as
     version 1) or sampled from another space (e.g. other ``--dtypes``: Optuna cannot change a
@@ -428,8 +447,9 @@ def _check_study(study: optuna.Study, storage: str, space: SearchSpace) -> None:
             f"{where} searched the dtypes {', '.join(old['dtypes'])}; this run searches "
             f"{', '.join(space.dtypes)} (--dtypes, or what the probe measured as faster than fp32), "
             f"so it cannot resume it. {fix}")
-    study.set_user_attr(_A + "space", {"dtypes": space.dtypes})
-    study.set_user_attr(_A + "measure_version", MEASURE_VERSION)
+    if stamp:
+        study.set_user_attr(_A + "space", {"dtypes": space.dtypes})
+        study.set_user_attr(_A + "measure_version", MEASURE_VERSION)
 
 
 def open_study(storage: str, study_name: str, seed: int = 0) -> optuna.Study:
