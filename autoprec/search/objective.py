@@ -61,6 +61,13 @@ class Objective:
         self.harness, self.space, self.budget, self.max_step_s = harness, space, budget, max_step_s
 
     def __call__(self, trial: optuna.Trial) -> tuple[float, float, float] | float:
+        try:
+            return self._measure(trial)
+        except KeyboardInterrupt:  # Optuna records the trial as FAIL; a resumed study re-runs it
+            trial.set_user_attr(_A + "interrupted", True)
+            raise
+
+    def _measure(self, trial: optuna.Trial) -> tuple[float, float, float] | float:
         trial.set_user_attr(_A + "worker", f"{socket.gethostname()}:{os.getpid()}")  # see is_dead_worker
         params = self.space.suggest(trial)
         policy = self.space.to_policy(params)

@@ -472,6 +472,7 @@ def open_study(storage: str, study_name: str, seed: int = 0) -> optuna.Study:
             time.sleep(0.2 * (attempt + 1))
     for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
         if is_dead_worker(t):
+            study._storage.set_trial_user_attr(t._trial_id, _A + "interrupted", True)
             study._storage.set_trial_state_values(t._trial_id, optuna.trial.TrialState.FAIL)
     return study
 
@@ -507,15 +508,20 @@ def _enqueue_baselines(study: optuna.Study, space: SearchSpace, sensitivity: dic
 
 
 def _finished(study: optuna.Study) -> int:
+    """Trials that count towards ``--trials``: complete, pruned, or failed by their measurement
+    (non-finite drift, a lowering error); not those cut short by Ctrl-C or a killed worker."""
     states = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL, optuna.trial.TrialState.PRUNED)
-    return len(study.get_trials(deepcopy=False, states=states))
+    return sum(not t.user_attrs.get(_A + "interrupted") for t in study.get_trials(deepcopy=False, states=states))
 
 
 def _optimize(study: optuna.Study, objective: Objective, target: int, timeout: float | None, progress: bool) -> None:
     """Run trials until the study holds ``target`` finished ones (shared with other workers)."""
     t_end = None if timeout is None else time.monotonic() + timeout
-    stop = optuna.study.MaxTrialsCallback(target, states=(optuna.trial.TrialState.COMPLETE,
-                                                          optuna.trial.TrialState.FAIL))
+
+    def stop(study: optuna.Study, _trial) -> None:
+        if _finished(study) >= target:
+            study.stop()
+
     for _ in range(target + 1):
         remaining = target - _finished(study)
         left = None if t_end is None else t_end - time.monotonic()
