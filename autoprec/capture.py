@@ -19,13 +19,14 @@ import logging
 import sys
 import warnings
 from collections import defaultdict
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import fx, nn
 
 from autoprec.errors import CaptureError
+from autoprec.modelspec import split_batch
 
 __all__ = ["InputShapes", "assign_keys", "capture", "mark_regions", "module_path", "node_key", "op_name",
            "quiet_pytree_deprecation"]
@@ -126,14 +127,6 @@ def assign_keys(gm: fx.GraphModule) -> dict[str, fx.Node]:
     return keys
 
 
-def _split_batch(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    if isinstance(batch, Mapping):
-        return (), dict(batch)
-    if isinstance(batch, (tuple, list)):
-        return tuple(batch), {}
-    return (batch,), {}
-
-
 def _is_user(filename: str) -> bool:
     return not any(p in filename for p in ("/torch/", "/autoprec/", "/transformers/utils/", "/contextlib.py"))
 
@@ -186,7 +179,7 @@ def capture(model: nn.Module, example_batch: Any) -> fx.GraphModule:
     torch's own ``FutureWarning`` about ``isinstance(treespec, LeafSpec)`` is filtered during the
     export (:func:`quiet_pytree_deprecation`); warnings raised by the model's code still show.
     """
-    args, kwargs = _split_batch(example_batch)
+    args, kwargs = split_batch(example_batch)
     was_training = model.training
     try:
         with quiet_pytree_deprecation(), _quiet_partial_graph():
@@ -269,25 +262,11 @@ class InputShapes:
         """
         if not self.enabled:
             return
-        shapes = self.shapes
-        if self._spec is None:  # fast path: every argument is one tensor leaf
-            bad = False
-            for i, a in enumerate(args):
-                if i < len(shapes) and isinstance(a, torch.Tensor) and a.shape != shapes[i] \
-                        and not _fits(a.shape, shapes[i]):
-                    bad = True
-            for k, v in kwargs.items():
-                i = self._index.get(k, -1)
-                if 0 <= i < len(shapes) and isinstance(v, torch.Tensor) and v.shape != shapes[i] \
-                        and not _fits(v.shape, shapes[i]):
-                    bad = True
-            if bad:
-                self._raise(self._leaves_flat(args, kwargs))
-            return
-        leaves = self._leaves_nested(args, kwargs)
+        # fast path when every argument is one tensor leaf: index the call, no pytree walk
+        leaves = self._leaves_flat(args, kwargs) if self._spec is None else self._leaves_nested(args, kwargs)
         if leaves is None:
             return
-        for leaf, shape in zip(leaves, shapes):
+        for leaf, shape in zip(leaves, self.shapes):
             if isinstance(leaf, torch.Tensor) and leaf.shape != shape and not _fits(leaf.shape, shape):
                 self._raise(leaves)
 

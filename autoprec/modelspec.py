@@ -43,6 +43,7 @@ __all__ = [
     "default_tokens_per_batch",
     "load_model_spec",
     "validate_spec",
+    "split_batch",
 ]
 
 _REQUIRED: dict[str, str] = {
@@ -229,8 +230,19 @@ def _check_entry_point(shown: str, name: str, signature: str, obj: Any) -> Calla
     return obj
 
 
+def split_batch(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The positional and keyword arguments a batch stands for (DESIGN §2): a mapping is
+    ``(), dict(batch)``, a tuple or list ``tuple(batch), {}``, anything else (typically a tensor)
+    ``(batch,), {}``."""
+    if isinstance(batch, Mapping):
+        return (), dict(batch)
+    if isinstance(batch, (tuple, list)):
+        return tuple(batch), {}
+    return (batch,), {}
+
+
 def call_model(model: Callable[..., Any], batch: Any) -> Any:
-    """Call ``model`` on a batch in the form the contract allows.
+    """Call ``model`` on a batch in the form the contract allows (:func:`split_batch`).
 
     Args:
         model: The module (or any callable with the module's signature).
@@ -240,11 +252,8 @@ def call_model(model: Callable[..., Any], batch: Any) -> Any:
     Returns:
         Whatever the model returns.
     """
-    if isinstance(batch, Mapping):
-        return model(**batch)
-    if isinstance(batch, (tuple, list)):
-        return model(*batch)
-    return model(batch)
+    args, kwargs = split_batch(batch)
+    return model(*args, **kwargs)
 
 
 def default_loss_fn(output: Any, batch: Any, *, path: str | None = None) -> torch.Tensor:

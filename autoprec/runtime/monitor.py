@@ -28,6 +28,7 @@ import torch
 from torch import fx
 
 from autoprec.capture import InputShapes
+from autoprec.modelspec import split_batch
 from autoprec.passes.diagnose import first_nonfinite_node as _first_nonfinite_in_graph
 
 __all__ = ["Monitor", "StepRecord", "first_nonfinite_node", "json_safe", "read_jsonl"]
@@ -73,12 +74,7 @@ def first_nonfinite_node(gm: fx.GraphModule, batch: Any) -> str | None:
         ValueError: a tensor of ``batch`` has another shape than the graph was captured for (the
             message names the input and both shapes).
     """
-    if isinstance(batch, Mapping):
-        args, kwargs = (), dict(batch)
-    elif isinstance(batch, (tuple, list)):
-        args, kwargs = tuple(batch), {}
-    else:
-        args, kwargs = (batch,), {}
+    args, kwargs = split_batch(batch)
     InputShapes(gm, what="the graph_module").check(args, kwargs)
     return _first_nonfinite_in_graph(gm, *args, **kwargs)
 
