@@ -249,10 +249,10 @@ def _remove_if_empty(dirs: list) -> None:
 
 
 def _sqlite_path(storage: str | None) -> str | None:
-    """The file of a ``sqlite:///PATH`` storage URL (None for other URLs and in-memory SQLite)."""
-    if storage and storage.startswith("sqlite:///") and storage[len("sqlite:///"):] not in ("", ":memory:"):
-        return storage[len("sqlite:///"):]
-    return None
+    """:func:`autoprec.search.study.sqlite_path`, imported when a command needs it."""
+    from autoprec.search.study import sqlite_path
+
+    return sqlite_path(storage)
 
 
 def _cmd_tune(a: argparse.Namespace) -> int:
@@ -371,9 +371,7 @@ def _cmd_report(a: argparse.Namespace) -> int:
     from autoprec.report import write_report
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    if "://" not in a.storage:
-        hint = f"; for a SQLite file use --storage sqlite:///{a.storage}" if not a.storage.startswith("sqlite:") else ""
-        raise SearchError(f"--storage {a.storage!r} is not a storage URL{hint}")
+    _check_storage(a.storage)
     db = _sqlite_path(a.storage)
     if db is not None and not os.path.isfile(db):
         raise SearchError(f"{db}: no such study database (--storage {a.storage})")

@@ -16,6 +16,7 @@ import pytest
 
 from autoprec import Policy
 from autoprec._interrupt import catch_sigint, check, interrupted
+from autoprec import cli
 from autoprec.cli import main
 from autoprec.errors import LossScaleError, SearchError
 from autoprec.search import study as study_mod
@@ -120,7 +121,7 @@ def test_error_after_ctrl_c_is_reported_as_the_interrupt(monkeypatch, capsys):
             raise UnboundLocalError("cannot access local variable 'updated_state'") from None
         return 0
 
-    monkeypatch.setitem(__import__("autoprec.cli", fromlist=["_COMMANDS"])._COMMANDS, "show", cmd)
+    monkeypatch.setitem(cli._COMMANDS, "show", cmd)
     assert main(["show", "p.json"]) == 130
     assert "autoprec show: interrupted after" in capsys.readouterr().err
 
@@ -139,7 +140,7 @@ def test_command_that_ran_on_after_a_swallowed_ctrl_c_exits_130(monkeypatch, cap
         assert ref() is None
         return 0
 
-    monkeypatch.setitem(__import__("autoprec.cli", fromlist=["_COMMANDS"])._COMMANDS, "show", cmd)
+    monkeypatch.setitem(cli._COMMANDS, "show", cmd)
     assert main(["show", "p.json"]) == 130
     assert "autoprec show: interrupted after" in capsys.readouterr().err
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
@@ -150,7 +151,7 @@ def test_loss_scale_error_exits_1(monkeypatch, capsys):
     def cmd(_args):
         raise LossScaleError("forward produced non-finite values at node up/linear#0")
 
-    monkeypatch.setitem(__import__("autoprec.cli", fromlist=["_COMMANDS"])._COMMANDS, "show", cmd)
+    monkeypatch.setitem(cli._COMMANDS, "show", cmd)
     assert main(["show", "p.json"]) == 1
     assert "non-finite values at node up/linear#0" in capsys.readouterr().err
 

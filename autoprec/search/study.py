@@ -44,7 +44,7 @@ from autoprec.search.measure import Harness, Measurement, describe_machine, reso
 from autoprec.search.objective import ATTR, DIRECTIONS, Objective, is_dead_worker
 from autoprec.search.space import SearchSpace, find_blocks, outside_matmuls, probe_dtypes
 
-__all__ = ["TuneResult", "tune", "graph_fingerprint", "default_storage", "device_name", "open_study"]
+__all__ = ["TuneResult", "tune", "graph_fingerprint", "default_storage", "sqlite_path", "device_name", "open_study"]
 
 _A = ATTR
 
@@ -73,6 +73,13 @@ def default_storage(out: str | os.PathLike) -> str:
     """SQLite URL of the study file beside the output: ``policy.json`` -> ``policy.optuna.db``."""
     p = Path(out)
     return f"sqlite:///{p.with_suffix('').as_posix()}.optuna.db"
+
+
+def sqlite_path(storage: str | None) -> str | None:
+    """The file of a ``sqlite:///PATH`` storage URL (None for other URLs and in-memory SQLite)."""
+    if storage and storage.startswith("sqlite:///") and storage[len("sqlite:///"):] not in ("", ":memory:"):
+        return storage[len("sqlite:///"):]
+    return None
 
 
 def device_name(device: torch.device) -> str:
@@ -413,7 +420,7 @@ def _precheck_study(storage: str, study_name: str, space: SearchSpace) -> None:
     Raises:
         SearchError: as :func:`_check_study`.
     """
-    path = storage[len("sqlite:///"):] if storage.startswith("sqlite:///") else None
+    path = sqlite_path(storage)
     if path is not None and not os.path.isfile(path):
         return
     optuna.logging.set_verbosity(optuna.logging.WARNING)
