@@ -1,14 +1,28 @@
-"""Atomic file writes: a file is either the old one or the complete new one, never half written."""
+"""File writing rules: atomic writes, and the one rule for non-finite numbers in JSON.
+
+Atomic: a file is either the old one or the complete new one, never half written.
+
+Non-finite numbers: every JSON file autoprec writes (``bench.json``, ``convergence.json``, the
+``--compare`` state, the monitor's JSONL log) goes through :func:`json_safe`, which writes inf and
+NaN as the strings ``"inf"``, ``"-inf"`` and ``"nan"``. The files stay strict JSON (RFC 8259 has
+no inf/NaN, and ``json.dumps(..., allow_nan=False)`` refuses them), the strings keep which value
+it was (``null`` would not), and ``float()`` reads them back. Policy files hold finite numbers
+only (``Policy`` refuses others), so they never need it.
+"""
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["atomic_write"]
+import torch
+
+__all__ = ["atomic_write", "json_safe", "write_json"]
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[IO[Any]], None], binary: bool = False) -> None:
@@ -53,3 +67,35 @@ def _fsync_dir(directory: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def json_safe(x: Any) -> Any:
+    """``x`` with every non-finite float replaced by ``"inf"``, ``"-inf"`` or ``"nan"`` (recursively).
+
+    One-element tensors become Python numbers first; dicts (keys as ``str``), lists and tuples
+    (as lists) are walked; other values are returned unchanged. See the module docstring for why.
+    """
+    if isinstance(x, torch.Tensor) and x.numel() == 1:
+        x = x.item()
+    if isinstance(x, float):
+        if math.isnan(x):
+            return "nan"
+        if math.isinf(x):
+            return "inf" if x > 0 else "-inf"
+        return x
+    if isinstance(x, Mapping):
+        return {str(k): json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [json_safe(v) for v in x]
+    return x
+
+
+def write_json(path: str | os.PathLike, obj: Any, indent: int | None = 2) -> None:
+    """Write ``json_safe(obj)`` as JSON to ``path`` atomically (:func:`atomic_write`), newline-ended.
+
+    Raises:
+        TypeError: ``obj`` holds a value JSON cannot represent (nothing is written).
+        OSError: the file system refused the write (an existing ``path`` is left untouched).
+    """
+    text = json.dumps(json_safe(obj), indent=indent, allow_nan=False) + "\n"
+    atomic_write(path, lambda f: f.write(text))

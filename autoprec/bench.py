@@ -55,7 +55,8 @@ from autoprec.policy import Policy
 from autoprec.runtime.apply import compile_graph
 from autoprec.runtime.scaler import DynamicLossScaler
 from autoprec.runtime.train import autocast_scaler, make_scaler
-from autoprec.search.measure import Harness, Measurement, describe_machine, resolve_device, time_matmul
+from autoprec.device import describe_machine, resolve_device, time_matmul
+from autoprec.search.measure import Harness, Measurement
 
 __all__ = [
     "CONFIGS",

@@ -12,7 +12,7 @@ DTYPES: dict[str, torch.dtype] = {
 }
 #: torch dtype -> policy dtype name.
 NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
-#: The low-precision dtypes the search may choose from.
+#: The low-precision dtypes: those the search may choose from and fp32 accumulation rewrites.
 LOW_DTYPES: tuple[str, ...] = ("bf16", "fp16")
 
 
@@ -26,15 +26,3 @@ def to_torch(name: str) -> torch.dtype:
         return DTYPES[name]
     except KeyError:
         raise ValueError(f"unknown dtype {name!r}; valid: {sorted(DTYPES)}") from None
-
-
-def to_name(dtype: torch.dtype) -> str:
-    """Map a floating ``torch.dtype`` to its policy name.
-
-    Raises:
-        ValueError: ``dtype`` has no policy name (e.g. ``torch.float64`` or an integer dtype).
-    """
-    try:
-        return NAMES[dtype]
-    except KeyError:
-        raise ValueError(f"dtype {dtype} has no policy name; valid: {sorted(NAMES.values())}") from None

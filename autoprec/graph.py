@@ -30,9 +30,7 @@ import networkx as nx
 import torch
 from torch import fx
 
-from autoprec.ops import is_float_value
-
-__all__ = ["PLACEMENT_MODES", "float_inputs", "place_follow", "tensor_bytes", "to_networkx"]
+__all__ = ["PLACEMENT_MODES", "check_placement_mode", "place_follow", "tensor_bytes", "to_networkx"]
 
 PLACEMENT_MODES = ("mincut", "paint", "naive")
 _INF = float("inf")
@@ -52,13 +50,14 @@ def tensor_bytes(node: fx.Node) -> int:
     return total
 
 
-def float_inputs(node: fx.Node) -> list[fx.Node]:
-    """The distinct input nodes of ``node`` that produce floating tensors, in argument order."""
-    seen: dict[fx.Node, None] = {}
-    for a in node.all_input_nodes:
-        if tensor_bytes(a) > 0 or is_float_value(a.meta.get("val")):
-            seen[a] = None
-    return list(seen)
+def check_placement_mode(mode: str) -> None:
+    """Check a cast placement mode name.
+
+    Raises:
+        ValueError: ``mode`` is not in :data:`PLACEMENT_MODES`; the message lists the valid modes.
+    """
+    if mode not in PLACEMENT_MODES:
+        raise ValueError(f"unknown placement mode {mode!r}; valid: {', '.join(PLACEMENT_MODES)}")
 
 
 def to_networkx(gm: fx.GraphModule) -> nx.DiGraph:
@@ -102,8 +101,7 @@ def place_follow(
     Raises:
         ValueError: ``mode`` is not in :data:`PLACEMENT_MODES`.
     """
-    if mode not in PLACEMENT_MODES:
-        raise ValueError(f"unknown placement mode {mode!r}; valid: {', '.join(PLACEMENT_MODES)}")
+    check_placement_mode(mode)
     nodes = list(nodes)
     auto = [n for n in nodes if labels.get(n) == "auto"]
     if not auto:

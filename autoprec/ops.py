@@ -233,7 +233,7 @@ def classify(node: fx.Node) -> str:
     """
     if not produces_float(node):
         return "nonfloat"
-    name = getattr(node.target, "_opname", None) or getattr(node.target, "__name__", str(node.target))
+    name = op_name(node)
     entry = OP_TABLE.get(name)
     if entry is None:
         if name not in _warned:
@@ -253,7 +253,12 @@ def reason(op: str) -> str:
     return OP_TABLE.get(op, ("", ""))[1]
 
 
-def _op(node: object) -> str:
+def op_name(node: object) -> str:
+    """The ATen op name of a ``call_function`` node without namespace or overload (``""`` for
+    anything else): ``aten.linear.default`` -> ``"linear"``; ``operator.getitem`` -> ``"getitem"``.
+
+    The one rule for an op's name: the op table, node keys and the passes all use it.
+    """
     if not isinstance(node, fx.Node) or node.op != "call_function":
         return ""
     t = node.target
@@ -265,14 +270,14 @@ _PASS_THROUGH = {"to", "_to_copy", "contiguous", "clone", "alias", "type_as"}
 
 def _base(node: object) -> object:
     """``node`` with dtype conversions / copies stripped (``x.to(float32)`` -> ``x``)."""
-    while isinstance(node, fx.Node) and _op(node) in _PASS_THROUGH and node.args:
+    while isinstance(node, fx.Node) and op_name(node) in _PASS_THROUGH and node.args:
         node = node.args[0]
     return node
 
 
 def _is_square_of(node: fx.Node) -> object | None:
     """If ``node`` computes ``x**2`` (pow 2, square, or x*x), return ``x``'s base."""
-    op = _op(node)
+    op = op_name(node)
     if op == "pow" and len(node.args) >= 2 and node.args[1] == 2:
         return _base(node.args[0])
     if op == "square":
@@ -298,15 +303,15 @@ def rmsnorm_regions(nodes: list[fx.Node]) -> list[list[fx.Node]]:
     """
     regions = []
     for r in nodes:
-        rop = _op(r)
+        rop = op_name(r)
         if rop not in ("rsqrt", "sqrt"):
             continue
         chain = [r]
         m = r.args[0]
-        if _op(m) == "add":
+        if op_name(m) == "add":
             chain.append(m)
             m = next((a for a in m.args if isinstance(a, fx.Node)), None)
-        if _op(m) != "mean" or not isinstance(m.args[0], fx.Node):
+        if op_name(m) != "mean" or not isinstance(m.args[0], fx.Node):
             continue
         x = _is_square_of(m.args[0])
         if x is None:
@@ -314,8 +319,8 @@ def rmsnorm_regions(nodes: list[fx.Node]) -> list[list[fx.Node]]:
         chain += [m, m.args[0]]
         apply_op = "mul" if rop == "rsqrt" else "div"
         for u in r.users:
-            if _op(u) == apply_op and any(a is not r and _base(a) is x for a in u.args):
+            if op_name(u) == apply_op and any(a is not r and _base(a) is x for a in u.args):
                 chain.append(u)
-        if len(chain) > 3 and chain[-1] not in chain[:-1] and _op(chain[-1]) == apply_op:
+        if len(chain) > 3 and chain[-1] not in chain[:-1] and op_name(chain[-1]) == apply_op:
             regions.append(list(reversed(chain)))
     return regions

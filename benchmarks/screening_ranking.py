@@ -24,7 +24,7 @@ from autoprec.runtime.apply import compile_graph
 from autoprec.runtime.train import make_scaler
 from autoprec.search.measure import Harness
 from autoprec.search.space import SearchSpace
-from autoprec.search.study import device_name
+from autoprec.device import device_name
 
 
 def spearman(a: list[float], b: list[float]) -> float:

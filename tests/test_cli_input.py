@@ -19,7 +19,9 @@ from autoprec._interrupt import catch_sigint, check, interrupted
 from autoprec import cli
 from autoprec.cli import main
 from autoprec.errors import LossScaleError, SearchError
-from autoprec.search import study as study_mod
+from autoprec.search import attrs
+from autoprec.search import select as select_mod
+from autoprec.search import storage as storage_mod
 from autoprec.search.measure import Measurement
 from autoprec.search.space import SearchSpace
 
@@ -168,21 +170,21 @@ def test_study_of_another_search_space_is_not_resumed(tmp_path):
     and both dtype lists, already before the baselines (read-only precheck); an unstamped old
     study is read off its trials' distributions."""
     url = f"sqlite:///{tmp_path / 's.db'}"
-    study_mod._precheck_study(url, "s", SearchSpace(["bf16"]))  # no database yet: passes, creates nothing
+    storage_mod.precheck_study(url, "s", SearchSpace(["bf16"]))  # no database yet: passes, creates nothing
     assert list(tmp_path.iterdir()) == []
-    st = study_mod.open_study(url, "s")
-    study_mod._check_study(st, "mem", SearchSpace([]))
+    st = storage_mod.open_study(url, "s")
+    storage_mod.check_study(st, "mem", SearchSpace([]))
     st.optimize(lambda t: (SearchSpace([]).suggest(t), (1.0, 0.0, 0.0))[1], n_trials=1)
-    study_mod._check_study(st, "mem", SearchSpace([]))  # same space: resumes
+    storage_mod.check_study(st, "mem", SearchSpace([]))  # same space: resumes
     with pytest.raises(SearchError, match=r"study 's' in mem searched the dtypes fp32; this run searches "
                                           r"fp32, bf16 .*another --study-name"):
-        study_mod._check_study(st, "mem", SearchSpace(["bf16"]))
+        storage_mod.check_study(st, "mem", SearchSpace(["bf16"]))
     with pytest.raises(SearchError, match=f"study 's' in {url} searched the dtypes fp32;"):
-        study_mod._precheck_study(url, "s", SearchSpace(["bf16"]))
-    study_mod._precheck_study(url, "other", SearchSpace(["bf16"]))  # another study name: passes
-    st.set_user_attr(study_mod.ATTR + "space", None)  # as a study from before the stamp
+        storage_mod.precheck_study(url, "s", SearchSpace(["bf16"]))
+    storage_mod.precheck_study(url, "other", SearchSpace(["bf16"]))  # another study name: passes
+    st.set_user_attr(attrs.SPACE, None)  # as a study from before the stamp
     with pytest.raises(SearchError, match="searched the dtypes fp32;"):
-        study_mod._check_study(st, "mem", SearchSpace(["bf16"]))
+        storage_mod.check_study(st, "mem", SearchSpace(["bf16"]))
 
 
 class _FakeHarness:
@@ -199,8 +201,8 @@ class _FakeHarness:
 def test_eager_selection_must_beat_fp32_measured_beside_it(monkeypatch, fp32_tps, chosen):
     """Without compile, the trial picked on its screening number is re-measured, and all-fp32 with
     it: a lowered policy slower than all-fp32 (a flattering screening run) is not written."""
-    monkeypatch.setattr(study_mod, "run_pipeline", lambda gm, pol: type("R", (), {"graph_module": None}))
-    sel = study_mod._Selector(_FakeHarness(fp32_tps), 1e-2, False, None, None, 0, None, True)
+    monkeypatch.setattr(select_mod, "run_pipeline", lambda gm, pol: type("R", (), {"graph_module": None}))
+    sel = select_mod.Selector(_FakeHarness(fp32_tps), 1e-2, False, None, None, 0, None, True)
     bf16 = Policy.default("bf16")
     pol, m = sel._or_fp32(3, bf16, Measurement(step_s=1.0, tokens_per_s=100.0, grad_rel_l2=1e-3))
     assert pol.dtypes_used() == ({"fp32"} if chosen == "fp32" else bf16.dtypes_used())
@@ -225,7 +227,7 @@ def test_autocast_overflow_with_max_drift_still_writes_a_policy(tmp_path):
     pol = Policy.load(out)
     assert "autocast_grad_rel_l2" not in pol.measured and pol.measured["grad_rel_l2"] <= 0.01
     study = optuna.load_study(study_name=pol.provenance["study"], storage=f"sqlite:///{tmp_path / 'p.optuna.db'}")
-    lowered = [t for t in study.trials if "fp16" in json.dumps(t.user_attrs.get(study_mod.ATTR + "policy"))]
+    lowered = [t for t in study.trials if "fp16" in json.dumps(t.user_attrs.get(attrs.POLICY))]
     assert any(t.values is None or not t.values[1] <= 0.01 for t in lowered)  # the overflow was caught
 
 

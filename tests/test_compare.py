@@ -12,7 +12,7 @@ from autoprec import Policy
 from autoprec.cli import main
 from autoprec.errors import AutoprecError
 from autoprec.runtime.compare import compare, median_step_seconds
-from autoprec.search.measure import traj_rel as max_rel_dev
+from autoprec.metrics import traj_rel as max_rel_dev
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "examples" / "tiny_mlp.py")

@@ -19,7 +19,8 @@ from autoprec.modelspec import load_model_spec
 from autoprec.passes import run_pipeline
 from autoprec.policy import Policy
 from autoprec.runtime.train import make_scaler
-from autoprec.search.measure import Harness, draws_random, traj_rel
+from autoprec.metrics import traj_rel
+from autoprec.search.measure import Harness, draws_random
 
 from .conftest import RTOL
 
@@ -168,9 +169,10 @@ def test_selector_checks_a_compiled_lowered_finalist_on_a_dropout_model(harness)
     reference is the compiled FP32 graph and the budget torch.autocast as compiled for its
     baseline (an OptimizedModule, which must not be truth-tested: its __len__ raises). Both
     trajectories are bf16-sized apart from the reference, not mask-sized (~0.2 against eager)."""
-    from autoprec.search import study as study_mod
+    from autoprec.search.progress import Clock
+    from autoprec.search.select import Selector
 
-    sel = study_mod._Selector(harness, 1.0, True, torch.bfloat16, None, 2, study_mod._Clock(), True)
+    sel = Selector(harness, 1.0, True, torch.bfloat16, None, 2, Clock(), True)
     class NoLen(torch.nn.Module):  # a user's model class: unlike Sequential, no __len__
         def __init__(self, m):
             super().__init__()

@@ -6,12 +6,15 @@ import pytest
 import torch
 from torch import nn
 
-from autoprec.capture import capture, op_name
+from autoprec.capture import capture
 from autoprec.errors import PassError
-from autoprec.passes import run_pipeline
-from autoprec.passes.accumulate import accumulate_fp32
-from autoprec.passes.assign import assign_dtypes
-from autoprec.passes.casts import insert_casts
+from autoprec.ops import op_name
+from autoprec.passes import PassBase, PassManager, PassResult, lowering_passes, run_pipeline
+from autoprec.passes.accumulate import AccumulateFp32, accumulate_fp32
+from autoprec.passes.assign import AssignDtypes, assign_dtypes
+from autoprec.passes.base import clone_graph_module
+from autoprec.passes.casts import InsertCasts, insert_casts
+from autoprec.passes.verify import Verify, output_dtypes
 from autoprec.policy import Policy, Rule
 
 
@@ -212,3 +215,140 @@ def test_two_low_dtypes_in_one_policy():
         if n.meta.get("autoprec", {}).get("inserted_cast"):
             assert n.meta["autoprec"]["decided_by"] == "insert_casts"
     torch.testing.assert_close(r.graph_module(x), m(x), rtol=3e-2, atol=3e-2)
+
+
+# --- the pass list and its runner (issue 11) ---------------------------------------------------
+
+
+class _Raises(PassBase):
+    name = "raises"
+
+    def __init__(self, exc: Exception, in_ensures: bool = False) -> None:
+        self.exc, self.in_ensures = exc, in_ensures
+
+    def call(self, gm):
+        if not self.in_ensures:
+            raise self.exc
+        return PassResult(gm, False)
+
+    def ensures(self, gm):
+        raise self.exc
+
+
+class _BreaksLint(PassBase):
+    name = "breaks_lint"
+
+    def call(self, gm):
+        gm = clone_graph_module(gm)
+        out = next(n for n in gm.graph.nodes if n.op == "output")
+        first = next(n for n in gm.graph.nodes if n.op == "call_function")
+        first.args = (out,) + tuple(first.args[1:])  # uses a node defined after it
+        return PassResult(gm, True)
+
+
+def test_runner_names_the_failing_pass_and_node(net):
+    """A pass whose result breaks its post-condition: the runner raises PassError naming the
+    pass and the node (here: insert_casts did nothing, so fc reads fp32 in bf16)."""
+    _m, _ids, gm = net
+
+    class NoCasts(InsertCasts):
+        def call(self, gm):
+            return PassResult(clone_graph_module(gm), False)
+
+    policy = Policy(default_dtype="bf16")
+    with pytest.raises(PassError, match=r"^\[insert_casts\] node fc/linear#0 \(.*\): reads input embedding "
+                       r"\(fp32\) in bf16 with no cast"):
+        PassManager([AssignDtypes(policy), NoCasts()])(gm)
+
+
+@pytest.mark.parametrize("which", ["assign_dtypes", "accumulate_fp32", "verify"])
+def test_runner_checks_each_post_condition(which):
+    """Each pass's post-condition runs after it: a pass that skips its work is caught, named."""
+    x = torch.randn(3, 64)
+    gm = capture(Summer(), (x,))
+    policy = Policy(default_dtype="bf16")
+
+    class Unassigned(AssignDtypes):
+        def call(self, gm):
+            r = super().call(gm)
+            next(n for n in r.graph_module.graph.nodes if n.op == "call_function").meta["autoprec"]["dtype"] = None
+            return r
+
+    class NoAccumulate(AccumulateFp32):
+        def call(self, gm):
+            return PassResult(clone_graph_module(gm), False)
+
+    class NoPropagation(Verify):
+        def call(self, gm):
+            return PassResult(gm, False)
+
+    passes = {"assign_dtypes": [Unassigned(policy)],
+              "accumulate_fp32": [AssignDtypes(policy), InsertCasts(), NoAccumulate(policy)],
+              "verify": [AssignDtypes(policy), InsertCasts(), AccumulateFp32(policy),
+                         NoPropagation(output_dtypes(gm))]}[which]
+    message = {"assign_dtypes": r"node mul#0 .*float node left without a dtype",
+               "accumulate_fp32": r"node sum#0 .*reduction still accumulates in a low dtype",
+               "verify": r"node cast\(x\)->bf16 .*assigned bf16 but computes fp32"}[which]
+    with pytest.raises(PassError, match=rf"^\[{which}\] {message}"):
+        PassManager(passes)(gm)
+
+
+@pytest.mark.parametrize("in_ensures", [False, True])
+def test_runner_wraps_other_exceptions(net, in_ensures):
+    """A non-PassError raised in a pass (or its post-condition) becomes a PassError naming the
+    pass, chained from the original."""
+    _m, _ids, gm = net
+    boom = RuntimeError("boom")
+    with pytest.raises(PassError, match=r"^\[raises\] .*RuntimeError: boom") as info:
+        PassManager([AssignDtypes(Policy.default()), _Raises(boom, in_ensures)])(gm)
+    assert info.value.__cause__ is boom
+
+
+def test_runner_lints_after_each_pass_and_keeps_pass_errors(net):
+    _m, _ids, gm = net
+    with pytest.raises(PassError, match=r"^\[breaks_lint\] graph.lint\(\) failed after this pass"):
+        PassManager([_BreaksLint()])(gm)
+    own = PassError("[raises] node x: already named")
+    with pytest.raises(PassError) as info:
+        PassManager([_Raises(own)])(gm)
+    assert info.value is own
+
+
+def test_lowering_lints_once_per_pass(net, monkeypatch):
+    """graph.lint() runs once after each pass (the runner's), not again inside verify."""
+    _m, _ids, gm = net
+    calls = []
+    real = torch.fx.Graph.lint
+    monkeypatch.setattr(torch.fx.Graph, "lint", lambda self: calls.append(1) or real(self))
+    run_pipeline(gm, Policy.default())
+    assert len(calls) == len(lowering_passes(gm, Policy.default())) == 4
+
+
+@pytest.mark.parametrize("policy", [Policy.default(), Policy.default("fp16"), Policy(default_dtype="bf16"),
+                                    Policy(default_dtype="bf16", accumulate="none")])
+def test_prefix_then_rest_equals_whole_list(policy):
+    """manager[k:].resume(manager[:k](gm)) gives the same graph code and stats as manager(gm),
+    for every split point (the search runs assign_dtypes alone, then the rest)."""
+    x = torch.randn(3, 64)
+    gm = capture(Summer(), (x,))
+    whole = run_pipeline(gm, policy)
+    manager = lowering_passes(gm, policy)
+    assert manager.names == ["assign_dtypes", "insert_casts", "accumulate_fp32", "verify"]
+    for k in range(len(manager) + 1):
+        head = manager[:k](gm)
+        part = manager[k:].resume(head)
+        assert part.graph_module.code == whole.graph_module.code, k
+        assert part.stats == whole.stats and part.modified == whole.modified, k
+    assert set(whole.stats) == {"casts", "cast_bytes", "placed", "constants_fp32", "constants_clamped",
+                                "accumulate_fp32", "accumulate_casts"}
+
+
+def test_bad_modes_rejected_when_the_list_is_built(net):
+    """Mode errors stay ValueError (not wrapped): they are raised building the pass, before any runs."""
+    _m, _ids, gm = net
+    with pytest.raises(ValueError, match="mincut"):
+        lowering_passes(gm, Policy.default(), placement="best")
+    with pytest.raises(ValueError, match="strict"):
+        AssignDtypes(Policy.default(), constants="ignore")
+    with pytest.raises(TypeError):
+        lowering_passes(gm, Policy.default())[0]

@@ -21,9 +21,9 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from autoprec.dtypes import to_torch
+from autoprec.dtypes import LOW_DTYPES, to_torch
 from autoprec.ops import REDUCTION_OPS, REDUCTIONS_WITH_DTYPE
-from autoprec.passes.base import PassResult, clone_graph_module, pass_error
+from autoprec.passes.base import PassBase, PassResult, clone_graph_module, pass_error
 from autoprec.passes.casts import CAST_OP
 from autoprec.policy import Policy
 
@@ -39,6 +39,12 @@ def _new_cast(graph: fx.Graph, src: fx.Node, dt: str, where: str, after: fx.Node
     c.meta["autoprec"] = {"dtype": dt, "inserted_cast": True, "op_class": "cast",
                           "decided_by": PASS, "key": f"{where}({key})->{dt}"}
     return c
+
+
+def _low_reduction(node: fx.Node) -> bool:
+    """True for a reduction (:data:`autoprec.ops.REDUCTION_OPS`) assigned a low dtype."""
+    meta = node.meta.get("autoprec", {})
+    return node.op == "call_function" and meta.get("op") in REDUCTION_OPS and meta.get("dtype") in LOW_DTYPES
 
 
 def accumulate_fp32(gm: fx.GraphModule, policy: Policy) -> PassResult:
@@ -61,10 +67,10 @@ def accumulate_fp32(gm: fx.GraphModule, policy: Policy) -> PassResult:
         return PassResult(gm, False, stats)
     graph = gm.graph
     for node in list(graph.nodes):
-        meta = node.meta.get("autoprec", {})
-        op, dt = meta.get("op"), meta.get("dtype")
-        if node.op != "call_function" or op not in REDUCTION_OPS or dt not in ("bf16", "fp16"):
+        if not _low_reduction(node):
             continue
+        meta = node.meta["autoprec"]
+        op, dt = meta["op"], meta["dtype"]
         if not isinstance(node.meta.get("val"), torch.Tensor):
             raise pass_error(PASS, node, "reduction with several outputs cannot accumulate in fp32")
         if op in REDUCTIONS_WITH_DTYPE:
@@ -85,6 +91,34 @@ def accumulate_fp32(gm: fx.GraphModule, policy: Policy) -> PassResult:
                     decided_by=f"{meta.get('decided_by')}; {PASS}")
         stats["accumulate_fp32"] += 1
         stats["accumulate_casts"] += 1
-    graph.lint()
     gm.recompile()
     return PassResult(gm, stats["accumulate_fp32"] > 0, stats)
+
+
+class AccumulateFp32(PassBase):
+    """Pass 3 as a :class:`~autoprec.passes.base.PassBase`: :func:`accumulate_fp32` for a policy.
+
+    Args:
+        policy: Its ``accumulate`` field decides whether reductions are rewritten.
+    """
+
+    name = PASS
+
+    def __init__(self, policy: Policy) -> None:
+        self.policy = policy
+
+    def call(self, gm: fx.GraphModule) -> PassResult:
+        """``accumulate_fp32(gm, policy)``; ``gm`` is not modified."""
+        return accumulate_fp32(gm, self.policy)
+
+    def ensures(self, gm: fx.GraphModule) -> None:
+        """With ``policy.accumulate == "fp32"``, no reduction is left accumulating in a low dtype.
+
+        Raises:
+            PassError: a reduction still has a low assigned dtype.
+        """
+        if self.policy.accumulate != "fp32":
+            return
+        for node in gm.graph.nodes:
+            if _low_reduction(node):
+                raise pass_error(PASS, node, "reduction still accumulates in a low dtype")

@@ -27,7 +27,7 @@ import torch
 from torch import fx
 
 from autoprec.dtypes import to_torch
-from autoprec.graph import place_follow
+from autoprec.graph import check_placement_mode, place_follow
 from autoprec.ops import (
     FIXED_DTYPE_OPS,
     REGION_OPS,
@@ -37,9 +37,9 @@ from autoprec.ops import (
     reason,
     rmsnorm_regions,
 )
-from autoprec.passes.base import PassResult, clone_graph_module, pass_error
+from autoprec.passes.base import PassBase, PassResult, clone_graph_module, pass_error
 from autoprec.passes.constants import (
-    CONSTANT_MODES,
+    check_constants_mode,
     clamp_to_range,
     is_mask_fill,
     out_of_range_constants,
@@ -97,8 +97,7 @@ def assign_dtypes(
             ``"strict"`` and a constant does not fit its node's dtype (C03).
         ValueError: unknown ``placement`` or ``constants`` mode.
     """
-    if constants not in CONSTANT_MODES:
-        raise ValueError(f"unknown constants mode {constants!r}; valid: {', '.join(CONSTANT_MODES)}")
+    check_constants_mode(constants)
     gm = clone_graph_module(gm)
     nodes = list(gm.graph.nodes)
     for region in rmsnorm_regions(nodes):
@@ -127,6 +126,43 @@ def assign_dtypes(
     n_clamped = _constants_after(nodes, constants)
     stats = {"placed": len(placed), "constants_fp32": n_fp32, "constants_clamped": n_clamped}
     return PassResult(gm, True, stats)
+
+
+class AssignDtypes(PassBase):
+    """Pass 1 as a :class:`~autoprec.passes.base.PassBase`: :func:`assign_dtypes` with fixed options.
+
+    Args:
+        policy: The policy to apply.
+        placement: Cast placement mode (:data:`autoprec.graph.PLACEMENT_MODES`).
+        constants: ``"fix"`` or ``"strict"`` (:data:`autoprec.passes.constants.CONSTANT_MODES`).
+
+    Raises:
+        ValueError: unknown ``placement`` or ``constants`` mode (at construction, before any pass runs).
+    """
+
+    name = PASS
+
+    def __init__(self, policy: Policy, placement: str = "mincut", constants: str = "fix") -> None:
+        check_placement_mode(placement)
+        check_constants_mode(constants)
+        self.policy, self.placement, self.constants = policy, placement, constants
+
+    def call(self, gm: fx.GraphModule) -> PassResult:
+        """``assign_dtypes(gm, policy, placement, constants)``; ``gm`` is not modified."""
+        return assign_dtypes(gm, self.policy, self.placement, self.constants)
+
+    def ensures(self, gm: fx.GraphModule) -> None:
+        """Every float ``call_function`` node (other than ``nonfloat``) has a concrete dtype.
+
+        Raises:
+            PassError: a node producing a float tensor has no dtype, or is still ``"auto"``.
+        """
+        for n in gm.graph.nodes:
+            meta = n.meta.get("autoprec", {})
+            if n.op != "call_function" or captured_dtype(n) is None or meta.get("op_class") == "nonfloat":
+                continue
+            if meta.get("dtype") in (None, "auto"):
+                raise pass_error(PASS, n, f"float node left without a dtype ({meta.get('dtype')!r})")
 
 
 def _lows(policy: Policy) -> list[str]:

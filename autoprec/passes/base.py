@@ -1,7 +1,8 @@
-"""Pass result type and error helper shared by all passes."""
+"""What every pass shares: :class:`PassBase`, :class:`PassResult`, the error helper and the copy rule."""
 
 from __future__ import annotations
 
+import abc
 import copy
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +25,41 @@ class PassResult:
     graph_module: fx.GraphModule
     modified: bool
     stats: dict[str, Any] = field(default_factory=dict)
+
+
+class PassBase(abc.ABC):
+    """One graph pass (mirrors ``torch.fx.passes.infra.pass_base.PassBase``).
+
+    A pass is an object with a :attr:`name`, a transformation :meth:`call` and a post-condition
+    :meth:`ensures`; :class:`autoprec.passes.manager.PassManager` runs a list of them, linting
+    the graph after each ``call`` and then checking ``ensures``. Options a pass depends on (the
+    policy, the placement mode...) are given to its constructor, so ``call`` takes only the graph.
+    Unlike torch's ``PassBase`` there is no ``requires``: each pass's pre-condition is the
+    post-condition of the pass before it, already checked by the runner.
+    """
+
+    #: The pass's name in error messages and in ``node.meta["autoprec"]["decided_by"]``.
+    name: str = ""
+
+    @abc.abstractmethod
+    def call(self, gm: fx.GraphModule) -> PassResult:
+        """Transform ``gm`` (normally a copy: see :func:`clone_graph_module`).
+
+        Raises:
+            PassError: the graph cannot be transformed; the message names the pass and node.
+        """
+
+    def ensures(self, gm: fx.GraphModule) -> None:  # noqa: B027 (optional hook, as in torch)
+        """Check the post-condition on ``gm``, the graph :meth:`call` returned; cheap.
+
+        The default checks nothing.
+
+        Raises:
+            PassError: the post-condition does not hold; the message names the node.
+        """
+
+    def __repr__(self) -> str:
+        return f"<pass {self.name}>"
 
 
 def pass_error(pass_name: str, node: fx.Node | None, msg: str) -> PassError:

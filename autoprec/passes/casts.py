@@ -15,7 +15,7 @@ from torch import fx
 from autoprec.dtypes import to_torch
 from autoprec.graph import tensor_bytes
 from autoprec.ops import captured_dtype, is_float_value
-from autoprec.passes.base import PassResult, clone_graph_module, pass_error
+from autoprec.passes.base import PassBase, PassResult, clone_graph_module, pass_error
 
 PASS = "insert_casts"
 CAST_OP = torch.ops.aten._to_copy.default
@@ -48,6 +48,23 @@ def _dtype_of(node: fx.Node) -> str | None:
 def is_inserted_cast(node: fx.Node) -> bool:
     """True for a cast node inserted by :func:`insert_casts`."""
     return node.op == "call_function" and bool(node.meta.get("autoprec", {}).get("inserted_cast"))
+
+
+def _read_dtype(consumer: fx.Node, a: object) -> str | None:
+    """The dtype ``consumer`` must read its input ``a`` in, or ``None`` when ``a`` needs no cast.
+
+    ``a`` needs a cast only if it is a float tensor with an assigned dtype. The output node
+    reads each output in its captured dtype; a ``call_function`` node reads in its assigned
+    dtype, except inserted casts and fixed-dtype ops (``.to``), which read any dtype.
+    """
+    if not isinstance(a, fx.Node) or _dtype_of(a) is None or not is_float_value(a.meta.get("val")):
+        return None
+    if consumer.op == "output":
+        return captured_dtype(a)
+    meta = consumer.meta.get("autoprec", {})
+    if consumer.op != "call_function" or meta.get("inserted_cast") or meta.get("decided_by") == "fixed-dtype op":
+        return None
+    return meta.get("dtype")
 
 
 def insert_casts(gm: fx.GraphModule) -> PassResult:
@@ -99,33 +116,35 @@ def insert_casts(gm: fx.GraphModule) -> PassResult:
             stats["cast_bytes"] += tensor_bytes(u)
         return cache[(u, dt)]
 
-    for node in list(graph.nodes):
-        meta = node.meta.get("autoprec", {})
-        if node.op == "output":
-            _cast_outputs(node, cast)
-            continue
-        if node.op != "call_function" or meta.get("inserted_cast"):
-            continue
-        dt = meta.get("dtype")
-        if dt is None or meta.get("decided_by") == "fixed-dtype op":
-            continue
+    for node in list(graph.nodes):  # the casts added meanwhile are not visited
 
-        def repl(a, dt=dt, node=node):
-            if isinstance(a, fx.Node) and _dtype_of(a) is not None and is_float_value(a.meta.get("val")):
-                return cast(a, dt, node)
-            return a
+        def repl(a, node=node):
+            dt = _read_dtype(node, a)
+            return a if dt is None else cast(a, dt, node)
 
         node.args = fx.node.map_arg(node.args, repl)
         node.kwargs = fx.node.map_arg(node.kwargs, repl)
-    graph.lint()
     gm.recompile()
     return PassResult(gm, stats["casts"] > 0, stats)
 
 
-def _cast_outputs(out: fx.Node, cast) -> None:
-    def repl(a):
-        if isinstance(a, fx.Node) and is_float_value(a.meta.get("val")) and _dtype_of(a) is not None:
-            return cast(a, captured_dtype(a), out)
-        return a
+class InsertCasts(PassBase):
+    """Pass 2 as a :class:`~autoprec.passes.base.PassBase`: :func:`insert_casts`."""
 
-    out.args = fx.node.map_arg(out.args, repl)
+    name = PASS
+
+    def call(self, gm: fx.GraphModule) -> PassResult:
+        """``insert_casts(gm)``; ``gm`` is not modified."""
+        return insert_casts(gm)
+
+    def ensures(self, gm: fx.GraphModule) -> None:
+        """Every edge agrees: each node reads its float inputs in the dtype it must read them in.
+
+        Raises:
+            PassError: a node reads an input of another dtype with no cast between them.
+        """
+        for node in gm.graph.nodes:
+            for a in node.all_input_nodes:
+                want = _read_dtype(node, a)
+                if want is not None and _dtype_of(a) != want:
+                    raise pass_error(PASS, node, f"reads input {a.name} ({_dtype_of(a)}) in {want} with no cast")

@@ -29,6 +29,7 @@ from autoprec.ops import MASK_FILL_OPS
 
 __all__ = [
     "CONSTANT_MODES",
+    "check_constants_mode",
     "clamp_to_range",
     "fill_limit",
     "is_mask_fill",
@@ -36,6 +37,16 @@ __all__ = [
 ]
 
 CONSTANT_MODES = ("fix", "strict")
+
+
+def check_constants_mode(mode: str) -> None:
+    """Check a constants mode name.
+
+    Raises:
+        ValueError: ``mode`` is not in :data:`CONSTANT_MODES`; the message lists the valid modes.
+    """
+    if mode not in CONSTANT_MODES:
+        raise ValueError(f"unknown constants mode {mode!r}; valid: {', '.join(CONSTANT_MODES)}")
 
 #: Ops whose scalar arguments are *values* combined with tensor elements (not sizes, dims or
 #: indices: ``slice(x, 1, 0, 2**63 - 1)`` must not trip the check).

@@ -13,18 +13,17 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
-__all__ = ["first_nonfinite_node", "nonfinite_nodes"]
+__all__ = ["first_nonfinite_node"]
 
 
 class _Found(Exception):
-    pass
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
 
 
 class _Watch(fx.Interpreter):
-    def __init__(self, gm: fx.GraphModule, stop_at_first: bool) -> None:
-        super().__init__(gm)
-        self.stop = stop_at_first
-        self.bad: list[str] = []
+    """Runs the graph; raises :class:`_Found` at the first node with a non-finite float output."""
 
     def run_node(self, n: fx.Node) -> Any:
         out = super().run_node(n)
@@ -33,21 +32,8 @@ class _Watch(fx.Interpreter):
                 if isinstance(t, torch.Tensor) and t.dtype.is_floating_point and not bool(
                     torch.isfinite(t).all()
                 ):
-                    self.bad.append(n.meta.get("autoprec", {}).get("key", n.name))
-                    if self.stop:
-                        raise _Found
-                    break
+                    raise _Found(n.meta.get("autoprec", {}).get("key", n.name))
         return out
-
-
-def _run(gm: fx.GraphModule, args: tuple, kwargs: dict, stop: bool) -> list[str]:
-    w = _Watch(gm, stop)
-    with torch.no_grad():
-        try:
-            w.run(*args, **kwargs) if not kwargs else w.run(*_flat(gm, args, kwargs))
-        except _Found:
-            pass
-    return w.bad
 
 
 def _flat(gm: fx.GraphModule, args: tuple, kwargs: dict) -> list[Any]:
@@ -73,10 +59,10 @@ def first_nonfinite_node(gm: fx.GraphModule, *args: Any, **kwargs: Any) -> str |
         ``node.meta["autoprec"]["key"]`` (FX name for nodes without one, e.g. placeholders),
         or ``None`` if every floating value is finite.
     """
-    bad = _run(gm, args, kwargs, stop=True)
-    return bad[0] if bad else None
-
-
-def nonfinite_nodes(gm: fx.GraphModule, *args: Any, **kwargs: Any) -> list[str]:
-    """Keys of every node with a non-finite floating output, in graph order."""
-    return _run(gm, args, kwargs, stop=False)
+    inputs = _flat(gm, args, kwargs) if kwargs else args
+    with torch.no_grad():
+        try:
+            _Watch(gm).run(*inputs)
+        except _Found as found:
+            return found.key
+    return None

@@ -1,9 +1,10 @@
-"""Pass 3: verify a lowered graph.
+"""Pass 4 (the last): verify a lowered graph.
 
-Checks ``graph.lint()``; re-derives every node's output dtype by running the graph on fake
-tensors (``torch.fx.passes.fake_tensor_prop.FakeTensorProp``: shapes and dtypes only, no
-compute) and compares it with the assigned dtype; checks that graph outputs keep the dtype they
-had when captured and that no integer/bool tensor was cast. ``node.meta["val"]`` is refreshed.
+Re-derives every node's output dtype by running the graph on fake tensors
+(``torch.fx.passes.fake_tensor_prop.FakeTensorProp``: shapes and dtypes only, no compute),
+refreshing ``node.meta["val"]``; its post-condition compares each with the assigned dtype and
+checks that graph outputs keep the dtype they had when captured and that no integer/bool tensor
+was cast.
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from autoprec.dtypes import NAMES
-from autoprec.passes.base import PassResult, pass_error
+from autoprec.passes.base import PassBase, PassResult, pass_error
 from autoprec.passes.casts import is_inserted_cast
+
+__all__ = ["Verify", "output_dtypes"]
 
 PASS = "verify"
 
@@ -33,47 +36,75 @@ def _fake_inputs(gm: fx.GraphModule, mode: FakeTensorMode) -> list:
     return out
 
 
-def verify(gm: fx.GraphModule, original_output_dtypes: list[torch.dtype | None] | None = None) -> PassResult:
-    """Check that ``gm``'s dtypes are consistent along every edge; refresh ``meta["val"]``.
+def _outputs(gm: fx.GraphModule) -> list:
+    """The graph outputs (the output node's top-level list/tuple, or its single value)."""
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    return list(out.args[0]) if isinstance(out.args[0], (list, tuple)) else [out.args[0]]
+
+
+def _dtype(a: object) -> torch.dtype | None:
+    return getattr(a.meta.get("val"), "dtype", None) if isinstance(a, fx.Node) else None
+
+
+def output_dtypes(gm: fx.GraphModule) -> list[torch.dtype | None]:
+    """Dtypes of ``gm``'s graph outputs, from ``meta["val"]``; ``None`` for non-tensor outputs."""
+    return [_dtype(a) for a in _outputs(gm)]
+
+
+class Verify(PassBase):
+    """Pass 4 (last): re-derive every dtype; its post-condition is that they match the assigned ones.
+
+    ``call`` refreshes ``node.meta["val"]`` by fake-tensor propagation (in place: meta only);
+    ``ensures`` compares. ``graph.lint()`` is the runner's (:class:`~autoprec.passes.manager.PassManager`).
 
     Args:
-        gm: Output of :func:`autoprec.passes.casts.insert_casts`; modified in place (meta only).
-        original_output_dtypes: Dtypes of the graph outputs at capture (flattened), if known.
-
-    Returns:
-        ``PassResult(gm, modified=False)``.
-
-    Raises:
-        PassError: lint failed; a node's actual dtype differs from its assigned one; an
-            integer/bool tensor was cast; an output changed dtype. The message names the node.
+        original_output_dtypes: Dtypes of the graph outputs at capture (flattened,
+            :func:`output_dtypes` of the captured graph), or ``None`` to skip that check.
     """
-    try:
-        gm.graph.lint()
-    except Exception as e:
-        raise pass_error(PASS, None, f"graph.lint() failed: {e}") from e
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    try:
-        FakeTensorProp(gm, mode).propagate(*_fake_inputs(gm, mode))
-    except Exception as e:
-        raise pass_error(PASS, None, f"shape/dtype propagation failed: {type(e).__name__}: {e}") from e
-    for node in gm.graph.nodes:
-        meta = node.meta.get("autoprec", {})
-        if is_inserted_cast(node):
-            src = node.args[0]
-            if not getattr(src.meta.get("val"), "dtype", torch.float32).is_floating_point:
-                raise pass_error(PASS, node, "an integer/bool tensor was cast")
-        want = meta.get("dtype")
-        val = node.meta.get("val")
-        if node.op == "call_function" and want not in (None, "auto") and isinstance(val, torch.Tensor):
-            got = NAMES.get(val.dtype, str(val.dtype))
-            if got != want:
-                raise pass_error(PASS, node, f"assigned {want} but computes {got}")
-    if original_output_dtypes is not None:
-        out = next(n for n in gm.graph.nodes if n.op == "output")
-        flat = fx.node.map_aggregate(out.args[0], lambda a: a)
-        flat = flat if isinstance(flat, (list, tuple)) else [flat]
-        for i, (a, want) in enumerate(zip(flat, original_output_dtypes)):
-            got = getattr(a.meta.get("val"), "dtype", None) if isinstance(a, fx.Node) else None
+
+    name = PASS
+
+    def __init__(self, original_output_dtypes: list[torch.dtype | None] | None = None) -> None:
+        self.original_output_dtypes = original_output_dtypes
+
+    def call(self, gm: fx.GraphModule) -> PassResult:
+        """Refresh ``meta["val"]`` of every node of ``gm`` (in place) from fake tensors.
+
+        Returns:
+            ``PassResult(gm, modified=False)``.
+
+        Raises:
+            PassError: shape/dtype propagation failed.
+        """
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        try:
+            FakeTensorProp(gm, mode).propagate(*_fake_inputs(gm, mode))
+        except Exception as e:
+            raise pass_error(PASS, None, f"shape/dtype propagation failed: {type(e).__name__}: {e}") from e
+        return PassResult(gm, False)
+
+    def ensures(self, gm: fx.GraphModule) -> None:
+        """Check ``gm``'s refreshed dtypes against the assigned ones along every node.
+
+        Raises:
+            PassError: a node's actual dtype differs from its assigned one; an integer/bool
+                tensor was cast; an output changed dtype. The message names the node.
+        """
+        for node in gm.graph.nodes:
+            meta = node.meta.get("autoprec", {})
+            if is_inserted_cast(node):
+                src = node.args[0]
+                if not getattr(src.meta.get("val"), "dtype", torch.float32).is_floating_point:
+                    raise pass_error(PASS, node, "an integer/bool tensor was cast")
+            want = meta.get("dtype")
+            val = node.meta.get("val")
+            if node.op == "call_function" and want not in (None, "auto") and isinstance(val, torch.Tensor):
+                got = NAMES.get(val.dtype, str(val.dtype))
+                if got != want:
+                    raise pass_error(PASS, node, f"assigned {want} but computes {got}")
+        if self.original_output_dtypes is None:
+            return
+        for i, (a, want) in enumerate(zip(_outputs(gm), self.original_output_dtypes)):
+            got = _dtype(a)
             if want is not None and got is not None and got != want:
                 raise pass_error(PASS, a, f"graph output {i} changed dtype {want} -> {got}")
-    return PassResult(gm, False)

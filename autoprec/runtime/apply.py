@@ -9,7 +9,8 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from autoprec.capture import InputShapes, capture, quiet_pytree_deprecation
+from autoprec.capture import capture, quiet_pytree_deprecation
+from autoprec.shapes import InputShapes
 from autoprec.passes import run_pipeline
 from autoprec.policy import Policy
 
@@ -65,7 +66,7 @@ class MixedPrecisionModule(nn.Module):
 
     The graph is specialised to the example batch's shapes (batch size included): a call whose
     input tensors have other shapes raises ``ValueError`` naming the input and both shapes (see
-    :class:`autoprec.capture.InputShapes`); apply the policy once per batch shape.
+    :class:`autoprec.shapes.InputShapes`); apply the policy once per batch shape.
 
     When ``policy.needs_loss_scaling`` is True (the policy computes something in fp16), train it
     with the scaler ``autoprec.runtime.train.make_scaler(mp.policy)`` returns (a

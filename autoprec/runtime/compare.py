@@ -7,8 +7,8 @@ the model file's optimizer. The configurations:
 * ``policy``: the policy file applied with :func:`autoprec.apply` (compiled unless ``compile=False``),
   with a :class:`DynamicLossScaler` when the policy uses fp16;
 * ``fp32``: the unmodified model, eager, fp32 (the reference; always run);
-* ``autocast``: the unmodified model under ``torch.autocast(device, dtype=torch.get_autocast_dtype(device))``
-  (bf16 on CPU, fp16 on CUDA; fp16 gets a loss scaler), eager: standard AMP.
+* ``autocast``: the unmodified model under ``torch.autocast(device, dtype=autoprec.device.autocast_dtype(device))``
+  (torch's default: bf16 on CPU, fp16 on CUDA; fp16 gets a loss scaler), eager: standard AMP.
 
 For each curve the maximum relative deviation from the FP32 curve, ``max_k |L_k − L32_k| / |L32_k|``
 (DESIGN §5 ``traj_rel``), and the final held-out loss (mean over ``heldout_batches`` batches of
@@ -48,8 +48,11 @@ from autoprec.policy import Policy
 from autoprec.runtime.apply import apply
 from autoprec.runtime.checkpoint import load_checkpoint, save_checkpoint
 from autoprec.runtime.monitor import json_safe
-from autoprec.runtime.train import TrainStep, autocast_scaler, make_scaler
-from autoprec.search.measure import describe_machine, resolve_device, traj_rel
+from autoprec.runtime.rng import StepRng
+from autoprec.runtime.steps import every, run_steps
+from autoprec.runtime.train import StepStats, TrainStep, autocast_scaler, make_scaler
+from autoprec.device import autocast_dtype, describe_machine, resolve_device
+from autoprec.metrics import median, traj_rel
 
 __all__ = ["BASELINES", "CompareResult", "compare", "plot_curves"]
 
@@ -160,56 +163,61 @@ def _run(name: str, spec: ModelSpec, init: dict[str, torch.Tensor], policy: Poli
          checkpoint_every: int = 0) -> dict[str, Any]:
     """Train one configuration; returns its losses, held-out loss, median s/step and skipped steps.
 
-    With ``state``, resumes from ``state.checkpoint(name)`` if it exists and saves it every
-    ``checkpoint_every`` steps (0: never).
+    The steps run through :func:`autoprec.runtime.steps.run_steps` with the seeded-stream RNG rule
+    (``StepRng(seed)``, :mod:`autoprec.runtime.rng`): the global generators are seeded with
+    ``seed`` before step 0, so every configuration starts from the same RNG state. With ``state``,
+    resumes from ``state.checkpoint(name)`` if it exists (weights, optimizer, scaler, RNG state,
+    losses so far) and saves it every ``checkpoint_every`` steps (0: never).
     """
     model = spec.build_model().to(dev)
     model.load_state_dict(init)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     first = spec.get_batch(0, dev)
-    autocast_dtype, scaler, module = None, None, model
+    ac, scaler, module = None, None, model
     if name == "policy":
         module = apply(model, policy, first, compile=compile)
         scaler = make_scaler(policy)
     elif name == "autocast":
-        autocast_dtype = torch.get_autocast_dtype(dev.type)
-        scaler = autocast_scaler(autocast_dtype)()
+        ac = autocast_dtype(dev)
+        scaler = autocast_scaler(ac)()
     optimizer = spec.make_optimizer(params)
-    step = TrainStep(module, params, optimizer, spec.loss_fn, scaler=scaler,
-                     autocast_dtype=autocast_dtype, device_type=dev.type)
-    torch.manual_seed(seed)
-    losses, times, skipped, start = [], [], 0, 0
-    warm = {0}  # steps whose time includes compilation and first-call warm-up
+    step = TrainStep(module, params, optimizer, spec.loss_fn, scaler=scaler, autocast_dtype=ac,
+                     device_type=dev.type)
+    run = {"losses": [], "times": [], "skipped": 0, "warm": [0]}  # warm: steps whose time includes compiling
+    start = 0
     if state is not None and state.checkpoint(name).exists():
         ckpt = state.checkpoint(name)
         ck = load_checkpoint(ckpt, model, optimizer, scaler)  # also restores the RNG state
-        start, losses, times, skipped = ck.step, list(ck.extra["losses"]), list(ck.extra["times"]), ck.extra["skipped"]
-        warm = set(ck.extra.get("warm", [0])) | {start}  # the resumed process compiles again
+        start = ck.step
+        run = {"losses": list(ck.extra["losses"]), "times": list(ck.extra["times"]),
+               "skipped": ck.extra["skipped"], "warm": sorted(set(ck.extra.get("warm", [0])) | {start})}  # the resumed process compiles again
         log(start, f"[{name}] resumed from {ckpt} at step {start}")
-    for i in range(start, steps):
-        batch = first if i == 0 else spec.get_batch(i, dev)
-        st, seconds = step.timed(batch)
-        times.append(seconds)
-        losses.append(st.loss)
-        skipped += int(st.skipped)
-        log(i, f"[{name}] step {i:4d}  loss {st.loss:.4f}  {times[-1]:.2f}s")
-        if state is not None and checkpoint_every > 0 and (i + 1) % checkpoint_every == 0 and i + 1 < steps:
-            state.save(name, model, optimizer, scaler, i + 1, {"losses": losses, "times": times, "skipped": skipped,
-                                                                  "warm": sorted(warm)})
+
+    def collect(k: int, _batch: Any, st: StepStats, seconds: float) -> None:
+        run["times"].append(seconds)
+        run["losses"].append(st.loss)
+        run["skipped"] += int(st.skipped)
+        log(k, f"[{name}] step {k:4d}  loss {st.loss:.4f}  {seconds:.2f}s")
+
+    hooks = [collect]
+    if state is not None:
+        hooks.append(every(checkpoint_every, stop=steps,
+                           fn=lambda done: state.save(name, model, optimizer, scaler, done, run)))
+    run_steps(step, lambda k: first if k == 0 else spec.get_batch(k, dev), start, steps, rng=StepRng(seed),
+              device=dev, after=hooks)
     with torch.no_grad(), step._context():
         held = [float(spec.loss_fn(call_model(module, b), b).float())
                 for b in (_heldout(spec, j, dev) for j in range(heldout_batches))]
-    return {"losses": losses, "heldout_loss": sum(held) / len(held),
-            "seconds_per_step": median_step_seconds(times, warm), "skipped": skipped}
+    return {"losses": run["losses"], "heldout_loss": sum(held) / len(held), "skipped": run["skipped"],
+            "seconds_per_step": median_step_seconds(run["times"], set(run["warm"]))}
 
 
 def median_step_seconds(times: list[float], warm: set[int]) -> float:
-    """Median of the per-step wall-clock ``times`` (seconds, index = step) leaving out the
-    ``warm`` steps (step 0 and the first step after each resume: they include compilation);
-    the median of all steps if nothing else is left."""
-    timed = sorted(t for k, t in enumerate(times) if k not in warm) or sorted(times)
-    return timed[len(timed) // 2]
+    """Median (:func:`autoprec.metrics.median`) of the per-step wall-clock ``times`` (seconds,
+    index = step) leaving out the ``warm`` steps (step 0 and the first step after each resume:
+    they include compilation); the median of all steps if nothing else is left."""
+    return median([t for k, t in enumerate(times) if k not in warm] or times)
 
 
 def _run_key(model_path: str | os.PathLike, policy: Policy, steps: int, seed: int, dev: torch.device,
@@ -271,7 +279,7 @@ def compare(model_path: str | os.PathLike, policy_path: str | os.PathLike, steps
         "steps": steps, "device": str(dev), "cpu": describe_machine(dev)["cpu"], "torch": torch.__version__,
         "compile_policy": compile, "seed": seed, "heldout_batches": heldout_batches,
         "heldout_source": "get_heldout_batch" if spec.heldout_batch is not None else f"get_batch({FAR_STEP}+j)",
-        "autocast_dtype": str(torch.get_autocast_dtype(dev.type)).replace("torch.", ""),
+        "autocast_dtype": str(autocast_dtype(dev)).replace("torch.", ""),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     })
 

@@ -1,14 +1,16 @@
 """``autoprec train``: train a model file with a policy, with monitoring and checkpoint/resume.
 
 Batches are ``get_batch(step, device)`` for step = 0..steps-1, so a run resumed from a checkpoint at
-step k sees exactly the batches the uninterrupted run sees from k on.
+step k sees exactly the batches the uninterrupted run sees from k on. The steps run through
+:func:`autoprec.runtime.steps.run_steps` with the stream RNG rule (:mod:`autoprec.runtime.rng`):
+each step draws from the global generators as the previous one left them, and a checkpoint saves
+and restores that state, so a resumed run continues the same random stream.
 """
 
 from __future__ import annotations
 
 import math
 import os
-import statistics
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,8 +23,10 @@ from autoprec.policy import Policy
 from autoprec.runtime.apply import apply
 from autoprec.runtime.checkpoint import load_checkpoint, save_checkpoint
 from autoprec.runtime.monitor import Monitor
-from autoprec.runtime.train import TrainStep, make_scaler
-from autoprec.search.measure import resolve_device
+from autoprec.runtime.steps import StepHook, every, run_steps
+from autoprec.runtime.train import StepStats, TrainStep, make_scaler
+from autoprec.device import resolve_device
+from autoprec.metrics import median
 
 __all__ = ["TrainResult", "train"]
 
@@ -59,7 +63,7 @@ def _same_policy(a: Policy, b: Policy) -> bool:
 
 def _warn_if_other_model(policy: Policy, policy_path: str | os.PathLike, gm: Any, model_path: str) -> None:
     """Warn (stderr) when the policy was tuned on a graph other than this model's."""
-    from autoprec.search.study import graph_fingerprint
+    from autoprec.nodekeys import graph_fingerprint
 
     tuned = policy.provenance.get("graph_fingerprint") if policy.provenance else None
     if tuned and tuned != (here := graph_fingerprint(gm)):
@@ -120,50 +124,75 @@ def train(model_path: str | os.PathLike, policy_path: str | os.PathLike, steps: 
     optimizer = spec.make_optimizer(params)
     step = TrainStep(mp, params, optimizer, spec.loss_fn, scaler=make_scaler(policy, diagnose),
                      device_type=dev.type, max_grad_norm=max_grad_norm)
-    start = 0
-    if resume and Path(checkpoint).exists():
-        ck = load_checkpoint(checkpoint, model, optimizer, step.scaler)
-        if ck.policy is not None and not _same_policy(ck.policy, policy):
-            raise AutoprecError(f"{checkpoint}: saved under a different policy than {policy_path} "
-                                f"({ck.policy.summary()} vs {policy.summary()})")
-        start = ck.step
-        if start >= steps:
-            raise AutoprecError(f"checkpoint {checkpoint} is already at step {start} ≥ --steps {steps}; "
-                                f"pass --steps larger than {start} to train further")
-        if not quiet:
-            print(f"resumed from {checkpoint} at step {start}", flush=True)
-    elif resume and not quiet:
-        print(f"no checkpoint at {checkpoint}; starting from step 0", flush=True)
+    start = _resume(checkpoint, policy_path, policy, step, model, steps, quiet) if resume else 0
     monitor = Monitor(log_path, graph_module=mp.graph_module)
-    res = TrainResult(start_step=start)
-    times = []
 
     def save(done: int) -> None:
         save_checkpoint(checkpoint, model, optimizer, step.scaler, policy, step=done)
 
+    hooks = [_recorder(monitor, spec.tokens_per_batch), _printer(steps, log_every, quiet)]
+    if checkpoint is not None:
+        hooks.append(every(checkpoint_every, save, stop=steps))
     try:
-        for i in range(start, steps):
-            batch = first if i == 0 else spec.get_batch(i, dev)
-            monitor.last_batch = batch
-            st, seconds = step.timed(batch)
-            times.append(seconds)
-            monitor.record(i, st, tokens=spec.tokens_per_batch(batch), seconds=times[-1], batch=batch)
-            res.losses.append(st.loss)
-            res.skipped += int(st.skipped)
-            if not quiet and (i % max(log_every, 1) == 0 or i == steps - 1):
-                print(f"step {i:4d}  loss {st.loss:.4f}  grad_norm {st.grad_norm:.3g}  scale {st.loss_scale:g}"
-                      f"{'  SKIPPED' if st.skipped else ''}  {times[-1]:.2f}s", flush=True)
-            if checkpoint is not None and checkpoint_every > 0 and (i + 1) % checkpoint_every == 0:
-                save(i + 1)
+        done = run_steps(step, lambda k: first if k == 0 else spec.get_batch(k, dev), start, steps,
+                         before=lambda _k, batch: setattr(monitor, "last_batch", batch), after=hooks)
         if checkpoint is not None:
             save(max(steps, start))
     finally:
         monitor.close()
-    res.loss_scale = step.scaler.get_scale() if step.scaler is not None else 1.0
-    res.summary = monitor.summary()
+    return _result(done, start, step, monitor, spec.tokens_per_batch(first))
+
+
+def _resume(checkpoint: str | os.PathLike, policy_path: str | os.PathLike, policy: Policy, step: TrainStep,
+            model: Any, steps: int, quiet: bool) -> int:
+    """Load ``checkpoint`` into the model, optimizer, scaler and RNG if it exists; the step to start at.
+
+    Raises:
+        AutoprecError: saved under another policy, or already at step ``steps`` or beyond.
+    """
+    if not Path(checkpoint).exists():
+        if not quiet:
+            print(f"no checkpoint at {checkpoint}; starting from step 0", flush=True)
+        return 0
+    ck = load_checkpoint(checkpoint, model, step.optimizer, step.scaler)
+    if ck.policy is not None and not _same_policy(ck.policy, policy):
+        raise AutoprecError(f"{checkpoint}: saved under a different policy than {policy_path} "
+                            f"({ck.policy.summary()} vs {policy.summary()})")
+    if ck.step >= steps:
+        raise AutoprecError(f"checkpoint {checkpoint} is already at step {ck.step} ≥ --steps {steps}; "
+                            f"pass --steps larger than {ck.step} to train further")
+    if not quiet:
+        print(f"resumed from {checkpoint} at step {ck.step}", flush=True)
+    return ck.step
+
+
+def _recorder(monitor: Monitor, tokens_per_batch: Any) -> StepHook:
+    """Hook recording each step in ``monitor`` (tokens from the model file's ``tokens_per_batch``)."""
+    def hook(k: int, batch: Any, stats: StepStats, seconds: float) -> None:
+        monitor.record(k, stats, tokens=tokens_per_batch(batch), seconds=seconds, batch=batch)
+
+    return hook
+
+
+def _printer(steps: int, log_every: int, quiet: bool) -> StepHook:
+    """Hook printing every ``log_every``-th step and the last one (nothing when ``quiet``)."""
+    def hook(k: int, _batch: Any, st: StepStats, seconds: float) -> None:
+        if not quiet and (k % max(log_every, 1) == 0 or k == steps - 1):
+            print(f"step {k:4d}  loss {st.loss:.4f}  grad_norm {st.grad_norm:.3g}  scale {st.loss_scale:g}"
+                  f"{'  SKIPPED' if st.skipped else ''}  {seconds:.2f}s", flush=True)
+
+    return hook
+
+
+def _result(done: list[tuple[StepStats, float]], start: int, step: TrainStep, monitor: Monitor,
+            tokens: int) -> TrainResult:
+    """The :class:`TrainResult` of the steps run (``tokens``: tokens per batch)."""
+    res = TrainResult(start_step=start, losses=[st.loss for st, _ in done],
+                      skipped=sum(int(st.skipped) for st, _ in done), summary=monitor.summary(),
+                      loss_scale=step.scaler.get_scale() if step.scaler is not None else 1.0)
     if res.losses:
         tail = res.losses[-min(5, len(res.losses)):]
         res.final_loss = sum(tail) / len(tail)
-        timed = times[1:] or times
-        res.tokens_per_s = spec.tokens_per_batch(first) / statistics.median(timed)
+        times = [seconds for _, seconds in done]
+        res.tokens_per_s = tokens / median(times[1:] or times)
     return res

@@ -27,7 +27,8 @@ from typing import IO, Any
 import torch
 from torch import fx
 
-from autoprec.capture import InputShapes
+from autoprec.metrics import median
+from autoprec.shapes import InputShapes
 from autoprec.modelspec import split_batch
 from autoprec.passes.diagnose import first_nonfinite_node as _first_nonfinite_in_graph
 
@@ -181,7 +182,8 @@ class Monitor:
 
         It re-runs :attr:`last_batch` through :func:`first_nonfinite_node` on :attr:`graph_module`.
         The scaler raises inside ``update()``, before the step is recorded, so a training loop sets
-        ``monitor.last_batch = batch`` before each step (``autoprec.runtime.loop`` does).
+        ``monitor.last_batch = batch`` before each step (``autoprec.runtime.loop`` does, through
+        :func:`~autoprec.runtime.steps.run_steps`'s ``before`` hook).
 
         Raises:
             ValueError: the monitor has no ``graph_module``.
@@ -204,7 +206,8 @@ class Monitor:
             ``steps``, ``overflow_steps`` (steps with non-finite gradients or loss), ``skipped_steps``,
             ``skip_rate`` (skipped / steps, 0 for no steps), ``first_nonfinite_nodes`` (distinct
             diagnosed keys, in order), ``final_loss_scale``, ``max_grad_norm`` (over finite norms),
-            ``median_tokens_per_s`` (steps after the first, which may include compilation).
+            ``median_tokens_per_s`` (:func:`autoprec.metrics.median` over the steps after the first,
+            which may include compilation).
         """
         recs = self.records
         n = len(recs)
@@ -215,14 +218,14 @@ class Monitor:
             if r.first_nonfinite_node is not None and r.first_nonfinite_node not in keys:
                 keys.append(r.first_nonfinite_node)
         norms = [r.grad_norm for r in recs if math.isfinite(r.grad_norm)]
-        tps = sorted(r.tokens_per_s for r in recs[1:] if r.tokens_per_s > 0) or \
-            sorted(r.tokens_per_s for r in recs if r.tokens_per_s > 0)
+        tps = [r.tokens_per_s for r in recs[1:] if r.tokens_per_s > 0] or \
+            [r.tokens_per_s for r in recs if r.tokens_per_s > 0]
         return json_safe({
             "steps": n, "overflow_steps": len(overflow), "skipped_steps": skipped,
             "skip_rate": skipped / n if n else 0.0, "first_nonfinite_nodes": keys,
             "final_loss_scale": recs[-1].loss_scale if recs else None,
             "max_grad_norm": max(norms) if norms else None,
-            "median_tokens_per_s": tps[len(tps) // 2] if tps else 0.0,
+            "median_tokens_per_s": median(tps) if tps else 0.0,
         })
 
     def close(self) -> None:

@@ -20,19 +20,30 @@ Sources:
 
 from __future__ import annotations
 
-import math
-import struct
-from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from autoprec.errors import LossScaleError
+from autoprec.policy.loss_scaling import (
+    BACKOFF_FACTOR,
+    GROWTH_FACTOR,
+    GROWTH_INTERVAL,
+    INIT_SCALE,
+    MAX_SCALE,
+    MIN_SCALE,
+    check_fp32_exact,
+    check_loss_scaling,
+    to_fp32,
+)
+from autoprec.runtime._amp import amp_update_scale, unscale_grads_, unscaled_grad_norm
 
 __all__ = ["DynamicLossScaler", "unscaled_grad_norm"]
 
-_FP32_MAX = float(torch.finfo(torch.float32).max)
+#: Default ``max_skips_at_floor``: consecutive skipped steps at ``min_scale`` before ``update``
+#: raises (autoprec's choice; GradScaler has no floor).
+MAX_SKIPS_AT_FLOOR = 8
 
 # Per-optimizer stage within one iteration (GradScaler's OptState).
 _READY, _UNSCALED, _STEPPED = "ready", "unscaled", "stepped"
@@ -43,23 +54,6 @@ _AUTOPREC_KEYS = ("min_scale", "max_scale", "max_skips_at_floor", "skipped_steps
                   "skips_at_floor")
 
 
-def _to_fp32(x: float) -> float:
-    """Rounds a Python float to the nearest float32 (C ``static_cast<float>``; overflow gives ``±inf``)."""
-    try:
-        return struct.unpack("f", struct.pack("f", x))[0]
-    except OverflowError:
-        return math.copysign(math.inf, x)
-
-
-def _as_float(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name} must be a number, got {value!r}")  # noqa: TRY004 (bad value)
-    value = float(value)
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value!r}")
-    return value
-
-
 def _as_int(name: str, value: Any, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name} must be an int, got {value!r}")  # noqa: TRY004 (bad value)
@@ -68,84 +62,17 @@ def _as_int(name: str, value: Any, minimum: int) -> int:
     return value
 
 
-def _check_fp32_exact(name: str, value: float) -> None:
-    if _to_fp32(value) != value:
-        raise ValueError(f"{name}={value!r} is not exactly representable in float32 (use e.g. a power of 2)")
-
-
 def _check_config(scale_name: str, scale: Any, growth_factor: Any, backoff_factor: Any,
                   growth_interval: Any, min_scale: Any, max_scale: Any,
                   max_skips_at_floor: Any) -> tuple[float, float, float, int, float, float, int]:
-    """Validates the scaler's configuration; raises ``ValueError`` naming the offending argument."""
-    growth_factor = _as_float("growth_factor", growth_factor)
-    if growth_factor <= 1.0:
-        raise ValueError(f"growth_factor must be > 1, got {growth_factor!r}")
-    backoff_factor = _as_float("backoff_factor", backoff_factor)
-    if not 0.0 < backoff_factor < 1.0:
-        raise ValueError(f"backoff_factor must be in (0, 1), got {backoff_factor!r}")
-    growth_interval = _as_int("growth_interval", growth_interval, 1)
+    """Validates the scaler's configuration with the policy's loss-scaling ranges
+    (:func:`autoprec.policy.loss_scaling.check_loss_scaling`); raises ``ValueError`` naming the argument."""
+    v = check_loss_scaling({scale_name: scale, "growth_factor": growth_factor, "backoff_factor": backoff_factor,
+                            "growth_interval": growth_interval, "min_scale": min_scale,
+                            "max_scale": max_scale}, scale_name=scale_name)
     max_skips_at_floor = _as_int("max_skips_at_floor", max_skips_at_floor, 1)
-    min_scale, max_scale = _as_float("min_scale", min_scale), _as_float("max_scale", max_scale)
-    if min_scale <= 0.0:
-        raise ValueError(f"min_scale must be > 0, got {min_scale!r}")
-    if max_scale > _FP32_MAX:
-        raise ValueError(f"max_scale must be <= float32 max ({_FP32_MAX!r}), got {max_scale!r}")
-    _check_fp32_exact("min_scale", min_scale)
-    _check_fp32_exact("max_scale", max_scale)
-    scale = _as_float(scale_name, scale)
-    if not min_scale <= scale <= max_scale:
-        raise ValueError(f"need 0 < min_scale <= {scale_name} <= max_scale, got min_scale={min_scale!r}, "
-                         f"{scale_name}={scale!r}, max_scale={max_scale!r}")
-    return scale, growth_factor, backoff_factor, growth_interval, min_scale, max_scale, max_skips_at_floor
-
-
-def _amp_update_scale(scale: float, tracker: int, found_inf: bool, growth_factor: float,
-                      backoff_factor: float, growth_interval: int) -> tuple[float, int]:
-    """One step of ``torch._amp_update_scale_``, bit for bit.
-
-    The kernel multiplies the float32 scale by the (double) factor in double precision and rounds the
-    product to float32; a growth that would overflow float32 to ``inf`` is dropped (the scale is kept)
-    but still resets the tracker.
-    """
-    if found_inf:
-        return _to_fp32(scale * backoff_factor), 0
-    tracker += 1
-    if tracker == growth_interval:
-        grown = _to_fp32(scale * growth_factor)
-        return (grown if math.isfinite(grown) else scale), 0
-    return scale, tracker
-
-
-def _grads_of(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """The dense gradient tensors of every parameter in ``optimizer.param_groups`` (coalesced if sparse)."""
-    grads = []
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            if param.grad is None:
-                continue
-            if param.grad.is_sparse:
-                if not param.grad.is_coalesced():
-                    param.grad = param.grad.coalesce()  # duplicates are summed before the check
-                grads.append(param.grad._values())
-            else:
-                grads.append(param.grad)
-    return grads
-
-
-def _unscale_grads_(optimizer: torch.optim.Optimizer, inv_scale: float) -> bool:
-    """Multiplies every gradient by ``inv_scale`` in place (computed in fp32); True if any is inf/NaN."""
-    by_device_dtype: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
-    for grad in _grads_of(optimizer):
-        by_device_dtype[(grad.device, grad.dtype)].append(grad)
-    found = []
-    with torch.no_grad():
-        for (device, _), grads in by_device_dtype.items():
-            found_inf = torch.zeros((), dtype=torch.float32, device=device)
-            inv = torch.full((), inv_scale, dtype=torch.float32, device=device)
-            # GradScaler's fused kernel: flags non-finite values, then grad = float(grad) * inv.
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv)
-            found.append(found_inf)
-    return any(bool(f.item()) for f in found)
+    return (v[scale_name], v["growth_factor"], v["backoff_factor"], v["growth_interval"], v["min_scale"],
+            v["max_scale"], max_skips_at_floor)
 
 
 class DynamicLossScaler:
@@ -173,6 +100,10 @@ class DynamicLossScaler:
     after ``growth_interval`` consecutive clean steps it is multiplied by ``growth_factor``. The result
     is then clamped to ``[min_scale, max_scale]`` (DeepSpeed's ``min_loss_scale``).
 
+    Defaults and valid ranges: :mod:`autoprec.policy.loss_scaling` (the one home shared with the
+    policy's ``loss_scaling`` block; GradScaler's defaults, from the PyTorch AMP docs
+    https://pytorch.org/docs/stable/amp.html#torch.amp.GradScaler, plus autoprec's floor and cap).
+
     Args:
         init_scale: Initial scale (rounded to float32, like GradScaler).
         growth_factor: Factor (> 1) applied after ``growth_interval`` clean steps.
@@ -191,12 +122,14 @@ class DynamicLossScaler:
             Called only when the error above is raised; if it raises, the error says so instead.
 
     Raises:
-        ValueError: An argument is out of range; the message names it.
+        ValueError: An argument is out of range; the message names it
+            (:class:`~autoprec.policy.loss_scaling.LossScalingValueError` for the scale settings).
     """
 
-    def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
-                 growth_interval: int = 2000, min_scale: float = 1.0, max_scale: float = 2.0**24,
-                 max_skips_at_floor: int = 8, enabled: bool = True,
+    def __init__(self, init_scale: float = INIT_SCALE, growth_factor: float = GROWTH_FACTOR,
+                 backoff_factor: float = BACKOFF_FACTOR, growth_interval: int = GROWTH_INTERVAL,
+                 min_scale: float = MIN_SCALE, max_scale: float = MAX_SCALE,
+                 max_skips_at_floor: int = MAX_SKIPS_AT_FLOOR, enabled: bool = True,
                  diagnose: Callable[[], str | None] | None = None) -> None:
         (scale, self._growth_factor, self._backoff_factor, self._growth_interval, self._min_scale,
          self._max_scale, self._max_skips_at_floor) = _check_config(
@@ -206,7 +139,7 @@ class DynamicLossScaler:
             raise ValueError(f"diagnose must be a zero-argument callable or None, got {diagnose!r}")
         self._enabled = bool(enabled)
         self._diagnose = diagnose
-        self._scale = _to_fp32(scale)  # always a float32 value held in a Python float
+        self._scale = to_fp32(scale)  # always a float32 value held in a Python float
         self._growth_tracker = 0
         self._skipped_steps = 0
         self._consecutive_skips = 0
@@ -243,7 +176,7 @@ class DynamicLossScaler:
                 "unscale_() has already been called on this optimizer since the last update().")
         if state["stage"] == _STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
-        state["found_inf"] = _unscale_grads_(optimizer, 1.0 / self._scale)
+        state["found_inf"] = unscale_grads_(optimizer, 1.0 / self._scale)
         state["stage"] = _UNSCALED
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> bool:
@@ -290,7 +223,7 @@ class DynamicLossScaler:
         self._per_optimizer = {}
         self._found_inf = found_inf
         at_floor = self._scale <= self._min_scale
-        scale, self._growth_tracker = _amp_update_scale(
+        scale, self._growth_tracker = amp_update_scale(
             self._scale, self._growth_tracker, found_inf, self._growth_factor, self._backoff_factor,
             self._growth_interval)
         self._scale = min(max(scale, self._min_scale), self._max_scale)
@@ -403,7 +336,7 @@ class DynamicLossScaler:
              "skips_at_floor": 0, **state_dict}
         config = _check_config("scale", d["scale"], d["growth_factor"], d["backoff_factor"],
                                d["growth_interval"], d["min_scale"], d["max_scale"], d["max_skips_at_floor"])
-        _check_fp32_exact("scale", config[0])
+        check_fp32_exact("scale", config[0])
         counters = _check_counters(d, growth_interval=config[3])
         (self._scale, self._growth_factor, self._backoff_factor, self._growth_interval, self._min_scale,
          self._max_scale, self._max_skips_at_floor) = config
@@ -426,33 +359,3 @@ def _check_counters(d: dict[str, Any], growth_interval: int) -> tuple[int, int, 
     if at_floor > consecutive:
         raise ValueError(f"skips_at_floor ({at_floor}) must be <= consecutive_skips ({consecutive})")
     return tracker, skipped, consecutive, at_floor
-
-
-def unscaled_grad_norm(parameters: torch.Tensor | Iterable[torch.Tensor]) -> float:
-    """Total L2 norm of the parameters' gradients, computed in fp32; ``inf`` if any is inf/NaN.
-
-    Call it after ``DynamicLossScaler.unscale_`` so the norm is that of the true gradients (as
-    ``torch.nn.utils.clip_grad_norm_`` would see them). Parameters without a gradient are ignored.
-
-    Args:
-        parameters: A tensor or an iterable of tensors (e.g. ``model.parameters()``).
-
-    Returns:
-        ``sqrt(sum_i ||grad_i||_2^2)`` as a Python float (0.0 if no parameter has a gradient);
-        ``math.inf`` if any gradient element is non-finite (or the fp32 norm overflows).
-    """
-    if isinstance(parameters, torch.Tensor):
-        parameters = [parameters]
-    norms = []
-    for p in parameters:
-        grad = p.grad
-        if grad is None:
-            continue
-        if grad.is_sparse:
-            grad = grad.coalesce()._values()
-        norms.append(torch.linalg.vector_norm(grad.detach(), 2, dtype=torch.float32))
-    if not norms:
-        return 0.0
-    device = norms[0].device
-    total = float(torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), 2))
-    return total if math.isfinite(total) else math.inf

@@ -1,4 +1,4 @@
-"""The Optuna objective: params -> policy -> lowered graph -> measurement (DESIGN §1, §5).
+"""The Optuna objective: params -> policy -> lowered graph -> measurement (docs/architecture.md#search, #measurements).
 
 Objectives (multi-objective study): maximise tokens/s, minimise ``grad_rel_l2``, minimise peak
 bytes. Constraint (``Trial.set_constraint``): ``grad_rel_l2 − budget ≤ 0``. Trial attributes live
@@ -18,15 +18,14 @@ import time
 import optuna
 import torch
 
-from autoprec.passes import assign_dtypes, finish_pipeline
+from autoprec.passes import lowering_passes
 from autoprec.runtime.train import make_scaler
+from autoprec.search import attrs
 from autoprec.search.measure import Harness, Measurement
 from autoprec.search.space import SearchSpace
 
-__all__ = ["Objective", "policy_fingerprint", "ATTR", "DIRECTIONS"]
+__all__ = ["Objective", "policy_fingerprint", "DIRECTIONS", "is_dead_worker"]
 
-ATTR = "autoprec:"  # user-attribute namespace
-_A = ATTR
 #: Study directions: tokens/s (max), grad_rel_l2 (min), peak bytes (min).
 DIRECTIONS = ("maximize", "minimize", "minimize")
 
@@ -64,38 +63,38 @@ class Objective:
         try:
             return self._measure(trial)
         except KeyboardInterrupt:  # Optuna records the trial as FAIL; a resumed study re-runs it
-            trial.set_user_attr(_A + "interrupted", True)
+            trial.set_user_attr(attrs.INTERRUPTED, True)
             raise
 
     def _measure(self, trial: optuna.Trial) -> tuple[float, float, float] | float:
-        trial.set_user_attr(_A + "worker", f"{socket.gethostname()}:{os.getpid()}")  # see is_dead_worker
+        trial.set_user_attr(attrs.WORKER, f"{socket.gethostname()}:{os.getpid()}")  # see is_dead_worker
         params = self.space.suggest(trial)
         policy = self.space.to_policy(params)
-        trial.set_user_attr(_A + "policy", policy.to_dict())
+        trial.set_user_attr(attrs.POLICY, policy.to_dict())
         gm = self.harness.graph_module
         try:
-            assigned = assign_dtypes(gm, policy)
+            assigned = lowering_passes(gm, policy)[:1](gm)  # assign_dtypes only
         except Exception as e:
-            trial.set_user_attr(_A + "error", f"lowering failed: {e}")
+            trial.set_user_attr(attrs.ERROR, f"lowering failed: {e}")
             return math.nan
         # The fingerprint needs only the assigned dtypes: a graph already measured skips the
         # remaining passes and their verification (most of a lowering's cost).
         fp = policy_fingerprint(assigned.graph_module)
-        trial.set_user_attr(_A + "fingerprint", fp)
+        trial.set_user_attr(attrs.FINGERPRINT, fp)
         prior = _find_measured(trial.study, fp, trial.number)
         if prior is not None:
             for k, v in prior.user_attrs.items():
-                if k.startswith(_A) and k not in (_A + "policy", _A + "fingerprint"):
+                if k.startswith(attrs.ATTR) and k not in (attrs.POLICY, attrs.FINGERPRINT):
                     trial.set_user_attr(k, v)
-            _constrain(trial, float(prior.user_attrs.get(_A + "constraint", 1e30)))
-            trial.set_user_attr(_A + "reused_from", prior.number)
+            _constrain(trial, float(prior.user_attrs.get(attrs.CONSTRAINT, attrs.INFEASIBLE)))
+            trial.set_user_attr(attrs.REUSED_FROM, prior.number)
             return tuple(prior.values) if prior.values else math.nan
         try:
-            lowered = finish_pipeline(gm, assigned, policy)
+            lowered = lowering_passes(gm, policy)[1:].resume(assigned)
         except Exception as e:
-            trial.set_user_attr(_A + "error", f"lowering failed: {e}")
+            trial.set_user_attr(attrs.ERROR, f"lowering failed: {e}")
             return math.nan
-        trial.set_user_attr(_A + "casts", lowered.stats.get("casts", 0))
+        trial.set_user_attr(attrs.CASTS, lowered.stats.get("casts", 0))
         m = self.harness.measure(lowered.graph_module, lambda: make_scaler(policy), max_step_s=self.max_step_s)
         _record(trial, m, self.budget)
         if m.error is not None:
@@ -104,15 +103,15 @@ class Objective:
 
 
 def _record(trial: optuna.Trial, m: Measurement, budget: float) -> None:
-    for k in ("tokens_per_s", "step_s", "grad_rel_l2", "loss_rel", "grad_sqnr_db_min", "peak_bytes"):
+    for k in attrs.MEASURED:
         v = getattr(m, k)
-        trial.set_user_attr(_A + k, v if (not isinstance(v, float) or math.isfinite(v)) else None)
+        trial.set_user_attr(attrs.ATTR + k, v if (not isinstance(v, float) or math.isfinite(v)) else None)
     g = m.grad_rel_l2
-    _constrain(trial, (g - budget) if math.isfinite(g) else 1e30)
+    _constrain(trial, (g - budget) if math.isfinite(g) else attrs.INFEASIBLE)
     if m.error is not None:
-        trial.set_user_attr(_A + "error", m.error)
+        trial.set_user_attr(attrs.ERROR, m.error)
     if m.note is not None:
-        trial.set_user_attr(_A + "note", m.note)
+        trial.set_user_attr(attrs.NOTE, m.note)
 
 
 def _find_measured(study: optuna.Study, fp: str, number: int, wait_s: float = 900.0,
@@ -128,14 +127,14 @@ def _find_measured(study: optuna.Study, fp: str, number: int, wait_s: float = 90
     while True:
         running = False
         for t in study.get_trials(deepcopy=False):
-            other = t.user_attrs.get(_A + "fingerprint")
+            other = t.user_attrs.get(attrs.FINGERPRINT)
             if (t.number < number and t.state == optuna.trial.TrialState.RUNNING and other in (None, fp)
                     and not is_dead_worker(t)):
                 running = True  # measuring this graph, or not yet lowered: wait and look again
             if t.number == number or other != fp:
                 continue
             if t.state == optuna.trial.TrialState.COMPLETE or (
-                    t.state == optuna.trial.TrialState.FAIL and _A + "error" in t.user_attrs):
+                    t.state == optuna.trial.TrialState.FAIL and attrs.ERROR in t.user_attrs):
                 return t
         if not running or time.monotonic() > deadline:
             return None
@@ -144,7 +143,7 @@ def _find_measured(study: optuna.Study, fp: str, number: int, wait_s: float = 90
 
 def is_dead_worker(trial: optuna.trial.FrozenTrial) -> bool:
     """True if ``trial`` was started by a process of this host that no longer exists (killed)."""
-    host, _, pid = str(trial.user_attrs.get(_A + "worker", "")).rpartition(":")
+    host, _, pid = str(trial.user_attrs.get(attrs.WORKER, "")).rpartition(":")
     if host != socket.gethostname() or not pid.isdigit():
         return False
     try:
@@ -158,6 +157,6 @@ def is_dead_worker(trial: optuna.trial.FrozenTrial) -> bool:
 
 def _constrain(trial: optuna.Trial, value: float) -> None:
     """Record the drift constraint (feasible when ≤ 0) for the sampler and for selection."""
-    trial.set_user_attr(_A + "constraint", value)
+    trial.set_user_attr(attrs.CONSTRAINT, value)
     if hasattr(trial, "set_constraint"):  # Optuna ≥ 5; older samplers take constraints_func
         trial.set_constraint("drift", value)

@@ -19,7 +19,7 @@ import torch
 from autoprec.dtypes import LOW_DTYPES, to_torch
 from autoprec.ops import classify
 from autoprec.policy import Policy, Rule
-from autoprec.search.measure import time_matmul
+from autoprec.device import time_matmul
 
 __all__ = ["DtypeProbe", "probe_dtypes", "SearchSpace", "BASELINES", "find_blocks", "outside_matmuls"]
 

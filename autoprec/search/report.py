@@ -15,12 +15,24 @@ import optuna
 from torch import fx
 
 from autoprec.policy import Policy
-from autoprec.search.objective import ATTR
+from autoprec.search import attrs
 
-__all__ = ["write_report", "trial_rows", "pareto_front", "show_nodes", "dtype_map"]
+__all__ = ["format_table", "write_report", "trial_rows", "pareto_front", "show_nodes", "dtype_map"]
 
-_A = ATTR
 _DT_COLOUR = {"fp32": 0, "bf16": 1, "fp16": 2}
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    """Markdown table of result rows (config, tokens/s, speedup vs fp32, grad_rel_l2, peak MiB)."""
+    head = "| config | tokens/s | speedup vs fp32 eager | grad_rel_l2 | peak MiB | note |"
+    lines = [head, "|---|---:|---:|---:|---:|---|"]
+    for r in rows:
+        g = r.get("grad_rel_l2")
+        lines.append(
+            f"| {r['config']} | {r['tokens_per_s']:.0f} | {r['speedup_vs_fp32']:.2f}x | "
+            f"{'inf' if g is None else f'{g:.2e}'} | {r.get('peak_bytes', 0) / 2**20:.1f} | {r.get('error') or ''} |"
+        )
+    return "\n".join(lines)
 
 
 def trial_rows(study: optuna.Study) -> list[dict[str, Any]]:
@@ -31,14 +43,14 @@ def trial_rows(study: optuna.Study) -> list[dict[str, Any]]:
         if not t.state.is_finished():
             continue
         ua = t.user_attrs
-        pol = ua.get(_A + "policy")
+        pol = ua.get(attrs.POLICY)
         rows.append({
             "number": t.number, "state": t.state.name,
-            "tokens_per_s": ua.get(_A + "tokens_per_s"), "grad_rel_l2": ua.get(_A + "grad_rel_l2"),
-            "peak_bytes": ua.get(_A + "peak_bytes"),
-            "feasible": ua.get(_A + "constraint", 1e30) <= 0 and t.state == optuna.trial.TrialState.COMPLETE,
-            "policy": Policy.from_dict(pol).summary() if pol else "", "error": ua.get(_A + "error"),
-            "reused_from": ua.get(_A + "reused_from"),
+            "tokens_per_s": ua.get(attrs.TOKENS_PER_S), "grad_rel_l2": ua.get(attrs.GRAD_REL_L2),
+            "peak_bytes": ua.get(attrs.PEAK_BYTES),
+            "feasible": ua.get(attrs.CONSTRAINT, attrs.INFEASIBLE) <= 0 and t.state == optuna.trial.TrialState.COMPLETE,
+            "policy": Policy.from_dict(pol).summary() if pol else "", "error": ua.get(attrs.ERROR),
+            "reused_from": ua.get(attrs.REUSED_FROM),
         })
     return rows
 
@@ -62,8 +74,6 @@ def _markdown(rows, front, table, policy, timings) -> str:
     if policy is not None:
         lines += [f"Chosen policy: `{policy.summary()}`", ""]
     if table:
-        from autoprec.cli import format_table
-
         lines += ["## Side by side (same weights and batches, one process)", "", format_table(table), ""]
     if timings:
         lines += ["## Where tuning time went", "", "| phase | seconds |", "|---|---:|"]

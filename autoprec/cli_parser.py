@@ -1,0 +1,112 @@
+"""The ``autoprec`` command line's arguments: subcommands, options, and the argparse types that
+validate counts and durations (argparse names the option and exits 2 on a bad value)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+__all__ = ["build_parser"]
+
+
+def _int_at_least(low: int):
+    """argparse type: an int ≥ ``low`` (argparse names the option and exits 2 otherwise)."""
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if v < low:
+            raise argparse.ArgumentTypeError(f"must be ≥ {low}, got {v}")
+        return v
+    return parse
+
+
+def _positive_float(text: str) -> float:
+    """argparse type: a finite float > 0."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (v > 0 and math.isfinite(v)):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``autoprec`` argument parser: one subcommand per command, numbers validated by type."""
+    p = argparse.ArgumentParser(prog="autoprec", description="Mixed-precision autotuner for PyTorch training.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    t = sub.add_parser("tune", help="search for the fastest policy within a drift budget")
+    t.add_argument("model", help="model file (build_model, get_batch; DESIGN §2)")
+    t.add_argument("--trials", type=_int_at_least(1), default=None, help="finished trials the study should hold (default 20)")
+    t.add_argument("--timeout", type=_positive_float, default=None, help="stop sampling after S seconds")
+    t.add_argument("--max-drift", default="auto", help="'auto' (torch.autocast's grad_rel_l2) or a number")
+    t.add_argument("--max-memory", default=None, metavar="M",
+                   help="memory budget for the policy's peak bytes: 'auto' (torch.autocast's, measured in this "
+                        "run), '0.8x' (of FP32 eager's), or bytes ('300MiB', '2GiB'); compiled policies over "
+                        "it recompute activations in backward (default: none)")
+    t.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    t.add_argument("--out", default="policy.json", help="policy file to write (default policy.json)")
+    t.add_argument("--storage", default=None, help="Optuna storage URL (default: SQLite beside --out)")
+    t.add_argument("--study-name", default=None, help="Optuna study name (default: derived from the model)")
+    t.add_argument("--no-compile", action="store_true", help="measure eagerly, no torch.compile")
+    t.add_argument("--dtypes", default="auto",
+                   help="low dtypes to search: 'auto' (those the device runs faster than fp32, measured) "
+                        "or a list such as bf16,fp16")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--traj-steps", type=_int_at_least(0), default=20,
+                   help="optimizer steps of the traj_rel check on finalists that lower anything (0: off)")
+    t.add_argument("--finalists", type=_int_at_least(1), default=2, help="fastest feasible trials re-measured compiled")
+
+    rp = sub.add_parser("report", help="write the report (Pareto front, trials table) of a study")
+    rp.add_argument("--storage", required=True, help="Optuna storage URL, e.g. sqlite:///policy.optuna.db")
+    rp.add_argument("--study-name", default=None,
+                    help="study to report (default: the only study in the storage; the policy's "
+                         "provenance.study names it)")
+    rp.add_argument("--out", default="report", help="path stem of the files written (default: report)")
+
+    r = sub.add_parser("train", help="train with a policy")
+    r.add_argument("model", help="model file (build_model, get_batch; DESIGN §2)")
+    r.add_argument("--policy", required=True, help="policy JSON file (from autoprec tune)")
+    r.add_argument("--steps", type=_int_at_least(1), default=50,
+                   help="total optimizer steps of the run; a resumed run continues up to this step (default 50)")
+    r.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    r.add_argument("--no-compile", action="store_true", help="run the lowered graph eagerly, no torch.compile")
+    r.add_argument("--log-every", type=_int_at_least(1), default=1, metavar="N", help="print every N-th step (default 1)")
+    r.add_argument("--checkpoint", default=None, metavar="PATH",
+                   help="checkpoint file written at the end (and every --checkpoint-every steps)")
+    r.add_argument("--resume", action="store_true",
+                   help="continue from --checkpoint if it exists (with --compare: the unfinished run in --out-dir)")
+    r.add_argument("--checkpoint-every", type=_int_at_least(0), default=0, metavar="N",
+                   help="also save the checkpoint every N steps (default 0: only at the end); with --compare, "
+                        "save the running configuration every N steps under --out-dir")
+    r.add_argument("--log", default=None, metavar="JSONL", help="append per-step monitor records here")
+    r.add_argument("--max-grad-norm", type=_positive_float, default=None, help="clip unscaled gradients to this norm")
+    r.add_argument("--compare", default=None, metavar="LIST",
+                   help="convergence check: also train these baselines (fp32,autocast) from the same "
+                        "weights on the same batches and compare the loss curves")
+    r.add_argument("--out-dir", default="convergence", help="where --compare writes JSON + PNG")
+
+    s = sub.add_parser("show", help="print a policy file (and per-node dtypes with --model)")
+    s.add_argument("policy", help="policy JSON file")
+    s.add_argument("--model", default=None, help="model file: also print the dtype of each module's nodes")
+
+    b = sub.add_parser("bench", help="time a policy side by side with fp32, autocast and pure low precision")
+    b.add_argument("model", help="model file (DESIGN §2)")
+    b.add_argument("--policy", required=True, help="policy JSON file")
+    b.add_argument("--steps", type=_int_at_least(1), default=5, help="timed steps per configuration (median reported)")
+    b.add_argument("--warmup", type=_int_at_least(0), default=2, help="untimed steps before timing")
+    b.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    b.add_argument("--json", default=None, help="write the results as JSON here")
+    b.add_argument("--md", default=None, help="write the markdown table here")
+    b.add_argument("--configs", nargs="+", default=None,
+                   help="subset of: fp32_eager fp32_compiled autocast_eager autocast_compiled pure_low_eager "
+                        "pure_low_compiled policy_eager policy_compiled (default all)")
+    b.add_argument("--max-step-ratio", type=_positive_float, default=10.0,
+                   help="time a config on one step only when its step exceeds this multiple of fp32 eager's")
+    b.add_argument("--skip-slow", action="store_true",
+                   help="skip low-precision baselines when the device's low-dtype matmul is more than "
+                        "--max-step-ratio times slower than fp32 (CPUs that emulate bf16)")
+    return p

@@ -1,0 +1,70 @@
+"""Drift and timing statistics: how far a run is from its FP32 reference, and the median rule.
+
+Definitions (docs/architecture.md, "Measurements"): ``grad_rel_l2``, ``grad_sqnr_db_min``,
+``traj_rel``; :func:`median` is the one median of step times used everywhere.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["grad_rel_l2", "grad_sqnr_db_min", "median", "traj_rel"]
+
+
+def grad_rel_l2(grads: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
+    """‖g − g₃₂‖₂ / ‖g₃₂‖₂ over all gradients concatenated (DESIGN §5); inf if non-finite.
+
+    Args:
+        grads: Gradients (any float dtype; compared in fp64), same shapes as ``ref``.
+        ref: FP32 reference gradients.
+    """
+    num = 0.0
+    den = 0.0
+    for g, r in zip(grads, ref, strict=True):
+        d = g.double() - r.double()
+        num += float((d * d).sum())
+        den += float((r.double() ** 2).sum())
+    if not math.isfinite(num):
+        return math.inf
+    return math.sqrt(num) / max(math.sqrt(den), 1e-300)
+
+
+def grad_sqnr_db_min(grads: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
+    """min over parameters of 20·log₁₀(‖g₃₂‖/‖g − g₃₂‖) in dB (torchao's SQNR); −inf if non-finite."""
+    worst = math.inf
+    for g, r in zip(grads, ref, strict=True):
+        err = float((g.double() - r.double()).norm())
+        sig = float(r.double().norm())
+        if not math.isfinite(err):
+            return -math.inf
+        if err == 0.0 or sig == 0.0:
+            continue
+        worst = min(worst, 20.0 * math.log10(sig / err))
+    return worst
+
+
+def traj_rel(losses: list[float], ref: list[float]) -> float:
+    """max over steps k of |L_k − L32_k| / |L32_k| (DESIGN §5); inf if any loss is non-finite.
+
+    Also the "max relative deviation from the FP32 curve" of ``autoprec train --compare``.
+    """
+    worst = 0.0
+    for a, b in zip(losses, ref, strict=True):
+        if not (math.isfinite(a) and math.isfinite(b)):
+            return math.inf
+        worst = max(worst, abs(a - b) / max(abs(b), 1e-30))
+    return worst
+
+
+def median(values: Sequence[float]) -> float:
+    """The median of ``values`` (``statistics.median``: the mean of the two middle values for an
+    even count), the one rule for step times in ``tune``, ``bench``, ``train`` and ``--compare``.
+
+    Raises:
+        statistics.StatisticsError: ``values`` is empty.
+    """
+    return statistics.median(values)

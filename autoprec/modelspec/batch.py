@@ -1,0 +1,150 @@
+"""How a batch is passed to the model, and the defaults of the optional entry points.
+
+See :mod:`autoprec.modelspec` for the contract (``docs/architecture.md#modelpy-contract``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from autoprec.errors import ModelSpecError
+
+__all__ = ["call_model", "default_loss_fn", "default_make_optimizer", "default_tokens_per_batch", "split_batch"]
+
+
+def split_batch(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The positional and keyword arguments a batch stands for (DESIGN §2): a mapping is
+    ``(), dict(batch)``, a tuple or list ``tuple(batch), {}``, anything else (typically a tensor)
+    ``(batch,), {}``."""
+    if isinstance(batch, Mapping):
+        return (), dict(batch)
+    if isinstance(batch, (tuple, list)):
+        return tuple(batch), {}
+    return (batch,), {}
+
+
+def call_model(model: Callable[..., Any], batch: Any) -> Any:
+    """Call ``model`` on a batch in the form the contract allows (:func:`split_batch`).
+
+    Args:
+        model: The module (or any callable with the module's signature).
+        batch: A mapping (``model(**batch)``), a tuple or list (``model(*batch)``), or anything
+            else, typically a tensor (``model(batch)``).
+
+    Returns:
+        Whatever the model returns.
+    """
+    args, kwargs = split_batch(batch)
+    return model(*args, **kwargs)
+
+
+def default_loss_fn(output: Any, batch: Any, *, path: str | None = None) -> torch.Tensor:
+    """The loss when the model file defines no ``loss_fn``.
+
+    Takes ``output.loss`` (an attribute, as on Hugging Face ``ModelOutput``, or a ``"loss"`` key
+    of a mapping), or ``output`` itself when it is a one-element floating-point tensor.
+
+    Args:
+        output: What the model returned.
+        batch: The batch (unused; part of the ``loss_fn`` signature).
+        path: The model file, named in the error message.
+
+    Returns:
+        The loss tensor (normally 0-dim, floating point).
+
+    Raises:
+        ModelSpecError: The output carries no usable loss (e.g. logits only, or ``loss=None``
+            because the batch has no ``labels``).
+    """
+    del batch
+    where = path or "your model.py"
+    if isinstance(output, torch.Tensor):
+        loss, field = output, ""
+    elif isinstance(output, Mapping):
+        loss = output.get("loss")
+        field = f" with loss={_describe(loss)}" if "loss" in output else ""
+    else:
+        loss = getattr(output, "loss", None)
+        field = f" with loss={_describe(loss)}" if hasattr(output, "loss") else ""
+    if isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.is_floating_point():
+        return loss
+    raise ModelSpecError(
+        f"model output has no loss: got {_describe(output)}{field}; define loss_fn(output, batch) "
+        f"in {where} (or include labels in the batch so the model computes one)"
+    )
+
+
+def _describe(obj: Any) -> str:
+    """Short description of a value for error messages (tensors by shape and dtype)."""
+    if isinstance(obj, torch.Tensor):
+        return f"Tensor(shape={tuple(obj.shape)}, dtype={obj.dtype})"
+    if isinstance(obj, Mapping):
+        return f"{type(obj).__name__} with keys {list(obj.keys())}"
+    if isinstance(obj, (tuple, list)):
+        return f"{type(obj).__name__} of {len(obj)} items"
+    return "None" if obj is None else type(obj).__name__
+
+
+def default_make_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    """The optimizer when the model file defines no ``make_optimizer``: ``AdamW(lr=3e-4)``.
+
+    Why these defaults: AdamW is the standard optimizer for transformer training and the one
+    mixed-precision recipes are validated with; ``lr=3e-4`` is the widely used safe Adam rate for
+    small models (stable from random init without warm-up). ``weight_decay=0.0`` (instead of
+    PyTorch's 0.01) keeps the update a function of the gradient only, so drift measurements
+    between precision policies compare gradients, not a decay term that is identical in both.
+
+    Args:
+        params: The parameters to optimize (fp32 master weights).
+
+    Returns:
+        A fresh ``torch.optim.AdamW``.
+    """
+    return torch.optim.AdamW(params, lr=3e-4, weight_decay=0.0)
+
+
+def default_tokens_per_batch(batch: Any, *, path: str | None = None) -> int:
+    """Tokens one batch counts for throughput when the file defines no ``tokens_per_batch``.
+
+    The element count of ``batch["input_ids"]`` if present, else of the first integer tensor in
+    the batch (in dict/tuple order, searching nested containers), else the leading dimension
+    (batch size) of the first tensor.
+
+    Args:
+        batch: A batch as returned by ``get_batch``.
+        path: The model file, named in the error message.
+
+    Returns:
+        A positive count (tokens, or samples for non-token models).
+
+    Raises:
+        ModelSpecError: The batch contains no tensor.
+    """
+    if isinstance(batch, Mapping) and isinstance(batch.get("input_ids"), torch.Tensor):
+        return int(batch["input_ids"].numel())
+    tensors = list(_iter_tensors(batch))
+    for t in tensors:
+        if not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool):
+            return int(t.numel())
+    if tensors:
+        return int(tensors[0].shape[0]) if tensors[0].dim() > 0 else 1
+    raise ModelSpecError(
+        f"cannot count tokens: the batch ({_describe(batch)}) holds no tensor; "
+        f"define tokens_per_batch(batch) in {path or 'your model.py'}"
+    )
+
+
+def _iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """Tensors in a (nested) batch, in order."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, Mapping):
+        for v in obj.values():
+            yield from _iter_tensors(v)
+    elif isinstance(obj, (tuple, list)):
+        for v in obj:
+            yield from _iter_tensors(v)

@@ -1,0 +1,143 @@
+"""Run every entry point of a :class:`~autoprec.modelspec.ModelSpec` once and check the results.
+
+See :mod:`autoprec.modelspec` for the contract (``docs/architecture.md#modelpy-contract``).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+import traceback
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from autoprec.errors import ModelSpecError
+from autoprec.modelspec.batch import _describe, call_model
+from autoprec.modelspec.loader import _OPTIONAL, _REQUIRED, ModelSpec
+
+__all__ = ["validate_spec"]
+
+
+_BATCH_TYPES = "a Tensor, tuple or dict"
+
+
+def _call_entry(spec: ModelSpec, name: str, fn: Callable[..., Any], *args: Any) -> Any:
+    """Call a user entry point; anything it raises becomes a :class:`ModelSpecError` naming the
+    file, the entry point and (when the frame is in the file) the line."""
+    try:
+        return fn(*args)
+    except ModelSpecError:
+        raise
+    except Exception as e:
+        filename = os.path.abspath(spec.path)
+        line = ""
+        for frame in reversed(traceback.extract_tb(e.__traceback__)):
+            if os.path.abspath(frame.filename) == filename:
+                line = f" (line {frame.lineno}: {(frame.line or '').strip()})"
+                break
+        raise ModelSpecError(f"{spec.path}: {name} raised {type(e).__name__}: {e}{line}") from e
+
+
+def _same_batch(a: Any, b: Any) -> bool:
+    """Structural equality of two batches (tensors by dtype, shape and values)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+                and a.shape == b.shape and a.device == b.device and torch.equal(a, b))
+    if isinstance(a, Mapping) or isinstance(b, Mapping):
+        return (isinstance(a, Mapping) and isinstance(b, Mapping) and list(a) == list(b)
+                and all(_same_batch(a[k], b[k]) for k in a))
+    if isinstance(a, (tuple, list)) or isinstance(b, (tuple, list)):
+        return (isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)) and len(a) == len(b)
+                and all(_same_batch(x, y) for x, y in zip(a, b)))
+    try:
+        return bool(a == b)
+    except Exception:
+        return a is b
+
+
+def _check_batch_keys(spec: ModelSpec, model: nn.Module, batch: Mapping) -> None:
+    """Every key of a dict batch must be a parameter of ``model.forward`` (or it takes ``**kwargs``)."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    accepted = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    for key in batch:
+        if key not in accepted:
+            raise ModelSpecError(
+                f"{spec.path}: get_batch returned a dict with key {key!r}, which "
+                f"{type(model).__name__}.forward does not accept (its parameters: {', '.join(accepted)})"
+            )
+
+
+def _check_loss(spec: ModelSpec, loss: Any) -> None:
+    """The loss must be a one-element floating-point tensor attached to the autograd graph."""
+    user = spec.loss_fn if not isinstance(spec.loss_fn, functools.partial) else None
+    who = f"{spec.path}: loss_fn" if user is not None else f"{spec.path}: the model's loss (output.loss)"
+    fix = "return the loss tensor itself (no .item(), .detach() or float())"
+    if not isinstance(loss, torch.Tensor):
+        raise ModelSpecError(f"{who} returned {_describe(loss)}; expected a scalar floating-point Tensor; {fix}")
+    if not loss.is_floating_point():
+        raise ModelSpecError(f"{who} returned {_describe(loss)}; expected a floating-point scalar Tensor")
+    if loss.numel() != 1:
+        raise ModelSpecError(f"{who} returned {_describe(loss)}; expected a scalar (reduce it, e.g. .mean())")
+    if not loss.requires_grad:
+        raise ModelSpecError(f"{who} returned a Tensor that does not require grad (detached, or computed "
+                             f"under torch.no_grad()); {fix}")
+
+
+def validate_spec(spec: ModelSpec, device: torch.device | str = "cpu") -> tuple[nn.Module, Any]:
+    """Run every entry point of ``spec`` once and check what it returns (DESIGN §2).
+
+    Builds the model once, calls ``get_batch(0, device)`` twice (determinism), runs one forward
+    and ``loss_fn`` (no backward), and builds the optimizer. Cost: one model build and one forward
+    pass. The global RNG state (CPU and the device's) is restored afterwards, so a later
+    ``build_model()`` initialises the same weights as without the check.
+
+    Args:
+        spec: From :func:`load_model_spec`.
+        device: Device the batch and model are put on.
+
+    Returns:
+        ``(model, batch)``: the built model (on ``device``, train mode) and ``get_batch(0, device)``.
+
+    Raises:
+        ModelSpecError: an entry point raised (named, with the line in the file); ``build_model``
+            returned no ``nn.Module``; ``get_batch`` returned something other than a Tensor,
+            tuple/list or dict, or two different batches for step 0, or a dict key ``forward``
+            does not take; the loss is not a floating scalar tensor that requires grad;
+            ``make_optimizer`` returned no ``torch.optim.Optimizer``.
+    """
+    dev = torch.device(device)
+    with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
+        model = _call_entry(spec, "build_model()", spec.build_model)
+        if not isinstance(model, nn.Module):
+            raise ModelSpecError(f"{spec.path}: build_model returned {_describe(model)}; "
+                                 f"expected a torch.nn.Module (`{_REQUIRED['build_model']}`)")
+        model = model.to(dev)
+        model.train()
+        batch = _call_entry(spec, "get_batch(0, device)", spec.get_batch, 0, dev)
+        if not isinstance(batch, (torch.Tensor, tuple, list, Mapping)):
+            raise ModelSpecError(f"{spec.path}: get_batch returned {_describe(batch)}; expected {_BATCH_TYPES}")
+        again = _call_entry(spec, "get_batch(0, device)", spec.get_batch, 0, dev)
+        if not _same_batch(batch, again):
+            raise ModelSpecError(f"{spec.path}: get_batch(0, device) returned different batches on two calls; "
+                                 "it must be deterministic in step (e.g. seed a torch.Generator with step)")
+        if isinstance(batch, Mapping):
+            _check_batch_keys(spec, model, batch)
+        out = _call_entry(spec, "the model's forward on get_batch(0)", call_model, model, batch)
+        loss = _call_entry(spec, "loss_fn", spec.loss_fn, out, batch)
+        _check_loss(spec, loss)
+        del out, loss
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = _call_entry(spec, "make_optimizer(params)", spec.make_optimizer, params)
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise ModelSpecError(f"{spec.path}: make_optimizer returned {_describe(opt)}; "
+                                 f"expected a torch.optim.Optimizer (`{_OPTIONAL['make_optimizer']}`)")
+    return model, batch

@@ -1,0 +1,47 @@
+"""The ``autoprec:`` keys of study and trial user attributes, and the infeasible sentinel.
+
+Optuna stores what a trial measured as user attributes (optuna-integration's LightGBMTuner keeps
+its own under a prefix too); every module of the search reads and writes them through these
+names, so a key is spelt in one place. A study written by an older autoprec keeps working as long
+as these strings do not change.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ATTR", "CASTS", "CONSTRAINT", "DRIFT_BUDGET", "ERROR", "FINGERPRINT", "GRAD_REL_L2", "GRAD_SQNR_DB_MIN",
+    "INFEASIBLE", "INTERRUPTED", "LOSS_REL", "MEASURED", "MEASURE_VERSION", "NOTE", "PEAK_BYTES", "POLICY",
+    "REUSED_FROM", "SENSITIVITY", "SPACE", "STEP_S", "TOKENS_PER_S", "WORKER",
+]
+
+#: Namespace of every user attribute autoprec writes.
+ATTR = "autoprec:"
+
+# Trial attributes.
+POLICY = ATTR + "policy"  #: the sampled policy, ``Policy.to_dict()``
+FINGERPRINT = ATTR + "fingerprint"  #: hash of the per-node dtypes (objective.policy_fingerprint)
+CONSTRAINT = ATTR + "constraint"  #: grad_rel_l2 - drift budget; feasible when <= 0
+ERROR = ATTR + "error"  #: why the trial failed (lowering error, non-finite values, ...)
+NOTE = ATTR + "note"  #: a remark that does not invalidate the measurement
+WORKER = ATTR + "worker"  #: ``host:pid`` of the process measuring it (objective.is_dead_worker)
+INTERRUPTED = ATTR + "interrupted"  #: cut short by Ctrl-C or a killed worker: not counted
+REUSED_FROM = ATTR + "reused_from"  #: number of the trial whose measurement of the same graph it copies
+CASTS = ATTR + "casts"  #: casts the placement inserted
+TOKENS_PER_S = ATTR + "tokens_per_s"
+STEP_S = ATTR + "step_s"
+GRAD_REL_L2 = ATTR + "grad_rel_l2"
+LOSS_REL = ATTR + "loss_rel"
+GRAD_SQNR_DB_MIN = ATTR + "grad_sqnr_db_min"
+PEAK_BYTES = ATTR + "peak_bytes"
+#: The Measurement fields a trial records, each under ``ATTR + field``.
+MEASURED = ("tokens_per_s", "step_s", "grad_rel_l2", "loss_rel", "grad_sqnr_db_min", "peak_bytes")
+
+# Study attributes.
+DRIFT_BUDGET = ATTR + "drift_budget"  #: the grad_rel_l2 budget of the run that last opened the study
+SENSITIVITY = ATTR + "sensitivity"  #: grad_rel_l2 with only one region lowered, per region
+SPACE = ATTR + "space"  #: ``{"dtypes": [...]}`` of the search space the study samples
+MEASURE_VERSION = ATTR + "measure_version"  #: storage.MEASURE_VERSION of the trials' measurements
+
+#: The constraint (and sensitivity) recorded for what has no finite drift: larger than any
+#: budget, finite so Optuna's constrained samplers and JSON storage accept it.
+INFEASIBLE = 1e30

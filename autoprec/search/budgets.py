@@ -1,0 +1,112 @@
+"""Parsing the tune budgets: ``--max-drift``, ``--max-memory`` and ``--dtypes``, and the byte
+budget ``--max-memory`` means once the baselines are measured (docs/architecture.md#search)."""
+
+from __future__ import annotations
+
+import math
+import re
+
+from autoprec.dtypes import LOW_DTYPES
+from autoprec.errors import SearchError
+from autoprec.search.measure import Measurement
+
+__all__ = ["format_bytes", "memory_budget", "parse_dtypes", "parse_max_drift", "parse_max_memory"]
+
+_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
+
+
+def parse_max_drift(max_drift: str | float) -> float | None:
+    """``--max-drift``: ``"auto"`` -> None (torch.autocast's ``grad_rel_l2``, measured later), or
+    a finite number > 0.
+
+    Raises:
+        SearchError: anything else.
+    """
+    if max_drift == "auto":
+        return None
+    try:
+        v = float(max_drift)
+    except (TypeError, ValueError):
+        raise SearchError(f"--max-drift: expected 'auto' or a positive number, got {max_drift!r}") from None
+    if not (v > 0 and math.isfinite(v)):
+        raise SearchError(f"--max-drift: expected 'auto' or a positive number, got {max_drift!r}")
+    return v
+
+
+def parse_dtypes(dtypes: str | list[str]) -> list[str] | None:
+    """``--dtypes``: ``"auto"`` -> None (the probe decides), else the low dtype names given
+    (a list, or a comma-separated string).
+
+    Raises:
+        SearchError: an empty list or a name not in :data:`autoprec.dtypes.LOW_DTYPES`.
+    """
+    if dtypes == "auto":
+        return None
+    names = [d.strip() for d in (dtypes.split(",") if isinstance(dtypes, str) else dtypes) if d.strip()]
+    bad = [d for d in names if d not in LOW_DTYPES]
+    if bad or not names:
+        raise SearchError(f"--dtypes: {', '.join(bad) or 'empty'} not valid; expected 'auto' or some of "
+                          f"{', '.join(LOW_DTYPES)}")
+    return names
+
+
+def parse_max_memory(max_memory: str | float | None) -> tuple[str, float] | None:
+    """Parse ``--max-memory``: ``None``/``"none"`` -> None; ``"auto"`` -> ``("autocast", 1.0)``;
+    ``"0.8x"`` -> ``("fp32", 0.8)``; ``"300MiB"``, ``"2GiB"``, ``"5e8"`` or a number -> ``("bytes", n)``.
+
+    Raises:
+        SearchError: anything else, or a non-positive value (the message lists the accepted forms).
+    """
+    if max_memory is None or max_memory == "none":
+        return None
+    if max_memory == "auto":
+        return ("autocast", 1.0)
+    text = str(max_memory).strip().lower().replace(" ", "")
+    m = re.fullmatch(r"([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)(x|[kmg]i?b|b)?", text)
+    if m is not None:
+        value, unit = float(m.group(1)), m.group(2) or ""
+        scaled = value if unit == "x" else value * _UNITS[unit]
+        if value > 0 and math.isfinite(scaled) and scaled < 2.0**62:
+            return ("fp32", value) if unit == "x" else ("bytes", scaled)
+    raise SearchError(f"--max-memory: expected 'auto', 'none', a multiple of FP32's peak like '0.8x', or bytes "
+                      f"like '300MiB', '2GiB' or '5e8'; got {max_memory!r}")
+
+
+def format_bytes(n: float) -> str:
+    """``n`` bytes for messages: MiB when large, else the exact count."""
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n:.0f} bytes"
+
+
+def memory_budget(arg: tuple[str, float] | None, fp32: Measurement, autocast: Measurement,
+                  state_bytes: int, optimizer: str = "optimizer") -> float | None:
+    """Bytes allowed by the parsed ``--max-memory`` given this run's baselines.
+
+    Args:
+        arg: :func:`parse_max_memory`'s result.
+        fp32, autocast: The FP32 and torch.autocast baselines (their ``peak_bytes``).
+        state_bytes: Bytes of the fp32 parameters, their gradients and the optimizer's state
+            (``Harness.state_bytes``), which every policy keeps (master weights,
+            docs/architecture.md#runtime).
+        optimizer: The optimizer's class name, for the message (e.g. ``"AdamW"``, ``"SGD"``).
+
+    Raises:
+        SearchError: the reference peak was not measured, or the budget is not above
+            ``state_bytes``, which no policy can go below.
+    """
+    if arg is None:
+        return None
+    kind, value = arg
+    if kind == "bytes":
+        budget = value
+    else:
+        ref = autocast if kind == "autocast" else fp32
+        if ref.error is not None or ref.peak_bytes <= 0:
+            name = "torch.autocast" if kind == "autocast" else "FP32"
+            raise SearchError(f"--max-memory: {name}'s peak memory could not be measured ({ref.error}); "
+                              "pass a number of bytes instead")
+        budget = value * ref.peak_bytes
+    if budget <= state_bytes:
+        raise SearchError(f"--max-memory: the budget ({format_bytes(budget)}) is not above the fp32 parameters, "
+                          f"gradients and {optimizer} state alone ({format_bytes(state_bytes)}), which every "
+                          "policy keeps (master weights, docs/architecture.md#runtime)")
+    return budget

@@ -1,0 +1,245 @@
+"""Finalist selection: the fastest feasible trials re-measured as training runs them (compiled
+with Inductor unless ``--no-compile``), fitted to the memory budget by recomputation, checked on
+``traj_rel``, and the fastest that passes chosen (docs/architecture.md#search)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import optuna
+
+from autoprec._interrupt import check as check_interrupt
+from autoprec.errors import SearchError
+from autoprec.metrics import traj_rel
+from autoprec.passes import run_pipeline
+from autoprec.policy import Policy
+from autoprec.runtime.apply import compile_graph
+from autoprec.runtime.train import autocast_scaler, make_scaler
+from autoprec.search import attrs
+from autoprec.search.budgets import format_bytes
+from autoprec.search.measure import Measurement
+from autoprec.search.progress import log
+
+__all__ = ["Selector", "policy_key"]
+
+
+def policy_key(policy: Policy) -> str:
+    """What identifies a policy in selection: its JSON text without ``provenance`` and
+    ``measured`` (two policies with equal keys train identically)."""
+    return dataclasses.replace(policy, measured={}, provenance={}).to_json()
+
+
+class Selector:
+    """Re-measures the fastest feasible trials as training will run them and picks one.
+
+    Everything it learns about a policy (``traj_rel``, the trial's eager tokens/s) is keyed by
+    the policy's content (:func:`policy_key`), never by object identity: a rejected policy
+    can be freed and its ``id`` reused by another.
+
+    Args:
+        harness: The run's :class:`Harness`.
+        budget: The drift budget (max ``grad_rel_l2``).
+        compile: Compile finalists with Inductor (else the trials' eager numbers are used).
+        ac_dtype: torch.autocast's low dtype (the trajectory budget's baseline).
+        slow: ``max_step_s`` for every timed measurement (seconds).
+        traj_steps: K of the ``traj_rel`` check (0: off).
+        clock: The run's :class:`Clock` (compile seconds are added to ``compile_s``).
+        quiet: No log lines.
+    """
+
+    def __init__(self, harness, budget, compile, ac_dtype, slow, traj_steps, clock, quiet) -> None:
+        self.h, self.budget, self.compile, self.ac_dtype = harness, budget, compile, ac_dtype
+        self.slow, self.traj_steps, self.clock, self.quiet = slow, traj_steps, clock, quiet
+        self.autocast_compiled: Measurement | None = None
+        self.memory_budget: float | None = None
+        self.traj: dict[str, float] = {}  # policy_key -> traj_rel
+        self.eager_tokens_per_s: dict[str, float] = {}  # policy_key -> the trial's eager tokens/s
+        # id(reference fn) -> (losses, budget); the harness keeps each reference fn alive
+        self._ref_trajs: dict[int, tuple[list[float], float]] = {}
+        self._traj_budget: float | None = None  # of the last check (for messages)
+        self._autocast_fn = None  # torch.autocast's module as compiled for its baseline
+
+    def traj_of(self, policy: Policy) -> float:
+        """``traj_rel`` measured for ``policy`` (by content), 0.0 when it was not checked (it
+        lowers nothing, or ``traj_steps`` is 0)."""
+        return self.traj.get(policy_key(policy), 0.0)
+
+    def _fn(self, gm, activation_memory_budget: float = 1.0):
+        if not self.compile:
+            return gm
+        with self.clock("compile_s"):
+            return compile_graph(gm, activation_memory_budget)
+
+    def choose(self, feasible: list[optuna.trial.FrozenTrial], k: int,
+               memory_budget: Callable[[], float | None] = lambda: None) -> tuple[Policy, Measurement]:
+        """The fastest finalist within the drift (and memory) budgets, with its measurement.
+
+        ``memory_budget`` is called once the torch.autocast baselines are measured (``--max-memory
+        auto`` refers to them) and gives the byte budget or None.
+        """
+        if not feasible:
+            raise SearchError("no trial met the drift budget, not even all-fp32 (see the study's "
+                              "autoprec:error attributes)")
+        if self.compile:  # the comparison users care about: torch.autocast + torch.compile, same run
+            log("compiling the torch.autocast baseline with Inductor", self.quiet)
+            self._autocast_fn = self._fn(self.h.model)
+            self.autocast_compiled = self.h.measure(self._autocast_fn, autocast_scaler(self.ac_dtype),
+                                                    autocast_dtype=self.ac_dtype,
+                                                    max_step_s=self.slow)
+        self.memory_budget = memory_budget()
+        if self.memory_budget is not None:
+            log(f"memory budget {format_bytes(self.memory_budget)}", self.quiet)
+        if not self.compile:
+            return self._choose_eager(feasible)
+        best: tuple[Policy, Measurement] | None = None
+        for pol, label in self._candidates(feasible, k):
+            check_interrupt()
+            log(f"finalist {label}: {pol.summary()}", self.quiet)
+            fn = self._fn(run_pipeline(self.h.graph_module, pol).graph_module)
+            m = self.h.measure(fn, lambda pol=pol: make_scaler(pol), max_step_s=self.slow)
+            if (self.memory_budget is not None and m.error is None and m.grad_rel_l2 <= self.budget
+                    and m.peak_bytes > self.memory_budget):
+                pol, fn, m = self._fit_memory(pol, m)
+            why = self._reject_reason(pol, fn, m)
+            log(f"  compiled: {m.tokens_per_s:.0f} tok/s, grad_rel_l2 "
+                 f"{m.grad_rel_l2:.3g}, traj_rel {self.traj_of(pol):.3g}"
+                 + (f" -> rejected: {why}" if why else ""), self.quiet)
+            if why is None and (best is None or m.tokens_per_s > best[1].tokens_per_s):
+                best = (pol, m)
+        if best is None:
+            raise SearchError("every finalist failed when re-measured, all-fp32 included (see the log)")
+        return best
+
+    def _choose_eager(self, feasible: list[optuna.trial.FrozenTrial]) -> tuple[Policy, Measurement]:
+        """Without compile the trials' own measurements are what training runs: take the fastest
+        feasible trial that passes the trajectory check, then re-measure it for the policy's
+        ``measured`` block, beside all-fp32 when it lowers anything (:meth:`_or_fp32`). As with
+        compiled finalists, that last comparison is a fresh measurement, so workers sharing a
+        study can write different (each feasible) policies when the two are within noise."""
+        if self.memory_budget is not None:
+            fits = [t for t in feasible if t.values[2] <= self.memory_budget]
+            if not fits:
+                raise SearchError(f"no feasible trial fits the memory budget ({format_bytes(self.memory_budget)}; the "
+                                  f"smallest peak was {min(t.values[2] for t in feasible) / 2**20:.1f} MiB); "
+                                  "without --no-compile, recomputation in backward can lower the peak")
+            feasible = fits
+        for t in feasible:
+            pol = Policy.from_dict(t.user_attrs[attrs.POLICY])
+            fn = run_pipeline(self.h.graph_module, pol).graph_module
+            if not self._traj_ok(pol, fn):
+                log(f"trial {t.number} ({pol.summary()}) rejected: traj_rel {self.traj_of(pol):.3g} > "
+                     f"torch.autocast's {self._traj_budget:.3g}", self.quiet)
+                continue
+            m = self.h.measure(fn, lambda pol=pol: make_scaler(pol), max_step_s=self.slow)
+            if m.error is None and (self.memory_budget is None or m.peak_bytes <= self.memory_budget):
+                return self._or_fp32(t.number, pol, m)
+        raise SearchError("no feasible trial passed the trajectory check"
+                          + ("" if self.memory_budget is None else " and the memory budget"))
+
+    def _or_fp32(self, number: int, pol: Policy, m: Measurement) -> tuple[Policy, Measurement]:
+        """``pol`` unless all-fp32, re-measured beside it, is faster (and fits the memory budget):
+        one screening measurement can flatter a trial, so a lowered policy must beat FP32
+        measured the same way to be chosen, as the compiled finalists must."""
+        if not (pol.dtypes_used() - {"fp32"}):
+            return pol, m
+        fp32 = Policy.fp32()
+        f = self.h.measure(run_pipeline(self.h.graph_module, fp32).graph_module, max_step_s=self.slow)
+        if f.error is None and f.tokens_per_s > m.tokens_per_s and (
+                self.memory_budget is None or f.peak_bytes <= self.memory_budget):
+            log(f"trial {number} ({pol.summary()}) re-measured {m.tokens_per_s:.0f} tok/s, all-fp32 "
+                 f"{f.tokens_per_s:.0f} tok/s: all-fp32 chosen", self.quiet)
+            return fp32, f
+        return pol, m
+
+    def _candidates(self, feasible: list[optuna.trial.FrozenTrial], k: int) -> list[tuple[Policy, str]]:
+        """The k fastest feasible trials, plus all-fp32 so that a lowered policy must beat FP32
+        measured the same way (compiled or not) to be chosen."""
+        out = []
+        for t in feasible[:k]:
+            pol = Policy.from_dict(t.user_attrs[attrs.POLICY])
+            self.eager_tokens_per_s[policy_key(pol)] = t.values[0]
+            out.append((pol, f"trial {t.number} (eager {t.values[0]:.0f} tok/s)"))
+        if all(p.dtypes_used() - {"fp32"} for p, _ in out):
+            out.append((Policy.fp32(), "all-fp32 (always re-measured)"))
+        return out
+
+    def _fit_memory(self, pol: Policy, m: Measurement) -> tuple[Policy, Any, Measurement]:
+        """Lower ``pol``'s ``activation_memory_budget`` until the compiled graph's peak fits.
+
+        Saved activations scale about linearly with the partitioner's budget (its definition:
+        torch/_functorch/config.py), so the first guess is proportional, the second a secant
+        through the measured points, the third 0.0 (full recomputation); each aims 10% under
+        the budget. On the CPU memory is counted on one forward/backward (compile included) and
+        only the budget that fits is timed; on CUDA each try is timed (its peak is read then).
+
+        Returns:
+            The policy, callable and measurement to judge: still over the budget when even full
+            recomputation does not fit, with ``error`` set when the budget is below the fp32
+            parameter, gradient and optimizer state alone.
+        """
+        state = self.h.state_bytes
+        room = self.memory_budget - state
+        if room <= 0:
+            m.error = (f"peak {m.peak_bytes / 2**20:.1f} MiB > memory budget {self.memory_budget / 2**20:.1f} MiB, "
+                       f"which is below the fp32 parameter, gradient and optimizer state alone ({state / 2**20:.1f} MiB)")
+            return pol, None, m
+        points = [(pol.activation_memory_budget, m.peak_bytes - state)]
+        for attempt in range(3):
+            (b1, a1), (b0, a0) = points[-1], points[-2] if len(points) > 1 else (0.0, 0.0)
+            slope = (a1 - a0) / (b1 - b0) if (a1 - a0) * (b1 - b0) > 0 else a1 / max(b1, 1e-9)
+            b = 0.0 if attempt == 2 else max(0.0, math.floor(100 * (b1 - (a1 - 0.9 * room) / slope)) / 100)
+            cand = dataclasses.replace(pol, activation_memory_budget=b)
+            # a fresh graph per budget: Dynamo caches compiled code per graph, not per config
+            fn = self._fn(run_pipeline(self.h.graph_module, cand).graph_module, b)
+            # CUDA's peak (max_memory_allocated) is read after timed steps; the CPU's count needs none
+            probe = self.h.measure(fn, lambda cand=cand: make_scaler(cand), timing=self.h.device.type == "cuda",
+                                   max_step_s=self.slow)
+            log(f"  peak {points[-1][1] / 2**20 + state / 2**20:.1f} MiB > memory budget "
+                 f"{self.memory_budget / 2**20:.1f} MiB: activation memory budget {b:g} -> "
+                 f"{probe.peak_bytes / 2**20:.1f} MiB", self.quiet)
+            if probe.error is not None or probe.peak_bytes <= self.memory_budget or b == 0.0:
+                break
+            points.append((b, probe.peak_bytes - state))
+        if probe.error is not None or probe.peak_bytes > self.memory_budget or probe.step_times:
+            return cand, fn, probe
+        return cand, fn, self.h.measure(fn, lambda cand=cand: make_scaler(cand), max_step_s=self.slow)
+
+    def _reject_reason(self, pol: Policy, fn, m: Measurement) -> str | None:
+        """Why a compiled finalist is not chosen (None: it may be)."""
+        if m.error is not None:
+            return m.error
+        if m.grad_rel_l2 > self.budget:
+            return f"grad_rel_l2 {m.grad_rel_l2:.3g} > budget {self.budget:.3g}"
+        if self.memory_budget is not None and m.peak_bytes > self.memory_budget:
+            return (f"peak {m.peak_bytes / 2**20:.1f} MiB > memory budget {self.memory_budget / 2**20:.1f} MiB"
+                    + " even with full recomputation")
+        if not self._traj_ok(pol, fn):
+            return f"traj_rel {self.traj_of(pol):.3g} > torch.autocast's {self._traj_budget:.3g}"
+        return None
+
+    def _traj_ok(self, pol: Policy, fn) -> bool:
+        """``traj_rel`` ≤ torch.autocast's over the same K steps; policies that lower nothing
+        compute what FP32 computes and skip the check.
+
+        The reference is :meth:`Harness.reference_fn`'s: the eager FP32 graph, or, for a compiled
+        ``fn`` on a graph that draws random numbers (dropout), the compiled FP32 graph, whose
+        masks are the compiled candidate's; torch.autocast's budget is then taken compiled too.
+        """
+        if not (pol.dtypes_used() - {"fp32"}) or self.traj_steps <= 0:
+            return True
+        ref_fn = self.h.reference_fn(fn)
+        if id(ref_fn) not in self._ref_trajs:
+            ref = self.h.trajectory(ref_fn, steps=self.traj_steps)
+            ac_fn = self.h.model
+            if ref_fn is not self.h.graph_module:  # compiled: torch.autocast as compiled for its baseline
+                ac_fn = self._autocast_fn if self._autocast_fn is not None else self._fn(self.h.model)
+            ac = self.h.trajectory(ac_fn, autocast_scaler(self.ac_dtype), autocast_dtype=self.ac_dtype,
+                                   steps=self.traj_steps)
+            self._ref_trajs[id(ref_fn)] = (ref, traj_rel(ac, ref))
+        ref, self._traj_budget = self._ref_trajs[id(ref_fn)]
+        tr = traj_rel(self.h.trajectory(fn, lambda: make_scaler(pol), steps=self.traj_steps), ref)
+        self.traj[policy_key(pol)] = tr
+        return tr <= max(self._traj_budget, 1e-12)

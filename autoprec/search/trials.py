@@ -1,0 +1,106 @@
+"""The search phase of ``tune``: rank regions by sensitivity, queue the baselines, run Optuna
+trials until the (possibly shared) study holds enough, and list the feasible ones
+(docs/architecture.md#search)."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import optuna
+
+from autoprec._interrupt import check as check_interrupt
+from autoprec.passes import run_pipeline
+from autoprec.runtime.train import make_scaler
+from autoprec.search import attrs
+from autoprec.search.measure import Harness
+from autoprec.search.objective import Objective, is_dead_worker
+from autoprec.search.space import SearchSpace
+
+__all__ = ["enqueue_baselines", "feasible", "finished", "optimize", "region_sensitivity"]
+
+#: How long a worker waits, after its own trials, for other workers' running trials (seconds).
+WAIT_FOR_OTHERS_S = 600.0
+
+
+def region_sensitivity(harness: Harness, space: SearchSpace) -> dict[str, float]:
+    """``grad_rel_l2`` when only one region (a layer block's matmuls, or one outside matmul) is
+    lowered to the fastest low dtype and everything else stays fp32: one eager forward/backward
+    per region. Empty when no low dtype is usable; a region that cannot be lowered or drifts
+    to a non-finite value gets :data:`attrs.INFEASIBLE`."""
+    if not space.low_dtypes:
+        return {}
+    low = space.low_dtypes[0]
+    base = {"matmul": "fp32", "sensitive": "fp32", "follow": "auto"}
+    base |= {f"block:{b}": "inherit" for b in space.blocks} | {f"node:{k}": "inherit" for k in space.nodes}
+    out = {}
+    for name in [f"block:{b}" for b in space.blocks] + [f"node:{k}" for k in space.nodes]:
+        pol = space.to_policy(base | {name: low})
+        try:
+            gm = run_pipeline(harness.graph_module, pol).graph_module
+            g = harness.drift(gm, make_scaler(pol)).grad_rel_l2
+        except Exception:  # a region that cannot be lowered is maximally sensitive
+            g = math.inf
+        out[name] = g if math.isfinite(g) else attrs.INFEASIBLE
+    return out
+
+
+def enqueue_baselines(study: optuna.Study, space: SearchSpace, sensitivity: dict[str, float] | None = None) -> None:
+    """Queue the baselines, plus "autocast-equivalent with the most sensitive region in fp32"."""
+    for _name, params in space.baselines():
+        study.enqueue_trial(params, skip_if_exists=True)
+    if sensitivity and len(space.baselines()) > 1:
+        worst = max(sensitivity, key=sensitivity.get)
+        study.enqueue_trial(space.baselines()[1][1] | {worst: "fp32"}, skip_if_exists=True)
+
+
+def finished(study: optuna.Study) -> int:
+    """Trials that count towards ``--trials``: complete, pruned, or failed by their measurement
+    (non-finite drift, a lowering error); not those cut short by Ctrl-C or a killed worker."""
+    states = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL, optuna.trial.TrialState.PRUNED)
+    return sum(not t.user_attrs.get(attrs.INTERRUPTED) for t in study.get_trials(deepcopy=False, states=states))
+
+
+def optimize(study: optuna.Study, objective: Objective, target: int, timeout: float | None, progress: bool) -> None:
+    """Run trials until the study holds ``target`` finished ones (shared with other workers),
+    then wait (at most :data:`WAIT_FOR_OTHERS_S`) for other live workers' running trials, so
+    every worker selects from the same trials."""
+    t_end = None if timeout is None else time.monotonic() + timeout
+
+    def stop(study: optuna.Study, _trial) -> None:
+        if finished(study) >= target:
+            study.stop()
+
+    for _ in range(target + 1):
+        remaining = target - finished(study)
+        left = None if t_end is None else t_end - time.monotonic()
+        if remaining <= 0 or (left is not None and left <= 0):
+            break
+        try:
+            # check: a Ctrl-C swallowed during the trial (see autoprec._interrupt) stops here
+            study.optimize(objective, n_trials=remaining, timeout=left, show_progress_bar=progress,
+                           catch=(Exception,), callbacks=[stop, lambda _study, _trial: check_interrupt()])
+            break
+        except ValueError as e:
+            # SQLite has no row locks: two workers can pop the same queued trial, and the second
+            # to finish cannot tell it. Its result is the same graph; carry on with the rest.
+            if "Cannot tell a" not in str(e):
+                raise
+    deadline = time.time() + WAIT_FOR_OTHERS_S
+    while time.time() < deadline and any(
+            not is_dead_worker(t) for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))):
+        time.sleep(1.0)
+
+
+def feasible(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
+    """Complete trials within the drift budget (constraint ≤ 0), fastest first (ties: lower
+    number), one per per-node dtype assignment (fingerprint)."""
+    done = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+    ok = [t for t in done if t.user_attrs.get(attrs.CONSTRAINT, attrs.INFEASIBLE) <= 0]
+    seen, out = set(), []
+    for t in sorted(ok, key=lambda t: (-t.values[0], t.number)):
+        fp = t.user_attrs.get(attrs.FINGERPRINT)
+        if fp not in seen:
+            seen.add(fp)
+            out.append(t)
+    return out

@@ -1,0 +1,119 @@
+"""The house rules of docs/architecture.md, checked: layers (import-linter), no import cycle,
+module and function sizes, and design references that resolve inside the repository."""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import grimp
+import networkx as nx
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "autoprec"
+DOC = ROOT / "docs" / "architecture.md"
+MAX_MODULE_LINES = 400
+MAX_FUNCTION_LINES = 80
+
+
+def _tracked_text_files() -> list[Path]:
+    out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout.split()
+    keep = {".py", ".md", ".toml", ".sh", ".txt", ".cfg", ".json"}
+    return [ROOT / f for f in out if Path(f).suffix in keep and (ROOT / f).is_file()]
+
+
+def test_layer_contracts_hold():
+    """`lint-imports` keeps the layers contract of pyproject.toml (an upward import breaks it)."""
+    exe = Path(sys.executable).with_name("lint-imports")
+    r = subprocess.run([str(exe)], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0 and "1 kept, 0 broken" in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]
+
+
+def test_no_import_cycle_between_modules():
+    """No cycle among the package's modules, function-level imports included (grimp reads every
+    import statement); a package's __init__ counts as its own module."""
+    graph = grimp.build_graph("autoprec", cache_dir=None)
+    g = nx.DiGraph()
+    for m in graph.modules:
+        for dep in graph.find_modules_directly_imported_by(m):
+            if dep != m and not m.startswith(dep + "."):  # a module importing its own package's __init__
+                g.add_edge(m, dep)
+    cycles = list(nx.simple_cycles(g, length_bound=8))
+    assert not cycles, f"import cycles: {cycles[:5]}"
+
+
+def _functions(tree: ast.AST):
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield node
+
+
+def test_module_and_function_sizes():
+    """No module in autoprec/ over 400 lines, no function over 80 (docs/architecture.md#house-style)."""
+    long_modules, long_functions = [], []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        text = path.read_text(encoding="utf-8")
+        rel = path.relative_to(ROOT)
+        if len(text.splitlines()) > MAX_MODULE_LINES:
+            long_modules.append(f"{rel}: {len(text.splitlines())} lines")
+        for fn in _functions(ast.parse(text)):
+            n = fn.end_lineno - fn.lineno + 1
+            if n > MAX_FUNCTION_LINES:
+                long_functions.append(f"{rel}:{fn.lineno} {fn.name}: {n} lines")
+    assert not long_modules and not long_functions, long_modules + long_functions
+
+
+def test_tune_reads_as_its_phases():
+    """``tune()``'s body (after its docstring) fits on one screen: it only calls the phases."""
+    tree = ast.parse((PACKAGE / "search" / "study.py").read_text(encoding="utf-8"))
+    tune = next(f for f in _functions(tree) if f.name == "tune")
+    body = tune.body[1:] if isinstance(tune.body[0], ast.Expr) else tune.body
+    assert body[-1].end_lineno - body[0].lineno + 1 <= 20
+
+
+def _anchors(markdown: str) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation dropped, spaces to hyphens."""
+    out = set()
+    for line in markdown.splitlines():
+        m = re.match(r"#{1,6}\s+(.*)", line)
+        if m:
+            text = re.sub(r"[^\w\- ]", "", m.group(1).strip().lower())
+            out.add(text.replace(" ", "-"))
+    return out
+
+
+def test_no_reference_to_the_old_design_note():
+    """The design lives in docs/architecture.md: no "DESIGN §n" reference is left."""
+    stale = [f"{p.relative_to(ROOT)}:{i}" for p in _tracked_text_files()
+             for i, line in enumerate(p.read_text(encoding="utf-8", errors="replace").splitlines(), 1)
+             if "DESIGN §" in line and p.name != "test_architecture.py"]
+    assert not stale, stale[:20]
+
+
+def test_design_references_resolve():
+    """Every ``architecture.md#anchor`` reference names a heading of docs/architecture.md, and
+    every ``#anchor`` in a reference list such as ``(docs/architecture.md#search, #measurements)``."""
+    anchors = _anchors(DOC.read_text(encoding="utf-8"))
+    assert {"layers", "measurements", "policy-file", "design-choices"} <= anchors
+    bad = []
+    for p in _tracked_text_files():
+        if p.name == "test_architecture.py":
+            continue
+        for i, line in enumerate(p.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+            for ref in re.finditer(r"architecture\.md((?:#[\w-]+)(?:,\s*#[\w-]+)*)", line):
+                for a in re.findall(r"#([\w-]+)", ref.group(1)):
+                    if a not in anchors:
+                        bad.append(f"{p.relative_to(ROOT)}:{i}: #{a}")
+    assert not bad, bad[:20]
+
+
+@pytest.mark.parametrize("name", ["autoprec.search.study", "autoprec.runtime.loop", "autoprec.cli"])
+def test_modules_import_cleanly_in_a_fresh_interpreter(name):
+    """Each entry module imports on its own (no order-dependent cycle hidden by earlier imports)."""
+    r = subprocess.run([sys.executable, "-c", f"import {name}"], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]

@@ -1,0 +1,58 @@
+"""Finalist selection (autoprec/search/select.py): what it remembers about a policy is keyed by
+the policy's content, never by object identity."""
+
+from __future__ import annotations
+
+import torch
+
+from autoprec.policy import Policy
+from autoprec.search import select as select_mod
+from autoprec.search.progress import Clock
+from autoprec.search.select import Selector, policy_key
+
+
+class _TrajHarness:
+    """Scripted trajectories: FP32 reference 1.0, torch.autocast 1.01 (budget 0.01), and each
+    candidate function the loss its ``loss`` attribute says."""
+
+    def __init__(self):
+        self.graph_module, self.model = object(), object()
+
+    def reference_fn(self, fn):
+        return self.graph_module
+
+    def trajectory(self, fn, scaler_factory=None, autocast_dtype=None, steps=3):
+        if fn is self.graph_module:
+            return [1.0] * steps
+        if autocast_dtype is not None:
+            return [1.01] * steps
+        return [fn.loss] * steps
+
+
+class _Fn:
+    def __init__(self, loss):
+        self.loss = loss
+
+
+def test_traj_rel_is_kept_per_policy_content_even_when_ids_collide(monkeypatch):
+    """Bookkeeping keyed by ``id(Policy)`` reported another trial's ``traj_rel`` when a rejected
+    policy was freed and its id reused (e.g. by ``Policy.fp32()``). With every ``id()`` in the
+    module made equal, each policy still gets its own number, and an equal-content copy finds it."""
+    monkeypatch.setattr(select_mod, "id", lambda _obj: 7, raising=False)  # every object "reuses" one id
+    sel = Selector(_TrajHarness(), 1.0, False, torch.bfloat16, None, 3, Clock(), True)
+    rejected = Policy.default("bf16")
+    assert not sel._traj_ok(rejected, _Fn(1.5))  # traj_rel 0.5 > torch.autocast's 0.01
+    assert abs(sel.traj_of(rejected) - 0.5) < 1e-12
+    fp16 = Policy.default("fp16")
+    assert sel._traj_ok(fp16, _Fn(1.001))
+    assert abs(sel.traj_of(fp16) - 1e-3) < 1e-12
+    assert abs(sel.traj_of(Policy.default("bf16")) - 0.5) < 1e-12  # another object, same content
+    assert sel.traj_of(Policy.fp32()) == 0.0  # never checked: not the rejected policy's 0.5
+
+
+def test_policy_key_ignores_measurements_and_provenance():
+    """Two policies that train identically share a key; another rule gives another key."""
+    p = Policy.default("bf16")
+    q = p.with_measured({"tokens_per_s": 1.0}).with_provenance(model="m.py")
+    assert policy_key(p) == policy_key(q)
+    assert policy_key(p) != policy_key(Policy.default("fp16"))
