@@ -1,6 +1,6 @@
 """autoprec: a compiler-pass based mixed-precision autotuner for PyTorch training.
 
-Public API (DESIGN §6)::
+Public API (docs/architecture.md#public-api)::
 
     import autoprec
     gm = autoprec.capture(model, example_batch)

@@ -1,4 +1,4 @@
-"""``autoprec bench``: a policy side by side with the standard baselines (DESIGN §5).
+"""``autoprec bench``: a policy side by side with the standard baselines (docs/architecture.md#measurements).
 
 In one process, on the same weights and batches, every configuration below runs full training
 steps (forward, loss, backward, optimizer step, loss scaler) through the one measurement
@@ -7,7 +7,8 @@ steps (forward, loss, backward, optimizer step, loss scaler) through the one mea
 =====================  ===========================================================================
 ``fp32_eager``         the user's ``nn.Module`` in fp32
 ``fp32_compiled``      the captured fp32 graph compiled with Inductor
-``autocast_eager``     ``torch.autocast`` at the device's default low dtype around the ``nn.Module``
+``autocast_eager``     ``torch.autocast`` around the ``nn.Module``, in the low dtype of
+                       :func:`autoprec.device.autocast_dtype` (the one ``tune`` compares with)
 ``autocast_compiled``  ``torch.autocast`` around the compiled fp32 graph
 ``pure_low_eager``     a copy of the model cast to the low dtype (``model.to(dtype)``): no master
                        weights, optimizer state in the low dtype
@@ -17,9 +18,10 @@ steps (forward, loss, backward, optimizer step, loss scaler) through the one mea
 =====================  ===========================================================================
 
 Compiled configurations all use :data:`autoprec.runtime.apply.INDUCTOR_OPTIONS`, so compiled
-rows differ only in their dtypes. A configuration whose first step is more than
-``max_step_ratio`` times slower than ``fp32_eager`` (e.g. bf16 on a CPU without native bf16
-arithmetic) is timed on that one step only, and its row says so.
+rows differ only in their dtypes. A configuration whose steps are too slow against the limit
+``max(max_step_ratio x fp32_eager's step, 1 s)`` (two steps in a row over it, or one step over
+4x it: :func:`autoprec.runtime.steps.slow_step_guard`; e.g. bf16 on a CPU without native bf16
+arithmetic) is timed on that last step only, and its row says so (``capped``).
 
 MFU counts model FLOPs per step as ``6 · N · tokens`` (N: trainable parameters except embedding
 tables, whose forward is a gather, not a matmul; Kaplan et al. 2020, PaLM appendix B) plus
@@ -34,19 +36,18 @@ from __future__ import annotations
 
 import copy
 import datetime
-import json
 import math
 import os
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from autoprec._io import write_json
 from autoprec.capture import capture
 from autoprec.dtypes import NAMES, to_torch
 from autoprec.modelspec import load_model_spec
@@ -55,12 +56,11 @@ from autoprec.policy import Policy
 from autoprec.runtime.apply import compile_graph
 from autoprec.runtime.scaler import DynamicLossScaler
 from autoprec.runtime.train import autocast_scaler, make_scaler
-from autoprec.device import describe_machine, resolve_device, time_matmul
+from autoprec.device import autocast_dtype, describe_machine, resolve_device, time_matmul
 from autoprec.search.measure import Harness, Measurement
 
 __all__ = [
     "CONFIGS",
-    "default_low_dtype",
     "describe_machine",
     "format_bench_table",
     "matmul_peak_flops",
@@ -74,14 +74,6 @@ CONFIGS: tuple[str, ...] = (
     "fp32_eager", "fp32_compiled", "autocast_eager", "autocast_compiled",
     "pure_low_eager", "pure_low_compiled", "policy_eager", "policy_compiled",
 )
-
-
-def default_low_dtype(device: torch.device) -> torch.dtype:
-    """The device's default ``torch.autocast`` low dtype: bf16 on CPU, bf16 on CUDA if supported
-    (Ampere and later), else fp16."""
-    if device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        return torch.float16
-    return torch.bfloat16
 
 
 def matmul_peak_flops(dtype: torch.dtype, device: torch.device, max_n: int | None = None,
@@ -196,9 +188,7 @@ def _fin(x: float | None) -> float | None:
 
 
 def _row(m: Measurement, cfg: _Config, flops: float, peak: float, ratio: float) -> dict[str, Any]:
-    # Harness marks a capped timing in ``note`` (older versions: an ``error`` "too slow ...").
-    legacy = m.error is not None and m.error.startswith("too slow")
-    too_slow = legacy or bool(getattr(m, "note", None))
+    too_slow = bool(m.note)  # the Harness marks a capped timing in ``note``
     step = m.step_s if m.step_times else math.inf
     return {
         "dtype": cfg.dtype, "compiled": cfg.compiled,
@@ -209,7 +199,7 @@ def _row(m: Measurement, cfg: _Config, flops: float, peak: float, ratio: float) 
         "steps_timed": len(m.step_times), "step_times": list(m.step_times),
         "capped": too_slow,
         "note": (f"timed on 1 step: first step {step:.1f} s > {ratio:g}x fp32 eager" if too_slow else None),
-        "error": None if legacy else m.error,
+        "error": m.error,
     }
 
 
@@ -225,7 +215,7 @@ def run_bench(model_path: str | os.PathLike, policy: Policy | str | os.PathLike,
     """Measure ``policy`` and the baselines (:data:`CONFIGS`) on ``model_path`` in this process.
 
     Args:
-        model_path: Model file (DESIGN §2).
+        model_path: Model file (docs/architecture.md#modelpy-contract).
         policy: A :class:`Policy` or a policy JSON file.
         steps: Timed training steps per configuration (median reported).
         warmup: Untimed steps before timing.
@@ -261,16 +251,13 @@ def run_bench(model_path: str | os.PathLike, policy: Policy | str | os.PathLike,
     pol = policy if isinstance(policy, Policy) else Policy.load(policy)
     spec = load_model_spec(model_path)
     dev = resolve_device(device)
-    low = default_low_dtype(dev)
+    low = autocast_dtype(dev)  # the autocast and pure-low baselines' dtype: the same rule as tune's
     h = Harness(spec, dev, warmup=warmup, steps=steps)
     flops = model_flops(h.model, h.batches[0], h.tokens)
     cfgs = _build_configs(h, pol, low, names)
     main = cfgs["policy_eager"].dtype if "policy_eager" in cfgs else _main_dtype(
         run_pipeline(h.graph_module, pol).graph_module, pol)
-    peaks = {}
-    for dn in dict.fromkeys([main, "fp32", NAMES[low]]):
-        peaks[dn], n = matmul_peak_flops(to_torch(dn), dev)
-        _log(f"matmul peak {dn}: {peaks[dn] / 1e12:.3f} TFLOP/s (n={n})", quiet)
+    peaks = _measure_peaks([main, "fp32", NAMES[low]], dev, quiet)
     slow_low = peaks[NAMES[low]] * max_step_ratio < peaks["fp32"]
     rows: dict[str, dict[str, Any]] = {}
     limit: float | None = None
@@ -291,26 +278,43 @@ def run_bench(model_path: str | os.PathLike, policy: Policy | str | os.PathLike,
             _log(f"{name}: {rows[name]['note']}", quiet)
             _checkpoint(result, json_path)
             continue
-        _log(f"{name}: measuring ({cfg.dtype}{', compiling' if cfg.compiled else ''})", quiet)
-        t0 = time.perf_counter()
-        try:
-            m = cfg.harness.measure(cfg.fn(), cfg.scaler, cfg.autocast, max_step_s=limit)
-        except Exception as e:  # noqa: BLE001 - a configuration that cannot run is reported, not fatal
-            m = Measurement(error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-        finally:
-            cfg.harness.restore()
-        rows[name] = _row(m, cfg, flops["flops_per_step"], peaks[main], max_step_ratio)
-        rows[name]["wall_s"] = time.perf_counter() - t0
+        m, rows[name] = _measure_config(name, cfg, flops["flops_per_step"], peaks[main], max_step_ratio,
+                                        limit, quiet)
         if name == "fp32_eager" and m.step_times:
             limit = max(max_step_ratio * m.step_s, 1.0)
-        _log(f"{name}: {rows[name]['tokens_per_s']:.0f} tok/s, grad_rel_l2 {rows[name]['grad_rel_l2']}, "
-             f"{rows[name]['wall_s']:.0f} s" + (f" ({rows[name]['note'] or rows[name]['error']})"
-                                              if rows[name]['note'] or rows[name]['error'] else ""), quiet)
         _checkpoint(result, json_path)
     _remeasure_peaks(result, dev, quiet)
     result["partial"] = False
     _checkpoint(result, json_path)
     return result
+
+
+def _measure_peaks(dtypes: Sequence[str], dev: torch.device, quiet: bool) -> dict[str, float]:
+    """The matmul peak (FLOP/s, :func:`matmul_peak_flops`) of each distinct dtype name, logged."""
+    peaks = {}
+    for dn in dict.fromkeys(dtypes):
+        peaks[dn], n = matmul_peak_flops(to_torch(dn), dev)
+        _log(f"matmul peak {dn}: {peaks[dn] / 1e12:.3f} TFLOP/s (n={n})", quiet)
+    return peaks
+
+
+def _measure_config(name: str, cfg: _Config, flops: float, peak: float, ratio: float, limit: float | None,
+                    quiet: bool) -> tuple[Measurement, dict[str, Any]]:
+    """Measure one configuration through its harness (a failure becomes the row's ``error``, not
+    an exception); returns the measurement and its row (with ``wall_s``, seconds)."""
+    _log(f"{name}: measuring ({cfg.dtype}{', compiling' if cfg.compiled else ''})", quiet)
+    t0 = time.perf_counter()
+    try:
+        m = cfg.harness.measure(cfg.fn(), cfg.scaler, cfg.autocast, max_step_s=limit)
+    except Exception as e:  # noqa: BLE001 - a configuration that cannot run is reported, not fatal
+        m = Measurement(error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+    finally:
+        cfg.harness.restore()
+    row = _row(m, cfg, flops, peak, ratio)
+    row["wall_s"] = time.perf_counter() - t0
+    _log(f"{name}: {row['tokens_per_s']:.0f} tok/s, grad_rel_l2 {row['grad_rel_l2']}, {row['wall_s']:.0f} s"
+         + (f" ({row['note'] or row['error']})" if row['note'] or row['error'] else ""), quiet)
+    return m, row
 
 
 def _remeasure_peaks(result: dict[str, Any], dev: torch.device, quiet: bool) -> None:
@@ -377,22 +381,11 @@ def format_bench_table(result: dict[str, Any]) -> str:
 
 
 def write_bench_json(result: dict[str, Any], path: str | os.PathLike) -> None:
-    """Write ``result`` as JSON (atomic: temp file, fsync, rename); non-finite floats become null."""
-    def clean(x: Any) -> Any:
-        if isinstance(x, float) and not math.isfinite(x):
-            return None
-        if isinstance(x, dict):
-            return {k: clean(v) for k, v in x.items()}
-        if isinstance(x, (list, tuple)):
-            return [clean(v) for v in x]
-        return x
+    """Write ``result`` as indented JSON to ``path`` with the package's atomic writer
+    (:func:`autoprec._io.write_json`): an existing file is replaced whole or not at all, and
+    non-finite floats are written by the package's one rule (:func:`autoprec._io.json_safe`).
 
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(p.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(clean(result), f, indent=2, allow_nan=False)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, p)
+    Raises:
+        OSError: the file system refused the write (an existing ``path`` is left untouched).
+    """
+    write_json(path, result, indent=2)

@@ -1,4 +1,4 @@
-"""Capture a model's forward as an ATen-level ``torch.fx.GraphModule`` (DESIGN §1, §3).
+"""Capture a model's forward as an ATen-level ``torch.fx.GraphModule`` (docs/architecture.md#data-flow, #node-keys-and-op-classes).
 
 ``torch.export.export(..., strict=False)`` traces the model's forward (the training IR: ops
 such as ``aten.linear``, ``aten.scaled_dot_product_attention`` stay whole) and

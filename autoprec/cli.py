@@ -1,4 +1,4 @@
-"""Command line: ``autoprec tune | train | show | bench | report`` (DESIGN §1).
+"""Command line: ``autoprec tune | train | show | bench | report`` (docs/architecture.md#data-flow).
 
 Exit codes: 0 success; 2 bad input (model file, policy file, arguments, output paths, or
 budgets no policy meets) with one message that names the file and the field or entry point at

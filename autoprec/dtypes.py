@@ -1,10 +1,10 @@
-"""The dtype names used in policy files and their torch dtypes (DESIGN §4)."""
+"""The dtype names used in policy files and their torch dtypes (docs/architecture.md#policy-file)."""
 
 from __future__ import annotations
 
 import torch
 
-#: Policy dtype name -> torch dtype. ``fp8_e4m3`` is reserved for matmuls on devices that have it.
+#: Policy dtype name -> torch dtype (fp8 is not among them yet: a policy naming it is refused at load).
 DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
     "bf16": torch.bfloat16,

@@ -1,7 +1,10 @@
-"""One error tree for autoprec (DESIGN §8).
+"""One error tree for autoprec (docs/architecture.md#house-style).
 
-Every error raised on bad user input derives from :class:`AutoprecError`, so a caller
-(and the CLI, which maps them to exit code 2) can catch them in one place.
+Every error autoprec raises on bad user input or failed numerics derives from
+:class:`AutoprecError`, so a caller can catch them in one place. The CLI prints the message
+(no traceback) and exits with code 2 for bad input (every class here except
+:class:`LossScaleError`) and code 1 for :class:`LossScaleError`, a training run that failed, not
+a bad file (``autoprec/cli.py``, ``docs/architecture.md#public-api``).
 """
 
 from __future__ import annotations
@@ -12,24 +15,28 @@ class AutoprecError(Exception):
 
 
 class ModelSpecError(AutoprecError):
-    """A model.py file is missing, unloadable, or lacks a required entry point."""
+    """A model.py file is missing, unloadable, or lacks a required entry point (CLI exit 2)."""
 
 
 class CaptureError(AutoprecError):
-    """The model could not be captured as a graph (torch.export and the fallback failed)."""
+    """The model could not be captured as a graph: ``torch.export`` failed (there is no other
+    capture path), or the captured graph does not share the model's parameters (CLI exit 2)."""
 
 
 class PassError(AutoprecError):
-    """A graph pass failed; the message names the pass and the node."""
+    """A graph pass failed; the message names the pass and the node (CLI exit 2)."""
 
 
 class PolicyError(AutoprecError):
-    """A policy file or object is invalid; the message names the file and the field."""
+    """A policy file or object is invalid; the message names the file and the field (CLI exit 2)."""
 
 
 class SearchError(AutoprecError):
-    """The policy search could not produce a result (e.g. no feasible policy)."""
+    """The policy search could not produce a result, e.g. no feasible policy (CLI exit 2)."""
 
 
 class LossScaleError(AutoprecError):
-    """Dynamic loss scaling cannot recover: overflow persists at the minimum loss scale."""
+    """Dynamic loss scaling cannot recover: overflow persists at the minimum loss scale.
+
+    Raised by a training run, not by bad input: the CLI exits with code 1 for it.
+    """

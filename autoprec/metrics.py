@@ -16,7 +16,7 @@ __all__ = ["grad_rel_l2", "grad_sqnr_db_min", "median", "traj_rel"]
 
 
 def grad_rel_l2(grads: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
-    """‖g − g₃₂‖₂ / ‖g₃₂‖₂ over all gradients concatenated (DESIGN §5); inf if non-finite.
+    """‖g − g₃₂‖₂ / ‖g₃₂‖₂ over all gradients concatenated (docs/architecture.md#measurements); inf if non-finite.
 
     Args:
         grads: Gradients (any float dtype; compared in fp64), same shapes as ``ref``.
@@ -48,7 +48,7 @@ def grad_sqnr_db_min(grads: list[torch.Tensor], ref: list[torch.Tensor]) -> floa
 
 
 def traj_rel(losses: list[float], ref: list[float]) -> float:
-    """max over steps k of |L_k − L32_k| / |L32_k| (DESIGN §5); inf if any loss is non-finite.
+    """max over steps k of |L_k − L32_k| / |L32_k| (docs/architecture.md#measurements); inf if any loss is non-finite.
 
     Also the "max relative deviation from the FP32 curve" of ``autoprec train --compare``.
     """
@@ -61,10 +61,13 @@ def traj_rel(losses: list[float], ref: list[float]) -> float:
 
 
 def median(values: Sequence[float]) -> float:
-    """The median of ``values`` (``statistics.median``: the mean of the two middle values for an
-    even count), the one rule for step times in ``tune``, ``bench``, ``train`` and ``--compare``.
+    """The median of ``values``: for an even count the upper of the two middle values
+    (``statistics.median_high``), so the median is always a step time that was measured.
+
+    The one rule for step times (seconds) and throughputs (tokens/s) in ``tune``, ``bench``,
+    ``train``, ``train --compare`` and the probe.
 
     Raises:
         statistics.StatisticsError: ``values`` is empty.
     """
-    return statistics.median(values)
+    return statistics.median_high(values)

@@ -1,4 +1,4 @@
-"""The op table: every ATen op autoprec knows, its class and the numerical reason (DESIGN §3).
+"""The op table: every ATen op autoprec knows, its class and the numerical reason (docs/architecture.md#node-keys-and-op-classes).
 
 Classes (TVM ``ToMixedPrecision`` ALWAYS/FOLLOW/NEVER, TensorFlow AMP allow/infer/deny lists):
 
@@ -140,7 +140,7 @@ OP_TABLE: dict[str, tuple[str, str]] = {
             "new_empty", "type_as", "_unsafe_index", "unfold", "tile", "swapaxes", "mT",
             "dim", "sym_size", "size", "softmax_backward_data", "diff", "masked_scatter",
             "index_copy", "index_add", "take_along_dim", "as_strided_scatter", "slice_scatter",
-            "select_scatter", "view_as_real", "view_as_complex", "zero", "zero_", "native_dropout",
+            "select_scatter", "view_as_real", "view_as_complex", "zero", "zero_",
             "feature_dropout", "alpha_dropout", "split_with_sizes_copy", "unsafe_split",
             "atleast_1d", "atleast_2d", "squeeze_", "unsqueeze_", "t_", "_to_copy",
             "item", "_local_scalar_dense",

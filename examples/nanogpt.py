@@ -9,7 +9,7 @@ Run::
 
     autoprec tune examples/nanogpt.py
 
-Entry points (DESIGN §2): ``build_model``, ``get_batch``, ``loss_fn``; optimizer: default AdamW.
+Entry points (docs/architecture.md#modelpy-contract): ``build_model``, ``get_batch``, ``loss_fn``; optimizer: default AdamW.
 Needs only torch.
 """
 

@@ -1,4 +1,4 @@
-"""Shared test fixtures and the per-dtype tolerance table (DESIGN §8)."""
+"""Shared test fixtures and the per-dtype tolerance table (docs/architecture.md#house-style)."""
 
 from __future__ import annotations
 

@@ -108,3 +108,78 @@ def test_all_configs_including_compiled():
     rows = res["configs"]
     assert rows["autocast_compiled"]["ratio_vs_autocast_compiled"] == pytest.approx(1.0)
     assert all(r["error"] is None for r in rows.values())
+
+
+# ------------------------------------------------------------------------------------- issue 11
+
+
+def test_bench_json_is_written_atomically(tmp_path, monkeypatch):
+    """bench.json goes through the package's atomic writer: a failed write leaves the old file
+    whole, no temporary file behind, and the file's permission bits kept."""
+    import math
+    import os
+
+    from autoprec.bench import write_bench_json
+
+    out = tmp_path / "bench.json"
+    write_bench_json({"configs": {"a": 1}}, out)
+    old = out.read_bytes()
+    with pytest.raises(TypeError):
+        write_bench_json({"configs": {"a": object()}}, out)  # not JSON: fails before anything is written
+    assert out.read_bytes() == old and [p.name for p in tmp_path.iterdir()] == ["bench.json"]
+
+    def boom(*a, **k):
+        raise OSError("disk on fire")
+
+    monkeypatch.setattr(os, "replace", boom)
+    with pytest.raises(OSError, match="disk on fire"):
+        write_bench_json({"configs": {"a": 2}}, out)
+    monkeypatch.undo()
+    assert out.read_bytes() == old and [p.name for p in tmp_path.iterdir()] == ["bench.json"]
+    out.chmod(0o600)
+    write_bench_json({"configs": {"a": math.inf}}, out)
+    assert out.stat().st_mode & 0o777 == 0o600
+
+
+def test_bench_json_non_finite_rule_is_the_packages(tmp_path):
+    """One rule for non-finite numbers in every JSON file autoprec writes (autoprec._io.json_safe):
+    bench.json used to write null where the monitor and --compare write "inf"/"nan"."""
+    import math
+
+    from autoprec import _io
+    from autoprec.bench import write_bench_json
+    from autoprec.runtime import compare, monitor
+
+    assert monitor.json_safe is _io.json_safe and compare.json_safe is _io.json_safe
+    out = tmp_path / "bench.json"
+    data = {"x": math.inf, "y": [-math.inf, math.nan, 1.5], "z": None}
+    write_bench_json(data, out)
+    assert json.loads(out.read_text()) == _io.json_safe(data) == {"x": "inf", "y": ["-inf", "nan", 1.5], "z": None}
+
+
+@pytest.mark.parametrize("low", [torch.float16, torch.bfloat16])
+def test_bench_autocast_dtype_is_the_packages_rule(monkeypatch, low):
+    """bench's autocast (and pure-low) baseline dtype is autoprec.device.autocast_dtype, the rule tune
+    and --compare use (it used to pick bf16 on its own, whatever torch's autocast default)."""
+    import autoprec.bench as bench
+    from autoprec.device import autocast_dtype
+    from autoprec.dtypes import NAMES
+
+    real = torch.get_autocast_dtype
+    monkeypatch.setattr(torch, "get_autocast_dtype", lambda t: low if t == "cpu" else real(t))
+    monkeypatch.setattr(bench, "matmul_peak_flops", lambda dtype, device, **k: (1e9, 512))
+    res = run_bench(TINY, Policy.fp32(), steps=1, warmup=0, device="cpu", configs=["autocast_eager"], quiet=True)
+    assert res["low_dtype"] == NAMES[autocast_dtype(torch.device("cpu"))] == NAMES[low]
+    assert res["configs"]["autocast_eager"]["dtype"] == NAMES[low]
+    assert res["configs"]["autocast_eager"]["error"] is None
+
+
+def test_an_error_from_the_harness_is_reported_as_is():
+    """bench's branch for "older versions" of its own Harness is gone: an ``error`` is an error (it
+    used to be hidden, and the row marked capped, when it began with "too slow")."""
+    from autoprec.bench import _Config, _row
+    from autoprec.search.measure import Measurement
+
+    cfg = _Config(fn=lambda: None, harness=None, scaler=lambda: None, autocast=None, dtype="fp32", compiled=False)
+    row = _row(Measurement(error="too slow: 3 s"), cfg, flops=1.0, peak=1.0, ratio=10.0)
+    assert row["error"] == "too slow: 3 s" and row["capped"] is False and row["note"] is None

@@ -232,7 +232,7 @@ def test_autocast_overflow_with_max_drift_still_writes_a_policy(tmp_path):
 
 
 def test_train_reports_a_module_rule_that_matches_no_node(tmp_path):
-    """DESIGN §4: a rule that matches no node is reported; the CLI prints it as its own warning
+    """docs/architecture.md#policy-file: a rule that matches no node is reported; the CLI prints it as its own warning
     (no Python source line), and training goes on."""
     pol = Policy.from_dict({**Policy.fp32().to_dict(),
                             "rules": [{"module": "model.layers.*", "op_class": "matmul", "dtype": "bf16"}]})
@@ -248,11 +248,11 @@ def test_train_reports_a_module_rule_that_matches_no_node(tmp_path):
 
 def test_bench_error_names_the_policy_file(tmp_path, capsys):
     """A policy that does not fit the model fails bench with the policy file named, as in train/show."""
-    p = tmp_path / "fp8.json"
-    Policy.from_dict({**Policy.fp32().to_dict(), "rules": [{"op_class": "matmul", "dtype": "fp8_e4m3"}]}).save(p)
+    p = tmp_path / "int_node.json"  # a node rule on an integer node (ids.roll): the assign pass refuses it
+    Policy.from_dict({**Policy.fp32().to_dict(), "rules": [{"node": "roll#0", "dtype": "fp16"}]}).save(p)
     rc = main(["bench", MICRO, "--policy", str(p), "--configs", "policy_eager", "--steps", "1", "--warmup", "0"])
     err = capsys.readouterr().err
-    assert rc == 2 and f"autoprec bench: error: {p}: [assign_dtypes]" in err and "fp8" in err, err
+    assert rc == 2 and f"autoprec bench: error: {p}: [assign_dtypes]" in err and "roll#0" in err, err
 
 
 def test_storage_that_is_not_a_database(tmp_path, capsys):

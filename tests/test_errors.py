@@ -3,6 +3,7 @@ written (no policy file, no study database, no log, no checkpoint)."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -117,15 +118,18 @@ def write_policy(tmp_path: Path, rules: list[Rule], **provenance) -> Path:
     return path
 
 
-def test_fp8_matmul_rule_is_a_pass_error(tmp_path, capsys):
+def test_fp8_rule_is_refused_at_load(tmp_path, capsys):
+    """fp8 matmuls are not built: a policy naming fp8_e4m3 is refused when it is loaded (PolicyError,
+    exit 2, naming the file and the field), not later by the assign pass."""
     model = write_model(tmp_path)
-    pol = write_policy(tmp_path, [Rule(dtype="fp8_e4m3", op_class="matmul")])
+    pol = tmp_path / "fp8.json"
+    pol.write_text(json.dumps({**Policy.fp32().to_dict(), "rules": [{"op_class": "matmul", "dtype": "fp8_e4m3"}]}))
     before = files(tmp_path)
     code = main(["train", str(model), "--policy", str(pol), "--steps", "1", "--no-compile", "--device", "cpu",
                  "--log", str(tmp_path / "log.jsonl"), "--checkpoint", str(tmp_path / "ck.pt")])
     err = capsys.readouterr().err
     assert code == 2, err
-    assert str(pol) in err and "fp8_e4m3" in err and "not supported" in err and "linear" in err
+    assert str(pol) in err and "rules[0].dtype" in err and "fp8_e4m3" in err and "not supported" in err
     assert files(tmp_path) == before
 
 
@@ -188,3 +192,31 @@ def test_report_without_study_name(tmp_path, capsys):
     optuna.create_study(study_name="t", storage=storage)
     assert main(["report", "--storage", storage, "--out", str(tmp_path / "r2")]) == 2
     assert "holds 2 studies; pick one with --study-name: ['s', 't']" in capsys.readouterr().err
+
+
+def test_error_docstrings_give_the_cli_exit_code(monkeypatch, capsys):
+    """Each error class documents the exit code the CLI gives it, and the CLI gives that code
+    (errors.py used to say exit 2 for all; LossScaleError exits 1). No docstring mentions a capture
+    fallback: there is none."""
+    import re
+
+    from autoprec import cli, errors
+
+    classes = [c for c in vars(errors).values()
+               if isinstance(c, type) and issubclass(c, errors.AutoprecError) and c is not errors.AutoprecError]
+    assert {c.__name__ for c in classes} >= {"ModelSpecError", "CaptureError", "PassError", "PolicyError",
+                                            "SearchError", "LossScaleError"}
+    for cls in classes:
+        doc = " ".join(cls.__doc__.split())
+        assert "fallback" not in doc.lower(), cls
+        documented = re.findall(r"exit(?:s with code)? (\d)", doc)
+        assert len(documented) == 1, (cls, doc)
+
+        def raiser(_args, cls=cls):
+            raise cls("boom")
+
+        monkeypatch.setitem(cli._COMMANDS, "show", raiser)
+        assert cli.main(["show", "p.json"]) == int(documented[0]), cls
+        assert "autoprec show: error: boom" in capsys.readouterr().err
+    module_doc = " ".join(errors.__doc__.split())
+    assert "code 1 for :class:`LossScaleError`" in module_doc

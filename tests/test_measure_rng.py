@@ -1,7 +1,7 @@
 """Drift and trajectory measurements of models with random ops (dropout) start from one RNG state.
 
 The Harness compares a candidate's gradients with the FP32 reference's on the same weights and
-batch (DESIGN §5, ``grad_rel_l2``): with dropout, both must see the same masks, or even FP32
+batch (docs/architecture.md#measurements, ``grad_rel_l2``): with dropout, both must see the same masks, or even FP32
 differs from itself by ``grad_rel_l2`` ~1 (a reviewer's Linear/BatchNorm/ReLU/Dropout(0.2)/Linear
 model measured 1.06 and ``autoprec tune`` found no trial within the drift budget). Eager
 measurements must be exactly reproducible; compiled ones are compared against the FP32 graph
@@ -170,7 +170,7 @@ def test_selector_checks_a_compiled_lowered_finalist_on_a_dropout_model(harness)
     baseline (an OptimizedModule, which must not be truth-tested: its __len__ raises). Both
     trajectories are bf16-sized apart from the reference, not mask-sized (~0.2 against eager)."""
     from autoprec.search.progress import Clock
-    from autoprec.search.select import Selector
+    from autoprec.search.select import Selector, policy_key
 
     sel = Selector(harness, 1.0, True, torch.bfloat16, None, 2, Clock(), True)
     class NoLen(torch.nn.Module):  # a user's model class: unlike Sequential, no __len__
@@ -185,4 +185,4 @@ def test_selector_checks_a_compiled_lowered_finalist_on_a_dropout_model(harness)
     pol = Policy.default("bf16")
     fn = sel._fn(run_pipeline(harness.graph_module, pol).graph_module)
     sel._traj_ok(pol, fn)
-    assert sel.traj[id(pol)] < RTOL[torch.bfloat16] and sel._traj_budget < RTOL[torch.bfloat16]
+    assert sel.traj[policy_key(pol)] < RTOL[torch.bfloat16] and sel._traj_budget < RTOL[torch.bfloat16]

@@ -132,3 +132,20 @@ def test_eager_apply_warns_that_the_budget_needs_compile():
     pol = dataclasses.replace(Policy.fp32(), activation_memory_budget=0.5)
     with pytest.warns(UserWarning, match="activation_memory_budget 0.5 applies to compiled graphs only"):
         apply(model, pol, spec.get_batch(0, "cpu"), compile=False)
+
+
+@pytest.mark.parametrize(("model", "optimizer", "factor"), [("sgd_mlp.py", "SGD", 2),
+                                                            ("sgd_momentum_mlp.py", "SGD", 3),
+                                                            ("wide_mlp.py", "AdamW", 4)])
+def test_state_bytes_count_the_model_files_optimizer(model, optimizer, factor):
+    """Harness.state_bytes counts the optimizer make_optimizer returns, not AdamW whatever it is:
+    parameters + gradients + the optimizer's state tensors (plain SGD keeps none, SGD momentum one
+    buffer per parameter, AdamW two moments), i.e. 2x, 3x and 4x the parameter bytes. Counting
+    steps a fresh optimizer once: the harness's weights stay bit for bit those of build_model()."""
+    spec = load_model_spec(MODELS / model)
+    h = Harness(spec, torch.device("cpu"), warmup=1, steps=1)
+    param_bytes = sum(p.numel() * p.element_size() for p in h.params)
+    assert h.state_bytes == factor * param_bytes and h.optimizer_name == optimizer
+    assert h.drift(h.model).peak_bytes > h.state_bytes  # activations on top
+    fresh = [p for p in spec.build_model().parameters() if p.requires_grad]
+    assert all(torch.equal(p, q) and p.grad is None for p, q in zip(h.params, fresh, strict=True))

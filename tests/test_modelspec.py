@@ -302,3 +302,18 @@ def test_default_optimizer() -> None:
     assert isinstance(opt, torch.optim.AdamW)
     assert opt.defaults["lr"] == 3e-4 and opt.defaults["weight_decay"] == 0.0
     assert "why" in (default_make_optimizer.__doc__ or "").lower()
+
+
+def test_modelspec_has_no_check_shorthand():
+    """``ModelSpec.check`` (an unused alias of ``validate_spec``) is gone: one way to validate."""
+    from autoprec.modelspec import validate_spec
+
+    assert not hasattr(ModelSpec, "check")
+    assert callable(validate_spec)
+
+
+def test_public_names_stay_importable_from_the_package():
+    import autoprec.modelspec as ms
+
+    for name in ms.__all__:
+        assert getattr(ms, name) is not None, name

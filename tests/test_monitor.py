@@ -12,6 +12,7 @@ from torch import nn
 from autoprec import LossScaleError, Monitor, Policy
 from autoprec.capture import capture
 from autoprec.runtime.apply import apply
+from autoprec.metrics import median
 from autoprec.runtime.monitor import first_nonfinite_node, json_safe, read_jsonl
 from autoprec.runtime.scaler import DynamicLossScaler
 from autoprec.runtime.train import StepStats, TrainStep
@@ -141,3 +142,13 @@ def test_autoprec_train_names_the_overflowing_node(tmp_path, capsys):
     assert "forward pass" in err and "'proj/linear#0'" in err
     recs = read_jsonl(tmp_path / "log.jsonl")
     assert recs and all(r["skipped"] for r in recs) and recs[0]["first_nonfinite_node"] == "proj/linear#0"
+
+
+def test_summary_median_is_the_one_median_rule():
+    """median_tokens_per_s is autoprec.metrics.median over the steps after the first: for an even
+    count the upper middle value, as for step times everywhere (statistics.median_high)."""
+    mon = Monitor()
+    for i, seconds in enumerate([10.0, 1.0, 0.5, 0.25, 0.125]):  # 1, 2, 4, 8 tokens/s after step 0
+        mon.record(i, StepStats(1.0, False, 1.0, 1.0, 0), tokens=1, seconds=seconds)
+    assert mon.summary()["median_tokens_per_s"] == 4.0
+    assert median([1.0, 2.0, 4.0, 8.0]) == 4.0 and median([3.0, 1.0, 2.0]) == 2.0

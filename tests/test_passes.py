@@ -271,7 +271,8 @@ def test_runner_checks_each_post_condition(which):
     class Unassigned(AssignDtypes):
         def call(self, gm):
             r = super().call(gm)
-            next(n for n in r.graph_module.graph.nodes if n.op == "call_function").meta["autoprec"]["dtype"] = None
+            first = next(n for n in r.graph_module.graph.nodes if n.op == "call_function")
+            first.meta["autoprec"]["dtype"] = None
             return r
 
     class NoAccumulate(AccumulateFp32):

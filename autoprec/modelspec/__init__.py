@@ -1,4 +1,4 @@
-"""Load a user's ``model.py`` into a :class:`ModelSpec` (DESIGN §2).
+"""Load a user's ``model.py`` into a :class:`ModelSpec` (docs/architecture.md#modelpy-contract).
 
 The contract a model file fulfils::
 

@@ -13,11 +13,12 @@ from torch import nn
 
 from autoprec.errors import ModelSpecError
 
-__all__ = ["call_model", "default_loss_fn", "default_make_optimizer", "default_tokens_per_batch", "split_batch"]
+__all__ = ["call_model", "default_loss_fn", "default_make_optimizer", "default_tokens_per_batch",
+           "split_batch"]
 
 
 def split_batch(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """The positional and keyword arguments a batch stands for (DESIGN §2): a mapping is
+    """The positional and keyword arguments a batch stands for (docs/architecture.md#modelpy-contract): a mapping is
     ``(), dict(batch)``, a tuple or list ``tuple(batch), {}``, anything else (typically a tensor)
     ``(batch,), {}``."""
     if isinstance(batch, Mapping):

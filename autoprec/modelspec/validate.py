@@ -93,7 +93,7 @@ def _check_loss(spec: ModelSpec, loss: Any) -> None:
 
 
 def validate_spec(spec: ModelSpec, device: torch.device | str = "cpu") -> tuple[nn.Module, Any]:
-    """Run every entry point of ``spec`` once and check what it returns (DESIGN §2).
+    """Run every entry point of ``spec`` once and check what it returns (docs/architecture.md#modelpy-contract).
 
     Builds the model once, calls ``get_batch(0, device)`` twice (determinism), runs one forward
     and ``loss_fn`` (no backward), and builds the optimizer. Cost: one model build and one forward

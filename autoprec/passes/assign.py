@@ -44,7 +44,7 @@ from autoprec.passes.constants import (
     is_mask_fill,
     out_of_range_constants,
 )
-from autoprec.policy import FP8, Policy
+from autoprec.policy import Policy
 
 PASS = "assign_dtypes"
 
@@ -54,7 +54,7 @@ def _check_node_rules(policy: Policy, nodes: list[fx.Node]) -> None:
     inputs = {str(name) for n in nodes if n.op == "placeholder" for name in (n.name, n.target)}
     for i, rule in enumerate(policy.rules):
         if rule.node is None:
-            # DESIGN §4: a rule that matches no node is reported. A rule by op class alone may
+            # docs/architecture.md#policy-file: a rule that matches no node is reported. A rule by op class alone may
             # fairly match nothing (a model without norms); one naming modules is a typo or a
             # policy for another model.
             if rule.module is not None and not any(
@@ -247,11 +247,6 @@ def _decide(node, meta, orig, policy: Policy, labels, casting) -> None:
         dt, by = "fp32", "autocast(enabled=False) region"
     else:
         rule = policy.resolve(meta.get("key", ""), cls, meta.get("module", ""))
-        if rule == FP8:
-            raise pass_error(
-                PASS, node, f"the policy sets {FP8} on this {cls} node; fp8 matmuls are not supported by "
-                "this version's passes (use bf16 or fp16)"
-            )
         if rule is not None:
             dt, by = rule, "rule"
         elif cls in ("matmul", "sensitive"):

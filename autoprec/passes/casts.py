@@ -62,7 +62,9 @@ def _read_dtype(consumer: fx.Node, a: object) -> str | None:
     if consumer.op == "output":
         return captured_dtype(a)
     meta = consumer.meta.get("autoprec", {})
-    if consumer.op != "call_function" or meta.get("inserted_cast") or meta.get("decided_by") == "fixed-dtype op":
+    if consumer.op != "call_function" or meta.get("inserted_cast"):
+        return None
+    if meta.get("decided_by") == "fixed-dtype op":
         return None
     return meta.get("dtype")
 
@@ -147,4 +149,6 @@ class InsertCasts(PassBase):
             for a in node.all_input_nodes:
                 want = _read_dtype(node, a)
                 if want is not None and _dtype_of(a) != want:
-                    raise pass_error(PASS, node, f"reads input {a.name} ({_dtype_of(a)}) in {want} with no cast")
+                    raise pass_error(
+                        PASS, node, f"reads input {a.name} ({_dtype_of(a)}) in {want} with no cast"
+                    )

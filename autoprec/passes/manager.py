@@ -17,7 +17,7 @@ already measured. ``manager[k:].resume(manager[:k](gm))`` gives the same graph a
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 from torch import fx
 
@@ -73,9 +73,6 @@ class PassManager:
 
     def __len__(self) -> int:
         return len(self.passes)
-
-    def __iter__(self) -> Iterator[PassBase]:
-        return iter(self.passes)
 
     def __getitem__(self, index: slice) -> PassManager:
         """A runner of ``self.passes[index]`` (a prefix, the rest, ...).

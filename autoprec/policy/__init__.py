@@ -1,8 +1,8 @@
-"""Precision policies: frozen dataclasses, JSON schema v1, atomic save, validated load (DESIGN §4).
+"""Precision policies: frozen dataclasses, JSON schema v1, atomic save, validated load (docs/architecture.md#policy-file).
 
 A :class:`Policy` says which dtype each graph node computes in. It is a default dtype plus an
 ordered list of :class:`Rule` objects; a rule selects nodes by op class (``ops.py``), by a module
-glob, or by an exact node key (``<module path>/<op>#<k>``, DESIGN §3). Later rules override earlier
+glob, or by an exact node key (``<module path>/<op>#<k>``, docs/architecture.md#node-keys-and-op-classes). Later rules override earlier
 ones and node rules win over all others.
 
 Every invalid value raises :class:`~autoprec.errors.PolicyError` whose message names the source

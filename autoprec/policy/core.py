@@ -46,7 +46,7 @@ TOP_LEVEL_KEYS: tuple[str, ...] = (
 
 @dataclass(frozen=True)
 class Policy:
-    """A mixed-precision policy (DESIGN §4): default dtype, ordered rules and training settings.
+    """A mixed-precision policy (docs/architecture.md#policy-file): default dtype, ordered rules and training settings.
 
     Attributes:
         default_dtype: dtype of float nodes no rule selects (``fp32``, ``bf16`` or ``fp16``);
@@ -162,7 +162,7 @@ class Policy:
 
     # -- JSON -----------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        """The DESIGN §4 JSON layout with ``"schema_version": 1`` (``loss_scaling`` adds max_scale).
+        """The docs/architecture.md#policy-file JSON layout with ``"schema_version": 1`` (``loss_scaling`` adds max_scale).
 
         ``activation_memory_budget`` is written only below 1.0, so a policy without it stays
         readable by autoprec versions that predate the field.
@@ -328,7 +328,7 @@ def _rules_from_json(rules: Any, source: str) -> list[Rule]:
 
 
 class _DuplicateKey(Exception):
-    pass
+    """A JSON object of the file repeats a key (``args[0]``)."""
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

@@ -1,1 +1,1 @@
-"""Runtime pieces used while training: loss scaling, monitoring, applying a policy (DESIGN §7)."""
+"""Runtime pieces used while training: loss scaling, monitoring, applying a policy (docs/architecture.md#runtime)."""

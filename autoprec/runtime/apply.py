@@ -1,4 +1,4 @@
-"""``autoprec.apply``: a policy applied to a model as a trainable drop-in module (DESIGN §7)."""
+"""``autoprec.apply``: a policy applied to a model as a trainable drop-in module (docs/architecture.md#runtime)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Training checkpoints: model, optimizer, loss scaler, policy, step counter and RNG states (DESIGN §7, C14).
+"""Training checkpoints: model, optimizer, loss scaler, policy, step counter and RNG states (docs/architecture.md#runtime, C14).
 
 A checkpoint is one ``torch.save`` file whose content is plain tensors, dicts, lists, strings and
 numbers only, so it loads with ``torch.load(weights_only=True)`` (no arbitrary unpickling). It holds
@@ -11,7 +11,9 @@ numbers only, so it loads with ``torch.load(weights_only=True)`` (no arbitrary u
 * ``step``: the number of optimizer steps done (the next batch is ``get_batch(step)``); ``extra``: a
   JSON-able dict of the caller's counters;
 * ``rng``: the CPU torch generator state, the CUDA generator states (if CUDA is initialised), and
-  Python's ``random`` state, so dropout and any sampling continue as in the uninterrupted run.
+  Python's ``random`` state, so dropout and any sampling continue as in the uninterrupted run
+  (the stream RNG rule of :mod:`autoprec.runtime.rng`, which ``train`` and ``train --compare``
+  follow).
 
 Writes are atomic (temp file in the same directory, ``fsync``, ``os.replace``, directory ``fsync``):
 a crash leaves either the old checkpoint or the new one, never a torn file. With the same batches

@@ -11,7 +11,7 @@ the model file's optimizer. The configurations:
   (torch's default: bf16 on CPU, fp16 on CUDA; fp16 gets a loss scaler), eager: standard AMP.
 
 For each curve the maximum relative deviation from the FP32 curve, ``max_k |L_k − L32_k| / |L32_k|``
-(DESIGN §5 ``traj_rel``), and the final held-out loss (mean over ``heldout_batches`` batches of
+(docs/architecture.md#measurements ``traj_rel``), and the final held-out loss (mean over ``heldout_batches`` batches of
 ``get_heldout_batch(j)``, or of ``get_batch(10**6 + j)`` when the model file has none, evaluated
 under ``torch.no_grad`` in the configuration's own precision) are reported, and written with the curves
 to ``convergence.json`` and ``convergence.png`` (matplotlib, Agg backend).
@@ -41,13 +41,12 @@ from typing import Any
 
 import torch
 
-from autoprec._io import atomic_write
+from autoprec._io import atomic_write, json_safe
 from autoprec.errors import AutoprecError
 from autoprec.modelspec import ModelSpec, call_model, load_model_spec
 from autoprec.policy import Policy
 from autoprec.runtime.apply import apply
 from autoprec.runtime.checkpoint import load_checkpoint, save_checkpoint
-from autoprec.runtime.monitor import json_safe
 from autoprec.runtime.rng import StepRng
 from autoprec.runtime.steps import every, run_steps
 from autoprec.runtime.train import StepStats, TrainStep, autocast_scaler, make_scaler
@@ -237,7 +236,7 @@ def compare(model_path: str | os.PathLike, policy_path: str | os.PathLike, steps
     """Train the policy and the baselines from the same weights on the same batches; compare the curves.
 
     Args:
-        model_path: Model file (DESIGN §2). policy_path: Policy JSON file.
+        model_path: Model file (docs/architecture.md#modelpy-contract). policy_path: Policy JSON file.
         steps: Optimizer steps per configuration.
         baselines: Any of :data:`BASELINES`; ``fp32`` is always run (it is the reference).
         device: ``auto``, ``cpu`` or ``cuda``. compile: Compile the policy's graph (baselines run eager).

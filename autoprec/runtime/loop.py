@@ -83,7 +83,7 @@ def train(model_path: str | os.PathLike, policy_path: str | os.PathLike, steps: 
     if the policy needs loss scaling, the scaler's floor error names the first non-finite node.
 
     Args:
-        model_path: Model file (DESIGN §2). policy_path: Policy JSON file.
+        model_path: Model file (docs/architecture.md#modelpy-contract). policy_path: Policy JSON file.
         steps: Total optimizer steps of the run (a resumed run continues up to this number).
         device: ``auto``, ``cpu`` or ``cuda``. compile: ``torch.compile`` the lowered graph.
         log_every: Print every n-th step. quiet: Print nothing.

@@ -1,4 +1,4 @@
-"""Training monitor: per-step numbers, a JSONL log, and the diagnosis of non-finite values (DESIGN §7).
+"""Training monitor: per-step numbers, a JSONL log, and the diagnosis of non-finite values (docs/architecture.md#runtime).
 
 :class:`Monitor` records, for every optimizer step, the loss, the loss scale used, whether the step was
 skipped, the (unscaled) gradient L2 norm, the number of non-finite gradient elements and the throughput;
@@ -8,7 +8,7 @@ every line is strict JSON (``json.loads`` with no ``NaN`` extension; RFC 8259 ha
 
 :func:`first_nonfinite_node` re-runs a forward pass through an instrumented
 :class:`torch.fx.Interpreter` (``autoprec.passes.diagnose``) and returns the stable key
-(``node.meta["autoprec"]["key"]``, DESIGN §3) of the first node whose floating output holds an inf or
+(``node.meta["autoprec"]["key"]``, docs/architecture.md#node-keys-and-op-classes) of the first node whose floating output holds an inf or
 NaN. :meth:`Monitor.diagnoser` wraps it as the zero-argument ``diagnose`` callable of
 :class:`~autoprec.runtime.scaler.DynamicLossScaler`, so a ``LossScaleError`` at the scale floor names
 that node.
@@ -19,40 +19,20 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO, Any
 
-import torch
 from torch import fx
 
+from autoprec._io import json_safe  # re-exported: the package's one non-finite rule
 from autoprec.metrics import median
 from autoprec.shapes import InputShapes
 from autoprec.modelspec import split_batch
 from autoprec.passes.diagnose import first_nonfinite_node as _first_nonfinite_in_graph
 
 __all__ = ["Monitor", "StepRecord", "first_nonfinite_node", "json_safe", "read_jsonl"]
-
-
-def json_safe(x: Any) -> Any:
-    """``x`` with every non-finite float replaced by ``"inf"``, ``"-inf"`` or ``"nan"`` (recursively).
-
-    Tensors with one element become Python numbers; dicts, lists and tuples are walked.
-    """
-    if isinstance(x, torch.Tensor) and x.numel() == 1:
-        x = x.item()
-    if isinstance(x, float):
-        if math.isnan(x):
-            return "nan"
-        if math.isinf(x):
-            return "inf" if x > 0 else "-inf"
-        return x
-    if isinstance(x, Mapping):
-        return {str(k): json_safe(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [json_safe(v) for v in x]
-    return x
 
 
 def first_nonfinite_node(gm: fx.GraphModule, batch: Any) -> str | None:

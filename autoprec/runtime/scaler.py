@@ -1,4 +1,4 @@
-"""Dynamic loss scaling for fp16 training, with a floor and a diagnosis (DESIGN §7, cases C07/C09/C14).
+"""Dynamic loss scaling for fp16 training, with a floor and a diagnosis (docs/architecture.md#runtime, cases C07/C09/C14).
 
 :class:`DynamicLossScaler` is a drop-in for :class:`torch.amp.GradScaler` (same method names, same
 scale trajectory bit for bit, a compatible ``state_dict``) with three additions taken from DeepSpeed's
@@ -67,9 +67,9 @@ def _check_config(scale_name: str, scale: Any, growth_factor: Any, backoff_facto
                   max_skips_at_floor: Any) -> tuple[float, float, float, int, float, float, int]:
     """Validates the scaler's configuration with the policy's loss-scaling ranges
     (:func:`autoprec.policy.loss_scaling.check_loss_scaling`); raises ``ValueError`` naming the argument."""
-    v = check_loss_scaling({scale_name: scale, "growth_factor": growth_factor, "backoff_factor": backoff_factor,
-                            "growth_interval": growth_interval, "min_scale": min_scale,
-                            "max_scale": max_scale}, scale_name=scale_name)
+    v = check_loss_scaling({scale_name: scale, "growth_factor": growth_factor,
+                            "backoff_factor": backoff_factor, "growth_interval": growth_interval,
+                            "min_scale": min_scale, "max_scale": max_scale}, scale_name=scale_name)
     max_skips_at_floor = _as_int("max_skips_at_floor", max_skips_at_floor, 1)
     return (v[scale_name], v["growth_factor"], v["backoff_factor"], v["growth_interval"], v["min_scale"],
             v["max_scale"], max_skips_at_floor)

@@ -3,7 +3,7 @@
 The same :class:`TrainStep` runs in ``autoprec train``, in every search trial and in
 ``autoprec bench``, so what the tuner measures is what training runs.
 
-Master weights (DESIGN §7): parameters, their ``.grad`` and the optimizer state are fp32 whatever
+Master weights (docs/architecture.md#runtime): parameters, their ``.grad`` and the optimizer state are fp32 whatever
 the policy computes in; the lowered graph casts each weight to its compute dtype inside the graph
 (``aten._to_copy``), and the cast's backward returns an fp32 gradient, so accumulation across
 micro-batches happens in fp32 (case C06; ``tests/cases/test_c06_*``, ``tests/test_master_weights.py``).

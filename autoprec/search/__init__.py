@@ -1,1 +1,1 @@
-"""Policy search: search space, measurements, the Optuna study (DESIGN §1, §5)."""
+"""Policy search: search space, measurements, the Optuna study (docs/architecture.md#data-flow, #measurements)."""

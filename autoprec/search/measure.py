@@ -1,4 +1,4 @@
-"""Measurements (DESIGN §5): training-step throughput, drift against FP32, memory.
+"""Measurements (docs/architecture.md#measurements): training-step throughput, drift against FP32, memory.
 
 One :class:`Harness` holds the model, its captured graph, a snapshot of the initial weights and
 the FP32 reference gradients; every configuration (FP32, torch.autocast, a policy, eager or
@@ -38,7 +38,7 @@ class Measurement:
         grad_rel_l2: ‖g − g₃₂‖/‖g₃₂‖ on batch 0 (inf if non-finite).
         loss_rel: |L − L₃₂| / |L₃₂| on batch 0.
         grad_sqnr_db_min: Minimum per-parameter gradient SQNR in dB.
-        peak_bytes: CUDA peak allocated bytes; on CPU (DESIGN §5) bytes of the distinct tensors
+        peak_bytes: CUDA peak allocated bytes; on CPU (docs/architecture.md#measurements) bytes of the distinct tensors
             saved for backward (``saved_tensors_hooks``; a saved parameter allocates nothing and
             is not counted again) + :attr:`Harness.state_bytes`: parameter and gradient bytes
             plus the bytes of the tensors the model file's ``make_optimizer`` optimizer holds in
@@ -147,10 +147,16 @@ class Harness:
         spec: Loaded model file.
         device: Where to run.
         warmup: Untimed steps before timing (the first compiles, when compiled).
-        steps: Timed steps; the median is reported (DESIGN §5: ≥ 5).
+        steps: Timed steps; the median is reported (docs/architecture.md#measurements: ≥ 5).
+
+    Attributes:
+        optimizer_name: Class name of the model file's optimizer (e.g. ``"AdamW"``), whose state
+            :attr:`state_bytes` counts.
 
     Raises:
         CaptureError: the model cannot be captured.
+        Exception: whatever the model file's ``make_optimizer`` or its optimizer's first step
+            raises (:func:`autoprec.runtime.train.training_state_bytes`).
     """
 
     def __init__(self, spec: ModelSpec, device: torch.device, warmup: int = 2, steps: int = 5) -> None:
@@ -162,7 +168,6 @@ class Harness:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.initial = [p.detach().clone() for p in self.params]
         optimizer = spec.make_optimizer(self.params)
-        #: The model file's optimizer class name (e.g. ``"AdamW"``), for messages about its state.
         self.optimizer_name: str = type(optimizer).__name__
         self._state_bytes = training_state_bytes(self.params, optimizer)
         self.tokens = spec.tokens_per_batch(self.batches[0])
@@ -239,7 +244,7 @@ class Harness:
     def state_bytes(self) -> int:
         """Bytes of the parameters, their gradients and the state of the model file's optimizer
         (:func:`autoprec.runtime.train.training_state_bytes`, counted once when the harness is
-        built): what every policy needs whatever it computes in (fp32 master weights, DESIGN §7)."""
+        built): what every policy needs whatever it computes in (fp32 master weights, docs/architecture.md#runtime)."""
         return self._state_bytes
 
     def measure(self, fn: Callable[..., Any], scaler_factory: Callable[[], DynamicLossScaler | None] = lambda: None,

@@ -171,7 +171,7 @@ def write_report(study: optuna.Study, stem: str | os.PathLike, table: list[dict[
     md = stem.with_name(stem.name + ".report.md")
     md.write_text(_markdown(rows, front, table, policy, timings))
     png = stem.with_name(stem.name + ".pareto.png")
-    _plot_pareto(rows, front, fp32, study.user_attrs.get(_A + "drift_budget"), png)
+    _plot_pareto(rows, front, fp32, study.user_attrs.get(attrs.DRIFT_BUDGET), png)
     paths = [md, png]
     if gm is not None and policy is not None:
         dm = stem.with_name(stem.name + ".dtype_map.png")

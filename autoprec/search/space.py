@@ -9,13 +9,13 @@ is dropped from the space with the measured reason.
 from __future__ import annotations
 
 import re
-import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import optuna
 import torch
 
+from autoprec.metrics import median
 from autoprec.dtypes import LOW_DTYPES, to_torch
 from autoprec.ops import classify
 from autoprec.policy import Policy, Rule
@@ -58,11 +58,11 @@ def probe_dtypes(device: torch.device, n: int = 512, reps: int = 5, min_speedup:
     Returns:
         ``{dtype name: DtypeProbe}`` for fp32 and every low dtype.
     """
-    base = statistics.median(time_matmul(torch.float32, device, n, reps, budget_s))
+    base = median(time_matmul(torch.float32, device, n, reps, budget_s))
     out = {"fp32": DtypeProbe("fp32", base, 1.0, True)}
     for name in LOW_DTYPES:
         try:
-            s = statistics.median(time_matmul(to_torch(name), device, n, reps, budget_s))
+            s = median(time_matmul(to_torch(name), device, n, reps, budget_s))
         except Exception as e:  # dtype not supported by this device/build
             out[name] = DtypeProbe(name, float("inf"), 0.0, False, f"matmul failed: {type(e).__name__}: {e}")
             continue
@@ -74,7 +74,7 @@ def probe_dtypes(device: torch.device, n: int = 512, reps: int = 5, min_speedup:
     return out
 
 
-#: Baseline parameter sets enqueued first (DESIGN §1): all fp32, autocast-equivalent
+#: Baseline parameter sets enqueued first (docs/architecture.md#data-flow): all fp32, autocast-equivalent
 #: (matmuls low, sensitive fp32, the rest placed), all low except sensitive, all low.
 BASELINES: tuple[tuple[str, Mapping[str, str]], ...] = (
     ("fp32", {"matmul": "fp32", "sensitive": "fp32", "follow": "fp32"}),
@@ -170,7 +170,7 @@ class SearchSpace:
     @staticmethod
     def to_policy(params: Mapping[str, str]) -> Policy:
         """Build the policy a parameter set stands for (later rules override earlier ones;
-        node rules win, DESIGN §4)."""
+        node rules win, docs/architecture.md#policy-file)."""
         rules = [Rule(op_class="sensitive", dtype=params["sensitive"])]
         if params["follow"] != "auto":
             rules.append(Rule(op_class="follow", dtype=params["follow"]))

@@ -10,8 +10,9 @@ Inductor and measured again, drift included, checked on ``traj_rel`` over K opti
 with ``max_memory``, fitted to the memory budget by recomputation;
 :mod:`autoprec.search.select`) -> write (report, then the policy file).
 
-Screening eagerly and compiling only finalists keeps a trial to seconds instead of a ~60 s
-Inductor compile; the finalists' compiled numbers are what the policy file reports.
+Screening eagerly and compiling only finalists keeps a trial to a few eager steps instead of an
+Inductor compile per trial (docs/architecture.md#design-choices); the finalists' compiled numbers
+are what the policy file reports.
 """
 
 from __future__ import annotations
@@ -111,7 +112,7 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
     """Search for the fastest policy within a drift budget and write it to ``out``.
 
     Args:
-        model_path: A model file following the model.py contract (DESIGN §2).
+        model_path: A model file following the model.py contract (docs/architecture.md#modelpy-contract).
         trials: Finished trials the study should hold (default 20); a resumed or shared study
             counts the trials it already has, so re-running the same command resumes.
         timeout: Stop sampling new trials after this many seconds.
@@ -132,7 +133,7 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
         traj_steps: K, the optimizer steps of the ``traj_rel`` check on finalists that lower
             anything (budget: torch.autocast's ``traj_rel`` over the same steps).
         report: Write the markdown report and plots beside ``out``.
-        max_memory: Memory budget for the chosen policy's ``peak_bytes`` (DESIGN §5): ``None``
+        max_memory: Memory budget for the chosen policy's ``peak_bytes`` (docs/architecture.md#measurements): ``None``
             (none), ``"auto"`` (torch.autocast's peak measured in this run: with ``compile``, that
             of torch.autocast + torch.compile), ``"<r>x"`` (r times FP32 eager's peak), or bytes
             (a number, or a string with a ``KiB``/``MiB``/``GiB`` suffix). With ``compile``, a
