@@ -49,6 +49,7 @@ from torch import nn
 
 from autoprec._io import write_json
 from autoprec.capture import capture
+from autoprec.device import autocast_dtype, describe_machine, resolve_device, time_matmul
 from autoprec.dtypes import NAMES, to_torch
 from autoprec.modelspec import load_model_spec
 from autoprec.passes import run_pipeline
@@ -56,7 +57,6 @@ from autoprec.policy import Policy
 from autoprec.runtime.apply import compile_graph
 from autoprec.runtime.scaler import DynamicLossScaler
 from autoprec.runtime.train import autocast_scaler, make_scaler
-from autoprec.device import autocast_dtype, describe_machine, resolve_device, time_matmul
 from autoprec.search.measure import Harness, Measurement
 
 __all__ = [
@@ -198,7 +198,8 @@ def _row(m: Measurement, cfg: _Config, flops: float, peak: float, ratio: float) 
         "mfu": (flops / step / peak) if (m.step_times and peak > 0) else None,
         "steps_timed": len(m.step_times), "step_times": list(m.step_times),
         "capped": too_slow,
-        "note": (f"timed on 1 step: first step {step:.1f} s > {ratio:g}x fp32 eager" if too_slow else None),
+        "note": (f"timed on 1 step: timing stopped at a {step:.1f} s step (limit {ratio:g}x fp32 eager's step; "
+                 "two steps over it, or one over 4x)" if too_slow else None),
         "error": m.error,
     }
 
@@ -222,8 +223,9 @@ def run_bench(model_path: str | os.PathLike, policy: Policy | str | os.PathLike,
         device: ``auto``, ``cpu``, ``cuda``.
         configs: Subset of :data:`CONFIGS`, measured in the order given (``fp32_eager`` is always
             measured, first: it is the reference and sets the slow-step limit).
-        max_step_ratio: A configuration whose step exceeds this multiple of ``fp32_eager``'s
-            (floor 1 s) is timed on one step only and flagged ``capped``.
+        max_step_ratio: Timing of a configuration stops after two steps in a row over this
+            multiple of ``fp32_eager``'s step (floor 1 s), or one step over 4x that; it is then
+            reported from its last step and flagged ``capped``.
         skip_slow: Skip (not run) low-precision baselines when the low dtype's measured matmul
             peak is more than ``max_step_ratio`` times below fp32's; for CPUs that emulate bf16.
         json_path: Also write the result here after every configuration (``"partial": true``

@@ -15,7 +15,6 @@ import sys
 import time
 import warnings
 from collections.abc import Sequence
-from typing import Any
 
 from autoprec.cli_parser import build_parser
 from autoprec.errors import AutoprecError
@@ -26,8 +25,8 @@ __all__ = ["main"]
 def _validate_model(path: str, device: str = "auto") -> None:
     """Load the model file and run each entry point once (one forward pass), so a bad file fails
     with a :class:`ModelSpecError` naming it before anything is written."""
-    from autoprec.modelspec import load_model_spec, validate_spec
     from autoprec.device import resolve_device
+    from autoprec.modelspec import load_model_spec, validate_spec
 
     spec = load_model_spec(path)
     try:

@@ -105,7 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="subset of: fp32_eager fp32_compiled autocast_eager autocast_compiled pure_low_eager "
                         "pure_low_compiled policy_eager policy_compiled (default all)")
     b.add_argument("--max-step-ratio", type=_positive_float, default=10.0,
-                   help="time a config on one step only when its step exceeds this multiple of fp32 eager's")
+                   help="stop timing a config after two steps over this multiple of fp32 eager's step (or one "
+                        "over 4x that) and report its last step")
     b.add_argument("--skip-slow", action="store_true",
                    help="skip low-precision baselines when the device's low-dtype matmul is more than "
                         "--max-step-ratio times slower than fp32 (CPUs that emulate bf16)")

@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 import autoprec
+from autoprec.metrics import grad_rel_l2
 from autoprec.passes.casts import is_inserted_cast
 from autoprec.runtime.train import TrainStep, make_scaler
-from autoprec.metrics import grad_rel_l2
 
 
 class Block(nn.Module):

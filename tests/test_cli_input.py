@@ -14,9 +14,8 @@ from pathlib import Path
 import optuna
 import pytest
 
-from autoprec import Policy
+from autoprec import Policy, cli
 from autoprec._interrupt import catch_sigint, check, interrupted
-from autoprec import cli
 from autoprec.cli import main
 from autoprec.errors import LossScaleError, SearchError
 from autoprec.search import attrs

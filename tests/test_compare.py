@@ -11,8 +11,8 @@ import pytest
 from autoprec import Policy
 from autoprec.cli import main
 from autoprec.errors import AutoprecError
-from autoprec.runtime.compare import compare, median_step_seconds
 from autoprec.metrics import traj_rel as max_rel_dev
+from autoprec.runtime.compare import compare, median_step_seconds
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "examples" / "tiny_mlp.py")

@@ -11,8 +11,8 @@ from torch import nn
 
 from autoprec import LossScaleError, Monitor, Policy
 from autoprec.capture import capture
-from autoprec.runtime.apply import apply
 from autoprec.metrics import median
+from autoprec.runtime.apply import apply
 from autoprec.runtime.monitor import first_nonfinite_node, json_safe, read_jsonl
 from autoprec.runtime.scaler import DynamicLossScaler
 from autoprec.runtime.train import StepStats, TrainStep

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 import signal
 import subprocess
@@ -16,8 +15,8 @@ import torch
 
 from autoprec.modelspec import load_model_spec
 from autoprec.policy import Policy
-from autoprec.search.measure import Harness
 from autoprec.search.attrs import ATTR
+from autoprec.search.measure import Harness
 from autoprec.search.objective import Objective
 from autoprec.search.space import SearchSpace, find_blocks, outside_matmuls
 from autoprec.search.storage import open_study

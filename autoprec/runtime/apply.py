@@ -10,9 +10,9 @@ import torch
 from torch import fx, nn
 
 from autoprec.capture import capture, quiet_pytree_deprecation
-from autoprec.shapes import InputShapes
 from autoprec.passes import run_pipeline
 from autoprec.policy import Policy
+from autoprec.shapes import InputShapes
 
 __all__ = ["MixedPrecisionModule", "apply", "compile_graph", "INDUCTOR_OPTIONS"]
 

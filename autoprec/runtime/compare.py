@@ -42,7 +42,9 @@ from typing import Any
 import torch
 
 from autoprec._io import atomic_write, json_safe
+from autoprec.device import autocast_dtype, describe_machine, resolve_device
 from autoprec.errors import AutoprecError
+from autoprec.metrics import median, traj_rel
 from autoprec.modelspec import ModelSpec, call_model, load_model_spec
 from autoprec.policy import Policy
 from autoprec.runtime.apply import apply
@@ -50,8 +52,6 @@ from autoprec.runtime.checkpoint import load_checkpoint, save_checkpoint
 from autoprec.runtime.rng import StepRng
 from autoprec.runtime.steps import every, run_steps
 from autoprec.runtime.train import StepStats, TrainStep, autocast_scaler, make_scaler
-from autoprec.device import autocast_dtype, describe_machine, resolve_device
-from autoprec.metrics import median, traj_rel
 
 __all__ = ["BASELINES", "CompareResult", "compare", "plot_curves"]
 

@@ -17,7 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from autoprec.capture import capture
+from autoprec.device import resolve_device
 from autoprec.errors import AutoprecError
+from autoprec.metrics import median
 from autoprec.modelspec import load_model_spec
 from autoprec.policy import Policy
 from autoprec.runtime.apply import apply
@@ -25,8 +27,6 @@ from autoprec.runtime.checkpoint import load_checkpoint, save_checkpoint
 from autoprec.runtime.monitor import Monitor
 from autoprec.runtime.steps import StepHook, every, run_steps
 from autoprec.runtime.train import StepStats, TrainStep, make_scaler
-from autoprec.device import resolve_device
-from autoprec.metrics import median
 
 __all__ = ["TrainResult", "train"]
 

@@ -34,7 +34,7 @@ SLOW_FACTOR = 4.0
 
 
 def run_steps(step: TrainStep, batches: Callable[[int], Any], start: int, stop: int, *,
-              rng: StepRng = StepRng(), device: torch.device | None = None,
+              rng: StepRng | None = None, device: torch.device | None = None,
               before: Callable[[int, Any], None] | None = None,
               after: Sequence[StepHook] = ()) -> list[tuple[StepStats, float]]:
     """Run training steps ``start..stop-1``; the one loop of every caller (module docstring).
@@ -44,8 +44,8 @@ def run_steps(step: TrainStep, batches: Callable[[int], Any], start: int, stop: 
         batches: ``batches(k)`` is step ``k``'s batch (e.g. ``get_batch(k, device)``).
         start: First step index (``> 0`` when resumed from a checkpoint).
         stop: One past the last step index.
-        rng: Which RNG state each step runs from (:class:`~autoprec.runtime.rng.StepRng`: the
-            global stream by default).
+        rng: Which RNG state each step runs from (:class:`~autoprec.runtime.rng.StepRng`;
+            None: ``StepRng()``, the global stream).
         device: The device the steps run on, for the fixed-per-step RNG case
             (default ``torch.device(step.device_type)``).
         before: Called as ``before(k, batch)`` before step ``k`` (e.g. to give a monitor the
@@ -60,6 +60,7 @@ def run_steps(step: TrainStep, batches: Callable[[int], Any], start: int, stop: 
         :class:`StepsTooSlow` from :func:`slow_step_guard`); steps already run stay applied.
     """
     dev = device if device is not None else torch.device(step.device_type)
+    rng = rng if rng is not None else StepRng()
     rng.begin(start)
     done: list[tuple[StepStats, float]] = []
     for k in range(start, stop):

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 import optuna
 import torch
 
-from autoprec.metrics import median
+from autoprec.device import time_matmul
 from autoprec.dtypes import LOW_DTYPES, to_torch
+from autoprec.metrics import median
 from autoprec.ops import classify
 from autoprec.policy import Policy, Rule
-from autoprec.device import time_matmul
 
 __all__ = ["DtypeProbe", "probe_dtypes", "SearchSpace", "BASELINES", "find_blocks", "outside_matmuls"]
 

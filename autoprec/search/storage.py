@@ -11,7 +11,8 @@ import warnings
 from pathlib import Path
 
 import optuna
-from torch import fx, device as torch_device
+from torch import device as torch_device
+from torch import fx
 
 from autoprec.errors import AutoprecError, SearchError
 from autoprec.nodekeys import graph_fingerprint

@@ -44,7 +44,13 @@ from autoprec.search.objective import Objective
 from autoprec.search.progress import Clock, log
 from autoprec.search.select import Selector, policy_key
 from autoprec.search.space import SearchSpace, find_blocks, outside_matmuls, probe_dtypes
-from autoprec.search.storage import check_study, default_storage, default_study_name, open_study, precheck_study
+from autoprec.search.storage import (
+    check_study,
+    default_storage,
+    default_study_name,
+    open_study,
+    precheck_study,
+)
 from autoprec.search.trials import enqueue_baselines, feasible, optimize, region_sensitivity
 
 __all__ = ["TuneResult", "tune"]

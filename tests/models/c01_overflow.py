@@ -2,6 +2,7 @@
 import torch
 from torch import nn
 
+
 class Net(nn.Module):
     """C01: x @ w is 66355 > 65504 in fp16 -> inf; then a residual add and an RMSNorm -> NaN."""
     def __init__(self):
