@@ -47,7 +47,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoprec._io import write_json
+from autoprec._io import json_safe, write_json
 from autoprec.capture import capture
 from autoprec.device import autocast_dtype, describe_machine, resolve_device, time_matmul
 from autoprec.dtypes import NAMES, to_torch
@@ -183,25 +183,21 @@ def _build_configs(h: Harness, policy: Policy, low: torch.dtype, names: Sequence
     return {n: table[n]() for n in names}
 
 
-def _fin(x: float | None) -> float | None:
-    return x if isinstance(x, (int, float)) and math.isfinite(x) else None
-
-
 def _row(m: Measurement, cfg: _Config, flops: float, peak: float, ratio: float) -> dict[str, Any]:
     too_slow = bool(m.note)  # the Harness marks a capped timing in ``note``
     step = m.step_s if m.step_times else math.inf
-    return {
+    return json_safe({  # the row as bench.json holds it: non-finite floats as "inf"/"-inf"/"nan"
         "dtype": cfg.dtype, "compiled": cfg.compiled,
-        "step_s": _fin(step), "tokens_per_s": m.tokens_per_s if m.step_times else 0.0,
-        "grad_rel_l2": _fin(m.grad_rel_l2), "loss_rel": _fin(m.loss_rel),
-        "grad_sqnr_db_min": _fin(m.grad_sqnr_db_min), "peak_bytes": int(m.peak_bytes),
+        "step_s": step if m.step_times else None, "tokens_per_s": m.tokens_per_s if m.step_times else 0.0,
+        **{k: (getattr(m, k) if m.error is None else None) for k in ("grad_rel_l2", "loss_rel", "grad_sqnr_db_min")},
+        "peak_bytes": int(m.peak_bytes),
         "mfu": (flops / step / peak) if (m.step_times and peak > 0) else None,
         "steps_timed": len(m.step_times), "step_times": list(m.step_times),
         "capped": too_slow,
         "note": (f"timed on 1 step: timing stopped at a {step:.1f} s step (limit {ratio:g}x fp32 eager's step; "
                  "two steps over it, or one over 4x)" if too_slow else None),
         "error": m.error,
-    }
+    })
 
 
 def _log(msg: str, quiet: bool) -> None:
@@ -223,9 +219,8 @@ def run_bench(model_path: str | os.PathLike, policy: Policy | str | os.PathLike,
         device: ``auto``, ``cpu``, ``cuda``.
         configs: Subset of :data:`CONFIGS`, measured in the order given (``fp32_eager`` is always
             measured, first: it is the reference and sets the slow-step limit).
-        max_step_ratio: Timing of a configuration stops after two steps in a row over this
-            multiple of ``fp32_eager``'s step (floor 1 s), or one step over 4x that; it is then
-            reported from its last step and flagged ``capped``.
+        max_step_ratio: Timing stops after two steps in a row over this multiple of
+            ``fp32_eager``'s step (floor 1 s), or one over 4x that: ``capped``, last step reported.
         skip_slow: Skip (not run) low-precision baselines when the low dtype's measured matmul
             peak is more than ``max_step_ratio`` times below fp32's; for CPUs that emulate bf16.
         json_path: Also write the result here after every configuration (``"partial": true``
@@ -237,7 +232,8 @@ def run_bench(model_path: str | os.PathLike, policy: Policy | str | os.PathLike,
         row holds ``step_s`` (s), ``tokens_per_s``, ``ratio_vs_fp32_eager``,
         ``ratio_vs_autocast_compiled`` (throughput ratios; > 1 is faster), ``grad_rel_l2``,
         ``peak_bytes`` (bytes), ``mfu`` (0..1), ``steps_timed``, ``capped``, ``note``, ``error``.
-        Non-finite numbers are ``None``.
+        ``None``: not measured (skipped, failed, no baseline); a measured non-finite number is
+        ``"inf"``/``"-inf"``/``"nan"`` (``autoprec._io.json_safe``), here as in ``bench.json``.
 
     Raises:
         ModelSpecError, CaptureError, PolicyError: bad model or policy file.
@@ -362,7 +358,7 @@ def _ratios(rows: dict[str, dict[str, Any]]) -> None:
 def format_bench_table(result: dict[str, Any]) -> str:
     """Markdown table of a :func:`run_bench` result (one row per configuration)."""
     def num(x: float | None, fmt: str) -> str:
-        return "—" if x is None else format(x, fmt)
+        return "—" if x is None else x if isinstance(x, str) else format(x, fmt)
 
     lines = [("| config | dtype | step s | tokens/s | vs fp32 eager | vs autocast+compile | grad_rel_l2 "
              "| peak MiB | MFU | steps | note |"),

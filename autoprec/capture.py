@@ -14,21 +14,34 @@ policies use to name nodes; keys do not depend on FX's generated node names.
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import io
 import logging
+import re
 import sys
 import warnings
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import fx, nn
 
+from autoprec.dims import export_ranges, plan_dims
 from autoprec.errors import CaptureError
-from autoprec.modelspec import split_batch
+from autoprec.modelspec import prepare_output, split_batch, training_kwargs
 from autoprec.nodekeys import assign_keys, mark_regions
+from autoprec.shapes import DIMS_META
 
-__all__ = ["capture", "quiet_pytree_deprecation"]
+__all__ = ["CALL_KWARGS_META", "capture", "quiet_pytree_deprecation"]
+
+_log = logging.getLogger("autoprec")
+_logged: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # models whose training kwargs were announced
+
+#: ``gm.meta`` key of the keyword arguments capture fixed for training (e.g. ``{"use_cache": False}``;
+#: ``{}`` when none): they are part of the graph, so a call must not pass other values.
+CALL_KWARGS_META = "autoprec_call_kwargs"
 
 # Export inserts these runtime checks after `.to()` calls; they assert the fp32 dtype seen at
 # trace time and would fail once a pass lowers the producer, so capture removes them.
@@ -109,7 +122,7 @@ def _where(exc: BaseException, model: nn.Module | None = None) -> str:
     return where
 
 
-def capture(model: nn.Module, example_batch: Any) -> fx.GraphModule:
+def capture(model: nn.Module, example_batch: Any, dynamic: bool = False) -> fx.GraphModule:
     """Capture ``model``'s forward on ``example_batch`` as an ATen ``GraphModule``.
 
     Args:
@@ -117,40 +130,171 @@ def capture(model: nn.Module, example_batch: Any) -> fx.GraphModule:
         example_batch: A dict (called as ``model(**batch)``), tuple/list (``model(*batch)``) or
             tensor, exactly as ``get_batch`` returns it. Shapes are specialised: the captured
             module must later be called with batches of the same structure and shapes.
+        dynamic: Capture the batch and sequence dimensions as symbolic sizes within the ranges of
+            :func:`autoprec.dims.plan_dims` (``torch.export`` ``Dim``s; recorded in
+            ``gm.meta[autoprec.shapes.DIMS_META]``), so one graph serves every batch shape in range.
+            A model that torch cannot export so (its code specialises a size) raises CaptureError.
 
     Returns:
         A ``GraphModule`` with the model's call signature and output structure whose parameters
         are the model's own ``Parameter`` objects. ``node.meta["val"]`` holds a fake tensor
-        (shape, dtype) per node and ``node.meta["autoprec"]["key"]`` a stable node key.
+        (shape, dtype) per node and ``node.meta["autoprec"]["key"]`` a stable node key. Outputs
+        follow :func:`autoprec.modelspec.prepare_output`: ``ModelOutput`` dataclasses, tuples,
+        dicts and ``None`` fields keep their type and fields, other values without tensors are
+        returned unchanged. When ``forward`` has a ``use_cache`` parameter the batch does not set,
+        the graph is the forward with ``use_cache=False`` (training needs no KV cache; logged once
+        per model on the ``autoprec`` logger); ``gm.meta[CALL_KWARGS_META]`` records it.
 
     Raises:
-        CaptureError: ``torch.export`` failed; the message names the module class, the source
-            line of the model code that could not be traced, and what to do.
+        CaptureError: ``torch.export`` failed; the message names the cause (a data-dependent
+            branch, an op that cannot be traced, an output type that cannot be flattened, or
+            torch's own message), the module class and the source line of the model code, and
+            what to do.
 
     torch's own ``FutureWarning`` about ``isinstance(treespec, LeafSpec)`` is filtered during the
     export (:func:`quiet_pytree_deprecation`); warnings raised by the model's code still show.
     """
     args, kwargs = split_batch(example_batch)
+    plan = plan_dims(model, args, kwargs) if dynamic else None
+    shapes = plan.dynamic_shapes(args, kwargs) if plan is not None else None
+    _check_call(model, args, kwargs)
+    fixed = training_kwargs(model, args, kwargs)
+    _announce(model, fixed)
     was_training = model.training
     try:
-        with quiet_pytree_deprecation(), _quiet_partial_graph():
-            ep = torch.export.export(model, args, kwargs, strict=False)
+        with quiet_pytree_deprecation(), _quiet_partial_graph(), _training_forward(model, fixed):
+            ep = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=shapes)
+    except CaptureError:
+        raise
     except Exception as e:  # torch raises many types here (UserError, GuardOnDataDependent...)
-        raise CaptureError(
-            f"torch.export could not capture {type(model).__name__}: {type(e).__name__} at "
-            f"{_where(e, model)}.\n  {str(e).splitlines()[0] if str(e) else ''}\n"
-            "  What to do: data-dependent Python control flow (an `if` on tensor values) cannot "
-            "be captured; rewrite it with torch.where / torch.cond, or move it out of forward()."
-        ) from e
+        raise CaptureError(_explain(e, model)) from e
     finally:
         model.train(was_training)
     with quiet_pytree_deprecation():
         gm = ep.module()
+    if shapes is not None:
+        gm.meta[DIMS_META] = export_ranges(gm, ep, plan)
+    gm.meta[CALL_KWARGS_META] = dict(fixed)
     _strip_asserts(gm)
     _check_shared_parameters(model, gm)
     assign_keys(gm)
     mark_regions(gm)
     return gm
+
+
+def _announce(model: nn.Module, fixed: dict[str, Any]) -> None:
+    if fixed and model not in _logged:
+        _logged.add(model)
+        args = ", ".join(f"{k}={v!r}" for k, v in fixed.items())
+        _log.info("capturing %s for training with %s (forward() accepts it and the batch does not set it; "
+                  "training needs no KV cache); the module apply() returns runs with it on every call",
+                  type(model).__name__, args)
+
+
+@contextlib.contextmanager
+def _training_forward(model: nn.Module, fixed: dict[str, Any]) -> Iterator[None]:
+    """Inside the block ``model.forward`` adds ``fixed`` to every call and passes its output
+    through :func:`~autoprec.modelspec.prepare_output`; the signature export reads is unchanged."""
+    own = model.__dict__.get("forward")  # an instance attribute the user set, if any
+    orig = model.forward
+    name = type(model).__name__
+
+    @functools.wraps(orig)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return prepare_output(orig(*args, **fixed, **kwargs), name)
+
+    model.forward = forward
+    try:
+        yield
+    finally:
+        if own is not None:
+            model.forward = own
+        else:
+            del model.forward
+
+
+# torch messages that name an op the fake-tensor tracer cannot run (group 1 is the op).
+_OP_PATTERNS = (
+    re.compile(r"no fake impl registered for <CustomOpDef\((\S+)\)>"),
+    re.compile(r"(?:operator|op) '?([\w.]+::[\w.]+)'? (?:does not|doesn't) have"),
+    re.compile(r"Could not run '([\w.]+::[\w.]+)' with arguments from the 'Meta' backend"),
+    re.compile(r"(\.numpy\(\)|\.tolist\(\)|data_ptr|data pointer)"),
+)
+_CONTROL_FLOW = ("data-dependent Python control flow (an `if` on tensor values) cannot be captured; "
+                 "rewrite it with torch.where / torch.cond, or move it out of forward().")
+
+
+def _cause(e: BaseException) -> tuple[str, str]:
+    """What failed and what to do, from the exception (or one it was raised from)."""
+    from torch._subclasses.fake_tensor import DynamicOutputShapeException, UnsupportedOperatorException
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    chain = [e]
+    while chain[-1].__cause__ is not None and len(chain) < 8:
+        chain.append(chain[-1].__cause__)
+    for x in chain:
+        text = str(x)
+        if isinstance(x, GuardOnDataDependentSymNode) or "data-dependent expression" in text:
+            return "a data-dependent branch", _CONTROL_FLOW
+        if isinstance(x, DynamicOutputShapeException):
+            return (f"the op {x.func} has an output shape that depends on tensor values",
+                    "compute it with fixed-shape ops (e.g. a mask and torch.where instead of boolean "
+                    "indexing or nonzero), or move it out of forward().")
+        op = str(x.func) if isinstance(x, UnsupportedOperatorException) else next(
+            (m.group(1) for p in _OP_PATTERNS if (m := p.search(text))), None)
+        if op is not None and op.startswith((".", "data")):
+            what = f"Tensor{op}" if op.startswith(".") else "reading a tensor's data pointer"
+            return (f"an unsupported op: {what} needs tensor data outside torch",
+                    "keep the computation in torch ops (a traced tensor has no data to convert), "
+                    "or move it out of forward().")
+        if op is not None:
+            return (f"an unsupported op: {op} has no fake (meta) implementation, so it cannot be traced",
+                    f"register one with torch.library.register_fake({op!r}) (output shapes and dtypes "
+                    "only), compute it with standard torch ops, or move it out of forward().")
+        if m := re.search(r"Found (<class '[^']+'>|\S+) in output", text):
+            return (f"an output of type {m.group(1)} that torch.export cannot flatten",
+                    "return tensors, None, numbers, strings, or tuples/lists/dicts/ModelOutput dataclasses "
+                    "of them, or register the type with torch.utils._pytree.register_pytree_node.")
+    if _raised_by_user_code(e):
+        return (f"forward() itself raised {type(e).__name__} (not a tracing limit)",
+                "fix that line of the model code, or the example batch it is given; the same call "
+                "fails without autoprec.")
+    return ("torch.export cannot trace this code (torch's message follows; the original exception is "
+            "chained as __cause__)",
+            "change or move that line out of forward(); torch.export's documentation lists what "
+            "non-strict export traces (https://pytorch.org/docs/stable/export.html).")
+
+
+def _raised_by_user_code(e: BaseException) -> bool:
+    """Whether the innermost frame of ``e``'s traceback is the model's code (a plain Python error)."""
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and _is_user(tb.tb_frame.f_code.co_filename)
+
+
+def _check_call(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Raise CaptureError when the batch does not bind to ``model.forward``'s signature."""
+    try:
+        sig = inspect.signature(model.forward)
+    except (TypeError, ValueError):
+        return
+    try:
+        sig.bind(*args, **kwargs)
+    except TypeError as e:
+        raise CaptureError(
+            f"autoprec could not capture {type(model).__name__}: the example batch does not match "
+            f"forward{sig}: {e}.\n  What to do: make get_batch return what forward() takes (a dict is "
+            "passed as keyword arguments, a tuple or list as positional ones, a tensor as the one "
+            "argument; docs/architecture.md#modelpy-contract).") from e
+
+
+def _explain(e: BaseException, model: nn.Module) -> str:
+    """The :class:`CaptureError` message for a failed export: cause, where, torch's line, what to do."""
+    cause, todo = _cause(e)
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return (f"torch.export could not capture {type(model).__name__}: {cause}, at {_where(e, model)}.\n"
+            f"  {type(e).__name__}: {first}\n  What to do: {todo}")
 
 
 def _strip_asserts(gm: fx.GraphModule) -> None:

@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
 
     t = sub.add_parser("tune", help="search for the fastest policy within a drift budget")
-    t.add_argument("model", help="model file (build_model, get_batch; docs/architecture.md#modelpy-contract)")
+    t.add_argument("model", help="model file defining build_model() and get_batch(step, device)")
     t.add_argument("--trials", type=_int_at_least(1), default=None, help="finished trials the study should hold (default 20)")
     t.add_argument("--timeout", type=_positive_float, default=None, help="stop sampling after S seconds")
     t.add_argument("--max-drift", default="auto", help="'auto' (torch.autocast's grad_rel_l2) or a number")
@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--out", default="report", help="path stem of the files written (default: report)")
 
     r = sub.add_parser("train", help="train with a policy")
-    r.add_argument("model", help="model file (build_model, get_batch; docs/architecture.md#modelpy-contract)")
+    r.add_argument("model", help="model file defining build_model() and get_batch(step, device)")
     r.add_argument("--policy", required=True, help="policy JSON file (from autoprec tune)")
     r.add_argument("--steps", type=_int_at_least(1), default=50,
                    help="total optimizer steps of the run; a resumed run continues up to this step (default 50)")
@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--model", default=None, help="model file: also print the dtype of each module's nodes")
 
     b = sub.add_parser("bench", help="time a policy side by side with fp32, autocast and pure low precision")
-    b.add_argument("model", help="model file (docs/architecture.md#modelpy-contract)")
+    b.add_argument("model", help="model file defining build_model() and get_batch(step, device)")
     b.add_argument("--policy", required=True, help="policy JSON file")
     b.add_argument("--steps", type=_int_at_least(1), default=5, help="timed steps per configuration (median reported)")
     b.add_argument("--warmup", type=_int_at_least(0), default=2, help="untimed steps before timing")

@@ -106,8 +106,9 @@ def autocast_dtype(device: torch.device, usable: list[str] | None = None) -> tor
     ``usable`` (the low dtype names the probe kept, fastest first) leaves it out and names
     another, which is then used instead.
 
-    The one rule for every baseline autoprec measures (``tune``, ``bench``, ``train --compare``),
-    so they all compare against the same torch.autocast.
+    The one rule for every torch.autocast baseline autoprec measures: ``bench`` and
+    ``train --compare`` run no probe and pass no ``usable``, so they get torch's default; ``tune``
+    gets the same unless its probe measured that dtype as not faster than fp32.
     """
     default = torch.get_autocast_dtype(device.type)
     if usable and NAMES.get(default) not in usable:

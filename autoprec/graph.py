@@ -30,6 +30,13 @@ import networkx as nx
 import torch
 from torch import fx
 
+try:  # torch >= 2.13: a hint that adds no guard, meant for cost estimates
+    from torch.fx.experimental.symbolic_shapes import optimization_hint
+except ImportError:  # older torch: the node's recorded hint
+    def optimization_hint(a: torch.SymInt, fallback: int | None = None) -> int:  # noqa: D103
+        hint = a.node.hint
+        return fallback if hint is None else int(hint)
+
 __all__ = ["PLACEMENT_MODES", "check_placement_mode", "place_follow", "tensor_bytes", "to_networkx"]
 
 PLACEMENT_MODES = ("mincut", "paint", "naive")
@@ -40,14 +47,28 @@ _PREFER_LOW = 1e-6
 
 
 def tensor_bytes(node: fx.Node) -> int:
-    """Bytes of the floating tensor(s) ``node`` produces, from ``node.meta["val"]`` (fp32 size)."""
+    """Bytes of the floating tensor(s) ``node`` produces, from ``node.meta["val"]`` (fp32 size).
+
+    A graph captured with dynamic dimensions has symbolic sizes (``s0*s1*64``); they are counted at
+    their hints, the example batch's sizes (``optimization_hint``, which adds no guard, so the byte
+    count never specialises the graph): cast placement is then optimal for the example's shape,
+    and since every size in a transformer scales with the same batch x sequence product, for the
+    others too.
+    """
     val = node.meta.get("val")
     vals = val if isinstance(val, (tuple, list)) else [val]
     total = 0
     for v in vals:
         if isinstance(v, torch.Tensor) and v.dtype.is_floating_point:
-            total += int(v.numel()) * v.element_size()
+            total += _size_hint(v.numel()) * v.element_size()
     return total
+
+
+def _size_hint(n: int | torch.SymInt) -> int:
+    """``n`` as an int; a symbolic size at its hint (example value), 1 when it has none (unbacked)."""
+    if isinstance(n, int):
+        return n
+    return int(optimization_hint(n, fallback=1))
 
 
 def check_placement_mode(mode: str) -> None:

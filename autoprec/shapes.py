@@ -1,4 +1,9 @@
-"""The input shapes a captured graph was specialised for, and a cheap check of a call against them."""
+"""The input shapes a captured graph was specialised for, and a cheap check of a call against them.
+
+A graph captured with dynamic dimensions (``capture(model, batch, dynamic=True)``) has symbolic
+batch/sequence sizes; ``gm.meta[DIMS_META]`` holds their ranges (written by ``capture`` from
+:func:`autoprec.dims.export_ranges`), and the check compares a call's sizes with them.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +12,19 @@ from typing import Any
 import torch
 from torch import fx
 
-__all__ = ["InputShapes"]
+__all__ = ["DIMS_META", "RANGE_ADVICE", "InputShapes"]
+
+#: ``gm.meta`` key of ``{symbol: (role, lo, hi)}``, the ranges of a graph's symbolic input
+#: dimensions (e.g. ``{"s0": ("batch", 1, 4)}``; a bound is None when unbounded). ``gm.meta``
+#: survives the passes' deep copies, so the lowered graph keeps it.
+DIMS_META = "autoprec_dims"
+
+#: What to do about a batch outside the ranges of a dynamic capture (the rule is autoprec.dims').
+RANGE_ADVICE = ("the ranges come from the example batch given to autoprec.apply (batch sizes up to its batch "
+                "size; sequence lengths up to the model's config.max_position_embeddings, else up to its "
+                "length; see autoprec.dims): apply with an example batch of the largest batch size and "
+                "sequence length you train on, or split the batch; inputs captured as one dimension (the "
+                "sequence of input_ids and labels) must be padded to one size.")
 
 
 class InputShapes:
@@ -19,8 +36,9 @@ class InputShapes:
 
     Inputs are matched to the graph's placeholders exactly as the exported ``forward`` does (positional
     arguments, then keyword arguments by name, nested lists/dicts flattened by the captured pytree spec).
-    Shapes come from each placeholder's ``meta["val"]``; dimensions that are not plain ints (symbolic)
-    match any size. Anything the check cannot map (wrong arity, unknown keyword, another structure) is
+    Shapes come from each placeholder's ``meta["val"]``. A symbolic dimension (dynamic capture) must
+    lie in its range from ``gm.meta[DIMS_META]`` (any size when the graph records none), and inputs
+    that share a symbol (the batch size of ``input_ids`` and ``labels``) must agree. Anything the check cannot map (wrong arity, unknown keyword, another structure) is
     left to the graph's own call, which raises its usual error.
 
     Args:
@@ -31,6 +49,7 @@ class InputShapes:
         names: Display name per tensor input in placeholder order (``"ids"``, ``"extra[1]['z']"``).
         shapes: Captured shape per input (a tuple of ints, ``None`` for a symbolic dimension), or None
             for an input that is not a tensor or has no recorded shape.
+        ranges: ``{symbol: (role, lo, hi)}`` of the symbolic dimensions (empty for a static graph).
     """
 
     def __init__(self, gm: fx.GraphModule, what: str = "the captured graph") -> None:
@@ -39,6 +58,8 @@ class InputShapes:
         spec = getattr(info, "in_spec", None)
         self.what = what
         self.shapes: list[tuple[int | None, ...] | None] = [_shape_of(n) for n in placeholders]
+        self._symbols = [_symbols_of(n) for n in placeholders]
+        self.ranges: dict[str, tuple[str, int | None, int | None]] = dict(gm.meta.get(DIMS_META, {}))
         # argument names of forward(); the first `n_positional` are (args), the rest the kwargs of the spec
         self._args: list[str] = [str(a) for a in info.orig_args] if info is not None else \
             [str(n.target) for n in placeholders]
@@ -65,8 +86,10 @@ class InputShapes:
             args, kwargs: The call's arguments, as passed to the captured module.
 
         Raises:
-            ValueError: an input tensor has another shape than at capture; the message lists the
-                captured and the given shapes, names the input(s) that differ and says what to do.
+            ValueError: an input tensor has another shape than at capture, or (dynamic capture) a
+                size outside its range or two sizes that must agree do not; the message lists the
+                captured and the given shapes, names the input(s) at fault (with the allowed range)
+                and says what to do.
         """
         if not self.enabled:
             return
@@ -77,6 +100,10 @@ class InputShapes:
         for leaf, shape in zip(leaves, self.shapes):
             if isinstance(leaf, torch.Tensor) and leaf.shape != shape and not _fits(leaf.shape, shape):
                 self._raise(leaves)
+        if self.ranges:
+            bad = self._out_of_range(leaves)
+            if bad:
+                self._raise_range(leaves, bad)
 
     def _leaves_flat(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
         leaves: list[Any] = [None] * len(self.shapes)
@@ -107,12 +134,51 @@ class InputShapes:
             return None
         return leaves if len(leaves) == len(self.shapes) else None
 
+    def _out_of_range(self, leaves: list[Any]) -> list[str]:
+        """Message fragments for symbolic sizes outside their range or disagreeing with each other."""
+        bad: list[str] = []
+        seen: dict[str, tuple[str, int]] = {}
+        for name, leaf, syms in zip(self.names, leaves, self._symbols):
+            if not isinstance(leaf, torch.Tensor) or syms is None:
+                continue
+            for i, sym in enumerate(syms):
+                if sym is None or i >= leaf.dim():
+                    continue
+                size = int(leaf.shape[i])
+                role, lo, hi = self.ranges.get(sym, (f"dim {i}", None, None))
+                if (lo is not None and size < lo) or (hi is not None and size > hi):
+                    bad.append(f"input {name!r} has shape {_fmt(tuple(leaf.shape))}: dim {i} ({role}) is {size}, "
+                               f"allowed {_fmt_range(lo, hi)}")
+                elif sym in seen and seen[sym][1] != size:
+                    bad.append(f"input {name!r} has {role} {size} (dim {i}) but input {seen[sym][0]!r} has "
+                               f"{seen[sym][1]}: they were captured as one dimension")
+                seen.setdefault(sym, (name, size))
+        return bad
+
+    def _raise_range(self, leaves: list[Any], bad: list[str]) -> None:
+        accepted = [f"{n}: {_fmt(self._display(s, syms))}" for n, s, syms in zip(self.names, self.shapes, self._symbols)
+                    if s is not None]
+        given = [f"{n}: {_fmt(tuple(x.shape))}" for n, x, s in zip(self.names, leaves, self.shapes)
+                 if s is not None and isinstance(x, torch.Tensor)]
+        roles = dict.fromkeys(f"{r} {_fmt_range(lo, hi)}" for r, lo, hi in self.ranges.values())
+        raise ValueError(
+            f"{self.what} accepts input shapes {{{', '.join(accepted)}}} with {', '.join(roles)} (captured "
+            f"with dynamic dimensions), got shapes {{{', '.join(given)}}}: {'; '.join(bad)}.\n  What to do: "
+            + RANGE_ADVICE
+        )
+
+    def _display(self, shape: tuple[int | None, ...], syms: tuple[str | None, ...] | None) -> tuple[Any, ...]:
+        """A captured shape with each symbolic size shown by its role (``(batch, seq)``)."""
+        if syms is None:
+            return shape
+        return tuple(d if s is None else self.ranges.get(s, ("?",))[0] for d, s in zip(shape, syms))
+
     def _raise(self, leaves: list[Any]) -> None:
         captured, given, differ = [], [], []
-        for name, shape, leaf in zip(self.names, self.shapes, leaves):
+        for name, shape, leaf, syms in zip(self.names, self.shapes, leaves, self._symbols):
             if shape is None:
                 continue
-            want = _fmt(shape)
+            want = _fmt(self._display(shape, syms))
             captured.append(f"{name}: {want}")
             if isinstance(leaf, torch.Tensor):
                 got = _fmt(tuple(leaf.shape))
@@ -138,6 +204,18 @@ def _shape_of(node: fx.Node) -> tuple[int | None, ...] | None:
     return tuple(d if isinstance(d, int) else None for d in val.shape)
 
 
+def _symbols_of(node: fx.Node) -> tuple[str | None, ...] | None:
+    """Per dimension of a placeholder's tensor, its symbol name (``"s0"``) or None for a plain int."""
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return None
+    return tuple(None if isinstance(d, int) else str(d) for d in val.shape)
+
+
+def _fmt_range(lo: int | None, hi: int | None) -> str:
+    return f"{'?' if lo is None else lo}..{'' if hi is None else hi}"
+
+
 def _fits(shape: torch.Size, want: tuple[int | None, ...] | None) -> bool:
     """Whether ``shape`` matches ``want`` where ``None`` dims match anything (the slow compare)."""
     if want is None:
@@ -145,7 +223,7 @@ def _fits(shape: torch.Size, want: tuple[int | None, ...] | None) -> bool:
     return len(shape) == len(want) and all(w is None or s == w for s, w in zip(shape, want))
 
 
-def _fmt(shape: tuple[int | None, ...]) -> str:
+def _fmt(shape: tuple[Any, ...]) -> str:
     return "(" + ", ".join("?" if d is None else str(d) for d in shape) + ("," if len(shape) == 1 else "") + ")"
 
 

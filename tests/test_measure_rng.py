@@ -170,7 +170,7 @@ def test_selector_checks_a_compiled_lowered_finalist_on_a_dropout_model(harness)
     baseline (an OptimizedModule, which must not be truth-tested: its __len__ raises). Both
     trajectories are bf16-sized apart from the reference, not mask-sized (~0.2 against eager)."""
     from autoprec.search.progress import Clock
-    from autoprec.search.select import Selector, policy_key
+    from autoprec.search.select import Selector
 
     sel = Selector(harness, 1.0, True, torch.bfloat16, None, 2, Clock(), True)
     class NoLen(torch.nn.Module):  # a user's model class: unlike Sequential, no __len__
@@ -185,4 +185,4 @@ def test_selector_checks_a_compiled_lowered_finalist_on_a_dropout_model(harness)
     pol = Policy.default("bf16")
     fn = sel._fn(run_pipeline(harness.graph_module, pol).graph_module)
     sel._traj_ok(pol, fn)
-    assert sel.traj[policy_key(pol)] < RTOL[torch.bfloat16] and sel._traj_budget < RTOL[torch.bfloat16]
+    assert sel.traj[pol.training_key()] < RTOL[torch.bfloat16] and sel._traj_budget < RTOL[torch.bfloat16]

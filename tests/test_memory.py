@@ -118,6 +118,17 @@ def test_tune_budget_below_parameter_state_fails_before_trials(tmp_path):
     assert not out.exists() and not (tmp_path / "p.optuna.db").exists()
 
 
+def test_budget_error_names_the_model_files_optimizer(tmp_path):
+    """With SGD (no state) the floor is parameters + gradients, and the message says SGD, not
+    AdamW: the state is counted from the optimizer make_optimizer returns."""
+    sgd = Path(__file__).resolve().parent / "models" / "sgd_mlp.py"
+    n_params = sum(p.numel() for p in load_model_spec(sgd).build_model().parameters())
+    with pytest.raises(SearchError, match=rf"gradients and SGD state alone \({8 * n_params} bytes\)"):
+        tune(sgd, trials=1, out=tmp_path / "p.json", max_memory="1000", compile=False, progress=False,
+             report=False, quiet=True, dtypes="bf16")
+    assert not (tmp_path / "p.json").exists()
+
+
 def test_cli_bad_max_memory_exits_2_before_building(tmp_path, capsys):
     out = tmp_path / "sub" / "p.json"
     assert main(["tune", WIDE, "--max-memory", "lots", "--out", str(out)]) == 2

@@ -145,10 +145,11 @@ def test_autoprec_train_names_the_overflowing_node(tmp_path, capsys):
 
 
 def test_summary_median_is_the_one_median_rule():
-    """median_tokens_per_s is autoprec.metrics.median over the steps after the first: for an even
-    count the upper middle value, as for step times everywhere (statistics.median_high)."""
+    """median_tokens_per_s is the harness's throughput rule over the steps after the first: mean
+    tokens per step / autoprec.metrics.median of the step seconds (for an even count the upper
+    middle value, statistics.median_high): not a median of per-step rates."""
     mon = Monitor()
     for i, seconds in enumerate([10.0, 1.0, 0.5, 0.25, 0.125]):  # 1, 2, 4, 8 tokens/s after step 0
         mon.record(i, StepStats(1.0, False, 1.0, 1.0, 0), tokens=1, seconds=seconds)
-    assert mon.summary()["median_tokens_per_s"] == 4.0
+    assert mon.summary()["median_tokens_per_s"] == 1 / 0.5  # median_high of (1, .5, .25, .125) s
     assert median([1.0, 2.0, 4.0, 8.0]) == 4.0 and median([3.0, 1.0, 2.0]) == 2.0

@@ -8,7 +8,7 @@ import torch
 from autoprec.policy import Policy
 from autoprec.search import select as select_mod
 from autoprec.search.progress import Clock
-from autoprec.search.select import Selector, policy_key
+from autoprec.search.select import Selector
 
 
 class _TrajHarness:
@@ -50,9 +50,9 @@ def test_traj_rel_is_kept_per_policy_content_even_when_ids_collide(monkeypatch):
     assert sel.traj_of(Policy.fp32()) == 0.0  # never checked: not the rejected policy's 0.5
 
 
-def test_policy_key_ignores_measurements_and_provenance():
+def test_training_key_ignores_measurements_and_provenance():
     """Two policies that train identically share a key; another rule gives another key."""
     p = Policy.default("bf16")
     q = p.with_measured({"tokens_per_s": 1.0}).with_provenance(model="m.py")
-    assert policy_key(p) == policy_key(q)
-    assert policy_key(p) != policy_key(Policy.default("fp16"))
+    assert p.training_key() == q.training_key()
+    assert p.training_key() != Policy.default("fp16").training_key()

@@ -14,7 +14,9 @@ missing/misspelt/non-callable entry point, wrong arity) raises :class:`ModelSpec
 message that names the file and says what is expected; the CLI maps it to exit code 2.
 
 Modules: :mod:`~autoprec.modelspec.loader` (:class:`ModelSpec`, :func:`load_model_spec`),
-:mod:`~autoprec.modelspec.batch` (how a batch is called, the default entry points) and
+:mod:`~autoprec.modelspec.batch` (how a batch is called, the default entry points),
+:mod:`~autoprec.modelspec.outputs` (the training call arguments and what a captured forward may
+return) and
 :mod:`~autoprec.modelspec.validate` (:func:`validate_spec`).
 """
 
@@ -28,15 +30,27 @@ from autoprec.modelspec.batch import (
     split_batch,
 )
 from autoprec.modelspec.loader import ModelSpec, load_model_spec
+from autoprec.modelspec.outputs import (
+    TRAINING_KWARGS,
+    Kept,
+    drop_fixed_kwargs,
+    prepare_output,
+    training_kwargs,
+)
 from autoprec.modelspec.validate import validate_spec
 
 __all__ = [
+    "Kept",
     "ModelSpec",
+    "TRAINING_KWARGS",
     "call_model",
     "default_loss_fn",
     "default_make_optimizer",
     "default_tokens_per_batch",
+    "drop_fixed_kwargs",
     "load_model_spec",
+    "prepare_output",
     "validate_spec",
     "split_batch",
+    "training_kwargs",
 ]

@@ -75,7 +75,8 @@ def clone_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
 
     ``copy.deepcopy(gm)`` would copy the Parameters (training would then update copies), and
     ``copy.deepcopy(gm.graph)`` shares each node's ``meta`` values, so the ``autoprec`` meta
-    dicts are copied here explicitly. Pytree in/out specs (``_in_spec``/``_out_spec``) carry over.
+    dicts are copied here explicitly. Pytree in/out specs (``_in_spec``/``_out_spec``) and
+    ``gm.meta`` (e.g. the ranges of dynamic dimensions, ``autoprec.shapes.DIMS_META``) carry over.
     """
     graph = copy.deepcopy(gm.graph)
     for node in graph.nodes:
@@ -85,4 +86,5 @@ def clone_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     for attr in ("_in_spec", "_out_spec"):
         if hasattr(gm, attr):
             setattr(new, attr, getattr(gm, attr))
+    new.meta.update(gm.meta)
     return new

@@ -85,7 +85,8 @@ class PassManager:
         return PassManager(self.passes[index])
 
     def __call__(self, gm: fx.GraphModule) -> PassResult:
-        """Run every pass on ``gm`` (passes copy the graph: ``gm`` itself is not modified).
+        """Run every pass on ``gm`` (the transforming passes copy the graph, so ``gm``'s graph is
+        not modified; ``Verify`` only refreshes ``node.meta["val"]`` of the graph it is given).
 
         Returns:
             ``PassResult`` of the last pass's graph; ``modified`` if any pass modified the graph;

@@ -2,7 +2,10 @@
 
 Re-derives every node's output dtype by running the graph on fake tensors
 (``torch.fx.passes.fake_tensor_prop.FakeTensorProp``: shapes and dtypes only, no compute),
-refreshing ``node.meta["val"]``; its post-condition compares each with the assigned dtype and
+refreshing ``node.meta["val"]``. A graph captured with dynamic dimensions (``capture(...,
+dynamic=True)``) is propagated in its own ``FakeTensorMode`` (the export's, found by
+``torch._guards.detect_fake_mode`` on the placeholders' fake values), so symbolic sizes stay
+symbolic (``s0``, ``s1``) and nothing specialises them; its post-condition compares each with the assigned dtype and
 checks that graph outputs keep the dtype they had when captured and that no integer/bool tensor
 was cast.
 """
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import torch
 from torch import fx
+from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
@@ -23,17 +27,26 @@ __all__ = ["Verify", "output_dtypes"]
 PASS = "verify"
 
 
-def _fake_inputs(gm: fx.GraphModule, mode: FakeTensorMode) -> list:
-    out = []
-    for n in gm.graph.nodes:
-        if n.op != "placeholder":
-            continue
-        v = n.meta.get("val")
-        if isinstance(v, torch.Tensor):
-            out.append(mode.from_tensor(torch.empty(v.shape, dtype=v.dtype)))
-        else:
-            out.append(v)
-    return out
+def _fake_inputs(gm: fx.GraphModule) -> tuple[FakeTensorMode, list]:
+    """The fake mode to propagate ``gm`` in and its inputs (fake tensors of that mode, or other values).
+
+    With symbolic placeholder shapes: the export's own mode and fake values (its ``ShapeEnv`` holds
+    the symbols and their ranges). Otherwise a fresh mode and fake copies of the recorded shapes.
+    Either mode accepts real tensors (the graph's parameters).
+
+    Raises:
+        RuntimeError: the shapes are symbolic but the placeholders carry no fake mode.
+    """
+    vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+    if any(isinstance(v, torch.Tensor) and not all(isinstance(d, int) for d in v.shape) for v in vals):
+        mode = detect_fake_mode(vals)
+        if mode is None:
+            raise RuntimeError("placeholders have symbolic shapes but carry no FakeTensorMode")
+        mode.allow_non_fake_inputs = True  # export's mode already does; parameters are real tensors
+        return mode, vals
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    return mode, [mode.from_tensor(torch.empty(v.shape, dtype=v.dtype)) if isinstance(v, torch.Tensor)
+                  else v for v in vals]
 
 
 def _outputs(gm: fx.GraphModule) -> list:
@@ -76,9 +89,9 @@ class Verify(PassBase):
         Raises:
             PassError: shape/dtype propagation failed.
         """
-        mode = FakeTensorMode(allow_non_fake_inputs=True)
         try:
-            FakeTensorProp(gm, mode).propagate(*_fake_inputs(gm, mode))
+            mode, inputs = _fake_inputs(gm)
+            FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*inputs)
         except Exception as e:
             raise pass_error(PASS, None, f"shape/dtype propagation failed: {type(e).__name__}: {e}") from e
         return PassResult(gm, False)

@@ -138,6 +138,12 @@ class Policy:
         """True when the policy computes anything in fp16 (gradients underflow otherwise, C07)."""
         return "fp16" in self.dtypes_used()
 
+    def training_key(self) -> str:
+        """What identifies the policy as training runs it: its JSON text without ``provenance``
+        and ``measured``. Two policies with equal keys train identically (the one rule for
+        "same policy": checkpoint resume and finalist bookkeeping use it)."""
+        return dataclasses.replace(self, measured={}, provenance={}).to_json()
+
     def with_measured(self, measured: Mapping[str, float]) -> Policy:
         """A copy whose ``measured`` is replaced by ``measured`` (a new measurement supersedes)."""
         return dataclasses.replace(self, measured=dict(measured))

@@ -9,9 +9,12 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from autoprec.capture import capture, quiet_pytree_deprecation
+from autoprec.capture import CALL_KWARGS_META, capture, quiet_pytree_deprecation
+from autoprec.modelspec import drop_fixed_kwargs
 from autoprec.passes import run_pipeline
 from autoprec.policy import Policy
+from autoprec.runtime.outputs import flat_output_graph, rebuild
+from autoprec.runtime.shape_cache import CompileLog, ShapeCache, capture_dynamic, is_dynamic
 from autoprec.shapes import InputShapes
 
 __all__ = ["MixedPrecisionModule", "apply", "compile_graph", "INDUCTOR_OPTIONS"]
@@ -27,7 +30,12 @@ def compile_graph(gm: nn.Module, activation_memory_budget: float = 1.0) -> Any:
     """``torch.compile`` a lowered graph (or a module) with Inductor and :data:`INDUCTOR_OPTIONS`.
 
     Compilation is lazy: the first call (typically 10–90 s on a 2-core CPU for a small
-    transformer) pays for it.
+    transformer) pays for it. A graph captured with dynamic dimensions (symbolic placeholder
+    sizes, ``capture(..., dynamic=True)``) compiles with ``dynamic=True``: Dynamo re-traces it
+    with symbolic sizes, so Inductor's kernels take the sizes as arguments and one compile serves
+    every shape, plus one for size-1 batches (Dynamo specialises sizes 0 and 1); its compiles are
+    counted and logged (:class:`autoprec.runtime.shape_cache.CompileLog`). Any other graph
+    compiles with ``dynamic=False`` (one specialised compile).
 
     Args:
         gm: The graph (or module) to compile.
@@ -40,8 +48,15 @@ def compile_graph(gm: nn.Module, activation_memory_budget: float = 1.0) -> Any:
     Returns:
         A callable with ``gm``'s signature.
     """
-    fn = torch.compile(gm, backend="inductor", options=dict(INDUCTOR_OPTIONS), dynamic=False)
-    return fn if activation_memory_budget >= 1.0 else _WithMemoryBudget(fn, activation_memory_budget)
+    dynamic = isinstance(gm, fx.GraphModule) and _symbolic_inputs(gm)
+    fn = torch.compile(gm, backend="inductor", options=dict(INDUCTOR_OPTIONS), dynamic=dynamic)
+    fn = fn if activation_memory_budget >= 1.0 else _WithMemoryBudget(fn, activation_memory_budget)
+    return CompileLog(fn, "the dynamic-shape graph") if dynamic else fn
+
+
+def _symbolic_inputs(gm: fx.GraphModule) -> bool:
+    vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+    return any(isinstance(v, torch.Tensor) and not all(isinstance(d, int) for d in v.shape) for v in vals)
 
 
 class _WithMemoryBudget:
@@ -59,8 +74,10 @@ class MixedPrecisionModule(nn.Module):
     """A model whose forward runs a policy-lowered graph on the model's own Parameters.
 
     Call it exactly like the model (same positional/keyword structure and shapes as the example
-    batch given to :func:`apply`); it returns the same output structure, outputs in their
-    original dtype (fp32). ``parameters()``, ``named_parameters()``, ``state_dict()`` and
+    batch given to :func:`apply`); it returns the model's output type and fields (``out.loss``,
+    ``out.logits`` of a ``ModelOutput``), outputs in their original dtype (fp32). When the capture
+    fixed ``use_cache=False`` for training (:func:`autoprec.modelspec.training_kwargs`), every call
+    runs with it: passing ``use_cache=False`` is accepted, another value raises ``ValueError``. ``parameters()``, ``named_parameters()``, ``state_dict()`` and
     ``load_state_dict()`` are the wrapped model's, so optimizers and checkpoints are unchanged;
     parameters (master weights) stay fp32 and low-precision copies are cast inside the graph.
 
@@ -92,9 +109,11 @@ class MixedPrecisionModule(nn.Module):
             warnings.warn(f"autoprec: the policy's activation_memory_budget {policy.activation_memory_budget:g} "
                           "applies to compiled graphs only; without compile every activation is kept, so peak "
                           "memory exceeds what tune measured", stacklevel=3)
-        object.__setattr__(self, "_fn", compile_graph(graph_module, policy.activation_memory_budget)
-                           if compile else graph_module)
+        flat, self._out_spec = flat_output_graph(graph_module)  # the output is rebuilt outside compile
+        object.__setattr__(self, "_fn", compile_graph(flat, policy.activation_memory_budget) if compile else flat)
         object.__setattr__(self, "_inputs", InputShapes(graph_module, what=type(self).__name__))
+        self._fixed = dict(graph_module.meta.get(CALL_KWARGS_META, {}))
+        self._what = f"{type(self).__name__} of {type(model).__name__}"
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the lowered graph; same signature and outputs as ``model.forward``.
@@ -104,14 +123,19 @@ class MixedPrecisionModule(nn.Module):
                 the graph was captured on (dtypes and devices as the model expects).
 
         Returns:
-            The model's output structure, floating outputs in their original dtype.
+            The model's output type and fields (e.g. a ``CausalLMOutputWithPast`` with ``.loss``
+            and ``.logits``), floating outputs in their original dtype, compiled or not
+            (:func:`autoprec.runtime.outputs.rebuild`).
 
         Raises:
             ValueError: an input tensor's shape differs from the captured one (e.g. a smaller last
-                batch); the message names the input, the captured and the given shapes.
+                batch); the message names the input, the captured and the given shapes. Or the
+                call sets an argument the capture fixed for training to another value (e.g.
+                ``use_cache=True``; ``use_cache=False`` is accepted).
         """
+        kwargs = drop_fixed_kwargs(kwargs, self._fixed, self._what)
         self._inputs.check(args, kwargs)
-        return self._fn(*args, **kwargs)
+        return rebuild(self._fn(*args, **kwargs), self._out_spec)
 
     def named_parameters(self, prefix: str = "", recurse: bool = True,
                          remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
@@ -140,7 +164,8 @@ class MixedPrecisionModule(nn.Module):
 
 
 def apply(model: nn.Module, policy: Policy, example_batch: Any, compile: bool = True,
-          placement: str = "mincut", graph_module: fx.GraphModule | None = None) -> MixedPrecisionModule:
+          placement: str = "mincut", graph_module: fx.GraphModule | None = None,
+          dynamic: bool = False) -> MixedPrecisionModule:
     """Apply ``policy`` to ``model``: capture, lower (passes), optionally compile.
 
     Args:
@@ -152,6 +177,13 @@ def apply(model: nn.Module, policy: Policy, example_batch: Any, compile: bool = 
             policy's ``activation_memory_budget`` (see :func:`compile_graph`).
         placement: Cast placement mode for ``follow`` nodes (``mincut``, ``paint``, ``naive``).
         graph_module: An already captured graph of ``model`` (skips the capture).
+        dynamic: Accept batches of other batch sizes and sequence lengths (docs/architecture.md#runtime):
+            one capture with dynamic dimensions, in the ranges :mod:`autoprec.dims` derives from
+            ``example_batch`` (batch 1..its size; sequence 2..``config.max_position_embeddings``,
+            else 2..its length), compiled once; where the model cannot be exported so, one graph
+            per input shape, built on first use (:class:`autoprec.runtime.shape_cache.ShapeCache`,
+            at most ``MAX_SHAPES``). New compiles and shapes are logged (``autoprec`` logger, INFO);
+            a shape outside the ranges raises ``ValueError`` naming the input and the range.
 
     Returns:
         A :class:`MixedPrecisionModule`, a drop-in for ``model`` in the training loop, for batches
@@ -180,7 +212,21 @@ def apply(model: nn.Module, policy: Policy, example_batch: Any, compile: bool = 
     (``autoprec.runtime.train.TrainStep(mp, params, optimizer, loss_fn, scaler=make_scaler(policy))``
     does all of this; ``autoprec train`` uses it.)
     """
-    gm = graph_module if graph_module is not None else capture(model, example_batch)
+    if graph_module is not None:
+        gm = graph_module
+    else:
+        gm = capture_dynamic(model, example_batch) if dynamic else capture(model, example_batch)
     with quiet_pytree_deprecation():  # the passes deep-copy the graph and its pytree specs
         result = run_pipeline(gm, policy, placement)
-    return MixedPrecisionModule(model, result.graph_module, policy, result.stats, compile)
+    result.graph_module.meta[CALL_KWARGS_META] = dict(gm.meta.get(CALL_KWARGS_META, {}))  # passes keep no gm.meta
+    mp = MixedPrecisionModule(model, result.graph_module, policy, result.stats, compile)
+    if dynamic and not is_dynamic(gm):  # one graph per shape, the example's first
+        _use_shape_cache(mp, example_batch, lambda batch: apply(model, policy, batch, compile, placement)._fn)
+    return mp
+
+
+def _use_shape_cache(mp: MixedPrecisionModule, example_batch: Any, build: Any) -> None:
+    """Route ``mp``'s calls through a :class:`ShapeCache` seeded with its example-shape graph."""
+    cache = ShapeCache.seeded(mp.model, example_batch, mp._fn, build, f"{type(mp).__name__} of {type(mp.model).__name__}")
+    object.__setattr__(mp, "_fn", cache)
+    object.__setattr__(mp, "_inputs", cache)  # its check is the range check of autoprec.dims

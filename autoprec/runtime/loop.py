@@ -19,7 +19,6 @@ from typing import Any
 from autoprec.capture import capture
 from autoprec.device import resolve_device
 from autoprec.errors import AutoprecError
-from autoprec.metrics import median
 from autoprec.modelspec import load_model_spec
 from autoprec.policy import Policy
 from autoprec.runtime.apply import apply
@@ -38,7 +37,8 @@ class TrainResult:
     Attributes:
         losses: Loss per step run in this call (fp32 floats; a skipped step's loss is still recorded).
         final_loss: Mean loss of the last ``min(5, len(losses))`` steps (NaN if no step ran).
-        tokens_per_s: Median tokens/s over the steps after the first (which compiles).
+        tokens_per_s: Tokens/s over the steps after the first (which compiles): mean tokens per
+            step / median step seconds (:func:`autoprec.runtime.monitor.tokens_per_s`).
         skipped: Steps skipped for non-finite gradients (in this call).
         loss_scale: Final loss scale (1.0 without a scaler).
         start_step: First step run (``> 0`` when resumed from a checkpoint).
@@ -52,13 +52,6 @@ class TrainResult:
     loss_scale: float = 1.0
     start_step: int = 0
     summary: dict[str, Any] = field(default_factory=dict)
-
-
-def _same_policy(a: Policy, b: Policy) -> bool:
-    """Equal as far as training is concerned (provenance and measurements ignored)."""
-    strip = ("provenance", "measured")
-    da, db = a.to_dict(), b.to_dict()
-    return {k: v for k, v in da.items() if k not in strip} == {k: v for k, v in db.items() if k not in strip}
 
 
 def _warn_if_other_model(policy: Policy, policy_path: str | os.PathLike, gm: Any, model_path: str) -> None:
@@ -140,7 +133,7 @@ def train(model_path: str | os.PathLike, policy_path: str | os.PathLike, steps: 
             save(max(steps, start))
     finally:
         monitor.close()
-    return _result(done, start, step, monitor, spec.tokens_per_batch(first))
+    return _result(done, start, step, monitor)
 
 
 def _resume(checkpoint: str | os.PathLike, policy_path: str | os.PathLike, policy: Policy, step: TrainStep,
@@ -155,7 +148,7 @@ def _resume(checkpoint: str | os.PathLike, policy_path: str | os.PathLike, polic
             print(f"no checkpoint at {checkpoint}; starting from step 0", flush=True)
         return 0
     ck = load_checkpoint(checkpoint, model, step.optimizer, step.scaler)
-    if ck.policy is not None and not _same_policy(ck.policy, policy):
+    if ck.policy is not None and ck.policy.training_key() != policy.training_key():
         raise AutoprecError(f"{checkpoint}: saved under a different policy than {policy_path} "
                             f"({ck.policy.summary()} vs {policy.summary()})")
     if ck.step >= steps:
@@ -184,15 +177,13 @@ def _printer(steps: int, log_every: int, quiet: bool) -> StepHook:
     return hook
 
 
-def _result(done: list[tuple[StepStats, float]], start: int, step: TrainStep, monitor: Monitor,
-            tokens: int) -> TrainResult:
-    """The :class:`TrainResult` of the steps run (``tokens``: tokens per batch)."""
+def _result(done: list[tuple[StepStats, float]], start: int, step: TrainStep, monitor: Monitor) -> TrainResult:
+    """The :class:`TrainResult` of the steps run."""
     res = TrainResult(start_step=start, losses=[st.loss for st, _ in done],
                       skipped=sum(int(st.skipped) for st, _ in done), summary=monitor.summary(),
                       loss_scale=step.scaler.get_scale() if step.scaler is not None else 1.0)
     if res.losses:
         tail = res.losses[-min(5, len(res.losses)):]
         res.final_loss = sum(tail) / len(tail)
-        times = [seconds for _, seconds in done]
-        res.tokens_per_s = tokens / median(times[1:] or times)
+        res.tokens_per_s = res.summary["median_tokens_per_s"]  # the monitor's rule (tokens_per_s)
     return res

@@ -32,7 +32,7 @@ from autoprec.modelspec import split_batch
 from autoprec.passes.diagnose import first_nonfinite_node as _first_nonfinite_in_graph
 from autoprec.shapes import InputShapes
 
-__all__ = ["Monitor", "StepRecord", "first_nonfinite_node", "json_safe", "read_jsonl"]
+__all__ = ["Monitor", "StepRecord", "first_nonfinite_node", "json_safe", "read_jsonl", "tokens_per_s"]
 
 
 def first_nonfinite_node(gm: fx.GraphModule, batch: Any) -> str | None:
@@ -186,8 +186,9 @@ class Monitor:
             ``steps``, ``overflow_steps`` (steps with non-finite gradients or loss), ``skipped_steps``,
             ``skip_rate`` (skipped / steps, 0 for no steps), ``first_nonfinite_nodes`` (distinct
             diagnosed keys, in order), ``final_loss_scale``, ``max_grad_norm`` (over finite norms),
-            ``median_tokens_per_s`` (:func:`autoprec.metrics.median` over the steps after the first,
-            which may include compilation).
+            ``median_tokens_per_s`` (mean tokens per step / :func:`autoprec.metrics.median` of the
+            step seconds, over the steps after the first, which may include compilation: the
+            throughput rule of ``tune`` and ``bench``).
         """
         recs = self.records
         n = len(recs)
@@ -198,14 +199,13 @@ class Monitor:
             if r.first_nonfinite_node is not None and r.first_nonfinite_node not in keys:
                 keys.append(r.first_nonfinite_node)
         norms = [r.grad_norm for r in recs if math.isfinite(r.grad_norm)]
-        tps = [r.tokens_per_s for r in recs[1:] if r.tokens_per_s > 0] or \
-            [r.tokens_per_s for r in recs if r.tokens_per_s > 0]
+        timed = [r for r in recs[1:] if r.tokens_per_s > 0] or [r for r in recs if r.tokens_per_s > 0]
         return json_safe({
             "steps": n, "overflow_steps": len(overflow), "skipped_steps": skipped,
             "skip_rate": skipped / n if n else 0.0, "first_nonfinite_nodes": keys,
             "final_loss_scale": recs[-1].loss_scale if recs else None,
             "max_grad_norm": max(norms) if norms else None,
-            "median_tokens_per_s": median(tps) if tps else 0.0,
+            "median_tokens_per_s": tokens_per_s(timed),
         })
 
     def close(self) -> None:
@@ -235,3 +235,13 @@ def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
                         d[k] = float(d[k])
                 out.append(d)
     return out
+
+
+def tokens_per_s(records: list[StepRecord]) -> float:
+    """Throughput of ``records``: mean tokens per step / the median step seconds
+    (:func:`autoprec.metrics.median`), the rule the harness uses (docs/architecture.md#measurements);
+    0.0 for no records. Tokens per step are read back as ``tokens_per_s * seconds``."""
+    if not records:
+        return 0.0
+    tokens = sum(r.tokens_per_s * r.seconds for r in records) / len(records)
+    return tokens / median([r.seconds for r in records])

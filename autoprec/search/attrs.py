@@ -33,8 +33,9 @@ GRAD_REL_L2 = ATTR + "grad_rel_l2"
 LOSS_REL = ATTR + "loss_rel"
 GRAD_SQNR_DB_MIN = ATTR + "grad_sqnr_db_min"
 PEAK_BYTES = ATTR + "peak_bytes"
-#: The Measurement fields a trial records, each under ``ATTR + field``.
-MEASURED = ("tokens_per_s", "step_s", "grad_rel_l2", "loss_rel", "grad_sqnr_db_min", "peak_bytes")
+#: The Measurement fields a trial records -> their keys.
+MEASURED = {"tokens_per_s": TOKENS_PER_S, "step_s": STEP_S, "grad_rel_l2": GRAD_REL_L2, "loss_rel": LOSS_REL,
+            "grad_sqnr_db_min": GRAD_SQNR_DB_MIN, "peak_bytes": PEAK_BYTES}
 
 # Study attributes.
 DRIFT_BUDGET = ATTR + "drift_budget"  #: the grad_rel_l2 budget of the run that last opened the study

@@ -25,7 +25,7 @@ from autoprec.runtime.scaler import DynamicLossScaler
 from autoprec.runtime.steps import StepsTooSlow, run_steps, slow_step_guard
 from autoprec.runtime.train import TrainStep, training_state_bytes
 
-__all__ = ["Measurement", "Harness", "draws_random"]
+__all__ = ["Measurement", "Harness", "batch_shapes", "draws_random"]
 
 
 @dataclass
@@ -34,7 +34,8 @@ class Measurement:
 
     Attributes:
         step_s: Median wall-clock seconds of a full training step after warm-up (inf if not timed).
-        tokens_per_s: Tokens per batch / ``step_s``.
+        tokens_per_s: Mean tokens per batch over the harness's batches / ``step_s`` (the timed
+            steps run each batch once, so with batches of varying shapes this is their mean rate).
         grad_rel_l2: ‖g − g₃₂‖/‖g₃₂‖ on batch 0 (inf if non-finite).
         loss_rel: |L − L₃₂| / |L₃₂| on batch 0.
         grad_sqnr_db_min: Minimum per-parameter gradient SQNR in dB.
@@ -170,7 +171,9 @@ class Harness:
         optimizer = spec.make_optimizer(self.params)
         self.optimizer_name: str = type(optimizer).__name__
         self._state_bytes = training_state_bytes(self.params, optimizer)
-        self.tokens = spec.tokens_per_batch(self.batches[0])
+        # mean over the batches, which the timed steps cover once each (batch shapes may vary)
+        self.tokens = sum(spec.tokens_per_batch(b) for b in self.batches) / len(self.batches)
+        self.shapes = batch_shapes(self.batches)
         self.ref_loss, self.ref_grads = self._grads(self.graph_module, None, None)
         self.random = draws_random(self.graph_module)
         self._compiled_fp32: Callable[..., Any] | None = None
@@ -296,13 +299,18 @@ class Harness:
                          autocast_dtype=autocast_dtype, device_type=self.device.type, stats=False)
 
     def _time(self, fn, scaler, autocast_dtype, max_step_s) -> list[float]:
-        """Seconds of the timed steps after ``warmup`` untimed ones (batches reused cyclically);
-        raises :class:`StepsTooSlow` as :func:`slow_step_guard` says (warm-up steps count)."""
+        """Seconds of the timed steps after the untimed warm-up (batches reused cyclically);
+        raises :class:`StepsTooSlow` as :func:`slow_step_guard` says (warm-up steps count).
+
+        The warm-up is ``warmup`` steps, or one per distinct batch shape when there are more
+        (:attr:`shapes`), so a compiled graph meets every shape (and recompiles, if it must)
+        before timing starts."""
         guard = [slow_step_guard(max_step_s)] if max_step_s is not None else []
         step = self._step(fn, scaler, autocast_dtype)
-        done = run_steps(step, lambda k: self.batches[k % len(self.batches)], 0, self.warmup + self.steps,
+        warm = max(self.warmup, len(self.shapes))
+        done = run_steps(step, lambda k: self.batches[k % len(self.batches)], 0, warm + self.steps,
                          device=self.device, after=guard)
-        return [seconds for _stats, seconds in done[self.warmup:]]
+        return [seconds for _stats, seconds in done[warm:]]
 
     def trajectory(self, fn: Callable[..., Any], scaler_factory: Callable[[], DynamicLossScaler | None] = lambda: None,
                    autocast_dtype: torch.dtype | None = None, steps: int = 20) -> list[float]:
@@ -321,6 +329,27 @@ class Harness:
             return [stats.loss for stats, _seconds in done]
         finally:
             self.restore()
+
+
+def batch_shapes(batches: list[Any]) -> list[str]:
+    """The distinct shapes of ``batches``, in order of first appearance, one line each:
+    ``"input_ids (4, 128), labels (4, 128)"`` (tensor leaves by pytree path; the report lists them)."""
+    from torch.utils import _pytree as pytree
+
+    out: list[str] = []
+    for batch in batches:
+        leaves = pytree.tree_flatten_with_path(batch)[0]
+        text = ", ".join(f"{_leaf_name(path)} {tuple(v.shape)}" for path, v in leaves if isinstance(v, torch.Tensor))
+        if text not in out:
+            out.append(text)
+    return out
+
+
+def _leaf_name(path: tuple[Any, ...]) -> str:
+    """``input_ids``, ``extra.mask`` or ``[0]`` for a pytree key path (``batch`` for the root)."""
+    parts = [str(getattr(k, "key", getattr(k, "name", ""))) if not hasattr(k, "idx") else f"[{k.idx}]"
+             for k in path]
+    return ".".join(parts).replace(".[", "[") or "batch"
 
 
 def _describe_failure(e: BaseException) -> str:

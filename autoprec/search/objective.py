@@ -103,9 +103,9 @@ class Objective:
 
 
 def _record(trial: optuna.Trial, m: Measurement, budget: float) -> None:
-    for k in attrs.MEASURED:
-        v = getattr(m, k)
-        trial.set_user_attr(attrs.ATTR + k, v if (not isinstance(v, float) or math.isfinite(v)) else None)
+    for field, key in attrs.MEASURED.items():
+        v = getattr(m, field)
+        trial.set_user_attr(key, v if (not isinstance(v, float) or math.isfinite(v)) else None)
     g = m.grad_rel_l2
     _constrain(trial, (g - budget) if math.isfinite(g) else attrs.INFEASIBLE)
     if m.error is not None:

@@ -69,10 +69,15 @@ def pareto_front(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for r in ok if not any(dominates(o, r) for o in ok if o is not r)]
 
 
-def _markdown(rows, front, table, policy, timings) -> str:
+def _markdown(rows, front, table, policy, timings, shapes=None) -> str:
     lines = ["# autoprec tuning report", ""]
     if policy is not None:
         lines += [f"Chosen policy: `{policy.summary()}`", ""]
+    if shapes:
+        lines += ["## Batches measured", "",
+                  "Drift on batch 0; tokens/s over timed steps that run each batch once; traj_rel over "
+                  "get_batch(0..K-1) (docs/architecture.md#measurements). Distinct batch shapes:", ""]
+        lines += [f"- `{s}`" for s in shapes] + [""]
     if table:
         lines += ["## Side by side (same weights and batches, one process)", "", format_table(table), ""]
     if timings:
@@ -161,15 +166,18 @@ def _plot_dtype_map(gm: fx.GraphModule, policy: Policy, path: Path) -> None:
 
 def write_report(study: optuna.Study, stem: str | os.PathLike, table: list[dict[str, Any]] | None = None,
                  policy: Policy | None = None, gm: fx.GraphModule | None = None,
-                 timings: dict[str, float] | None = None) -> list[Path]:
+                 timings: dict[str, float] | None = None, shapes: list[str] | None = None) -> list[Path]:
     """Write ``<stem>.report.md``, ``<stem>.pareto.png`` and (with ``gm`` and ``policy``)
-    ``<stem>.dtype_map.png``; returns the paths written."""
+    ``<stem>.dtype_map.png``; returns the paths written.
+
+    ``shapes`` lists the distinct batch shapes the measurements ran on
+    (:func:`autoprec.search.measure.batch_shapes`); the report names them."""
     stem = Path(stem)
     rows = trial_rows(study)
     front = pareto_front(rows)
     fp32 = next((r["tokens_per_s"] for r in (table or []) if r["config"] == "fp32 eager"), None)
     md = stem.with_name(stem.name + ".report.md")
-    md.write_text(_markdown(rows, front, table, policy, timings))
+    md.write_text(_markdown(rows, front, table, policy, timings, shapes))
     png = stem.with_name(stem.name + ".pareto.png")
     _plot_pareto(rows, front, fp32, study.user_attrs.get(attrs.DRIFT_BUDGET), png)
     paths = [md, png]

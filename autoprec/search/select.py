@@ -23,20 +23,14 @@ from autoprec.search.budgets import format_bytes
 from autoprec.search.measure import Measurement
 from autoprec.search.progress import log
 
-__all__ = ["Selector", "policy_key"]
-
-
-def policy_key(policy: Policy) -> str:
-    """What identifies a policy in selection: its JSON text without ``provenance`` and
-    ``measured`` (two policies with equal keys train identically)."""
-    return dataclasses.replace(policy, measured={}, provenance={}).to_json()
+__all__ = ["Selector"]
 
 
 class Selector:
     """Re-measures the fastest feasible trials as training will run them and picks one.
 
     Everything it learns about a policy (``traj_rel``, the trial's eager tokens/s) is keyed by
-    the policy's content (:func:`policy_key`), never by object identity: a rejected policy
+    the policy's content (:meth:`Policy.training_key`), never by object identity: a rejected policy
     can be freed and its ``id`` reused by another.
 
     Args:
@@ -55,8 +49,8 @@ class Selector:
         self.slow, self.traj_steps, self.clock, self.quiet = slow, traj_steps, clock, quiet
         self.autocast_compiled: Measurement | None = None
         self.memory_budget: float | None = None
-        self.traj: dict[str, float] = {}  # policy_key -> traj_rel
-        self.eager_tokens_per_s: dict[str, float] = {}  # policy_key -> the trial's eager tokens/s
+        self.traj: dict[str, float] = {}  # Policy.training_key() -> traj_rel
+        self.eager_tokens_per_s: dict[str, float] = {}  # Policy.training_key() -> the trial's eager tokens/s
         # id(reference fn) -> (losses, budget); the harness keeps each reference fn alive
         self._ref_trajs: dict[int, tuple[list[float], float]] = {}
         self._traj_budget: float | None = None  # of the last check (for messages)
@@ -65,7 +59,7 @@ class Selector:
     def traj_of(self, policy: Policy) -> float:
         """``traj_rel`` measured for ``policy`` (by content), 0.0 when it was not checked (it
         lowers nothing, or ``traj_steps`` is 0)."""
-        return self.traj.get(policy_key(policy), 0.0)
+        return self.traj.get(policy.training_key(), 0.0)
 
     def _fn(self, gm, activation_memory_budget: float = 1.0):
         if not self.compile:
@@ -160,7 +154,7 @@ class Selector:
         out = []
         for t in feasible[:k]:
             pol = Policy.from_dict(t.user_attrs[attrs.POLICY])
-            self.eager_tokens_per_s[policy_key(pol)] = t.values[0]
+            self.eager_tokens_per_s[pol.training_key()] = t.values[0]
             out.append((pol, f"trial {t.number} (eager {t.values[0]:.0f} tok/s)"))
         if all(p.dtypes_used() - {"fp32"} for p, _ in out):
             out.append((Policy.fp32(), "all-fp32 (always re-measured)"))
@@ -241,5 +235,5 @@ class Selector:
             self._ref_trajs[id(ref_fn)] = (ref, traj_rel(ac, ref))
         ref, self._traj_budget = self._ref_trajs[id(ref_fn)]
         tr = traj_rel(self.h.trajectory(fn, lambda: make_scaler(pol), steps=self.traj_steps), ref)
-        self.traj[policy_key(pol)] = tr
+        self.traj[pol.training_key()] = tr
         return tr <= max(self._traj_budget, 1e-12)

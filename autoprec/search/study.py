@@ -42,7 +42,7 @@ from autoprec.search.budgets import memory_budget, parse_dtypes, parse_max_drift
 from autoprec.search.measure import Harness, Measurement
 from autoprec.search.objective import Objective
 from autoprec.search.progress import Clock, log
-from autoprec.search.select import Selector, policy_key
+from autoprec.search.select import Selector
 from autoprec.search.space import SearchSpace, find_blocks, outside_matmuls, probe_dtypes
 from autoprec.search.storage import (
     check_study,
@@ -284,7 +284,7 @@ def _write(run: _Run, study: optuna.Study, sel: Selector, chosen: Policy, chosen
 
         check_interrupt()
         paths = write_report(study, Path(out).with_suffix(""), table=table, policy=policy, gm=run.gm,
-                             timings=timings)
+                             timings=timings, shapes=run.harness.shapes)
         log("report: " + ", ".join(str(p) for p in paths), run.quiet)
     check_interrupt()  # never write a policy after Ctrl-C, even one Python swallowed
     policy.save(out)  # atomic; the last file written
@@ -319,7 +319,7 @@ def _table(run: _Run, sel: Selector, chosen_m: Measurement, compile: bool) -> li
 def _note_if_eager_was_faster(run: _Run, sel: Selector, chosen: Policy, chosen_m: Measurement, compile: bool) -> None:
     """Say so when an eager run beat the compiled policy by over 10% (not for a recomputing
     policy, which trades speed for memory on purpose)."""
-    eager = max([(sel.eager_tokens_per_s.get(policy_key(chosen)) or 0.0, "this policy eager"),
+    eager = max([(sel.eager_tokens_per_s.get(chosen.training_key()) or 0.0, "this policy eager"),
                  (run.fp32.tokens_per_s, "fp32 eager")])
     if compile and eager[0] > 1.1 * chosen_m.tokens_per_s and chosen.activation_memory_budget >= 1.0:
         log(f"note: {eager[1]} ran faster ({eager[0]:.0f} tok/s) than this policy compiled "

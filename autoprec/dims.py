@@ -1,0 +1,223 @@
+"""Which input dimensions are the batch and the sequence dimension, and the range each may take.
+
+One rule, used by ``capture(..., dynamic=True)`` (the ``torch.export`` ``dynamic_shapes``), by
+:class:`autoprec.shapes.InputShapes` (the ranges a call is checked against) and by the per-shape
+graph cache of ``autoprec.runtime.shape_cache`` (the same ranges when a model cannot be captured
+dynamically); docs/architecture.md#runtime.
+
+The heuristic, on the example batch's tensors (flattened as ``torch.utils._pytree`` flattens the
+call's ``(args, kwargs)``):
+
+- the *primary* input is ``input_ids`` when the batch has it, else the first integer tensor, else
+  the first tensor (with at least one dimension);
+- **batch** is dimension 0 of every tensor whose dimension 0 equals the primary's (``B``);
+- **sequence** is dimension 1 of every 2-D-or-more tensor whose dimension 1 equals the primary's
+  (``T``), when the primary is a 2-D integer tensor (token ids ``[B, T]``; images and feature
+  vectors have no sequence dimension).
+
+Ranges: batch sizes ``1..B`` (the example batch is taken as the largest: data loaders give full
+batches and a smaller last one); sequence lengths ``2..max(T, config.max_position_embeddings)``
+when the model has a ``config`` with ``max_position_embeddings`` (Hugging Face models), else
+``2..T``. A dimension is dynamic only when its example size is at least 2 (``torch.export``
+specialises sizes 0 and 1) and its range holds more than one size. Sequence length 1 is
+excluded because Hugging Face attention code branches on ``query_length == 1`` (decoding), which
+would specialise the capture.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+__all__ = ["BATCH", "SEQ", "DimPlan", "DimRange", "export_ranges", "plan_dims"]
+
+BATCH, SEQ = "batch", "seq"
+
+@dataclass(frozen=True)
+class DimRange:
+    """A dynamic dimension: its role (``"batch"`` or ``"seq"``), inclusive bounds and example size."""
+
+    role: str
+    lo: int
+    hi: int
+    example: int
+
+    def __str__(self) -> str:
+        return f"{self.role} {self.lo}..{self.hi}"
+
+
+@dataclass
+class DimPlan:
+    """Dynamic dimensions of one example batch.
+
+    Attributes:
+        names: Display name per tensor leaf of ``(args, kwargs)`` (``"input_ids"``, ``"args[0]"``).
+        paths: ``pytree.keystr`` path per leaf (``"[1]['input_ids']"``), in flatten order.
+        dims: Per leaf, ``{dimension index: DimRange}`` of its dynamic dimensions.
+        ranges: ``{role: DimRange}`` of the roles found (``batch``, ``seq``).
+    """
+
+    names: list[str] = field(default_factory=list)
+    paths: list[str] = field(default_factory=list)
+    dims: list[dict[int, DimRange]] = field(default_factory=list)
+    ranges: dict[str, DimRange] = field(default_factory=dict)
+
+    @property
+    def dynamic(self) -> bool:
+        """Whether any dimension is dynamic."""
+        return any(self.dims)
+
+    def describe(self) -> str:
+        """``"batch 1..4, seq 2..512"`` (or ``"no dynamic dimension"``)."""
+        return ", ".join(str(r) for r in self.ranges.values()) or "no dynamic dimension"
+
+    def dynamic_shapes(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The ``dynamic_shapes`` argument of ``torch.export.export`` for this call, or None.
+
+        One ``torch.export.Dim`` per role, shared by every input that has it (so export knows the
+        batch sizes of ``input_ids`` and ``labels`` are one size), as a
+        ``torch.export.ShapesCollection`` keyed by the call's tensors.
+        """
+        if not self.dynamic:
+            return None
+        made = {role: torch.export.Dim(role, min=r.lo, max=r.hi) for role, r in self.ranges.items()}
+        collection = torch.export.ShapesCollection()
+        for leaf, dims in zip(_leaves(args, kwargs)[0], self.dims):
+            if isinstance(leaf, torch.Tensor):
+                collection[leaf] = {i: made[r.role] for i, r in dims.items()}
+        return collection
+
+    def out_of_range(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[str]:
+        """Inputs of a call whose dynamic dimensions leave their range, as message fragments.
+
+        Returns:
+            ``["input 'input_ids' has shape (5, 17): dim 0 (batch) is 5, allowed 1..4", ...]``;
+            empty when every dimension fits or the call has another structure than the example.
+        """
+        leaves = _leaves(args, kwargs)[0]
+        if len(leaves) != len(self.dims):
+            return []
+        bad = []
+        for name, leaf, dims in zip(self.names, leaves, self.dims):
+            if not isinstance(leaf, torch.Tensor):
+                continue
+            for i, r in dims.items():
+                size = leaf.shape[i] if i < leaf.dim() else None
+                if size is None or not r.lo <= size <= r.hi:
+                    bad.append(f"input {name!r} has shape {tuple(leaf.shape)}: dim {i} ({r.role}) is {size}, "
+                               f"allowed {r.lo}..{r.hi}")
+        return bad
+
+
+def plan_dims(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> DimPlan:
+    """Find the batch and sequence dimensions of a call and their ranges (heuristic: module docstring).
+
+    Args:
+        model: The model; ``model.config.max_position_embeddings`` (an int), when present, bounds
+            the sequence length.
+        args, kwargs: The example call, as ``autoprec.modelspec.split_batch`` splits a batch.
+
+    Returns:
+        A :class:`DimPlan`; ``plan.dynamic`` is False when no dimension can vary (e.g. batch 1 and
+        no token ids).
+    """
+    leaves, paths = _leaves(args, kwargs)
+    plan = DimPlan(names=[_display(p, _arg_names(model)) for p in paths], paths=[pytree.keystr(p) for p in paths],
+                   dims=[{} for _ in leaves])
+    tensors = [(i, t) for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.dim() >= 1]
+    if not tensors:
+        return plan
+    primary = next((t for i, t in tensors if plan.names[i] == "input_ids"), None)
+    if primary is None:
+        primary = next((t for _, t in tensors if not t.dtype.is_floating_point and not t.is_complex()),
+                       tensors[0][1])
+    b = int(primary.shape[0])
+    if b >= 2:
+        plan.ranges[BATCH] = DimRange(BATCH, 1, b, b)
+        for i, t in tensors:
+            if t.shape[0] == b:
+                plan.dims[i][0] = plan.ranges[BATCH]
+    if primary.dim() == 2 and not primary.dtype.is_floating_point and int(primary.shape[1]) >= 2:
+        t_len = int(primary.shape[1])
+        plan.ranges[SEQ] = DimRange(SEQ, 2, max(t_len, _max_positions(model) or 0), t_len)
+        for i, t in tensors:
+            if t.dim() >= 2 and t.shape[1] == t_len:
+                plan.dims[i][1] = plan.ranges[SEQ]
+    return plan
+
+
+def export_ranges(gm: torch.fx.GraphModule, exported: Any, plan: DimPlan) -> dict[str, tuple[str, int | None, int | None]]:
+    """``{symbol: (role, lo, hi)}`` of an exported graph's symbolic input dimensions.
+
+    Roles come from ``plan`` by matching each placeholder's pytree path (the exported program's
+    ``in_spec``) with the example's; bounds from ``exported.range_constraints`` (the export's
+    own, so a range torch narrowed is reported as narrowed). ``capture`` stores it in
+    ``gm.meta[autoprec.shapes.DIMS_META]``, where :class:`autoprec.shapes.InputShapes` reads it.
+
+    Args:
+        gm: ``exported.module()``.
+        exported: The ``torch.export.ExportedProgram``.
+        plan: The plan the export's ``dynamic_shapes`` came from.
+
+    Returns:
+        ``{"s0": ("batch", 1, 4), "s1": ("seq", 2, 512)}``; a bound is None when unbounded.
+    """
+    vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+    role_of = {path: dims for path, dims in zip(plan.paths, plan.dims)}
+    bounds = {str(k): (_int(v.lower), _int(v.upper)) for k, v in exported.range_constraints.items()}
+    found: dict[str, tuple[str, int | None, int | None]] = {}
+    tree = pytree.tree_unflatten(vals, exported.call_spec.in_spec)
+    for path, val in pytree.tree_flatten_with_path(tree)[0]:
+        if not isinstance(val, torch.Tensor):
+            continue
+        dims = role_of.get(pytree.keystr(path), {})
+        for i, d in enumerate(val.shape):
+            if isinstance(d, torch.SymInt) and str(d) in bounds:
+                role = dims[i].role if i in dims else f"dim {i}"
+                found.setdefault(str(d), (role, *bounds[str(d)]))
+    return found
+
+
+def _leaves(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any], list[Any]]:
+    flat = pytree.tree_flatten_with_path((tuple(args), dict(kwargs)))[0]
+    return [v for _, v in flat], [p for p, _ in flat]
+
+
+def _display(path: Any, arg_names: list[str]) -> str:
+    """``input_ids`` for a keyword or a named positional argument (``args[0]`` when unnamed),
+    ``extra[1]['z']`` for a nested leaf."""
+    top, rest = path[1], path[2:]
+    if path[0].idx == 0:
+        base = arg_names[top.idx] if top.idx < len(arg_names) else f"args[{top.idx}]"
+    else:
+        base = str(top.key)
+    return base + pytree.keystr(rest)
+
+
+def _arg_names(model: nn.Module) -> list[str]:
+    """Names of ``model.forward``'s positional parameters, in order (empty when unknown)."""
+    import inspect
+
+    try:
+        params = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return [p.name for p in params if p.kind in kinds]
+
+
+def _max_positions(model: nn.Module) -> int | None:
+    n = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+
+
+def _int(x: Any) -> int | None:
+    """A sympy bound as an int; None for an infinite one."""
+    try:
+        return int(x)
+    except (TypeError, ValueError, OverflowError):
+        return None

@@ -1,0 +1,182 @@
+"""What a captured forward is called with and what it may return (docs/architecture.md#modelpy-contract).
+
+Two rules, each with one home here, used by :mod:`autoprec.capture` and the module
+:func:`autoprec.apply` returns:
+
+- **Training call arguments** (:func:`training_kwargs`): training needs no KV cache, so when
+  ``forward`` has a ``use_cache`` parameter the batch does not set, the forward is captured with
+  ``use_cache=False`` (Hugging Face models default to ``use_cache=True`` and then return a
+  ``DynamicCache`` / ``EncoderDecoderCache`` inside their output).
+- **Outputs** (:func:`prepare_output`): tensors become graph outputs; containers torch's pytree
+  knows (tuple, list, dict, ``ModelOutput`` dataclasses, which transformers registers) keep their
+  type and fields; ``None``, numbers and strings are constants of the graph; any other value that
+  holds no tensor is kept out of the graph and returned unchanged (:class:`Kept`); a value of an
+  unregistered type that holds tensors cannot be rebuilt from the graph's outputs and raises
+  :class:`~autoprec.errors.CaptureError` naming its type and field path.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+from autoprec.errors import CaptureError
+
+__all__ = ["Kept", "TRAINING_KWARGS", "drop_fixed_kwargs", "prepare_output", "training_kwargs"]
+
+#: Keyword arguments a training capture sets when ``forward`` accepts them and the batch does not.
+TRAINING_KWARGS: dict[str, Any] = {"use_cache": False}
+
+# Leaves torch.export accepts in an output as constants of the graph (torch/export/_trace.py).
+_CONSTANTS = (type(None), bool, int, float, str)
+_SEARCH_DEPTH = 4  # how deep inside an unknown object to look for a tensor (DynamicCache: .layers[i].keys)
+
+
+class Kept:
+    """Box for an output value that holds no tensor: it stays out of the graph, and unflattening
+    the graph's output returns ``value`` itself (the box is a pytree node with no children whose
+    context is the value), so callers get it back unchanged.
+
+    Args:
+        value: Any object without tensors (e.g. an enum, a config object).
+    """
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+pytree.register_pytree_node(
+    Kept, lambda k: ([], k.value), lambda children, value: value,
+    serialized_type_name="autoprec.modelspec.outputs.Kept",
+    flatten_with_keys_fn=lambda k: ([], k.value),
+)
+
+
+def training_kwargs(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """The keyword arguments of :data:`TRAINING_KWARGS` that a training capture adds to a call.
+
+    A name is added when ``inspect.signature(model.forward)`` has it as a named parameter (not only
+    ``**kwargs``) and the call sets it neither by keyword nor positionally.
+
+    Args:
+        model: The model whose ``forward`` is inspected.
+        args, kwargs: The call's arguments (:func:`autoprec.modelspec.split_batch` of the batch).
+
+    Returns:
+        E.g. ``{"use_cache": False}`` for a Hugging Face causal LM called with ``input_ids`` and
+        ``labels``; ``{}`` when nothing is added (also when the signature cannot be read).
+    """
+    try:
+        params = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        return {}
+    positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    named = {p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    return {k: v for k, v in TRAINING_KWARGS.items()
+            if k in named and k not in kwargs and k not in positional[:len(args)]}
+
+
+def prepare_output(out: Any, model_name: str) -> Any:
+    """``out`` with every leaf torch.export cannot return boxed in :class:`Kept`, or an error.
+
+    Args:
+        out: What ``forward`` returned (during the export trace: fake tensors inside).
+        model_name: The model class, named in the error.
+
+    Returns:
+        ``out`` rebuilt with the same containers; tensors and :data:`_CONSTANTS` unchanged, other
+        values that hold no tensor boxed.
+
+    Raises:
+        CaptureError: A leaf of a type torch's pytree does not know holds tensors (e.g. a
+            ``DynamicCache`` when the batch sets ``use_cache=True``); the message names the type,
+            the output field path (``output['past_key_values']``), where the tensor sits inside it
+            and what to do.
+    """
+    try:
+        pairs, spec = pytree.tree_flatten_with_path(out)
+    except ValueError:  # a registered type without key paths: name leaves by position
+        leaves, spec = pytree.tree_flatten(out)
+        pairs = [(f"<leaf {i}>", leaf) for i, leaf in enumerate(leaves)]
+    kept = [_keep(path, leaf, model_name) for path, leaf in pairs]
+    return pytree.tree_unflatten(kept, spec)
+
+
+def _keep(path: Any, leaf: Any, model_name: str) -> Any:
+    if isinstance(leaf, torch.Tensor) or isinstance(leaf, _CONSTANTS):
+        return leaf
+    inner = _tensor_inside(leaf, "", _SEARCH_DEPTH, set())
+    if inner is None:
+        return Kept(leaf)
+    field = "output" + (path if isinstance(path, str) else pytree.keystr(path))
+    cls = type(leaf)
+    cache = "Cache" in cls.__name__
+    raise CaptureError(
+        f"autoprec could not capture {model_name}: its output field {field} is a {cls.__name__} "
+        f"({cls.__module__}.{cls.__qualname__}) holding tensors (at {cls.__name__}{inner}), a type "
+        "torch.export cannot flatten into graph outputs.\n  What to do: "
+        + ("a KV cache is not needed for training: leave use_cache out of the batch (autoprec then "
+           "captures with use_cache=False) or set use_cache=False; " if cache else "")
+        + "return tensors, None, numbers, strings, or tuples/lists/dicts/ModelOutput dataclasses of "
+        f"them from forward(), or register {cls.__name__} with torch.utils._pytree.register_pytree_node."
+    )
+
+
+def _tensor_inside(obj: Any, where: str, depth: int, seen: set[int]) -> str | None:
+    """The attribute/item path of a tensor inside ``obj`` (``""`` if ``obj`` is one), or None."""
+    if isinstance(obj, torch.Tensor):
+        return where
+    if depth == 0 or id(obj) in seen or isinstance(obj, (_CONSTANTS, type, nn.Module)):
+        return None
+    seen.add(id(obj))
+    if isinstance(obj, Mapping):
+        items = [(f"[{k!r}]", v) for k, v in obj.items()]
+    elif isinstance(obj, (tuple, list, set, frozenset)):
+        items = [(f"[{i}]", v) for i, v in enumerate(obj)]
+    else:
+        attrs = getattr(obj, "__dict__", None) or {}
+        slots = [s for c in type(obj).__mro__ for s in _slots(c) if hasattr(obj, s)]
+        items = [(f".{k}", v) for k, v in {**attrs, **{s: getattr(obj, s) for s in slots}}.items()]
+    for key, value in items:
+        found = _tensor_inside(value, where + key, depth - 1, seen)
+        if found is not None:
+            return found
+    return None
+
+
+def _slots(cls: type) -> tuple[str, ...]:
+    slots = getattr(cls, "__slots__", ())
+    return (slots,) if isinstance(slots, str) else tuple(slots)
+
+
+def drop_fixed_kwargs(kwargs: dict[str, Any], fixed: Mapping[str, Any], what: str) -> dict[str, Any]:
+    """``kwargs`` without the arguments a training capture fixed (:func:`training_kwargs`).
+
+    The graph was traced with ``fixed`` inside it (e.g. ``use_cache=False``), so it takes no such
+    argument: passing the same value is allowed and dropped, another value cannot be honoured.
+
+    Args:
+        kwargs: The call's keyword arguments.
+        fixed: ``gm.meta[autoprec.capture.CALL_KWARGS_META]`` of the captured graph.
+        what: The callee, named in the error (e.g. ``"MixedPrecisionModule of Qwen2ForCausalLM"``).
+
+    Returns:
+        ``kwargs`` itself when it sets none of ``fixed``, else a copy without them.
+
+    Raises:
+        ValueError: The call sets a fixed argument to another value (e.g. ``use_cache=True``).
+    """
+    if not fixed or fixed.keys().isdisjoint(kwargs):
+        return kwargs
+    for k, v in fixed.items():
+        if k in kwargs and kwargs[k] is not v and kwargs[k] != v:
+            raise ValueError(
+                f"{what} was captured for training with {k}={v!r} (forward() accepts it and the example "
+                f"batch did not set it), so the graph cannot run with {k}={kwargs[k]!r}; drop {k} from the "
+                f"call or pass {k}={v!r} (training needs no KV cache; use the model itself for generation)")
+    return {k: v for k, v in kwargs.items() if k not in fixed}

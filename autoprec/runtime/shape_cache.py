@@ -1,0 +1,206 @@
+"""Batches whose shape changes (docs/architecture.md#runtime).
+
+``autoprec.apply(model, policy, batch, dynamic=True)`` first tries one capture with symbolic batch
+and sequence dimensions (:func:`capture_dynamic`, ranges from :func:`autoprec.dims.plan_dims`),
+compiled once with ``torch.compile(dynamic=True)``; :class:`CompileLog` counts and logs the
+compiles Dynamo makes of it (one, plus one the first time a size-1 batch comes: Dynamo
+specialises sizes 0 and 1). Where the model cannot be captured so (``torch.export`` raises, e.g.
+because its code specialises a size), :class:`ShapeCache` holds one captured, lowered (and
+compiled) graph per input shape instead, built on first use with an INFO line on the
+``autoprec`` logger, at most :data:`MAX_SHAPES` of them; a shape beyond that, or outside the
+ranges, raises ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from torch import fx, nn
+from torch.utils import _pytree as pytree
+
+from autoprec.capture import capture
+from autoprec.dims import DimPlan, plan_dims
+from autoprec.errors import CaptureError
+from autoprec.modelspec import split_batch
+from autoprec.shapes import DIMS_META, RANGE_ADVICE
+
+__all__ = ["MAX_SHAPES", "CompileLog", "ShapeCache", "capture_dynamic", "is_dynamic"]
+
+_log = logging.getLogger("autoprec")
+
+#: Most per-shape graphs a :class:`ShapeCache` holds. Each costs one capture and lowering
+#: (seconds) plus one compile (10-90 s on a 2-core CPU for a small transformer) and its kernels'
+#: memory; 16 covers a bucketed loader (e.g. lengths padded to multiples of 64 up to 512, two
+#: batch sizes) while bounding the compile time of a loader that pads to the longest sequence.
+MAX_SHAPES = 16
+
+
+def is_dynamic(gm: fx.GraphModule) -> bool:
+    """Whether ``gm`` was captured with dynamic dimensions (it records their ranges)."""
+    return bool(gm.meta.get(DIMS_META))
+
+
+def capture_dynamic(model: nn.Module, example_batch: Any) -> fx.GraphModule:
+    """``capture(model, batch, dynamic=True)``, else the per-shape capture with one INFO log line.
+
+    Args:
+        model: The fp32 model.
+        example_batch: The example batch, the largest the module will be called with (see
+            :mod:`autoprec.dims`).
+
+    Returns:
+        A graph with symbolic dimensions (:func:`is_dynamic`), or the static capture when the
+        model has no dimension that can vary or cannot be exported with them.
+
+    Raises:
+        CaptureError: the model cannot be captured even for the example's shape.
+    """
+    args, kwargs = split_batch(example_batch)
+    if not plan_dims(model, args, kwargs).dynamic:
+        return capture(model, example_batch)
+    try:
+        return capture(model, example_batch, dynamic=True)
+    except CaptureError as e:
+        gm = capture(model, example_batch)  # raises the model's own error if the static capture fails too
+        reason = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
+        _log.info("autoprec: %s cannot be captured with dynamic batch/sequence dimensions (%s); using one "
+                  "graph per input shape instead (at most %d)", type(model).__name__, reason[:300], MAX_SHAPES)
+        return gm
+
+
+class CompileLog:
+    """Calls a ``torch.compile``'d function; counts, times and logs each compile a call triggers.
+
+    A compile is seen as a rise of Dynamo's ``counters["stats"]["unique_graphs"]`` during the call;
+    its seconds are the whole call's (compile and first run; the backward compiles in the first
+    ``backward()``, outside it).
+
+    Args:
+        fn: The compiled callable.
+        what: How log lines name it.
+    """
+
+    def __init__(self, fn: Callable[..., Any], what: str) -> None:
+        self.fn, self.what = fn, what
+        self.compiles, self.compile_seconds = 0, 0.0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Call ``fn``; log an INFO line when the call compiled."""
+        from torch._dynamo.utils import counters
+
+        before, start = counters["stats"]["unique_graphs"], time.perf_counter()
+        out = self.fn(*args, **kwargs)
+        if counters["stats"]["unique_graphs"] != before:
+            seconds = time.perf_counter() - start
+            self.compiles += 1
+            self.compile_seconds += seconds
+            _log.info("autoprec: compiled %s for input shapes %s (compile %d, %.1f s)", self.what,
+                      _shapes_text(args, kwargs), self.compiles, seconds)
+        return out
+
+    def stats(self) -> dict[str, Any]:
+        """``{"mode": "dynamic", "captures": 1, "compiles", "compile_seconds"}``."""
+        return {"mode": "dynamic", "captures": 1, "compiles": self.compiles,
+                "compile_seconds": self.compile_seconds}
+
+
+class ShapeCache:
+    """One graph per input shape, built on first use, at most ``max_shapes`` of them.
+
+    It is also the module's input check (``check``): shapes outside the ranges of
+    :func:`autoprec.dims.plan_dims` for the example batch are refused before anything is captured.
+
+    Args:
+        build: ``build(batch) -> callable`` capturing and lowering a graph for ``batch`` (a dict
+            or tuple as the model is called with), e.g. ``lambda b: apply(model, policy, b)._fn``.
+        plan: The dimension plan of the example batch (its ranges bound the shapes accepted).
+        what: How messages name the module, e.g. ``"MixedPrecisionModule of Qwen2ForCausalLM"``.
+        max_shapes: The most graphs kept (:data:`MAX_SHAPES`).
+
+    Attributes:
+        captures: Graphs built so far (the example's included), and ``capture_seconds`` their time.
+    """
+
+    def __init__(self, build: Callable[[Any], Callable[..., Any]], plan: DimPlan, what: str,
+                 max_shapes: int = MAX_SHAPES) -> None:
+        self.build, self.plan, self.what, self.max_shapes = build, plan, what, max_shapes
+        self._fns: dict[tuple[Any, ...], Callable[..., Any]] = {}
+        self.captures, self.capture_seconds = 0, 0.0
+
+    @classmethod
+    def seeded(cls, model: nn.Module, example_batch: Any, fn: Callable[..., Any],
+               build: Callable[[Any], Callable[..., Any]], what: str) -> ShapeCache:
+        """A cache whose ranges come from ``example_batch`` and whose first graph is ``fn`` (for it)."""
+        args, kwargs = split_batch(example_batch)
+        cache = cls(build, plan_dims(model, args, kwargs), what)
+        cache.add(args, kwargs, fn, 0.0)
+        return cache
+
+    def add(self, args: tuple[Any, ...], kwargs: dict[str, Any], fn: Callable[..., Any], seconds: float) -> None:
+        """Register the graph ``fn`` built (in ``seconds``) for the shape of this call."""
+        self._fns[_key(args, kwargs)] = fn
+        self.captures += 1
+        self.capture_seconds += seconds
+
+    def check(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Raise ``ValueError`` if a batch or sequence dimension of the call leaves its range.
+
+        The message names the input, its shape and the allowed range, and says what to do.
+        """
+        bad = self.plan.out_of_range(args, kwargs)
+        if bad:
+            raise ValueError(f"{self.what} runs one graph per input shape, for {self.plan.describe()}; got "
+                             f"{_shapes_text(args, kwargs)}: {'; '.join(bad)}.\n  What to do: {RANGE_ADVICE}")
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the graph for this call's shape, capturing and lowering it first if it is new."""
+        key = _key(args, kwargs)
+        fn = self._fns.get(key)
+        if fn is None:
+            fn = self._new(key, args, kwargs)
+        return fn(*args, **kwargs)
+
+    def _new(self, key: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[..., Any]:
+        shapes = _shapes_text(args, kwargs)
+        if len(self._fns) >= self.max_shapes:
+            raise ValueError(
+                f"{self.what} already holds graphs for {len(self._fns)} input shapes, the most it keeps "
+                f"(autoprec.runtime.shape_cache.MAX_SHAPES); {shapes} would be one more.\n  What to do: pad "
+                "batches to a few fixed lengths (e.g. to multiples of 64: pad_to_multiple_of=64) and use "
+                "DataLoader(drop_last=True), or make the model exportable with dynamic shapes (the INFO "
+                "log line of autoprec.apply names why it is not).")
+        if args and kwargs:
+            raise ValueError(f"{self.what}: a new input shape ({shapes}) needs its own capture, which takes a "
+                             "batch called either positionally or by keyword, not both; call it as model(**batch)")
+        start = time.perf_counter()
+        fn = self.build(dict(kwargs) if kwargs else tuple(args))
+        self.add(args, kwargs, fn, time.perf_counter() - start)
+        _log.info("autoprec: new input shape %s for %s: captured and lowered a graph for it (%d of at most %d, "
+                  "%.1f s; a compiled one compiles on its first call)", shapes, self.what, len(self._fns),
+                  self.max_shapes, time.perf_counter() - start)
+        return fn
+
+    def stats(self) -> dict[str, Any]:
+        """``{"mode": "per_shape", "captures", "capture_seconds", "shapes"}`` (shapes as text)."""
+        return {"mode": "per_shape", "captures": self.captures, "capture_seconds": self.capture_seconds,
+                "shapes": [str(k[-1]) for k in self._fns]}
+
+
+def _key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+    return (str(spec), tuple(tuple(x.shape) if hasattr(x, "shape") else type(x).__name__ for x in leaves))
+
+
+def _shapes_text(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    """``{input_ids: (2, 100), labels: (2, 100)}`` (positional arguments as ``args[i]``)."""
+    flat = pytree.tree_flatten_with_path((tuple(args), dict(kwargs)))[0]
+    parts = []
+    for path, x in flat:
+        if hasattr(x, "shape"):
+            top = path[1]
+            name = f"args[{top.idx}]" if path[0].idx == 0 else str(top.key)
+            parts.append(f"{name}{pytree.keystr(path[2:])}: {tuple(x.shape)}")
+    return "{" + ", ".join(parts) + "}"
