@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from autoprec.dims import export_ranges, plan_dims
+from autoprec.dims import export_ranges, export_refined, plan_dims
 from autoprec.errors import CaptureError
 from autoprec.modelspec import prepare_output, split_batch, training_kwargs
 from autoprec.nodekeys import assign_keys, mark_regions
@@ -156,18 +156,18 @@ def capture(model: nn.Module, example_batch: Any, dynamic: bool = False) -> fx.G
     """
     args, kwargs = split_batch(example_batch)
     plan = plan_dims(model, args, kwargs) if dynamic else None
-    shapes = plan.dynamic_shapes(args, kwargs) if plan is not None else None
-    _check_call(model, args, kwargs)
+    shapes = plan.dynamic_shapes(model, args, kwargs) if plan is not None else None
     fixed = training_kwargs(model, args, kwargs)
     _announce(model, fixed)
     was_training = model.training
     try:
         with quiet_pytree_deprecation(), _quiet_partial_graph(), _training_forward(model, fixed):
-            ep = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=shapes)
+            ep = export_refined(lambda ds: torch.export.export(model, args, kwargs, strict=False,
+                                                               dynamic_shapes=ds), shapes)
     except CaptureError:
         raise
     except Exception as e:  # torch raises many types here (UserError, GuardOnDataDependent...)
-        raise CaptureError(_explain(e, model)) from e
+        raise CaptureError(_binding_error(model, args, kwargs) or _explain(e, model)) from e
     finally:
         model.train(was_training)
     with quiet_pytree_deprecation():
@@ -273,20 +273,19 @@ def _raised_by_user_code(e: BaseException) -> bool:
     return tb is not None and _is_user(tb.tb_frame.f_code.co_filename)
 
 
-def _check_call(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """Raise CaptureError when the batch does not bind to ``model.forward``'s signature."""
+def _binding_error(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+    """The CaptureError message when the batch does not bind to ``model.forward``'s signature, else None."""
     try:
-        sig = inspect.signature(model.forward)
-    except (TypeError, ValueError):
-        return
-    try:
-        sig.bind(*args, **kwargs)
+        inspect.signature(model.forward).bind(*args, **kwargs)
     except TypeError as e:
-        raise CaptureError(
-            f"autoprec could not capture {type(model).__name__}: the example batch does not match "
-            f"forward{sig}: {e}.\n  What to do: make get_batch return what forward() takes (a dict is "
-            "passed as keyword arguments, a tuple or list as positional ones, a tensor as the one "
-            "argument; docs/architecture.md#modelpy-contract).") from e
+        return (f"autoprec could not capture {type(model).__name__}: the example batch ({len(args)} positional, "
+                f"keywords {list(kwargs)}) does not match forward{inspect.signature(model.forward)}: {e}.\n"
+                "  What to do: make get_batch return what forward() takes (a dict is passed as keyword "
+                "arguments, a tuple or list as positional ones, a tensor as the one argument; "
+                "docs/architecture.md#modelpy-contract).")
+    except ValueError:  # no signature to check against
+        return None
+    return None
 
 
 def _explain(e: BaseException, model: nn.Module) -> str:

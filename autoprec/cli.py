@@ -9,6 +9,7 @@ fault, nothing written; 1 other failures (e.g. training that stops with a ``Loss
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import os
 import sys
@@ -256,10 +257,20 @@ _COMMANDS = {"tune": _cmd_tune, "train": _cmd_train, "show": _cmd_show, "report"
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``autoprec`` console script; returns the exit code."""
     args = build_parser().parse_args(argv)
-    with warnings.catch_warnings():  # the caller's filters and formatwarning come back on return
-        # torch.export's pytree deprecation notice is noise for users of the CLI.
-        warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
-        return _main(args)
+    # autoprec's INFO lines (e.g. "capturing ... with use_cache=False") on stderr, for this call only
+    log, handler = logging.getLogger("autoprec"), logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("[autoprec] %(message)s"))
+    level = log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        with warnings.catch_warnings():  # the caller's filters and formatwarning come back on return
+            # torch.export's pytree deprecation notice is noise for users of the CLI.
+            warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+            return _main(args)
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
 
 
 def _main(args: argparse.Namespace) -> int:

@@ -26,6 +26,8 @@ would specialise the capture.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,7 +35,8 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-__all__ = ["BATCH", "SEQ", "DimPlan", "DimRange", "export_ranges", "plan_dims"]
+__all__ = ["BATCH", "SEQ", "DimPlan", "DimRange", "export_ranges", "export_refined", "largest_batch", "plan_dims",
+           "shapes_vary"]
 
 BATCH, SEQ = "batch", "seq"
 
@@ -75,21 +78,22 @@ class DimPlan:
         """``"batch 1..4, seq 2..512"`` (or ``"no dynamic dimension"``)."""
         return ", ".join(str(r) for r in self.ranges.values()) or "no dynamic dimension"
 
-    def dynamic_shapes(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """The ``dynamic_shapes`` argument of ``torch.export.export`` for this call, or None.
+    def dynamic_shapes(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The ``dynamic_shapes`` argument of ``torch.export.export(model, args, kwargs)``, or None.
 
         One ``torch.export.Dim`` per role, shared by every input that has it (so export knows the
-        batch sizes of ``input_ids`` and ``labels`` are one size), as a
-        ``torch.export.ShapesCollection`` keyed by the call's tensors.
+        batch sizes of ``input_ids`` and ``labels`` are one size), built as a
+        ``torch.export.ShapesCollection`` keyed by the call's tensors and resolved to the pytree
+        form export (and :func:`export_refined`) takes.
         """
         if not self.dynamic:
             return None
         made = {role: torch.export.Dim(role, min=r.lo, max=r.hi) for role, r in self.ranges.items()}
         collection = torch.export.ShapesCollection()
         for leaf, dims in zip(_leaves(args, kwargs)[0], self.dims):
-            if isinstance(leaf, torch.Tensor):
+            if isinstance(leaf, torch.Tensor) and dims:
                 collection[leaf] = {i: made[r.role] for i, r in dims.items()}
-        return collection
+        return collection.dynamic_shapes(model, tuple(args), dict(kwargs))
 
     def out_of_range(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[str]:
         """Inputs of a call whose dynamic dimensions leave their range, as message fragments.
@@ -150,7 +154,49 @@ def plan_dims(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -
     return plan
 
 
-def export_ranges(gm: torch.fx.GraphModule, exported: Any, plan: DimPlan) -> dict[str, tuple[str, int | None, int | None]]:
+def export_refined(export: Callable[[Any], Any], dynamic_shapes: Any) -> Any:
+    """``export(dynamic_shapes)``, retried once with the ranges torch.export suggests.
+
+    Model code can narrow a range (``logits[:, :-1]`` needs sequence length 3 or more, a position
+    table of 128 rows caps it at 128): export then raises a constraint violation whose "Suggested
+    fixes" ``torch.export.dynamic_shapes.refine_dynamic_shapes_from_suggested_fixes`` applies. Only
+    narrowed ranges are taken; a fix that specialises a dimension to one size or ties it to another
+    (``seq = 2*_seq`` for code that branches on the length's parity) re-raises the error (the
+    per-shape cache of ``autoprec.runtime.shape_cache`` serves such models).
+
+    Args:
+        export: ``export(dynamic_shapes) -> ExportedProgram``.
+        dynamic_shapes: From :meth:`DimPlan.dynamic_shapes` (None: no retry).
+
+    Returns:
+        The exported program.
+
+    Raises:
+        Exception: whatever ``export`` raises when there is nothing to refine or the refined
+            export fails too.
+    """
+    from torch.export.dynamic_shapes import refine_dynamic_shapes_from_suggested_fixes
+
+    try:
+        return export(dynamic_shapes)
+    except Exception as e:  # torch._dynamo.exc.UserError (constraint violation) among others
+        if dynamic_shapes is None or "Suggested fixes:" not in str(e):
+            raise
+        # torch appends advice after the fixes; the parser takes only the "name = fix" lines
+        fixes = str(e).split("Suggested fixes:", 1)[1].strip().split("\n\n", 1)[0]
+        try:
+            refined = refine_dynamic_shapes_from_suggested_fixes("Suggested fixes:\n" + fixes, dynamic_shapes)
+        except Exception:  # noqa: BLE001 - fixes torch cannot apply: report the export's own error
+            raise e from None
+        before, after = pytree.tree_leaves(dynamic_shapes), pytree.tree_leaves(refined)
+        if len(before) != len(after) or any(type(a) is not type(b) or getattr(a, "__name__", a) !=
+                                            getattr(b, "__name__", b) for a, b in zip(after, before)):
+            raise  # a size fixed, or tied to another (seq = 2*_seq): not a range; let the caller fall back
+        return export(refined)
+
+
+def export_ranges(gm: torch.fx.GraphModule, exported: Any,
+                  plan: DimPlan) -> dict[str, tuple[str, int | None, int | None]]:
     """``{symbol: (role, lo, hi)}`` of an exported graph's symbolic input dimensions.
 
     Roles come from ``plan`` by matching each placeholder's pytree path (the exported program's
@@ -221,3 +267,24 @@ def _int(x: Any) -> int | None:
         return int(x)
     except (TypeError, ValueError, OverflowError):
         return None
+
+
+def _tensor_shapes(batch: Any) -> list[tuple[int, ...]]:
+    return [tuple(t.shape) for t in pytree.tree_leaves(batch) if isinstance(t, torch.Tensor)]
+
+
+def shapes_vary(batches: list[Any]) -> bool:
+    """Whether the model file's batches have more than one input shape: the rule by which
+    ``autoprec tune`` (its harness's batches ``get_batch(0..4)``) and ``autoprec train`` (the same
+    first batches) capture with dynamic batch/sequence dimensions instead of for one shape.
+    The same rule on the same model file gives both the same graph (and graph fingerprint)."""
+    return len({tuple(_tensor_shapes(b)) for b in batches}) > 1
+
+
+def largest_batch(batches: list[Any]) -> Any:
+    """The batch with the most tensor elements (the first of equals): a dynamic capture's example,
+    since its ranges run up to the example's sizes (:func:`plan_dims`)."""
+    def numel(b: Any) -> int:
+        return sum(math.prod(s) for s in _tensor_shapes(b))
+
+    return max(batches, key=numel)

@@ -44,9 +44,10 @@ def _ids(b: int, t: int = 4) -> torch.Tensor:
 # ------------------------------------------------------------------ 1. the capture is per shape
 @pytest.mark.parametrize("compile", [False, True])
 def test_other_batch_size_names_input_and_both_shapes(compile):
+    """The one-shape capture (apply(..., dynamic=False)) refuses other shapes before the graph runs."""
     torch.manual_seed(0)
     model = Tiny()
-    mp = autoprec.apply(model, autoprec.Policy.default("bf16"), (_ids(8),), compile=compile)
+    mp = autoprec.apply(model, autoprec.Policy.default("bf16"), (_ids(8),), compile=compile, dynamic=False)
     with pytest.raises(ValueError) as err:  # checked before the graph runs: no compile needed
         mp(_ids(3))
     msg = str(err.value)
@@ -63,7 +64,7 @@ def test_right_shape_still_runs_and_other_errors_are_the_graphs_own():
     torch.manual_seed(0)
     model = Tiny()
     ids, mask = _ids(8), torch.ones(8, 4)
-    mp = autoprec.apply(model, autoprec.Policy.fp32(), {"ids": ids, "mask": mask}, compile=False)
+    mp = autoprec.apply(model, autoprec.Policy.fp32(), {"ids": ids, "mask": mask}, compile=False, dynamic=False)
     torch.testing.assert_close(mp(ids=ids, mask=mask), model(ids, mask))
     torch.testing.assert_close(mp(ids, mask), model(ids, mask))  # positional, like the exported forward
     with pytest.raises(ValueError) as err:
@@ -80,7 +81,7 @@ def test_nested_input_is_named_by_its_path():
     torch.manual_seed(0)
     model = Nested()
     batch = {"ids": _ids(8), "extra": [torch.ones(8), {"z": torch.ones(8)}]}
-    mp = autoprec.apply(model, autoprec.Policy.fp32(), batch, compile=False)
+    mp = autoprec.apply(model, autoprec.Policy.fp32(), batch, compile=False, dynamic=False)
     torch.testing.assert_close(mp(**batch), model(**batch))
     with pytest.raises(ValueError) as err:
         mp(ids=_ids(8), extra=[torch.ones(8), {"z": torch.ones(3)}])
@@ -90,7 +91,7 @@ def test_nested_input_is_named_by_its_path():
 def test_monitor_diagnosis_of_another_shape_says_so():
     model = FFN()
     x = torch.full((1, 256), 16.0)
-    mp = autoprec.apply(model, autoprec.Policy.default("fp16"), (x,), compile=False)
+    mp = autoprec.apply(model, autoprec.Policy.default("fp16"), (x,), compile=False, dynamic=False)
     with pytest.raises(ValueError, match=r"input 'x' has shape \(2, 256\), captured \(1, 256\)"):
         first_nonfinite_node(mp.graph_module, (torch.full((2, 256), 16.0),))
 

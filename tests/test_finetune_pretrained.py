@@ -90,6 +90,18 @@ def test_a_lost_build_race_keeps_the_winner(cache, tmp_path, monkeypatch):
     assert (target / "model.safetensors").read_bytes() == (built / "model.safetensors").read_bytes()
 
 
+def test_a_partial_directory_in_the_way_is_named(cache, tmp_path, monkeypatch):
+    example, built = cache
+    target = example.pretrained_dir(tmp_path)
+    target.mkdir(parents=True)
+    (target / "config.json").write_text("{}")  # a copy cut short: no weights
+    monkeypatch.setattr(example, "_train_tokenizer", lambda _lines: example.load_tokenizer(built))
+    monkeypatch.setattr(example, "_pretrain", lambda _tokenizer, _lines: example.load_classifier(built))
+    with pytest.raises(OSError, match=f"{target}.*delete it to rebuild"):
+        example.ensure_pretrained(tmp_path)
+    assert sorted(p.name for p in target.parent.iterdir()) == [target.name], "temporary build dir left behind"
+
+
 def test_model_file_follows_the_contract(cache):
     example, _ = cache
     spec = load_model_spec(EXAMPLE)
@@ -104,7 +116,7 @@ def test_model_file_follows_the_contract(cache):
     again = spec.get_batch(3, torch.device("cpu"))
     assert all(torch.equal(batch[k], again[k]) for k in batch)
     assert not torch.equal(batch["input_ids"], spec.get_batch(4, torch.device("cpu"))["input_ids"])
-    held = spec.get_heldout_batch(3, torch.device("cpu"))
+    held = spec.heldout_batch(3, torch.device("cpu"))
     assert not torch.equal(batch["input_ids"], held["input_ids"])
     assert [example.label_of(s) for s in ("# x", "from a import b", "async def f():", "x = 1")] == [0, 1, 2, 3]
 
@@ -120,25 +132,28 @@ def test_train_checkpoint_loads_into_the_stock_model(cache, tmp_path):
     from transformers import BertForSequenceClassification
 
     saved = torch.load(ck, map_location="cpu", weights_only=True)["model"]
-    stock = BertForSequenceClassification.from_pretrained(directory, num_labels=len(example.CLASSES))
+    stock = BertForSequenceClassification.from_pretrained(
+        directory, num_labels=len(example.CLASSES), hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     assert list(saved) == list(stock.state_dict()), "checkpoint keys differ from the stock model's"
     stock.load_state_dict(saved)  # strict
-    stock.eval()
-
     initial = example.build_model().state_dict()
     assert any(not torch.equal(saved[k], initial[k]) for k in saved), "training changed no weight"
+
     spec = load_model_spec(EXAMPLE)
-    batch = spec.get_heldout_batch(0, torch.device("cpu"))
+    batch = spec.heldout_batch(0, torch.device("cpu"))
     model = spec.build_model()
     load_checkpoint(ck, model, restore_rng=False)
-    mp = apply(model, policy, batch, compile=False)
+    trained = apply(model, policy, batch, compile=False)  # the module `autoprec train` trained, restored
     with torch.no_grad():
-        want = stock(**batch).logits
-        eager = model(**batch).logits
-        trained = mp(**batch).logits
-    torch.testing.assert_close(eager, want, rtol=RTOL[torch.float32], atol=1e-6)
-    scale = float(want.abs().max())
-    torch.testing.assert_close(trained.float(), want, rtol=RTOL[torch.bfloat16], atol=RTOL[torch.bfloat16] * scale)
+        fp32 = model(**batch).logits
+        assert torch.equal(stock(**batch).logits, fp32)
+        lowered = trained(**batch).logits
+        torch.testing.assert_close(apply(stock, policy, batch, compile=False)(**batch).logits, lowered,
+                                   rtol=RTOL[torch.float32], atol=0.0)
+    rel = float((lowered.float() - fp32).norm() / fp32.norm())
+    assert 0.0 < rel < 0.1, f"bf16 logits drift {rel:.3g} from the fp32 ones"
+    scores = example.evaluate(stock, batches=2)
+    assert 0.0 <= scores["heldout_accuracy"] <= 1.0 and scores["heldout_loss"] > 0.0
 
 
 @pytest.mark.slow

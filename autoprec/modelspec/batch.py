@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from autoprec.errors import ModelSpecError
+from autoprec.modelspec.outputs import training_kwargs
 
 __all__ = ["call_model", "default_loss_fn", "default_make_optimizer", "default_tokens_per_batch",
            "split_batch"]
@@ -36,10 +37,18 @@ def call_model(model: Callable[..., Any], batch: Any) -> Any:
         batch: A mapping (``model(**batch)``), a tuple or list (``model(*batch)``), or anything
             else, typically a tensor (``model(batch)``).
 
+    The keyword arguments a training capture fixes (``use_cache=False``:
+    :func:`~autoprec.modelspec.outputs.training_kwargs`) are added for a module whose forward
+    takes them and a batch that does not set them, so the eager FP32 and torch.autocast baselines
+    run what the captured graph runs (no KV cache built while training).
+
     Returns:
         Whatever the model returns.
     """
     args, kwargs = split_batch(batch)
+    inner = getattr(model, "_orig_mod", model)  # torch.compile's OptimizedModule keeps the module here
+    if isinstance(inner, nn.Module):
+        kwargs = {**training_kwargs(inner, args, kwargs), **kwargs}
     return model(*args, **kwargs)
 
 

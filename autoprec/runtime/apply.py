@@ -81,9 +81,12 @@ class MixedPrecisionModule(nn.Module):
     ``load_state_dict()`` are the wrapped model's, so optimizers and checkpoints are unchanged;
     parameters (master weights) stay fp32 and low-precision copies are cast inside the graph.
 
-    The graph is specialised to the example batch's shapes (batch size included): a call whose
-    input tensors have other shapes raises ``ValueError`` naming the input and both shapes (see
-    :class:`autoprec.shapes.InputShapes`); apply the policy once per batch shape.
+    By default the graph is specialised to the example batch's shapes (batch size included): a
+    call whose input tensors have other shapes raises ``ValueError`` naming the input and both
+    shapes (see :class:`autoprec.shapes.InputShapes`). From ``apply(..., dynamic=True)`` it takes
+    any batch size and sequence length in the ranges of :mod:`autoprec.dims` (one dynamic graph,
+    or one graph per shape: :mod:`autoprec.runtime.shape_cache`); :attr:`shape_stats` counts
+    its captures and compiles.
 
     When ``policy.needs_loss_scaling`` is True (the policy computes something in fp16), train it
     with the scaler ``autoprec.runtime.train.make_scaler(mp.policy)`` returns (a
@@ -137,6 +140,15 @@ class MixedPrecisionModule(nn.Module):
         self._inputs.check(args, kwargs)
         return rebuild(self._fn(*args, **kwargs), self._out_spec)
 
+    @property
+    def shape_stats(self) -> dict[str, Any]:
+        """How the module serves batch shapes: ``{"mode": "static", "captures": 1}``, or (``apply(...,
+        dynamic=True)``) ``{"mode": "dynamic", "captures": 1, "compiles", "compile_seconds"}`` /
+        ``{"mode": "per_shape", "captures", "capture_seconds", "shapes"}`` (see
+        :mod:`autoprec.runtime.shape_cache`)."""
+        stats = getattr(self._fn, "stats", None) if isinstance(self._fn, (CompileLog, ShapeCache)) else None
+        return stats() if stats is not None else {"mode": "static", "captures": 1}
+
     def named_parameters(self, prefix: str = "", recurse: bool = True,
                          remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
         """The wrapped model's named parameters (fp32 master weights)."""
@@ -165,7 +177,7 @@ class MixedPrecisionModule(nn.Module):
 
 def apply(model: nn.Module, policy: Policy, example_batch: Any, compile: bool = True,
           placement: str = "mincut", graph_module: fx.GraphModule | None = None,
-          dynamic: bool = False) -> MixedPrecisionModule:
+          dynamic: bool = True) -> MixedPrecisionModule:
     """Apply ``policy`` to ``model``: capture, lower (passes), optionally compile.
 
     Args:
@@ -187,8 +199,8 @@ def apply(model: nn.Module, policy: Policy, example_batch: Any, compile: bool = 
 
     Returns:
         A :class:`MixedPrecisionModule`, a drop-in for ``model`` in the training loop, for batches
-        of ``example_batch``'s structure and shapes only (the capture is per shape: call ``apply``
-        again for another batch shape; another shape raises ``ValueError`` at call time).
+        of ``example_batch``'s structure; with ``dynamic=False`` also of its shapes only (another
+        shape raises ``ValueError`` at call time).
 
     Raises:
         CaptureError: the model cannot be captured.
@@ -221,12 +233,14 @@ def apply(model: nn.Module, policy: Policy, example_batch: Any, compile: bool = 
     result.graph_module.meta[CALL_KWARGS_META] = dict(gm.meta.get(CALL_KWARGS_META, {}))  # passes keep no gm.meta
     mp = MixedPrecisionModule(model, result.graph_module, policy, result.stats, compile)
     if dynamic and not is_dynamic(gm):  # one graph per shape, the example's first
-        _use_shape_cache(mp, example_batch, lambda batch: apply(model, policy, batch, compile, placement)._fn)
+        _use_shape_cache(mp, example_batch,
+                         lambda batch: apply(model, policy, batch, compile, placement, dynamic=False)._fn)
     return mp
 
 
 def _use_shape_cache(mp: MixedPrecisionModule, example_batch: Any, build: Any) -> None:
     """Route ``mp``'s calls through a :class:`ShapeCache` seeded with its example-shape graph."""
-    cache = ShapeCache.seeded(mp.model, example_batch, mp._fn, build, f"{type(mp).__name__} of {type(mp.model).__name__}")
+    what = f"{type(mp).__name__} of {type(mp.model).__name__}"
+    cache = ShapeCache.seeded(mp.model, example_batch, mp._fn, build, what)
     object.__setattr__(mp, "_fn", cache)
     object.__setattr__(mp, "_inputs", cache)  # its check is the range check of autoprec.dims

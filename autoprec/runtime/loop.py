@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from autoprec.capture import capture
 from autoprec.device import resolve_device
 from autoprec.errors import AutoprecError
 from autoprec.modelspec import load_model_spec
@@ -24,6 +23,7 @@ from autoprec.policy import Policy
 from autoprec.runtime.apply import apply
 from autoprec.runtime.checkpoint import load_checkpoint, save_checkpoint
 from autoprec.runtime.monitor import Monitor
+from autoprec.runtime.shape_cache import PROBE_BATCHES, capture_for
 from autoprec.runtime.steps import StepHook, every, run_steps
 from autoprec.runtime.train import StepStats, TrainStep, make_scaler
 
@@ -105,7 +105,7 @@ def train(model_path: str | os.PathLike, policy_path: str | os.PathLike, steps: 
     model = spec.build_model().to(dev)
     model.train()
     first = spec.get_batch(0, dev)
-    gm = capture(model, first)
+    gm = capture_for(model, [first] + [spec.get_batch(i, dev) for i in range(1, PROBE_BATCHES)])
     _warn_if_other_model(policy, policy_path, gm, spec.path)
     mp = apply(model, policy, first, compile=compile, graph_module=gm)
     params = [p for p in model.parameters() if p.requires_grad]

@@ -22,12 +22,12 @@ from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from autoprec.capture import capture
-from autoprec.dims import DimPlan, plan_dims
+from autoprec.dims import DimPlan, largest_batch, plan_dims, shapes_vary
 from autoprec.errors import CaptureError
 from autoprec.modelspec import split_batch
 from autoprec.shapes import DIMS_META, RANGE_ADVICE
 
-__all__ = ["MAX_SHAPES", "CompileLog", "ShapeCache", "capture_dynamic", "is_dynamic"]
+__all__ = ["MAX_SHAPES", "PROBE_BATCHES", "CompileLog", "ShapeCache", "capture_dynamic", "capture_for", "is_dynamic"]
 
 _log = logging.getLogger("autoprec")
 
@@ -69,6 +69,26 @@ def capture_dynamic(model: nn.Module, example_batch: Any) -> fx.GraphModule:
         _log.info("autoprec: %s cannot be captured with dynamic batch/sequence dimensions (%s); using one "
                   "graph per input shape instead (at most %d)", type(model).__name__, reason[:300], MAX_SHAPES)
         return gm
+
+
+#: How many of the model file's first batches (``get_batch(0..4)``) ``tune`` and ``train`` look at
+#: to decide between a dynamic and a one-shape capture (:func:`capture_for`).
+PROBE_BATCHES = 5
+
+
+def capture_for(model: nn.Module, batches: list[Any]) -> fx.GraphModule:
+    """The capture ``autoprec tune`` and ``autoprec train`` share for a model file's first batches:
+    with dynamic dimensions (:func:`capture_dynamic`, on the largest batch) when their shapes
+    vary (:func:`autoprec.dims.shapes_vary`), else for ``batches[0]``'s shapes (a module applied
+    to it still meets an occasional other shape through :class:`ShapeCache`). One rule, so the
+    tuned graph and the trained graph (and their fingerprints) are the same.
+
+    Raises:
+        CaptureError: as :func:`autoprec.capture.capture`.
+    """
+    if shapes_vary(batches):
+        return capture_dynamic(model, largest_batch(batches))
+    return capture(model, batches[0])
 
 
 class CompileLog:

@@ -17,11 +17,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoprec.capture import capture
 from autoprec.metrics import grad_rel_l2, grad_sqnr_db_min, median
 from autoprec.modelspec import ModelSpec
 from autoprec.runtime.rng import MEASURE_SEED, StepRng, same_rng
 from autoprec.runtime.scaler import DynamicLossScaler
+from autoprec.runtime.shape_cache import PROBE_BATCHES, capture_for
 from autoprec.runtime.steps import StepsTooSlow, run_steps, slow_step_guard
 from autoprec.runtime.train import TrainStep, training_state_bytes
 
@@ -34,8 +34,8 @@ class Measurement:
 
     Attributes:
         step_s: Median wall-clock seconds of a full training step after warm-up (inf if not timed).
-        tokens_per_s: Mean tokens per batch over the harness's batches / ``step_s`` (the timed
-            steps run each batch once, so with batches of varying shapes this is their mean rate).
+        tokens_per_s: Mean tokens per timed step / ``step_s`` (with batches of varying shapes the
+            timed steps cycle through them: their mean rate).
         grad_rel_l2: ‖g − g₃₂‖/‖g₃₂‖ on batch 0 (inf if non-finite).
         loss_rel: |L − L₃₂| / |L₃₂| on batch 0.
         grad_sqnr_db_min: Minimum per-parameter gradient SQNR in dB.
@@ -164,16 +164,18 @@ class Harness:
         self.spec, self.device, self.warmup, self.steps = spec, device, warmup, steps
         self.model: nn.Module = spec.build_model().to(device)
         self.model.train()
-        self.batches = [spec.get_batch(i, device) for i in range(max(steps, 1))]
-        self.graph_module = capture(self.model, self.batches[0])
+        self.batches = [spec.get_batch(i, device) for i in range(max(steps, PROBE_BATCHES))]
+        self.graph_module = capture_for(self.model, self.batches[:PROBE_BATCHES])  # train's rule
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.initial = [p.detach().clone() for p in self.params]
         optimizer = spec.make_optimizer(self.params)
         self.optimizer_name: str = type(optimizer).__name__
         self._state_bytes = training_state_bytes(self.params, optimizer)
-        # mean over the batches, which the timed steps cover once each (batch shapes may vary)
-        self.tokens = sum(spec.tokens_per_batch(b) for b in self.batches) / len(self.batches)
         self.shapes = batch_shapes(self.batches)
+        # warm-up: one step per distinct shape at least, so compiled graphs meet each before timing
+        self._warm = max(warmup, len(self.shapes))
+        timed = [self.batches[k % len(self.batches)] for k in range(self._warm, self._warm + steps)]
+        self.tokens = sum(spec.tokens_per_batch(b) for b in timed) / max(len(timed), 1)  # mean per timed step
         self.ref_loss, self.ref_grads = self._grads(self.graph_module, None, None)
         self.random = draws_random(self.graph_module)
         self._compiled_fp32: Callable[..., Any] | None = None
@@ -307,10 +309,9 @@ class Harness:
         before timing starts."""
         guard = [slow_step_guard(max_step_s)] if max_step_s is not None else []
         step = self._step(fn, scaler, autocast_dtype)
-        warm = max(self.warmup, len(self.shapes))
-        done = run_steps(step, lambda k: self.batches[k % len(self.batches)], 0, warm + self.steps,
+        done = run_steps(step, lambda k: self.batches[k % len(self.batches)], 0, self._warm + self.steps,
                          device=self.device, after=guard)
-        return [seconds for _stats, seconds in done[warm:]]
+        return [seconds for _stats, seconds in done[self._warm:]]
 
     def trajectory(self, fn: Callable[..., Any], scaler_factory: Callable[[], DynamicLossScaler | None] = lambda: None,
                    autocast_dtype: torch.dtype | None = None, steps: int = 20) -> list[float]:

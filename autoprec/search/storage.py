@@ -164,7 +164,8 @@ def open_study(storage: str, study_name: str, seed: int = 0) -> optuna.Study:
                                         sampler=sampler, load_if_exists=True)
             break
         except Exception as e:  # workers creating one new RDB schema at the same moment race
-            if attempt == 5 or "IntegrityError" not in type(e).__name__ + repr(e):
+            racing = "IntegrityError" in type(e).__name__ + repr(e) or "already exists" in str(e)
+            if attempt == 5 or not racing:
                 raise
             time.sleep(0.2 * (attempt + 1))
     for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):

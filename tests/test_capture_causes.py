@@ -1,0 +1,111 @@
+"""Capture errors name the real cause and what to do, one test per cause (issue 12, Done when 4).
+
+Only a data-dependent branch gets the control-flow advice (torch.where / torch.cond); every other
+failure names its own cause and says what to do instead.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from autoprec.capture import capture
+from autoprec.errors import CaptureError
+
+
+@torch.library.custom_op("autoprec_test::no_fake", mutates_args=())
+def no_fake(x: torch.Tensor) -> torch.Tensor:
+    """A custom op registered without a fake (meta) kernel: the tracer cannot run it."""
+    return x.clone()
+
+
+def _message(model: nn.Module, batch) -> str:
+    with pytest.raises(CaptureError) as ei:
+        capture(model, batch)
+    msg = str(ei.value)
+    assert "What to do:" in msg, msg
+    return msg
+
+
+def _no_control_flow_advice(msg: str) -> None:
+    assert "torch.cond" not in msg and "torch.where" not in msg and "data-dependent" not in msg, msg
+
+
+class Branchy(nn.Module):
+    def forward(self, x):
+        if x.sum() > 0:
+            return x
+        return -x
+
+
+def test_data_dependent_branch_names_module_line_and_the_rewrite():
+    msg = _message(Branchy(), (torch.randn(3),))
+    assert "a data-dependent branch" in msg
+    assert "test_capture_causes.py:" in msg and "if x.sum() > 0:" in msg and "(Branchy)" in msg
+    assert "torch.where" in msg and "torch.cond" in msg
+
+
+class Holder:
+    """An unregistered class holding a tensor."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.state = t
+
+
+class ReturnsHolder(nn.Module):
+    def forward(self, x):
+        return {"y": x * 2, "extra": [x, Holder(x + 1)]}
+
+
+def test_output_type_that_cannot_be_flattened_names_type_and_field_path():
+    msg = _message(ReturnsHolder(), (torch.randn(3),))
+    assert "Holder" in msg and "output['extra'][1]" in msg and "Holder.state" in msg
+    assert "register_pytree_node" in msg
+    assert "use_cache" not in msg  # not a cache: no cache advice
+    _no_control_flow_advice(msg)
+
+
+class CustomOp(nn.Module):
+    def forward(self, x):
+        return no_fake(x) * 2
+
+
+def test_unsupported_op_is_named_with_how_to_register_it():
+    msg = _message(CustomOp(), (torch.randn(3),))
+    assert "an unsupported op: autoprec_test::no_fake" in msg
+    assert "torch.library.register_fake('autoprec_test::no_fake')" in msg
+    _no_control_flow_advice(msg)
+
+
+class ToNumpy(nn.Module):
+    def forward(self, x):
+        return torch.from_numpy(x.detach().numpy()) * 2
+
+
+def test_tensor_data_leaving_torch_is_named():
+    msg = _message(ToNumpy(), (torch.randn(3),))
+    assert "Tensor.numpy()" in msg and "test_capture_causes.py:" in msg
+    _no_control_flow_advice(msg)
+
+
+class Raises(nn.Module):
+    def forward(self, x):
+        raise ValueError("labels must be given")
+
+
+def test_an_error_of_the_model_code_itself_says_so():
+    msg = _message(Raises(), (torch.randn(3),))
+    assert "forward() itself raised ValueError" in msg and "labels must be given" in msg
+    _no_control_flow_advice(msg)
+
+
+class TakesIds(nn.Module):
+    def forward(self, input_ids):
+        return input_ids.float().sum()
+
+
+def test_batch_that_does_not_match_forward_names_the_signature():
+    msg = _message(TakesIds(), {"ids": torch.zeros(2, dtype=torch.long)})
+    assert "does not match forward(input_ids)" in msg and "'ids'" in msg and "get_batch" in msg
+    _no_control_flow_advice(msg)
