@@ -101,3 +101,18 @@ def test_harness_note_says_the_slow_step_rule():
     assert m.error is None and len(m.step_times) == 1 and m.step_s == m.step_times[0]
     assert m.note.startswith("timing stopped: a step took") and "over 4 x the 0.00 s limit" in m.note
     assert len(h.measure(h.model).step_times) == 3
+
+
+def test_slow_step_guard_does_not_judge_a_step_that_compiled(monkeypatch):
+    """A warm-up step of a dynamic graph that recompiles (e.g. the first batch of size 1) takes the
+    compile's time: the guard skips it, and judges the next steps as usual."""
+    import autoprec.runtime.steps as steps_mod
+
+    counts = iter([0, 1, 1, 1])  # guard made at 0; the first step compiled; then none
+    monkeypatch.setattr(steps_mod, "compile_count", lambda: next(counts))
+    guard = slow_step_guard(1.0)
+    stats = StepStats(1.0, False, 1.0, 1.0, 0)
+    guard(0, None, stats, 30.0)  # 30x the limit, but it compiled: not judged
+    guard(1, None, stats, 0.5)
+    with pytest.raises(StepsTooSlow):
+        guard(2, None, stats, 5.0)  # over 4x the limit, no compile

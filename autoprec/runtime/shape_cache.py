@@ -25,6 +25,7 @@ from autoprec.capture import capture
 from autoprec.dims import DimPlan, largest_batch, plan_dims, shapes_vary
 from autoprec.errors import CaptureError
 from autoprec.modelspec import split_batch
+from autoprec.runtime.steps import compile_count
 from autoprec.shapes import DIMS_META, RANGE_ADVICE
 
 __all__ = ["MAX_SHAPES", "PROBE_BATCHES", "CompileLog", "ShapeCache", "capture_dynamic", "capture_for", "is_dynamic"]
@@ -109,11 +110,9 @@ class CompileLog:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Call ``fn``; log an INFO line when the call compiled."""
-        from torch._dynamo.utils import counters
-
-        before, start = counters["stats"]["unique_graphs"], time.perf_counter()
+        before, start = compile_count(), time.perf_counter()
         out = self.fn(*args, **kwargs)
-        if counters["stats"]["unique_graphs"] != before:
+        if compile_count() != before:
             seconds = time.perf_counter() - start
             self.compiles += 1
             self.compile_seconds += seconds

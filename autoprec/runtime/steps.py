@@ -19,7 +19,7 @@ import torch
 from autoprec.runtime.rng import StepRng
 from autoprec.runtime.train import StepStats, TrainStep
 
-__all__ = ["SLOW_FACTOR", "SLOW_IN_A_ROW", "StepHook", "StepsTooSlow", "every", "run_steps",
+__all__ = ["SLOW_FACTOR", "SLOW_IN_A_ROW", "StepHook", "StepsTooSlow", "compile_count", "every", "run_steps",
            "slow_step_guard"]
 
 #: A per-step hook: ``hook(step_index, batch, stats, seconds)``, called after each step (seconds:
@@ -108,6 +108,15 @@ class StepsTooSlow(Exception):
         self.step, self.seconds, self.limit = step, seconds, limit
 
 
+def compile_count() -> int:
+    """Graphs ``torch.compile`` (Dynamo) has compiled in this process so far
+    (``torch._dynamo.utils.counters["stats"]["unique_graphs"]``): a rise across a call means the
+    call compiled. Process-wide, so a compile in another thread at the same time counts too."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
 def slow_step_guard(max_step_s: float) -> StepHook:
     """A hook stopping a loop whose steps are too slow to be worth timing further.
 
@@ -116,13 +125,19 @@ def slow_step_guard(max_step_s: float) -> StepHook:
     floor belongs to the caller's limit (``autoprec tune``: ``max(3 x fp32 eager step, 0.25 s)``;
     ``autoprec bench``: ``max(max_step_ratio x fp32 eager step, 1 s)``).
 
+    A step during which ``torch.compile`` compiled (:func:`compile_count` rose: e.g. a dynamic
+    graph recompiling for a size-1 batch in the warm-up) is not judged: its time is the compile's.
+
     Args:
         max_step_s: The limit in seconds (> 0).
     """
-    in_a_row = 0
+    in_a_row, compiles = 0, compile_count()
 
     def hook(k: int, _batch: Any, _stats: StepStats, seconds: float) -> None:
-        nonlocal in_a_row
+        nonlocal in_a_row, compiles
+        seen, compiles = compiles, compile_count()
+        if compiles != seen:
+            return
         in_a_row = in_a_row + 1 if seconds > max_step_s else 0
         if in_a_row >= SLOW_IN_A_ROW or seconds > SLOW_FACTOR * max_step_s:
             raise StepsTooSlow(k, seconds, max_step_s, in_a_row)

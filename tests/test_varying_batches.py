@@ -1,0 +1,49 @@
+"""A model file whose batches vary in size and length (a pad-to-longest loader): tune measures on
+them with one dynamic capture and says which shapes it measured; train uses the same capture."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from autoprec.modelspec import load_model_spec
+from autoprec.nodekeys import graph_fingerprint
+from autoprec.policy import Policy
+from autoprec.runtime.shape_cache import is_dynamic
+from autoprec.search.measure import Harness
+
+VARLEN = Path(__file__).resolve().parent / "models" / "varlen_lm.py"
+
+
+def test_harness_captures_once_with_dynamic_dims_and_times_every_shape():
+    h = Harness(load_model_spec(VARLEN), torch.device("cpu"), warmup=1, steps=5)
+    assert is_dynamic(h.graph_module)
+    assert h.shapes == ["[0] (3, 12)", "[0] (2, 8)", "[0] (3, 16)", "[0] (1, 10)", "[0] (2, 12)"]
+    m = h.measure(h.graph_module)
+    assert m.error is None and len(m.step_times) == 5 and m.grad_rel_l2 == 0.0
+    assert h.tokens == (36 + 16 + 48 + 10 + 24) / 5  # mean tokens of the timed steps, one per batch
+
+
+def test_tune_and_train_on_varying_batches(tmp_path):
+    out = tmp_path / "p.json"
+    tune = [sys.executable, "-m", "autoprec.cli", "tune", str(VARLEN), "--out", str(out), "--trials", "2",
+            "--no-compile", "--dtypes", "bf16", "--traj-steps", "3"]
+    r = subprocess.run(tune, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = (tmp_path / "p.report.md").read_text()
+    assert "## Batches measured" in report and "`[0] (3, 16)`" in report and "`[0] (1, 10)`" in report
+    policy = Policy.load(out)
+    train = [sys.executable, "-m", "autoprec.cli", "train", str(VARLEN), "--policy", str(out), "--steps", "7",
+             "--no-compile"]
+    r = subprocess.run(train, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "was tuned on" not in r.stderr  # train captured the same (dynamic) graph as tune
+    model = load_model_spec(VARLEN).build_model()
+    from autoprec.runtime.shape_cache import capture_for
+
+    spec = load_model_spec(VARLEN)
+    gm = capture_for(model, [spec.get_batch(i, torch.device("cpu")) for i in range(5)])
+    assert policy.provenance["graph_fingerprint"] == graph_fingerprint(gm)
