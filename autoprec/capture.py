@@ -22,7 +22,7 @@ import re
 import sys
 import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -122,7 +122,8 @@ def _where(exc: BaseException, model: nn.Module | None = None) -> str:
     return where
 
 
-def capture(model: nn.Module, example_batch: Any, dynamic: bool = False) -> fx.GraphModule:
+def capture(model: nn.Module, example_batch: Any, dynamic: bool = False,
+            at_least: Mapping[str, int] | None = None) -> fx.GraphModule:
     """Capture ``model``'s forward on ``example_batch`` as an ATen ``GraphModule``.
 
     Args:
@@ -134,6 +135,8 @@ def capture(model: nn.Module, example_batch: Any, dynamic: bool = False) -> fx.G
             :func:`autoprec.dims.plan_dims` (``torch.export`` ``Dim``s; recorded in
             ``gm.meta[autoprec.shapes.DIMS_META]``), so one graph serves every batch shape in range.
             A model that torch cannot export so (its code specialises a size) raises CaptureError.
+        at_least: With ``dynamic``, sizes the ranges must reach beyond the example's, by role
+            (``plan_dims``'s ``at_least``: the largest batch and length of several batches).
 
     Returns:
         A ``GraphModule`` with the model's call signature and output structure whose parameters
@@ -155,7 +158,7 @@ def capture(model: nn.Module, example_batch: Any, dynamic: bool = False) -> fx.G
     export (:func:`quiet_pytree_deprecation`); warnings raised by the model's code still show.
     """
     args, kwargs = split_batch(example_batch)
-    plan = plan_dims(model, args, kwargs) if dynamic else None
+    plan = plan_dims(model, args, kwargs, at_least) if dynamic else None
     shapes = plan.dynamic_shapes(model, args, kwargs) if plan is not None else None
     fixed = training_kwargs(model, args, kwargs)
     _announce(model, fixed)
@@ -291,9 +294,29 @@ def _binding_error(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
 def _explain(e: BaseException, model: nn.Module) -> str:
     """The :class:`CaptureError` message for a failed export: cause, where, torch's line, what to do."""
     cause, todo = _cause(e)
+    where = _where(e, model)
+    if todo is _CONTROL_FLOW and not _is_branch(where):
+        cause, todo = (_DATA_DEPENDENT_SIZE, "keep sizes static (e.g. a mask instead of slicing by a tensor's "
+                       "value), or bound the value with torch._check(...) (torch.export's docs on "
+                       "unbacked sizes), or move it out of forward().")
     first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    return (f"torch.export could not capture {type(model).__name__}: {cause}, at {_where(e, model)}.\n"
+    return (f"torch.export could not capture {type(model).__name__}: {cause}, at {where}.\n"
             f"  {type(e).__name__}: {first}\n  What to do: {todo}")
+
+
+_DATA_DEPENDENT_SIZE = "a value read from a tensor (.item(), int(tensor)) used as a size or an index"
+
+
+def _is_branch(where: str) -> bool:
+    """Whether the source line :func:`_where` found is Python control flow (``if``/``while``/
+    ``assert``, a conditional expression, ``and``/``or``) rather than, e.g., a slice by a
+    tensor's value; an unknown line counts as a branch (the advice stays as torch's)."""
+    code = where.split("): ", 1)[1].split(" [in ", 1)[0] if "): " in where else ""
+    if not code:
+        return True
+    words = f" {code} "
+    return code.startswith(("if ", "elif ", "while ", "assert ")) or any(
+        w in words for w in (" if ", " and ", " or ", " not "))
 
 
 def _strip_asserts(gm: fx.GraphModule) -> None:

@@ -162,6 +162,13 @@ def _cmd_train(a: argparse.Namespace) -> int:
 
     Policy.load(a.policy)  # a bad policy file fails before the model is built
     _validate_model(a.model, a.device)
+    if a.nproc > 1:
+        if a.compare is not None:
+            print("autoprec train: error: --compare runs in one process; drop --nproc", file=sys.stderr)
+            return 2
+        from autoprec.runtime.distributed import launch
+
+        return launch(a.argv, a.nproc)
     if a.compare is not None:
         with _naming_policy(a.policy):
             return _cmd_compare(a)
@@ -257,6 +264,7 @@ _COMMANDS = {"tune": _cmd_tune, "train": _cmd_train, "show": _cmd_show, "report"
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``autoprec`` console script; returns the exit code."""
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # what train --nproc relaunches on each rank
     # autoprec's INFO lines (e.g. "capturing ... with use_cache=False") on stderr, for this call only
     log, handler = logging.getLogger("autoprec"), logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("[autoprec] %(message)s"))

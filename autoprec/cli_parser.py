@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="convergence check: also train these baselines (fp32,autocast) from the same "
                         "weights on the same batches and compare the loss curves")
     r.add_argument("--out-dir", default="convergence", help="where --compare writes JSON + PNG")
+    r.add_argument("--nproc", type=_int_at_least(1), default=1, metavar="N",
+                   help="train on N ranks of this machine under DDP (torchrun; gloo on CPU, NCCL on CUDA): "
+                        "rank r at step k trains on get_batch(k*N + r); rank 0 logs and checkpoints (default 1)")
 
     s = sub.add_parser("show", help="print a policy file (and per-node dtypes with --model)")
     s.add_argument("policy", help="policy JSON file")

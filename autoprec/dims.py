@@ -27,7 +27,7 @@ would specialise the capture.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,10 +35,10 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-__all__ = ["BATCH", "SEQ", "DimPlan", "DimRange", "export_ranges", "export_refined", "largest_batch", "plan_dims",
+__all__ = ["BATCH", "SEQ", "TARGET", "DimPlan", "DimRange", "export_ranges", "export_refined", "largest_batch", "maxima", "plan_dims",
            "shapes_vary"]
 
-BATCH, SEQ = "batch", "seq"
+BATCH, SEQ, TARGET = "batch", "seq", "target_seq"
 
 @dataclass(frozen=True)
 class DimRange:
@@ -117,13 +117,16 @@ class DimPlan:
         return bad
 
 
-def plan_dims(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> DimPlan:
+def plan_dims(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+              at_least: Mapping[str, int] | None = None) -> DimPlan:
     """Find the batch and sequence dimensions of a call and their ranges (heuristic: module docstring).
 
     Args:
         model: The model; ``model.config.max_position_embeddings`` (an int), when present, bounds
             the sequence length.
         args, kwargs: The example call, as ``autoprec.modelspec.split_batch`` splits a batch.
+        at_least: Upper bounds the ranges must reach whatever the example's sizes, by role
+            (``{"batch": 4, "seq": 128}``: the largest sizes of several batches, :func:`maxima`).
 
     Returns:
         A :class:`DimPlan`; ``plan.dynamic`` is False when no dimension can vary (e.g. batch 1 and
@@ -139,19 +142,47 @@ def plan_dims(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -
     if primary is None:
         primary = next((t for _, t in tensors if not t.dtype.is_floating_point and not t.is_complex()),
                        tensors[0][1])
+    want = dict(at_least or {})
     b = int(primary.shape[0])
-    if b >= 2:
-        plan.ranges[BATCH] = DimRange(BATCH, 1, b, b)
+    if max(b, want.get(BATCH, 0)) >= 2:
+        plan.ranges[BATCH] = DimRange(BATCH, 1, max(b, want.get(BATCH, 0)), b)
         for i, t in tensors:
             if t.shape[0] == b:
                 plan.dims[i][0] = plan.ranges[BATCH]
     if primary.dim() == 2 and not primary.dtype.is_floating_point and int(primary.shape[1]) >= 2:
         t_len = int(primary.shape[1])
-        plan.ranges[SEQ] = DimRange(SEQ, 2, max(t_len, _max_positions(model) or 0), t_len)
+        plan.ranges[SEQ] = DimRange(SEQ, 2, max(t_len, _max_positions(model) or 0, want.get(SEQ, 0)), t_len)
+        targets = _target_inputs(model, plan.names, tensors, primary)
         for i, t in tensors:
-            if t.dim() >= 2 and t.shape[1] == t_len:
+            if i in targets:  # an encoder-decoder's target side: a length of its own
+                n = int(t.shape[1])
+                plan.ranges.setdefault(TARGET, DimRange(TARGET, 2, max(n, _max_positions(model) or 0,
+                                                                      want.get(TARGET, 0)), n))
+                if n == plan.ranges[TARGET].example:
+                    plan.dims[i][1] = plan.ranges[TARGET]
+            elif t.dim() >= 2 and t.shape[1] == t_len:
                 plan.dims[i][1] = plan.ranges[SEQ]
     return plan
+
+
+def _target_inputs(model: nn.Module, names: list[str], tensors: list[tuple[int, torch.Tensor]],
+                   primary: torch.Tensor) -> set[int]:
+    """Indices of an encoder-decoder model's target-side inputs (``labels``, ``decoder_*``), whose
+    length is independent of the source's (``config.is_encoder_decoder``, e.g. T5)."""
+    if not getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        return set()
+    return {i for i, t in tensors if t is not primary and t.dim() >= 2 and t.shape[1] >= 2
+            and (names[i] == "labels" or names[i].startswith("decoder_"))}
+
+
+def maxima(plans: list[DimPlan]) -> dict[str, int]:
+    """The largest example size per role over several batches' plans (``at_least`` of
+    :func:`plan_dims`, so one capture's ranges cover all of them)."""
+    out: dict[str, int] = {}
+    for plan in plans:
+        for role, r in plan.ranges.items():
+            out[role] = max(out.get(role, 0), r.example)
+    return out
 
 
 def export_refined(export: Callable[[Any], Any], dynamic_shapes: Any) -> Any:

@@ -54,6 +54,8 @@ OP_TABLE: dict[str, tuple[str, str]] = {
     "addbmm": (_M, "batched GEMM reduced; fp32 accumulation in the kernel"),
     "matmul": (_M, "GEMM; fp32 accumulation in the kernel"),
     "einsum": (_M, "contraction lowered to bmm"),
+    "_grouped_mm": (_M, "grouped GEMM (mixture-of-experts); fp32 accumulation in the kernel"),
+    "grouped_mm_fallback": (_M, "grouped GEMM (transformers' MoE fallback): per-group matmuls"),
     "conv1d": (_M, "convolution; fp32 accumulation in the kernel"),
     "conv2d": (_M, "convolution; fp32 accumulation in the kernel"),
     "conv3d": (_M, "convolution; fp32 accumulation in the kernel"),
@@ -99,6 +101,7 @@ OP_TABLE: dict[str, tuple[str, str]] = {
     "norm": (_S, "sum of squares overflows"),
     "linalg_vector_norm": (_S, "sum of squares overflows"),
     "cumsum": (_S, "running sum: error grows with length"),
+    "histc": (_S, "bin counts: bf16 counts exactly only to 256, fp16 to 2048"),
     "cumprod": (_S, "running product: under/overflow"),
     "prod": (_S, "product: under/overflow"),
     "logsumexp": (_S, "log-sum-exp over many terms"),
@@ -143,7 +146,7 @@ OP_TABLE: dict[str, tuple[str, str]] = {
             "select_scatter", "view_as_real", "view_as_complex", "zero", "zero_",
             "feature_dropout", "alpha_dropout", "split_with_sizes_copy", "unsafe_split",
             "atleast_1d", "atleast_2d", "squeeze_", "unsqueeze_", "t_", "_to_copy",
-            "item", "_local_scalar_dense",
+            "item", "_local_scalar_dense", "topk", "sort",
         )
     },
     **{

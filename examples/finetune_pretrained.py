@@ -22,8 +22,9 @@ the corpus). It is built in a temporary directory beside it and renamed into pla
 building it at once both end up loading one complete directory. Delete it to rebuild.
 
 Batches are padded to a fixed ``MAX_LEN`` = 64 tokens with an attention mask, so every batch has one
-shape; ``padding="longest"`` in :func:`make_batch` would give pad-to-longest batches of varying
-length, for when capture accepts varying shapes (issue 12). Dropout is 0 so that tune's drift
+shape; ``padding="longest"`` in :func:`make_batch` gives pad-to-longest batches of varying length,
+which ``tune`` and ``train`` also accept (one capture with dynamic dimensions); the fixed length keeps
+the committed measurements comparable. Dropout is 0 so that tune's drift
 measurement compares the same function in every precision. The first build of the checkpoint
 takes ~10 s on 2 cores; later runs load it.
 

@@ -109,3 +109,23 @@ def test_batch_that_does_not_match_forward_names_the_signature():
     msg = _message(TakesIds(), {"ids": torch.zeros(2, dtype=torch.long)})
     assert "does not match forward(input_ids)" in msg and "'ids'" in msg and "get_batch" in msg
     _no_control_flow_advice(msg)
+
+
+class SliceByValue(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.lin(x)
+        k = int(y.argmax().item())
+        return y[: k + 1].sum()
+
+
+def test_value_used_as_a_size_is_not_called_a_branch():
+    """`.item()` used as a slice bound raises the same torch error as an `if` on a tensor, but
+    there is no branch: the message says what it is, without the control-flow advice."""
+    msg = _message(SliceByValue(), (torch.randn(3, 4),))
+    assert "a value read from a tensor (.item(), int(tensor)) used as a size or an index" in msg
+    assert "k = int(y.argmax().item())" in msg and "torch._check" in msg
+    assert "torch.cond" not in msg and "an `if` on tensor values" not in msg and "a data-dependent branch" not in msg

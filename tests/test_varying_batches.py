@@ -47,3 +47,36 @@ def test_tune_and_train_on_varying_batches(tmp_path):
     spec = load_model_spec(VARLEN)
     gm = capture_for(model, [spec.get_batch(i, torch.device("cpu")) for i in range(5)])
     assert policy.provenance["graph_fingerprint"] == graph_fingerprint(gm)
+
+
+def test_one_capture_covers_the_largest_batch_and_the_longest_sequence_of_different_batches():
+    """The probe batches (4, 6) and (2, 14): the ranges reach batch 4 and length 14 although no
+    single batch has both (the model has no config to bound the length)."""
+    from autoprec import Policy, apply
+    from autoprec.runtime.shape_cache import capture_for
+
+    spec = load_model_spec(Path(__file__).resolve().parent / "models" / "micro_lm.py")
+    model = spec.build_model()
+    batches = [(torch.randint(0, 64, shape, generator=torch.Generator().manual_seed(i)),)
+               for i, shape in enumerate([(4, 6), (2, 14)])]
+    gm = capture_for(model, batches)
+    mp = apply(model, Policy.fp32(), batches[0], compile=False, graph_module=gm)
+    for b in batches + [(torch.randint(0, 64, (4, 14)),)]:
+        torch.testing.assert_close(mp(*b), model(*b))
+
+
+def test_encoder_decoder_target_length_is_its_own_dimension():
+    """T5's labels are as long as the target, not the source: their length gets its own range,
+    so a later batch with other source and target lengths still fits one capture."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    from autoprec.dims import SEQ, TARGET, plan_dims
+
+    torch.manual_seed(0)
+    model = T5ForConditionalGeneration(T5Config(vocab_size=64, d_model=16, d_kv=8, d_ff=32, num_layers=1,
+                                                num_heads=2, decoder_start_token_id=0))
+    kwargs = {"input_ids": torch.randint(1, 64, (4, 9)), "attention_mask": torch.ones(4, 9, dtype=torch.long),
+              "labels": torch.randint(1, 64, (4, 9))}
+    plan = plan_dims(model, (), kwargs, at_least={SEQ: 20, TARGET: 17})
+    assert plan.ranges[SEQ].hi == 20 and plan.ranges[TARGET].hi == 17
+    assert plan.dims[2][1].role == TARGET and plan.dims[0][1].role == SEQ  # equal lengths, not tied

@@ -18,11 +18,11 @@ Modules: :mod:`~autoprec.policy.core` (:class:`Policy`, load and save),
 
 from __future__ import annotations
 
-from autoprec.policy.core import ACCUMULATE_MODES, SCHEMA_VERSION, TOP_LEVEL_KEYS, Policy
+from autoprec.policy.core import ACCUMULATE_MODES, GRAD_REDUCE_DTYPES, SCHEMA_VERSION, TOP_LEVEL_KEYS, Policy
 from autoprec.policy.loss_scaling import LOSS_SCALING_KEYS, LOSS_SCALING_MODES, LossScalingConfig
 from autoprec.policy.rule import FP8, OP_CLASSES, RULE_KEYS, RULE_OP_CLASSES, Rule
 
 __all__ = [
-    "ACCUMULATE_MODES", "FP8", "LOSS_SCALING_KEYS", "LOSS_SCALING_MODES", "OP_CLASSES", "RULE_KEYS",
+    "ACCUMULATE_MODES", "FP8", "GRAD_REDUCE_DTYPES", "LOSS_SCALING_KEYS", "LOSS_SCALING_MODES", "OP_CLASSES", "RULE_KEYS",
     "RULE_OP_CLASSES", "SCHEMA_VERSION", "TOP_LEVEL_KEYS", "LossScalingConfig", "Policy", "Rule",
 ]

@@ -33,14 +33,17 @@ from autoprec.policy.fields import (
 from autoprec.policy.loss_scaling import LOSS_SCALING_KEYS, LossScalingConfig
 from autoprec.policy.rule import RULE_KEYS, Rule
 
-__all__ = ["ACCUMULATE_MODES", "SCHEMA_VERSION", "TOP_LEVEL_KEYS", "Policy"]
+__all__ = ["ACCUMULATE_MODES", "GRAD_REDUCE_DTYPES", "SCHEMA_VERSION", "TOP_LEVEL_KEYS", "Policy"]
 
 #: The policy file format version this module reads and writes.
 SCHEMA_VERSION = 1
 ACCUMULATE_MODES: tuple[str, ...] = ("fp32", "none")
+#: dtypes gradients may be communicated in across ranks (``Policy.grad_reduce_dtype``).
+GRAD_REDUCE_DTYPES: tuple[str, ...] = ("fp32", "bf16")
 TOP_LEVEL_KEYS: tuple[str, ...] = (
     "schema_version", "default_dtype", "rules", "accumulate", "loss_scaling",
-    "master_weights", "optimizer_state", "activation_memory_budget", "provenance", "measured",
+    "master_weights", "optimizer_state", "activation_memory_budget", "grad_reduce_dtype", "provenance",
+    "measured",
 )
 
 
@@ -63,6 +66,10 @@ class Policy:
             checkpointing of the compiled region). Passed to
             ``torch._functorch.config.activation_memory_budget`` when the graph is compiled;
             eager execution ignores it. ``autoprec tune --max-memory`` sets it.
+        grad_reduce_dtype: dtype gradients are communicated in across ranks: ``"fp32"`` (default)
+            or ``"bf16"`` (DDP's ``bf16_compress_hook``, FSDP2's ``MixedPrecisionPolicy(reduce_dtype=
+            torch.bfloat16)``: :mod:`autoprec.runtime.distributed`); one process ignores it. The
+            ``.grad`` of the master weights stays fp32 either way.
         provenance: Read-only JSON-ready mapping (model, graph fingerprint, device, versions, ...).
         measured: Read-only mapping of finite numbers (tokens_per_s, grad_rel_l2, peak_bytes, ...).
 
@@ -77,6 +84,7 @@ class Policy:
     master_weights: str = "fp32"
     optimizer_state: str = "fp32"
     activation_memory_budget: float = 1.0
+    grad_reduce_dtype: str = "fp32"
     provenance: Mapping[str, Any] = field(default_factory=dict)
     measured: Mapping[str, float] = field(default_factory=dict)
 
@@ -164,14 +172,17 @@ class Policy:
             parts.append(f"loss scaling {self.loss_scaling.mode}")
         if self.activation_memory_budget < 1.0:
             parts.append(f"activation memory budget {self.activation_memory_budget:g}")
+        if self.grad_reduce_dtype != "fp32":
+            parts.append(f"gradients reduced in {self.grad_reduce_dtype}")
         return "; ".join(parts)
 
     # -- JSON -----------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         """The docs/architecture.md#policy-file JSON layout with ``"schema_version": 1`` (``loss_scaling`` adds max_scale).
 
-        ``activation_memory_budget`` is written only below 1.0, so a policy without it stays
-        readable by autoprec versions that predate the field.
+        ``activation_memory_budget`` is written only below 1.0 and ``grad_reduce_dtype`` only when
+        not ``fp32``, so a policy without them stays readable by autoprec versions that predate
+        the fields (and keeps its ``training_key``).
         """
         d = {
             "schema_version": SCHEMA_VERSION,
@@ -184,6 +195,8 @@ class Policy:
         }
         if self.activation_memory_budget < 1.0:
             d["activation_memory_budget"] = self.activation_memory_budget
+        if self.grad_reduce_dtype != "fp32":
+            d["grad_reduce_dtype"] = self.grad_reduce_dtype
         return d | {"provenance": jsonable(self.provenance, "Policy", "provenance"),
                     "measured": dict(self.measured)}
 
@@ -209,7 +222,8 @@ class Policy:
                        f"{version!r} is not supported; this autoprec reads version {SCHEMA_VERSION}")
         check_keys(d, TOP_LEVEL_KEYS, "top-level", source, "")
         kw: dict[str, Any] = {k: d[k] for k in ("default_dtype", "accumulate", "master_weights",
-                                                  "optimizer_state", "activation_memory_budget") if k in d}
+                                                  "optimizer_state", "activation_memory_budget",
+                                                  "grad_reduce_dtype") if k in d}
         kw["rules"] = _rules_from_json(d.get("rules", []), source)
         if "loss_scaling" in d:
             ls = check_mapping(d["loss_scaling"], source, "loss_scaling")
@@ -303,6 +317,7 @@ def _check_fields(p: Policy, source: str) -> None:
     if not 0.0 <= amb <= 1.0:
         raise fail(source, "activation_memory_budget", f"{amb!r} is outside [0, 1] (a fraction of the "
                    "activations Inductor saves by default; 1.0 = no extra recomputation)")
+    check_choice(p.grad_reduce_dtype, GRAD_REDUCE_DTYPES, "gradient reduction dtype", source, "grad_reduce_dtype")
     check_mapping(p.provenance, source, "provenance")
     for k, v in check_mapping(p.measured, source, "measured").items():
         if not isinstance(k, str):

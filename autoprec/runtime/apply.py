@@ -13,6 +13,7 @@ from autoprec.capture import CALL_KWARGS_META, capture, quiet_pytree_deprecation
 from autoprec.modelspec import drop_fixed_kwargs
 from autoprec.passes import run_pipeline
 from autoprec.policy import Policy
+from autoprec.runtime.model_facade import check_no_autocast, model_attr, signed_class
 from autoprec.runtime.outputs import flat_output_graph, rebuild
 from autoprec.runtime.shape_cache import CompileLog, ShapeCache, capture_dynamic, is_dynamic
 from autoprec.shapes import InputShapes
@@ -70,6 +71,7 @@ class _WithMemoryBudget:
             return self.fn(*args, **kwargs)
 
 
+
 class MixedPrecisionModule(nn.Module):
     """A model whose forward runs a policy-lowered graph on the model's own Parameters.
 
@@ -92,6 +94,17 @@ class MixedPrecisionModule(nn.Module):
     with the scaler ``autoprec.runtime.train.make_scaler(mp.policy)`` returns (a
     :class:`autoprec.DynamicLossScaler`); see :func:`apply`.
 
+    Hugging Face ``Trainer`` (docs/architecture.md#runtime): ``inspect.signature(mp.forward)`` (and of
+    the class's ``forward``) is the model's, so Trainer keeps the batch's columns and finds its label
+    names; ``config``, ``main_input_name`` and ``_keys_to_ignore_on_save`` are the model's;
+    ``named_children()`` are the model's children (Trainer's weight-decay groups, ``.to()``);
+    ``save_pretrained`` is the model's. ``accepts_loss_kwargs`` is False: the graph takes the batch
+    it was captured with, not Trainer's ``num_items_in_batch``, so Trainer averages the per-batch
+    loss over gradient accumulation itself. Gradient checkpointing cannot be switched on after
+    the capture (``gradient_checkpointing_enable`` raises; the policy's ``activation_memory_budget``
+    is autoprec's way to trade compute for activation memory), and a call under ``torch.autocast``
+    (``Trainer(bf16=True)``/``fp16=True``) raises ``ValueError``: the policy sets the dtypes.
+
     Attributes:
         model: The original model (its Parameters are the ones trained).
         graph_module: The lowered ``torch.fx.GraphModule``.
@@ -99,6 +112,14 @@ class MixedPrecisionModule(nn.Module):
         stats: Pass statistics (``casts``, ``cast_bytes``).
         compiled: Whether forward runs through ``torch.compile``.
     """
+
+    #: Trainer passes ``num_items_in_batch`` to models that accept loss kwargs; the graph does not.
+    accepts_loss_kwargs = False
+    #: Checkpointing would have to be in the captured graph (see :meth:`gradient_checkpointing_enable`).
+    supports_gradient_checkpointing = False
+    config = model_attr("config", "The wrapped model's ``config`` (Hugging Face models).")
+    main_input_name = model_attr("main_input_name", "The wrapped model's ``main_input_name``.")
+    _keys_to_ignore_on_save = model_attr("_keys_to_ignore_on_save", "The wrapped model's (Trainer's resume reads it).")
 
     def __init__(self, model: nn.Module, graph_module: fx.GraphModule, policy: Policy,
                  stats: dict[str, Any], compile: bool) -> None:
@@ -117,6 +138,7 @@ class MixedPrecisionModule(nn.Module):
         object.__setattr__(self, "_inputs", InputShapes(graph_module, what=type(self).__name__))
         self._fixed = dict(graph_module.meta.get(CALL_KWARGS_META, {}))
         self._what = f"{type(self).__name__} of {type(model).__name__}"
+        self.__class__ = signed_class(type(self), model)  # forward reports model.forward's signature
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the lowered graph; same signature and outputs as ``model.forward``.
@@ -134,8 +156,10 @@ class MixedPrecisionModule(nn.Module):
             ValueError: an input tensor's shape differs from the captured one (e.g. a smaller last
                 batch); the message names the input, the captured and the given shapes. Or the
                 call sets an argument the capture fixed for training to another value (e.g.
-                ``use_cache=True``; ``use_cache=False`` is accepted).
+                ``use_cache=True``; ``use_cache=False`` is accepted). Or it runs under
+                ``torch.autocast`` (e.g. ``Trainer(bf16=True)``), which would override the policy.
         """
+        check_no_autocast(self._what)
         kwargs = drop_fixed_kwargs(kwargs, self._fixed, self._what)
         self._inputs.check(args, kwargs)
         return rebuild(self._fn(*args, **kwargs), self._out_spec)
@@ -147,12 +171,68 @@ class MixedPrecisionModule(nn.Module):
         ``{"mode": "per_shape", "captures", "capture_seconds", "shapes"}`` (see
         :mod:`autoprec.runtime.shape_cache`)."""
         stats = getattr(self._fn, "stats", None) if isinstance(self._fn, (CompileLog, ShapeCache)) else None
-        return stats() if stats is not None else {"mode": "static", "captures": 1}
+        if stats is not None:
+            return stats()
+        return {"mode": "dynamic" if is_dynamic(self.graph_module) else "static", "captures": 1}
 
     def named_parameters(self, prefix: str = "", recurse: bool = True,
                          remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
         """The wrapped model's named parameters (fp32 master weights)."""
         return self.model.named_parameters(prefix, recurse, remove_duplicate)
+
+    def named_modules(self, memo: set[nn.Module] | None = None, prefix: str = "",
+                      remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Module]]:
+        """This module, standing in for the wrapped model's root, then the model's submodules
+        under the model's own names.
+
+        So ``named_modules()`` x ``named_parameters(recurse=False)`` reaches every Parameter of
+        the model, as ``DistributedDataParallel`` collects them for its reducer
+        (torch/nn/parallel/distributed.py ``_build_params_for_reducer``). Without this, DDP found
+        only the model root's direct Parameters: none for an ``nn.Sequential``, and torch's
+        ``_verify_params_across_processes`` crashes the process (SIGSEGV) on an empty list;
+        a model with direct Parameters had the others silently left unreduced.
+        """
+        memo = set() if memo is None else memo
+        if self in memo or self.model in memo:
+            return
+        if remove_duplicate:
+            memo.update((self, self.model))
+        yield prefix, self
+        for name, child in self.model.named_children():
+            yield from child.named_modules(memo, f"{prefix}.{name}" if prefix else name, remove_duplicate)
+
+    def named_children(self) -> Iterator[tuple[str, nn.Module]]:
+        """The wrapped model's children (so ``children()``, ``apply(fn)``, ``.to()`` and Trainer's
+        weight-decay groups, ``get_parameter_names``, reach the model's modules under its names)."""
+        return self.model.named_children()
+
+    def save_pretrained(self, save_directory: Any, *args: Any, **kwargs: Any) -> Any:
+        """The wrapped model's ``save_pretrained`` (Hugging Face models): the files ``from_pretrained``
+        of the model's own class loads, weights as trained (they are the model's Parameters).
+
+        Raises:
+            TypeError: the wrapped model has no ``save_pretrained``.
+        """
+        save = getattr(self.model, "save_pretrained", None)
+        if save is None:
+            raise TypeError(f"{self._what}: the wrapped model has no save_pretrained; save mp.state_dict() "
+                            "(the model's keys) instead")
+        return save(save_directory, *args, **kwargs)
+
+    def gradient_checkpointing_enable(self, *args: Any, **kwargs: Any) -> None:
+        """Refused: the graph is captured and lowered already, so checkpointing the model now would not
+        change it.
+
+        Raises:
+            ValueError: always; says what to use instead.
+        """
+        raise ValueError(
+            f"{self._what}: gradient checkpointing cannot be switched on after autoprec.apply (the graph is "
+            "captured and lowered already). Set TrainingArguments(gradient_checkpointing=False, "
+            "activation_checkpointing=False); to trade compute for activation memory, give the policy an "
+            "activation_memory_budget below 1.0 and apply with compile=True (docs/architecture.md#policy-file)")
+
+    activation_checkpointing_enable = gradient_checkpointing_enable
 
     def named_buffers(self, prefix: str = "", recurse: bool = True,
                       remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]:

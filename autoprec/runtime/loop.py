@@ -5,6 +5,11 @@ step k sees exactly the batches the uninterrupted run sees from k on. The steps 
 :func:`autoprec.runtime.steps.run_steps` with the stream RNG rule (:mod:`autoprec.runtime.rng`):
 each step draws from the global generators as the previous one left them, and a checkpoint saves
 and restores that state, so a resumed run continues the same random stream.
+
+Under torchrun (``autoprec train --nproc N``, :mod:`autoprec.runtime.distributed`) each rank trains
+the applied module under DDP on its own batches (rank r at step k: ``get_batch(k * N + r)``), with
+the same RNG stream on every rank; the loss logged is the mean over the ranks, and only rank 0
+prints, writes the monitor log and saves checkpoints (every rank loads one on ``--resume``).
 """
 
 from __future__ import annotations
@@ -22,6 +27,14 @@ from autoprec.modelspec import load_model_spec
 from autoprec.policy import Policy
 from autoprec.runtime.apply import apply
 from autoprec.runtime.checkpoint import load_checkpoint, save_checkpoint
+from autoprec.runtime.distributed import (
+    close_ranks,
+    ddp,
+    init_ranks,
+    mean_loss_hook,
+    rank_step_batch,
+    ranks_from_env,
+)
 from autoprec.runtime.monitor import Monitor
 from autoprec.runtime.shape_cache import PROBE_BATCHES, capture_for
 from autoprec.runtime.steps import StepHook, every, run_steps
@@ -101,13 +114,28 @@ def train(model_path: str | os.PathLike, policy_path: str | os.PathLike, steps: 
         raise ValueError("resume=True needs a checkpoint path")
     policy = Policy.load(policy_path)
     spec = load_model_spec(model_path)
-    dev = resolve_device(device)
+    ranks = ranks_from_env()
+    dev = init_ranks(resolve_device(device), ranks)
+    try:
+        return _train(spec, policy, policy_path, dev, ranks, steps, compile, log_every, quiet or not ranks.lead,
+                      checkpoint, resume, checkpoint_every, log_path, max_grad_norm)
+    finally:
+        close_ranks(ranks)
+
+
+def _train(spec: Any, policy: Policy, policy_path: str | os.PathLike, dev: Any, ranks: Any, steps: int,
+           compile: bool, log_every: int, quiet: bool, checkpoint: str | os.PathLike | None, resume: bool,
+           checkpoint_every: int, log_path: str | os.PathLike | None,
+           max_grad_norm: float | None) -> TrainResult:
+    """:func:`train` once the files are loaded and this rank's device is known."""
     model = spec.build_model().to(dev)
     model.train()
     first = spec.get_batch(0, dev)
     gm = capture_for(model, [first] + [spec.get_batch(i, dev) for i in range(1, PROBE_BATCHES)])
-    _warn_if_other_model(policy, policy_path, gm, spec.path)
+    if ranks.lead:
+        _warn_if_other_model(policy, policy_path, gm, spec.path)
     mp = apply(model, policy, first, compile=compile, graph_module=gm)
+    module = ddp(mp, policy) if ranks.world > 1 else mp
     params = [p for p in model.parameters() if p.requires_grad]
     monitor: Monitor | None = None  # opened after the resume check: a refused resume writes nothing
 
@@ -115,19 +143,22 @@ def train(model_path: str | os.PathLike, policy_path: str | os.PathLike, steps: 
         return monitor.diagnoser()() if monitor is not None else None
 
     optimizer = spec.make_optimizer(params)
-    step = TrainStep(mp, params, optimizer, spec.loss_fn, scaler=make_scaler(policy, diagnose),
+    step = TrainStep(module, params, optimizer, spec.loss_fn, scaler=make_scaler(policy, diagnose),
                      device_type=dev.type, max_grad_norm=max_grad_norm)
     start = _resume(checkpoint, policy_path, policy, step, model, steps, quiet) if resume else 0
-    monitor = Monitor(log_path, graph_module=mp.graph_module)
+    monitor = Monitor(log_path if ranks.lead else None, graph_module=mp.graph_module)
+    checkpoint = checkpoint if ranks.lead else None  # every rank resumed from it; rank 0 writes it
 
     def save(done: int) -> None:
         save_checkpoint(checkpoint, model, optimizer, step.scaler, policy, step=done)
 
-    hooks = [_recorder(monitor, spec.tokens_per_batch), _printer(steps, log_every, quiet)]
+    hooks = [mean_loss_hook(ranks), _recorder(monitor, spec.tokens_per_batch), _printer(steps, log_every, quiet)]
     if checkpoint is not None:
         hooks.append(every(checkpoint_every, save, stop=steps))
+    batches = rank_step_batch(spec.get_batch, dev, ranks) if ranks.world > 1 else (
+        lambda k: first if k == 0 else spec.get_batch(k, dev))
     try:
-        done = run_steps(step, lambda k: first if k == 0 else spec.get_batch(k, dev), start, steps,
+        done = run_steps(step, batches, start, steps,
                          before=lambda _k, batch: setattr(monitor, "last_batch", batch), after=hooks)
         if checkpoint is not None:
             save(max(steps, start))

@@ -10,12 +10,17 @@ fp16 ``DynamicLossScaler`` (``min_loss_scale``) and from failures seen in practi
   problem: after ``max_skips_at_floor`` such steps a :class:`~autoprec.errors.LossScaleError` says that
   the non-finite values come from the forward pass and names the first node that produced one;
 * the whole state (scale, growth tracker, skip counters) is plain JSON, so a resumed run continues
-  bit-identically (case C14).
+  bit-identically (case C14);
+* under ``torch.distributed`` (DDP, FSDP2) every rank makes the same decision: the inf/NaN flag of each
+  ``unscale_`` is all-reduced (MAX) over the process group, so one rank's non-finite gradient (or
+  gradient shard) makes every rank skip and back off together, as torch's ``ShardedGradScaler``
+  (torch/distributed/fsdp/sharded_grad_scaler.py, ``unscale_``) does.
 
 Sources:
     * ``torch.amp.GradScaler`` (torch/amp/grad_scaler.py) and its kernels
       ``torch._amp_foreach_non_finite_check_and_unscale_`` / ``torch._amp_update_scale_``.
     * DeepSpeed ``deepspeed/runtime/fp16/loss_scaler.py`` (``DynamicLossScaler``, ``min_loss_scale``).
+    * ``torch.distributed.fsdp.ShardedGradScaler`` (found_inf all-reduced before the step).
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from autoprec.policy.loss_scaling import (
 )
 from autoprec.runtime._amp import amp_update_scale, unscale_grads_, unscaled_grad_norm
 
-__all__ = ["DynamicLossScaler", "unscaled_grad_norm"]
+__all__ = ["DynamicLossScaler", "any_rank", "unscaled_grad_norm"]
 
 #: Default ``max_skips_at_floor``: consecutive skipped steps at ``min_scale`` before ``update``
 #: raises (autoprec's choice; GradScaler has no floor).
@@ -120,6 +125,12 @@ class DynamicLossScaler:
             (re-runs ``monitor.last_batch`` through the graph), or e.g.
             ``lambda: autoprec.runtime.monitor.first_nonfinite_node(mp.graph_module, batch)``.
             Called only when the error above is raised; if it raises, the error says so instead.
+        process_group: The ``torch.distributed`` group whose ranks must agree: None (default) is the
+            default group whenever ``torch.distributed`` is initialised at ``unscale_`` time (no
+            communication otherwise, or in a group of one rank). Each ``unscale_`` then all-reduces
+            its flag (MAX, one 0-dim fp32 tensor: on the current CUDA device under NCCL, else on the
+            gradients' device), so every rank of the group must call it for the same optimizers in
+            the same order, as DDP and FSDP2 training loops do.
 
     Raises:
         ValueError: An argument is out of range; the message names it
@@ -130,7 +141,7 @@ class DynamicLossScaler:
                  backoff_factor: float = BACKOFF_FACTOR, growth_interval: int = GROWTH_INTERVAL,
                  min_scale: float = MIN_SCALE, max_scale: float = MAX_SCALE,
                  max_skips_at_floor: int = MAX_SKIPS_AT_FLOOR, enabled: bool = True,
-                 diagnose: Callable[[], str | None] | None = None) -> None:
+                 diagnose: Callable[[], str | None] | None = None, process_group: Any = None) -> None:
         (scale, self._growth_factor, self._backoff_factor, self._growth_interval, self._min_scale,
          self._max_scale, self._max_skips_at_floor) = _check_config(
             "init_scale", init_scale, growth_factor, backoff_factor, growth_interval, min_scale,
@@ -139,6 +150,7 @@ class DynamicLossScaler:
             raise ValueError(f"diagnose must be a zero-argument callable or None, got {diagnose!r}")
         self._enabled = bool(enabled)
         self._diagnose = diagnose
+        self._process_group = process_group
         self._scale = to_fp32(scale)  # always a float32 value held in a Python float
         self._growth_tracker = 0
         self._skipped_steps = 0
@@ -176,7 +188,8 @@ class DynamicLossScaler:
                 "unscale_() has already been called on this optimizer since the last update().")
         if state["stage"] == _STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
-        state["found_inf"] = unscale_grads_(optimizer, 1.0 / self._scale)
+        found_inf = unscale_grads_(optimizer, 1.0 / self._scale)
+        state["found_inf"] = any_rank(found_inf, self._process_group, _grad_device(optimizer))
         state["stage"] = _UNSCALED
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> bool:
@@ -341,6 +354,27 @@ class DynamicLossScaler:
         (self._scale, self._growth_factor, self._backoff_factor, self._growth_interval, self._min_scale,
          self._max_scale, self._max_skips_at_floor) = config
         self._growth_tracker, self._skipped_steps, self._consecutive_skips, self._skips_at_floor = counters
+
+
+def any_rank(flag: bool, group: Any = None, device: torch.device | None = None) -> bool:
+    """Whether ``flag`` is True on any rank of ``group`` (None: the default group), by an all-reduce
+    MAX of a 0-dim fp32 tensor on ``device`` (default CPU; the current CUDA device under NCCL); just
+    ``flag`` without an initialised ``torch.distributed`` or in a group of one rank. Every rank gets
+    the same answer. Raises: RuntimeError: from the collective (a peer died, a timeout)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) <= 1:
+        return bool(flag)
+    if "nccl" in str(dist.get_backend(group)):
+        device = torch.device("cuda", torch.cuda.current_device())
+    t = torch.tensor(1.0 if flag else 0.0, dtype=torch.float32, device=device or "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return bool(t.item() > 0)
+
+
+def _grad_device(optimizer: torch.optim.Optimizer) -> torch.device | None:
+    """The device of the optimizer's first parameter (None if it has none)."""
+    return next((p.device for g in optimizer.param_groups for p in g["params"]), None)
 
 
 def _check_counters(d: dict[str, Any], growth_interval: int) -> tuple[int, int, int, int]:

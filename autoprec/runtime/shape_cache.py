@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from autoprec.capture import capture
-from autoprec.dims import DimPlan, largest_batch, plan_dims, shapes_vary
+from autoprec.dims import DimPlan, largest_batch, maxima, plan_dims, shapes_vary
 from autoprec.errors import CaptureError
 from autoprec.modelspec import split_batch
 from autoprec.runtime.steps import compile_count
@@ -44,13 +44,15 @@ def is_dynamic(gm: fx.GraphModule) -> bool:
     return bool(gm.meta.get(DIMS_META))
 
 
-def capture_dynamic(model: nn.Module, example_batch: Any) -> fx.GraphModule:
+def capture_dynamic(model: nn.Module, example_batch: Any,
+                    at_least: Mapping[str, int] | None = None) -> fx.GraphModule:
     """``capture(model, batch, dynamic=True)``, else the per-shape capture with one INFO log line.
 
     Args:
         model: The fp32 model.
         example_batch: The example batch, the largest the module will be called with (see
-            :mod:`autoprec.dims`).
+            :mod:`autoprec.dims`), unless ``at_least`` says how large the others get.
+        at_least: Largest size per role the ranges must reach (:func:`autoprec.dims.maxima`).
 
     Returns:
         A graph with symbolic dimensions (:func:`is_dynamic`), or the static capture when the
@@ -60,14 +62,14 @@ def capture_dynamic(model: nn.Module, example_batch: Any) -> fx.GraphModule:
         CaptureError: the model cannot be captured even for the example's shape.
     """
     args, kwargs = split_batch(example_batch)
-    if not plan_dims(model, args, kwargs).dynamic:
+    if not plan_dims(model, args, kwargs, at_least).dynamic:
         return capture(model, example_batch)
     try:
-        return capture(model, example_batch, dynamic=True)
+        return capture(model, example_batch, dynamic=True, at_least=at_least)
     except CaptureError as e:
         gm = capture(model, example_batch)  # raises the model's own error if the static capture fails too
         reason = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
-        _log.info("autoprec: %s cannot be captured with dynamic batch/sequence dimensions (%s); using one "
+        _log.info("%s cannot be captured with dynamic batch/sequence dimensions (%s); using one "
                   "graph per input shape instead (at most %d)", type(model).__name__, reason[:300], MAX_SHAPES)
         return gm
 
@@ -88,7 +90,8 @@ def capture_for(model: nn.Module, batches: list[Any]) -> fx.GraphModule:
         CaptureError: as :func:`autoprec.capture.capture`.
     """
     if shapes_vary(batches):
-        return capture_dynamic(model, largest_batch(batches))
+        sizes = maxima([plan_dims(model, *split_batch(b)) for b in batches])
+        return capture_dynamic(model, largest_batch(batches), at_least=sizes)
     return capture(model, batches[0])
 
 
@@ -116,7 +119,7 @@ class CompileLog:
             seconds = time.perf_counter() - start
             self.compiles += 1
             self.compile_seconds += seconds
-            _log.info("autoprec: compiled %s for input shapes %s (compile %d, %.1f s)", self.what,
+            _log.info("compiled %s for input shapes %s (compile %d, %.1f s)", self.what,
                       _shapes_text(args, kwargs), self.compiles, seconds)
         return out
 
@@ -197,7 +200,7 @@ class ShapeCache:
         start = time.perf_counter()
         fn = self.build(dict(kwargs) if kwargs else tuple(args))
         self.add(args, kwargs, fn, time.perf_counter() - start)
-        _log.info("autoprec: new input shape %s for %s: captured and lowered a graph for it (%d of at most %d, "
+        _log.info("new input shape %s for %s: captured and lowered a graph for it (%d of at most %d, "
                   "%.1f s; a compiled one compiles on its first call)", shapes, self.what, len(self._fns),
                   self.max_shapes, time.perf_counter() - start)
         return fn

@@ -24,10 +24,17 @@ from autoprec.search import attrs
 from autoprec.search.measure import Harness, Measurement
 from autoprec.search.space import SearchSpace
 
-__all__ = ["Objective", "policy_fingerprint", "DIRECTIONS", "is_dead_worker"]
+__all__ = ["Objective", "policy_fingerprint", "DIRECTIONS", "MAX_RETRIES", "is_dead_worker", "reap_dead_trials",
+           "requeue_trial", "retried_numbers"]
 
 #: Study directions: tokens/s (max), grad_rel_l2 (min), peak bytes (min).
 DIRECTIONS = ("maximize", "minimize", "minimize")
+#: How many times the parameters of a trial whose worker died are queued again (a policy that
+#: kills every worker measuring it, e.g. by running out of host memory, is given up after that).
+MAX_RETRIES = 2
+#: Optuna's system attribute listing the trials a retry re-runs (the key Optuna's
+#: ``RetryHeartbeatStaleTrialCallback`` writes, so its ``retry_history`` reads ours).
+_RETRY_HISTORY = "retry_history"
 
 
 def policy_fingerprint(lowered: torch.fx.GraphModule) -> str:
@@ -121,10 +128,13 @@ def _find_measured(study: optuna.Study, fp: str, number: int, wait_s: float = 90
     A trial of another worker still RUNNING with a lower number that has the same fingerprint,
     or none yet (still lowering), is waited for (at most ``wait_s``), so two workers never
     measure one graph twice; only lower numbers are waited for, so no two workers wait for
-    each other.
+    each other. Trial numbers are the storage's (a database server locks the study row while it
+    numbers a trial), so the rule holds across machines. A trial whose worker died is given up
+    while waiting (:func:`reap_dead_trials`), so nobody waits for it.
     """
     deadline = time.monotonic() + wait_s
     while True:
+        reap_dead_trials(study)
         running = False
         for t in study.get_trials(deepcopy=False):
             other = t.user_attrs.get(attrs.FINGERPRINT)
@@ -153,6 +163,54 @@ def is_dead_worker(trial: optuna.trial.FrozenTrial) -> bool:
     except PermissionError:
         return False
     return False
+
+
+def reap_dead_trials(study: optuna.Study) -> None:
+    """Give up the RUNNING trials whose worker is gone, so no worker waits for them.
+
+    Two rules find them, in this order: a process of this host that no longer exists
+    (:func:`is_dead_worker`; the trial is marked ``autoprec:interrupted`` and failed), and, on a
+    storage with heartbeats (a database server, :func:`autoprec.search.storage.rdb_storage`), a
+    trial whose heartbeat is older than the grace period, whatever machine ran it (Optuna's ``fail_stale_trials``, which
+    fails it and calls :func:`requeue_trial`). On a storage with heartbeats a trial of a dead
+    local process is queued again too (:func:`requeue_trial`); SQLite only fails it. Two workers
+    reaping one trial at once is fine: only the one whose FAIL lands queues it again.
+    """
+    storage = study._storage
+    heartbeat = getattr(storage, "get_heartbeat_interval", lambda: None)() is not None
+    for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
+        if not is_dead_worker(t):
+            continue
+        try:
+            storage.set_trial_user_attr(t._trial_id, attrs.INTERRUPTED, True)
+            storage.set_trial_state_values(t._trial_id, optuna.trial.TrialState.FAIL)
+        except optuna.exceptions.UpdateFinishedTrialError:
+            continue  # another worker gave it up first
+        if heartbeat:
+            requeue_trial(study, t)
+    if heartbeat:  # after the pid rule: a trial of this host is marked interrupted
+        optuna.storages.fail_stale_trials(study)
+
+
+def requeue_trial(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+    """Queue the parameters of ``trial``, failed because its worker died, as a new WAITING trial
+    that the next free worker runs; at most :data:`MAX_RETRIES` times for one original trial.
+
+    The new trial's system attributes ``failed_trial`` and ``retry_history`` (the trial numbers
+    it re-runs) follow Optuna's ``RetryHeartbeatStaleTrialCallback``; no user attribute is
+    copied (the retry measures afresh). Also the storage's ``heartbeat_stale_trial_callback``.
+    """
+    history = [*trial.system_attrs.get(_RETRY_HISTORY, []), trial.number]
+    if len(history) > MAX_RETRIES:
+        return
+    study.add_trial(optuna.trial.create_trial(
+        state=optuna.trial.TrialState.WAITING, params=trial.params, distributions=trial.distributions,
+        system_attrs={"failed_trial": history[0], _RETRY_HISTORY: history}))
+
+
+def retried_numbers(trials: list[optuna.trial.FrozenTrial]) -> set[int]:
+    """Numbers of the trials that a later trial re-runs (:func:`requeue_trial`): they do not count."""
+    return {n for t in trials for n in t.system_attrs.get(_RETRY_HISTORY, [])}
 
 
 def _constrain(trial: optuna.Trial, value: float) -> None:

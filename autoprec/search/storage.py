@@ -1,10 +1,15 @@
 """Where studies live and when one may be resumed: storage URLs, the checks the CLI runs on them
 before any work, opening (creating or resuming) a study, and the measurement-version and
 search-space stamps that refuse a study this run cannot continue (docs/architecture.md#search).
+
+A database server (PostgreSQL, MySQL) shares one study between workers on several machines; its
+running trials send Optuna heartbeats, so the trial of a worker that died anywhere is failed and
+queued again (:func:`rdb_storage`).
 """
 
 from __future__ import annotations
 
+import inspect
 import os
 import time
 import warnings
@@ -17,18 +22,29 @@ from torch import fx
 from autoprec.errors import AutoprecError, SearchError
 from autoprec.nodekeys import graph_fingerprint
 from autoprec.search import attrs
-from autoprec.search.objective import DIRECTIONS, is_dead_worker
+from autoprec.search.objective import DIRECTIONS, reap_dead_trials, requeue_trial
 from autoprec.search.space import SearchSpace
 
-__all__ = ["MEASURE_VERSION", "check_sqlite_file", "check_storage_url", "check_study", "default_storage",
-           "default_study_name", "load_existing_study", "open_study", "precheck_study", "sqlite_path"]
+__all__ = ["GRACE_BEATS", "HEARTBEAT_S", "MEASURE_VERSION", "check_sqlite_file", "check_storage_url", "check_study",
+           "default_storage", "default_study_name", "heartbeat_interval", "load_existing_study", "open_study",
+           "precheck_study", "rdb_storage", "sqlite_path"]
 
 #: Version of what a trial measures and how (search/measure.py). Bump it when a change makes old
 #: trials' numbers incomparable with new ones; a study holding trials of another version is not
 #: resumed. 2: a parameter saved for backward counts once in the CPU peak bytes.
 MEASURE_VERSION = 2
 
+#: Seconds between the heartbeats of a running trial on a database server (Optuna's
+#: ``RDBStorage(heartbeat_interval=...)``); the environment variable ``AUTOPREC_HEARTBEAT_S``
+#: (a positive integer) overrides it.
+HEARTBEAT_S = 10
+#: A running trial whose last heartbeat is this many intervals old is stale: its worker died or
+#: lost the server (Optuna's ``grace_period``; Optuna's default is 2, which one slow query on a
+#: busy server can exceed).
+GRACE_BEATS = 6
+
 _SQLITE = "sqlite:///"
+_HEARTBEAT_ENV = "AUTOPREC_HEARTBEAT_S"
 
 
 def default_storage(out: str | os.PathLike) -> str:
@@ -44,6 +60,18 @@ def sqlite_path(storage: str | None) -> str | None:
     return None
 
 
+def _driver_url(url: str) -> str:
+    """``postgresql://`` means psycopg2 to SQLAlchemy; where only psycopg 3 is installed (the
+    ``postgres`` extra), use it (``postgresql+psycopg://``). Other URLs are returned as given."""
+    if not url.startswith("postgresql://"):
+        return url
+    import importlib.util
+
+    if importlib.util.find_spec("psycopg2") is None and importlib.util.find_spec("psycopg") is not None:
+        return "postgresql+psycopg://" + url[len("postgresql://"):]
+    return url
+
+
 def check_storage_url(url: str) -> None:
     """Fail before any work on a storage URL that SQLAlchemy cannot use (Optuna's RDB storage):
     an unknown dialect, a missing driver, or a server that does not answer.
@@ -54,7 +82,7 @@ def check_storage_url(url: str) -> None:
     import sqlalchemy
 
     try:
-        parsed = sqlalchemy.engine.make_url(url)
+        parsed = sqlalchemy.engine.make_url(_driver_url(url))
         parsed.get_dialect()
     except Exception as e:
         hint = f"; for a SQLite file use {_SQLITE}{url}" if "://" not in url else ""
@@ -71,6 +99,59 @@ def check_storage_url(url: str) -> None:
     except Exception as e:
         raise AutoprecError(f"--storage {url!r}: cannot connect ({type(e).__name__}: "
                             f"{str(e).splitlines()[0] if str(e) else ''})") from None
+    heartbeat_interval()  # a bad AUTOPREC_HEARTBEAT_S fails now too
+
+
+def heartbeat_interval() -> int:
+    """Seconds between heartbeats: ``$AUTOPREC_HEARTBEAT_S``, else :data:`HEARTBEAT_S`.
+
+    Raises:
+        AutoprecError: the variable is set but not a positive integer.
+    """
+    raw = os.environ.get(_HEARTBEAT_ENV, "").strip()
+    if not raw:
+        return HEARTBEAT_S
+    if not raw.isdigit() or int(raw) <= 0:
+        raise AutoprecError(f"{_HEARTBEAT_ENV}={raw!r}: not a positive integer (seconds between heartbeats)")
+    return int(raw)
+
+
+def rdb_storage(url: str) -> str | optuna.storages.RDBStorage:
+    """The Optuna storage of a URL. SQLite: the URL itself, as Optuna opens it (one machine; a
+    killed worker is found by its pid, :func:`autoprec.search.objective.is_dead_worker`). A
+    database server: an ``RDBStorage`` whose running trials record a heartbeat every
+    :func:`heartbeat_interval` seconds; one silent for :data:`GRACE_BEATS` intervals (server
+    time) is failed by the next worker that looks and queued again
+    (:func:`autoprec.search.objective.requeue_trial`), so any worker re-runs it. Workers creating
+    the schema of a new database at the same moment race; the loser retries.
+
+    Raises:
+        AutoprecError: a bad ``AUTOPREC_HEARTBEAT_S``.
+    """
+    if url.startswith("sqlite:"):
+        return url
+    interval = heartbeat_interval()
+    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)  # heartbeat_interval
+    callback = ("heartbeat_stale_trial_callback"  # Optuna >= 4.9; failed_trial_callback before
+                if "heartbeat_stale_trial_callback" in inspect.signature(optuna.storages.RDBStorage).parameters
+                else "failed_trial_callback")
+    return _retry_schema_race(lambda: optuna.storages.RDBStorage(
+        _driver_url(url), engine_kwargs={"pool_pre_ping": True}, heartbeat_interval=interval,
+        grace_period=GRACE_BEATS * interval, **{callback: requeue_trial}))
+
+
+def _retry_schema_race(make, attempts: int = 6):
+    """``make()``, retried when it loses a race with another worker creating the same schema,
+    study or table row (an IntegrityError, or "already exists")."""
+    for attempt in range(attempts):
+        try:
+            return make()
+        except Exception as e:
+            racing = "IntegrityError" in type(e).__name__ + repr(e) or "already exists" in str(e)
+            if attempt == attempts - 1 or not racing:
+                raise
+            time.sleep(0.2 * (attempt + 1))
+    raise AssertionError("unreachable")
 
 
 def check_sqlite_file(option: str, path: str) -> None:
@@ -112,9 +193,10 @@ def precheck_study(storage: str, study_name: str, space: SearchSpace) -> None:
     if path is not None and not os.path.isfile(path):
         return
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    if study_name not in {s.study_name for s in optuna.get_all_study_summaries(storage)}:
+    rdb = rdb_storage(storage)
+    if study_name not in {s.study_name for s in optuna.get_all_study_summaries(rdb)}:
         return
-    check_study(optuna.load_study(study_name=study_name, storage=storage), storage, space, stamp=False)
+    check_study(optuna.load_study(study_name=study_name, storage=rdb), storage, space, stamp=False)
 
 
 def check_study(study: optuna.Study, storage: str, space: SearchSpace, stamp: bool = True) -> None:
@@ -148,30 +230,22 @@ def check_study(study: optuna.Study, storage: str, space: SearchSpace, stamp: bo
 
 
 def open_study(storage: str, study_name: str, seed: int = 0) -> optuna.Study:
-    """Create or load (resume) the multi-objective study ``study_name`` in ``storage``.
+    """Create or load (resume) the multi-objective study ``study_name`` in ``storage``
+    (:func:`rdb_storage`: heartbeats on a database server).
 
     The sampler is Optuna's multivariate, grouped TPE (``TPESampler(seed, n_startup_trials=6,
-    multivariate=True, group=True)``). Trials left RUNNING by a killed worker of this host (its
-    process is gone) are marked FAIL and interrupted, so a resumed run neither waits for nor
-    counts them.
+    multivariate=True, group=True)``). Trials left RUNNING by a dead worker (a killed process of
+    this host; on a database server also one whose heartbeat stopped) are marked FAIL, so a
+    resumed run neither waits for nor counts them; on a database server they are queued again
+    (:func:`autoprec.search.objective.reap_dead_trials`).
     """
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
     sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=6, multivariate=True, group=True)
-    for attempt in range(6):
-        try:
-            study = optuna.create_study(storage=storage, study_name=study_name, directions=list(DIRECTIONS),
-                                        sampler=sampler, load_if_exists=True)
-            break
-        except Exception as e:  # workers creating one new RDB schema at the same moment race
-            racing = "IntegrityError" in type(e).__name__ + repr(e) or "already exists" in str(e)
-            if attempt == 5 or not racing:
-                raise
-            time.sleep(0.2 * (attempt + 1))
-    for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
-        if is_dead_worker(t):
-            study._storage.set_trial_user_attr(t._trial_id, attrs.INTERRUPTED, True)
-            study._storage.set_trial_state_values(t._trial_id, optuna.trial.TrialState.FAIL)
+    rdb = rdb_storage(storage)
+    study = _retry_schema_race(lambda: optuna.create_study(
+        storage=rdb, study_name=study_name, directions=list(DIRECTIONS), sampler=sampler, load_if_exists=True))
+    reap_dead_trials(study)
     return study
 
 
@@ -189,10 +263,11 @@ def load_existing_study(storage: str, study_name: str | None = None) -> optuna.S
     db = sqlite_path(storage)
     if db is not None and not os.path.isfile(db):
         raise SearchError(f"{db}: no such study database (--storage {storage})")
-    names = [s.study_name for s in optuna.get_all_study_summaries(storage)]
+    rdb = rdb_storage(storage)
+    names = [s.study_name for s in optuna.get_all_study_summaries(rdb)]
     if study_name is None and len(names) != 1:
         raise SearchError(f"{storage} holds {len(names)} studies; pick one with --study-name: {names}")
     name = study_name or names[0]
     if name not in names:
         raise SearchError(f"{storage}: no study named {name!r}; studies there: {names}")
-    return optuna.load_study(study_name=name, storage=storage)
+    return optuna.load_study(study_name=name, storage=rdb)

@@ -14,13 +14,16 @@ from autoprec.passes import run_pipeline
 from autoprec.runtime.train import make_scaler
 from autoprec.search import attrs
 from autoprec.search.measure import Harness
-from autoprec.search.objective import Objective, is_dead_worker
+from autoprec.search.objective import Objective, is_dead_worker, reap_dead_trials, retried_numbers
 from autoprec.search.space import SearchSpace
 
 __all__ = ["enqueue_baselines", "feasible", "finished", "optimize", "region_sensitivity"]
 
 #: How long a worker waits, after its own trials, for other workers' running trials (seconds).
 WAIT_FOR_OTHERS_S = 600.0
+#: Rounds of "run trials, wait for the others": a trial given up while waiting (its worker died)
+#: no longer counts, so the survivors run its retry in another round.
+_ROUNDS = 4
 
 
 def region_sensitivity(harness: Harness, space: SearchSpace) -> dict[str, float]:
@@ -56,17 +59,31 @@ def enqueue_baselines(study: optuna.Study, space: SearchSpace, sensitivity: dict
 
 def finished(study: optuna.Study) -> int:
     """Trials that count towards ``--trials``: complete, pruned, or failed by their measurement
-    (non-finite drift, a lowering error); not those cut short by Ctrl-C or a killed worker."""
+    (non-finite drift, a lowering error); not those cut short by Ctrl-C or a killed worker, nor
+    those a retry re-runs (:func:`autoprec.search.objective.requeue_trial`)."""
     states = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL, optuna.trial.TrialState.PRUNED)
-    return sum(not t.user_attrs.get(attrs.INTERRUPTED) for t in study.get_trials(deepcopy=False, states=states))
+    trials = study.get_trials(deepcopy=False)
+    retried = retried_numbers(trials)
+    return sum(t.state in states and not t.user_attrs.get(attrs.INTERRUPTED) and t.number not in retried
+               for t in trials)
 
 
 def optimize(study: optuna.Study, objective: Objective, target: int, timeout: float | None, progress: bool) -> None:
     """Run trials until the study holds ``target`` finished ones (shared with other workers),
     then wait (at most :data:`WAIT_FOR_OTHERS_S`) for other live workers' running trials, so
-    every worker selects from the same trials."""
+    every worker selects from the same trials. A trial whose worker died while waiting is given
+    up (:func:`autoprec.search.objective.reap_dead_trials`); if that leaves fewer than ``target``,
+    another round runs its retry."""
     t_end = None if timeout is None else time.monotonic() + timeout
+    for _ in range(_ROUNDS):
+        _run_trials(study, objective, target, t_end, progress)
+        _wait_for_others(study)
+        if finished(study) >= target or (t_end is not None and time.monotonic() >= t_end):
+            break
 
+
+def _run_trials(study: optuna.Study, objective: Objective, target: int, t_end: float | None, progress: bool) -> None:
+    """Optuna's ``study.optimize`` until the study holds ``target`` finished trials or ``t_end``."""
     def stop(study: optuna.Study, _trial) -> None:
         if finished(study) >= target:
             study.stop()
@@ -83,12 +100,21 @@ def optimize(study: optuna.Study, objective: Objective, target: int, timeout: fl
             break
         except ValueError as e:
             # SQLite has no row locks: two workers can pop the same queued trial, and the second
-            # to finish cannot tell it. Its result is the same graph; carry on with the rest.
+            # to finish cannot tell it. A worker that went silent past the heartbeat grace (a
+            # database server) finds its trial failed by the others. Either way its result is
+            # not needed; carry on with the rest.
             if "Cannot tell a" not in str(e):
                 raise
+
+
+def _wait_for_others(study: optuna.Study) -> None:
+    """Wait (at most :data:`WAIT_FOR_OTHERS_S`) until no live worker's trial is RUNNING."""
     deadline = time.time() + WAIT_FOR_OTHERS_S
-    while time.time() < deadline and any(
-            not is_dead_worker(t) for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))):
+    while time.time() < deadline:
+        reap_dead_trials(study)
+        if not any(not is_dead_worker(t)
+                   for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))):
+            return
         time.sleep(1.0)
 
 

@@ -1,0 +1,169 @@
+"""Hugging Face ``Trainer`` with an autoprec policy (docs/architecture.md#runtime).
+
+A bf16 or fp32 policy needs nothing here: ``transformers.Trainer(model=autoprec.apply(model, policy,
+batch), ...)`` trains the module as it is (it reports the model's forward signature, ``config`` and
+``state_dict``: :class:`autoprec.MixedPrecisionModule`). A policy with fp16 nodes needs a dynamic
+loss scaler, and the optimizer step is not something Trainer's callbacks can change (they run
+before and after it, never instead of it), hence :class:`AutoprecTrainer`.
+
+How it hooks in: Trainer drives its backward pass and optimizer step through ``accelerate``, which
+already has GradScaler's protocol (``Accelerator.backward`` calls ``scaler.scale(loss).backward()``;
+``AcceleratedOptimizer.step`` calls ``scaler.step(optimizer)`` then ``scaler.update()`` and reports
+a skipped step as ``optimizer_step_was_skipped``, which also holds the learning-rate schedule back;
+Trainer saves and resumes ``accelerator.scaler``'s ``state_dict`` as ``scaler.pt`` in its checkpoints).
+:class:`AutoprecTrainer` puts the policy's :class:`autoprec.DynamicLossScaler` there
+(``autoprec.runtime.train.make_scaler``) and unscales the gradients before Trainer clips them or
+measures their norm, so the order of a step is :class:`autoprec.runtime.train.TrainStep`'s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+try:
+    import transformers
+except ImportError as e:  # pragma: no cover - the extra is installed in dev
+    raise ImportError("autoprec.integrations.transformers needs transformers and accelerate: "
+                      "pip install 'autoprec[transformers]'") from e
+
+from autoprec.runtime.apply import MixedPrecisionModule
+from autoprec.runtime.scaler import DynamicLossScaler
+from autoprec.runtime.train import make_scaler
+
+__all__ = ["AutoprecTrainer", "check_training_args"]
+
+#: TrainingArguments flags that cast or autocast the model, with what each would do to a policy.
+_PRECISION_FLAGS = {
+    "bf16": "runs every forward under torch.autocast(bfloat16)",
+    "fp16": "runs every forward under torch.autocast(float16) with torch's own GradScaler",
+    "bf16_full_eval": "casts the weights to bfloat16 for evaluation",
+    "fp16_full_eval": "casts the weights to float16 for evaluation",
+}
+
+
+def check_training_args(args: Any, what: str = "AutoprecTrainer") -> None:
+    """Refuse ``TrainingArguments`` that would change the dtypes a policy sets, or its graph.
+
+    Args:
+        args: ``transformers.TrainingArguments`` (or None: Trainer's defaults, which pass).
+        what: How the message names the caller.
+
+    Raises:
+        ValueError: ``bf16``, ``fp16``, ``bf16_full_eval`` or ``fp16_full_eval`` is True (the policy
+            already sets each node's dtype), or ``gradient_checkpointing``/``activation_checkpointing``
+            is True (the graph is captured already; the policy's ``activation_memory_budget`` is
+            autoprec's equivalent). The message names the flag.
+    """
+    if args is None:
+        return
+    for flag, effect in _PRECISION_FLAGS.items():
+        if getattr(args, flag, False):
+            raise ValueError(
+                f"{what}: TrainingArguments({flag}=True) together with a policy-applied model: Trainer {effect}, "
+                "overriding the dtypes the policy sets for each node. Pass bf16=False and fp16=False (the "
+                "defaults); the policy decides the precision, and AutoprecTrainer adds the loss scaler a "
+                "policy with fp16 nodes needs.")
+    for flag in ("activation_checkpointing", "gradient_checkpointing"):
+        if getattr(args, flag, False):
+            raise ValueError(
+                f"{what}: TrainingArguments({flag}=True): gradient checkpointing cannot be switched on after "
+                "autoprec.apply (the graph is captured and lowered already). Pass gradient_checkpointing=False; "
+                "to trade compute for activation memory, give the policy an activation_memory_budget below 1.0 "
+                "and apply with compile=True (docs/architecture.md#policy-file).")
+
+
+class AutoprecTrainer(transformers.Trainer):
+    """``transformers.Trainer`` for a module from :func:`autoprec.apply`, with the policy's loss scaler.
+
+    Use it like ``Trainer`` (same arguments); ``model`` must be a
+    :class:`~autoprec.MixedPrecisionModule`. For a policy with fp16 nodes
+    (``policy.needs_loss_scaling``) each step scales the loss by the scaler's scale before backward,
+    unscales the fp32 gradients before clipping (``max_grad_norm``) and before measuring
+    ``grad_norm``, skips the optimizer step (and the learning-rate schedule's step) when any gradient
+    is inf/NaN, and updates the scale (GradScaler's rule with the policy's ``loss_scaling``
+    settings, docs/architecture.md#policy-file). Every training log line then carries
+    ``loss_scale`` (the scale after the step's update) and ``skipped_steps`` (skipped so far), in
+    ``trainer.state.log_history`` and in every ``report_to`` integration. The logged ``loss`` is
+    unscaled. For bf16/fp32 policies it is Trainer, plus the checks below.
+
+    ``save_model`` (and each checkpoint) writes through the wrapped model's ``save_pretrained`` when
+    it is a ``PreTrainedModel``, so the directory loads with ``from_pretrained`` of the model's own
+    class (``config.json`` included; a plain ``Trainer`` writes only ``model.safetensors`` for a
+    module that is not a ``PreTrainedModel``).
+
+    Raises:
+        TypeError: ``model`` is not a ``MixedPrecisionModule``, or ``model_init`` is given instead.
+        ValueError: ``args`` sets ``bf16``/``fp16``/``*_full_eval`` or gradient checkpointing
+            (:func:`check_training_args`).
+    """
+
+    def __init__(self, model: MixedPrecisionModule | None = None, args: Any = None, *rest: Any,
+                 **kwargs: Any) -> None:
+        if not isinstance(model, MixedPrecisionModule):
+            raise TypeError(f"AutoprecTrainer: model must be the module autoprec.apply returned (a "
+                            f"MixedPrecisionModule), got {type(model).__name__}"
+                            + (" (model_init is not supported: apply the policy, then pass model=)"
+                               if kwargs.get("model_init") is not None else ""))
+        check_training_args(args)
+        super().__init__(model, args, *rest, **kwargs)
+
+    def create_accelerator_and_postprocess(self) -> None:
+        """Trainer's accelerator, with the policy's :class:`~autoprec.DynamicLossScaler` as its scaler
+        (None for a policy without fp16 nodes). Trainer calls this in ``__init__`` and again for a
+        hyper-parameter search, so each accelerator gets a fresh scaler."""
+        super().create_accelerator_and_postprocess()
+        if self.accelerator.scaler is not None:  # check_training_args refused fp16 already
+            raise ValueError("AutoprecTrainer: accelerate created its own GradScaler (mixed_precision='fp16' in "
+                             "the accelerate config or environment); set mixed_precision='no'")
+        self.accelerator.scaler = make_scaler(self.model.policy)
+
+    @property
+    def loss_scaler(self) -> DynamicLossScaler | None:
+        """The policy's loss scaler (``state_dict()`` as saved in checkpoints), None without fp16 nodes."""
+        scaler = self.accelerator.scaler
+        return scaler if isinstance(scaler, DynamicLossScaler) else None
+
+    def _unscale(self) -> None:
+        """Divide the accumulated gradients by the scale (fp32, in place) and record inf/NaN, once per step."""
+        if self.loss_scaler is not None:
+            self.loss_scaler.unscale_(getattr(self.optimizer, "optimizer", self.optimizer))
+
+    def _clip_grad_norm(self, model: Any) -> Any:
+        """Unscale, then Trainer's clipping (called when ``max_grad_norm > 0``)."""
+        self._unscale()
+        return super()._clip_grad_norm(model)
+
+    def _get_grad_norm(self, model: Any, grad_norm: Any = None) -> Any:
+        """Trainer's gradient norm; without clipping (``grad_norm`` None) the gradients are unscaled first."""
+        if grad_norm is None:
+            self._unscale()
+        return super()._get_grad_norm(model, grad_norm=grad_norm)
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        """Trainer's ``log``, with ``loss_scale`` and ``skipped_steps`` added to training logs (those
+        without ``eval_``/``test_`` metrics) when the policy has fp16 nodes."""
+        scaler = self.loss_scaler
+        if scaler is not None and not any(k.startswith(("eval_", "test_")) for k in logs):
+            logs = {**logs, "loss_scale": scaler.get_scale(), "skipped_steps": scaler.skipped_steps}
+        super().log(logs, *args, **kwargs)
+
+    def _save(self, output_dir: str | None = None, state_dict: dict[str, Any] | None = None) -> None:
+        """Trainer's ``_save`` run on the wrapped model when it is a ``PreTrainedModel``
+        (``save_pretrained``: ``config.json`` and the weights, tied weights once)."""
+        with self._inner_model():
+            super()._save(output_dir, state_dict)
+
+    @contextlib.contextmanager
+    def _inner_model(self) -> Iterator[None]:
+        mp = self.model
+        inner = getattr(mp, "model", None)
+        if not isinstance(inner, transformers.PreTrainedModel):
+            yield
+            return
+        self.model = inner
+        try:
+            yield
+        finally:
+            self.model = mp

@@ -1,0 +1,94 @@
+"""How a :class:`~autoprec.runtime.apply.MixedPrecisionModule` presents its model to trainers that
+introspect it, Hugging Face ``Trainer`` first (docs/architecture.md#runtime): the model's forward
+signature, attributes read through, and the refusal of ``torch.autocast`` around a policy."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["check_no_autocast", "model_attr", "signed_class"]
+
+
+def model_attr(name: str, doc: str) -> property:
+    """A read-only property reading attribute ``name`` of the wrapped model (``self.model``).
+
+    Args:
+        name: The attribute, e.g. ``"config"``.
+        doc: The property's docstring.
+
+    Returns:
+        The property. Reading it raises ``AttributeError`` when the model has no such attribute,
+        so ``getattr(mp, name, default)`` and ``hasattr`` answer as they do for the model.
+    """
+    def get(self: nn.Module) -> Any:
+        model = self.__dict__.get("model")
+        if model is None:
+            raise AttributeError(name)
+        return getattr(model, name)
+
+    return property(get, doc=doc)
+
+
+#: Subclasses of MixedPrecisionModule whose ``forward`` reports a model's signature, per (class, signature).
+_SIGNED: dict[tuple[type, str], type] = {}
+
+
+def signed_class(cls: type, model: nn.Module) -> type:
+    """A subclass of ``cls`` whose ``forward`` reports ``model.forward``'s signature.
+
+    Hugging Face ``Trainer`` reads the signature on the instance (which dataset columns to keep,
+    ``Trainer._set_signature_columns_if_needed``) and on the class (``find_labels`` and
+    ``can_return_loss`` in transformers/utils/generic.py: the label names, without which
+    ``evaluate`` reports no ``eval_loss``). The subclass's ``forward`` calls ``cls.forward``
+    unchanged; it has ``cls``'s name, module and docstring, and is made once per class and signature.
+
+    Args:
+        cls: The module class (``MixedPrecisionModule`` or a subclass).
+        model: The wrapped model.
+
+    Returns:
+        The subclass, or ``cls`` itself when ``model.forward`` has no signature ``inspect`` can read.
+    """
+    try:
+        sig = inspect.signature(model.forward)
+    except (TypeError, ValueError):
+        return cls
+    key = (cls, f"{type(model).__module__}.{type(model).__qualname__}{sig}")
+    if key not in _SIGNED:
+        base = cls.forward
+
+        def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            return base(self, *args, **kwargs)
+
+        functools.update_wrapper(forward, base)
+        self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        forward.__signature__ = sig.replace(parameters=[self_param, *sig.parameters.values()])
+        _SIGNED[key] = type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__,
+                                                   "__qualname__": cls.__qualname__, "__doc__": cls.__doc__})
+    return _SIGNED[key]
+
+
+def check_no_autocast(what: str) -> None:
+    """Refuse a call under ``torch.autocast``: autocast recasts the graph's ops, overriding the policy.
+
+    Args:
+        what: How the message names the module, e.g. ``"MixedPrecisionModule of Qwen2ForCausalLM"``.
+
+    Raises:
+        ValueError: autocast is enabled for ``cpu`` or ``cuda``; the message names the device and dtype
+            and what sets it (Trainer's ``bf16``/``fp16``, accelerate's ``mixed_precision``).
+    """
+    for device_type in ("cpu", "cuda"):
+        if torch.is_autocast_enabled(device_type):
+            raise ValueError(
+                f"{what} was called under torch.autocast({device_type!r}, "
+                f"{torch.get_autocast_dtype(device_type)}), e.g. by transformers.Trainer with "
+                "TrainingArguments(bf16=True) or fp16=True, or by accelerate's mixed_precision: autocast would "
+                "recast the policy's nodes and override its dtypes. The policy already sets each node's dtype: "
+                "train with bf16=False and fp16=False (fp16 policies: "
+                "autoprec.integrations.transformers.AutoprecTrainer, which adds the loss scaler).")
