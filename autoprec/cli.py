@@ -172,15 +172,17 @@ def _cmd_train(a: argparse.Namespace) -> int:
     if a.compare is not None:
         with _naming_policy(a.policy):
             return _cmd_compare(a)
+    from autoprec.runtime.distributed import ranks_from_env
     from autoprec.runtime.loop import train
 
     with _naming_policy(a.policy):
         res = train(a.model, a.policy, steps=a.steps, device=a.device, compile=not a.no_compile,
                     log_every=a.log_every, checkpoint=a.checkpoint, resume=a.resume,
                     checkpoint_every=a.checkpoint_every, log_path=a.log, max_grad_norm=a.max_grad_norm)
-    print(f"final loss (mean of last {min(5, len(res.losses))} steps) {res.final_loss:.4f}; "
-          f"{res.tokens_per_s:.0f} tokens/s; "
-          f"skipped steps {res.skipped}; loss scale {res.loss_scale:g}")
+    if ranks_from_env().lead:  # under torchrun (train --nproc) rank 0 speaks for all
+        print(f"final loss (mean of last {min(5, len(res.losses))} steps) {res.final_loss:.4f}; "
+              f"{res.tokens_per_s:.0f} tokens/s; "
+              f"skipped steps {res.skipped}; loss scale {res.loss_scale:g}")
     return 0 if math.isfinite(res.final_loss) else 1
 
 

@@ -33,6 +33,34 @@ def _positive_float(text: str) -> float:
     return v
 
 
+def _add_train(sub: argparse._SubParsersAction) -> None:
+    """The ``train`` subcommand's arguments."""
+    r = sub.add_parser("train", help="train with a policy")
+    r.add_argument("model", help="model file defining build_model() and get_batch(step, device)")
+    r.add_argument("--policy", required=True, help="policy JSON file (from autoprec tune)")
+    r.add_argument("--steps", type=_int_at_least(1), default=50,
+                   help="total optimizer steps of the run; a resumed run continues up to this step (default 50)")
+    r.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    r.add_argument("--no-compile", action="store_true", help="run the lowered graph eagerly, no torch.compile")
+    r.add_argument("--log-every", type=_int_at_least(1), default=1, metavar="N", help="print every N-th step (default 1)")
+    r.add_argument("--checkpoint", default=None, metavar="PATH",
+                   help="checkpoint file written at the end (and every --checkpoint-every steps)")
+    r.add_argument("--resume", action="store_true",
+                   help="continue from --checkpoint if it exists (with --compare: the unfinished run in --out-dir)")
+    r.add_argument("--checkpoint-every", type=_int_at_least(0), default=0, metavar="N",
+                   help="also save the checkpoint every N steps (default 0: only at the end); with --compare, "
+                        "save the running configuration every N steps under --out-dir")
+    r.add_argument("--log", default=None, metavar="JSONL", help="append per-step monitor records here")
+    r.add_argument("--max-grad-norm", type=_positive_float, default=None, help="clip unscaled gradients to this norm")
+    r.add_argument("--compare", default=None, metavar="LIST",
+                   help="convergence check: also train these baselines (fp32,autocast) from the same "
+                        "weights on the same batches and compare the loss curves")
+    r.add_argument("--out-dir", default="convergence", help="where --compare writes JSON + PNG")
+    r.add_argument("--nproc", type=_int_at_least(1), default=1, metavar="N",
+                   help="train on N ranks of this machine under DDP (torchrun; gloo on CPU, NCCL on CUDA): "
+                        "rank r at step k trains on get_batch(k*N + r); rank 0 logs and checkpoints (default 1)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``autoprec`` argument parser: one subcommand per command, numbers validated by type."""
     p = argparse.ArgumentParser(prog="autoprec", description="Mixed-precision autotuner for PyTorch training.")
@@ -67,30 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "provenance.study names it)")
     rp.add_argument("--out", default="report", help="path stem of the files written (default: report)")
 
-    r = sub.add_parser("train", help="train with a policy")
-    r.add_argument("model", help="model file defining build_model() and get_batch(step, device)")
-    r.add_argument("--policy", required=True, help="policy JSON file (from autoprec tune)")
-    r.add_argument("--steps", type=_int_at_least(1), default=50,
-                   help="total optimizer steps of the run; a resumed run continues up to this step (default 50)")
-    r.add_argument("--device", default="auto", help="auto | cpu | cuda")
-    r.add_argument("--no-compile", action="store_true", help="run the lowered graph eagerly, no torch.compile")
-    r.add_argument("--log-every", type=_int_at_least(1), default=1, metavar="N", help="print every N-th step (default 1)")
-    r.add_argument("--checkpoint", default=None, metavar="PATH",
-                   help="checkpoint file written at the end (and every --checkpoint-every steps)")
-    r.add_argument("--resume", action="store_true",
-                   help="continue from --checkpoint if it exists (with --compare: the unfinished run in --out-dir)")
-    r.add_argument("--checkpoint-every", type=_int_at_least(0), default=0, metavar="N",
-                   help="also save the checkpoint every N steps (default 0: only at the end); with --compare, "
-                        "save the running configuration every N steps under --out-dir")
-    r.add_argument("--log", default=None, metavar="JSONL", help="append per-step monitor records here")
-    r.add_argument("--max-grad-norm", type=_positive_float, default=None, help="clip unscaled gradients to this norm")
-    r.add_argument("--compare", default=None, metavar="LIST",
-                   help="convergence check: also train these baselines (fp32,autocast) from the same "
-                        "weights on the same batches and compare the loss curves")
-    r.add_argument("--out-dir", default="convergence", help="where --compare writes JSON + PNG")
-    r.add_argument("--nproc", type=_int_at_least(1), default=1, metavar="N",
-                   help="train on N ranks of this machine under DDP (torchrun; gloo on CPU, NCCL on CUDA): "
-                        "rank r at step k trains on get_batch(k*N + r); rank 0 logs and checkpoints (default 1)")
+    _add_train(sub)
 
     s = sub.add_parser("show", help="print a policy file (and per-node dtypes with --model)")
     s.add_argument("policy", help="policy JSON file")

@@ -30,7 +30,7 @@ from autoprec.runtime.scaler import DynamicLossScaler, any_rank
 
 MODELS = Path(__file__).resolve().parent / "models"
 WORLD = 2
-DEADLINE_S = 240
+DEADLINE_S = 150
 
 
 def _mlp() -> nn.Module:
@@ -39,6 +39,7 @@ def _mlp() -> nn.Module:
 
 def _run_ranks(fn, out: Path, *args, world: int = WORLD, timeout: float = DEADLINE_S) -> list[dict]:
     """Run ``fn(rank, world, out, *args)`` on ``world`` spawned ranks; each saves ``out/rank{r}.pt``."""
+    out.mkdir(parents=True, exist_ok=True)
     ctx = tmp.start_processes(_entry, args=(fn, world, str(out), args), nprocs=world, join=False,
                               start_method="spawn")
     import time
@@ -169,6 +170,9 @@ def _inf_worker(rank: int, world: int, sharded: bool) -> dict:
 
 @pytest.mark.parametrize("sharded", [False, True], ids=["ddp", "fsdp2"])
 def test_inf_on_one_rank_makes_every_rank_skip_and_back_off(tmp_path, sharded):
+    """An inf written into rank 1's gradient after the reduction: both ranks skip step 1 and halve
+    the scale (DDP: by the scaler's all-reduce; FSDP2: DTensor's dispatch of the unscale kernel
+    also reduces found_inf over the mesh, torch/distributed/tensor/_dispatch.py)."""
     r0, r1 = _run_ranks(_inf_worker, tmp_path, sharded)
     assert r0["applied"] == r1["applied"] == [True, False, True, True]
     assert r0["scales"] == r1["scales"] == [1024.0, 512.0, 512.0, 512.0]
@@ -263,7 +267,7 @@ def test_train_nproc_2_matches_one_rank_at_twice_the_batch(tmp_path, capfd):
     one = train(MODELS / "ddp_mlp_2b.py", policy, steps=20, device="cpu", compile=False, quiet=True).losses
     assert len(two) == len(one) == 20
     torch.testing.assert_close(torch.tensor(two), torch.tensor(one), rtol=1e-5, atol=1e-7)
-    assert one[-1] < one[0]
+    assert sum(one[-5:]) < sum(one[:5])
 
 
 def test_train_nproc_refuses_compare(tmp_path, capsys):

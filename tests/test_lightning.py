@@ -5,6 +5,7 @@ Done-when 2): weights, optimizer, loss-scaler and RNG states all come back."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -12,8 +13,11 @@ import torch
 L = pytest.importorskip("lightning")
 tf = pytest.importorskip("transformers")
 
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+
 from autoprec import AutoprecError, LossScalingConfig, Policy  # noqa: E402
 from autoprec.integrations.lightning import AutoprecPrecision  # noqa: E402
+from autoprec.runtime.train import make_scaler  # noqa: E402
 
 V, T, B, EPOCH = 128, 16, 2, 20  # vocab, sequence length, batch size, batches per epoch
 
@@ -44,72 +48,58 @@ def _loader() -> torch.utils.data.DataLoader:
     return torch.utils.data.DataLoader([{"input_ids": x, "labels": x} for x in ids], batch_size=B)
 
 
-class SaveAt(L.Callback):
-    """``trainer.save_checkpoint(path)`` after optimizer step ``step`` (where ``ModelCheckpoint(
-    every_n_train_steps=step)`` saves: a checkpoint saved after ``fit`` returned resumes the finished
-    epoch once more, one written in ``on_train_batch_end`` starts the next epoch)."""
-
-    def __init__(self, path, step: int) -> None:
-        self.path, self.step = path, step
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if trainer.global_step == self.step:
-            trainer.save_checkpoint(self.path)
-
-
-def _fit(policy: Policy, steps: int, ckpt_path=None, save=None) -> tuple[LitLM, AutoprecPrecision]:
-    """Train ``steps`` optimizer steps in total (from ``ckpt_path`` if given; saving to ``save`` at the end)."""
+def _fit(policy: Policy, steps: int, ckpt_path=None, save_dir=None) -> tuple[LitLM, AutoprecPrecision]:
+    """Train ``steps`` optimizer steps in total, from ``ckpt_path`` if given; with ``save_dir``, a
+    ``ModelCheckpoint`` there writes ``epoch=0-step=20.ckpt`` after step 20 (``on_train_batch_end``)."""
     torch.manual_seed(0)
     lit = LitLM()
     if ckpt_path is not None:
         torch.manual_seed(1234)  # the resumed run must take its RNG state from the checkpoint
     plugin = AutoprecPrecision(policy, compile=False)
+    saving = [ModelCheckpoint(dirpath=save_dir, every_n_train_steps=EPOCH, save_top_k=-1)] if save_dir else []
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, plugins=[plugin], logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[SaveAt(save, steps)] if save is not None else [])
+                        enable_checkpointing=bool(saving), callbacks=saving, enable_progress_bar=False,
+                        enable_model_summary=False)
     trainer.fit(lit, _loader(), ckpt_path=ckpt_path)
     return lit, plugin
 
 
 def _fp16_policy() -> Policy:
-    """fp16 policy whose scaler grows every 3 clean steps: at step 20 its growth tracker is not 0."""
+    """fp16 policy whose scaler grows every 3 clean steps (by step 20 it has grown and backed off)."""
     return dataclasses.replace(Policy.default(low="fp16"), loss_scaling=LossScalingConfig(growth_interval=3))
 
 
 @pytest.mark.parametrize("policy", [Policy.default(low="bf16"), _fp16_policy()], ids=["bf16", "fp16"])
+@pytest.mark.filterwarnings("ignore:Checkpoint directory .* exists and is not empty")  # the resumed run's
 def test_resumed_run_is_bit_identical(policy, tmp_path):
-    full, full_plugin = _fit(policy, EPOCH + 3)
-    first, _ = _fit(policy, EPOCH, save=tmp_path / "ckpt")
-    resumed, plugin = _fit(policy, EPOCH + 3, ckpt_path=tmp_path / "ckpt")
+    """An uninterrupted 23-step run saves a checkpoint after step 20 (the end of the first epoch,
+    so a plain DataLoader resumes at the next batch); a fresh Trainer, module and plugin resumed
+    from it (global RNG reseeded differently) repeat steps 21-23 bit for bit."""
+    full, full_plugin = _fit(policy, EPOCH + 3, save_dir=tmp_path)
+    ckpt = tmp_path / f"epoch=0-step={EPOCH}.ckpt"
+    saved = torch.load(ckpt, weights_only=True)  # what Lightning wrote: plain tensors and numbers
+    resumed, plugin = _fit(policy, EPOCH + 3, ckpt_path=ckpt, save_dir=tmp_path)  # same callbacks
 
-    assert len(full.losses) == EPOCH + 3 and len(first.losses) == EPOCH and len(resumed.losses) == 3
+    assert len(full.losses) == EPOCH + 3 and len(resumed.losses) == 3
     assert full.losses[0] > full.losses[-1]  # it trains
-    for a, b in zip(full.losses[:EPOCH], first.losses, strict=True):
-        assert torch.equal(a, b)
     for i, (a, b) in enumerate(zip(full.losses[EPOCH:], resumed.losses, strict=True)):
         assert torch.equal(a, b), f"resumed step {EPOCH + i}: loss {b.item()!r} vs uninterrupted {a.item()!r}"
     full_state, resumed_state = full.state_dict(), resumed.state_dict()
-    assert full_state.keys() == resumed_state.keys()
+    assert full_state.keys() == resumed_state.keys() == saved["state_dict"].keys()  # the model's own keys
     for k, v in full_state.items():
         assert torch.equal(v, resumed_state[k]), k
-    assert plugin.state_dict()["scaler"] == full_plugin.state_dict()["scaler"]
     assert plugin.mp is not None and plugin.mp.policy is policy
 
-
-def test_checkpoint_holds_the_models_keys_the_scaler_and_the_policy(tmp_path):
-    policy = _fp16_policy()
-    lit, plugin = _fit(policy, 4, save=tmp_path / "ckpt")
-    ck = torch.load(tmp_path / "ckpt", weights_only=True)
-    assert set(ck["state_dict"]) == set(LitLM().state_dict())  # the model's own keys, nothing of autoprec
-    saved = ck["AutoprecPrecision"]
-    assert saved["scaler"] == plugin.scaler.state_dict()
-    assert saved["scaler"]["_growth_tracker"] == 4 % 3 or saved["scaler"]["skipped_steps"] > 0
-    assert Policy.from_dict(__import__("json").loads(saved["policy"])).training_key() == policy.training_key()
-    assert plugin.loss_scale == saved["scaler"]["scale"] and plugin.skipped_steps == saved["scaler"]["skipped_steps"]
-
-    other = AutoprecPrecision(Policy.default(low="bf16"))
-    with pytest.raises(AutoprecError, match="different policy"):
-        other.load_state_dict(saved)
+    state = saved["AutoprecPrecision"]
+    assert Policy.from_dict(json.loads(state["policy"])).training_key() == policy.training_key()
+    assert plugin.state_dict()["scaler"] == full_plugin.state_dict()["scaler"]
+    if policy.needs_loss_scaling:  # the scaler's state at step 20 is one a fresh scaler does not have
+        assert state["scaler"]["scale"] != make_scaler(policy).get_scale() and state["scaler"]["skipped_steps"] > 0
+        assert plugin.loss_scale == full_plugin.loss_scale and plugin.skipped_steps == full_plugin.skipped_steps
+        with pytest.raises(AutoprecError, match="different policy"):
+            AutoprecPrecision(Policy.default(low="bf16")).load_state_dict(state)
+    else:
+        assert state["scaler"] == {} and plugin.scaler is None
 
 
 def test_bf16_policy_has_no_scaler_and_eval_runs_the_models_forward():
@@ -134,3 +124,26 @@ def test_bf16_policy_has_no_scaler_and_eval_runs_the_models_forward():
 def test_a_missing_inner_module_is_named():
     with pytest.raises(AutoprecError, match="no submodule 'net'"):
         AutoprecPrecision(Policy.fp32(), module="net").convert_module(LitLM())
+
+
+def test_lightning_refuses_a_precision_flag_beside_the_plugin():
+    with pytest.raises(ValueError, match="Choose one"):
+        L.Trainer(accelerator="cpu", devices=1, precision="bf16-mixed", logger=False,
+                  plugins=[AutoprecPrecision(Policy.default(low="bf16"))])
+
+
+def test_example_batch_fixes_the_capture():
+    """The graph is captured on ``example_batch`` (moved to the model's device), not on the first
+    call's batch: with dynamic dimensions that batch fixes the largest batch size."""
+    ids = torch.randint(0, V, (2 * B, T), generator=torch.Generator().manual_seed(2))
+    big = {"input_ids": ids, "labels": ids}
+    small = {k: v[:B] for k, v in big.items()}
+    plugin = AutoprecPrecision(Policy.default(low="bf16"), example_batch=big, compile=False)
+    lit = plugin.convert_module(LitLM())
+    assert torch.isfinite(lit.model(**small).loss) and torch.isfinite(lit.model(**big).loss)
+    assert plugin.mp.shape_stats["captures"] == 1
+    first_call = AutoprecPrecision(Policy.default(low="bf16"), compile=False)
+    lit = first_call.convert_module(LitLM())
+    lit.model(**small)
+    with pytest.raises(ValueError, match="batch 1..2"):  # captured on the first call's batch of 2
+        lit.model(**big)

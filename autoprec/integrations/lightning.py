@@ -52,7 +52,7 @@ except ImportError as e:  # pragma: no cover - the extra is installed in dev
 from autoprec.errors import AutoprecError
 from autoprec.policy import Policy
 from autoprec.runtime.apply import MixedPrecisionModule, apply
-from autoprec.runtime.checkpoint import _rng_state, _set_rng_state
+from autoprec.runtime.checkpoint import rng_state, set_rng_state
 from autoprec.runtime.monitor import first_nonfinite_node
 from autoprec.runtime.scaler import DynamicLossScaler
 from autoprec.runtime.train import make_scaler
@@ -201,7 +201,7 @@ class AutoprecPrecision(Precision):
         state: dict[str, Any] = {"scaler": self.scaler.state_dict() if self.scaler is not None else {},
                                  "policy": self.policy.to_json()}
         if self.restore_rng:
-            state["rng"] = _rng_state()
+            state["rng"] = rng_state()
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -222,7 +222,7 @@ class AutoprecPrecision(Precision):
         if self.scaler is not None and state_dict.get("scaler"):
             self.scaler.load_state_dict(state_dict["scaler"])
         if self.restore_rng and "rng" in state_dict:
-            _set_rng_state(state_dict["rng"])
+            set_rng_state(state_dict["rng"])
 
 
 class _PolicyForward:

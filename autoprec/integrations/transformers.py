@@ -65,13 +65,13 @@ def check_training_args(args: Any, what: str = "AutoprecTrainer") -> None:
                 "overriding the dtypes the policy sets for each node. Pass bf16=False and fp16=False (the "
                 "defaults); the policy decides the precision, and AutoprecTrainer adds the loss scaler a "
                 "policy with fp16 nodes needs.")
-    for flag in ("activation_checkpointing", "gradient_checkpointing"):
-        if getattr(args, flag, False):
-            raise ValueError(
-                f"{what}: TrainingArguments({flag}=True): gradient checkpointing cannot be switched on after "
-                "autoprec.apply (the graph is captured and lowered already). Pass gradient_checkpointing=False; "
-                "to trade compute for activation memory, give the policy an activation_memory_budget below 1.0 "
-                "and apply with compile=True (docs/architecture.md#policy-file).")
+    if getattr(args, "activation_checkpointing", False) or getattr(args, "gradient_checkpointing", False):
+        raise ValueError(
+            f"{what}: TrainingArguments(gradient_checkpointing=True) (or activation_checkpointing=True): gradient "
+            "checkpointing cannot be switched on after autoprec.apply (the graph is captured and lowered "
+            "already). Pass gradient_checkpointing=False and activation_checkpointing=False; to trade compute "
+            "for activation memory, give the policy an activation_memory_budget below 1.0 and apply with "
+            "compile=True (docs/architecture.md#policy-file).")
 
 
 class AutoprecTrainer(transformers.Trainer):
@@ -157,6 +157,7 @@ class AutoprecTrainer(transformers.Trainer):
 
     @contextlib.contextmanager
     def _inner_model(self) -> Iterator[None]:
+        """``self.model`` is the wrapped ``PreTrainedModel`` inside the block (unchanged for another model)."""
         mp = self.model
         inner = getattr(mp, "model", None)
         if not isinstance(inner, transformers.PreTrainedModel):

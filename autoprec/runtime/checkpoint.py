@@ -37,7 +37,7 @@ from autoprec.errors import AutoprecError
 from autoprec.policy import Policy
 from autoprec.runtime.scaler import DynamicLossScaler
 
-__all__ = ["CHECKPOINT_FORMAT", "Checkpoint", "load_checkpoint", "save_checkpoint"]
+__all__ = ["CHECKPOINT_FORMAT", "Checkpoint", "load_checkpoint", "rng_state", "save_checkpoint", "set_rng_state"]
 
 #: Format version written under the ``"autoprec_checkpoint"`` key; loading rejects any other.
 CHECKPOINT_FORMAT = 1
@@ -58,7 +58,9 @@ class Checkpoint:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def _rng_state() -> dict[str, Any]:
+def rng_state() -> dict[str, Any]:
+    """The torch CPU, CUDA (when available) and Python ``random`` generator states, in a form
+    ``torch.load(weights_only=True)`` reads back (what a checkpoint saves; Lightning's plugin too)."""
     version, internal, gauss = random.getstate()
     state: dict[str, Any] = {"torch": torch.get_rng_state(),
                              "python": [version, list(internal), gauss]}
@@ -67,7 +69,8 @@ def _rng_state() -> dict[str, Any]:
     return state
 
 
-def _set_rng_state(state: dict[str, Any]) -> None:
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore the generator states :func:`rng_state` returned."""
     torch.set_rng_state(state["torch"])
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
@@ -100,7 +103,7 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
         "policy": policy.to_json() if policy is not None else None,
         "step": int(step),
         "extra": dict(extra or {}),
-        "rng": _rng_state(),
+        "rng": rng_state(),
     }
     atomic_write(path, lambda f: torch.save(payload, f), binary=True)
 
@@ -152,7 +155,7 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
     if scaler is not None and payload["scaler"]:
         scaler.load_state_dict(payload["scaler"])
     if restore_rng:
-        _set_rng_state(payload["rng"])
+        set_rng_state(payload["rng"])
     policy = Policy.from_dict(json.loads(payload["policy"]), source=f"{source}:policy") \
         if payload["policy"] is not None else None
     return Checkpoint(step=int(payload["step"]), policy=policy, extra=dict(payload["extra"]))

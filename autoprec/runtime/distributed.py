@@ -109,7 +109,7 @@ def mean_loss_hook(ranks: Ranks) -> Callable[[int, Any, StepStats, float], None]
     return hook
 
 
-def bf16_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def bf16_hook(state, bucket):  # no annotations: DDP compares them to the classes, and these are strings
     """torch's ``bf16_compress_hook`` under another name (same arithmetic: the bucket cast to bf16,
     divided by the world size, all-reduced, cast back into the fp32 bucket). DDP refuses the
     original by name unless CUDA + NCCL >= 2.10 (torch/nn/parallel/distributed.py
@@ -246,14 +246,26 @@ def strip_nproc(argv: Sequence[str]) -> list[str]:
     return out
 
 
+#: The launcher a rank group runs in: torchrun's own parser for its options, the ranks' arguments
+#: set after parsing (torchrun's argparse would otherwise take ``--log`` for an ambiguous
+#: abbreviation of ``--log-dir``, though it comes after the script).
+_TORCHRUN = ("import json, sys\n"
+             "from torch.distributed.run import get_args_parser, run\n"
+             "args = get_args_parser().parse_args(sys.argv[2:] + ['-m', 'autoprec.cli'])\n"
+             "args.training_script_args = json.loads(sys.argv[1])\n"
+             "run(args)\n")
+
+
 def launch(argv: Sequence[str], nproc: int) -> int:
     """Run ``autoprec <argv>`` (``--nproc`` removed) on ``nproc`` ranks of this machine with
-    ``python -m torch.distributed.run --standalone --nproc-per-node N`` (torchrun; a free port on
-    localhost), and wait. Each rank finds its place with :func:`ranks_from_env`.
+    torchrun (``torch.distributed.run --standalone --nproc-per-node N -m autoprec.cli``: a free
+    port on localhost), and wait. Each rank finds its place with :func:`ranks_from_env`.
 
     Returns:
         torchrun's exit code (non-zero when any rank failed; torchrun then stops the others).
     """
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "autoprec.cli", *strip_nproc(argv)]
+    import json
+
+    cmd = [sys.executable, "-c", _TORCHRUN, json.dumps(strip_nproc(argv)), "--standalone",
+           f"--nproc-per-node={nproc}"]
     return subprocess.call(cmd)

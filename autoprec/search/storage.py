@@ -13,7 +13,9 @@ import inspect
 import os
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import optuna
 from torch import device as torch_device
@@ -45,6 +47,7 @@ GRACE_BEATS = 6
 
 _SQLITE = "sqlite:///"
 _HEARTBEAT_ENV = "AUTOPREC_HEARTBEAT_S"
+_T = TypeVar("_T")
 
 
 def default_storage(out: str | os.PathLike) -> str:
@@ -140,7 +143,7 @@ def rdb_storage(url: str) -> str | optuna.storages.RDBStorage:
         grace_period=GRACE_BEATS * interval, **{callback: requeue_trial}))
 
 
-def _retry_schema_race(make, attempts: int = 6):
+def _retry_schema_race(make: Callable[[], _T], attempts: int = 6) -> _T:
     """``make()``, retried when it loses a race with another worker creating the same schema,
     study or table row (an IntegrityError, or "already exists")."""
     for attempt in range(attempts):

@@ -1,5 +1,5 @@
 """A three-layer MLP regression for the distributed tests (tests/test_distributed.py): batch B = 4
-rows of ``(x, y)``, drawn from ``step``. ``autoprec train --nproc N`` gives rank r at step k the
+rows of ``(x, y = x @ TEACHER)``, x drawn from ``step``. ``autoprec train --nproc N`` gives rank r at step k the
 batch ``get_batch(k * N + r)``; ``ddp_mlp_2b.py`` concatenates those of N = 2 into one batch."""
 
 import torch
@@ -22,9 +22,13 @@ def build_model() -> nn.Module:
     return Regression()
 
 
+#: The linear map the regression learns (so the loss falls).
+TEACHER = torch.randn(16, 4, generator=torch.Generator().manual_seed(7)) / 4
+
+
 def get_batch(step: int, device: torch.device):
-    g = torch.Generator().manual_seed(1000 + step)
-    return torch.randn(B, 16, generator=g).to(device), torch.randn(B, 4, generator=g).to(device)
+    x = torch.randn(B, 16, generator=torch.Generator().manual_seed(1000 + step))
+    return x.to(device), (x @ TEACHER).to(device)
 
 
 def loss_fn(out, batch):
@@ -32,4 +36,4 @@ def loss_fn(out, batch):
 
 
 def make_optimizer(params):
-    return torch.optim.SGD(params, lr=0.05)
+    return torch.optim.SGD(params, lr=0.5)

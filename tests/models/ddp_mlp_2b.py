@@ -2,7 +2,6 @@
 2k + 1, which ranks 0 and 1 of ``autoprec train --nproc 2`` train on at step k (tests/test_distributed.py)."""
 
 import torch
-
 from ddp_mlp import build_model, loss_fn, make_optimizer  # a neighbour: on sys.path while this file loads
 from ddp_mlp import get_batch as get_b_batch
 
