@@ -25,7 +25,7 @@ from autoprec.search.measure import Harness, Measurement
 from autoprec.search.space import SearchSpace
 
 __all__ = ["Objective", "policy_fingerprint", "DIRECTIONS", "MAX_RETRIES", "is_dead_worker", "reap_dead_trials",
-           "requeue_trial", "retried_numbers"]
+           "requeue_trial", "retried_numbers", "retry_of"]
 
 #: Study directions: tokens/s (max), grad_rel_l2 (min), peak bytes (min).
 DIRECTIONS = ("maximize", "minimize", "minimize")
@@ -208,9 +208,14 @@ def requeue_trial(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
         system_attrs={"failed_trial": history[0], _RETRY_HISTORY: history}))
 
 
+def retry_of(trial: optuna.trial.FrozenTrial) -> list[int]:
+    """Numbers of the trials that ``trial`` re-runs (:func:`requeue_trial`); empty if none."""
+    return list(trial.system_attrs.get(_RETRY_HISTORY, []))
+
+
 def retried_numbers(trials: list[optuna.trial.FrozenTrial]) -> set[int]:
     """Numbers of the trials that a later trial re-runs (:func:`requeue_trial`): they do not count."""
-    return {n for t in trials for n in t.system_attrs.get(_RETRY_HISTORY, [])}
+    return {n for t in trials for n in retry_of(t)}
 
 
 def _constrain(trial: optuna.Trial, value: float) -> None:

@@ -197,9 +197,12 @@ def precheck_study(storage: str, study_name: str, space: SearchSpace) -> None:
         return
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     rdb = rdb_storage(storage)
-    if study_name not in {s.study_name for s in optuna.get_all_study_summaries(rdb)}:
-        return
-    check_study(optuna.load_study(study_name=study_name, storage=rdb), storage, space, stamp=False)
+    try:
+        if study_name in {s.study_name for s in optuna.get_all_study_summaries(rdb)}:
+            check_study(optuna.load_study(study_name=study_name, storage=rdb), storage, space, stamp=False)
+    finally:
+        if isinstance(rdb, optuna.storages.RDBStorage):
+            rdb.engine.dispose()  # its connections; open_study opens the storage the run uses
 
 
 def check_study(study: optuna.Study, storage: str, space: SearchSpace, stamp: bool = True) -> None:

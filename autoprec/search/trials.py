@@ -14,7 +14,7 @@ from autoprec.passes import run_pipeline
 from autoprec.runtime.train import make_scaler
 from autoprec.search import attrs
 from autoprec.search.measure import Harness
-from autoprec.search.objective import Objective, is_dead_worker, reap_dead_trials, retried_numbers
+from autoprec.search.objective import Objective, is_dead_worker, reap_dead_trials, retried_numbers, retry_of
 from autoprec.search.space import SearchSpace
 
 __all__ = ["enqueue_baselines", "feasible", "finished", "optimize", "region_sensitivity"]
@@ -71,15 +71,29 @@ def finished(study: optuna.Study) -> int:
 def optimize(study: optuna.Study, objective: Objective, target: int, timeout: float | None, progress: bool) -> None:
     """Run trials until the study holds ``target`` finished ones (shared with other workers),
     then wait (at most :data:`WAIT_FOR_OTHERS_S`) for other live workers' running trials, so
-    every worker selects from the same trials. A trial whose worker died while waiting is given
-    up (:func:`autoprec.search.objective.reap_dead_trials`); if that leaves fewer than ``target``,
-    another round runs its retry."""
+    every worker selects from the same trials. A trial whose worker died is given up
+    (:func:`autoprec.search.objective.reap_dead_trials`) and its retry run in another round, even
+    once the study holds ``target``: its worker would have finished it had it lived."""
     t_end = None if timeout is None else time.monotonic() + timeout
     for _ in range(_ROUNDS):
         _run_trials(study, objective, target, t_end, progress)
         _wait_for_others(study)
-        if finished(study) >= target or (t_end is not None and time.monotonic() >= t_end):
+        if t_end is not None and time.monotonic() >= t_end:
             break
+        done = finished(study)
+        if done >= target:
+            queued = _queued_retries(study)
+            if not queued:
+                break
+            target = done + queued
+
+
+def _queued_retries(study: optuna.Study) -> int:
+    """How many WAITING trials must run for every queued retry to run (Optuna pops the lowest
+    number first): those up to the last retry; 0 when no retry waits."""
+    waiting = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,))
+    last = max((t.number for t in waiting if retry_of(t)), default=None)
+    return 0 if last is None else sum(t.number <= last for t in waiting)
 
 
 def _run_trials(study: optuna.Study, objective: Objective, target: int, t_end: float | None, progress: bool) -> None:
