@@ -61,6 +61,7 @@ def _entry(rank: int, fn, world: int, out: str, args: tuple) -> None:
     dist.init_process_group("gloo", init_method=f"file://{out}/store", rank=rank, world_size=world)
     try:
         torch.save(fn(rank, world, *args), Path(out) / f"rank{rank}.pt")
+        dist.barrier()  # no rank tears gloo down while another still uses it (seen: SIGABRT at exit)
     finally:
         dist.destroy_process_group()
 

@@ -85,8 +85,11 @@ def init_ranks(device: torch.device, ranks: Ranks) -> torch.device:
 
 
 def close_ranks(ranks: Ranks) -> None:
-    """Leave the default process group :func:`init_ranks` joined (no-op with one rank)."""
+    """Leave the default process group :func:`init_ranks` joined (no-op with one rank), after a
+    barrier: a rank destroying gloo's group while another still talks to it can abort
+    (``terminate called without an active exception``)."""
     if ranks.world > 1 and dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
 
 
