@@ -35,8 +35,8 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-__all__ = ["BATCH", "SEQ", "TARGET", "DimPlan", "DimRange", "export_ranges", "export_refined", "largest_batch", "maxima", "plan_dims",
-           "shapes_vary"]
+__all__ = ["BATCH", "SEQ", "TARGET", "DimPlan", "DimRange", "export_ranges", "export_refined", "largest_batch", "leaf_name", "maxima", "plan_dims",
+           "shapes_vary", "tensor_shapes"]
 
 BATCH, SEQ, TARGET = "batch", "seq", "target_seq"
 
@@ -102,9 +102,11 @@ class DimPlan:
             ``["input 'input_ids' has shape (5, 17): dim 0 (batch) is 5, allowed 1..4", ...]``;
             empty when every dimension fits or the call has another structure than the example.
         """
-        leaves = _leaves(args, kwargs)[0]
-        if len(leaves) != len(self.dims):
+        found, paths = _leaves(args, kwargs)
+        by_path = {pytree.keystr(p): leaf for p, leaf in zip(paths, found)}  # keywords in any order
+        if len(found) != len(self.dims) or set(by_path) != set(self.paths):
             return []
+        leaves = [by_path[p] for p in self.paths]
         bad = []
         for name, leaf, dims in zip(self.names, leaves, self.dims):
             if not isinstance(leaf, torch.Tensor):
@@ -133,7 +135,7 @@ def plan_dims(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
         no token ids).
     """
     leaves, paths = _leaves(args, kwargs)
-    plan = DimPlan(names=[_display(p, _arg_names(model)) for p in paths], paths=[pytree.keystr(p) for p in paths],
+    plan = DimPlan(names=[leaf_name(p, _arg_names(model)) for p in paths], paths=[pytree.keystr(p) for p in paths],
                    dims=[{} for _ in leaves])
     tensors = [(i, t) for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.dim() >= 1]
     if not tensors:
@@ -264,7 +266,7 @@ def _leaves(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any], l
     return [v for _, v in flat], [p for p, _ in flat]
 
 
-def _display(path: Any, arg_names: list[str]) -> str:
+def leaf_name(path: Any, arg_names: list[str] | tuple[str, ...] = ()) -> str:
     """``input_ids`` for a keyword or a named positional argument (``args[0]`` when unnamed),
     ``extra[1]['z']`` for a nested leaf."""
     top, rest = path[1], path[2:]
@@ -273,6 +275,14 @@ def _display(path: Any, arg_names: list[str]) -> str:
     else:
         base = str(top.key)
     return base + pytree.keystr(rest)
+
+
+def tensor_shapes(args: tuple[Any, ...], kwargs: dict[str, Any],
+                  arg_names: list[str] | tuple[str, ...] = ()) -> list[tuple[str, tuple[int, ...]]]:
+    """``[(leaf_name, shape), ...]`` of a call's tensor leaves, in flatten order: the one naming
+    rule of inputs in autoprec's log lines and reports (``input_ids``, ``args[0]``, ``extra[1]['z']``)."""
+    flat = pytree.tree_flatten_with_path((tuple(args), dict(kwargs)))[0]
+    return [(leaf_name(path, arg_names), tuple(x.shape)) for path, x in flat if isinstance(x, torch.Tensor)]
 
 
 def _arg_names(model: nn.Module) -> list[str]:

@@ -158,6 +158,19 @@ def test_model_that_specialises_falls_back_to_a_bounded_logged_cache(caplog):
     assert "pad" in str(err.value)
 
 
+def test_per_shape_cache_matches_keywords_by_name_not_order():
+    """A batch given with its keywords in another order is the same shape: range-checked by
+    input name and served by the graph already built (no second capture)."""
+    torch.manual_seed(0)
+    model = ParityLM()
+    mp = autoprec.apply(model, autoprec.Policy.fp32(), lm_batch(4, 32, 0), compile=False, dynamic=True)
+    batch = lm_batch(2, 17, 1)
+    torch.testing.assert_close(mp(**batch), model(**batch))
+    reordered = {k: batch[k] for k in reversed(list(batch))}
+    torch.testing.assert_close(mp(**reordered), model(**batch))
+    assert mp.shape_stats["captures"] == 2
+
+
 def test_static_apply_still_refuses_other_shapes():
     torch.manual_seed(0)
     mp = autoprec.apply(CausalLM(), autoprec.Policy.fp32(), lm_batch(4, 32, 0), compile=False, dynamic=False)

@@ -21,7 +21,7 @@ VARLEN = Path(__file__).resolve().parent / "models" / "varlen_lm.py"
 def test_harness_captures_once_with_dynamic_dims_and_times_every_shape():
     h = Harness(load_model_spec(VARLEN), torch.device("cpu"), warmup=1, steps=5)
     assert is_dynamic(h.graph_module)
-    assert h.shapes == ["[0] (3, 12)", "[0] (2, 8)", "[0] (3, 16)", "[0] (1, 10)", "[0] (2, 12)"]
+    assert h.shapes == ["args[0] (3, 12)", "args[0] (2, 8)", "args[0] (3, 16)", "args[0] (1, 10)", "args[0] (2, 12)"]
     m = h.measure(h.graph_module)
     assert m.error is None and len(m.step_times) == 5 and m.grad_rel_l2 == 0.0
     assert h.tokens == (36 + 16 + 48 + 10 + 24) / 5  # mean tokens of the timed steps, one per batch
@@ -34,7 +34,7 @@ def test_tune_and_train_on_varying_batches(tmp_path):
     r = subprocess.run(tune, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     report = (tmp_path / "p.report.md").read_text()
-    assert "## Batches measured" in report and "`[0] (3, 16)`" in report and "`[0] (1, 10)`" in report
+    assert "## Batches measured" in report and "`args[0] (3, 16)`" in report and "`args[0] (1, 10)`" in report
     policy = Policy.load(out)
     train = [sys.executable, "-m", "autoprec.cli", "train", str(VARLEN), "--policy", str(out), "--steps", "7",
              "--no-compile"]

@@ -22,7 +22,7 @@ from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from autoprec.capture import capture
-from autoprec.dims import DimPlan, largest_batch, maxima, plan_dims, shapes_vary
+from autoprec.dims import DimPlan, largest_batch, maxima, plan_dims, shapes_vary, tensor_shapes
 from autoprec.errors import CaptureError
 from autoprec.modelspec import split_batch
 from autoprec.runtime.steps import compile_count
@@ -212,17 +212,11 @@ class ShapeCache:
 
 
 def _key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
-    leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+    """The cache key of a call's structure and shapes (keyword order does not matter)."""
+    leaves, spec = pytree.tree_flatten((tuple(args), dict(sorted(kwargs.items()))))
     return (str(spec), tuple(tuple(x.shape) if hasattr(x, "shape") else type(x).__name__ for x in leaves))
 
 
 def _shapes_text(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
     """``{input_ids: (2, 100), labels: (2, 100)}`` (positional arguments as ``args[i]``)."""
-    flat = pytree.tree_flatten_with_path((tuple(args), dict(kwargs)))[0]
-    parts = []
-    for path, x in flat:
-        if hasattr(x, "shape"):
-            top = path[1]
-            name = f"args[{top.idx}]" if path[0].idx == 0 else str(top.key)
-            parts.append(f"{name}{pytree.keystr(path[2:])}: {tuple(x.shape)}")
-    return "{" + ", ".join(parts) + "}"
+    return "{" + ", ".join(f"{name}: {shape}" for name, shape in tensor_shapes(args, kwargs)) + "}"

@@ -17,8 +17,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from autoprec.dims import tensor_shapes
 from autoprec.metrics import grad_rel_l2, grad_sqnr_db_min, median
-from autoprec.modelspec import ModelSpec
+from autoprec.modelspec import ModelSpec, split_batch
 from autoprec.runtime.rng import MEASURE_SEED, StepRng, same_rng
 from autoprec.runtime.scaler import DynamicLossScaler
 from autoprec.runtime.shape_cache import PROBE_BATCHES, capture_for
@@ -334,23 +335,14 @@ class Harness:
 
 def batch_shapes(batches: list[Any]) -> list[str]:
     """The distinct shapes of ``batches``, in order of first appearance, one line each:
-    ``"input_ids (4, 128), labels (4, 128)"`` (tensor leaves by pytree path; the report lists them)."""
-    from torch.utils import _pytree as pytree
-
+    ``"input_ids (4, 128), labels (4, 128)"`` (inputs named as :func:`autoprec.dims.tensor_shapes`
+    names them; the report lists them)."""
     out: list[str] = []
     for batch in batches:
-        leaves = pytree.tree_flatten_with_path(batch)[0]
-        text = ", ".join(f"{_leaf_name(path)} {tuple(v.shape)}" for path, v in leaves if isinstance(v, torch.Tensor))
+        text = ", ".join(f"{name} {shape}" for name, shape in tensor_shapes(*split_batch(batch)))
         if text not in out:
             out.append(text)
     return out
-
-
-def _leaf_name(path: tuple[Any, ...]) -> str:
-    """``input_ids``, ``extra.mask`` or ``[0]`` for a pytree key path (``batch`` for the root)."""
-    parts = [str(getattr(k, "key", getattr(k, "name", ""))) if not hasattr(k, "idx") else f"[{k.idx}]"
-             for k in path]
-    return ".".join(parts).replace(".[", "[") or "batch"
 
 
 def _describe_failure(e: BaseException) -> str:
