@@ -17,6 +17,7 @@ Two rules, each with one home here, used by :mod:`autoprec.capture` and the modu
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Mapping
 from typing import Any
@@ -71,14 +72,25 @@ def training_kwargs(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str
         E.g. ``{"use_cache": False}`` for a Hugging Face causal LM called with ``input_ids`` and
         ``labels``; ``{}`` when nothing is added (also when the signature cannot be read).
     """
-    try:
-        params = list(inspect.signature(model.forward).parameters.values())
-    except (TypeError, ValueError):
-        return {}
-    positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    named = {p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    forward = getattr(model, "forward", None)
+    positional, named = _forward_params(getattr(forward, "__func__", forward))
     return {k: v for k, v in TRAINING_KWARGS.items()
             if k in named and k not in kwargs and k not in positional[:len(args)]}
+
+
+@functools.lru_cache(maxsize=256)
+def _forward_params(forward: Any) -> tuple[tuple[str, ...], frozenset[str]]:
+    """``(positional names, named parameters)`` of a forward function, read once per function
+    (``modelspec.call_model`` asks on every training step). ``self`` is dropped for a plain
+    function; ``((), {})`` when the signature cannot be read."""
+    try:
+        params = list(inspect.signature(forward).parameters.values())
+    except (TypeError, ValueError):
+        return (), frozenset()
+    if params and params[0].name == "self" and inspect.isfunction(forward):
+        params = params[1:]
+    positional = tuple(p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+    return positional, frozenset(p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
 
 
 def prepare_output(out: Any, model_name: str) -> Any:
