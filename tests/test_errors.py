@@ -118,18 +118,19 @@ def write_policy(tmp_path: Path, rules: list[Rule], **provenance) -> Path:
     return path
 
 
-def test_fp8_rule_is_refused_at_load(tmp_path, capsys):
-    """fp8 matmuls are not built: a policy naming fp8_e4m3 is refused when it is loaded (PolicyError,
-    exit 2, naming the file and the field), not later by the assign pass."""
+def test_fp8_rule_on_non_matmul_is_refused_at_load(tmp_path, capsys):
+    """fp8_e4m3 is a matmul compute dtype: a policy giving it to sensitive ops is refused when it is
+    loaded (PolicyError, exit 2, naming the file and the field), not later by the assign pass."""
     model = write_model(tmp_path)
     pol = tmp_path / "fp8.json"
-    pol.write_text(json.dumps({**Policy.fp32().to_dict(), "rules": [{"op_class": "matmul", "dtype": "fp8_e4m3"}]}))
+    pol.write_text(json.dumps({**Policy.fp32().to_dict(), "schema_version": 2,
+                               "rules": [{"op_class": "sensitive", "dtype": "fp8_e4m3"}]}))
     before = files(tmp_path)
     code = main(["train", str(model), "--policy", str(pol), "--steps", "1", "--no-compile", "--device", "cpu",
                  "--log", str(tmp_path / "log.jsonl"), "--checkpoint", str(tmp_path / "ck.pt")])
     err = capsys.readouterr().err
     assert code == 2, err
-    assert str(pol) in err and "rules[0].dtype" in err and "fp8_e4m3" in err and "not supported" in err
+    assert str(pol) in err and "rules[0].dtype" in err and "fp8_e4m3" in err and "matmul compute dtype" in err
     assert files(tmp_path) == before
 
 

@@ -77,7 +77,8 @@ def test_to_dict_layout_matches_design():
     # the field is written only when set, so files without it stay readable by older versions
     d2 = dataclasses.replace(complex_policy(), activation_memory_budget=0.5).to_dict()
     assert list(d2)[7:] == ["activation_memory_budget", "provenance", "measured"]
-    assert d["schema_version"] == SCHEMA_VERSION == 1
+    # no schema-2 field is used, so the file is written as schema 1 (older readers take it)
+    assert d["schema_version"] == 1 and SCHEMA_VERSION == 2
     assert d["rules"][0] == {"op_class": "sensitive", "dtype": "fp32"}
     assert d["rules"][1] == {"module": "model.layers.0.*", "op_class": "matmul", "dtype": "fp32"}
     assert d["rules"][3] == {"node": "model.layers.3.mlp.down_proj/linear#0", "dtype": "fp16"}
@@ -167,7 +168,7 @@ def test_summary():
 
 REJECTIONS = [
     # (mutation of the default policy dict, field named in the message, extra text expected)
-    ({"schema_version": 2}, "schema_version", "version 1"),
+    ({"schema_version": 3}, "schema_version", "versions 1 and 2"),
     ({"schema_version": "1"}, "schema_version", "not supported"),
     ({"schema_version": True}, "schema_version", "not supported"),
     ({"extra": 1}, "extra", "unknown top-level key"),
@@ -183,8 +184,22 @@ REJECTIONS = [
     ({"rules": [{"op_class": "nonfloat", "dtype": "fp32"}]}, "rules[0].op_class", "never cast"),
     ({"rules": [{"op_class": "matmul", "dtype": "fp32"}] * 2 + [{"op_class": "follow", "dtype": "fp64"}]},
      "rules[2].dtype", "'fp64' is not a valid dtype; valid: bf16, fp16, fp32"),
-    ({"rules": [{"op_class": "sensitive", "dtype": "fp8_e4m3"}]}, "rules[0].dtype", "not supported yet"),
-    ({"rules": [{"op_class": "matmul", "dtype": "fp8_e4m3"}]}, "rules[0].dtype", "not supported yet"),
+    ({"schema_version": 2, "rules": [{"op_class": "sensitive", "dtype": "fp8_e4m3"}]}, "rules[0].dtype",
+     "matmul compute dtype"),
+    ({"rules": [{"op_class": "matmul", "dtype": "fp8_e4m3"}]}, "rules[0].dtype", "needs schema_version 2"),
+    ({"rules": [{"op_class": "matmul", "dtype": "bf16", "compute": "fp32"}]}, "rules[0].compute",
+     "needs schema_version 2"),
+    ({"schema_version": 2, "rules": [{"op_class": "matmul", "compute": "fp32"}]}, "rules[0].dtype", "missing"),
+    ({"schema_version": 2, "rules": [{"op_class": "matmul", "saved": "fp32", "compute": "fp32"}]},
+     "rules[0].compute", "needs a dtype"),
+    ({"schema_version": 2, "rules": [{"op_class": "matmul", "dtype": "bf16", "compute": "fp64"}]},
+     "rules[0].compute", "valid: fp32, bf16, fp16, fp8_e4m3"),
+    ({"schema_version": 2, "rules": [{"op_class": "follow", "saved": "fp8_e4m3"}]}, "rules[0].saved",
+     "valid: fp32, bf16, fp16, fp8_e5m2"),
+    ({"schema_version": 2, "rules": [{"module": "x.*", "dtype": "bf16", "compute": "fp8_e4m3"}]},
+     "rules[0].compute", "matmul compute dtype"),
+    ({"schema_version": 2, "rules": [{"op_class": "matmul", "dtype": "fp8_e4m3", "compute": "fp32"}]},
+     "rules[0].compute", "already is the compute dtype"),
     ({"rules": [{"op_class": "matmul"}]}, "rules[0].dtype", "missing"),
     ({"rules": [{"op_class": "matmul", "dtype": "fp32", "dtpye": "x"}]}, "rules[0].dtpye",
      "unknown rule key"),
@@ -314,14 +329,20 @@ def test_constructors_validate(make, field):
     assert str(e.value).startswith(field), str(e.value)
 
 
-def test_rule_fp8_refused_until_fp8_matmuls_are_built():
-    """The assign pass cannot lower fp8, so a rule naming it is refused when it is made (loads
-    included), for matmul and node rules alike."""
-    for kw in ({"op_class": "matmul"}, {"node": "m/linear#0"}):
-        with pytest.raises(PolicyError, match=r"fp8_e4m3.*not supported yet"):
+def test_rule_fp8_only_on_matmuls():
+    """fp8_e4m3 is a matmul compute dtype: matmul and node rules take it (as dtype: storage fp32;
+    or as compute beside a storage dtype); a rule that may select other ops is refused."""
+    for kw in ({"op_class": "matmul"}, {"node": "m/linear#0"}, {"module": "m.*", "op_class": "matmul"}):
+        r = Rule(dtype="fp8_e4m3", **kw)
+        assert (r.storage, r.compute_dtype, r.schema2) == ("fp32", "fp8_e4m3", True)
+        r2 = Rule(dtype="bf16", compute="fp8_e4m3", **kw)
+        assert (r2.storage, r2.compute_dtype) == ("bf16", "fp8_e4m3")
+    for kw in ({"op_class": "follow"}, {"module": "m.*"}):
+        with pytest.raises(PolicyError, match=r"fp8_e4m3.*matmul compute dtype"):
             Rule(dtype="fp8_e4m3", **kw)
     rule = Rule(op_class="matmul", dtype="bf16")
     assert Policy(rules=[rule]).rules == (rule,)  # a list is stored as a tuple
+    assert not rule.schema2 and (rule.storage, rule.compute_dtype) == ("bf16", "bf16")
 
 
 def test_non_finite_values_are_never_written(tmp_path):
@@ -615,3 +636,66 @@ def test_property_config_and_scaler_accept_the_same():
         assert cfg_ok == scaler_ok, kw
 
     check()
+
+
+# --------------------------------------------------------------------------------------- schema 2
+
+
+def schema2_policy() -> Policy:
+    return Policy(default_dtype="bf16", rules=(
+        Rule(op_class="sensitive", dtype="fp32"),
+        Rule(op_class="matmul", dtype="bf16", compute="fp32"),
+        Rule(module="model.layers.0.*", op_class="matmul", dtype="fp8_e4m3"),
+        Rule(node="lm_head/linear#0", dtype="bf16", compute="fp8_e4m3"),
+        Rule(op_class="follow", saved="fp8_e5m2"),
+        Rule(module="model.layers.1.*", saved="bf16"),
+    ))
+
+
+def test_schema2_round_trips(tmp_path):
+    """compute, saved and fp8 rules survive save -> load (written as schema 2, field for field)."""
+    p = schema2_policy()
+    path = tmp_path / "p2.json"
+    p.save(path)
+    d = json.loads(path.read_text())
+    assert d["schema_version"] == 2
+    assert d["rules"][1] == {"op_class": "matmul", "dtype": "bf16", "compute": "fp32"}
+    assert d["rules"][2] == {"module": "model.layers.0.*", "op_class": "matmul", "dtype": "fp8_e4m3"}
+    assert d["rules"][4] == {"op_class": "follow", "saved": "fp8_e5m2"}
+    q = Policy.load(path)
+    assert q == p and q.training_key() == p.training_key()
+    assert q.dtypes_used() == {"bf16", "fp32", "fp8_e4m3", "fp8_e5m2"}
+
+
+def test_schema1_files_load_unchanged():
+    """Every schema-1 policy file committed in the repository loads, and writes back as schema 1
+    with the same JSON (schema 2 changed nothing for them)."""
+    files = sorted(Path(__file__).resolve().parents[1].glob("benchmarks/**/*policy*.json"))
+    assert files
+    for f in files:
+        raw = json.loads(f.read_text())
+        if raw.get("schema_version") != 1:
+            continue
+        p = Policy.load(f)
+        d = p.to_dict()
+        assert d["schema_version"] == 1
+        assert d["rules"] == raw["rules"] and d["default_dtype"] == raw["default_dtype"], f
+
+
+def test_resolve_compute_goes_with_dtype_and_saved_is_separate():
+    p = schema2_policy()
+    r = p.resolve_rule("model.layers.3.mlp/linear#0", "matmul", "model.layers.3.mlp")
+    assert (r.storage, r.compute_dtype) == ("bf16", "fp32")
+    # a later rule that sets dtype resets compute with it (storage fp32, compute fp8)
+    r = p.resolve_rule("model.layers.0.mlp/linear#0", "matmul", "model.layers.0.mlp")
+    assert (r.storage, r.compute_dtype) == ("fp32", "fp8_e4m3")
+    assert p.resolve("model.layers.0.mlp/linear#0", "matmul", "model.layers.0.mlp") == "fp32"
+    # node rules win
+    r = p.resolve_rule("lm_head/linear#0", "matmul", "lm_head")
+    assert (r.storage, r.compute_dtype) == ("bf16", "fp8_e4m3")
+    # saved: the last matching rule that sets it; a saved-only rule does not change the dtype
+    assert p.resolve_saved("model.layers.1.act/silu#0", "follow", "model.layers.1.act") == "bf16"
+    assert p.resolve_saved("model.layers.2.act/silu#0", "follow", "model.layers.2.act") == "fp8_e5m2"
+    assert p.resolve_saved("model.layers.2.mlp/linear#0", "matmul", "model.layers.2.mlp") is None
+    assert p.resolve("model.layers.1.act/silu#0", "follow", "model.layers.1.act") is None
+    assert Rule(op_class="matmul", dtype="bf16", compute="fp32").describe() == "matmul->bf16:fp32"

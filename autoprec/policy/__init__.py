@@ -1,6 +1,7 @@
-"""Precision policies: frozen dataclasses, JSON schema v1, atomic save, validated load (docs/architecture.md#policy-file).
+"""Precision policies: frozen dataclasses, JSON schema v2 (v1 read unchanged), atomic save, validated load (docs/architecture.md#policy-file).
 
-A :class:`Policy` says which dtype each graph node computes in. It is a default dtype plus an
+A :class:`Policy` says which dtype each graph node stores its output in, computes in and saves
+for backward. It is a default dtype plus an
 ordered list of :class:`Rule` objects; a rule selects nodes by op class (``ops.py``), by a module
 glob, or by an exact node key (``<module path>/<op>#<k>``, docs/architecture.md#node-keys-and-op-classes). Later rules override earlier
 ones and node rules win over all others.
@@ -18,11 +19,18 @@ Modules: :mod:`~autoprec.policy.core` (:class:`Policy`, load and save),
 
 from __future__ import annotations
 
-from autoprec.policy.core import ACCUMULATE_MODES, GRAD_REDUCE_DTYPES, SCHEMA_VERSION, TOP_LEVEL_KEYS, Policy
+from autoprec.policy.core import (
+    ACCUMULATE_MODES,
+    GRAD_REDUCE_DTYPES,
+    READ_VERSIONS,
+    SCHEMA_VERSION,
+    TOP_LEVEL_KEYS,
+    Policy,
+)
 from autoprec.policy.loss_scaling import LOSS_SCALING_KEYS, LOSS_SCALING_MODES, LossScalingConfig
 from autoprec.policy.rule import FP8, OP_CLASSES, RULE_KEYS, RULE_OP_CLASSES, Rule
 
 __all__ = [
     "ACCUMULATE_MODES", "FP8", "GRAD_REDUCE_DTYPES", "LOSS_SCALING_KEYS", "LOSS_SCALING_MODES", "OP_CLASSES", "RULE_KEYS",
-    "RULE_OP_CLASSES", "SCHEMA_VERSION", "TOP_LEVEL_KEYS", "LossScalingConfig", "Policy", "Rule",
+    "READ_VERSIONS", "RULE_OP_CLASSES", "SCHEMA_VERSION", "TOP_LEVEL_KEYS", "LossScalingConfig", "Policy", "Rule",
 ]

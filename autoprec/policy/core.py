@@ -31,12 +31,15 @@ from autoprec.policy.fields import (
     type_name,
 )
 from autoprec.policy.loss_scaling import LOSS_SCALING_KEYS, LossScalingConfig
-from autoprec.policy.rule import RULE_KEYS, Rule
+from autoprec.policy.rule import RULE_KEYS, SCHEMA2_RULE_KEYS, Rule
 
-__all__ = ["ACCUMULATE_MODES", "GRAD_REDUCE_DTYPES", "SCHEMA_VERSION", "TOP_LEVEL_KEYS", "Policy"]
+__all__ = ["ACCUMULATE_MODES", "GRAD_REDUCE_DTYPES", "READ_VERSIONS", "SCHEMA_VERSION", "TOP_LEVEL_KEYS", "Policy"]
 
-#: The policy file format version this module reads and writes.
-SCHEMA_VERSION = 1
+#: The policy file format version this module writes when a policy uses a schema-2 field (a rule's
+#: ``compute`` or ``saved``, or fp8); others are written as version 1, which older readers take.
+SCHEMA_VERSION = 2
+#: The versions :meth:`Policy.from_dict` reads (schema 1 loads unchanged).
+READ_VERSIONS: tuple[int, ...] = (1, 2)
 ACCUMULATE_MODES: tuple[str, ...] = ("fp32", "none")
 #: dtypes gradients may be communicated in across ranks (``Policy.grad_reduce_dtype``).
 GRAD_REDUCE_DTYPES: tuple[str, ...] = ("fp32", "bf16")
@@ -118,33 +121,51 @@ class Policy:
         return cls(default_dtype="fp32")
 
     # -- queries --------------------------------------------------------------------------------
-    def resolve(self, key: str, op_class: str, module_path: str) -> str | None:
-        """dtype for one node: the last matching node rule, else the last matching rule, else None.
+    def _last(self, field: str, key: str, op_class: str, module_path: str) -> Rule | None:
+        """The last matching node rule that sets ``field``, else the last matching rule that does."""
+        hit: Rule | None = None
+        for by_node in (False, True):
+            for rule in self.rules:
+                if (rule.node is not None) == by_node and getattr(rule, field) is not None \
+                        and rule.matches(key, op_class, module_path):
+                    hit = rule
+        return hit
+
+    def resolve_rule(self, key: str, op_class: str, module_path: str) -> Rule | None:
+        """The rule that decides one node's storage and compute dtype: the last matching node rule
+        with a ``dtype``, else the last matching rule with one, else None (its ``compute`` goes
+        with its ``dtype``: a later rule that sets ``dtype`` resets both).
 
         Args:
             key: Node key; op_class: its op class; module_path: its innermost module path.
-
-        Returns:
-            A dtype name, or None when no rule matches (the caller applies ``default_dtype``
-            or, for follow-class nodes, cast placement).
         """
-        hit: str | None = None
-        for rule in self.rules:
-            if rule.node is None and rule.matches(key, op_class, module_path):
-                hit = rule.dtype
-        for rule in self.rules:
-            if rule.node is not None and rule.matches(key, op_class, module_path):
-                hit = rule.dtype
-        return hit
+        return self._last("dtype", key, op_class, module_path)
+
+    def resolve(self, key: str, op_class: str, module_path: str) -> str | None:
+        """The storage dtype for one node (:meth:`resolve_rule`'s ``storage``), or None when no
+        rule sets one (the caller applies ``default_dtype`` or, for follow-class nodes, cast
+        placement)."""
+        rule = self.resolve_rule(key, op_class, module_path)
+        return rule.storage if rule is not None else None
+
+    def resolve_saved(self, key: str, op_class: str, module_path: str) -> str | None:
+        """What one node's output is saved as for backward: the last matching rule (node rules
+        win) that sets ``saved``, else None (saved as stored)."""
+        rule = self._last("saved", key, op_class, module_path)
+        return rule.saved if rule is not None else None
 
     def dtypes_used(self) -> set[str]:
-        """``default_dtype`` plus every rule's dtype."""
-        return {self.default_dtype, *(r.dtype for r in self.rules)}
+        """``default_dtype`` plus every rule's storage, compute and saved dtype (fp8 names included)."""
+        used = {self.default_dtype}
+        for r in self.rules:
+            used |= {d for d in (r.storage, r.compute_dtype, r.saved) if d is not None}
+        return used
 
     @property
     def needs_loss_scaling(self) -> bool:
-        """True when the policy computes anything in fp16 (gradients underflow otherwise, C07)."""
-        return "fp16" in self.dtypes_used()
+        """True when the policy stores or computes anything in fp16 (gradients underflow
+        otherwise, C07)."""
+        return "fp16" in {self.default_dtype, *(d for r in self.rules for d in (r.storage, r.compute_dtype))}
 
     def training_key(self) -> str:
         """What identifies the policy as training runs it: its JSON text without ``provenance``
@@ -178,14 +199,15 @@ class Policy:
 
     # -- JSON -----------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        """The docs/architecture.md#policy-file JSON layout with ``"schema_version": 1`` (``loss_scaling`` adds max_scale).
+        """The docs/architecture.md#policy-file JSON layout (``loss_scaling`` adds max_scale);
+        ``schema_version`` is 2 when a rule uses ``compute``, ``saved`` or fp8, else 1.
 
         ``activation_memory_budget`` is written only below 1.0 and ``grad_reduce_dtype`` only when
         not ``fp32``, so a policy without them stays readable by autoprec versions that predate
         the fields (and keeps its ``training_key``).
         """
         d = {
-            "schema_version": SCHEMA_VERSION,
+            "schema_version": SCHEMA_VERSION if any(r.schema2 for r in self.rules) else 1,
             "default_dtype": self.default_dtype,
             "rules": [r.to_dict() for r in self.rules],
             "accumulate": self.accumulate,
@@ -215,16 +237,16 @@ class Policy:
         """
         d = check_mapping(d, source, "")
         if "schema_version" not in d:
-            raise fail(source, "schema_version", f"missing; this autoprec reads version {SCHEMA_VERSION}")
+            raise fail(source, "schema_version", f"missing; this autoprec reads versions {_versions()}")
         version = d["schema_version"]
-        if isinstance(version, bool) or not isinstance(version, int) or version != SCHEMA_VERSION:
+        if isinstance(version, bool) or not isinstance(version, int) or version not in READ_VERSIONS:
             raise fail(source, "schema_version",
-                       f"{version!r} is not supported; this autoprec reads version {SCHEMA_VERSION}")
+                       f"{version!r} is not supported; this autoprec reads versions {_versions()}")
         check_keys(d, TOP_LEVEL_KEYS, "top-level", source, "")
         kw: dict[str, Any] = {k: d[k] for k in ("default_dtype", "accumulate", "master_weights",
                                                   "optimizer_state", "activation_memory_budget",
                                                   "grad_reduce_dtype") if k in d}
-        kw["rules"] = _rules_from_json(d.get("rules", []), source)
+        kw["rules"] = _rules_from_json(d.get("rules", []), source, version)
         if "loss_scaling" in d:
             ls = check_mapping(d["loss_scaling"], source, "loss_scaling")
             check_keys(ls, LOSS_SCALING_KEYS, "loss_scaling", source, "loss_scaling")
@@ -333,8 +355,13 @@ def _check_fields(p: Policy, source: str) -> None:
                    "is refused (small gradients underflow to 0 in fp16, cases C07); use 'dynamic'")
 
 
-def _rules_from_json(rules: Any, source: str) -> list[Rule]:
-    """The ``rules`` list of a policy file as :class:`Rule` objects, each validated once."""
+def _versions() -> str:
+    return " and ".join(map(str, READ_VERSIONS))
+
+
+def _rules_from_json(rules: Any, source: str, version: int) -> list[Rule]:
+    """The ``rules`` list of a policy file as :class:`Rule` objects, each validated once; a
+    schema-1 file may not use the schema-2 rule fields."""
     if not isinstance(rules, list):
         raise fail(source, "rules", f"expected a list, got {type_name(rules)} {rules!r}")
     out = []
@@ -342,9 +369,14 @@ def _rules_from_json(rules: Any, source: str) -> list[Rule]:
         path = f"rules[{i}]"
         raw = check_mapping(raw, source, path)
         check_keys(raw, RULE_KEYS, "rule", source, path)
-        if "dtype" not in raw:
+        if "dtype" not in raw and "saved" not in raw:
             raise fail(source, f"{path}.dtype", "missing")
-        out.append(build(Rule, raw, source, path))
+        rule = build(Rule, raw, source, path)
+        if version < 2 and rule.schema2:
+            field = next((k for k in SCHEMA2_RULE_KEYS if k in raw), "dtype")
+            raise fail(source, f"{path}.{field}", f"{raw[field]!r} needs schema_version 2 "
+                       "(compute, saved and fp8 are schema-2 fields); this file says 1")
+        out.append(rule)
     return out
 
 

@@ -1,4 +1,5 @@
-"""A policy :class:`Rule`: which nodes (by op class, module glob or node key) compute in which dtype.
+"""A policy :class:`Rule`: which nodes (by op class, module glob or node key) store, compute and
+save for backward in which dtype.
 
 See ``docs/architecture.md#policy-file`` (the format) and ``#node-keys-and-op-classes`` (the
 keys and op classes rules select by).
@@ -9,27 +10,38 @@ from __future__ import annotations
 import fnmatch
 from dataclasses import dataclass
 
-from autoprec.dtypes import DTYPES
+from autoprec.dtypes import COMPUTE_DTYPES, DTYPES, FP8_COMPUTE, SAVED_DTYPES
 from autoprec.policy.fields import check_choice, fail, join
 
-__all__ = ["FP8", "OP_CLASSES", "RULE_KEYS", "RULE_OP_CLASSES", "Rule"]
+__all__ = ["FP8", "OP_CLASSES", "RULE_KEYS", "RULE_OP_CLASSES", "SCHEMA2_RULE_KEYS", "Rule"]
 
 #: Op classes of ``ops.py``. ``nonfloat`` ops are never cast, so no rule may target them.
 OP_CLASSES: tuple[str, ...] = ("matmul", "sensitive", "follow", "nonfloat")
 #: Op classes a rule may target.
 RULE_OP_CLASSES: tuple[str, ...] = ("matmul", "sensitive", "follow")
-#: The fp8 dtype name, refused at load until fp8 matmuls are built (the passes cannot lower it).
-FP8 = "fp8_e4m3"
-RULE_KEYS: tuple[str, ...] = ("node", "module", "op_class", "dtype")
+#: The fp8 compute dtype of matmuls (``autoprec.kernels.fp8``: a scaled matmul, torch._scaled_mm).
+FP8 = FP8_COMPUTE
+RULE_KEYS: tuple[str, ...] = ("node", "module", "op_class", "dtype", "compute", "saved")
+#: Rule keys that schema 1 did not have (a policy using one is written as schema 2).
+SCHEMA2_RULE_KEYS: tuple[str, ...] = ("compute", "saved")
 
 
 @dataclass(frozen=True)
 class Rule:
-    """One policy rule: nodes selected by every given selector compute in ``dtype``.
+    """One policy rule: nodes selected by every given selector store their output in ``dtype``,
+    compute in ``compute`` and save it for backward as ``saved``.
 
     Attributes:
-        dtype: ``"fp32"``, ``"bf16"`` or ``"fp16"`` (``"fp8_e4m3"`` is refused with a message
-            saying fp8 matmuls are not supported yet: no pass can lower it).
+        dtype: The storage dtype of the selected nodes' outputs, what their consumers read:
+            ``"fp32"``, ``"bf16"`` or ``"fp16"``; or ``"fp8_e4m3"`` on matmuls, read as storage
+            fp32 with compute fp8_e4m3. None in a rule that sets only ``saved``.
+        compute: The dtype the op computes in (None: ``dtype``). ``{"op_class": "matmul",
+            "dtype": "bf16", "compute": "fp32"}`` stores inputs and output bf16 and computes the
+            product in fp32 (the numerics of a bf16 Tensor Core, which accumulates in fp32, at fp32
+            kernel speed); ``"fp8_e4m3"`` is an fp8 scaled matmul (matmuls only). Needs ``dtype``.
+        saved: What the node's output is saved as for backward: ``fp32``, ``bf16``, ``fp16`` or
+            ``fp8_e5m2`` (with a per-tensor scale); None keeps the storage dtype. The forward is
+            unchanged; backward reads the rounded copy (``autoprec.runtime.saved``).
         op_class: One of :data:`OP_CLASSES` except ``"nonfloat"`` (never cast), or None.
         module: An :func:`fnmatch.fnmatchcase` glob on the module path, e.g. ``"model.layers.0.*"``
             (which also matches ``"model.layers.0"`` itself) or ``"model.layers.0*"``. A glob
@@ -37,13 +49,17 @@ class Rule:
         node: An exact node key, e.g. ``"model.layers.3.mlp.down_proj/linear#0"``.
 
     Raises:
-        PolicyError: no selector is given, or a field has a wrong type or value.
+        PolicyError: no selector is given; neither ``dtype`` nor ``saved``; ``compute`` without
+            ``dtype``; fp8 on a rule that may select non-matmul nodes; a field has a wrong type
+            or value.
     """
 
-    dtype: str
+    dtype: str | None = None
     op_class: str | None = None
     module: str | None = None
     node: str | None = None
+    compute: str | None = None
+    saved: str | None = None
 
     def __post_init__(self) -> None:
         self._validate("Rule", "")
@@ -62,11 +78,38 @@ class Rule:
                        "a rule cannot target them (cases C11)")
         if self.op_class is not None:
             check_choice(self.op_class, RULE_OP_CLASSES, "op_class", source, join(path, "op_class"))
-        dtype_path = join(path, "dtype")
-        if self.dtype == FP8:
-            raise fail(source, dtype_path, f"{FP8!r} is not supported yet: fp8 matmuls are not built in this "
-                       f"version, so no pass can lower it; use one of {', '.join(sorted(DTYPES))}")
-        check_choice(self.dtype, sorted(DTYPES), "dtype", source, dtype_path)
+        if self.dtype is None and self.saved is None:
+            raise fail(source, join(path, "dtype"), "missing (a rule sets dtype, saved, or both)")
+        if self.dtype is not None:
+            check_choice(self.dtype, [*sorted(DTYPES), FP8], "dtype", source, join(path, "dtype"))
+        if self.compute is not None:
+            if self.dtype is None:
+                raise fail(source, join(path, "compute"), "needs a dtype in the same rule (the storage dtype)")
+            if self.dtype == FP8:
+                raise fail(source, join(path, "compute"), f"dtype {FP8!r} already is the compute dtype "
+                           "(storage fp32); for other storage write e.g. dtype 'bf16', compute 'fp8_e4m3'")
+            check_choice(self.compute, list(COMPUTE_DTYPES), "compute dtype", source, join(path, "compute"))
+        if FP8 in (self.dtype, self.compute) and self.op_class != "matmul" and self.node is None:
+            field = "dtype" if self.dtype == FP8 else "compute"
+            raise fail(source, join(path, field), f"{FP8!r} is a matmul compute dtype: the rule needs "
+                       "op_class 'matmul' (or a node key of a matmul)")
+        if self.saved is not None:
+            check_choice(self.saved, list(SAVED_DTYPES), "saved dtype", source, join(path, "saved"))
+
+    @property
+    def storage(self) -> str | None:
+        """The storage dtype the rule sets (fp8 ``dtype`` is stored fp32), or None."""
+        return "fp32" if self.dtype == FP8 else self.dtype
+
+    @property
+    def compute_dtype(self) -> str | None:
+        """The compute dtype the rule sets (``compute``, else ``dtype``), or None."""
+        return self.compute or self.dtype
+
+    @property
+    def schema2(self) -> bool:
+        """Whether the rule uses a field schema 1 lacks (``compute``, ``saved``, fp8)."""
+        return self.dtype == FP8 or any(getattr(self, k) is not None for k in SCHEMA2_RULE_KEYS)
 
     def matches(self, key: str, op_class: str, module_path: str) -> bool:
         """Whether this rule selects a node.
@@ -96,6 +139,12 @@ class Rule:
         return {k: v for k, v in d.items() if v is not None}
 
     def describe(self) -> str:
-        """A short human form, e.g. ``"sensitive->fp32"`` or ``"model.layers.0.*:matmul->fp32"``."""
+        """A short human form, e.g. ``"sensitive->fp32"``, ``"matmul->bf16:fp32"`` (storage:compute)
+        or ``"model.layers.0.*:matmul->saved fp8_e5m2"``."""
         sel = ":".join(s for s in (self.node, self.module, self.op_class) if s is not None)
-        return f"{sel}->{self.dtype}"
+        parts = []
+        if self.dtype is not None:
+            parts.append(self.dtype + (f":{self.compute}" if self.compute else ""))
+        if self.saved is not None:
+            parts.append(f"saved {self.saved}")
+        return f"{sel}->{' '.join(parts)}"
