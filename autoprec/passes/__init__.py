@@ -12,7 +12,9 @@ the options it depends on (policy, placement mode, constants mode) go to its con
    crosses a dtype boundary; ensures every edge's dtypes agree.
 3. ``accumulate_fp32`` (:class:`~autoprec.passes.accumulate.AccumulateFp32`): low-precision
    reductions accumulate in fp32; ensures none is left accumulating low.
-4. ``verify`` (:class:`~autoprec.passes.verify.Verify`): re-derives dtypes on fake tensors;
+4. ``lower_fp8`` (:class:`~autoprec.passes.fp8.LowerFp8`): matmuls computing in fp8 run the
+   scaled fp8 matmul of :mod:`autoprec.kernels.fp8`; ensures none is left on its ATen op.
+5. ``verify`` (:class:`~autoprec.passes.verify.Verify`): re-derives dtypes on fake tensors;
    ensures they match the assigned ones and the outputs keep their captured dtypes.
 
 One runner, :class:`PassManager` (as torch.fx's ``PassManager``), runs a list (or a slice of

@@ -14,8 +14,11 @@ Order of decisions for a ``call_function`` node with a floating output:
 5. Scalar constants out of the chosen low dtype's range (:mod:`autoprec.passes.constants`,
    case C03): keep the node fp32 or clamp a mask fill value to ``finfo(dtype).min``.
 
-The decision is stored in ``node.meta["autoprec"]``: ``op_class``, ``dtype``, ``decided_by``
-and ``reason`` (the op table's numerical reason).
+The decision is stored in ``node.meta["autoprec"]``: ``op_class``, ``dtype`` (the storage dtype,
+what consumers read), ``decided_by`` and ``reason`` (the op table's numerical reason); where a rule
+sets them, ``compute`` (the dtype the op computes in, when not the storage dtype: ``insert_casts``
+rounds the inputs through the storage dtype and stores the output back) and ``saved`` (what the
+output is saved as for backward: ``autoprec.runtime.saved``).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import warnings
 import torch
 from torch import fx
 
-from autoprec.dtypes import to_torch
+from autoprec.dtypes import FP8_COMPUTE, to_torch
 from autoprec.graph import check_placement_mode, place_follow
 from autoprec.ops import (
     FIXED_DTYPE_OPS,
@@ -44,7 +47,8 @@ from autoprec.passes.constants import (
     is_mask_fill,
     out_of_range_constants,
 )
-from autoprec.policy import Policy
+from autoprec.passes.fp8 import fp8_lowerable
+from autoprec.policy import Policy, Rule
 
 PASS = "assign_dtypes"
 
@@ -124,7 +128,8 @@ def assign_dtypes(
     for node, dt in placed.items():
         node.meta["autoprec"].update(dtype=dt, decided_by=f"placement:{placement}")
     n_clamped = _constants_after(nodes, constants)
-    stats = {"placed": len(placed), "constants_fp32": n_fp32, "constants_clamped": n_clamped}
+    n_saved = _assign_saved(nodes, policy)
+    stats = {"placed": len(placed), "constants_fp32": n_fp32, "constants_clamped": n_clamped, "saved_low": n_saved}
     return PassResult(gm, True, stats)
 
 
@@ -163,6 +168,25 @@ class AssignDtypes(PassBase):
                 continue
             if meta.get("dtype") in (None, "auto"):
                 raise pass_error(PASS, n, f"float node left without a dtype ({meta.get('dtype')!r})")
+
+
+def _assign_saved(nodes: list[fx.Node], policy: Policy) -> int:
+    """``meta["saved"]``: what each float node's output is saved as for backward, where a rule sets
+    something other than the dtype the node stores it in (after placement: follow nodes included).
+
+    Returns:
+        The number of nodes given a saved dtype.
+    """
+    count = 0
+    for n in nodes:
+        meta = n.meta.get("autoprec", {})
+        if n.op != "call_function" or meta.get("dtype") in (None, "auto") or meta.get("op_class") == "nonfloat":
+            continue
+        saved = policy.resolve_saved(meta.get("key", ""), meta.get("op_class", ""), meta.get("module", ""))
+        if saved is not None and saved != meta.get("compute", meta["dtype"]):
+            meta["saved"] = saved
+            count += 1
+    return count
 
 
 def _lows(policy: Policy) -> list[str]:
@@ -246,9 +270,10 @@ def _decide(node, meta, orig, policy: Policy, labels, casting) -> None:
     elif meta.get("autocast_disabled"):
         dt, by = "fp32", "autocast(enabled=False) region"
     else:
-        rule = policy.resolve(meta.get("key", ""), cls, meta.get("module", ""))
+        rule = policy.resolve_rule(meta.get("key", ""), cls, meta.get("module", ""))
         if rule is not None:
-            dt, by = rule, "rule"
+            dt, by = rule.storage, "rule"
+            _set_compute(node, meta, rule)
         elif cls in ("matmul", "sensitive"):
             dt, by = policy.default_dtype, "default_dtype"
         else:
@@ -257,3 +282,25 @@ def _decide(node, meta, orig, policy: Policy, labels, casting) -> None:
     meta.update(dtype=dt, decided_by=by)
     if op not in FIXED_DTYPE_OPS:
         casting.add(node)
+
+
+def _set_compute(node: fx.Node, meta: dict, rule: Rule) -> None:
+    """Record a rule's compute dtype when it differs from its storage dtype (``meta["compute"]``).
+
+    fp8 goes only to ops :func:`autoprec.passes.fp8.fp8_lowerable` can lower (``linear``, ``mm``,
+    2-D ``matmul``): a node rule naming another op is a ``PassError``; an op-class rule leaves it
+    computing in its storage dtype and says why in ``meta["reason"]``.
+
+    Raises:
+        PassError: a node rule asks fp8 of an op with no fp8 kernel.
+    """
+    compute = rule.compute_dtype
+    if compute == rule.storage:
+        return
+    if compute == FP8_COMPUTE and not fp8_lowerable(node):
+        if rule.node is not None:
+            raise pass_error(PASS, node, f"policy rule {rule.describe()} asks fp8 of "
+                             f"{meta.get('op')}, which has no fp8 kernel (fp8 lowers linear, mm and 2-D matmul)")
+        meta["reason"] = f"no fp8 kernel for {meta.get('op')}: computed in {rule.storage}"
+        return
+    meta["compute"] = compute

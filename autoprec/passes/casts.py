@@ -5,6 +5,12 @@ dtype differs, one ``aten._to_copy(x, dtype=d)`` per (producer, dtype) is insert
 the producer and shared by all consumers. Integer/bool tensors (indices, masks) are never cast
 (case C11). Graph outputs are cast back to the dtype they had when captured, so the module is a
 drop-in replacement. Ops that set their own dtype (``.to``) read any dtype and get no cast.
+
+A node whose ``compute`` dtype differs from its storage dtype (a rule's ``compute``, e.g. bf16
+storage with fp32 compute) reads each input rounded through the storage dtype and then cast to
+the compute dtype (``x -> bf16 -> fp32``: the weights are rounded as a bf16 kernel would see
+them), computes, and is stored back by one cast its consumers share; afterwards its ``dtype`` is
+the compute dtype and ``storage`` the stored one.
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from autoprec.dtypes import to_torch
+from autoprec.dtypes import DTYPES, to_torch
 from autoprec.graph import tensor_bytes
 from autoprec.ops import captured_dtype, is_float_value
 from autoprec.passes.base import PassBase, PassResult, clone_graph_module, pass_error
@@ -119,15 +125,53 @@ def insert_casts(gm: fx.GraphModule) -> PassResult:
         return cache[(u, dt)]
 
     for node in list(graph.nodes):  # the casts added meanwhile are not visited
+        compute = _float_compute(node)
 
-        def repl(a, node=node):
+        def repl(a, node=node, compute=compute):
             dt = _read_dtype(node, a)
-            return a if dt is None else cast(a, dt, node)
+            if dt is None:
+                return a
+            a = cast(a, dt, node)  # rounded through the storage dtype first
+            return a if compute is None else cast(a, compute, node)
 
         node.args = fx.node.map_arg(node.args, repl)
         node.kwargs = fx.node.map_arg(node.kwargs, repl)
+        if compute is not None:
+            _store(graph, node, compute, stats)
     gm.recompile()
     return PassResult(gm, stats["casts"] > 0, stats)
+
+
+def _float_compute(node: fx.Node) -> str | None:
+    """The float compute dtype of a node that computes in another dtype than it stores
+    (``meta["compute"]`` of ``assign_dtypes``), or None. fp8 compute is ``lower_fp8``'s: the
+    node reads and writes its storage dtype here."""
+    meta = node.meta.get("autoprec", {})
+    compute = meta.get("compute")
+    if node.op != "call_function" or compute is None or compute not in DTYPES or compute == meta.get("dtype"):
+        return None
+    return compute
+
+
+def _store(graph: fx.Graph, node: fx.Node, compute: str, stats: dict[str, int]) -> None:
+    """Make ``node`` output its compute dtype and store it back: one cast to the storage dtype
+    right after it, read by all its consumers; the node's ``dtype`` becomes ``compute`` and
+    ``storage`` records what its consumers read."""
+    meta = node.meta["autoprec"]
+    storage = meta["dtype"]
+    users = list(node.users)
+    with graph.inserting_after(node):
+        c = graph.call_function(CAST_OP, (node,), {"dtype": to_torch(storage)})
+    c.meta["val"] = node.meta.get("val")
+    c.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
+    c.meta["autoprec"] = {"dtype": storage, "inserted_cast": True, "op_class": "cast", "decided_by": PASS,
+                          "reason": f"computed in {compute}, stored {storage}",
+                          "key": f"store({meta.get('key', node.name)})->{storage}"}
+    for u in users:
+        u.replace_input_with(node, c)
+    meta.update(dtype=compute, storage=storage)
+    stats["casts"] += 1
+    stats["cast_bytes"] += tensor_bytes(node)
 
 
 class InsertCasts(PassBase):

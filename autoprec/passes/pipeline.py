@@ -1,4 +1,4 @@
-"""The lowering pass list: assign dtypes -> insert casts -> fp32 accumulation -> verify.
+"""The lowering pass list: assign dtypes -> insert casts -> fp32 accumulation -> fp8 matmuls -> verify.
 
 :func:`lowering_passes` builds it; :class:`~autoprec.passes.manager.PassManager` runs it
 (``graph.lint()`` and each pass's post-condition after every pass; failures raise
@@ -13,6 +13,7 @@ from autoprec.passes.accumulate import AccumulateFp32
 from autoprec.passes.assign import AssignDtypes
 from autoprec.passes.base import PassResult
 from autoprec.passes.casts import InsertCasts
+from autoprec.passes.fp8 import LowerFp8
 from autoprec.passes.manager import PassManager
 from autoprec.passes.verify import Verify, output_dtypes
 from autoprec.policy import Policy
@@ -34,7 +35,8 @@ def lowering_passes(
         constants: ``"fix"`` or ``"strict"``; see :mod:`autoprec.passes.constants` (case C03).
 
     Returns:
-        ``PassManager`` of ``assign_dtypes``, ``insert_casts``, ``accumulate_fp32``, ``verify``.
+        ``PassManager`` of ``assign_dtypes``, ``insert_casts``, ``accumulate_fp32``, ``lower_fp8``,
+        ``verify``.
 
     Raises:
         ValueError: unknown ``placement`` or ``constants`` mode.
@@ -43,6 +45,7 @@ def lowering_passes(
         AssignDtypes(policy, placement, constants),
         InsertCasts(),
         AccumulateFp32(policy),
+        LowerFp8(policy),
         Verify(output_dtypes(gm)),
     ])
 
@@ -62,7 +65,7 @@ def run_pipeline(
         ``PassResult`` with the lowered graph (same Parameters as ``gm``) and stats
         ``casts`` (count of placement casts), ``cast_bytes`` (bytes of the tensors converted),
         ``placed``, ``constants_fp32``, ``constants_clamped``, ``accumulate_fp32`` and
-        ``accumulate_casts``.
+        ``accumulate_casts``, ``fp8_matmuls``, ``saved_low``.
 
     Raises:
         PassError: a pass or the verifier failed; the message names the pass and the node.

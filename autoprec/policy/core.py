@@ -20,6 +20,7 @@ from autoprec.dtypes import DTYPES
 from autoprec.errors import PolicyError
 from autoprec.policy.fields import (
     MAX_DEPTH,
+    DuplicateKey,
     build,
     check_choice,
     check_keys,
@@ -28,12 +29,13 @@ from autoprec.policy.fields import (
     check_str,
     fail,
     jsonable,
+    no_duplicates,
     type_name,
 )
 from autoprec.policy.loss_scaling import LOSS_SCALING_KEYS, LossScalingConfig
 from autoprec.policy.rule import RULE_KEYS, SCHEMA2_RULE_KEYS, Rule
 
-__all__ = ["ACCUMULATE_MODES", "GRAD_REDUCE_DTYPES", "READ_VERSIONS", "SCHEMA_VERSION", "TOP_LEVEL_KEYS", "Policy"]
+__all__ = ["ACCUMULATE_MODES", "FP8_SCALINGS", "GRAD_REDUCE_DTYPES", "READ_VERSIONS", "SCHEMA_VERSION", "TOP_LEVEL_KEYS", "Policy"]
 
 #: The policy file format version this module writes when a policy uses a schema-2 field (a rule's
 #: ``compute`` or ``saved``, or fp8); others are written as version 1, which older readers take.
@@ -43,9 +45,11 @@ READ_VERSIONS: tuple[int, ...] = (1, 2)
 ACCUMULATE_MODES: tuple[str, ...] = ("fp32", "none")
 #: dtypes gradients may be communicated in across ranks (``Policy.grad_reduce_dtype``).
 GRAD_REDUCE_DTYPES: tuple[str, ...] = ("fp32", "bf16")
+#: Scale granularities of fp8 matmuls (``Policy.fp8_scaling``; torchao.float8's recipes).
+FP8_SCALINGS: tuple[str, ...] = ("tensorwise", "rowwise")
 TOP_LEVEL_KEYS: tuple[str, ...] = (
     "schema_version", "default_dtype", "rules", "accumulate", "loss_scaling",
-    "master_weights", "optimizer_state", "activation_memory_budget", "grad_reduce_dtype", "provenance",
+    "master_weights", "optimizer_state", "activation_memory_budget", "grad_reduce_dtype", "fp8_scaling", "provenance",
     "measured",
 )
 
@@ -73,6 +77,10 @@ class Policy:
             or ``"bf16"`` (DDP's ``bf16_compress_hook``, FSDP2's ``MixedPrecisionPolicy(reduce_dtype=
             torch.bfloat16)``: :mod:`autoprec.runtime.distributed`); one process ignores it. The
             ``.grad`` of the master weights stays fp32 either way.
+        fp8_scaling: How fp8 matmuls (compute ``fp8_e4m3``) scale their operands: ``"tensorwise"``
+            (default; one amax scale per tensor) or ``"rowwise"`` (one per row of the input and per
+            output row of the weight), torchao.float8's two recipes (:mod:`autoprec.kernels.fp8`).
+            Written only when ``"rowwise"``.
         provenance: Read-only JSON-ready mapping (model, graph fingerprint, device, versions, ...).
         measured: Read-only mapping of finite numbers (tokens_per_s, grad_rel_l2, peak_bytes, ...).
 
@@ -88,6 +96,7 @@ class Policy:
     optimizer_state: str = "fp32"
     activation_memory_budget: float = 1.0
     grad_reduce_dtype: str = "fp32"
+    fp8_scaling: str = "tensorwise"
     provenance: Mapping[str, Any] = field(default_factory=dict)
     measured: Mapping[str, float] = field(default_factory=dict)
 
@@ -207,7 +216,7 @@ class Policy:
         the fields (and keeps its ``training_key``).
         """
         d = {
-            "schema_version": SCHEMA_VERSION if any(r.schema2 for r in self.rules) else 1,
+            "schema_version": SCHEMA_VERSION if self.fp8_scaling != "tensorwise" or any(r.schema2 for r in self.rules) else 1,
             "default_dtype": self.default_dtype,
             "rules": [r.to_dict() for r in self.rules],
             "accumulate": self.accumulate,
@@ -219,6 +228,8 @@ class Policy:
             d["activation_memory_budget"] = self.activation_memory_budget
         if self.grad_reduce_dtype != "fp32":
             d["grad_reduce_dtype"] = self.grad_reduce_dtype
+        if self.fp8_scaling != "tensorwise":
+            d["fp8_scaling"] = self.fp8_scaling
         return d | {"provenance": jsonable(self.provenance, "Policy", "provenance"),
                     "measured": dict(self.measured)}
 
@@ -245,7 +256,7 @@ class Policy:
         check_keys(d, TOP_LEVEL_KEYS, "top-level", source, "")
         kw: dict[str, Any] = {k: d[k] for k in ("default_dtype", "accumulate", "master_weights",
                                                   "optimizer_state", "activation_memory_budget",
-                                                  "grad_reduce_dtype") if k in d}
+                                                  "grad_reduce_dtype", "fp8_scaling") if k in d}
         kw["rules"] = _rules_from_json(d.get("rules", []), source, version)
         if "loss_scaling" in d:
             ls = check_mapping(d["loss_scaling"], source, "loss_scaling")
@@ -304,12 +315,12 @@ class Policy:
         except OSError as e:
             raise PolicyError(f"{source}: cannot read policy file: {e.strerror or e}") from e
         try:
-            data = json.loads(text, object_pairs_hook=_no_duplicates)
+            data = json.loads(text, object_pairs_hook=no_duplicates)
             return cls.from_dict(data, source=source)
         except json.JSONDecodeError as e:
             where = f"line {e.lineno}, column {e.colno}"
             raise PolicyError(f"{source}: invalid JSON at {where}: {e.msg}") from None
-        except _DuplicateKey as e:
+        except DuplicateKey as e:
             raise PolicyError(f"{source}: invalid JSON: duplicate key {e.args[0]!r} in an object") from None
         except RecursionError:  # json's C scanner (or a repr in an error message) on e.g. '[' * 100000
             raise PolicyError(f"{source}: invalid JSON: lists and objects nested too deeply to read "
@@ -340,6 +351,7 @@ def _check_fields(p: Policy, source: str) -> None:
         raise fail(source, "activation_memory_budget", f"{amb!r} is outside [0, 1] (a fraction of the "
                    "activations Inductor saves by default; 1.0 = no extra recomputation)")
     check_choice(p.grad_reduce_dtype, GRAD_REDUCE_DTYPES, "gradient reduction dtype", source, "grad_reduce_dtype")
+    check_choice(p.fp8_scaling, FP8_SCALINGS, "fp8 scaling", source, "fp8_scaling")
     check_mapping(p.provenance, source, "provenance")
     for k, v in check_mapping(p.measured, source, "measured").items():
         if not isinstance(k, str):
@@ -377,17 +389,4 @@ def _rules_from_json(rules: Any, source: str, version: int) -> list[Rule]:
             raise fail(source, f"{path}.{field}", f"{raw[field]!r} needs schema_version 2 "
                        "(compute, saved and fp8 are schema-2 fields); this file says 1")
         out.append(rule)
-    return out
-
-
-class _DuplicateKey(Exception):
-    """A JSON object of the file repeats a key (``args[0]``)."""
-
-
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise _DuplicateKey(k)
-        out[k] = v
     return out

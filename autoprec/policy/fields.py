@@ -131,3 +131,21 @@ def build(cls: type, values: Mapping[str, Any], source: str, path: str = "") -> 
         object.__setattr__(obj, f.name, value)
     obj._validate(source, path)
     return obj
+
+
+class DuplicateKey(Exception):
+    """A JSON object of a policy file repeats a key (``args[0]``)."""
+
+
+def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``json.loads`` ``object_pairs_hook`` that refuses a repeated key.
+
+    Raises:
+        DuplicateKey: naming the key.
+    """
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise DuplicateKey(k)
+        out[k] = v
+    return out

@@ -38,7 +38,8 @@ _RETRY_HISTORY = "retry_history"
 
 
 def policy_fingerprint(lowered: torch.fx.GraphModule) -> str:
-    """SHA-256 (16 hex) of the effective per-node dtypes of an assigned (or lowered) graph.
+    """SHA-256 (16 hex) of the effective per-node dtypes (storage, compute, saved) of an assigned (or
+    lowered) graph.
 
     Two policies with the same fingerprint run the same computation, whatever parameters
     produced them; the study measures it once.
@@ -46,8 +47,9 @@ def policy_fingerprint(lowered: torch.fx.GraphModule) -> str:
     h = hashlib.sha256()
     for n in lowered.graph.nodes:
         meta = n.meta.get("autoprec", {})
-        if meta.get("dtype") is not None:
-            h.update(f"{meta.get('key', n.name)}={meta['dtype']};".encode())
+        if meta.get("dtype") is not None:  # compute and saved only where set: old fingerprints stay valid
+            extra = "".join(f"|{k}={meta[k]}" for k in ("compute", "saved") if meta.get(k) is not None)
+            h.update(f"{meta.get('key', n.name)}={meta['dtype']}{extra};".encode())
     return h.hexdigest()[:16]
 
 

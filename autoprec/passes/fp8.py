@@ -1,0 +1,116 @@
+"""Pass: matmuls whose compute dtype is fp8 run as ``autoprec::fp8_linear`` (docs/architecture.md#passes).
+
+After ``insert_casts`` a node with ``meta["autoprec"]["compute"] == "fp8_e4m3"`` reads its inputs
+and writes its output in its storage dtype; this pass swaps its ATen target for the scaled fp8
+matmul of :mod:`autoprec.kernels.fp8` (operands quantised to float8_e4m3fn with amax scales in
+forward, the output gradient to float8_e5m2 in backward; torchao.float8's recipe), keeping
+arguments and output dtype, so cast placement and the verifier see an ordinary node:
+
+- ``linear(x[..., K], w[N, K], bias?)`` -> ``fp8_linear(x, w, bias, scaling)``;
+- ``mm(a[M, K], b[K, N])`` and ``matmul(a[..., K], b[K, N])`` -> ``fp8_linear(a, t(b), None, scaling)``.
+
+Other matmul-class ops (``bmm``, attention, convolutions) have no fp8 kernel; ``assign_dtypes``
+leaves them in their storage dtype (:func:`fp8_lowerable`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from autoprec.dtypes import FP8_COMPUTE
+from autoprec.passes.base import PassBase, PassResult, clone_graph_module, pass_error
+from autoprec.policy import Policy
+
+__all__ = ["LowerFp8", "fp8_lowerable", "lower_fp8"]
+
+PASS = "lower_fp8"
+_aten = torch.ops.aten
+_LINEAR, _MM, _MATMUL = _aten.linear.default, _aten.mm.default, _aten.matmul.default
+
+
+def _rank(a: object) -> int | None:
+    v = a.meta.get("val") if isinstance(a, fx.Node) else None
+    return v.dim() if isinstance(v, torch.Tensor) else None
+
+
+def fp8_lowerable(node: fx.Node) -> bool:
+    """Whether the fp8 kernel can compute ``node``: ``linear`` with a 2-D weight, ``mm``, or
+    ``matmul`` whose second operand is 2-D (the weight of ``x @ W``)."""
+    if node.op != "call_function" or len(node.args) < 2:
+        return False
+    if node.target is _LINEAR:
+        return _rank(node.args[1]) == 2
+    if node.target in (_MM, _MATMUL):
+        return _rank(node.args[1]) == 2 and (_rank(node.args[0]) or 0) >= 2
+    return False
+
+
+def _fp8_op() -> object:
+    import autoprec.kernels.fp8  # noqa: F401  registers torch.ops.autoprec.fp8_linear
+
+    return torch.ops.autoprec.fp8_linear.default
+
+
+def lower_fp8(gm: fx.GraphModule, policy: Policy) -> PassResult:
+    """Swap every fp8-compute matmul of a copy of ``gm`` for ``autoprec::fp8_linear``.
+
+    Args:
+        gm: Output of ``insert_casts``; not modified.
+        policy: Its ``fp8_scaling`` (``"tensorwise"`` or ``"rowwise"``) goes to every fp8 node.
+
+    Returns:
+        ``PassResult`` with stats ``fp8_matmuls`` (nodes swapped).
+
+    Raises:
+        PassError: a node marked fp8 is not an op :func:`fp8_lowerable` accepts.
+    """
+    gm = clone_graph_module(gm)
+    stats = {"fp8_matmuls": 0}
+    nodes = [n for n in gm.graph.nodes if n.meta.get("autoprec", {}).get("compute") == FP8_COMPUTE]
+    if not nodes:
+        return PassResult(gm, False, stats)
+    op = _fp8_op()
+    for n in nodes:
+        if not fp8_lowerable(n):
+            raise pass_error(PASS, n, f"marked fp8 but {n.target} has no fp8 kernel")
+        x, w = n.args[0], n.args[1]
+        bias = (n.args[2] if len(n.args) > 2 else n.kwargs.get("bias")) if n.target is _LINEAR else None
+        if n.target is not _LINEAR:  # x @ W[K, N] -> linear(x, W^T)
+            with gm.graph.inserting_before(n):
+                w = gm.graph.call_function(_aten.t.default, (w,))
+            w.meta["val"] = n.args[1].meta["val"].t()
+            w.meta["autoprec"] = {**n.args[1].meta.get("autoprec", {}), "key": f"t({n.meta['autoprec'].get('key')})",
+                                  "inserted_cast": True, "op_class": "follow"}
+        n.target, n.args, n.kwargs = op, (x, w, bias, policy.fp8_scaling), {}
+        n.meta["autoprec"]["decided_by"] = f"{n.meta['autoprec'].get('decided_by')}; {PASS}"
+        stats["fp8_matmuls"] += 1
+    gm.recompile()
+    return PassResult(gm, True, stats)
+
+
+class LowerFp8(PassBase):
+    """:func:`lower_fp8` as a :class:`~autoprec.passes.base.PassBase`.
+
+    Args:
+        policy: The policy (its ``fp8_scaling``).
+    """
+
+    name = PASS
+
+    def __init__(self, policy: Policy) -> None:
+        self.policy = policy
+
+    def call(self, gm: fx.GraphModule) -> PassResult:
+        """``lower_fp8(gm, policy)``; ``gm`` is not modified."""
+        return lower_fp8(gm, self.policy)
+
+    def ensures(self, gm: fx.GraphModule) -> None:
+        """No node marked fp8 is left on an ATen matmul.
+
+        Raises:
+            PassError: an fp8-compute node still runs its original op.
+        """
+        for n in gm.graph.nodes:
+            if n.meta.get("autoprec", {}).get("compute") == FP8_COMPUTE and n.target in (_LINEAR, _MM, _MATMUL):
+                raise pass_error(PASS, n, "marked fp8 but still runs the ATen matmul")

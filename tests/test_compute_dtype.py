@@ -1,0 +1,139 @@
+"""Compute dtype separate from storage dtype (schema 2): cast structure, numerics, fp8 lowering."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from autoprec.capture import capture
+from autoprec.errors import PassError
+from autoprec.passes import assign_dtypes, run_pipeline
+from autoprec.policy import Policy, Rule
+from autoprec.search.objective import policy_fingerprint
+
+BF16_FP32 = Policy(default_dtype="bf16", rules=(Rule(op_class="sensitive", dtype="fp32"),
+                                                Rule(op_class="matmul", dtype="bf16", compute="fp32")))
+
+
+class MLP(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(32, 64), torch.nn.Linear(64, 16)
+
+    def forward(self, x):
+        return self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+def lowered(policy: Policy, model: torch.nn.Module | None = None):
+    torch.manual_seed(0)
+    m = model or MLP()
+    x = torch.randn(4, 32)
+    return m, x, run_pipeline(capture(m, (x,)), policy).graph_module
+
+
+def by_key(gm, suffix: str):
+    return next(n for n in gm.graph.nodes if n.meta.get("autoprec", {}).get("key", "").endswith(suffix))
+
+
+def test_compute_fp32_storage_bf16_cast_structure():
+    """Every input of the matmul is rounded through bf16 then read in fp32; the output is stored
+    back in bf16 by one cast that is its only consumer."""
+    _, _, gm = lowered(BF16_FP32)
+    up = by_key(gm, "up/linear#0")
+    meta = up.meta["autoprec"]
+    assert (meta["dtype"], meta["storage"], meta["compute"]) == ("fp32", "bf16", "fp32")
+    for a in up.args:  # x, weight, bias: each an fp32 cast of a bf16 value
+        assert a.target is torch.ops.aten._to_copy.default and a.kwargs["dtype"] == torch.float32
+        src = a.args[0]
+        assert src.meta["val"].dtype == torch.bfloat16, src.format_node()
+    (store,) = up.users
+    assert store.kwargs["dtype"] == torch.bfloat16 and store.meta["autoprec"]["inserted_cast"]
+    assert up.meta["val"].dtype == torch.float32
+
+
+def test_compute_fp32_numerics_match_bf16_kernel_semantics():
+    """The output equals float64 arithmetic on bf16-rounded inputs/weights, rounded to bf16 once
+    (up to fp32 accumulation error), and agrees with the native bf16 policy within bf16 rounding."""
+    m, x, gm = lowered(BF16_FP32)
+    out = gm(x)
+    r = lambda t: t.to(torch.bfloat16).double()  # noqa: E731
+    h = (r(x) @ r(m.up.weight).T + r(m.up.bias)).to(torch.bfloat16)
+    h = torch.nn.functional.gelu(h).double()  # gelu is placed in bf16 (follow)
+    h = r(h)
+    ref = (h @ r(m.down.weight).T + r(m.down.bias)).to(torch.bfloat16).float()
+    torch.testing.assert_close(out, ref, rtol=2 ** -7, atol=1e-3)
+    _, _, native = lowered(Policy.default("bf16"))
+    torch.testing.assert_close(out, native(x), rtol=2 ** -6, atol=2e-2)
+    fp32 = m(x)
+    rel = ((out - fp32).norm() / fp32.norm()).item()
+    assert 0 < rel < 2e-2, rel  # really rounded (not fp32), and only by bf16 rounding
+
+
+def test_compute_fp32_trains_with_fp32_gradients():
+    m, x, gm = lowered(BF16_FP32)
+    gm(x).square().mean().backward()
+    ref = MLP()
+    ref.load_state_dict(m.state_dict())
+    ref(x).square().mean().backward()
+    for (name, p), q in zip(m.named_parameters(), ref.parameters()):
+        assert p.grad.dtype == torch.float32
+        rel = ((p.grad - q.grad).norm() / q.grad.norm()).item()
+        assert rel < 3e-2, (name, rel)
+
+
+def test_fingerprint_tells_compute_from_native():
+    torch.manual_seed(0)
+    m, x = MLP(), torch.randn(4, 32)
+    gm = capture(m, (x,))
+    a = policy_fingerprint(assign_dtypes(gm, Policy.default("bf16")).graph_module)
+    b = policy_fingerprint(assign_dtypes(gm, BF16_FP32).graph_module)
+    assert a != b
+
+
+def test_fp8_rule_lowers_linears_to_the_fp8_kernel():
+    pol = Policy(default_dtype="fp32", rules=(Rule(op_class="matmul", dtype="fp8_e4m3"),))
+    m, x, gm = lowered(pol)
+    targets = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+    assert targets.count("autoprec.fp8_linear.default") == 2 and "aten.linear.default" not in targets
+    out = gm(x)
+    ref = m(x)
+    rel = ((out - ref).norm() / ref.norm()).item()
+    assert 1e-4 < rel < 0.1, rel  # fp8 rounding, not fp32 and not garbage
+    out.square().mean().backward()
+    assert all(torch.isfinite(p.grad).all() for p in m.parameters())
+
+
+class Attn(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 16)
+
+    def forward(self, q):
+        return torch.nn.functional.scaled_dot_product_attention(self.proj(q), q, q)
+
+
+def test_fp8_class_rule_leaves_ops_without_fp8_kernel_in_storage_dtype():
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 8, 16)
+    gm = capture(Attn(), (q,))
+    pol = Policy(default_dtype="fp32", rules=(Rule(op_class="matmul", dtype="bf16", compute="fp8_e4m3"),))
+    out = run_pipeline(gm, pol).graph_module
+    sdpa = by_key(out, "scaled_dot_product_attention#0")
+    assert "compute" not in sdpa.meta["autoprec"] and "no fp8 kernel" in sdpa.meta["autoprec"]["reason"]
+    assert sdpa.meta["autoprec"]["dtype"] == "bf16"
+    assert any(str(n.target) == "autoprec.fp8_linear.default" for n in out.graph.nodes)
+    key = sdpa.meta["autoprec"]["key"]
+    with pytest.raises(PassError, match="no fp8 kernel"):
+        run_pipeline(gm, Policy(default_dtype="fp32", rules=(Rule(node=key, dtype="fp8_e4m3"),)))
+
+
+def test_saved_is_recorded_where_it_differs_from_the_stored_dtype():
+    torch.manual_seed(0)
+    m, x = MLP(), torch.randn(4, 32)
+    pol = Policy(default_dtype="fp32", rules=(Rule(op_class="follow", saved="bf16"),
+                                              Rule(node="down/linear#0", saved="fp32")))
+    gm = assign_dtypes(capture(m, (x,)), pol).graph_module
+    gelu = by_key(gm, "gelu#0")
+    assert gelu.meta["autoprec"]["saved"] == "bf16" and gelu.meta["autoprec"]["dtype"] == "fp32"
+    assert "saved" not in by_key(gm, "down/linear#0").meta["autoprec"]  # saved as stored: nothing to do
+    assert "saved" not in by_key(gm, "up/linear#0").meta["autoprec"]
