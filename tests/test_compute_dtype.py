@@ -137,3 +137,18 @@ def test_saved_is_recorded_where_it_differs_from_the_stored_dtype():
     assert gelu.meta["autoprec"]["saved"] == "bf16" and gelu.meta["autoprec"]["dtype"] == "fp32"
     assert "saved" not in by_key(gm, "down/linear#0").meta["autoprec"]  # saved as stored: nothing to do
     assert "saved" not in by_key(gm, "up/linear#0").meta["autoprec"]
+
+
+def test_report_labels_storage_compute_and_saved():
+    from autoprec.search.report import dtype_map
+
+    torch.manual_seed(0)
+    m, x = MLP(), torch.randn(4, 32)
+    gm = capture(m, (x,))
+    assert dtype_map(gm, BF16_FP32)["up"] == {"matmul": "bf16:fp32"}
+    fp8 = Policy(default_dtype="fp32", rules=(Rule(op_class="matmul", dtype="bf16", compute="fp8_e4m3"),
+                                              Rule(op_class="follow", saved="bf16")))
+    dm = dtype_map(gm, fp8)
+    assert dm["up"] == {"matmul": "bf16:fp8_e4m3"} and dm[""]["follow"] == "bf16"
+    saved = Policy(default_dtype="fp32", rules=(Rule(op_class="follow", saved="fp8_e5m2"),))
+    assert dtype_map(gm, saved)[""]["follow"] == "fp32 saved fp8_e5m2"

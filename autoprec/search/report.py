@@ -17,7 +17,7 @@ from torch import fx
 from autoprec.policy import Policy
 from autoprec.search import attrs
 
-__all__ = ["format_table", "write_report", "trial_rows", "pareto_front", "show_nodes", "dtype_map"]
+__all__ = ["format_table", "write_report", "trial_rows", "pareto_front", "show_nodes", "dtype_map", "node_label"]
 
 _DT_COLOUR = {"fp32": 0, "bf16": 1, "fp16": 2}
 
@@ -125,8 +125,17 @@ def _plot_pareto(rows, front, fp32_tps: float | None, budget: float | None, path
     plt.close(fig)
 
 
+def node_label(meta: dict) -> str:
+    """How a lowered node stores, computes and saves, e.g. ``"bf16"``, ``"bf16:fp32"`` (storage bf16,
+    compute fp32), ``"bf16:fp8_e4m3"`` or ``"fp32 saved bf16"`` (docs/architecture.md#policy-file)."""
+    storage = meta.get("storage", meta["dtype"])
+    compute = meta.get("compute", storage)
+    label = storage if compute == storage else f"{storage}:{compute}"
+    return label + (f" saved {meta['saved']}" if meta.get("saved") else "")
+
+
 def dtype_map(gm: fx.GraphModule, policy: Policy) -> dict[str, dict[str, str]]:
-    """``{module: {op class: dtype}}`` for the lowered graph (majority dtype per class)."""
+    """``{module: {op class: label}}`` for the lowered graph (majority :func:`node_label` per class)."""
     from autoprec.passes import run_pipeline
 
     lowered = run_pipeline(gm, policy).graph_module
@@ -134,7 +143,7 @@ def dtype_map(gm: fx.GraphModule, policy: Policy) -> dict[str, dict[str, str]]:
     for n in lowered.graph.nodes:
         meta = n.meta.get("autoprec", {})
         if n.op == "call_function" and meta.get("dtype") and not meta.get("inserted_cast"):
-            counts[meta.get("module", "")][meta.get("op_class", "?")][meta["dtype"]] += 1
+            counts[meta.get("module", "")][meta.get("op_class", "?")][node_label(meta)] += 1
     return {m: {c: max(d, key=d.get) for c, d in cl.items()} for m, cl in counts.items()}
 
 
@@ -149,7 +158,8 @@ def _plot_dtype_map(gm: fx.GraphModule, policy: Policy, path: Path) -> None:
     dm = dtype_map(gm, policy)
     mods = list(dm)
     classes = ["matmul", "sensitive", "follow"]
-    grid = [[_DT_COLOUR.get(dm[m].get(c, ""), math.nan) for c in classes] for m in mods]
+    # colour by storage dtype (the label's first word before ":"); compute and saved are in show's listing
+    grid = [[_DT_COLOUR.get(dm[m].get(c, "").split(":")[0].split(" ")[0], math.nan) for c in classes] for m in mods]
     fig, ax = plt.subplots(figsize=(5, max(2.0, 0.18 * len(mods) + 1)), dpi=110)
     colours = ["#4c72b0", "#dd8452", "#c44e52"]  # _DT_COLOUR's indices: fp32, bf16, fp16
     ax.imshow(grid or [[math.nan] * 3], aspect="auto", cmap=ListedColormap(colours),
@@ -204,7 +214,7 @@ def show_nodes(policy: Policy, model_path: str | os.PathLike) -> str:
     spec = load_model_spec(model_path)
     model = spec.build_model()
     gm = capture(model, spec.get_batch(0, torch.device("cpu")))
-    lines = ["", "module | op class -> dtype", "---"]
+    lines = ["", "module | op class -> dtype (storage:compute where they differ; saved)", "---"]
     for mod, classes in dtype_map(gm, policy).items():
         lines.append(f"{mod or '<root>'} | " + ", ".join(f"{c}->{d}" for c, d in sorted(classes.items())))
     lines += ["", "rule -> matched nodes", "---"]
