@@ -9,13 +9,14 @@ from __future__ import annotations
 import os
 import platform
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from autoprec.dtypes import NAMES, to_torch
 
-__all__ = ["autocast_dtype", "describe_machine", "device_name", "resolve_device", "sync", "time_matmul"]
+__all__ = ["autocast_dtype", "describe_machine", "device_name", "resolve_device", "sync", "time_call", "time_matmul"]
 
 
 def resolve_device(device: str = "auto") -> torch.device:
@@ -82,12 +83,27 @@ def time_matmul(dtype: torch.dtype, device: torch.device, n: int, reps: int, sto
     """
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
+    return time_call(lambda: a @ b, device, reps, stop_after_s)
+
+
+def time_call(fn: Callable[[], object], device: torch.device, reps: int, stop_after_s: float) -> list[float]:
+    """Wall-clock seconds of ``fn()`` on ``device``: the one timing loop of the device probes.
+
+    One warm-up, then up to ``reps`` timed calls (device-synchronised), stopping early once
+    ``stop_after_s`` seconds have passed since the warm-up began.
+
+    Returns:
+        The timed durations in seconds (the warm-up's alone if the budget ran out before any).
+
+    Raises:
+        Whatever ``fn`` raises (e.g. RuntimeError: the device has no kernel for a dtype).
+    """
     times = []
     start = time.perf_counter()
     for _ in range(reps + 1):
         sync(device)
         t0 = time.perf_counter()
-        a @ b
+        fn()
         sync(device)
         times.append(time.perf_counter() - t0)
         if time.perf_counter() - start > stop_after_s:

@@ -1,87 +1,41 @@
-"""The search space: which dtypes the device runs usefully, and Optuna parameters -> Policy.
+"""The search space: which kernel choices the device runs usefully, and Optuna parameters -> Policy.
 
-Candidates are filtered by measurement, never by a device table: :func:`probe_dtypes` times a
-matmul in every dtype on the target device; a dtype that fails to run, or whose matmul is not
-faster than fp32 (e.g. fp16 on a CPU without native fp16 arithmetic, measured ~100x slower),
-is dropped from the space with the measured reason.
+Choices are kernels, not dtypes (:mod:`autoprec.search.probe`): ``"fp32"``, ``"bf16"`` (native),
+``"bf16:fp32"`` (bf16 storage, fp32 compute), ``"fp16"``, ``"fp16:fp32"``, ``"fp8_e4m3"`` (fp8
+matmul, fp32 storage). Only the kernels the probe kept are offered (docs/architecture.md#search):
+a device without native bf16 still searches bf16 storage, computing in fp32.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import optuna
 import torch
 
-from autoprec.device import time_matmul
-from autoprec.dtypes import LOW_DTYPES, to_torch
-from autoprec.metrics import median
+from autoprec.dtypes import FP8_COMPUTE
 from autoprec.ops import classify
 from autoprec.policy import Policy, Rule
+from autoprec.search.probe import KERNELS, kernel_fields
 
-__all__ = ["DtypeProbe", "probe_dtypes", "SearchSpace", "BASELINES", "find_blocks", "outside_matmuls"]
-
-
-@dataclass(frozen=True)
-class DtypeProbe:
-    """Result of timing one dtype's matmul on the device.
-
-    Attributes:
-        dtype: Policy dtype name.
-        seconds: Median seconds of one ``n×n @ n×n`` matmul (inf if it failed).
-        speedup: fp32 seconds / this dtype's seconds (> 1 is faster than fp32).
-        usable: Whether the search may choose this dtype.
-        reason: Why not, if not usable.
-    """
-
-    dtype: str
-    seconds: float
-    speedup: float
-    usable: bool
-    reason: str = ""
-
-
-def probe_dtypes(device: torch.device, n: int = 512, reps: int = 5, min_speedup: float = 1.1,
-                 budget_s: float = 3.0) -> dict[str, DtypeProbe]:
-    """Time a square matmul per dtype on ``device``; keep the low dtypes that beat fp32.
-
-    Args:
-        device: Target device.
-        n: Matrix size (512: the hidden size of the bundled example; large enough to be
-            compute-bound on a CPU core, small enough to take milliseconds).
-        reps: Timed repetitions (median reported).
-        min_speedup: A low dtype must be at least this much faster than fp32 to be searched.
-        budget_s: Wall-clock cap per dtype, so an emulated dtype costs at most this.
-
-    Returns:
-        ``{dtype name: DtypeProbe}`` for fp32 and every low dtype.
-    """
-    base = median(time_matmul(torch.float32, device, n, reps, budget_s))
-    out = {"fp32": DtypeProbe("fp32", base, 1.0, True)}
-    for name in LOW_DTYPES:
-        try:
-            s = median(time_matmul(to_torch(name), device, n, reps, budget_s))
-        except Exception as e:  # dtype not supported by this device/build
-            out[name] = DtypeProbe(name, float("inf"), 0.0, False, f"matmul failed: {type(e).__name__}: {e}")
-            continue
-        sp = base / s
-        ok = sp >= min_speedup
-        why = "" if ok else f"matmul measured {1 / sp:.1f}x slower than fp32" if sp < 1 else (
-            f"matmul only {sp:.2f}x faster than fp32 (< {min_speedup})")
-        out[name] = DtypeProbe(name, s, sp, ok, why)
-    return out
+__all__ = ["SearchSpace", "BASELINES", "FP32_COMPUTE_BASELINE", "find_blocks", "outside_matmuls"]
 
 
 #: Baseline parameter sets enqueued first (docs/architecture.md#data-flow): all fp32, autocast-equivalent
-#: (matmuls low, sensitive fp32, the rest placed), all low except sensitive, all low.
+#: (matmuls low, sensitive fp32, the rest placed), all low except sensitive, all low. ``{low}`` is the
+#: fastest kept kernel, ``{lowf}`` the fastest kept kernel with low-precision storage (no fp8: it is
+#: for matmuls only).
 BASELINES: tuple[tuple[str, Mapping[str, str]], ...] = (
     ("fp32", {"matmul": "fp32", "sensitive": "fp32", "follow": "fp32"}),
     ("autocast-equivalent", {"matmul": "{low}", "sensitive": "fp32", "follow": "auto"}),
-    ("low-except-sensitive", {"matmul": "{low}", "sensitive": "fp32", "follow": "{low}"}),
-    ("all-low", {"matmul": "{low}", "sensitive": "{low}", "follow": "{low}"}),
+    ("low-except-sensitive", {"matmul": "{low}", "sensitive": "fp32", "follow": "{lowf}"}),
+    ("all-low", {"matmul": "{low}", "sensitive": "{lowf}", "follow": "{lowf}"}),
 )
+#: Queued besides :data:`BASELINES` when a ``":fp32"`` kernel is kept (``{c}``: the fastest one):
+#: low-precision storage at fp32 speed, the memory point of devices without native bf16.
+FP32_COMPUTE_BASELINE: tuple[str, Mapping[str, str]] = (
+    "low-storage fp32-compute", {"matmul": "{c}", "sensitive": "fp32", "follow": "{c}"})
 
 
 _BLOCK = re.compile(r"^(.*?\.\d+)(?:\.|$)")
@@ -114,31 +68,50 @@ def outside_matmuls(gm: torch.fx.GraphModule, blocks: list[str]) -> list[str]:
 
 
 class SearchSpace:
-    """Hierarchical dtype choices over the dtypes the device runs usefully.
+    """Hierarchical kernel choices over the kernels the device runs usefully.
 
     Levels (the number of parameters grows linearly with the number of layers):
 
-    1. Op class: ``matmul`` and ``sensitive`` in fp32 + usable low dtypes; ``follow`` in
-       ``auto`` (min-cut placement), fp32 + usable low dtypes.
-    2. Per layer block: ``block:<path>`` in ``inherit`` or a dtype for that block's matmuls.
+    1. Op class: ``matmul`` in fp32 + the kept kernels; ``sensitive`` in fp32 + the kept kernels
+       with low-precision storage (no fp8: matmuls only); ``follow`` in ``auto`` (min-cut
+       placement) + those.
+    2. Per layer block: ``block:<path>`` in ``inherit`` or a kernel for that block's matmuls.
     3. Per node: ``node:<key>`` for matmul nodes outside the blocks (LM head, projections) in
-       ``inherit`` or a dtype.
+       ``inherit`` or a kernel.
 
-    Levels 2–3 exist only when a low dtype is usable (otherwise every choice is fp32).
+    Levels 2–3 exist only when a low kernel is kept (otherwise every choice is fp32).
 
     Args:
-        low_dtypes: Usable low dtypes, fastest first (from :func:`probe_dtypes`).
+        low_kernels: Kept kernel choices (:data:`autoprec.search.probe.KERNELS`), fastest first
+            (:meth:`autoprec.search.probe.KernelProbe.low_kernels`); a bare dtype name is its native kernel.
         blocks: Block module paths (:func:`find_blocks`).
         nodes: Node keys with their own parameter (:func:`outside_matmuls`).
+
+    Attributes:
+        low_kernels: As given, fastest first (``low_dtypes`` is the same list).
+        dtypes: The matmul choices in a fixed order: ``fp32`` then :data:`KERNELS` order.
+        float_choices: ``dtypes`` without fp8: the choices of ``sensitive`` and ``follow``.
+
+    Raises:
+        ValueError: an unknown kernel choice (:func:`autoprec.search.probe.kernel_fields`).
     """
 
-    def __init__(self, low_dtypes: list[str], blocks: list[str] = (), nodes: list[str] = ()) -> None:
-        self.low_dtypes = list(low_dtypes)
+    def __init__(self, low_kernels: list[str], blocks: list[str] = (), nodes: list[str] = ()) -> None:
+        for k in low_kernels:
+            kernel_fields(k)
+        self.low_kernels = list(low_kernels)
         # The choices in a fixed order, not by speed: a resumed study must offer the same choices
-        # even when a re-run's probe orders two low dtypes the other way (Optuna refuses otherwise).
-        self.dtypes = ["fp32", *sorted(self.low_dtypes, key=LOW_DTYPES.index)]
-        self.blocks = list(blocks) if self.low_dtypes else []
-        self.nodes = list(nodes) if self.low_dtypes else []
+        # even when a re-run's probe orders two kernels the other way (Optuna refuses otherwise).
+        self.dtypes = ["fp32", *sorted(set(self.low_kernels), key=KERNELS.index)]
+        self.float_choices = [c for c in self.dtypes if c != FP8_COMPUTE]
+        self.blocks = list(blocks) if self.low_kernels else []
+        self.nodes = list(nodes) if self.low_kernels else []
+
+    @property
+    def low_dtypes(self) -> list[str]:
+        """The kept kernel choices, fastest first (:attr:`low_kernels`; the name callers used
+        when choices were dtypes)."""
+        return self.low_kernels
 
     @property
     def n_params(self) -> int:
@@ -149,8 +122,8 @@ class SearchSpace:
         """Sample one parameter set."""
         p = {
             "matmul": trial.suggest_categorical("matmul", self.dtypes),
-            "sensitive": trial.suggest_categorical("sensitive", self.dtypes),
-            "follow": trial.suggest_categorical("follow", ["auto", *self.dtypes]),
+            "sensitive": trial.suggest_categorical("sensitive", self.float_choices),
+            "follow": trial.suggest_categorical("follow", ["auto", *self.float_choices]),
         }
         for b in self.blocks:
             p[f"block:{b}"] = trial.suggest_categorical(f"block:{b}", ["inherit", *self.dtypes])
@@ -159,26 +132,50 @@ class SearchSpace:
         return p
 
     def baselines(self) -> list[tuple[str, dict[str, str]]]:
-        """Baseline parameter sets (:data:`BASELINES`) with ``{low}`` = the fastest usable low
-        dtype and every block/node parameter ``inherit``."""
+        """Baseline parameter sets (:data:`BASELINES`, then :data:`FP32_COMPUTE_BASELINE` when a
+        ``":fp32"`` kernel is kept) with every block/node parameter ``inherit``; one needing a
+        low-storage kernel when only fp8 is kept, or equal to an earlier one, is left out."""
         rest = {f"block:{b}": "inherit" for b in self.blocks} | {f"node:{k}": "inherit" for k in self.nodes}
-        if not self.low_dtypes:
+        if not self.low_kernels:
             return [(BASELINES[0][0], dict(BASELINES[0][1]))]
-        low = self.low_dtypes[0]
-        return [(name, {k: v.format(low=low) for k, v in p.items()} | rest) for name, p in BASELINES]
+        floats = [k for k in self.low_kernels if k != FP8_COMPUTE]
+        fill = {"low": self.low_kernels[0], "lowf": floats[0] if floats else None,
+                "c": next((k for k in floats if k.endswith(":fp32")), None)}
+        out: list[tuple[str, dict[str, str]]] = []
+        for name, p in (*BASELINES, FP32_COMPUTE_BASELINE):
+            if any(fill[m] is None for v in p.values() for m in re.findall(r"\{(\w+)\}", v)):
+                continue
+            params = {k: v.format(**fill) for k, v in p.items()} | rest
+            if all(params != q for _n, q in out):
+                out.append((name, params))
+        return out
 
     @staticmethod
     def to_policy(params: Mapping[str, str]) -> Policy:
         """Build the policy a parameter set stands for (later rules override earlier ones;
-        node rules win, docs/architecture.md#policy-file)."""
-        rules = [Rule(op_class="sensitive", dtype=params["sensitive"])]
+        node rules win, docs/architecture.md#policy-file). A kernel choice becomes a rule's
+        ``dtype`` and ``compute`` (:func:`autoprec.search.probe.kernel_fields`): ``"bf16:fp32"``
+        -> ``Rule(dtype="bf16", compute="fp32")``; the ``matmul`` choice is the default dtype's
+        storage plus, when it is not a native kernel of a storage dtype, a ``matmul`` rule.
+
+        Raises:
+            ValueError: an unknown kernel choice.
+        """
+        def rule(choice: str, **selector: str) -> Rule:
+            dtype, compute = kernel_fields(choice)
+            return Rule(dtype=dtype, compute=compute, **selector)
+
+        mm_dtype, mm_compute = kernel_fields(params["matmul"])
+        rules = [rule(params["matmul"], op_class="matmul")] if mm_compute or mm_dtype == FP8_COMPUTE else []
+        rules.append(rule(params["sensitive"], op_class="sensitive"))
         if params["follow"] != "auto":
-            rules.append(Rule(op_class="follow", dtype=params["follow"]))
+            rules.append(rule(params["follow"], op_class="follow"))
         for name, value in params.items():
             if value == "inherit":
                 continue
             if name.startswith("block:"):
-                rules.append(Rule(module=name[len("block:"):] + ".*", op_class="matmul", dtype=value))
+                rules.append(rule(value, module=name[len("block:"):] + ".*", op_class="matmul"))
             elif name.startswith("node:"):
-                rules.append(Rule(node=name[len("node:"):], dtype=value))
-        return Policy(default_dtype=params["matmul"], rules=tuple(rules))
+                rules.append(rule(value, node=name[len("node:"):]))
+        default = "fp32" if mm_dtype == FP8_COMPUTE else mm_dtype
+        return Policy(default_dtype=default, rules=tuple(rules))

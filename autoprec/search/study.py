@@ -30,7 +30,7 @@ import torch
 from autoprec._interrupt import check as check_interrupt
 from autoprec._version import __version__
 from autoprec.device import autocast_dtype, device_name, resolve_device
-from autoprec.dtypes import NAMES
+from autoprec.dtypes import LOW_DTYPES, NAMES
 from autoprec.errors import SearchError
 from autoprec.metrics import median
 from autoprec.modelspec import ModelSpec, load_model_spec
@@ -41,9 +41,10 @@ from autoprec.search import attrs
 from autoprec.search.budgets import memory_budget, parse_dtypes, parse_max_drift, parse_max_memory
 from autoprec.search.measure import Harness, Measurement
 from autoprec.search.objective import Objective
+from autoprec.search.probe import kernel_fields, matmul_shape_counts, matmul_shapes, probe_kernels
 from autoprec.search.progress import Clock, log
 from autoprec.search.select import Selector
-from autoprec.search.space import SearchSpace, find_blocks, outside_matmuls, probe_dtypes
+from autoprec.search.space import SearchSpace, find_blocks, outside_matmuls
 from autoprec.search.storage import (
     check_study,
     default_storage,
@@ -182,22 +183,30 @@ def _capture(model_path: str | os.PathLike, device: str, quiet: bool) -> _Run:
 
 
 def _probe(run: _Run, forced: list[str] | None) -> None:
-    """Phase 2: time each dtype's matmul; the low dtypes searched (fastest first), the search
-    space over them, and torch.autocast's dtype (:func:`autoprec.device.autocast_dtype`)."""
+    """Phase 2: time each low dtype's kernels (native, fp32-compute, fp8) against fp32 at the
+    model's own matmul shapes (:mod:`autoprec.search.probe`); the kernels searched (fastest
+    first), the search space over them, and torch.autocast's dtype
+    (:func:`autoprec.device.autocast_dtype` over the kept storage dtypes, fastest first)."""
+    counts = matmul_shape_counts(run.gm)
+    shapes = matmul_shapes(run.gm)
     with run.clock("probe_s"):
-        probes = probe_dtypes(run.dev)
-    for p in probes.values():
-        if forced is not None and p.dtype != "fp32":
-            verdict = " -> searched (--dtypes)" if p.dtype in forced else " -> not searched (--dtypes)"
+        probe = probe_kernels(run.dev, shapes, weights=[counts[s] for s in shapes])
+    where = ", ".join(f"{m}x{k}x{n} x{counts[(m, k, n)]}" for m, k, n in shapes) or "512x512x512 (no GEMM found)"
+    log(f"probe fp32: {probe.fp32_s * 1e3:.3g} ms of matmuls at the model's shapes (MxKxN x count: {where})",
+        run.quiet)
+    kept, excluded = probe.kept(), probe.excluded()
+    for dtype in dict.fromkeys(t.dtype for t in probe.kernels.values()):
+        if forced is not None:
+            verdict = "searched (--dtypes)" if dtype in forced else "not searched (--dtypes)"
         else:
-            verdict = "" if p.usable else f" -> excluded: {p.reason}"
-        log(f"probe {p.dtype}: matmul {p.seconds * 1e3:.2f} ms ({p.speedup:.2f}x fp32){verdict}", run.quiet)
-    usable = forced if forced is not None else [d for d, p in probes.items() if p.usable and d != "fp32"]
-    lows = sorted(usable, key=lambda d: probes[d].seconds)
+            verdict = f"searched: {', '.join(kept[dtype])}" if dtype in kept else f"excluded: {excluded[dtype]}"
+        log(f"probe {dtype}: {probe.describe(dtype)} -> {verdict}", run.quiet)
+    kernels = probe.low_kernels(forced)
+    storage_lows = list(dict.fromkeys(kernel_fields(k)[0] for k in kernels if kernel_fields(k)[0] in LOW_DTYPES))
     blocks = find_blocks(run.gm)
-    run.probes = {k: vars(v) for k, v in probes.items()}
-    run.space = SearchSpace(lows, blocks, outside_matmuls(run.gm, blocks))
-    run.ac_dtype = autocast_dtype(run.dev, lows)
+    run.probes = probe.to_dict()
+    run.space = SearchSpace(kernels, blocks, outside_matmuls(run.gm, blocks))
+    run.ac_dtype = autocast_dtype(run.dev, storage_lows)
 
 
 def _baselines(run: _Run, drift_arg: float | None, memory_arg: tuple[str, float] | None) -> None:
