@@ -240,6 +240,10 @@ def _cmd_bench(a: argparse.Namespace) -> int:
     from autoprec.bench import format_bench_table, run_bench
 
     _validate_model(a.model, a.device)
+    from autoprec.runtime.distributed import ranks_from_env
+
+    if a.nproc > 1 or ranks_from_env().world > 1:  # the launcher, or one of its ranks (torchrun)
+        return _cmd_bench_dist(a)
     try:
         with _naming_policy(a.policy):
             res = run_bench(a.model, a.policy, steps=a.steps, warmup=a.warmup, device=a.device, configs=a.configs,
@@ -256,6 +260,38 @@ def _cmd_bench(a: argparse.Namespace) -> int:
         Path(a.md).parent.mkdir(parents=True, exist_ok=True)
         Path(a.md).write_text(table + "\n")
         print(f"wrote {a.md}")
+    return 0
+
+
+def _cmd_bench_dist(a: argparse.Namespace) -> int:
+    """``autoprec bench --nproc N``: start N ranks (torchrun); on each rank, measure (autoprec.bench_dist)."""
+    if a.configs is not None:
+        print("autoprec bench: error: --configs names one-process configurations; with --nproc the rows are "
+              "DDP and FSDP2 with fp32 and bf16 gradient reduction (drop --configs)", file=sys.stderr)
+        return 2
+    if a.nproc > 1:
+        from autoprec.runtime.distributed import launch
+
+        return launch(a.argv, a.nproc)
+    from pathlib import Path
+
+    from autoprec.bench_dist import format_dist_table, run_bench_dist
+
+    for path in (a.json, a.md):
+        if path:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with _naming_policy(a.policy):
+        res = run_bench_dist(a.model, a.policy, steps=a.steps, warmup=a.warmup, device=a.device, json_path=a.json)
+    if res is None:  # not rank 0
+        return 0
+    table = format_dist_table(res)
+    print()
+    print(table)
+    if a.md:
+        Path(a.md).write_text(table + "\n")
+    for path in (a.json, a.md):
+        if path:
+            print(f"wrote {path}")
     return 0
 
 

@@ -118,4 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--skip-slow", action="store_true",
                    help="skip low-precision baselines when the device's low-dtype matmul is more than "
                         "--max-step-ratio times slower than fp32 (CPUs that emulate bf16)")
+    b.add_argument("--nproc", type=_int_at_least(1), default=1, metavar="N",
+                   help="measure on N ranks of this machine (torchrun; gloo on CPU, NCCL on CUDA) instead: DDP "
+                        "and FSDP2, gradients reduced in fp32 and bf16; step time, grad_rel_l2 against fp32 "
+                        "reduction and per-rank peak bytes beside the predicted ones (default 1)")
     return p
