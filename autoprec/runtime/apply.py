@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterator
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -15,6 +16,7 @@ from autoprec.passes import run_pipeline
 from autoprec.policy import Policy
 from autoprec.runtime.model_facade import check_no_autocast, model_attr, signed_class
 from autoprec.runtime.outputs import flat_output_graph, rebuild
+from autoprec.runtime.saved import SavedCall, apply_saved, has_saved, saved_activation_context
 from autoprec.runtime.shape_cache import CompileLog, ShapeCache, capture_dynamic, is_dynamic
 from autoprec.shapes import InputShapes
 
@@ -46,12 +48,19 @@ def compile_graph(gm: nn.Module, activation_memory_budget: float = 1.0) -> Any:
             only that fraction of its default saved activations and recomputes the rest in backward
             (a 0-1 knapsack on estimated FLOPs; torch/_functorch/config.py).
 
+    A graph whose nodes carry ``meta["autoprec"]["saved"]`` (a policy's ``saved`` field) is
+    compiled with those activations saved low and every call runs inside
+    :func:`autoprec.runtime.saved.saved_activation_context` (a :class:`autoprec.runtime.saved.SavedCall`).
+
     Returns:
         A callable with ``gm``'s signature.
     """
     dynamic = isinstance(gm, fx.GraphModule) and _symbolic_inputs(gm)
-    fn = torch.compile(gm, backend="inductor", options=dict(INDUCTOR_OPTIONS), dynamic=dynamic)
+    saved = isinstance(gm, fx.GraphModule) and has_saved(gm)  # nodes' ``saved`` dtypes: autoprec.runtime.saved
+    fn = torch.compile(apply_saved(gm, compiled=True) if saved else gm, backend="inductor",
+                       options=dict(INDUCTOR_OPTIONS), dynamic=dynamic)
     fn = fn if activation_memory_budget >= 1.0 else _WithMemoryBudget(fn, activation_memory_budget)
+    fn = SavedCall(fn, saved_activation_context(gm), compiled=True) if saved else fn
     return CompileLog(fn, "the dynamic-shape graph") if dynamic else fn
 
 
@@ -134,6 +143,9 @@ class MixedPrecisionModule(nn.Module):
                           "applies to compiled graphs only; without compile every activation is kept, so peak "
                           "memory exceeds what tune measured", stacklevel=3)
         flat, self._out_spec = flat_output_graph(graph_module)  # the output is rebuilt outside compile
+        if not compile:  # nodes' ``saved`` dtypes (autoprec.runtime.saved; compile_graph handles compiled)
+            apply_saved(flat, compiled=False)
+        object.__setattr__(self, "_saved", saved_activation_context(flat) if not compile else nullcontext())
         object.__setattr__(self, "_fn", compile_graph(flat, policy.activation_memory_budget) if compile else flat)
         object.__setattr__(self, "_inputs", InputShapes(graph_module, what=type(self).__name__))
         self._fixed = dict(graph_module.meta.get(CALL_KWARGS_META, {}))
@@ -162,7 +174,8 @@ class MixedPrecisionModule(nn.Module):
         check_no_autocast(self._what)
         kwargs = drop_fixed_kwargs(kwargs, self._fixed, self._what)
         self._inputs.check(args, kwargs)
-        return rebuild(self._fn(*args, **kwargs), self._out_spec)
+        with self._saved:
+            return rebuild(self._fn(*args, **kwargs), self._out_spec)
 
     @property
     def shape_stats(self) -> dict[str, Any]:
