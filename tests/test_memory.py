@@ -160,3 +160,31 @@ def test_state_bytes_count_the_model_files_optimizer(model, optimizer, factor):
     assert h.drift(h.model).peak_bytes > h.state_bytes  # activations on top
     fresh = [p for p in spec.build_model().parameters() if p.requires_grad]
     assert all(torch.equal(p, q) and p.grad is None for p, q in zip(h.params, fresh, strict=True))
+
+
+def test_tune_max_memory_tries_both_levers_and_reports_them(tmp_path, capsys, wide_compiled):
+    """With drift room for low-precision saved activations, the fit tries saved bf16 beside
+    recomputation, keeps the faster that fits, and the report lists each point with its lever."""
+    from autoprec.search.select import with_saved
+
+    peak = {b: m.peak_bytes for b, m in wide_compiled[0].items()}
+    budget = int((peak[1.0] + peak[0.0]) / 2)
+    out = tmp_path / "p.json"
+    tune(WIDE, trials=1, out=out, max_memory=str(budget), max_drift=0.05, finalists=1, traj_steps=0,
+         dtypes="bf16", progress=False)
+    pol = Policy.load(out)
+    assert pol.measured["peak_bytes"] <= budget
+    report = (tmp_path / "p.report.md").read_text()
+    section = report.split("## Finalists compiled, with memory levers")[1]
+    rows = [r for r in section.splitlines() if r.startswith("| ") and "lever" not in r]
+    levers = [r.split(" | ")[1] for r in rows]
+    assert "none" in levers and "saved bf16" in levers and any(lv.startswith("recompute") for lv in levers)
+    assert any(r.rstrip().endswith("| * |  |") or "| * |" in r for r in rows)  # a Pareto front is marked
+    used_saved = any(r.saved for r in pol.rules)
+    assert used_saved or pol.activation_memory_budget < 1.0
+    log = capsys.readouterr().out
+    assert "memory lever saved bf16" in log
+    # with_saved appends one saved rule per op class
+    ws = with_saved(Policy.fp32(), "bf16")
+    assert [(r.op_class, r.saved, r.dtype) for r in ws.rules] == [
+        ("matmul", "bf16", None), ("sensitive", "bf16", None), ("follow", "bf16", None)]

@@ -121,11 +121,17 @@ def draws_random(gm: nn.Module) -> bool:
 
 def _is_compiled(fn: Callable[..., Any]) -> bool:
     """Whether ``fn`` runs through ``torch.compile``: what ``compile_graph`` returns (an
-    ``OptimizedModule``, or apply's activation-memory-budget wrapper holding one as ``.fn``)."""
+    ``OptimizedModule``, or the wrappers around one — the activation-memory-budget wrapper, the
+    saved-activation call, ``CompileLog`` — each holding the next as ``.fn``)."""
     from torch._dynamo.eval_frame import OptimizedModule
 
-    return any(isinstance(f, OptimizedModule) or hasattr(f, "_torchdynamo_orig_callable")
-               for f in (fn, getattr(fn, "fn", None)) if f is not None)
+    for _ in range(4):
+        if fn is None:
+            return False
+        if isinstance(fn, OptimizedModule) or hasattr(fn, "_torchdynamo_orig_callable"):
+            return True
+        fn = getattr(fn, "fn", None)
+    return False
 
 
 class Harness:

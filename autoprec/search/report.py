@@ -17,7 +17,7 @@ from torch import fx
 from autoprec.policy import Policy
 from autoprec.search import attrs
 
-__all__ = ["format_table", "write_report", "trial_rows", "pareto_front", "show_nodes", "dtype_map", "node_label"]
+__all__ = ["format_table", "write_report", "trial_rows", "pareto_front", "show_nodes", "dtype_map", "node_label", "lever_section"]
 
 _DT_COLOUR = {"fp32": 0, "bf16": 1, "fp16": 2}
 
@@ -176,18 +176,21 @@ def _plot_dtype_map(gm: fx.GraphModule, policy: Policy, path: Path) -> None:
 
 def write_report(study: optuna.Study, stem: str | os.PathLike, table: list[dict[str, Any]] | None = None,
                  policy: Policy | None = None, gm: fx.GraphModule | None = None,
-                 timings: dict[str, float] | None = None, shapes: list[str] | None = None) -> list[Path]:
+                 timings: dict[str, float] | None = None, shapes: list[str] | None = None,
+                 levers: list[dict[str, Any]] | None = None) -> list[Path]:
     """Write ``<stem>.report.md``, ``<stem>.pareto.png`` and (with ``gm`` and ``policy``)
     ``<stem>.dtype_map.png``; returns the paths written.
 
     ``shapes`` lists the distinct batch shapes the measurements ran on
-    (:func:`autoprec.search.measure.batch_shapes`); the report names them."""
+    (:func:`autoprec.search.measure.batch_shapes`); the report names them. ``levers`` are the
+    compiled finalist measurements (``Selector.points``), memory-lever tries included: the report
+    lists them with the lever each used and marks their speed/memory Pareto front."""
     stem = Path(stem)
     rows = trial_rows(study)
     front = pareto_front(rows)
     fp32 = next((r["tokens_per_s"] for r in (table or []) if r["config"] == "fp32 eager"), None)
     md = stem.with_name(stem.name + ".report.md")
-    md.write_text(_markdown(rows, front, table, policy, timings, shapes))
+    md.write_text(_markdown(rows, front, table, policy, timings, shapes) + lever_section(levers or []))
     png = stem.with_name(stem.name + ".pareto.png")
     _plot_pareto(rows, front, fp32, study.user_attrs.get(attrs.DRIFT_BUDGET), png)
     paths = [md, png]
@@ -196,6 +199,25 @@ def write_report(study: optuna.Study, stem: str | os.PathLike, table: list[dict[
         _plot_dtype_map(gm, policy, dm)
         paths.append(dm)
     return paths
+
+
+def lever_section(points: list[dict[str, Any]]) -> str:
+    """Markdown: every compiled finalist measurement with its memory lever (``none``, ``saved
+    <dtype>``, ``recompute <budget>``); ``*`` marks the Pareto front on (tokens/s ↑, peak ↓) among
+    the timed points without an error (a point only counted for memory has no tokens/s)."""
+    if not points:
+        return ""
+    ok = [q for q in points if q["tokens_per_s"] and q["error"] is None]
+    front = {id(q) for q in ok if not any(
+        o["tokens_per_s"] >= q["tokens_per_s"] and o["peak_bytes"] <= q["peak_bytes"]
+        and (o["tokens_per_s"], o["peak_bytes"]) != (q["tokens_per_s"], q["peak_bytes"]) for o in ok)}
+    lines = ["", "## Finalists compiled, with memory levers", "",
+             "| policy | lever | tokens/s | grad_rel_l2 | peak MiB | Pareto | note |", "|---|---|---:|---:|---:|---|---|"]
+    for q in points:
+        tps = f"{q['tokens_per_s']:.0f}" if q["tokens_per_s"] else "(memory only)"
+        lines.append(f"| {q['policy']} | {q['lever']} | {tps} | {q['grad_rel_l2']:.2e} | {q['peak_bytes'] / 2**20:.1f} | "
+                     f"{'*' if id(q) in front else ''} | {q['error'] or ''} |")
+    return "\n".join(lines) + "\n"
 
 
 def show_nodes(policy: Policy, model_path: str | os.PathLike) -> str:

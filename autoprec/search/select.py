@@ -1,6 +1,8 @@
 """Finalist selection: the fastest feasible trials re-measured as training runs them (compiled
-with Inductor unless ``--no-compile``), fitted to the memory budget by recomputation, checked on
-``traj_rel``, and the fastest that passes chosen (docs/architecture.md#search)."""
+with Inductor unless ``--no-compile``), fitted to the memory budget by one of two levers —
+activations saved in low precision (a policy's ``saved``) or recomputation
+(``activation_memory_budget``), whichever is faster within the budgets — checked on ``traj_rel``,
+and the fastest that passes chosen (docs/architecture.md#search)."""
 
 from __future__ import annotations
 
@@ -15,15 +17,35 @@ from autoprec._interrupt import check as check_interrupt
 from autoprec.errors import SearchError
 from autoprec.metrics import traj_rel
 from autoprec.passes import run_pipeline
-from autoprec.policy import Policy
+from autoprec.policy import RULE_OP_CLASSES, Policy, Rule
 from autoprec.runtime.apply import compile_graph
+from autoprec.runtime.saved import saved_eager
 from autoprec.runtime.train import autocast_scaler, make_scaler
 from autoprec.search import attrs
 from autoprec.search.budgets import format_bytes
 from autoprec.search.measure import Measurement
 from autoprec.search.progress import log
 
-__all__ = ["Selector"]
+__all__ = ["SAVED_LEVERS", "Selector", "with_saved"]
+
+#: The saved-activation dtypes the memory fit tries, least drift first (docs/architecture.md#search).
+SAVED_LEVERS: tuple[str, ...] = ("bf16", "fp8_e5m2")
+
+
+def with_saved(policy: Policy, dtype: str) -> Policy:
+    """``policy`` with every float node's output saved for backward as ``dtype`` (one ``saved``
+    rule per op class, appended, so node rules that set ``saved`` still win); nodes already
+    stored in ``dtype`` are unchanged (``assign_dtypes`` records ``saved`` only where it differs)."""
+    extra = tuple(Rule(op_class=c, saved=dtype) for c in RULE_OP_CLASSES)
+    return dataclasses.replace(policy, rules=policy.rules + extra)
+
+
+def _lever(pol: Policy) -> str:
+    """Which memory lever a finalist uses: ``"none"``, ``"recompute <budget>"``, ``"saved <dtype>"``."""
+    saved = {r.saved for r in pol.rules if r.saved is not None}
+    parts = ([f"saved {'/'.join(sorted(saved))}"] if saved else []) + (
+        [f"recompute {pol.activation_memory_budget:g}"] if pol.activation_memory_budget < 1.0 else [])
+    return " + ".join(parts) or "none"
 
 
 class Selector:
@@ -55,6 +77,8 @@ class Selector:
         self._ref_trajs: dict[int, tuple[list[float], float]] = {}
         self._traj_budget: float | None = None  # of the last check (for messages)
         self._autocast_fn = None  # torch.autocast's module as compiled for its baseline
+        #: Every compiled finalist measurement, memory-lever tries included (the report's lever table).
+        self.points: list[dict[str, Any]] = []
 
     def traj_of(self, policy: Policy) -> float:
         """``traj_rel`` measured for ``policy`` (by content), 0.0 when it was not checked (it
@@ -63,7 +87,7 @@ class Selector:
 
     def _fn(self, gm, activation_memory_budget: float = 1.0):
         if not self.compile:
-            return gm
+            return saved_eager(gm)
         with self.clock("compile_s"):
             return compile_graph(gm, activation_memory_budget)
 
@@ -94,6 +118,7 @@ class Selector:
             log(f"finalist {label}: {pol.summary()}", self.quiet)
             fn = self._fn(run_pipeline(self.h.graph_module, pol).graph_module)
             m = self.h.measure(fn, lambda pol=pol: make_scaler(pol), max_step_s=self.slow)
+            self._point(pol, m)
             if (self.memory_budget is not None and m.error is None and m.grad_rel_l2 <= self.budget
                     and m.peak_bytes > self.memory_budget):
                 pol, fn, m = self._fit_memory(pol, m)
@@ -160,7 +185,50 @@ class Selector:
             out.append((Policy.fp32(), "all-fp32 (always re-measured)"))
         return out
 
+    def _point(self, pol: Policy, m: Measurement, timed: bool = True) -> None:
+        self.points.append({"policy": pol.summary(), "lever": _lever(pol), "tokens_per_s": m.tokens_per_s if timed else None,
+                            "grad_rel_l2": m.grad_rel_l2, "peak_bytes": m.peak_bytes, "error": m.error})
+
+    def _fits(self, m: Measurement) -> bool:
+        return m.error is None and m.peak_bytes <= self.memory_budget and m.grad_rel_l2 <= self.budget
+
     def _fit_memory(self, pol: Policy, m: Measurement) -> tuple[Policy, Any, Measurement]:
+        """Fit ``pol`` to the memory budget with the faster of the two levers.
+
+        Saved activations (:data:`SAVED_LEVERS`, :func:`with_saved`: bf16 first, then fp8_e5m2)
+        keep the forward and cost a cast per saved tensor and some drift; recomputation
+        (:meth:`_fit_recompute`) keeps the numerics and costs forward work in backward. Each lever's
+        candidate that fits (peak and drift) is timed, and the faster is returned; when neither
+        fits, the recomputation result is returned for :meth:`_reject_reason` to explain.
+        """
+        fitted = []
+        for dtype in SAVED_LEVERS:
+            check_interrupt()
+            cand = with_saved(pol, dtype)
+            fn = self._fn(run_pipeline(self.h.graph_module, cand).graph_module, cand.activation_memory_budget)
+            probe = self.h.measure(fn, lambda cand=cand: make_scaler(cand), timing=self.h.device.type == "cuda",
+                                   max_step_s=self.slow)
+            log(f"  memory lever saved {dtype}: {probe.peak_bytes / 2**20:.1f} MiB, grad_rel_l2 "
+                f"{probe.grad_rel_l2:.3g}" + (f" ({probe.error})" if probe.error else ""), self.quiet)
+            if self._fits(probe):
+                timed = probe if probe.step_times else self.h.measure(fn, lambda cand=cand: make_scaler(cand),
+                                                                      max_step_s=self.slow)
+                self._point(cand, timed)
+                fitted.append((cand, fn, timed))
+                break
+            self._point(cand, probe, timed=bool(probe.step_times))
+        rc = self._fit_recompute(pol, m)
+        self._point(rc[0], rc[2], timed=bool(rc[2].step_times))
+        if self._fits(rc[2]) and rc[2].step_times:
+            fitted.append(rc)
+        if not fitted:
+            return rc
+        best = max(fitted, key=lambda f: f[2].tokens_per_s)
+        log(f"  memory levers: {', '.join(f'{_lever(c)} {x.tokens_per_s:.0f} tok/s' for c, _, x in fitted)} "
+            f"-> {_lever(best[0])}", self.quiet)
+        return best
+
+    def _fit_recompute(self, pol: Policy, m: Measurement) -> tuple[Policy, Any, Measurement]:
         """Lower ``pol``'s ``activation_memory_budget`` until the compiled graph's peak fits.
 
         Saved activations scale about linearly with the partitioner's budget (its definition:

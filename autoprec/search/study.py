@@ -293,7 +293,7 @@ def _write(run: _Run, study: optuna.Study, sel: Selector, chosen: Policy, chosen
 
         check_interrupt()
         paths = write_report(study, Path(out).with_suffix(""), table=table, policy=policy, gm=run.gm,
-                             timings=timings, shapes=run.harness.shapes)
+                             timings=timings, shapes=run.harness.shapes, levers=sel.points)
         log("report: " + ", ".join(str(p) for p in paths), run.quiet)
     check_interrupt()  # never write a policy after Ctrl-C, even one Python swallowed
     policy.save(out)  # atomic; the last file written
