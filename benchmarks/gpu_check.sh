@@ -7,14 +7,16 @@
 # and no network: wheels brought in .whl/ at the repo root (benchmarks/fetch_gpu_wheels.sh) are
 # installed with pip --no-index --no-deps into a temporary site folder on PYTHONPATH; only the
 # distributions not already installed. Every step runs under `timeout`, its limit also clipped to
-# what is left of a 460 s deadline, so the whole script ends within 8 minutes; it always writes
-# OUTDIR/summary.json.
+# what is left of a 500 s deadline, so the whole script ends within 9 minutes; it always writes
+# OUTDIR/summary.json. After the main tune and bench, an fp8 tune (--dtypes bf16,fp8_e4m3: fp8
+# scaled matmuls, torch._scaled_mm, kept where the probe measures them faster) and its bench.
 #
 # --dry-run: the same steps on the CPU with a tiny model (AUTOPREC_QWEN2_05B_TINY=1) and tiny
 # budgets, eager configurations only (< 1 min), to check the script before spending GPU time.
 #
 # Writes into OUTDIR: gpu_check.log (everything), env.json (device, torch, CUDA), nvidia-smi.txt,
 # policy.json, tune.log, bench.json (partial if the budget cut it), bench.md, bench.log,
+# fp8/{policy.json, tune.log, bench.json, bench.md, bench.log},
 # summary.json ({"dry_run", "steps": {name: {"rc", "seconds"}}, "policy_source"}).
 set -uo pipefail
 usage() { echo "usage: $0 OUTDIR [--dry-run]" >&2; exit 2; }
@@ -33,12 +35,13 @@ if [ "$DRY" = 1 ]; then
   export AUTOPREC_QWEN2_05B_TINY=1
   DEVICE=cpu
   # Idle 2-core CPU: ~60 s in all. The limits are generous for a loaded CI box.
-  T_WHEELS=60; T_ENV=60; T_TUNE=150; T_BENCH=120; DEADLINE=420
+  T_WHEELS=60; T_ENV=60; T_TUNE=150; T_BENCH=120; T_FP8=120; T_FP8_BENCH=60; DEADLINE=480
   TUNE_ARGS=(--trials 1 --timeout 5 --no-compile --traj-steps 0 --finalists 1)
   BENCH_ARGS=(--steps 1 --warmup 0 --configs fp32_eager policy_eager autocast_eager pure_low_eager)
+  FP8_BENCH_ARGS=(--steps 1 --warmup 0 --configs fp32_eager policy_eager)
 else
   DEVICE=cuda
-  T_WHEELS=45; T_ENV=45; T_TUNE=150; T_BENCH=230; DEADLINE=460
+  T_WHEELS=45; T_ENV=45; T_TUNE=130; T_BENCH=190; T_FP8=80; T_FP8_BENCH=70; DEADLINE=500
   # Tune screens and picks eagerly (seconds per trial on an H200; each Inductor compile of the
   # 24-layer graph costs 1-2 minutes, spent in bench instead), sampling for at most 45 s.
   TUNE_ARGS=(--trials 24 --timeout 45 --no-compile --finalists 2 --traj-steps 10)
@@ -46,6 +49,7 @@ else
   # by its budget keeps what it finished (bench.json is rewritten after every configuration).
   BENCH_ARGS=(--steps 10 --warmup 3 --configs fp32_eager policy_eager autocast_eager pure_low_eager
               policy_compiled autocast_compiled fp32_compiled pure_low_compiled)
+  FP8_BENCH_ARGS=(--steps 10 --warmup 3 --configs fp32_eager policy_eager autocast_eager policy_compiled)
 fi
 MODEL=examples/qwen2_05b.py
 STEPS_JSON=""
@@ -124,6 +128,17 @@ fi
 # 4. Bench (JSON written after every configuration).
 step bench "$T_BENCH" "$PY" -m autoprec.cli bench "$MODEL" --device "$DEVICE" --policy "$OUT/policy.json" \
     --json "$OUT/bench.json" --md "$OUT/bench.md" "${BENCH_ARGS[@]}" > >(tee "$OUT/bench.log") 2>&1
+
+# 5. fp8: the same tune with fp8 matmuls searched beside bf16, then its bench (eager rows first).
+mkdir -p "$OUT/fp8"
+if [ $env_rc -eq 0 ]; then
+  step tune_fp8 "$T_FP8" "$PY" -m autoprec.cli tune "$MODEL" --device "$DEVICE" --out "$OUT/fp8/policy.json" \
+      --storage "sqlite:///$OUT/fp8/study.db" --dtypes bf16,fp8_e4m3 "${TUNE_ARGS[@]}" > >(tee "$OUT/fp8/tune.log") 2>&1
+fi
+if [ -s "$OUT/fp8/policy.json" ]; then
+  step bench_fp8 "$T_FP8_BENCH" "$PY" -m autoprec.cli bench "$MODEL" --device "$DEVICE" --policy "$OUT/fp8/policy.json" \
+      --json "$OUT/fp8/bench.json" --md "$OUT/fp8/bench.md" "${FP8_BENCH_ARGS[@]}" > >(tee "$OUT/fp8/bench.log") 2>&1
+fi
 
 cat > "$OUT/summary.json" <<JSON
 {"dry_run": $([ "$DRY" = 1 ] && echo true || echo false), "device": "$DEVICE", "policy_source": "$POLICY_SOURCE",

@@ -16,12 +16,14 @@ def test_gpu_check_dry_run(tmp_path):
     out = tmp_path / "gpu"
     env = os.environ | {"PY": sys.executable}
     r = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), str(out), "--dry-run"],
-                       capture_output=True, text=True, env=env, timeout=480)
+                       capture_output=True, text=True, env=env, timeout=560)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["dry_run"] is True and summary["policy_source"] == "tune"
     assert all(s["rc"] == 0 for s in summary["steps"].values()), summary
-    assert set(summary["steps"]) == {"wheels", "env", "tune", "bench"}
+    assert set(summary["steps"]) == {"wheels", "env", "tune", "bench", "tune_fp8", "bench_fp8"}
+    fp8 = json.loads((out / "fp8" / "policy.json").read_text())  # the fp8 tune ran and wrote a policy
+    assert fp8["schema_version"] in (1, 2) and (out / "fp8" / "bench.json").stat().st_size > 0
     env_info = json.loads((out / "env.json").read_text())
     assert env_info["torch"] and "cpu_flags" in env_info
     policy = json.loads((out / "policy.json").read_text())

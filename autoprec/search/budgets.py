@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import re
 
-from autoprec.dtypes import LOW_DTYPES
+from autoprec.dtypes import FP8_COMPUTE, LOW_DTYPES
 from autoprec.errors import SearchError
 from autoprec.search.measure import Measurement
 
@@ -35,18 +35,20 @@ def parse_max_drift(max_drift: str | float) -> float | None:
 
 def parse_dtypes(dtypes: str | list[str]) -> list[str] | None:
     """``--dtypes``: ``"auto"`` -> None (the probe decides), else the low dtype names given
-    (a list, or a comma-separated string).
+    (a list, or a comma-separated string); ``fp8_e4m3`` searches fp8 matmuls.
 
     Raises:
-        SearchError: an empty list or a name not in :data:`autoprec.dtypes.LOW_DTYPES`.
+        SearchError: an empty list or a name not in :data:`autoprec.dtypes.LOW_DTYPES` or
+            ``fp8_e4m3``.
     """
     if dtypes == "auto":
         return None
     names = [d.strip() for d in (dtypes.split(",") if isinstance(dtypes, str) else dtypes) if d.strip()]
-    bad = [d for d in names if d not in LOW_DTYPES]
+    valid = (*LOW_DTYPES, FP8_COMPUTE)
+    bad = [d for d in names if d not in valid]
     if bad or not names:
         raise SearchError(f"--dtypes: {', '.join(bad) or 'empty'} not valid; expected 'auto' or some of "
-                          f"{', '.join(LOW_DTYPES)}")
+                          f"{', '.join(valid)}")
     return names
 
 
