@@ -198,3 +198,23 @@ def test_real_probe_at_tiny_shapes_has_the_documented_structure():
     assert set(d["dtypes"]) == {"bf16", "fp16"}
     for dtype, v in d["dtypes"].items():
         assert bool(v["kept"]) != bool(v["reason"]), dtype  # kept kernels, or the reason why not
+
+
+def test_joining_worker_adopts_the_studys_kernels():
+    """A worker whose probe (--dtypes auto) kept other kernels than the study was created with
+    searches the study's (Optuna cannot change a parameter's choices), ordered by its own probe;
+    with --dtypes forced it keeps its own space (check_study then refuses a mismatch)."""
+    from types import SimpleNamespace
+
+    from autoprec.search.space import SearchSpace
+    from autoprec.search.study import _adopt_study_kernels
+
+    probes = {"kernels": {"bf16": {"ms": 5.0}, "bf16:fp32": {"ms": 20.0}}}
+    run = SimpleNamespace(forced=None, probes=probes, space=SearchSpace(["bf16"], ["b.0"], ["head/linear#0"]),
+                          quiet=True)
+    _adopt_study_kernels(run, ["fp32", "bf16", "bf16:fp32"])
+    assert run.space.dtypes == ["fp32", "bf16", "bf16:fp32"] and run.space.low_kernels == ["bf16", "bf16:fp32"]
+    assert run.space.blocks == ["b.0"] and run.space.nodes == ["head/linear#0"]
+    forced = SimpleNamespace(forced=["bf16"], probes=probes, space=SearchSpace(["bf16"]), quiet=True)
+    _adopt_study_kernels(forced, ["fp32", "bf16", "bf16:fp32"])
+    assert forced.space.dtypes == ["fp32", "bf16"]

@@ -205,6 +205,24 @@ def precheck_study(storage: str, study_name: str, space: SearchSpace) -> None:
             rdb.engine.dispose()  # its connections; open_study opens the storage the run uses
 
 
+def study_choices(storage: str, study_name: str) -> list[str] | None:
+    """The kernel choices an existing study was stamped with (``SearchSpace.dtypes``), reading only;
+    None when the database, the study or the stamp is missing."""
+    path = sqlite_path(storage)
+    if path is not None and not os.path.isfile(path):
+        return None
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    rdb = rdb_storage(storage)
+    try:
+        if study_name not in {s.study_name for s in optuna.get_all_study_summaries(rdb)}:
+            return None
+        old = optuna.load_study(study_name=study_name, storage=rdb).user_attrs.get(attrs.SPACE)
+        return list(old["dtypes"]) if old else None
+    finally:
+        if isinstance(rdb, optuna.storages.RDBStorage):
+            rdb.engine.dispose()
+
+
 def check_study(study: optuna.Study, storage: str, space: SearchSpace, stamp: bool = True) -> None:
     """Stamp a new study with :data:`MEASURE_VERSION` and the search space; refuse to resume one
     whose trials were measured by another version (studies from before the stamp count as

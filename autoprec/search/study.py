@@ -51,6 +51,7 @@ from autoprec.search.storage import (
     default_study_name,
     open_study,
     precheck_study,
+    study_choices,
 )
 from autoprec.search.trials import enqueue_baselines, feasible, optimize, region_sensitivity
 
@@ -104,6 +105,7 @@ class _Run:
     autocast: Measurement = field(default_factory=Measurement)
     slow: float = math.inf  # max_step_s of every timed measurement after the fp32 baseline
     budget: float = math.inf  # drift budget (max grad_rel_l2)
+    forced: list[str] | None = None  # --dtypes, or None (the probe decides)
 
     @property
     def gm(self) -> torch.fx.GraphModule:
@@ -162,6 +164,7 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
     _probe(run, forced)
     storage = storage or default_storage(out)
     study_name = study_name or default_study_name(run.spec.path, run.gm, run.dev, run.space)
+    _adopt_study_kernels(run, study_choices(storage, study_name))  # a shared study's kernels
     precheck_study(storage, study_name, run.space)  # a study this run cannot resume fails now
     _baselines(run, drift_arg, memory_arg)
     study = _search(run, storage, study_name, seed, trials, timeout, progress and not quiet)
@@ -187,6 +190,7 @@ def _probe(run: _Run, forced: list[str] | None) -> None:
     model's own matmul shapes (:mod:`autoprec.search.probe`); the kernels searched (fastest
     first), the search space over them, and torch.autocast's dtype
     (:func:`autoprec.device.autocast_dtype` over the kept storage dtypes, fastest first)."""
+    run.forced = forced
     counts = matmul_shape_counts(run.gm)
     shapes = matmul_shapes(run.gm)
     with run.clock("probe_s"):
@@ -207,6 +211,22 @@ def _probe(run: _Run, forced: list[str] | None) -> None:
     run.probes = probe.to_dict()
     run.space = SearchSpace(kernels, blocks, outside_matmuls(run.gm, blocks))
     run.ac_dtype = autocast_dtype(run.dev, storage_lows)
+
+
+def _adopt_study_kernels(run: _Run, choices: list[str] | None) -> None:
+    """Search the kernels an existing study was created with when this run's probe (``--dtypes
+    auto``) kept others: Optuna cannot change a parameter's choices within a study, and a kernel
+    near the keep rule's 10% line (fp32-compute kernels measure ~1.0–1.2x) falls on either side
+    from one worker's probe to the next. Every kernel runs on every device; the trials measure
+    its speed. The order (fastest first, for the baselines) is this run's probe's."""
+    if run.forced is not None or choices is None or choices == run.space.dtypes:
+        return  # --dtypes forces the space: check_study refuses a study of other choices
+    ms = {k: (v.get("ms") or math.inf) for k, v in run.probes.get("kernels", {}).items()}
+    lows = sorted(choices[1:], key=lambda k: ms.get(k, math.inf))
+    log(f"the study was created searching {', '.join(choices)}; this run's probe kept "
+        f"{', '.join(run.space.dtypes)}: searching the study's kernels", run.quiet)
+    run.space = SearchSpace(lows, run.space.blocks or find_blocks(run.gm),
+                            run.space.nodes or outside_matmuls(run.gm, find_blocks(run.gm)))
 
 
 def _baselines(run: _Run, drift_arg: float | None, memory_arg: tuple[str, float] | None) -> None:
@@ -238,6 +258,7 @@ def _search(run: _Run, storage: str, study_name: str, seed: int, trials: int | N
             progress: bool) -> optuna.Study:
     """Phase 4: open (or resume) the study, queue the baselines in a new one, run the trials."""
     study = open_study(storage, study_name, seed)
+    _adopt_study_kernels(run, (study.user_attrs.get(attrs.SPACE) or {}).get("dtypes"))  # another worker's
     check_study(study, storage, run.space)
     study.set_user_attr(attrs.DRIFT_BUDGET, run.budget)
     if not study.trials:  # a new study: rank regions, then queue the baselines (resumes skip this)
