@@ -152,3 +152,51 @@ def test_report_labels_storage_compute_and_saved():
     assert dm["up"] == {"matmul": "bf16:fp8_e4m3"} and dm[""]["follow"] == "bf16"
     saved = Policy(default_dtype="fp32", rules=(Rule(op_class="follow", saved="fp8_e5m2"),))
     assert dtype_map(gm, saved)[""]["follow"] == "fp32 saved fp8_e5m2"
+
+
+class Masked(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.proj(x)
+        return y.masked_fill(x > 1.0, -1e9).softmax(-1)
+
+
+@pytest.mark.parametrize("storage", ["fp32", "bf16"])
+def test_mask_fill_constant_is_clamped_for_a_low_compute_dtype(storage):
+    """C03 with compute separate from storage: a -1e9 fill on a node computing in fp16 is clamped
+    to fp16's range (eager would raise 'value cannot be converted to type c10::Half')."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 8)
+    pol = Policy(default_dtype="fp32", rules=(Rule(op_class="follow", dtype=storage, compute="fp16"),))
+    gm = run_pipeline(capture(Masked(), (x,)), pol).graph_module
+    fill = by_key(gm, "masked_fill#0")
+    assert fill.meta["autoprec"].get("constants_clamped") and fill.meta["autoprec"]["dtype"] == "fp16"
+    out = gm(x)
+    assert torch.isfinite(out).all()
+
+
+def test_saved_on_a_compute_node_moves_to_its_store_cast():
+    torch.manual_seed(0)
+    m, x = MLP(), torch.randn(4, 32)
+    pol = Policy(default_dtype="bf16", rules=(*BF16_FP32.rules, Rule(op_class="matmul", saved="fp8_e5m2")))
+    gm = run_pipeline(capture(m, (x,)), pol).graph_module
+    up = by_key(gm, "up/linear#0")
+    (store,) = up.users
+    assert "saved" not in up.meta["autoprec"] and store.meta["autoprec"]["saved"] == "fp8_e5m2"
+
+
+def test_gpt2_conv1d_addmm_lowers_to_fp8():
+    """GPT-2's Conv1D layers are addmm(bias, x, W[K, N]): an fp8 matmul rule reaches them too."""
+    tf = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2, n_positions=16,
+                                             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)).train()
+    ids = torch.randint(0, 64, (2, 16))
+    gm = capture(model, {"input_ids": ids, "labels": ids})
+    pol = Policy(default_dtype="fp32", rules=(Rule(op_class="matmul", dtype="fp8_e4m3"),))
+    out = run_pipeline(gm, pol).graph_module
+    targets = [str(n.target) for n in out.graph.nodes if n.op == "call_function"]
+    assert targets.count("autoprec.fp8_linear.default") == 5 and "aten.addmm.default" not in targets  # 4 Conv1D + head

@@ -189,7 +189,12 @@ REJECTIONS = [
     ({"rules": [{"op_class": "matmul", "dtype": "fp8_e4m3"}]}, "rules[0].dtype", "needs schema_version 2"),
     ({"rules": [{"op_class": "matmul", "dtype": "bf16", "compute": "fp32"}]}, "rules[0].compute",
      "needs schema_version 2"),
-    ({"schema_version": 2, "rules": [{"op_class": "matmul", "compute": "fp32"}]}, "rules[0].dtype", "missing"),
+    ({"schema_version": 2, "rules": [{"op_class": "matmul", "compute": "fp32"}]}, "rules[0].compute",
+     "needs a dtype"),
+    ({"fp8_scaling": "rowwise"}, "fp8_scaling", "needs schema_version 2"),
+    ({"schema_version": 2, "loss_scaling": {"mode": "none"},
+      "rules": [{"op_class": "matmul", "dtype": "bf16", "compute": "fp16"}]}, "loss_scaling.mode",
+     "rules[0].compute is fp16"),
     ({"schema_version": 2, "rules": [{"op_class": "matmul", "saved": "fp32", "compute": "fp32"}]},
      "rules[0].compute", "needs a dtype"),
     ({"schema_version": 2, "rules": [{"op_class": "matmul", "dtype": "bf16", "compute": "fp64"}]},
@@ -699,3 +704,11 @@ def test_resolve_compute_goes_with_dtype_and_saved_is_separate():
     assert p.resolve_saved("model.layers.2.mlp/linear#0", "matmul", "model.layers.2.mlp") is None
     assert p.resolve("model.layers.1.act/silu#0", "follow", "model.layers.1.act") is None
     assert Rule(op_class="matmul", dtype="bf16", compute="fp32").describe() == "matmul->bf16:fp32"
+
+
+def test_saved_fp16_needs_no_loss_scaler_and_summary_names_fp8_scaling():
+    p = Policy(default_dtype="fp32", rules=(Rule(op_class="follow", saved="fp16"),),
+               loss_scaling=LossScalingConfig(mode="none"))
+    assert not p.needs_loss_scaling
+    q = Policy(default_dtype="fp32", fp8_scaling="rowwise", rules=(Rule(op_class="matmul", dtype="fp8_e4m3"),))
+    assert "fp8 scaling rowwise" in q.summary()

@@ -171,3 +171,43 @@ def test_compile_graph_and_saved_eager_honour_marks(setup):
         loss, grads, nbytes = _step(fn, model, ids)
         assert nbytes < 0.9 * ref[2], make.__name__
         assert 0 < grad_rel_l2(grads, ref[1]) < GRAD_TOL["bf16"], make.__name__
+
+
+def test_fp16_saved_saturates_instead_of_overflowing():
+    """C01: an activation of 66368 saved as fp16 is kept finite (saturated to 65504)."""
+    from autoprec.runtime.saved import pack
+
+    t = torch.tensor([66368.0, -1e6, 1.5, float("-inf")])
+    q = pack(t, "fp16")
+    assert q.dtype == torch.float16
+    assert q.tolist() == [65504.0, -65504.0, 1.5, float("-inf")]
+
+
+def test_eager_never_saves_a_parameter_view_low():
+    """A follow node that views a Parameter (``t(w)``) is not packed eagerly (as compiled graphs
+    never pack parameters): the input gradient, which reads only weights and the relu mask, stays
+    that of fp32."""
+    from autoprec.capture import capture
+    from autoprec.passes import run_pipeline
+    from autoprec.policy import Policy, Rule
+    from autoprec.runtime.saved import saved_eager
+
+    class M(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(64, 32) / 8)
+            self.w2 = torch.nn.Parameter(torch.randn(16, 64) / 8)
+
+        def forward(self, x):
+            return torch.relu(x @ self.w.t()) @ self.w2.t()
+
+    torch.manual_seed(0)
+    m, x = M(), torch.randn(8, 32)
+    gm = run_pipeline(capture(m, (x,)), Policy(default_dtype="fp32", rules=(Rule(op_class="follow",
+                                                                                   saved="fp8_e5m2"),))).graph_module
+    xr = x.clone().requires_grad_()
+    m(xr).square().sum().backward()
+    xl = x.clone().requires_grad_()
+    saved_eager(gm)(xl).square().sum().backward()
+    rel = ((xl.grad - xr.grad).norm() / xr.grad.norm()).item()
+    assert rel < 1e-3, rel

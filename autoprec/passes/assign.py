@@ -202,14 +202,16 @@ def _constants_before(nodes, labels, policy: Policy, mode: str) -> int:
         return 0
     count = 0
     for n in nodes:
-        lab = labels.get(n)
-        if n.op != "call_function" or lab in (None, "fp32") or is_mask_fill(n):
+        lab, compute = labels.get(n), _low_compute(n)
+        if n.op != "call_function" or (lab in (None, "fp32") and compute is None) or is_mask_fill(n):
             continue
-        targets = _lows(policy) if lab == "auto" else [lab]
+        targets = (_lows(policy) if lab == "auto" else [] if lab in (None, "fp32") else [lab]) + (
+            [compute] if compute else [])
         bad = [(d, c) for d in targets for c in out_of_range_constants(n, d)]
         if bad:
             d, (_pos, value) = bad[0]
             labels[n] = "fp32"
+            n.meta["autoprec"].pop("compute", None)
             n.meta["autoprec"].update(
                 dtype="fp32", decided_by="constant out of range",
                 reason=f"constant {value!r} is outside the {d} range "
@@ -219,12 +221,18 @@ def _constants_before(nodes, labels, policy: Policy, mode: str) -> int:
     return count
 
 
+def _low_compute(n: fx.Node) -> str | None:
+    """The node's compute dtype when it is a low float dtype other than its storage, else None."""
+    compute = n.meta.get("autoprec", {}).get("compute")
+    return compute if compute in ("bf16", "fp16") else None
+
+
 def _constants_after(nodes, mode: str) -> int:
     """Clamp mask fill values to the node's dtype range, or raise in strict mode (C03)."""
     count = 0
     for n in nodes:
         meta = n.meta.get("autoprec", {})
-        dt = meta.get("dtype")
+        dt = _low_compute(n) or meta.get("dtype")  # the dtype the op computes in holds the constant
         if n.op != "call_function" or dt in (None, "fp32", "auto") or meta.get("decided_by") == "fixed-dtype op":
             continue
         bad = out_of_range_constants(n, dt)

@@ -169,6 +169,9 @@ def _store(graph: fx.Graph, node: fx.Node, compute: str, stats: dict[str, int]) 
                           "key": f"store({meta.get('key', node.name)})->{storage}"}
     for u in users:
         u.replace_input_with(node, c)
+    saved = meta.pop("saved", None)  # what backward keeps is the stored tensor: the cast's output
+    if saved is not None and saved != storage:
+        c.meta["autoprec"]["saved"] = saved
     meta.update(dtype=compute, storage=storage)
     stats["casts"] += 1
     stats["cast_bytes"] += tensor_bytes(node)

@@ -7,7 +7,9 @@ forward, the output gradient to float8_e5m2 in backward; torchao.float8's recipe
 arguments and output dtype, so cast placement and the verifier see an ordinary node:
 
 - ``linear(x[..., K], w[N, K], bias?)`` -> ``fp8_linear(x, w, bias, scaling)``;
-- ``mm(a[M, K], b[K, N])`` and ``matmul(a[..., K], b[K, N])`` -> ``fp8_linear(a, t(b), None, scaling)``.
+- ``mm(a[M, K], b[K, N])`` and ``matmul(a[..., K], b[K, N])`` -> ``fp8_linear(a, t(b), None, scaling)``;
+- ``addmm(bias[N], a[M, K], b[K, N])`` (GPT-2's ``Conv1D``; ``beta = alpha = 1``) ->
+  ``fp8_linear(a, t(b), bias, scaling)``.
 
 Other matmul-class ops (``bmm``, attention, convolutions) have no fp8 kernel; ``assign_dtypes``
 leaves them in their storage dtype (:func:`fp8_lowerable`).
@@ -26,7 +28,7 @@ __all__ = ["LowerFp8", "fp8_lowerable", "lower_fp8"]
 
 PASS = "lower_fp8"
 _aten = torch.ops.aten
-_LINEAR, _MM, _MATMUL = _aten.linear.default, _aten.mm.default, _aten.matmul.default
+_LINEAR, _MM, _MATMUL, _ADDMM = _aten.linear.default, _aten.mm.default, _aten.matmul.default, _aten.addmm.default
 
 
 def _rank(a: object) -> int | None:
@@ -35,10 +37,14 @@ def _rank(a: object) -> int | None:
 
 
 def fp8_lowerable(node: fx.Node) -> bool:
-    """Whether the fp8 kernel can compute ``node``: ``linear`` with a 2-D weight, ``mm``, or
-    ``matmul`` whose second operand is 2-D (the weight of ``x @ W``)."""
+    """Whether the fp8 kernel can compute ``node``: ``linear`` with a 2-D weight, ``mm``, ``matmul``
+    whose first operand has rank ≥ 2 and second is 2-D (the weight of ``x @ W``), or ``addmm``
+    with ``beta = alpha = 1``."""
     if node.op != "call_function" or len(node.args) < 2:
         return False
+    if node.target is _ADDMM:
+        plain = all(node.kwargs.get(k, 1) == 1 for k in ("beta", "alpha"))
+        return plain and len(node.args) == 3 and _rank(node.args[1]) == 2 and _rank(node.args[2]) == 2
     if node.target is _LINEAR:
         return _rank(node.args[1]) == 2
     if node.target in (_MM, _MATMUL):
@@ -74,13 +80,15 @@ def lower_fp8(gm: fx.GraphModule, policy: Policy) -> PassResult:
     for n in nodes:
         if not fp8_lowerable(n):
             raise pass_error(PASS, n, f"marked fp8 but {n.target} has no fp8 kernel")
-        x, w = n.args[0], n.args[1]
-        bias = (n.args[2] if len(n.args) > 2 else n.kwargs.get("bias")) if n.target is _LINEAR else None
+        args = (n.args[1], n.args[2], n.args[0]) if n.target is _ADDMM else n.args  # (x, W, bias)
+        x, w = args[0], args[1]
+        bias = (args[2] if len(args) > 2 else n.kwargs.get("bias")) if n.target in (_LINEAR, _ADDMM) else None
         if n.target is not _LINEAR:  # x @ W[K, N] -> linear(x, W^T)
+            src = w
             with gm.graph.inserting_before(n):
-                w = gm.graph.call_function(_aten.t.default, (w,))
-            w.meta["val"] = n.args[1].meta["val"].t()
-            w.meta["autoprec"] = {**n.args[1].meta.get("autoprec", {}), "key": f"t({n.meta['autoprec'].get('key')})",
+                w = gm.graph.call_function(_aten.t.default, (src,))
+            w.meta["val"] = src.meta["val"].t()
+            w.meta["autoprec"] = {**src.meta.get("autoprec", {}), "key": f"t({n.meta['autoprec'].get('key')})",
                                   "inserted_cast": True, "op_class": "follow"}
         n.target, n.args, n.kwargs = op, (x, w, bias, policy.fp8_scaling), {}
         n.meta["autoprec"]["decided_by"] = f"{n.meta['autoprec'].get('decided_by')}; {PASS}"
@@ -112,5 +120,5 @@ class LowerFp8(PassBase):
             PassError: an fp8-compute node still runs its original op.
         """
         for n in gm.graph.nodes:
-            if n.meta.get("autoprec", {}).get("compute") == FP8_COMPUTE and n.target in (_LINEAR, _MM, _MATMUL):
+            if n.meta.get("autoprec", {}).get("compute") == FP8_COMPUTE and n.target in (_LINEAR, _MM, _MATMUL, _ADDMM):
                 raise pass_error(PASS, n, "marked fp8 but still runs the ATen matmul")

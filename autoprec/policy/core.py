@@ -204,6 +204,8 @@ class Policy:
             parts.append(f"activation memory budget {self.activation_memory_budget:g}")
         if self.grad_reduce_dtype != "fp32":
             parts.append(f"gradients reduced in {self.grad_reduce_dtype}")
+        if self.fp8_scaling != "tensorwise":
+            parts.append(f"fp8 scaling {self.fp8_scaling}")
         return "; ".join(parts)
 
     # -- JSON -----------------------------------------------------------------------------------
@@ -258,6 +260,8 @@ class Policy:
                                                   "optimizer_state", "activation_memory_budget",
                                                   "grad_reduce_dtype", "fp8_scaling") if k in d}
         kw["rules"] = _rules_from_json(d.get("rules", []), source, version)
+        if version < 2 and "fp8_scaling" in d:
+            raise fail(source, "fp8_scaling", "needs schema_version 2 (a schema-2 field); this file says 1")
         if "loss_scaling" in d:
             ls = check_mapping(d["loss_scaling"], source, "loss_scaling")
             check_keys(ls, LOSS_SCALING_KEYS, "loss_scaling", source, "loss_scaling")
@@ -360,9 +364,9 @@ def _check_fields(p: Policy, source: str) -> None:
             raise fail(source, f"measured.{k}", f"expected a number, got {type_name(v)} {v!r}")
         if not math.isfinite(v):
             raise fail(source, f"measured.{k}", f"{v!r} is not a finite number")
-    if p.loss_scaling.mode == "none" and "fp16" in p.dtypes_used():
+    if p.loss_scaling.mode == "none" and p.needs_loss_scaling:
         where = "default_dtype" if p.default_dtype == "fp16" else next(
-            f"rules[{i}].dtype" for i, r in enumerate(p.rules) if r.dtype == "fp16")
+            f"rules[{i}].{k}" for i, r in enumerate(p.rules) for k in ("dtype", "compute") if getattr(r, k) == "fp16")
         raise fail(source, "loss_scaling.mode", f"'none' but {where} is fp16: fp16 without a loss scaler "
                    "is refused (small gradients underflow to 0 in fp16, cases C07); use 'dynamic'")
 
@@ -381,7 +385,7 @@ def _rules_from_json(rules: Any, source: str, version: int) -> list[Rule]:
         path = f"rules[{i}]"
         raw = check_mapping(raw, source, path)
         check_keys(raw, RULE_KEYS, "rule", source, path)
-        if "dtype" not in raw and "saved" not in raw:
+        if "dtype" not in raw and "saved" not in raw and "compute" not in raw:
             raise fail(source, f"{path}.dtype", "missing")
         rule = build(Rule, raw, source, path)
         if version < 2 and rule.schema2:

@@ -78,13 +78,13 @@ class Rule:
                        "a rule cannot target them (cases C11)")
         if self.op_class is not None:
             check_choice(self.op_class, RULE_OP_CLASSES, "op_class", source, join(path, "op_class"))
+        if self.compute is not None and self.dtype is None:
+            raise fail(source, join(path, "compute"), "needs a dtype in the same rule (the storage dtype)")
         if self.dtype is None and self.saved is None:
             raise fail(source, join(path, "dtype"), "missing (a rule sets dtype, saved, or both)")
         if self.dtype is not None:
             check_choice(self.dtype, [*sorted(DTYPES), FP8], "dtype", source, join(path, "dtype"))
         if self.compute is not None:
-            if self.dtype is None:
-                raise fail(source, join(path, "compute"), "needs a dtype in the same rule (the storage dtype)")
             if self.dtype == FP8:
                 raise fail(source, join(path, "compute"), f"dtype {FP8!r} already is the compute dtype "
                            "(storage fp32); for other storage write e.g. dtype 'bf16', compute 'fp8_e4m3'")

@@ -78,11 +78,14 @@ def has_saved(gm: fx.GraphModule) -> bool:
 
 def _record(t: Any, name: str) -> Any:
     """Eager marker: remember ``t``'s storage as saved in ``name``; returns ``t`` unchanged (and does
-    nothing when traced by Dynamo, should an eager-prepared graph be compiled)."""
+    nothing when traced by Dynamo, should an eager-prepared graph be compiled). A leaf (a parameter
+    or graph input) or a view of one (``t(weight)``, a follow node) is not marked: only
+    intermediates are saved low, as in compiled graphs."""
     if torch.compiler.is_compiling():
         return t
     marked = getattr(_state, "marked", None)
-    if marked is not None and isinstance(t, torch.Tensor):
+    if marked is not None and isinstance(t, torch.Tensor) and not (
+            t.is_leaf or (t._base is not None and t._base.is_leaf)):
         ref = StorageWeakRef(t.untyped_storage())
         marked[ref] = (ref, name)
     return t
@@ -122,6 +125,10 @@ def apply_saved(gm: fx.GraphModule, compiled: bool) -> fx.GraphModule:
 def pack(t: torch.Tensor, name: str | None) -> Any:
     """``t`` as saved in ``name``: the tensor rounded to bf16/fp16, or ``(q, scale)`` for fp8_e5m2.
 
+    fp16 saturates finite values beyond ±65504 to ±65504 (fp16 has no scale: an activation of 66368,
+    case C01, would otherwise be saved as inf and the gradients come back NaN); prefer bf16 or
+    fp8_e5m2 (scaled) where activations are large.
+
     fp8: tensorwise scale ``s = max_e5m2 / max(amax, FP8_EPS)`` in fp32 and ``q = clamp(t·s,
     ±max_e5m2).to(float8_e5m2)`` (torchao.float8's ``amax_to_scale``/``to_fp8_saturated`` recipe), so an
     all-zero tensor packs to zeros with a finite scale. ``amax`` is over the finite elements and
@@ -144,6 +151,9 @@ def pack(t: torch.Tensor, name: str | None) -> Any:
     low = to_torch(name)
     if low.itemsize >= t.element_size():
         return t
+    if name == "fp16":  # saturate finite values past ±65504 (inf would poison the backward, C01)
+        fmax16 = torch.finfo(low).max
+        return torch.where(torch.isfinite(t), t.clamp(-fmax16, fmax16), t).to(low)
     if name != "fp8_e5m2":
         return t.to(low)
     fmax = torch.finfo(low).max

@@ -248,8 +248,9 @@ def check_study(study: optuna.Study, storage: str, space: SearchSpace, stamp: bo
             f"{where} searched the dtypes {', '.join(old['dtypes'])}; this run searches "
             f"{', '.join(space.dtypes)} (--dtypes, or what the probe measured as faster than fp32), "
             f"so it cannot resume it. {fix}")
-    if stamp:
-        study.set_user_attr(attrs.SPACE, {"dtypes": space.dtypes})
+    if stamp:  # the first worker's space stays the study's (another may have stamped meanwhile)
+        if study.user_attrs.get(attrs.SPACE) is None:
+            study.set_user_attr(attrs.SPACE, {"dtypes": space.dtypes})
         study.set_user_attr(attrs.MEASURE_VERSION, MEASURE_VERSION)
 
 

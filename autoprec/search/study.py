@@ -258,8 +258,10 @@ def _search(run: _Run, storage: str, study_name: str, seed: int, trials: int | N
             progress: bool) -> optuna.Study:
     """Phase 4: open (or resume) the study, queue the baselines in a new one, run the trials."""
     study = open_study(storage, study_name, seed)
-    _adopt_study_kernels(run, (study.user_attrs.get(attrs.SPACE) or {}).get("dtypes"))  # another worker's
+    stamped = lambda: (study.user_attrs.get(attrs.SPACE) or {}).get("dtypes")  # noqa: E731
+    _adopt_study_kernels(run, stamped())  # another worker's
     check_study(study, storage, run.space)
+    _adopt_study_kernels(run, stamped())  # one that stamped at the same moment
     study.set_user_attr(attrs.DRIFT_BUDGET, run.budget)
     if not study.trials:  # a new study: rank regions, then queue the baselines (resumes skip this)
         with run.clock("sensitivity_s"):
