@@ -252,12 +252,14 @@ class KernelProbe:
     def low_kernels(self, dtypes: Sequence[str] | None = None) -> list[str]:
         """The kernels the search chooses from, fastest first: the kept ones; or with ``dtypes``
         (``--dtypes``: searched whatever they measured) the native kernel of each (the dtype's
-        own name, fastest first), then the other kernels of those dtypes the probe kept."""
+        own name, fastest first), then every other kernel of those dtypes that ran, kept or not:
+        the choices then do not depend on timing noise, so workers forcing the same ``--dtypes``
+        share a study whatever their probes measured."""
         by_time = sorted(self.kernels.values(), key=lambda t: t.seconds)
         if dtypes is None:
             return [t.kernel for t in by_time if t.kept]
         native = sorted(dtypes, key=lambda d: self.kernels[d].seconds if d in self.kernels else 0.0)
-        return [*dict.fromkeys(native), *(t.kernel for t in by_time if t.kept and t.dtype in dtypes
+        return [*dict.fromkeys(native), *(t.kernel for t in by_time if not t.error and t.dtype in dtypes
                                           and t.kernel not in native)]
 
     def to_dict(self) -> dict[str, Any]:
