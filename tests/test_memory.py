@@ -165,7 +165,7 @@ def test_state_bytes_count_the_model_files_optimizer(model, optimizer, factor):
 def test_tune_max_memory_tries_both_levers_and_reports_them(tmp_path, capsys, wide_compiled):
     """With drift room for low-precision saved activations, the fit tries saved bf16 beside
     recomputation, keeps the faster that fits, and the report lists each point with its lever."""
-    from autoprec.search.select import with_saved
+    from autoprec.search.space import with_saved
 
     peak = {b: m.peak_bytes for b, m in wide_compiled[0].items()}
     budget = int((peak[1.0] + peak[0.0]) / 2)

@@ -221,3 +221,16 @@ def test_joining_worker_adopts_the_studys_kernels():
     forced = SimpleNamespace(forced=["bf16"], probes=probes, space=SearchSpace(["bf16"]), quiet=True)
     _adopt_study_kernels(forced, ["fp32", "bf16", "bf16:fp32"])
     assert forced.space.dtypes == ["fp32", "bf16"]
+
+
+def test_memory_lever_is_a_search_parameter_under_max_memory():
+    from autoprec.search.space import SAVED_LEVERS, SearchSpace
+
+    space = SearchSpace(["bf16"], ["b.0"], [], saved=SAVED_LEVERS)
+    assert space.saved == ["none", "bf16", "fp8_e5m2"] and space.n_params == 5
+    assert all(p["saved"] == "none" for _n, p in space.baselines())
+    params = dict(space.baselines()[1][1], saved="fp8_e5m2")
+    pol = space.to_policy(params)
+    assert [(r.op_class, r.saved) for r in pol.rules if r.saved] == [
+        ("matmul", "fp8_e5m2"), ("sensitive", "fp8_e5m2"), ("follow", "fp8_e5m2")]
+    assert SearchSpace(["bf16"]).saved == [] and "saved" not in SearchSpace(["bf16"]).baselines()[0][1]

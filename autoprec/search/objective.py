@@ -19,6 +19,7 @@ import optuna
 import torch
 
 from autoprec.passes import lowering_passes
+from autoprec.runtime.saved import saved_eager
 from autoprec.runtime.train import make_scaler
 from autoprec.search import attrs
 from autoprec.search.measure import Harness, Measurement
@@ -104,7 +105,8 @@ class Objective:
             trial.set_user_attr(attrs.ERROR, f"lowering failed: {e}")
             return math.nan
         trial.set_user_attr(attrs.CASTS, lowered.stats.get("casts", 0))
-        m = self.harness.measure(lowered.graph_module, lambda: make_scaler(policy), max_step_s=self.max_step_s)
+        fn = saved_eager(lowered.graph_module)  # the policy's saved dtypes (the memory lever), eagerly
+        m = self.harness.measure(fn, lambda: make_scaler(policy), max_step_s=self.max_step_s)
         _record(trial, m, self.budget)
         if m.error is not None:
             return math.nan

@@ -17,7 +17,7 @@ from autoprec._interrupt import check as check_interrupt
 from autoprec.errors import SearchError
 from autoprec.metrics import traj_rel
 from autoprec.passes import run_pipeline
-from autoprec.policy import RULE_OP_CLASSES, Policy, Rule
+from autoprec.policy import Policy
 from autoprec.runtime.apply import compile_graph
 from autoprec.runtime.saved import saved_eager
 from autoprec.runtime.train import autocast_scaler, make_scaler
@@ -25,19 +25,10 @@ from autoprec.search import attrs
 from autoprec.search.budgets import format_bytes
 from autoprec.search.measure import Measurement
 from autoprec.search.progress import log
+from autoprec.search.space import SAVED_LEVERS, with_saved
 
-__all__ = ["SAVED_LEVERS", "Selector", "with_saved"]
+__all__ = ["Selector"]
 
-#: The saved-activation dtypes the memory fit tries, least drift first (docs/architecture.md#search).
-SAVED_LEVERS: tuple[str, ...] = ("bf16", "fp8_e5m2")
-
-
-def with_saved(policy: Policy, dtype: str) -> Policy:
-    """``policy`` with every float node's output saved for backward as ``dtype`` (one ``saved``
-    rule per op class, appended, so node rules that set ``saved`` still win); nodes already
-    stored in ``dtype`` are unchanged (``assign_dtypes`` records ``saved`` only where it differs)."""
-    extra = tuple(Rule(op_class=c, saved=dtype) for c in RULE_OP_CLASSES)
-    return dataclasses.replace(policy, rules=policy.rules + extra)
 
 
 def _lever(pol: Policy) -> str:

@@ -8,18 +8,24 @@ a device without native bf16 still searches bf16 storage, computing in fp32.
 
 from __future__ import annotations
 
+import dataclasses
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import optuna
 import torch
 
 from autoprec.dtypes import FP8_COMPUTE
 from autoprec.ops import classify
-from autoprec.policy import Policy, Rule
+from autoprec.policy import RULE_OP_CLASSES, Policy, Rule
 from autoprec.search.probe import KERNELS, kernel_fields
 
-__all__ = ["SearchSpace", "BASELINES", "FP32_COMPUTE_BASELINE", "find_blocks", "outside_matmuls"]
+__all__ = ["SAVED_LEVERS", "SearchSpace", "BASELINES", "FP32_COMPUTE_BASELINE", "find_blocks", "outside_matmuls",
+           "with_saved"]
+
+#: The saved-activation dtypes of the memory lever, least drift first (docs/architecture.md#search):
+#: a search parameter under ``tune --max-memory`` and the finalists' memory fit.
+SAVED_LEVERS: tuple[str, ...] = ("bf16", "fp8_e5m2")
 
 
 #: Baseline parameter sets enqueued first (docs/architecture.md#data-flow): all fp32, autocast-equivalent
@@ -96,7 +102,8 @@ class SearchSpace:
         ValueError: an unknown kernel choice (:func:`autoprec.search.probe.kernel_fields`).
     """
 
-    def __init__(self, low_kernels: list[str], blocks: list[str] = (), nodes: list[str] = ()) -> None:
+    def __init__(self, low_kernels: list[str], blocks: list[str] = (), nodes: list[str] = (),
+                 saved: Sequence[str] = ()) -> None:
         for k in low_kernels:
             kernel_fields(k)
         self.low_kernels = list(low_kernels)
@@ -106,6 +113,9 @@ class SearchSpace:
         self.float_choices = [c for c in self.dtypes if c != FP8_COMPUTE]
         self.blocks = list(blocks) if self.low_kernels else []
         self.nodes = list(nodes) if self.low_kernels else []
+        #: The memory lever's choices (``saved``: "none" or a saved dtype for every op class,
+        #: :func:`with_saved`), searched only when given (``tune --max-memory``).
+        self.saved = ["none", *saved] if saved else []
 
     @property
     def low_dtypes(self) -> list[str]:
@@ -116,7 +126,7 @@ class SearchSpace:
     @property
     def n_params(self) -> int:
         """Number of free parameters."""
-        return 3 + len(self.blocks) + len(self.nodes)
+        return 3 + len(self.blocks) + len(self.nodes) + bool(self.saved)
 
     def suggest(self, trial: optuna.Trial) -> dict[str, str]:
         """Sample one parameter set."""
@@ -129,15 +139,18 @@ class SearchSpace:
             p[f"block:{b}"] = trial.suggest_categorical(f"block:{b}", ["inherit", *self.dtypes])
         for k in self.nodes:
             p[f"node:{k}"] = trial.suggest_categorical(f"node:{k}", ["inherit", *self.dtypes])
+        if self.saved:
+            p["saved"] = trial.suggest_categorical("saved", self.saved)
         return p
 
     def baselines(self) -> list[tuple[str, dict[str, str]]]:
         """Baseline parameter sets (:data:`BASELINES`, then :data:`FP32_COMPUTE_BASELINE` when a
         ``":fp32"`` kernel is kept) with every block/node parameter ``inherit``; one needing a
         low-storage kernel when only fp8 is kept, or equal to an earlier one, is left out."""
-        rest = {f"block:{b}": "inherit" for b in self.blocks} | {f"node:{k}": "inherit" for k in self.nodes}
+        rest = {f"block:{b}": "inherit" for b in self.blocks} | {f"node:{k}": "inherit" for k in self.nodes} | (
+            {"saved": "none"} if self.saved else {})
         if not self.low_kernels:
-            return [(BASELINES[0][0], dict(BASELINES[0][1]))]
+            return [(BASELINES[0][0], dict(BASELINES[0][1]) | ({"saved": "none"} if self.saved else {}))]
         floats = [k for k in self.low_kernels if k != FP8_COMPUTE]
         fill = {"low": self.low_kernels[0], "lowf": floats[0] if floats else None,
                 "c": next((k for k in floats if k.endswith(":fp32")), None)}
@@ -171,11 +184,20 @@ class SearchSpace:
         if params["follow"] != "auto":
             rules.append(rule(params["follow"], op_class="follow"))
         for name, value in params.items():
-            if value == "inherit":
+            if value == "inherit" or name == "saved":
                 continue
             if name.startswith("block:"):
                 rules.append(rule(value, module=name[len("block:"):] + ".*", op_class="matmul"))
             elif name.startswith("node:"):
                 rules.append(rule(value, node=name[len("node:"):]))
         default = "fp32" if mm_dtype == FP8_COMPUTE else mm_dtype
-        return Policy(default_dtype=default, rules=tuple(rules))
+        pol = Policy(default_dtype=default, rules=tuple(rules))
+        return pol if params.get("saved", "none") == "none" else with_saved(pol, params["saved"])
+
+
+def with_saved(policy: Policy, dtype: str) -> Policy:
+    """``policy`` with every float node's output saved for backward as ``dtype`` (one ``saved``
+    rule per op class, appended, so node rules that set ``saved`` still win); nodes already
+    stored in ``dtype`` are unchanged (``assign_dtypes`` records ``saved`` only where it differs)."""
+    extra = tuple(Rule(op_class=c, saved=dtype) for c in RULE_OP_CLASSES)
+    return dataclasses.replace(policy, rules=policy.rules + extra)

@@ -44,7 +44,7 @@ from autoprec.search.objective import Objective
 from autoprec.search.probe import kernel_fields, matmul_shape_counts, matmul_shapes, probe_kernels
 from autoprec.search.progress import Clock, log
 from autoprec.search.select import Selector
-from autoprec.search.space import SearchSpace, find_blocks, outside_matmuls
+from autoprec.search.space import SAVED_LEVERS, SearchSpace, find_blocks, outside_matmuls
 from autoprec.search.storage import (
     check_study,
     default_storage,
@@ -161,7 +161,7 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
     """
     drift_arg, memory_arg, forced = parse_max_drift(max_drift), parse_max_memory(max_memory), parse_dtypes(dtypes)
     run = _capture(model_path, device, quiet)
-    _probe(run, forced)
+    _probe(run, forced, SAVED_LEVERS if memory_arg is not None else ())
     storage = storage or default_storage(out)
     study_name = study_name or default_study_name(run.spec.path, run.gm, run.dev, run.space)
     _adopt_study_kernels(run, study_choices(storage, study_name))  # a shared study's kernels
@@ -185,7 +185,7 @@ def _capture(model_path: str | os.PathLike, device: str, quiet: bool) -> _Run:
     return _Run(spec, dev, harness, clock, quiet)
 
 
-def _probe(run: _Run, forced: list[str] | None) -> None:
+def _probe(run: _Run, forced: list[str] | None, saved: tuple[str, ...] = ()) -> None:
     """Phase 2: time each low dtype's kernels (native, fp32-compute, fp8) against fp32 at the
     model's own matmul shapes (:mod:`autoprec.search.probe`); the kernels searched (fastest
     first), the search space over them, and torch.autocast's dtype
@@ -209,7 +209,7 @@ def _probe(run: _Run, forced: list[str] | None) -> None:
     storage_lows = list(dict.fromkeys(kernel_fields(k)[0] for k in kernels if kernel_fields(k)[0] in LOW_DTYPES))
     blocks = find_blocks(run.gm)
     run.probes = probe.to_dict()
-    run.space = SearchSpace(kernels, blocks, outside_matmuls(run.gm, blocks))
+    run.space = SearchSpace(kernels, blocks, outside_matmuls(run.gm, blocks), saved=saved)
     run.ac_dtype = autocast_dtype(run.dev, storage_lows)
 
 
@@ -226,7 +226,7 @@ def _adopt_study_kernels(run: _Run, choices: list[str] | None) -> None:
     log(f"the study was created searching {', '.join(choices)}; this run's probe kept "
         f"{', '.join(run.space.dtypes)}: searching the study's kernels", run.quiet)
     run.space = SearchSpace(lows, run.space.blocks or find_blocks(run.gm),
-                            run.space.nodes or outside_matmuls(run.gm, find_blocks(run.gm)))
+                            run.space.nodes or outside_matmuls(run.gm, find_blocks(run.gm)), saved=run.space.saved[1:])
 
 
 def _baselines(run: _Run, drift_arg: float | None, memory_arg: tuple[str, float] | None) -> None:
