@@ -30,7 +30,6 @@ from autoprec.search.space import SAVED_LEVERS, with_saved
 __all__ = ["Selector"]
 
 
-
 def _lever(pol: Policy) -> str:
     """Which memory lever a finalist uses: ``"none"``, ``"recompute <budget>"``, ``"saved <dtype>"``."""
     saved = {r.saved for r in pol.rules if r.saved is not None}
