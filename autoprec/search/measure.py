@@ -235,6 +235,11 @@ class Harness:
               autocast_dtype: torch.dtype | None = None) -> Measurement:
         """Drift of ``fn`` against the FP32 reference on batch 0 (no timing).
 
+        With a dynamic loss scaler, scaled gradients that overflow are what training's first steps
+        skip while the scale backs off (``torch.amp.GradScaler``'s rule): the step is retried at
+        the backed-off scale, at most :data:`MAX_BACKOFFS` times, and the count goes in ``note``;
+        only gradients non-finite at the scaler's floor count as a failure.
+
         Both run from RNG seed :data:`autoprec.runtime.rng.MEASURE_SEED`; the reference is
         :meth:`reference_fn`'s (the compiled FP32 graph for a compiled ``fn`` on a graph with
         random ops)."""
@@ -243,7 +248,15 @@ class Harness:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         loss, grads = self._grads(fn, scaler, autocast_dtype, counter)
+        backoffs = 0
+        while not _finite(loss, grads) and _back_off(scaler) and backoffs < MAX_BACKOFFS:
+            backoffs += 1  # the skipped first steps of training: same batch at the backed-off scale
+            counter = _SavedBytes(self.params)
+            loss, grads = self._grads(fn, scaler, autocast_dtype, counter)
         m = Measurement()
+        if backoffs:
+            m.note = (f"{backoffs} loss-scale backoff{'s' if backoffs > 1 else ''} before finite gradients "
+                      f"(scale {scaler.get_scale():g}), as training skips its first steps")
         m.grad_rel_l2 = grad_rel_l2(grads, ref_grads)
         m.loss_rel = abs(loss - ref_loss) / max(abs(ref_loss), 1e-30) if math.isfinite(loss) else math.inf
         m.grad_sqnr_db_min = grad_sqnr_db_min(grads, ref_grads)
@@ -355,6 +368,23 @@ def _describe_failure(e: BaseException) -> str:
     text = str(e).strip().splitlines()[0] if str(e).strip() else ""
     kind = "out of memory" if "out of memory" in str(e).lower() else type(e).__name__
     return f"{kind}: {text[:300]}"
+
+
+MAX_BACKOFFS = 24  #: loss-scale backoffs a drift measurement tries (2^16, the default, halves to 1 in 16)
+
+
+def _finite(loss: float, grads: list[torch.Tensor]) -> bool:
+    return math.isfinite(loss) and all(bool(torch.isfinite(g).all()) for g in grads)
+
+
+def _back_off(scaler: DynamicLossScaler | None) -> bool:
+    """Lower an enabled scaler's scale by its backoff factor (≥ ``min_scale``); False at the floor or without one."""
+    state = scaler.state_dict() if scaler is not None else {}
+    if not state or state["scale"] <= state["min_scale"]:
+        return False
+    state["scale"] = max(state["scale"] * state["backoff_factor"], state["min_scale"])
+    scaler.load_state_dict(state)
+    return True
 
 
 class _NoOpt:
