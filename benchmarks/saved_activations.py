@@ -41,6 +41,7 @@ from autoprec.metrics import grad_rel_l2  # noqa: E402
 from autoprec.policy import Policy  # noqa: E402
 from autoprec.runtime.apply import INDUCTOR_OPTIONS, MixedPrecisionModule  # noqa: E402
 from autoprec.runtime.outputs import flat_output_graph, rebuild  # noqa: E402
+from autoprec.search.measure import SavedBytes  # noqa: E402
 
 MIB = 2**20
 
@@ -61,24 +62,23 @@ def heap_in_use() -> int:
     return int(m.uordblks + m.hblkhd)
 
 
-class Counter:
-    """The harness's rule: bytes of distinct non-parameter storages saved for backward."""
+class Counter(SavedBytes):
+    """The harness's rule (:class:`autoprec.search.measure.SavedBytes`), with the bytes per dtype and
+    the count of saved tensors holding ±inf/NaN (e.g. attention masks)."""
 
     def __init__(self, params) -> None:
-        self.seen = {p.untyped_storage().data_ptr() for p in params}
-        self.total = 0
+        super().__init__(list(params))
         self.dtypes: dict[str, int] = {}
-        self.nonfinite = 0  # saved tensors holding ±inf/NaN (e.g. attention masks)
+        self.nonfinite = 0
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
-        key = t.untyped_storage().data_ptr()
-        if key not in self.seen:
-            self.seen.add(key)
-            n = t.numel() * t.element_size()
+        before = self.total
+        super().pack(t)
+        if self.total > before:  # a storage not counted yet
+            name = str(t.dtype).replace("torch.", "")
+            self.dtypes[name] = self.dtypes.get(name, 0) + self.total - before
             if t.is_floating_point() and not bool(torch.isfinite(t.float()).all()):
                 self.nonfinite += 1
-            self.total += n
-            self.dtypes[str(t.dtype).replace("torch.", "")] = self.dtypes.get(str(t.dtype).replace("torch.", ""), 0) + n
         return t
 
 

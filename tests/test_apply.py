@@ -6,27 +6,12 @@ import math
 
 import pytest
 import torch
-from torch import nn
 
 import autoprec
 from autoprec.metrics import grad_rel_l2
 from autoprec.passes.casts import is_inserted_cast
 from autoprec.runtime.train import TrainStep, make_scaler
-
-
-class Block(nn.Module):
-    def __init__(self, d: int = 64) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(100, d)
-        self.norm = nn.LayerNorm(d)
-        self.fc1 = nn.Linear(d, 4 * d)
-        self.fc2 = nn.Linear(4 * d, d)
-        self.head = nn.Linear(d, 100)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        h = self.emb(ids)
-        h = h + self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(h))))
-        return torch.nn.functional.cross_entropy(self.head(h).flatten(0, 1), ids.flatten())
+from tests.nets import Block
 
 
 def _grads(fn, model, ids):

@@ -16,43 +16,13 @@ from autoprec.policy import Policy
 from autoprec.policy.rule import Rule
 from autoprec.runtime.apply import MixedPrecisionModule
 from autoprec.runtime.saved import apply_saved, has_saved, pack, saved_activation_context, unpack
+from autoprec.search.measure import SavedBytes
+from tests.nets import Block
 
 #: Stated tolerances of grad_rel_l2 with every activation saved low. Round-to-nearest leaves a
 #: relative error uniform in ±2^-p (p significant bits), RMS 2^-p/√3: bf16 (p = 8) 2.3e-3, fp8_e5m2
 #: (p = 3) 7.2e-2 per element; measured on this block 2e-3 and 5.2–5.7e-2.
 GRAD_TOL = {"bf16": 1e-2, "fp8_e5m2": 1e-1}
-
-
-class Block(nn.Module):
-    """A pre-norm MLP block with a head: the activations a matmul and gelu save."""
-
-    def __init__(self, d: int = 64) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(100, d)
-        self.norm = nn.LayerNorm(d)
-        self.fc1 = nn.Linear(d, 4 * d)
-        self.fc2 = nn.Linear(4 * d, d)
-        self.head = nn.Linear(d, 100)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        h = self.emb(ids)
-        h = h + self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(h))))
-        return torch.nn.functional.cross_entropy(self.head(h).flatten(0, 1), ids.flatten())
-
-
-class _Counter:
-    """Bytes of distinct non-parameter storages saved for backward (the harness's CPU memory rule)."""
-
-    def __init__(self, model: nn.Module) -> None:
-        self.seen = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        self.total = 0
-
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
-        key = t.untyped_storage().data_ptr()
-        if key not in self.seen:
-            self.seen.add(key)
-            self.total += t.numel() * t.element_size()
-        return t
 
 
 def _module(model, ids, compile: bool, saved: str | None) -> MixedPrecisionModule:
@@ -70,7 +40,7 @@ def _step(mp, model, ids):
     """Loss, gradients and saved bytes of one forward+backward."""
     for p in model.parameters():
         p.grad = None
-    counter = _Counter(model)
+    counter = SavedBytes(list(model.parameters()))
     with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
         loss = mp(ids)
     loss.backward()

@@ -26,7 +26,7 @@ from autoprec.runtime.shape_cache import PROBE_BATCHES, capture_for
 from autoprec.runtime.steps import StepsTooSlow, run_steps, slow_step_guard
 from autoprec.runtime.train import TrainStep, training_state_bytes
 
-__all__ = ["Measurement", "Harness", "batch_shapes", "draws_random"]
+__all__ = ["Measurement", "Harness", "SavedBytes", "batch_shapes", "draws_random"]
 
 
 @dataclass
@@ -63,7 +63,7 @@ class Measurement:
     note: str | None = None
 
 
-class _SavedBytes:
+class SavedBytes:
     """Counts bytes of distinct tensors saved for backward (``saved_tensors_hooks``).
 
     A saved tensor that shares storage with a parameter (e.g. a weight a matmul keeps for its
@@ -218,7 +218,7 @@ class Harness:
                 p.grad = None
 
     def _grads(self, fn: Callable[..., Any], scaler: DynamicLossScaler | None,
-               autocast_dtype: torch.dtype | None, counter: _SavedBytes | None = None):
+               autocast_dtype: torch.dtype | None, counter: SavedBytes | None = None):
         self.restore()
         step = TrainStep(fn, self.params, _NoOpt(), self.spec.loss_fn, scaler=scaler,
                          autocast_dtype=autocast_dtype, device_type=self.device.type)
@@ -244,14 +244,14 @@ class Harness:
         :meth:`reference_fn`'s (the compiled FP32 graph for a compiled ``fn`` on a graph with
         random ops)."""
         ref_loss, ref_grads = self._reference(fn)  # before the peak reset: may compile and run
-        counter = _SavedBytes(self.params)
+        counter = SavedBytes(self.params)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         loss, grads = self._grads(fn, scaler, autocast_dtype, counter)
         backoffs = 0
         while not _finite(loss, grads) and _back_off(scaler) and backoffs < MAX_BACKOFFS:
             backoffs += 1  # the skipped first steps of training: same batch at the backed-off scale
-            counter = _SavedBytes(self.params)
+            counter = SavedBytes(self.params)
             loss, grads = self._grads(fn, scaler, autocast_dtype, counter)
         m = Measurement()
         if backoffs:
