@@ -34,7 +34,6 @@ come from a separate build of the row, so gathering them counts in no peak.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
 import datetime
 import gc
@@ -47,7 +46,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autoprec._io import write_json
-from autoprec.device import describe_machine, resolve_device
+from autoprec.device import describe_machine, heap_bytes, resolve_device
 from autoprec.metrics import grad_rel_l2, median
 from autoprec.modelspec import load_model_spec
 from autoprec.policy import Policy
@@ -124,7 +123,7 @@ def predicted_peak_bytes(n_params: int, largest: int, wrapper: str, world: int, 
 
 class _PeakBytes:
     """Peak bytes allocated over a ``with`` span on this rank (module docstring): CUDA's
-    allocator peak, or on CPU the most heap bytes in use (:func:`_heap_bytes`) seen after any
+    allocator peak, or on CPU the most heap bytes in use (:func:`autoprec.device.heap_bytes`) seen after any
     ATen op of the span, over their value when it began."""
 
     def __init__(self, device: torch.device) -> None:
@@ -146,41 +145,8 @@ class _PeakBytes:
         self.peak = max(mode.peak - mode.base, 0)
 
 
-class _MallInfo2(ctypes.Structure):
-    """glibc's ``struct mallinfo2`` (malloc.h): every field a ``size_t``, in bytes or counts."""
-
-    _fields_ = [(f, ctypes.c_size_t) for f in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                               "fsmblks", "uordblks", "fordblks", "keepcost")]
-
-
-_MALLINFO2: list[Any] = []  # the C function, looked up on first use
-
-
-def _heap_bytes() -> int:
-    """Bytes the C heap has handed out now, on every thread: glibc's ``mallinfo2()`` ``uordblks``
-    (in use in all arenas) + ``hblkhd`` (in chunks of their own, ``mmap``-ed: large tensors).
-    Torch's CPU tensors (``c10::alloc_cpu``, ``posix_memalign``) and gloo's buffers come from it;
-    Python's small objects do not (pymalloc maps its own arenas).
-
-    Raises:
-        AutoprecError: no glibc ``mallinfo2`` (not Linux/glibc ≥ 2.33): names the need.
-    """
-    if not _MALLINFO2:
-        try:
-            fn = ctypes.CDLL(None).mallinfo2
-        except AttributeError:
-            from autoprec.errors import AutoprecError
-
-            raise AutoprecError("bench --nproc on CPU measures peaks with glibc's mallinfo2 (glibc >= 2.33, "
-                                "Linux); this C library has none") from None
-        fn.restype = _MallInfo2
-        _MALLINFO2.append(fn)
-    info = _MALLINFO2[0]()
-    return int(info.uordblks + info.hblkhd)
-
-
 class _HeapPeak(TorchDispatchMode):
-    """A dispatch mode reading :func:`_heap_bytes` after every ATen op (backward's included: on
+    """A dispatch mode reading :func:`autoprec.device.heap_bytes` after every ATen op (backward's included: on
     the CPU autograd runs them on this thread), and a thread reading it every
     :data:`SAMPLE_S` meanwhile (gloo's threads allocate while this one waits on a collective);
     ``peak`` and ``base`` (at entry) in bytes."""
@@ -188,7 +154,7 @@ class _HeapPeak(TorchDispatchMode):
     def __enter__(self) -> _HeapPeak:
         import threading
 
-        self.base = self.peak = _heap_bytes()
+        self.base = self.peak = heap_bytes()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
@@ -201,11 +167,11 @@ class _HeapPeak(TorchDispatchMode):
 
     def _sample(self) -> None:
         while not self._stop.wait(SAMPLE_S):
-            self.peak = max(self.peak, _heap_bytes())
+            self.peak = max(self.peak, heap_bytes())
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105 - torch's protocol
         out = func(*args, **(kwargs or {}))
-        self.peak = max(self.peak, _heap_bytes())
+        self.peak = max(self.peak, heap_bytes())
         return out
 
 

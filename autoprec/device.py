@@ -1,4 +1,5 @@
-"""Device facts: which device to run on, waiting for it, what it is, how fast its matmuls are.
+"""Device facts: which device to run on, waiting for it, what it is, how fast its matmuls are, how
+many bytes the C heap holds.
 
 The one home of these rules for the whole package (docs/architecture.md, "Layers"): the search,
 the runtime, ``bench`` and the CLI all ask here. Nothing here knows about policies or models.
@@ -6,6 +7,7 @@ the runtime, ``bench`` and the CLI all ask here. Nothing here knows about polici
 
 from __future__ import annotations
 
+import ctypes
 import os
 import platform
 import time
@@ -15,8 +17,9 @@ from typing import Any
 import torch
 
 from autoprec.dtypes import NAMES, to_torch
+from autoprec.errors import AutoprecError
 
-__all__ = ["autocast_dtype", "describe_machine", "device_name", "resolve_device", "sync", "time_call", "time_matmul"]
+__all__ = ["autocast_dtype", "heap_bytes", "describe_machine", "device_name", "resolve_device", "sync", "time_call", "time_matmul"]
 
 
 def resolve_device(device: str = "auto") -> torch.device:
@@ -130,3 +133,34 @@ def autocast_dtype(device: torch.device, usable: list[str] | None = None) -> tor
     if usable and NAMES.get(default) not in usable:
         return to_torch(usable[0])
     return default
+
+
+class _MallInfo2(ctypes.Structure):
+    """glibc's ``struct mallinfo2`` (malloc.h): every field a ``size_t``, in bytes or counts."""
+
+    _fields_ = [(f, ctypes.c_size_t) for f in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                               "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+_MALLINFO2: list[Any] = []  # the C function, looked up on first use
+
+
+def heap_bytes() -> int:
+    """Bytes the C heap has handed out now, on every thread: glibc's ``mallinfo2()`` ``uordblks``
+    (in use in all arenas) + ``hblkhd`` (in chunks of their own, ``mmap``-ed: large tensors).
+    Torch's CPU tensors (``c10::alloc_cpu``, ``posix_memalign``) and gloo's buffers come from it;
+    Python's small objects do not (pymalloc maps its own arenas).
+
+    Raises:
+        AutoprecError: no glibc ``mallinfo2`` (not Linux/glibc ≥ 2.33): names the need.
+    """
+    if not _MALLINFO2:
+        try:
+            fn = ctypes.CDLL(None).mallinfo2
+        except AttributeError:
+            raise AutoprecError("CPU heap peaks are read with glibc's mallinfo2 (glibc >= 2.33, Linux); "
+                                "this C library has none") from None
+        fn.restype = _MallInfo2
+        _MALLINFO2.append(fn)
+    info = _MALLINFO2[0]()
+    return int(info.uordblks + info.hblkhd)

@@ -21,7 +21,6 @@ Run::
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import statistics
@@ -36,7 +35,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 import qwen2_tiny  # noqa: E402
 
 import autoprec  # noqa: E402
-from autoprec.device import describe_machine  # noqa: E402
+from autoprec.device import describe_machine, heap_bytes  # noqa: E402
 from autoprec.metrics import grad_rel_l2  # noqa: E402
 from autoprec.policy import Policy  # noqa: E402
 from autoprec.runtime.apply import INDUCTOR_OPTIONS, MixedPrecisionModule  # noqa: E402
@@ -44,22 +43,6 @@ from autoprec.runtime.outputs import flat_output_graph, rebuild  # noqa: E402
 from autoprec.search.measure import SavedBytes  # noqa: E402
 
 MIB = 2**20
-
-
-class _Mallinfo2(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in
-                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
-                 "keepcost")]
-
-
-_libc = ctypes.CDLL("libc.so.6")
-_libc.mallinfo2.restype = _Mallinfo2
-
-
-def heap_in_use() -> int:
-    """Bytes malloc has handed out and not taken back (arena + mmapped), glibc ``mallinfo2``."""
-    m = _libc.mallinfo2()
-    return int(m.uordblks + m.hblkhd)
 
 
 class Counter(SavedBytes):
@@ -125,14 +108,14 @@ def step(fn, params, batch, counter: Counter | None, ctx: Any = None) -> tuple[f
         p.grad = None
     hooks = (torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t) if counter is not None
              else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t))
-    before = heap_in_use()
+    before = heap_bytes()
     with hooks:
         if ctx is not None:
             with ctx():
                 out = fn(**batch)
         else:
             out = fn(**batch)
-    held = heap_in_use() - before
+    held = heap_bytes() - before
     out.loss.backward()
     return float(out.loss), [p.grad.detach().clone() for p in params], held
 
