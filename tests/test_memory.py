@@ -179,7 +179,7 @@ def test_tune_max_memory_tries_both_levers_and_reports_them(tmp_path, capsys, wi
     rows = [r for r in section.splitlines() if r.startswith("| ") and "lever" not in r]
     levers = [r.split(" | ")[1] for r in rows]
     assert "none" in levers and "saved bf16" in levers and any(lv.startswith("recompute") for lv in levers)
-    assert any(r.rstrip().endswith("| * |  |") or "| * |" in r for r in rows)  # a Pareto front is marked
+    assert any("| * |" in r for r in rows)  # a Pareto front is marked
     used_saved = any(r.saved for r in pol.rules)
     assert used_saved or pol.activation_memory_budget < 1.0
     log = capsys.readouterr().out

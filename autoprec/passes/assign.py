@@ -29,7 +29,7 @@ import warnings
 import torch
 from torch import fx
 
-from autoprec.dtypes import FP8_COMPUTE, to_torch
+from autoprec.dtypes import FP8_COMPUTE, LOW_DTYPES, to_torch
 from autoprec.graph import check_placement_mode, place_follow
 from autoprec.ops import (
     FIXED_DTYPE_OPS,
@@ -190,7 +190,7 @@ def _assign_saved(nodes: list[fx.Node], policy: Policy) -> int:
 
 
 def _lows(policy: Policy) -> list[str]:
-    return [d for d in policy.dtypes_used() if d in ("bf16", "fp16")]
+    return [d for d in policy.dtypes_used() if d in LOW_DTYPES]
 
 
 def _constants_before(nodes, labels, policy: Policy, mode: str) -> int:
@@ -224,7 +224,7 @@ def _constants_before(nodes, labels, policy: Policy, mode: str) -> int:
 def _low_compute(n: fx.Node) -> str | None:
     """The node's compute dtype when it is a low float dtype other than its storage, else None."""
     compute = n.meta.get("autoprec", {}).get("compute")
-    return compute if compute in ("bf16", "fp16") else None
+    return compute if compute in LOW_DTYPES else None
 
 
 def _constants_after(nodes, mode: str) -> int:

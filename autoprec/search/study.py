@@ -225,8 +225,9 @@ def _adopt_study_kernels(run: _Run, choices: list[str] | None) -> None:
     lows = sorted(choices[1:], key=lambda k: ms.get(k, math.inf))
     log(f"the study was created searching {', '.join(choices)}; this run's probe kept "
         f"{', '.join(run.space.dtypes)}: searching the study's kernels", run.quiet)
-    run.space = SearchSpace(lows, run.space.blocks or find_blocks(run.gm),
-                            run.space.nodes or outside_matmuls(run.gm, find_blocks(run.gm)), saved=run.space.saved[1:])
+    blocks = run.space.blocks or find_blocks(run.gm)  # a space without low kernels holds no blocks
+    nodes = run.space.nodes or outside_matmuls(run.gm, blocks)
+    run.space = SearchSpace(lows, blocks, nodes, saved=run.space.saved[1:])
 
 
 def _baselines(run: _Run, drift_arg: float | None, memory_arg: tuple[str, float] | None) -> None:
