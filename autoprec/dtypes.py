@@ -39,6 +39,13 @@ NAMES: dict[torch.dtype, str] = {v: k for k, v in {**DTYPES, **FP8_DTYPES}.items
 LOW_DTYPES: tuple[str, ...] = ("bf16", "fp16")
 
 
+def kernel_name(dtype: str, compute: str | None) -> str:
+    """The ``storage:compute`` name of a node's or rule's kernel, e.g. ``"bf16:fp32"``; just the
+    storage dtype when the compute dtype is the same or not given (``"bf16"``). The search's kernel
+    choices (``autoprec.search.probe.KERNELS``) are written the same way."""
+    return dtype if compute in (None, dtype) else f"{dtype}:{compute}"
+
+
 def to_torch(name: str) -> torch.dtype:
     """Map a policy dtype name (``"fp32"``, ``"bf16"``, ``"fp16"``, ``"fp8_e4m3"``, ``"fp8_e5m2"``)
     to a ``torch.dtype``.

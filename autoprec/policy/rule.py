@@ -10,7 +10,7 @@ from __future__ import annotations
 import fnmatch
 from dataclasses import dataclass
 
-from autoprec.dtypes import COMPUTE_DTYPES, DTYPES, FP8_COMPUTE, SAVED_DTYPES
+from autoprec.dtypes import COMPUTE_DTYPES, DTYPES, FP8_COMPUTE, SAVED_DTYPES, kernel_name
 from autoprec.policy.fields import check_choice, fail, join
 
 __all__ = ["FP8", "OP_CLASSES", "RULE_KEYS", "RULE_OP_CLASSES", "SCHEMA2_RULE_KEYS", "Rule"]
@@ -144,7 +144,7 @@ class Rule:
         sel = ":".join(s for s in (self.node, self.module, self.op_class) if s is not None)
         parts = []
         if self.dtype is not None:
-            parts.append(self.dtype + (f":{self.compute}" if self.compute else ""))
+            parts.append(kernel_name(self.dtype, self.compute))
         if self.saved is not None:
             parts.append(f"saved {self.saved}")
         return f"{sel}->{' '.join(parts)}"

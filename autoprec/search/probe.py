@@ -32,7 +32,7 @@ import torch
 from torch import fx
 
 from autoprec.device import time_call
-from autoprec.dtypes import FP8_COMPUTE, LOW_DTYPES, to_torch
+from autoprec.dtypes import FP8_COMPUTE, LOW_DTYPES, kernel_name, to_torch
 from autoprec.metrics import median
 from autoprec.nodekeys import op_name
 from autoprec.ops import classify
@@ -42,7 +42,7 @@ __all__ = ["KERNELS", "TOL", "KernelProbe", "KernelTime", "kernel_fields", "matm
 
 #: Every kernel choice in its fixed order (a resumed study must see the same choices in the same
 #: order, whatever a re-run's probe measures): per low storage dtype native, then fp32-compute; fp8 last.
-KERNELS: tuple[str, ...] = (*(k for d in LOW_DTYPES for k in (d, f"{d}:fp32")), FP8_COMPUTE)
+KERNELS: tuple[str, ...] = (*(k for d in LOW_DTYPES for k in (d, kernel_name(d, "fp32"))), FP8_COMPUTE)
 #: Noise allowance of the keep rule: a kernel with low-precision storage is kept when its time is
 #: at most ``fp32 time * (1 + TOL)``. 10%: the spread of repeated medians of one matmul on a
 #: loaded 2-core CPU, measured on this repository's machines. Such a kernel pays in memory even

@@ -14,6 +14,7 @@ from typing import Any
 import optuna
 from torch import fx
 
+from autoprec.dtypes import kernel_name
 from autoprec.policy import Policy
 from autoprec.search import attrs
 
@@ -129,8 +130,7 @@ def node_label(meta: dict) -> str:
     """How a lowered node stores, computes and saves, e.g. ``"bf16"``, ``"bf16:fp32"`` (storage bf16,
     compute fp32), ``"bf16:fp8_e4m3"`` or ``"fp32 saved bf16"`` (docs/architecture.md#policy-file)."""
     storage = meta.get("storage", meta["dtype"])
-    compute = meta.get("compute", storage)
-    label = storage if compute == storage else f"{storage}:{compute}"
+    label = kernel_name(storage, meta.get("compute", storage))
     return label + (f" saved {meta['saved']}" if meta.get("saved") else "")
 
 
