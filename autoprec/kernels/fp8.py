@@ -32,12 +32,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from autoprec.dtypes import FP8_DTYPES
+
 __all__ = ["E4M3", "E5M2", "SCALINGS", "amax_scale", "dequantize", "fp8_linear", "fp8_supported",
            "quantize", "reference_linear"]
 
 #: Forward operands (``x``, ``weight``) and the gradient's fp8 dtypes (torchao.float8's defaults).
-E4M3: torch.dtype = torch.float8_e4m3fn
-E5M2: torch.dtype = torch.float8_e5m2
+E4M3: torch.dtype = FP8_DTYPES["fp8_e4m3"]
+E5M2: torch.dtype = FP8_DTYPES["fp8_e5m2"]
 #: The scaling granularities ``fp8_linear`` accepts.
 SCALINGS: tuple[str, ...] = ("tensorwise", "rowwise")
 #: Floor of amax before the division, so an all-zero tensor gets a finite scale (torchao's ``EPS``).

@@ -50,15 +50,13 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from autoprec.dtypes import SAVED_DTYPES, to_torch
 from autoprec.errors import PassError
+from autoprec.kernels.fp8 import amax_scale
 
 __all__ = ["CUSTOM_KEY", "SavedCall", "apply_saved", "has_saved", "pack", "unpack", "report_saved",
            "saved_activation_context", "saved_eager"]
 
 #: Key under ``node.meta["custom"]`` that carries a node's saved dtype into Dynamo/AOTAutograd graphs.
 CUSTOM_KEY = "autoprec_saved"
-#: Smallest amax used for an fp8 scale, so an all-zero tensor gets a finite scale (torchao.float8's
-#: ``EPS``; the partitioner's fp8 activation pass uses the same 1e-12).
-FP8_EPS = 1e-12
 
 _state = threading.local()  # .marked: {StorageWeakRef: (ref, name)} in eager forwards; .outer: outer hooks
 
@@ -129,7 +127,7 @@ def pack(t: torch.Tensor, name: str | None) -> Any:
     case C01, would otherwise be saved as inf and the gradients come back NaN); prefer bf16 or
     fp8_e5m2 (scaled) where activations are large.
 
-    fp8: tensorwise scale ``s = max_e5m2 / max(amax, FP8_EPS)`` in fp32 and ``q = clamp(t·s,
+    fp8: tensorwise scale ``s = max_e5m2 / max(amax, 1e-12)`` (:func:`autoprec.kernels.fp8.amax_scale`) and ``q = clamp(t·s,
     ±max_e5m2).to(float8_e5m2)`` (torchao.float8's ``amax_to_scale``/``to_fp8_saturated`` recipe), so an
     all-zero tensor packs to zeros with a finite scale. ``amax`` is over the finite elements and
     ±inf are kept as ±inf (e5m2 has infinities): attention scores masked with ``-inf`` would
@@ -159,8 +157,7 @@ def pack(t: torch.Tensor, name: str | None) -> Any:
     fmax = torch.finfo(low).max
     x = t.detach().float()
     finite = torch.isfinite(x)
-    amax = torch.where(finite, x.abs(), 0.0).amax()
-    scale = fmax / amax.clamp(min=FP8_EPS)
+    scale = amax_scale(torch.where(finite, x, 0.0), low)  # the fp8 matmul's rule, over finite values
     q = torch.where(finite, (x * scale).clamp(-fmax, fmax), x)  # ±inf stay (e5m2 has them), NaN too
     return q.to(low), scale
 
