@@ -106,13 +106,15 @@ def test_measurements_leave_the_global_rng_state_unchanged(harness):
 
 def test_bf16_policy_drift_is_bf16_sized_not_mask_sized(harness):
     """A bf16 policy (Policy.default("bf16"): matmuls bf16, sensitive ops fp32) on the dropout
-    model drifts by bf16 rounding only: grad_rel_l2 below bf16's rtol (1.6e-2, conftest.RTOL),
-    not ~1 from different dropout masks."""
+    model drifts by bf16 rounding only: grad_rel_l2 on batch 0 below bf16's rtol (1.6e-2,
+    conftest.RTOL) and below 0.1 on every drift batch, not ~1 from different dropout masks."""
     pol = Policy.default("bf16")
     gm = run_pipeline(harness.graph_module, pol).graph_module
     m = harness.drift(gm, make_scaler(pol))
     assert m.error is None
-    assert 0.0 < m.grad_rel_l2 < RTOL[torch.bfloat16]
+    assert 0.0 < m.grad_rel_l2_batches[0] < RTOL[torch.bfloat16]
+    # mask-sized is ~0.5-1 on every batch; batch 2 measures 6.7e-2, as much with torch.autocast
+    assert max(m.grad_rel_l2_batches) < 0.1
     assert m.loss_rel < RTOL[torch.bfloat16]
 
 

@@ -18,13 +18,14 @@ import torch
 from torch import nn
 
 from autoprec.dims import tensor_shapes
-from autoprec.metrics import grad_rel_l2, grad_sqnr_db_min, median
+from autoprec.metrics import median
 from autoprec.modelspec import ModelSpec, split_batch
 from autoprec.runtime.rng import MEASURE_SEED, StepRng, same_rng
 from autoprec.runtime.scaler import DynamicLossScaler
 from autoprec.runtime.shape_cache import PROBE_BATCHES, capture_for
 from autoprec.runtime.steps import StepsTooSlow, run_steps, slow_step_guard
 from autoprec.runtime.train import TrainStep, training_state_bytes
+from autoprec.search.drift import DRIFT_BATCHES, Grads, References, draws_random, is_compiled, measure_drift
 
 __all__ = ["Measurement", "Harness", "SavedBytes", "batch_shapes", "draws_random"]
 
@@ -37,11 +38,15 @@ class Measurement:
         step_s: Median wall-clock seconds of a full training step after warm-up (inf if not timed).
         tokens_per_s: Mean tokens per timed step / ``step_s`` (with batches of varying shapes the
             timed steps cycle through them: their mean rate).
-        grad_rel_l2: ‖g − g₃₂‖/‖g₃₂‖ on batch 0 (inf if non-finite).
-        loss_rel: |L − L₃₂| / |L₃₂| on batch 0.
-        grad_sqnr_db_min: Minimum per-parameter gradient SQNR in dB.
+        grad_rel_l2: ‖g − g₃₂‖/‖g₃₂‖, the mean over the K drift batches of
+            :attr:`grad_rel_l2_batches` (inf if any is non-finite).
+        grad_rel_l2_batches: ‖g − g₃₂‖/‖g₃₂‖ on each drift batch ``get_batch(0..K-1)``
+            (K = :attr:`Harness.drift_batches`), in batch order; fewer than K when a batch was
+            non-finite (the last value, inf). :class:`autoprec.search.decide.DriftBudget` judges these.
+        loss_rel: |L − L₃₂| / |L₃₂|, the mean over the K drift batches.
+        grad_sqnr_db_min: Minimum per-parameter gradient SQNR in dB, the min over the K drift batches.
         peak_bytes: CUDA peak allocated bytes; on CPU (docs/architecture.md#measurements) bytes of the distinct tensors
-            saved for backward (``saved_tensors_hooks``; a saved parameter allocates nothing and
+            saved for backward in batch 0's drift pass (``saved_tensors_hooks``; a saved parameter allocates nothing and
             is not counted again) + :attr:`Harness.state_bytes`: parameter and gradient bytes
             plus the bytes of the tensors the model file's ``make_optimizer`` optimizer holds in
             its state after one step (:func:`autoprec.runtime.train.training_state_bytes`; per
@@ -55,6 +60,7 @@ class Measurement:
     step_s: float = math.inf
     tokens_per_s: float = 0.0
     grad_rel_l2: float = math.inf
+    grad_rel_l2_batches: list[float] = field(default_factory=list)
     loss_rel: float = math.inf
     grad_sqnr_db_min: float = -math.inf
     peak_bytes: int = 0
@@ -85,59 +91,12 @@ class SavedBytes:
         return t
 
 
-def draws_random(gm: nn.Module) -> bool:
-    """Whether the graph (or any graph inside it) has an op that draws random numbers.
-
-    ATen marks such ops ``Tag.nondeterministic_seeded`` (``dropout``, ``native_dropout``,
-    ``bernoulli``, ``rand*``, ...; native_functions.yaml). Attention ops carry the tag too and
-    count only with ``dropout_p`` ≠ 0; ``dropout(x, p, train=False)`` and ``p == 0`` do not count.
-    """
-    for sub in gm.modules():
-        graph = getattr(sub, "graph", None)
-        if not isinstance(graph, torch.fx.Graph):
-            continue
-        for node in graph.nodes:
-            t = node.target
-            if node.op != "call_function" or not isinstance(t, torch._ops.OpOverload):
-                continue
-            if torch.Tag.nondeterministic_seeded not in t.tags:
-                continue
-            args = t._schema.arguments
-
-            def arg(name: str, node=node, args=args) -> Any:
-                i = next((k for k, a in enumerate(args) if a.name == name), None)
-                if i is None:
-                    return None
-                if name in node.kwargs:
-                    return node.kwargs[name]
-                return node.args[i] if i < len(node.args) else args[i].default_value
-
-            if arg("train") is False or arg("dropout_p") == 0 or (
-                    "dropout" in t._schema.name and arg("p") == 0):
-                continue
-            return True
-    return False
-
-
-def _is_compiled(fn: Callable[..., Any]) -> bool:
-    """Whether ``fn`` runs through ``torch.compile``: what ``compile_graph`` returns (an
-    ``OptimizedModule``, or the wrappers around one — the activation-memory-budget wrapper, the
-    saved-activation call, ``CompileLog`` — each holding the next as ``.fn``)."""
-    from torch._dynamo.eval_frame import OptimizedModule
-
-    for _ in range(4):
-        if fn is None:
-            return False
-        if isinstance(fn, OptimizedModule) or hasattr(fn, "_torchdynamo_orig_callable"):
-            return True
-        fn = getattr(fn, "fn", None)
-    return False
-
-
 class Harness:
-    """The model, its captured FP32 graph, initial weights and the FP32 reference gradients.
+    """The model, its captured FP32 graph, initial weights and the FP32 reference gradients on
+    each drift batch ``get_batch(0..K-1)`` (:mod:`autoprec.search.drift`, computed once and cached).
 
-    Every drift forward/backward (the reference's included) and every trajectory step runs from
+    Every drift forward/backward (the reference's included, each batch's from the same state) and
+    every trajectory step runs from
     a fixed RNG state (:func:`autoprec.runtime.rng.same_rng`, seed ``MEASURE_SEED`` and
     ``MEASURE_SEED + k`` for trajectory step k: the fixed-per-step rule of
     :mod:`autoprec.runtime.rng`), so random ops such as dropout see the same draws in the
@@ -156,22 +115,33 @@ class Harness:
         device: Where to run.
         warmup: Untimed steps before timing (the first compiles, when compiled).
         steps: Timed steps; the median is reported (docs/architecture.md#measurements: ≥ 5).
+        drift_batches: K, the batches each drift measurement runs on (default
+            :data:`autoprec.search.drift.DRIFT_BATCHES`, 4; ≥ 1). The FP32 reference of each is
+            computed here: K forward/backward passes and K fp32 gradient sets kept (4·K bytes per
+            parameter).
 
     Attributes:
+        drift_batches: K (see Args).
+        ref_loss, ref_grads: The eager FP32 reference loss and gradients on batch 0.
         optimizer_name: Class name of the model file's optimizer (e.g. ``"AdamW"``), whose state
             :attr:`state_bytes` counts.
 
     Raises:
         CaptureError: the model cannot be captured.
+        ValueError: ``drift_batches`` < 1.
         Exception: whatever the model file's ``make_optimizer`` or its optimizer's first step
             raises (:func:`autoprec.runtime.train.training_state_bytes`).
     """
 
-    def __init__(self, spec: ModelSpec, device: torch.device, warmup: int = 2, steps: int = 5) -> None:
+    def __init__(self, spec: ModelSpec, device: torch.device, warmup: int = 2, steps: int = 5,
+                 drift_batches: int = DRIFT_BATCHES) -> None:
+        if drift_batches < 1:
+            raise ValueError(f"drift_batches must be >= 1, got {drift_batches}")
         self.spec, self.device, self.warmup, self.steps = spec, device, warmup, steps
+        self.drift_batches = int(drift_batches)
         self.model: nn.Module = spec.build_model().to(device)
         self.model.train()
-        self.batches = [spec.get_batch(i, device) for i in range(max(steps, PROBE_BATCHES))]
+        self.batches = [spec.get_batch(i, device) for i in range(max(steps, PROBE_BATCHES, self.drift_batches))]
         self.graph_module = capture_for(self.model, self.batches[:PROBE_BATCHES])  # train's rule
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.initial = [p.detach().clone() for p in self.params]
@@ -183,17 +153,20 @@ class Harness:
         self._warm = max(warmup, len(self.shapes))
         timed = [self.batches[k % len(self.batches)] for k in range(self._warm, self._warm + steps)]
         self.tokens = sum(spec.tokens_per_batch(b) for b in timed) / max(len(timed), 1)  # mean per timed step
-        self.ref_loss, self.ref_grads = self._grads(self.graph_module, None, None)
         self.random = draws_random(self.graph_module)
         self._compiled_fp32: Callable[..., Any] | None = None
-        self._compiled_ref: tuple[float, list[torch.Tensor]] | None = None
+        # eager references now, with this harness's parameters (bench's low-precision copies share them)
+        self._refs = References()
+        for k in range(self.drift_batches):
+            self._reference(self.graph_module, k)
+        self.ref_loss, self.ref_grads = self._reference(self.graph_module, 0)
 
     def reference_fn(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """The FP32 function whose random draws match ``fn``'s: the captured graph, or, when
         ``fn`` is compiled and the graph draws random numbers, that graph compiled with
         ``compile_graph`` (compiled on first use, then cached). Use it for ``traj_rel``'s
         reference trajectory too."""
-        if not (self.random and _is_compiled(fn)):
+        if not (self.random and is_compiled(fn)):
             return self.graph_module
         if self._compiled_fp32 is None:
             from autoprec.runtime.apply import compile_graph  # apply imports the passes
@@ -201,14 +174,12 @@ class Harness:
             self._compiled_fp32 = compile_graph(self.graph_module)
         return self._compiled_fp32
 
-    def _reference(self, fn: Callable[..., Any]) -> tuple[float, list[torch.Tensor]]:
-        """FP32 loss and gradients on batch 0 from :meth:`reference_fn` (``fn``'s RNG stream)."""
+    def _reference(self, fn: Callable[..., Any], batch: int) -> Grads:
+        """FP32 loss and gradients on ``batch`` from :meth:`reference_fn` (``fn``'s RNG stream),
+        computed once per batch and reference (eager, compiled) and cached."""
         ref = self.reference_fn(fn)
-        if ref is self.graph_module:
-            return self.ref_loss, self.ref_grads
-        if self._compiled_ref is None:
-            self._compiled_ref = self._grads(ref, None, None)
-        return self._compiled_ref
+        kind = "eager" if ref is self.graph_module else "compiled"
+        return self._refs.get(kind, batch, lambda: self._grads(ref, None, None, batch=batch))
 
     def restore(self) -> None:
         """Put the initial weights back and drop gradients."""
@@ -218,14 +189,16 @@ class Harness:
                 p.grad = None
 
     def _grads(self, fn: Callable[..., Any], scaler: DynamicLossScaler | None,
-               autocast_dtype: torch.dtype | None, counter: SavedBytes | None = None):
+               autocast_dtype: torch.dtype | None, counter: SavedBytes | None = None, batch: int = 0) -> Grads:
+        """Loss and unscaled fp32 gradients of one forward/backward of ``fn`` on ``batch`` from the
+        initial weights and RNG seed ``MEASURE_SEED`` (``counter`` counts what it saves for backward)."""
         self.restore()
         step = TrainStep(fn, self.params, _NoOpt(), self.spec.loss_fn, scaler=scaler,
                          autocast_dtype=autocast_dtype, device_type=self.device.type)
         hooks = (torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t) if counter is not None
                  else contextlib.nullcontext())
         with same_rng(self.device), hooks:
-            loss = step.forward_backward(self.batches[0])
+            loss = step.forward_backward(self.batches[batch])
         inv = 1.0 / scaler.get_scale() if scaler is not None else 1.0
         grads = [(p.grad.float() * inv) if p.grad is not None else torch.zeros_like(p) for p in self.params]
         self.restore()
@@ -233,36 +206,44 @@ class Harness:
 
     def drift(self, fn: Callable[..., Any], scaler: DynamicLossScaler | None = None,
               autocast_dtype: torch.dtype | None = None) -> Measurement:
-        """Drift of ``fn`` against the FP32 reference on batch 0 (no timing).
+        """Drift of ``fn`` against the FP32 reference on each of the K drift batches (no timing).
 
-        With a dynamic loss scaler, scaled gradients that overflow are what training's first steps
-        skip while the scale backs off (``torch.amp.GradScaler``'s rule): the step is retried at
-        the backed-off scale, at most :data:`MAX_BACKOFFS` times, and the count goes in ``note``;
-        only gradients non-finite at the scaler's floor count as a failure.
+        Per batch k (:func:`autoprec.search.drift.measure_drift`): ``grad_rel_l2`` against that
+        batch's FP32 gradients, both from RNG seed :data:`autoprec.runtime.rng.MEASURE_SEED`
+        (same dropout masks), the reference being :meth:`reference_fn`'s (the compiled FP32 graph
+        for a compiled ``fn`` on a graph with random ops). The Measurement holds the per-batch
+        values (``grad_rel_l2_batches``), their mean (``grad_rel_l2``, ``loss_rel``) and the
+        min SQNR; ``peak_bytes`` counts batch 0's pass.
 
-        Both run from RNG seed :data:`autoprec.runtime.rng.MEASURE_SEED`; the reference is
-        :meth:`reference_fn`'s (the compiled FP32 graph for a compiled ``fn`` on a graph with
-        random ops)."""
-        ref_loss, ref_grads = self._reference(fn)  # before the peak reset: may compile and run
-        counter = SavedBytes(self.params)
+        With a dynamic loss scaler, overflowing scaled gradients back off as training's first
+        steps do (per batch, at most :data:`autoprec.search.drift.MAX_BACKOFFS` times); the count
+        goes in ``note``; only gradients non-finite at the scaler's floor count as a failure
+        (``error`` set, ``grad_rel_l2`` inf).
+
+        Raises:
+            Exception: whatever running ``fn`` raises (compile errors, out of memory).
+        """
+        refs = [self._reference(fn, k) for k in range(self.drift_batches)]  # before the peak reset: may compile
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        loss, grads = self._grads(fn, scaler, autocast_dtype, counter)
-        backoffs = 0
-        while not _finite(loss, grads) and _back_off(scaler) and backoffs < MAX_BACKOFFS:
-            backoffs += 1  # the skipped first steps of training: same batch at the backed-off scale
-            counter = SavedBytes(self.params)
-            loss, grads = self._grads(fn, scaler, autocast_dtype, counter)
+
+        def step(k: int, count: bool) -> tuple[float, list[torch.Tensor], int]:
+            counter = SavedBytes(self.params) if count else None
+            loss, grads = self._grads(fn, scaler, autocast_dtype, counter, batch=k)
+            return loss, grads, counter.total if counter is not None else 0
+
+        d = measure_drift(step, refs, scaler)
         m = Measurement()
-        if backoffs:
-            m.note = (f"{backoffs} loss-scale backoff{'s' if backoffs > 1 else ''} before finite gradients "
+        if d.backoffs:
+            m.note = (f"{d.backoffs} loss-scale backoff{'s' if d.backoffs > 1 else ''} before finite gradients "
                       f"(scale {scaler.get_scale():g}), as training skips its first steps")
-        m.grad_rel_l2 = grad_rel_l2(grads, ref_grads)
-        m.loss_rel = abs(loss - ref_loss) / max(abs(ref_loss), 1e-30) if math.isfinite(loss) else math.inf
-        m.grad_sqnr_db_min = grad_sqnr_db_min(grads, ref_grads)
-        m.peak_bytes = counter.total + self.state_bytes
-        if not (math.isfinite(m.grad_rel_l2) and math.isfinite(m.loss_rel)):
-            m.grad_rel_l2, m.error = math.inf, "non-finite loss or gradients"
+        m.grad_rel_l2_batches = [b.grad_rel_l2 for b in d.batches]
+        m.grad_rel_l2 = sum(m.grad_rel_l2_batches) / len(d.batches)
+        m.loss_rel = sum(b.loss_rel for b in d.batches) / len(d.batches)
+        m.grad_sqnr_db_min = min(b.grad_sqnr_db_min for b in d.batches)
+        m.peak_bytes = d.saved_bytes + self.state_bytes
+        if not d.finite:
+            m.grad_rel_l2, m.error = math.inf, f"non-finite loss or gradients (drift batch {len(d.batches) - 1})"
         return m
 
     @property
@@ -368,23 +349,6 @@ def _describe_failure(e: BaseException) -> str:
     text = str(e).strip().splitlines()[0] if str(e).strip() else ""
     kind = "out of memory" if "out of memory" in str(e).lower() else type(e).__name__
     return f"{kind}: {text[:300]}"
-
-
-MAX_BACKOFFS = 24  #: loss-scale backoffs a drift measurement tries (2^16, the default, halves to 1 in 16)
-
-
-def _finite(loss: float, grads: list[torch.Tensor]) -> bool:
-    return math.isfinite(loss) and all(bool(torch.isfinite(g).all()) for g in grads)
-
-
-def _back_off(scaler: DynamicLossScaler | None) -> bool:
-    """Lower an enabled scaler's scale by its backoff factor (≥ ``min_scale``); False at the floor or without one."""
-    state = scaler.state_dict() if scaler is not None else {}
-    if not state or state["scale"] <= state["min_scale"]:
-        return False
-    state["scale"] = max(state["scale"] * state["backoff_factor"], state["min_scale"])
-    scaler.load_state_dict(state)
-    return True
 
 
 class _NoOpt:

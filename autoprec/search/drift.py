@@ -1,0 +1,212 @@
+"""Drift against FP32 over K batches (docs/architecture.md#measurements): the FP32 reference
+gradients cached per batch, one candidate's per-batch ``grad_rel_l2`` / ``loss_rel`` / SQNR, and
+the loss-scale back-off of training's first steps.
+
+:class:`autoprec.search.measure.Harness` runs the forward/backward passes (its ``_grads``) and
+hands them to :func:`measure_drift`; this module only decides what is run on which batch and
+how the per-batch numbers are formed. One drift measurement is K = :data:`DRIFT_BATCHES`
+forward/backward passes of the candidate (plus back-offs), each on its own batch and each from
+the same RNG state as that batch's reference (:func:`autoprec.runtime.rng.same_rng`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from autoprec.metrics import grad_rel_l2, grad_sqnr_db_min
+from autoprec.runtime.scaler import DynamicLossScaler
+
+__all__ = ["DRIFT_BATCHES", "MAX_BACKOFFS", "BatchDrift", "Drift", "References", "batch_drift", "draws_random",
+           "is_compiled", "measure_drift"]
+
+#: K, the batches ``get_batch(0..K-1)`` every drift measurement runs on (``Harness(...,
+#: drift_batches=K)`` overrides it). Four gives the paired t-test of
+#: :class:`autoprec.search.decide.DriftBudget` three degrees of freedom (t₀.₉₅ = 2.353) for four
+#: forward/backward passes a trial, where one batch alone could not tell a policy from noise.
+DRIFT_BATCHES = 4
+#: Loss-scale backoffs a drift measurement tries per batch (2^16, the default, halves to 1 in 16).
+MAX_BACKOFFS = 24
+
+#: A forward/backward's (loss, fp32 unscaled gradients, one per trainable parameter).
+Grads = tuple[float, list[torch.Tensor]]
+
+
+class References:
+    """FP32 reference losses and gradients, each computed once per (reference kind, batch index).
+
+    Kinds are ``"eager"`` (the captured FP32 graph) and ``"compiled"`` (that graph compiled, for
+    compiled candidates of graphs with random ops: ``Harness.reference_fn``). Memory: one fp32
+    gradient set (4 bytes per parameter) per cached (kind, batch), i.e. 4·K·P bytes eagerly.
+    """
+
+    def __init__(self) -> None:
+        self._store: dict[tuple[str, int], Grads] = {}
+
+    def get(self, kind: str, batch: int, compute: Callable[[], Grads]) -> Grads:
+        """The cached ``(loss, grads)`` of ``(kind, batch)``, calling ``compute()`` the first time.
+
+        Raises:
+            Exception: whatever ``compute`` raises (nothing is cached then).
+        """
+        key = (kind, batch)
+        if key not in self._store:
+            self._store[key] = compute()
+        return self._store[key]
+
+
+@dataclass
+class BatchDrift:
+    """A candidate's drift on one batch (docs/architecture.md#measurements; all dimensionless).
+
+    Attributes:
+        grad_rel_l2: ‖g − g₃₂‖₂/‖g₃₂‖₂ (:func:`autoprec.metrics.grad_rel_l2`); inf if non-finite.
+        loss_rel: |L − L₃₂| / |L₃₂| (denominator floored at 1e-30); inf if the loss is non-finite.
+        grad_sqnr_db_min: min per-parameter SQNR in dB (:func:`autoprec.metrics.grad_sqnr_db_min`).
+    """
+
+    grad_rel_l2: float
+    loss_rel: float
+    grad_sqnr_db_min: float
+
+    @property
+    def finite(self) -> bool:
+        """Both ``grad_rel_l2`` and ``loss_rel`` are finite."""
+        return math.isfinite(self.grad_rel_l2) and math.isfinite(self.loss_rel)
+
+
+@dataclass
+class Drift:
+    """What :func:`measure_drift` measured.
+
+    Attributes:
+        batches: One :class:`BatchDrift` per batch measured, in batch order: K of them, or fewer
+            when a batch stayed non-finite (measuring stops there; it is the last one).
+        backoffs: Loss-scale backoffs over all batches (the scale carries over from batch to batch).
+        saved_bytes: Bytes saved for backward in batch 0's (last) pass, as ``step`` counted them.
+    """
+
+    batches: list[BatchDrift] = field(default_factory=list)
+    backoffs: int = 0
+    saved_bytes: int = 0
+
+    @property
+    def finite(self) -> bool:
+        """Every batch measured is finite (and at least one was)."""
+        return bool(self.batches) and all(b.finite for b in self.batches)
+
+
+def batch_drift(loss: float, grads: list[torch.Tensor], ref_loss: float, ref_grads: list[torch.Tensor]) -> BatchDrift:
+    """One batch's :class:`BatchDrift` of ``(loss, grads)`` against the FP32 ``(ref_loss, ref_grads)``.
+
+    Args:
+        loss: The candidate's loss (a Python float, may be non-finite).
+        grads: Its unscaled gradients, any float dtype, same shapes as ``ref_grads``.
+        ref_loss, ref_grads: The FP32 reference on the same batch, weights and RNG state.
+    """
+    g = grad_rel_l2(grads, ref_grads)
+    loss_rel = abs(loss - ref_loss) / max(abs(ref_loss), 1e-30) if math.isfinite(loss) else math.inf
+    return BatchDrift(g if math.isfinite(loss_rel) else math.inf, loss_rel, grad_sqnr_db_min(grads, ref_grads))
+
+
+def measure_drift(step: Callable[[int, bool], tuple[float, list[torch.Tensor], int]], refs: list[Grads],
+                  scaler: DynamicLossScaler | None) -> Drift:
+    """A candidate's drift on batches ``0..len(refs)-1`` against the per-batch FP32 references.
+
+    ``step(k, count)`` runs the candidate's forward/backward on batch k from the weights the
+    harness restores and the batch's fixed RNG state and returns ``(loss, unscaled gradients,
+    saved bytes)`` (bytes counted only when ``count``, i.e. on batch 0; else 0). The gradients
+    of one batch are dropped once its scalars are taken, so at most one candidate gradient set is
+    alive at a time.
+
+    With a dynamic loss scaler, scaled gradients that overflow are what training's first steps skip
+    while the scale backs off (``torch.amp.GradScaler``'s rule): the batch is retried at the
+    backed-off scale, at most :data:`MAX_BACKOFFS` times per batch; only gradients non-finite at
+    the scaler's floor count as a failure, and measuring stops at that batch.
+
+    Raises:
+        Exception: whatever ``step`` raises (compile errors, out of memory).
+    """
+    out = Drift()
+    for k, (ref_loss, ref_grads) in enumerate(refs):
+        loss, grads, nbytes = step(k, k == 0)
+        tries = 0
+        while not _finite(loss, grads) and tries < MAX_BACKOFFS and _back_off(scaler):
+            tries += 1  # the skipped first steps of training: same batch at the backed-off scale
+            loss, grads, nbytes = step(k, k == 0)
+        out.backoffs += tries
+        if k == 0:
+            out.saved_bytes = nbytes
+        out.batches.append(batch_drift(loss, grads, ref_loss, ref_grads))
+        del grads  # keep only the scalars
+        if not out.batches[-1].finite:
+            break
+    return out
+
+
+def draws_random(gm: nn.Module) -> bool:
+    """Whether the graph (or any graph inside it) has an op that draws random numbers.
+
+    ATen marks such ops ``Tag.nondeterministic_seeded`` (``dropout``, ``native_dropout``,
+    ``bernoulli``, ``rand*``, ...; native_functions.yaml). Attention ops carry the tag too and
+    count only with ``dropout_p`` ≠ 0; ``dropout(x, p, train=False)`` and ``p == 0`` do not count.
+    """
+    for sub in gm.modules():
+        graph = getattr(sub, "graph", None)
+        if not isinstance(graph, torch.fx.Graph):
+            continue
+        for node in graph.nodes:
+            t = node.target
+            if node.op != "call_function" or not isinstance(t, torch._ops.OpOverload):
+                continue
+            if torch.Tag.nondeterministic_seeded not in t.tags:
+                continue
+            args = t._schema.arguments
+
+            def arg(name: str, node=node, args=args) -> Any:
+                i = next((k for k, a in enumerate(args) if a.name == name), None)
+                if i is None:
+                    return None
+                if name in node.kwargs:
+                    return node.kwargs[name]
+                return node.args[i] if i < len(node.args) else args[i].default_value
+
+            if arg("train") is False or arg("dropout_p") == 0 or (
+                    "dropout" in t._schema.name and arg("p") == 0):
+                continue
+            return True
+    return False
+
+
+def is_compiled(fn: Callable[..., Any]) -> bool:
+    """Whether ``fn`` runs through ``torch.compile``: what ``compile_graph`` returns (an
+    ``OptimizedModule``, or the wrappers around one — the activation-memory-budget wrapper, the
+    saved-activation call, ``CompileLog`` — each holding the next as ``.fn``)."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    for _ in range(4):
+        if fn is None:
+            return False
+        if isinstance(fn, OptimizedModule) or hasattr(fn, "_torchdynamo_orig_callable"):
+            return True
+        fn = getattr(fn, "fn", None)
+    return False
+
+
+def _finite(loss: float, grads: list[torch.Tensor]) -> bool:
+    return math.isfinite(loss) and all(bool(torch.isfinite(g).all()) for g in grads)
+
+
+def _back_off(scaler: DynamicLossScaler | None) -> bool:
+    """Lower an enabled scaler's scale by its backoff factor (≥ ``min_scale``); False at the floor or without one."""
+    state = scaler.state_dict() if scaler is not None else {}
+    if not state or state["scale"] <= state["min_scale"]:
+        return False
+    state["scale"] = max(state["scale"] * state["backoff_factor"], state["min_scale"])
+    scaler.load_state_dict(state)
+    return True
