@@ -18,6 +18,10 @@ Modes, for comparison (docs/cast_placement.md):
 - ``paint``: TensorFlow-AMP-style forward painting: a follow node is low when one of its float
   inputs (other than a parameter) is low.
 - ``mincut``: the optimal placement above (default).
+- ``promote``: PyTorch's type promotion (``torch.result_type``): a follow node takes the widest
+  dtype of its float tensor inputs (tensors with dimensions before 0-dim ones; bf16 with fp16
+  gives fp32), which is what ``torch.autocast`` does with every op outside its op lists; the
+  autocast twin (``Policy.autocast``, ``follow_placement="promote"``) uses it.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ except ImportError:  # older torch: the node's recorded hint
 
 __all__ = ["PLACEMENT_MODES", "check_placement_mode", "place_follow", "tensor_bytes", "to_networkx"]
 
-PLACEMENT_MODES = ("mincut", "paint", "naive")
+PLACEMENT_MODES = ("mincut", "paint", "naive", "promote")
 _INF = float("inf")
 # Tie-break: among placements with equal cast bytes prefer low precision (fewer bytes moved by
 # the follow op itself); the weight is far below one byte of cast so it never trades a cast.
@@ -132,6 +136,8 @@ def place_follow(
         return {n: "fp32" for n in auto}
     if mode == "paint":
         return _paint(nodes, labels)
+    if mode == "promote":
+        return _promote(nodes, labels)
     low_side = _mincut(nodes, labels, casting)
     out: dict[fx.Node, str] = {n: "fp32" for n in auto if n not in low_side}
     out.update(_pick_low(nodes, labels, [n for n in auto if n in low_side], lows, low_default))
@@ -231,4 +237,27 @@ def _paint(nodes, labels) -> dict[fx.Node, str]:
                 d = du
                 break
         out[n] = d
+    return out
+
+
+def _promote(nodes, labels) -> dict[fx.Node, str]:
+    """Type promotion in graph order: each ``auto`` node takes the widest dtype among its float
+    tensor inputs with dimensions, else among its 0-dim tensor inputs (PyTorch's promotion
+    categories: "Tensor Attributes" docs, ``torch.result_type``); fp32 wins over any low dtype,
+    and two different low dtypes (bf16, fp16) promote to fp32. A node with no float tensor input
+    stays fp32 (its captured dtype)."""
+    out: dict[fx.Node, str] = {}
+    for n in nodes:
+        if labels.get(n) != "auto":
+            continue
+        dims: set[str] = set()
+        zero_dim: set[str] = set()
+        for u in n.all_input_nodes:
+            d = out.get(u) or labels.get(u)
+            if d in (None, "auto"):
+                continue
+            val = u.meta.get("val")
+            (zero_dim if isinstance(val, torch.Tensor) and val.dim() == 0 else dims).add(d)
+        found = dims or zero_dim
+        out[n] = next(iter(found)) if len(found) == 1 else "fp32"
     return out

@@ -63,6 +63,8 @@ EXPECTED_RESIDUAL = {
     # add's output goes up for the norm: same bytes as naive, fewer fp32 follow ops.
     "paint": {("x", "bf16"), ("add#0", "fp32"), ("ln/layer_norm#0", "bf16"), ("b/linear#0", "fp32")},
     "mincut": {("x", "bf16"), ("add#0", "fp32"), ("ln/layer_norm#0", "bf16"), ("b/linear#0", "fp32")},
+    # promote (torch.autocast's rule): relu of the bf16 linear stays bf16, the add with fp32 x is fp32.
+    "promote": {("x", "bf16"), ("relu#0", "fp32"), ("ln/layer_norm#0", "bf16"), ("b/linear#0", "fp32")},
 }
 
 EXPECTED_BROADCAST = {
@@ -72,6 +74,8 @@ EXPECTED_BROADCAST = {
     "paint": {("x", "bf16"), ("big", "bf16"), ("mul#0", "fp32")},
     # min-cut casts only the small [2, 4, 1] tensor up.
     "mincut": {("x", "bf16"), ("unsqueeze#0", "fp32")},
+    # promote: the mul of bf16 and fp32 is fp32, so the small tensor is cast up, as min-cut does.
+    "promote": {("x", "bf16"), ("unsqueeze#0", "fp32")},
 }
 
 

@@ -88,7 +88,9 @@ def assign_dtypes(
     Args:
         gm: A captured graph (see :func:`autoprec.capture.capture`); not modified.
         policy: The policy to apply.
-        placement: Cast placement mode for ``follow`` nodes (:data:`autoprec.graph.PLACEMENT_MODES`).
+        placement: Cast placement mode for ``follow`` nodes (:data:`autoprec.graph.PLACEMENT_MODES`);
+            a policy with ``follow_placement="promote"`` (the autocast twin) is placed by promotion
+            whatever is passed here.
         constants: ``"fix"`` (keep fp32 / clamp mask fills) or ``"strict"`` (raise) for scalar
             constants outside a lowered node's dtype range (case C03).
 
@@ -102,6 +104,8 @@ def assign_dtypes(
         ValueError: unknown ``placement`` or ``constants`` mode.
     """
     check_constants_mode(constants)
+    check_placement_mode(placement)
+    placement = "promote" if policy.follow_placement == "promote" else placement  # the policy's own rule wins
     gm = clone_graph_module(gm)
     nodes = list(gm.graph.nodes)
     for region in rmsnorm_regions(nodes):

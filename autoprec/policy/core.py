@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -16,42 +15,25 @@ from types import MappingProxyType
 from typing import Any
 
 from autoprec._io import atomic_write
-from autoprec.dtypes import DTYPES
 from autoprec.errors import PolicyError
-from autoprec.policy.fields import (
-    MAX_DEPTH,
-    DuplicateKey,
-    build,
-    check_choice,
-    check_keys,
-    check_mapping,
-    check_number,
-    check_str,
-    fail,
-    jsonable,
-    no_duplicates,
-    type_name,
+from autoprec.policy.checks import (
+    ACCUMULATE_MODES,
+    FOLLOW_PLACEMENTS,
+    FP8_SCALINGS,
+    GRAD_REDUCE_DTYPES,
+    READ_VERSIONS,
+    SCHEMA_VERSION,
+    TOP_LEVEL_KEYS,
 )
+from autoprec.policy.checks import check_fields as _check_fields
+from autoprec.policy.checks import rules_from_json as _rules_from_json
+from autoprec.policy.checks import versions as _versions
+from autoprec.policy.fields import MAX_DEPTH, DuplicateKey, build, check_keys, check_mapping, fail, jsonable, no_duplicates
 from autoprec.policy.loss_scaling import LOSS_SCALING_KEYS, LossScalingConfig
-from autoprec.policy.rule import RULE_KEYS, SCHEMA2_RULE_KEYS, Rule
+from autoprec.policy.rule import Rule
 
-__all__ = ["ACCUMULATE_MODES", "FP8_SCALINGS", "GRAD_REDUCE_DTYPES", "READ_VERSIONS", "SCHEMA_VERSION", "TOP_LEVEL_KEYS", "Policy"]
+__all__ = ["ACCUMULATE_MODES", "FOLLOW_PLACEMENTS", "FP8_SCALINGS", "GRAD_REDUCE_DTYPES", "READ_VERSIONS", "SCHEMA_VERSION", "TOP_LEVEL_KEYS", "Policy"]
 
-#: The policy file format version this module writes when a policy uses a schema-2 field (a rule's
-#: ``compute`` or ``saved``, or fp8); others are written as version 1, which older readers take.
-SCHEMA_VERSION = 2
-#: The versions :meth:`Policy.from_dict` reads (schema 1 loads unchanged).
-READ_VERSIONS: tuple[int, ...] = (1, 2)
-ACCUMULATE_MODES: tuple[str, ...] = ("fp32", "none")
-#: dtypes gradients may be communicated in across ranks (``Policy.grad_reduce_dtype``).
-GRAD_REDUCE_DTYPES: tuple[str, ...] = ("fp32", "bf16")
-#: Scale granularities of fp8 matmuls (``Policy.fp8_scaling``; torchao.float8's recipes).
-FP8_SCALINGS: tuple[str, ...] = ("tensorwise", "rowwise")
-TOP_LEVEL_KEYS: tuple[str, ...] = (
-    "schema_version", "default_dtype", "rules", "accumulate", "loss_scaling",
-    "master_weights", "optimizer_state", "activation_memory_budget", "grad_reduce_dtype", "fp8_scaling", "provenance",
-    "measured",
-)
 
 
 @dataclass(frozen=True)
@@ -81,6 +63,11 @@ class Policy:
             (default; one amax scale per tensor) or ``"rowwise"`` (one per row of the input and per
             output row of the weight), torchao.float8's two recipes (:mod:`autoprec.kernels.fp8`).
             Written only when ``"rowwise"``.
+        follow_placement: How ``follow`` nodes that no rule selects get their dtype:
+            ``"mincut"`` (default; the dtype that minimises bytes cast, :func:`autoprec.graph.place_follow`)
+            or ``"promote"`` (PyTorch's type promotion over the node's float inputs, as
+            ``torch.autocast`` runs every op outside its lists: fp32 as soon as one input is fp32;
+            ``torch.result_type``). A schema-2 field, written only when ``"promote"``.
         provenance: Read-only JSON-ready mapping (model, graph fingerprint, device, versions, ...).
         measured: Read-only mapping of finite numbers (tokens_per_s, grad_rel_l2, peak_bytes, ...).
 
@@ -97,6 +84,7 @@ class Policy:
     activation_memory_budget: float = 1.0
     grad_reduce_dtype: str = "fp32"
     fp8_scaling: str = "tensorwise"
+    follow_placement: str = "mincut"
     provenance: Mapping[str, Any] = field(default_factory=dict)
     measured: Mapping[str, float] = field(default_factory=dict)
 
@@ -123,6 +111,23 @@ class Policy:
     def default(cls, low: str = "bf16") -> Policy:
         """Autocast-like policy: everything in ``low`` except sensitive ops in fp32."""
         return cls(default_dtype=low, rules=(Rule(op_class="sensitive", dtype="fp32"),))
+
+    @classmethod
+    def autocast(cls, low: str = "bf16") -> Policy:
+        """The autocast twin: what ``torch.autocast(dtype=low)`` computes on the captured graph.
+
+        Matmuls (autocast's lower-precision list: linear, mm, bmm, addmm, baddbmm, matmul, conv,
+        scaled_dot_product_attention) in ``low``; ``sensitive`` ops in fp32 (autocast's fp32 list,
+        CUDA's, which also covers the CPU's); every other op by type promotion over its inputs
+        (``follow_placement="promote"``), as autocast leaves ops outside its lists: a residual
+        ``add`` of an fp32 stream and a ``low`` matmul output stays fp32. Source: PyTorch's
+        "Automatic Mixed Precision package" docs, autocast op reference (CPU and CUDA lists).
+        The search starts from it and falls back to it (docs/architecture.md#search).
+
+        Raises:
+            PolicyError: ``low`` is not a storage dtype.
+        """
+        return cls(default_dtype=low, rules=(Rule(op_class="sensitive", dtype="fp32"),), follow_placement="promote")
 
     @classmethod
     def fp32(cls) -> Policy:
@@ -206,7 +211,16 @@ class Policy:
             parts.append(f"gradients reduced in {self.grad_reduce_dtype}")
         if self.fp8_scaling != "tensorwise":
             parts.append(f"fp8 scaling {self.fp8_scaling}")
+        if self.follow_placement != "mincut":
+            parts.append(f"follow {self.follow_placement}")
         return "; ".join(parts)
+
+    @property
+    def schema2(self) -> bool:
+        """Whether the policy uses a schema-2 field (a rule's ``compute``, ``saved`` or fp8;
+        ``fp8_scaling`` or ``follow_placement`` other than the default): written as version 2."""
+        return self.fp8_scaling != "tensorwise" or self.follow_placement != "mincut" or any(
+            r.schema2 for r in self.rules)
 
     # -- JSON -----------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -218,7 +232,7 @@ class Policy:
         the fields (and keeps its ``training_key``).
         """
         d = {
-            "schema_version": SCHEMA_VERSION if self.fp8_scaling != "tensorwise" or any(r.schema2 for r in self.rules) else 1,
+            "schema_version": SCHEMA_VERSION if self.schema2 else 1,
             "default_dtype": self.default_dtype,
             "rules": [r.to_dict() for r in self.rules],
             "accumulate": self.accumulate,
@@ -232,6 +246,8 @@ class Policy:
             d["grad_reduce_dtype"] = self.grad_reduce_dtype
         if self.fp8_scaling != "tensorwise":
             d["fp8_scaling"] = self.fp8_scaling
+        if self.follow_placement != "mincut":
+            d["follow_placement"] = self.follow_placement
         return d | {"provenance": jsonable(self.provenance, "Policy", "provenance"),
                     "measured": dict(self.measured)}
 
@@ -258,10 +274,12 @@ class Policy:
         check_keys(d, TOP_LEVEL_KEYS, "top-level", source, "")
         kw: dict[str, Any] = {k: d[k] for k in ("default_dtype", "accumulate", "master_weights",
                                                   "optimizer_state", "activation_memory_budget",
-                                                  "grad_reduce_dtype", "fp8_scaling") if k in d}
+                                                  "grad_reduce_dtype", "fp8_scaling", "follow_placement")
+                                 if k in d}
         kw["rules"] = _rules_from_json(d.get("rules", []), source, version)
-        if version < 2 and "fp8_scaling" in d:
-            raise fail(source, "fp8_scaling", "needs schema_version 2 (a schema-2 field); this file says 1")
+        for key in ("fp8_scaling", "follow_placement"):
+            if version < 2 and key in d:
+                raise fail(source, key, "needs schema_version 2 (a schema-2 field); this file says 1")
         if "loss_scaling" in d:
             ls = check_mapping(d["loss_scaling"], source, "loss_scaling")
             check_keys(ls, LOSS_SCALING_KEYS, "loss_scaling", source, "loss_scaling")
@@ -329,68 +347,3 @@ class Policy:
         except RecursionError:  # json's C scanner (or a repr in an error message) on e.g. '[' * 100000
             raise PolicyError(f"{source}: invalid JSON: lists and objects nested too deeply to read "
                               f"(a policy file nests {MAX_DEPTH} levels at most)") from None
-
-
-# ---------------------------------------------------------------------------------------- helpers
-
-
-def _check_fields(p: Policy, source: str) -> None:
-    """The checks of :meth:`Policy._validate`, in the order their errors are reported."""
-    check_choice(p.default_dtype, sorted(DTYPES), "dtype", source, "default_dtype")
-    if not isinstance(p.rules, (tuple, list)):
-        raise fail(source, "rules", f"expected a list of rules, got {type_name(p.rules)}")
-    for i, rule in enumerate(p.rules):
-        if not isinstance(rule, Rule):
-            raise fail(source, f"rules[{i}]", f"expected a Rule, got {type_name(rule)} {rule!r}")
-    check_choice(p.accumulate, ACCUMULATE_MODES, "accumulate mode", source, "accumulate")
-    if not isinstance(p.loss_scaling, LossScalingConfig):
-        raise fail(source, "loss_scaling", f"expected a LossScalingConfig, got {type_name(p.loss_scaling)}")
-    for name in ("master_weights", "optimizer_state"):
-        value = check_str(getattr(p, name), source, name)
-        if value != "fp32":
-            raise fail(source, name, f"{value!r} is not supported; autoprec keeps {name.replace('_', ' ')} "
-                       "in fp32 whatever the compute dtype (low-precision state stalls or NaNs, cases C08)")
-    amb = check_number(p.activation_memory_budget, source, "activation_memory_budget")
-    if not 0.0 <= amb <= 1.0:
-        raise fail(source, "activation_memory_budget", f"{amb!r} is outside [0, 1] (a fraction of the "
-                   "activations Inductor saves by default; 1.0 = no extra recomputation)")
-    check_choice(p.grad_reduce_dtype, GRAD_REDUCE_DTYPES, "gradient reduction dtype", source, "grad_reduce_dtype")
-    check_choice(p.fp8_scaling, FP8_SCALINGS, "fp8 scaling", source, "fp8_scaling")
-    check_mapping(p.provenance, source, "provenance")
-    for k, v in check_mapping(p.measured, source, "measured").items():
-        if not isinstance(k, str):
-            raise fail(source, "measured", f"keys must be strings, got {type_name(k)} {k!r}")
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise fail(source, f"measured.{k}", f"expected a number, got {type_name(v)} {v!r}")
-        if not math.isfinite(v):
-            raise fail(source, f"measured.{k}", f"{v!r} is not a finite number")
-    if p.loss_scaling.mode == "none" and p.needs_loss_scaling:
-        where = "default_dtype" if p.default_dtype == "fp16" else next(
-            f"rules[{i}].{k}" for i, r in enumerate(p.rules) for k in ("dtype", "compute") if getattr(r, k) == "fp16")
-        raise fail(source, "loss_scaling.mode", f"'none' but {where} is fp16: fp16 without a loss scaler "
-                   "is refused (small gradients underflow to 0 in fp16, cases C07); use 'dynamic'")
-
-
-def _versions() -> str:
-    return " and ".join(map(str, READ_VERSIONS))
-
-
-def _rules_from_json(rules: Any, source: str, version: int) -> list[Rule]:
-    """The ``rules`` list of a policy file as :class:`Rule` objects, each validated once; a
-    schema-1 file may not use the schema-2 rule fields."""
-    if not isinstance(rules, list):
-        raise fail(source, "rules", f"expected a list, got {type_name(rules)} {rules!r}")
-    out = []
-    for i, raw in enumerate(rules):
-        path = f"rules[{i}]"
-        raw = check_mapping(raw, source, path)
-        check_keys(raw, RULE_KEYS, "rule", source, path)
-        if "dtype" not in raw and "saved" not in raw and "compute" not in raw:
-            raise fail(source, f"{path}.dtype", "missing")
-        rule = build(Rule, raw, source, path)
-        if version < 2 and rule.schema2:
-            field = next((k for k in SCHEMA2_RULE_KEYS if k in raw), "dtype")
-            raise fail(source, f"{path}.{field}", f"{raw[field]!r} needs schema_version 2 "
-                       "(compute, saved and fp8 are schema-2 fields); this file says 1")
-        out.append(rule)
-    return out

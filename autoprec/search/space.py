@@ -28,12 +28,14 @@ __all__ = ["SAVED_LEVERS", "SearchSpace", "BASELINES", "FP32_COMPUTE_BASELINE", 
 SAVED_LEVERS: tuple[str, ...] = ("bf16", "fp8_e5m2")
 
 
-#: Baseline parameter sets enqueued first (docs/architecture.md#data-flow): all fp32, autocast-equivalent
-#: (matmuls low, sensitive fp32, the rest placed), all low except sensitive, all low. ``{low}`` is the
-#: fastest kept kernel, ``{lowf}`` the fastest kept kernel with low-precision storage (no fp8: it is
-#: for matmuls only).
+#: Baseline parameter sets enqueued first (docs/architecture.md#data-flow): all fp32; the autocast
+#: twin (matmuls low, sensitive fp32, the rest by type promotion: ``Policy.autocast``) and its
+#: neighbours, one op class moved at a time: the rest placed by min-cut, all low except sensitive,
+#: all low. ``{low}`` is the fastest kept kernel, ``{lowf}`` the fastest kept kernel with
+#: low-precision storage (no fp8: it is for matmuls only).
 BASELINES: tuple[tuple[str, Mapping[str, str]], ...] = (
     ("fp32", {"matmul": "fp32", "sensitive": "fp32", "follow": "fp32"}),
+    ("autocast-twin", {"matmul": "{low}", "sensitive": "fp32", "follow": "promote"}),
     ("autocast-equivalent", {"matmul": "{low}", "sensitive": "fp32", "follow": "auto"}),
     ("low-except-sensitive", {"matmul": "{low}", "sensitive": "fp32", "follow": "{lowf}"}),
     ("all-low", {"matmul": "{low}", "sensitive": "{lowf}", "follow": "{lowf}"}),
@@ -80,7 +82,7 @@ class SearchSpace:
 
     1. Op class: ``matmul`` in fp32 + the kept kernels; ``sensitive`` in fp32 + the kept kernels
        with low-precision storage (no fp8: matmuls only); ``follow`` in ``auto`` (min-cut
-       placement) + those.
+       placement), ``promote`` (type promotion, as torch.autocast) + those.
     2. Per layer block: ``block:<path>`` in ``inherit`` or a kernel for that block's matmuls.
     3. Per node: ``node:<key>`` for matmul nodes outside the blocks (LM head, projections) in
        ``inherit`` or a kernel.
@@ -133,7 +135,7 @@ class SearchSpace:
         p = {
             "matmul": trial.suggest_categorical("matmul", self.dtypes),
             "sensitive": trial.suggest_categorical("sensitive", self.float_choices),
-            "follow": trial.suggest_categorical("follow", ["auto", *self.float_choices]),
+            "follow": trial.suggest_categorical("follow", ["auto", "promote", *self.float_choices]),
         }
         for b in self.blocks:
             p[f"block:{b}"] = trial.suggest_categorical(f"block:{b}", ["inherit", *self.dtypes])
@@ -163,6 +165,11 @@ class SearchSpace:
                 out.append((name, params))
         return out
 
+    def twin(self) -> dict[str, str] | None:
+        """The autocast twin's parameter set (``Policy.autocast`` at the fastest kept kernel), or
+        None when no low kernel is kept."""
+        return next((p for name, p in self.baselines() if name == "autocast-twin"), None)
+
     @staticmethod
     def to_policy(params: Mapping[str, str]) -> Policy:
         """Build the policy a parameter set stands for (later rules override earlier ones;
@@ -181,7 +188,7 @@ class SearchSpace:
         mm_dtype, mm_compute = kernel_fields(params["matmul"])
         rules = [rule(params["matmul"], op_class="matmul")] if mm_compute or mm_dtype == FP8_COMPUTE else []
         rules.append(rule(params["sensitive"], op_class="sensitive"))
-        if params["follow"] != "auto":
+        if params["follow"] not in ("auto", "promote"):
             rules.append(rule(params["follow"], op_class="follow"))
         for name, value in params.items():
             if value == "inherit" or name == "saved":
@@ -191,7 +198,8 @@ class SearchSpace:
             elif name.startswith("node:"):
                 rules.append(rule(value, node=name[len("node:"):]))
         default = "fp32" if mm_dtype == FP8_COMPUTE else mm_dtype
-        pol = Policy(default_dtype=default, rules=tuple(rules))
+        pol = Policy(default_dtype=default, rules=tuple(rules),
+                     follow_placement="promote" if params["follow"] == "promote" else "mincut")
         return pol if params.get("saved", "none") == "none" else with_saved(pol, params["saved"])
 
 

@@ -49,12 +49,17 @@ def region_sensitivity(harness: Harness, space: SearchSpace) -> dict[str, float]
 
 
 def enqueue_baselines(study: optuna.Study, space: SearchSpace, sensitivity: dict[str, float] | None = None) -> None:
-    """Queue the baselines, plus "autocast-equivalent with the most sensitive region in fp32"."""
+    """Queue the baselines (the autocast twin among them), then local moves from the twin: its
+    two most sensitive regions in fp32, one at a time, so the search starts inside the region the
+    twin makes feasible, whatever the depth."""
     for _name, params in space.baselines():
         study.enqueue_trial(params, skip_if_exists=True)
-    if sensitivity and len(space.baselines()) > 1:
-        worst = max(sensitivity, key=sensitivity.get)
-        study.enqueue_trial(space.baselines()[1][1] | {worst: "fp32"}, skip_if_exists=True)
+    twin = space.twin()
+    if not sensitivity or twin is None:
+        return
+    ranked = sorted(sensitivity, key=sensitivity.get, reverse=True)
+    for region in ranked[:2]:
+        study.enqueue_trial(twin | {region: "fp32"}, skip_if_exists=True)
 
 
 def finished(study: optuna.Study) -> int:
