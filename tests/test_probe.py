@@ -181,7 +181,7 @@ def test_space_offers_fp8_to_matmuls_only():
     assert base["autocast-equivalent"]["matmul"] == "fp8_e4m3"
     assert base["all-low"]["sensitive"] == "bf16:fp32"  # the fastest low-storage kernel
     only_fp8 = SearchSpace(["fp8_e4m3"])
-    assert [n for n, _ in only_fp8.baselines()] == ["fp32", "autocast-equivalent"]
+    assert [n for n, _ in only_fp8.baselines()] == ["fp32", "autocast-twin", "autocast-equivalent"]
     with pytest.raises(ValueError, match="unknown kernel choice"):
         SearchSpace(["bf16:fp16"])
     assert list(KERNELS) == ["bf16", "bf16:fp32", "fp16", "fp16:fp32", "fp8_e4m3"]

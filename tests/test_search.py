@@ -16,6 +16,7 @@ import torch
 from autoprec.modelspec import load_model_spec
 from autoprec.policy import Policy
 from autoprec.search.attrs import ATTR
+from autoprec.search.decide import DriftBudget
 from autoprec.search.measure import Harness
 from autoprec.search.objective import Objective
 from autoprec.search.space import SearchSpace, find_blocks, outside_matmuls
@@ -29,7 +30,7 @@ def overflow_spec():
     return load_model_spec(OVERFLOW_MODEL)
 
 
-def _run(study, spec, lows, n, budget=1.0):
+def _run(study, spec, lows, n, budget=DriftBudget.fixed(1.0)):
     h = Harness(spec, torch.device("cpu"), warmup=1, steps=2)
     blocks = find_blocks(h.graph_module)
     space = SearchSpace(lows, blocks, outside_matmuls(h.graph_module, blocks))
@@ -41,12 +42,12 @@ def _run(study, spec, lows, n, budget=1.0):
 
 def test_nan_candidate_recorded_failed_and_study_continues(tmp_path, overflow_spec):
     study = open_study(f"sqlite:///{tmp_path}/s.db", "nan", seed=0)
-    _run(study, overflow_spec, ["fp16"], n=4)
+    _run(study, overflow_spec, ["fp16"], n=5)
     states = {t.number: t.state for t in study.trials}
-    assert len(states) == 4
+    assert len(states) == 5
     # Baseline 0 is all fp32: finite, completes. The all-fp16 baseline overflows (C01): FAIL.
     assert states[0] == optuna.trial.TrialState.COMPLETE
-    all_low = study.trials[3]
+    all_low = study.trials[4]  # after fp32, the autocast twin, autocast-equivalent, low-except-sensitive
     assert {k: all_low.params[k] for k in ("matmul", "sensitive", "follow")} == {
         "matmul": "fp16", "sensitive": "fp16", "follow": "fp16"}
     assert all_low.state == optuna.trial.TrialState.FAIL
@@ -66,7 +67,7 @@ def test_equal_graphs_are_measured_once(tmp_path, overflow_spec):
     # 'follow' explicitly fp32 and 'auto' give the same graph when nothing is lowered.
     study.enqueue_trial({"matmul": "fp32", "sensitive": "fp32", "follow": "fp32"})
     study.enqueue_trial({"matmul": "fp32", "sensitive": "fp32", "follow": "auto"})
-    study.optimize(Objective(h, space, 1.0, max_step_s=60.0), n_trials=2)
+    study.optimize(Objective(h, space, DriftBudget.fixed(1.0), max_step_s=60.0), n_trials=2)
     a, b = study.trials
     assert a.user_attrs[ATTR + "fingerprint"] == b.user_attrs[ATTR + "fingerprint"]
     assert ATTR + "reused_from" not in a.user_attrs
@@ -180,10 +181,10 @@ def test_study_of_another_measurement_version_is_not_resumed(tmp_path):
     r = subprocess.run(_tune_cmd(model, out, 2, ("--study-name", "old")), capture_output=True, text=True,
                        timeout=600)
     assert r.returncode != 0 and not out.exists()
-    assert "study 'old'" in r.stderr and "measurement version 1, this one 2" in r.stderr, r.stderr[-2000:]
+    assert "study 'old'" in r.stderr and "measurement version 1, this one 3" in r.stderr, r.stderr[-2000:]
     assert len(optuna.load_study(study_name="old", storage=storage).trials) == 1
     r = subprocess.run(_tune_cmd(model, out, 2), capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     new = Policy.load(out).provenance["study"]
-    assert new.endswith("-m2") and len(optuna.load_study(study_name="old", storage=storage).trials) == 1
-    assert optuna.load_study(study_name=new, storage=storage).user_attrs[ATTR + "measure_version"] == 2
+    assert new.endswith("-m3") and len(optuna.load_study(study_name="old", storage=storage).trials) == 1
+    assert optuna.load_study(study_name=new, storage=storage).user_attrs[ATTR + "measure_version"] == 3
