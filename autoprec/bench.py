@@ -18,10 +18,17 @@ steps (forward, loss, backward, optimizer step, loss scaler) through the one mea
 =====================  ===========================================================================
 
 Compiled configurations all use :data:`autoprec.runtime.apply.INDUCTOR_OPTIONS`, so compiled
-rows differ only in their dtypes. A configuration whose steps are too slow against the limit
-``max(max_step_ratio x fp32_eager's step, 1 s)`` (two steps in a row over it, or one step over
-4x it: :func:`autoprec.runtime.steps.slow_step_guard`; e.g. bf16 on a CPU without native bf16
-arithmetic) is timed on that last step only, and its row says so (``capped``).
+rows differ only in their dtypes. First each configuration's drift and memory are measured in turn
+(``Harness.measure(timing=False)``; compiling happens there), ``fp32_eager`` also timed back to
+back to set the slow-step limit ``max(max_step_ratio x fp32_eager's step, 1 s)``. Then every
+configuration that did not fail is timed in one :func:`autoprec.search.timing.time_interleaved`
+call (rounds A B C ... A B C, :data:`STEPS_PER_ROUND` steps each), so every row's tokens/s comes
+from the same rounds and carries a bootstrap 95% band of its median, and the ``vs
+autocast+compile`` column says ``tie`` where :func:`autoprec.search.timing.compare` finds the
+difference within the noise. A configuration whose steps are too slow against the limit (two
+steps in a row over it, or one step over 4x it: :func:`autoprec.runtime.steps.slow_step_guard`;
+e.g. bf16 on a CPU without native bf16 arithmetic) is dropped from later rounds, and its row
+says so (``capped``). Rows and table: :mod:`autoprec.bench_table`.
 
 MFU counts model FLOPs per step as ``6 · N · tokens`` (N: trainable parameters except embedding
 tables, whose forward is a gather, not a matmul; Kaplan et al. 2020, PaLM appendix B) plus
@@ -47,7 +54,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoprec._io import json_safe, write_json
+from autoprec._io import write_json
+from autoprec.bench_table import add_ratios, format_bench_table, make_row, skipped_row
 from autoprec.capture import capture
 from autoprec.device import autocast_dtype, describe_machine, resolve_device, time_matmul
 from autoprec.dtypes import NAMES, to_torch
@@ -58,9 +66,13 @@ from autoprec.runtime.apply import compile_graph
 from autoprec.runtime.scaler import DynamicLossScaler
 from autoprec.runtime.train import autocast_scaler, make_scaler
 from autoprec.search.measure import Harness, Measurement
+from autoprec.search.timing import Config, format_rate, time_interleaved
 
 __all__ = [
     "CONFIGS",
+    "MAX_ROUNDS",
+    "MIN_ROUNDS",
+    "STEPS_PER_ROUND",
     "describe_machine",
     "format_bench_table",
     "matmul_peak_flops",
@@ -68,6 +80,10 @@ __all__ = [
     "run_bench",
     "write_bench_json",
 ]
+
+#: Interleaved timing (:func:`autoprec.search.timing.time_interleaved`): timed steps of each
+#: configuration per round, and the rounds at least (raised to cover ``--steps``) and at most.
+STEPS_PER_ROUND, MIN_ROUNDS, MAX_ROUNDS = 2, 3, 12
 
 #: Every configuration ``autoprec bench`` knows, in table order.
 CONFIGS: tuple[str, ...] = (
@@ -183,23 +199,6 @@ def _build_configs(h: Harness, policy: Policy, low: torch.dtype, names: Sequence
     return {n: table[n]() for n in names}
 
 
-def _row(m: Measurement, cfg: _Config, flops: float, peak: float, ratio: float) -> dict[str, Any]:
-    too_slow = bool(m.note)  # the Harness marks a capped timing in ``note``
-    step = m.step_s if m.step_times else math.inf
-    return json_safe({  # the row as bench.json holds it: non-finite floats as "inf"/"-inf"/"nan"
-        "dtype": cfg.dtype, "compiled": cfg.compiled,
-        "step_s": step if m.step_times else None, "tokens_per_s": m.tokens_per_s if m.step_times else 0.0,
-        **{k: (getattr(m, k) if m.error is None else None) for k in ("grad_rel_l2", "loss_rel", "grad_sqnr_db_min")},
-        "peak_bytes": int(m.peak_bytes),
-        "mfu": (flops / step / peak) if (m.step_times and peak > 0) else None,
-        "steps_timed": len(m.step_times), "step_times": list(m.step_times),
-        "capped": too_slow,
-        "note": (f"timed on 1 step: timing stopped at a {step:.1f} s step (limit {ratio:g}x fp32 eager's step; "
-                 "two steps over it, or one over 4x)" if too_slow else None),
-        "error": m.error,
-    })
-
-
 def _log(msg: str, quiet: bool) -> None:
     if not quiet:
         print(f"[autoprec bench] {msg}", flush=True)
@@ -207,31 +206,40 @@ def _log(msg: str, quiet: bool) -> None:
 
 def run_bench(model_path: str | os.PathLike, policy: Policy | str | os.PathLike, steps: int = 5, warmup: int = 2,
               device: str = "auto", configs: Sequence[str] | None = None, max_step_ratio: float = 10.0,
-              skip_slow: bool = False, quiet: bool = False,
-              json_path: str | os.PathLike | None = None) -> dict[str, Any]:
+              skip_slow: bool = False, quiet: bool = False, json_path: str | os.PathLike | None = None,
+              rel_band: float = 0.03, time_cap_s: float = 120.0) -> dict[str, Any]:
     """Measure ``policy`` and the baselines (:data:`CONFIGS`) on ``model_path`` in this process.
 
     Args:
         model_path: Model file (docs/architecture.md#modelpy-contract).
         policy: A :class:`Policy` or a policy JSON file.
-        steps: Timed training steps per configuration (median reported).
-        warmup: Untimed steps before timing.
+        steps: Timed training steps per configuration at least (median reported): the
+            interleaved timing runs ``max(MIN_ROUNDS, ceil(steps / STEPS_PER_ROUND))`` rounds at
+            least and ``MAX_ROUNDS`` (12) at most.
+        warmup: Untimed steps per configuration before the rounds (at least one per batch shape).
         device: ``auto``, ``cpu``, ``cuda``.
         configs: Subset of :data:`CONFIGS`, measured in the order given (``fp32_eager`` is always
             measured, first: it is the reference and sets the slow-step limit).
-        max_step_ratio: Timing stops after two steps in a row over this multiple of
-            ``fp32_eager``'s step (floor 1 s), or one over 4x that: ``capped``, last step reported.
+        max_step_ratio: A configuration is dropped from later rounds after two steps in a row
+            over this multiple of ``fp32_eager``'s step (floor 1 s), or one over 4x that: ``capped``.
         skip_slow: Skip (not run) low-precision baselines when the low dtype's measured matmul
             peak is more than ``max_step_ratio`` times below fp32's; for CPUs that emulate bf16.
-        json_path: Also write the result here after every configuration (``"partial": true``
-            until the last), so a run cut short by a time limit keeps what it measured.
+        json_path: Also write the result here after every configuration's drift pass and after
+            the timing (``"partial": true`` until the end), so a run cut short keeps what it measured.
+        rel_band: Timing stops (after the minimum rounds) once every band's relative half-width
+            is at most this (0.03: ±3%).
+        time_cap_s: No timing round starts after this many seconds of timing.
 
     Returns:
         ``{"device", "machine", "torch", "autoprec", "date", "model", "policy", "steps", "warmup",
-        "tokens_per_batch", "flops", "matmul_peak", "low_dtype", "configs": {name: row}}`` where a
-        row holds ``step_s`` (s), ``tokens_per_s``, ``ratio_vs_fp32_eager``,
-        ``ratio_vs_autocast_compiled`` (throughput ratios; > 1 is faster), ``grad_rel_l2``,
-        ``peak_bytes`` (bytes), ``mfu`` (0..1), ``steps_timed``, ``capped``, ``note``, ``error``.
+        "tokens_per_batch", "flops", "matmul_peak", "low_dtype", "timing", "configs": {name: row}}``
+        (``timing``: the interleaving's settings, ``max_step_s`` and ``wall_s`` in seconds) where a
+        row holds ``step_s`` (s, median), ``step_s_band`` (s), ``iqr_s`` (s), ``tokens_per_s``,
+        ``tokens_per_s_band`` (bootstrap 95% interval, tokens/s), ``rel_half_width``, ``rounds``,
+        ``ratio_vs_fp32_eager``, ``ratio_vs_autocast_compiled`` (throughput ratios; > 1 is faster),
+        ``vs_autocast_compiled`` (:func:`autoprec.bench_table.add_ratios`: ratio, band, tie,
+        winner), ``grad_rel_l2``, ``peak_bytes`` (bytes), ``mfu`` (0..1), ``steps_timed``,
+        ``capped``, ``note``, ``error``.
         ``None``: not measured (skipped, failed, no baseline); a measured non-finite number is
         ``"inf"``/``"-inf"``/``"nan"`` (``autoprec._io.json_safe``), here as in ``bench.json``.
 
@@ -258,7 +266,6 @@ def run_bench(model_path: str | os.PathLike, policy: Policy | str | os.PathLike,
     peaks = _measure_peaks([main, "fp32", NAMES[low]], dev, quiet)
     slow_low = peaks[NAMES[low]] * max_step_ratio < peaks["fp32"]
     rows: dict[str, dict[str, Any]] = {}
-    limit: float | None = None
     machine = describe_machine(dev)
     result = {
         "device": machine["device"], "machine": machine, "torch": torch.__version__, "autoprec": __version__,
@@ -266,21 +273,13 @@ def run_bench(model_path: str | os.PathLike, policy: Policy | str | os.PathLike,
         "model": str(spec.path), "policy": pol.to_dict(), "policy_main_dtype": main, "low_dtype": NAMES[low],
         "steps": steps, "warmup": warmup, "max_step_ratio": max_step_ratio, "tokens_per_batch": h.tokens,
         "flops": flops, "matmul_peak": {"dtype": main, "flops_per_s": peaks[main], "by_dtype": peaks},
+        "timing": {"interleaved": True, "steps_per_round": STEPS_PER_ROUND, "max_step_s": None},
         "partial": True, "configs": rows,
     }
-    for name in names:
-        cfg = cfgs[name]
-        if skip_slow and slow_low and cfg.dtype == NAMES[low] and not name.startswith("policy"):
-            rows[name] = _skipped(cfg, f"skipped: {NAMES[low]} matmul measured "
-                                       f"{peaks['fp32'] / peaks[NAMES[low]]:.0f}x slower than fp32 here")
-            _log(f"{name}: {rows[name]['note']}", quiet)
-            _checkpoint(result, json_path)
-            continue
-        m, rows[name] = _measure_config(name, cfg, flops["flops_per_step"], peaks[main], max_step_ratio,
-                                        limit, quiet)
-        if name == "fp32_eager" and m.step_times:
-            limit = max(max_step_ratio * m.step_s, 1.0)
-        _checkpoint(result, json_path)
+    drift = _drift_all(names, cfgs, result, NAMES[low] if skip_slow and slow_low else None, json_path, quiet)
+    _time_all(h, cfgs, drift, result, min_rounds=max(MIN_ROUNDS, math.ceil(steps / STEPS_PER_ROUND)),
+              rel_band=rel_band, time_cap_s=time_cap_s, quiet=quiet)
+    _checkpoint(result, json_path)
     _remeasure_peaks(result, dev, quiet)
     result["partial"] = False
     _checkpoint(result, json_path)
@@ -296,23 +295,67 @@ def _measure_peaks(dtypes: Sequence[str], dev: torch.device, quiet: bool) -> dic
     return peaks
 
 
-def _measure_config(name: str, cfg: _Config, flops: float, peak: float, ratio: float, limit: float | None,
-                    quiet: bool) -> tuple[Measurement, dict[str, Any]]:
-    """Measure one configuration through its harness (a failure becomes the row's ``error``, not
-    an exception); returns the measurement and its row (with ``wall_s``, seconds)."""
-    _log(f"{name}: measuring ({cfg.dtype}{', compiling' if cfg.compiled else ''})", quiet)
+def _drift_all(names: Sequence[str], cfgs: dict[str, _Config], result: dict[str, Any], skip_dtype: str | None,
+               json_path: str | os.PathLike | None, quiet: bool) -> dict[str, tuple[Measurement, Any]]:
+    """Drift and memory of each configuration in turn (``fp32_eager`` timed too, back to back, for
+    the slow-step limit ``result["timing"]["max_step_s"]``); rows without timing, checkpointed.
+
+    Configurations in ``skip_dtype`` (except the policy's) get a skipped row. Returns
+    ``{name: (drift measurement, the module it ran)}`` of those run (failed ones included).
+    """
+    rows, peaks, out = result["configs"], result["matmul_peak"]["by_dtype"], {}
+    for name in names:
+        cfg = cfgs[name]
+        if cfg.dtype == skip_dtype and not name.startswith("policy"):
+            rows[name] = skipped_row(cfg.dtype, cfg.compiled, f"skipped: {skip_dtype} matmul measured "
+                                     f"{peaks['fp32'] / peaks[skip_dtype]:.0f}x slower than fp32 here")
+            _log(f"{name}: {rows[name]['note']}", quiet)
+        else:
+            _log(f"{name}: measuring drift ({cfg.dtype}{', compiling' if cfg.compiled else ''})", quiet)
+            t0, fn = time.perf_counter(), None
+            try:
+                fn = cfg.fn()
+                m = cfg.harness.measure(fn, cfg.scaler, cfg.autocast, timing=name == "fp32_eager")
+            except Exception as e:  # noqa: BLE001 - a configuration that cannot run is reported, not fatal
+                m = Measurement(error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            finally:
+                cfg.harness.restore()
+            out[name] = (m, fn)
+            rows[name] = {**make_row(m, cfg.dtype, cfg.compiled), "wall_s": time.perf_counter() - t0}
+            _log(f"{name}: grad_rel_l2 {rows[name]['grad_rel_l2']}, {rows[name]['wall_s']:.0f} s"
+                 + (f" ({rows[name]['error']})" if rows[name]["error"] else ""), quiet)
+            if name == "fp32_eager" and m.step_times:
+                result["timing"]["max_step_s"] = max(result["max_step_ratio"] * m.step_s, 1.0)
+        _checkpoint(result, json_path)
+    return out
+
+
+def _time_all(h: Harness, cfgs: dict[str, _Config], drift: dict[str, tuple[Measurement, Any]],
+              result: dict[str, Any], min_rounds: int, rel_band: float, time_cap_s: float,
+              quiet: bool) -> None:
+    """Time every configuration whose drift pass ran in one :func:`time_interleaved` call (same
+    rounds for all rows) and fill in their rows' timing, MFU and ratios."""
+    todo = [n for n, (m, _fn) in drift.items() if m.error is None]
+    tm = result["timing"]
+    tm.update(min_rounds=min_rounds, max_rounds=max(MAX_ROUNDS, min_rounds), rel_band=rel_band,
+              time_cap_s=time_cap_s)
+    _log(f"timing {', '.join(todo)} interleaved ({tm['steps_per_round']} steps each per round, "
+         f"{min_rounds}-{tm['max_rounds']} rounds, until ±{100 * rel_band:g}% or {time_cap_s:g} s)", quiet)
     t0 = time.perf_counter()
-    try:
-        m = cfg.harness.measure(cfg.fn(), cfg.scaler, cfg.autocast, max_step_s=limit)
-    except Exception as e:  # noqa: BLE001 - a configuration that cannot run is reported, not fatal
-        m = Measurement(error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-    finally:
-        cfg.harness.restore()
-    row = _row(m, cfg, flops, peak, ratio)
-    row["wall_s"] = time.perf_counter() - t0
-    _log(f"{name}: {row['tokens_per_s']:.0f} tok/s, grad_rel_l2 {row['grad_rel_l2']}, {row['wall_s']:.0f} s"
-         + (f" ({row['note'] or row['error']})" if row['note'] or row['error'] else ""), quiet)
-    return m, row
+    timings = time_interleaved(
+        h, [Config(n, drift[n][1], cfgs[n].scaler, cfgs[n].autocast,
+                   cfgs[n].harness if cfgs[n].harness is not h else None) for n in todo],
+        min_rounds=min_rounds, max_rounds=tm["max_rounds"], steps_per_round=tm["steps_per_round"],
+        warmup=result["warmup"], rel_band=rel_band, time_cap_s=time_cap_s, max_step_s=tm["max_step_s"])
+    tm["wall_s"] = time.perf_counter() - t0
+    flops, peak = result["flops"]["flops_per_step"], result["matmul_peak"]["flops_per_s"]
+    rows = result["configs"]
+    for n, t in timings.items():
+        rows[n] = {**make_row(drift[n][0], cfgs[n].dtype, cfgs[n].compiled, t, flops, peak,
+                              result["max_step_ratio"]), "wall_s": rows[n]["wall_s"]}
+        why = rows[n]["note"] or rows[n]["error"]
+        _log(f"{n}: {format_rate(t)} tok/s over {t.rounds} rounds" + (f" ({why})" if why else ""), quiet)
+    add_ratios(rows, timings)
 
 
 def _remeasure_peaks(result: dict[str, Any], dev: torch.device, quiet: bool) -> None:
@@ -335,47 +378,9 @@ def _remeasure_peaks(result: dict[str, Any], dev: torch.device, quiet: bool) -> 
 
 
 def _checkpoint(result: dict[str, Any], json_path: str | os.PathLike | None) -> None:
-    _ratios(result["configs"])
+    add_ratios(result["configs"])
     if json_path is not None:
         write_bench_json(result, json_path)
-
-
-def _skipped(cfg: _Config, note: str) -> dict[str, Any]:
-    return {"dtype": cfg.dtype, "compiled": cfg.compiled, "step_s": None, "tokens_per_s": 0.0,
-            "grad_rel_l2": None, "loss_rel": None, "grad_sqnr_db_min": None, "peak_bytes": 0, "mfu": None,
-            "steps_timed": 0, "step_times": [], "capped": False, "skipped": True, "note": note, "error": None}
-
-
-def _ratios(rows: dict[str, dict[str, Any]]) -> None:
-    base = rows["fp32_eager"]["tokens_per_s"]
-    ac = rows.get("autocast_compiled", {}).get("tokens_per_s") or 0.0
-    for r in rows.values():
-        t = r["tokens_per_s"]
-        r["ratio_vs_fp32_eager"] = t / base if (base and t) else None
-        r["ratio_vs_autocast_compiled"] = t / ac if (ac and t) else None
-
-
-def format_bench_table(result: dict[str, Any]) -> str:
-    """Markdown table of a :func:`run_bench` result (one row per configuration)."""
-    def num(x: float | None, fmt: str) -> str:
-        return "—" if x is None else x if isinstance(x, str) else format(x, fmt)
-
-    lines = [("| config | dtype | step s | tokens/s | vs fp32 eager | vs autocast+compile | grad_rel_l2 "
-             "| peak MiB | MFU | steps | note |"),
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
-    for name, r in result["configs"].items():
-        lines.append(
-            f"| {name} | {r['dtype']} | {num(r['step_s'], '.3f')} | {num(r['tokens_per_s'] or None, '.0f')} | "
-            f"{num(r['ratio_vs_fp32_eager'], '.2f')} | {num(r['ratio_vs_autocast_compiled'], '.2f')} | "
-            f"{num(r['grad_rel_l2'], '.2e')} | {num(r['peak_bytes'] / 2**20 if r['peak_bytes'] else None, '.1f')} | "
-            f"{num(r['mfu'] * 100 if r['mfu'] is not None else None, '.2f')}% | {r['steps_timed']} | "
-            f"{r.get('note') or r.get('error') or ''} |")
-    mp = result["matmul_peak"]
-    lines.append("")
-    lines.append(f"{result['device']}; torch {result['torch']}; {result['date']}; "
-                 f"{result['tokens_per_batch']} tokens/step; model {result['flops']['flops_per_step'] / 1e9:.1f} "
-                 f"GFLOP/step; MFU vs measured {mp['dtype']} matmul peak {mp['flops_per_s'] / 1e12:.3f} TFLOP/s")
-    return "\n".join(lines)
 
 
 def write_bench_json(result: dict[str, Any], path: str | os.PathLike) -> None:

@@ -15,7 +15,8 @@ from tests.conftest import EXAMPLES
 TINY = str(EXAMPLES / "tiny_mlp.py")
 EAGER = ["fp32_eager", "autocast_eager", "pure_low_eager", "policy_eager"]
 ROW_KEYS = {"step_s", "tokens_per_s", "grad_rel_l2", "peak_bytes", "mfu", "ratio_vs_fp32_eager",
-            "ratio_vs_autocast_compiled", "steps_timed", "dtype", "compiled", "note", "error"}
+            "ratio_vs_autocast_compiled", "steps_timed", "dtype", "compiled", "note", "error",
+            "tokens_per_s_band", "step_s_band", "iqr_s", "rel_half_width", "rounds", "vs_autocast_compiled"}
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +25,9 @@ def result():
 
 
 def test_schema(result):
-    assert {"device", "torch", "date", "configs", "flops", "matmul_peak", "tokens_per_batch"} <= set(result)
+    assert {"device", "torch", "date", "configs", "flops", "matmul_peak", "tokens_per_batch",
+            "timing"} <= set(result)
+    assert result["timing"]["interleaved"] and result["timing"]["max_step_s"] >= 1.0
     assert list(result["configs"]) == EAGER
     for row in result["configs"].values():
         assert ROW_KEYS <= set(row)
@@ -61,6 +64,47 @@ def test_table_lists_every_config(result):
     table = format_bench_table(result)
     for name in EAGER:
         assert f"| {name} |" in table
+        r = result["configs"][name]
+        assert f"| {r['tokens_per_s']:.0f} ±{100 * r['rel_half_width']:.1f}% |" in table  # the noise band
+
+
+def test_rows_are_timed_interleaved_with_a_band(result):
+    """Every row's tokens/s comes from the same interleaved rounds (issues 18, 19) and has a band."""
+    rows = result["configs"]
+    rounds = {r["rounds"] for r in rows.values()}
+    assert len(rounds) == 1 and rounds.pop() >= 3  # steps=2: the minimum of 3 rounds of 2 steps
+    for r in rows.values():
+        lo, hi = r["tokens_per_s_band"]
+        assert lo <= r["tokens_per_s"] <= hi
+        assert r["step_s_band"][0] <= r["step_s"] <= r["step_s_band"][1]
+        assert r["steps_timed"] == 2 * r["rounds"] and r["vs_autocast_compiled"] is None
+
+
+def test_vs_autocast_compiled_says_tie_within_the_noise():
+    """The ``vs autocast+compile`` column: the ratio where compare finds a winner, "tie" where not."""
+    from autoprec.bench_table import add_ratios, make_row
+    from autoprec.search.measure import Measurement
+    from autoprec.search.timing import Timing
+
+    base = [0.10, 0.11, 0.09, 0.10, 0.12, 0.10, 0.095, 0.105]
+    timings = {"fp32_eager": Timing.from_steps([3 * t for t in base], 256.0),
+               "autocast_compiled": Timing.from_steps(base, 256.0),
+               "policy_eager": Timing.from_steps([t * 1.01 for t in base], 256.0),
+               "policy_compiled": Timing.from_steps([t / 2 for t in base], 256.0)}
+    rows = {n: make_row(Measurement(grad_rel_l2=0.0, loss_rel=0.0), "bf16", False, t, 1.0, 1.0)
+            for n, t in timings.items()}
+    add_ratios(rows, timings)
+    assert rows["policy_eager"]["vs_autocast_compiled"]["tie"]
+    assert rows["policy_compiled"]["vs_autocast_compiled"]["winner"] == "row"
+    assert rows["fp32_eager"]["vs_autocast_compiled"]["winner"] == "autocast_compiled"
+    result = {"configs": rows, "device": "cpu", "torch": "x", "date": "d", "tokens_per_batch": 256.0,
+              "flops": {"flops_per_step": 1.0}, "matmul_peak": {"dtype": "bf16", "flops_per_s": 1.0}}
+    table = format_bench_table(result)
+    line = {n: next(x for x in table.splitlines() if x.startswith(f"| {n} |")) for n in rows}
+    assert line["policy_eager"].split(" | ")[5] == "tie"
+    assert line["policy_compiled"].split(" | ")[5] == "2.00"
+    assert line["autocast_compiled"].split(" | ")[5] == "1.00"
+    assert line["fp32_eager"].split(" | ")[5] == "0.33"
 
 
 def test_model_flops_counts_attention():
@@ -177,9 +221,19 @@ def test_bench_autocast_dtype_is_the_packages_rule(monkeypatch, low):
 def test_an_error_from_the_harness_is_reported_as_is():
     """bench's branch for "older versions" of its own Harness is gone: an ``error`` is an error (it
     used to be hidden, and the row marked capped, when it began with "too slow")."""
-    from autoprec.bench import _Config, _row
+    from autoprec.bench_table import make_row
     from autoprec.search.measure import Measurement
 
-    cfg = _Config(fn=lambda: None, harness=None, scaler=lambda: None, autocast=None, dtype="fp32", compiled=False)
-    row = _row(Measurement(error="too slow: 3 s"), cfg, flops=1.0, peak=1.0, ratio=10.0)
+    row = make_row(Measurement(error="too slow: 3 s"), "fp32", False, None, flops=1.0, peak=1.0, ratio=10.0)
     assert row["error"] == "too slow: 3 s" and row["capped"] is False and row["note"] is None
+
+
+def test_a_config_the_slow_step_rule_stops_is_capped():
+    from autoprec.bench_table import make_row
+    from autoprec.search.measure import Measurement
+    from autoprec.search.timing import Timing
+
+    t = Timing.from_steps([2.5], 100.0)
+    t.too_slow, t.note = True, "timing stopped: 2 steps in a row took over the 1.00 s limit"
+    row = make_row(Measurement(grad_rel_l2=0.0, loss_rel=0.0), "bf16", False, t, flops=1.0, peak=1.0, ratio=10.0)
+    assert row["capped"] and "10x fp32 eager's step" in row["note"] and row["steps_timed"] == 1

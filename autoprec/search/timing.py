@@ -78,6 +78,8 @@ class Timing:
         rounds: Rounds it was timed in.
         error: Why its timing failed (the exception a step raised), else None.
         note: Remarks that do not invalidate it (dropped by the slow-step rule, time cap reached).
+        too_slow: Its timing was stopped by the slow-step rule
+            (:func:`autoprec.runtime.steps.slow_step_guard`); ``note`` says when.
         peak_bytes: On CUDA, estimated peak allocated bytes of its steps (memory resident before
             timing + its own optimizer state + the most any of its rounds allocated on top);
             None on CPU.
@@ -92,6 +94,7 @@ class Timing:
     rounds: int = 0
     error: str | None = None
     note: str | None = None
+    too_slow: bool = False
     peak_bytes: int | None = None
 
     @classmethod
@@ -201,6 +204,7 @@ class _Run:
         self.rounds = 0
         self.error: str | None = None
         self.note: str | None = None
+        self.too_slow = False
         self.recording = False
         self.peak_extra = 0
         self.hooks = [self._record] + ([slow_step_guard(max_step_s)] if max_step_s is not None else [])
@@ -235,6 +239,7 @@ class _Run:
             self.rounds += record
         except StepsTooSlow as e:
             self.rounds += record and bool(self.times)
+            self.too_slow = True
             self.note = f"{e}; dropped from later rounds" if record else str(e)
             if not record or not self.times:
                 self.times = [e.seconds]  # stopped in its warm-up: timed on that step only
@@ -329,7 +334,7 @@ def _narrow(r: _Run, rel_band: float) -> bool:
 
 def _timing(r: _Run, rel_band: float, capped: bool, cap_s: float, base: int | None) -> Timing:
     t = Timing.from_steps(r.times if r.error is None else [], r.h.tokens, rounds=r.rounds)
-    t.error, t.note = r.error, r.note
+    t.error, t.note, t.too_slow = r.error, r.note, r.too_slow
     if capped and r.active and t.rel_half_width() > rel_band:
         t.note = (f"time cap {cap_s:g} s reached after {r.rounds} rounds "
                   f"(band ±{100 * t.rel_half_width():.1f}%)")
