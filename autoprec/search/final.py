@@ -1,0 +1,122 @@
+"""The final choice of ``tune``: compiled contenders head to head with the baselines a user has
+without autoprec, timed in the same interleaved rounds (docs/architecture.md#search, "Final
+choice").
+
+The contenders are the compiled finalists that passed the drift, memory and trajectory checks
+(the autocast twin and all-fp32 among them) and the baselines: torch.autocast + torch.compile,
+fp32 + torch.compile (the all-fp32 policy compiled) and fp32 eager. :func:`decide` takes the
+fastest; every contender whose throughput ties with it (the bootstrap band of the ratio contains
+1.0: :func:`autoprec.search.timing.compare`) is as fast within the noise, and among those the one
+with the lowest drift, then the fewest rules, is written: a tie goes to the lower-drift, simpler
+policy. torch.autocast is not a policy; when it is the fastest, the policy that ties with it (the
+twin, normally) is written, and when none does the fastest policy is written and the decision
+says by how much it trails.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from autoprec.policy import Policy
+from autoprec.search.timing import Comparison, Timing, compare
+
+__all__ = ["Contender", "Decision", "decide"]
+
+
+@dataclass
+class Contender:
+    """One configuration of the final head-to-head.
+
+    Attributes:
+        name: For the log and the report (``"trial 7"``, ``"autocast twin"``,
+            ``"torch.autocast + torch.compile"``).
+        policy: The policy to write if it wins; None for torch.autocast (not a policy).
+        timing: Its interleaved timing (:func:`autoprec.search.timing.time_interleaved`).
+        grad_rel_l2: Its drift (mean over the drift batches; 0.0 for fp32).
+        baseline: What a user gets without autoprec (torch.autocast + torch.compile, fp32 +
+            torch.compile, fp32 eager): the bar the written policy must not fall below.
+    """
+
+    name: str
+    policy: Policy | None
+    timing: Timing
+    grad_rel_l2: float
+    baseline: bool = False
+
+    @property
+    def timed(self) -> bool:
+        """Whether it has step times (it did not fail or get dropped before any)."""
+        return bool(self.timing.step_times) and self.timing.error is None
+
+
+@dataclass
+class Decision:
+    """What :func:`decide` chose and why.
+
+    Attributes:
+        chosen: The contender whose policy is written.
+        fastest: The fastest contender by median tokens/s.
+        best_baseline: The fastest baseline (None when no baseline was timed).
+        vs_baseline: ``chosen`` against ``best_baseline`` (ratio > 1: faster), or None.
+        tied: Names of the contenders tied with ``fastest`` (``fastest`` included).
+        verdict: ``"beats"``, ``"tie"`` or ``"slower"`` (against ``best_baseline``; ``"beats"``
+            without a baseline).
+    """
+
+    chosen: Contender
+    fastest: Contender
+    best_baseline: Contender | None
+    vs_baseline: Comparison | None
+    tied: list[str]
+    verdict: str
+
+    def describe(self) -> str:
+        """One log line, e.g. ``"chosen: trial 7, 1.08x torch.autocast + torch.compile (band
+        1.03-1.12): beats it"``."""
+        if self.best_baseline is None or self.vs_baseline is None:
+            return f"chosen: {self.chosen.name} (no baseline timed)"
+        c, b = self.vs_baseline, self.best_baseline.name
+        text = f"chosen: {self.chosen.name}, {c.ratio:.2f}x {b} (band {c.band[0]:.2f}-{c.band[1]:.2f})"
+        if self.verdict == "tie":
+            ties = [n for n in self.tied if n != self.chosen.name]
+            return text + f": tie, the lower-drift, simpler of {', '.join([self.chosen.name, *ties])}"
+        if self.verdict == "slower":
+            return text + f": no policy was as fast as {b} within the noise"
+        return text + f": beats {b}"
+
+
+def _simplicity(c: Contender) -> tuple[float, int]:
+    """Sort key of a tie: lower drift, then fewer rules."""
+    g = c.grad_rel_l2 if math.isfinite(c.grad_rel_l2) else math.inf
+    return g, len(c.policy.rules) if c.policy is not None else 0
+
+
+def decide(contenders: list[Contender]) -> Decision:
+    """Choose the policy to write from the timed contenders (the module docstring's rule).
+
+    Args:
+        contenders: Finalists and baselines, each feasible (drift, memory and trajectory checked
+            by the caller); those without step times are ignored.
+
+    Returns:
+        A :class:`Decision`.
+
+    Raises:
+        ValueError: no contender with a policy was timed.
+    """
+    timed = [c for c in contenders if c.timed]
+    writable = [c for c in timed if c.policy is not None]
+    if not writable:
+        raise ValueError("no policy was timed in the final head-to-head")
+    fastest = max(timed, key=lambda c: c.timing.tokens_per_s)
+    tied = [c for c in timed if c is fastest or compare(c.timing, fastest.timing).tie]
+    pool = [c for c in tied if c.policy is not None]
+    chosen = min(pool, key=_simplicity) if pool else max(writable, key=lambda c: c.timing.tokens_per_s)
+    baselines = [c for c in timed if c.baseline]
+    best = max(baselines, key=lambda c: c.timing.tokens_per_s) if baselines else None
+    if best is None:
+        return Decision(chosen, fastest, None, None, [c.name for c in tied], "beats")
+    vs = compare(chosen.timing, best.timing)
+    verdict = "tie" if vs.tie else ("beats" if vs.winner == "a" else "slower")
+    return Decision(chosen, fastest, best, vs, [c.name for c in tied], verdict)

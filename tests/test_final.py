@@ -1,0 +1,104 @@
+"""The final choice rule (autoprec.search.final.decide), both ways, on synthetic and committed
+timings (issue 18: never lose to a measured baseline)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from autoprec import Policy
+from autoprec.policy import Rule
+from autoprec.search.final import Contender, decide
+from autoprec.search.timing import Timing
+from tests.conftest import ROOT
+
+TOKENS = 1024.0
+
+
+def _timing(step_s: float, noise: float = 0.01, n: int = 12, seed: int = 0) -> Timing:
+    rng = random.Random(seed)
+    return Timing.from_steps([step_s * (1 + rng.uniform(-noise, noise)) for _ in range(n)], TOKENS, rounds=n // 2)
+
+
+SEARCHED = Policy(default_dtype="bf16", rules=(Rule(op_class="sensitive", dtype="fp32"),
+                                               Rule(op_class="follow", dtype="bf16")))
+
+
+def _field(searched_s: float, twin_s: float, autocast_s: float = 0.150, fp32c_s: float = 0.400):
+    return [
+        Contender("trial 7", SEARCHED, _timing(searched_s, seed=1), 7.3e-3),
+        Contender("autocast twin", Policy.autocast("bf16"), _timing(twin_s, seed=2), 7.1e-3),
+        Contender("torch.autocast + torch.compile", None, _timing(autocast_s, seed=3), 7.1e-3, baseline=True),
+        Contender("fp32 + torch.compile", Policy.fp32(), _timing(fp32c_s, seed=4), 0.0, baseline=True),
+        Contender("fp32 eager", Policy.fp32(), _timing(0.420, seed=5), 0.0, baseline=True),
+    ]
+
+
+def test_a_searched_policy_that_beats_autocast_compile_is_chosen():
+    d = decide(_field(searched_s=0.120, twin_s=0.150))
+    assert d.chosen.name == "trial 7" and d.verdict == "beats"
+    assert d.best_baseline.name == "torch.autocast + torch.compile"
+    assert d.vs_baseline.ratio == pytest.approx(0.150 / 0.120, rel=0.03) and d.vs_baseline.band[0] > 1.0
+    assert "beats torch.autocast + torch.compile" in d.describe()
+
+
+def test_the_twin_is_written_when_no_searched_policy_beats_autocast_compile():
+    # the searched policy ties with autocast too, but drifts more: the tie goes to the twin
+    d = decide(_field(searched_s=0.1505, twin_s=0.1502))
+    assert d.chosen.name == "autocast twin" and d.chosen.policy == Policy.autocast("bf16")
+    assert d.verdict == "tie" and "trial 7" in d.tied
+    assert "tie" in d.describe()
+    # a searched policy slower than autocast is never chosen over the twin that ties with it
+    d = decide(_field(searched_s=0.210, twin_s=0.1501))
+    assert d.chosen.name == "autocast twin" and d.verdict == "tie"
+
+
+def test_a_tie_with_fp32_goes_to_fp32():
+    # a device where low precision does not pay: every low policy ties with fp32 compiled
+    field = _field(searched_s=0.400, twin_s=0.401, autocast_s=0.402, fp32c_s=0.400)
+    d = decide(field)
+    assert d.chosen.policy == Policy.fp32() and d.verdict == "tie"
+
+
+def test_when_nothing_ties_with_autocast_the_fastest_policy_is_written_and_called_slower():
+    d = decide(_field(searched_s=0.200, twin_s=0.180))
+    assert d.chosen.name == "autocast twin" and d.verdict == "slower"
+    assert d.vs_baseline.band[1] < 1.0
+    assert "no policy was as fast as torch.autocast + torch.compile" in d.describe()
+
+
+def test_untimed_contenders_are_ignored_and_no_policy_is_an_error():
+    field = _field(searched_s=0.100, twin_s=0.150)
+    field[0].timing = Timing(error="RuntimeError: boom")
+    assert decide(field).chosen.name == "autocast twin"
+    with pytest.raises(ValueError, match="no policy was timed"):
+        decide([c for c in field if c.policy is None])
+
+
+def test_committed_native_bf16_run_replayed_the_old_choice_is_called_slower():
+    """benchmarks/results/make_tune_2026-12-01_kernels: the policy the old rule wrote (chosen on
+    eager screening) measured 0.71x autocast + compile on an AVX512-BF16 CPU. Replayed through
+    the rule with that run's own step times, it is flagged as slower than the baseline."""
+    path = ROOT / "benchmarks" / "results" / "make_tune_2026-12-01_kernels" / "bench.json"
+    cfg = json.loads(path.read_text())["configs"]
+    tokens = json.loads(path.read_text())["tokens_per_batch"]
+
+    def t(name: str) -> Timing:
+        return Timing.from_steps(cfg[name]["step_times"], tokens)
+
+    field = [
+        Contender("old choice", SEARCHED, t("policy_compiled"), cfg["policy_compiled"]["grad_rel_l2"]),
+        Contender("torch.autocast + torch.compile", None, t("autocast_compiled"),
+                  cfg["autocast_compiled"]["grad_rel_l2"], baseline=True),
+        Contender("fp32 + torch.compile", Policy.fp32(), t("fp32_compiled"), 0.0, baseline=True),
+        Contender("fp32 eager", Policy.fp32(), t("fp32_eager"), 0.0, baseline=True),
+    ]
+    d = decide(field)
+    assert d.verdict == "slower" and d.vs_baseline.ratio == pytest.approx(4626.0 / 6554.5, rel=0.01)
+    # with a twin timed as fast as autocast + compile in the same rounds, the twin is written
+    field.append(Contender("autocast twin", Policy.autocast("bf16"), t("autocast_compiled"),
+                           cfg["autocast_compiled"]["grad_rel_l2"]))
+    d = decide(field)
+    assert d.chosen.name == "autocast twin" and d.verdict == "tie"
