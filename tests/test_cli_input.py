@@ -21,6 +21,7 @@ from autoprec.errors import LossScaleError, SearchError
 from autoprec.search import attrs
 from autoprec.search import select as select_mod
 from autoprec.search import storage as storage_mod
+from autoprec.search.decide import DriftBudget
 from autoprec.search.measure import Measurement
 from autoprec.search.space import SearchSpace
 
@@ -201,7 +202,7 @@ def test_eager_selection_must_beat_fp32_measured_beside_it(monkeypatch, fp32_tps
     """Without compile, the trial picked on its screening number is re-measured, and all-fp32 with
     it: a lowered policy slower than all-fp32 (a flattering screening run) is not written."""
     monkeypatch.setattr(select_mod, "run_pipeline", lambda gm, pol: type("R", (), {"graph_module": None}))
-    sel = select_mod.Selector(_FakeHarness(fp32_tps), 1e-2, False, None, None, 0, None, True)
+    sel = select_mod.Selector(_FakeHarness(fp32_tps), DriftBudget.fixed(1e-2), False, None, None, 0, None, True)
     bf16 = Policy.default("bf16")
     pol, m = sel._or_fp32(3, bf16, Measurement(step_s=1.0, tokens_per_s=100.0, grad_rel_l2=1e-3))
     assert pol.dtypes_used() == ({"fp32"} if chosen == "fp32" else bf16.dtypes_used())

@@ -172,9 +172,10 @@ def test_selector_checks_a_compiled_lowered_finalist_on_a_dropout_model(harness)
     baseline (an OptimizedModule, which must not be truth-tested: its __len__ raises). Both
     trajectories are bf16-sized apart from the reference, not mask-sized (~0.2 against eager)."""
     from autoprec.search.progress import Clock
+    from autoprec.search.decide import DriftBudget
     from autoprec.search.select import Selector
 
-    sel = Selector(harness, 1.0, True, torch.bfloat16, None, 2, Clock(), True)
+    sel = Selector(harness, DriftBudget.fixed(1.0), True, torch.bfloat16, None, 2, Clock(), True)
     class NoLen(torch.nn.Module):  # a user's model class: unlike Sequential, no __len__
         def __init__(self, m):
             super().__init__()

@@ -160,7 +160,7 @@ def test_two_workers_measure_each_assignment_once(tmp_path, study_name):
     for out in outs:
         pol = Policy.load(out)
         assert pol.provenance["study"] == study_name
-        assert pol.measured["grad_rel_l2"] <= pol.measured["drift_budget"]
+        # feasible by the drift rule (search/decide.py), not grad_rel_l2 <= the mean: as test_search
         assert pol.dtypes_used() == {"fp32"} or form(pol.to_dict()) in feasible
 
 

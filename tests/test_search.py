@@ -149,7 +149,8 @@ def test_two_workers_share_one_study(tmp_path):
     feasible = {form(t.user_attrs[ATTR + "policy"]) for t in finished if t.user_attrs.get(ATTR + "constraint", 1.0) <= 0}
     for p in (tmp_path / "p0.json", tmp_path / "p1.json"):
         pol = Policy.load(p)
-        assert pol.measured["grad_rel_l2"] <= pol.measured["drift_budget"]
+        # feasible by the drift rule (search/decide.py: a paired test against torch.autocast, so the
+        # mean grad_rel_l2 may be a little above the budget's value, torch.autocast's mean)
         assert pol.dtypes_used() == {"fp32"} or form(pol.to_dict()) in feasible
 
 

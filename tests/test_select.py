@@ -7,6 +7,7 @@ import torch
 
 from autoprec.policy import Policy
 from autoprec.search import select as select_mod
+from autoprec.search.decide import DriftBudget
 from autoprec.search.progress import Clock
 from autoprec.search.select import Selector
 
@@ -39,7 +40,7 @@ def test_traj_rel_is_kept_per_policy_content_even_when_ids_collide(monkeypatch):
     policy was freed and its id reused (e.g. by ``Policy.fp32()``). With every ``id()`` in the
     module made equal, each policy still gets its own number, and an equal-content copy finds it."""
     monkeypatch.setattr(select_mod, "id", lambda _obj: 7, raising=False)  # every object "reuses" one id
-    sel = Selector(_TrajHarness(), 1.0, False, torch.bfloat16, None, 3, Clock(), True)
+    sel = Selector(_TrajHarness(), DriftBudget.fixed(1.0), False, torch.bfloat16, None, 3, Clock(), True)
     rejected = Policy.default("bf16")
     assert not sel._traj_ok(rejected, _Fn(1.5))  # traj_rel 0.5 > torch.autocast's 0.01
     assert abs(sel.traj_of(rejected) - 0.5) < 1e-12

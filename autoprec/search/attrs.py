@@ -9,8 +9,9 @@ as these strings do not change.
 from __future__ import annotations
 
 __all__ = [
-    "ATTR", "CASTS", "CONSTRAINT", "DRIFT_BUDGET", "ERROR", "FINGERPRINT", "GRAD_REL_L2", "GRAD_SQNR_DB_MIN",
-    "INFEASIBLE", "INTERRUPTED", "LOSS_REL", "MEASURED", "MEASURE_VERSION", "NOTE", "PEAK_BYTES", "POLICY",
+    "ATTR", "CASTS", "CONSTRAINT", "DRIFT_BUDGET", "DRIFT_RULE", "ERROR", "FINGERPRINT", "GRAD_REL_L2",
+    "GRAD_REL_L2_BATCHES", "GRAD_SQNR_DB_MIN", "INFEASIBLE", "INTERRUPTED", "LOSS_REL", "MEASURED",
+    "MEASURE_VERSION", "NOTE", "PEAK_BYTES", "POLICY",
     "REUSED_FROM", "SENSITIVITY", "SPACE", "STEP_S", "TOKENS_PER_S", "WORKER",
 ]
 
@@ -20,7 +21,8 @@ ATTR = "autoprec:"
 # Trial attributes.
 POLICY = ATTR + "policy"  #: the sampled policy, ``Policy.to_dict()``
 FINGERPRINT = ATTR + "fingerprint"  #: hash of the per-node dtypes (objective.policy_fingerprint)
-CONSTRAINT = ATTR + "constraint"  #: grad_rel_l2 - drift budget; feasible when <= 0
+#: DriftBudget.excess of the measurement (search/decide.py); feasible when <= 0
+CONSTRAINT = ATTR + "constraint"
 ERROR = ATTR + "error"  #: why the trial failed (lowering error, non-finite values, ...)
 NOTE = ATTR + "note"  #: a remark that does not invalidate the measurement
 WORKER = ATTR + "worker"  #: ``host:pid`` of the process measuring it (objective.is_dead_worker)
@@ -29,16 +31,19 @@ REUSED_FROM = ATTR + "reused_from"  #: number of the trial whose measurement of 
 CASTS = ATTR + "casts"  #: casts the placement inserted
 TOKENS_PER_S = ATTR + "tokens_per_s"
 STEP_S = ATTR + "step_s"
-GRAD_REL_L2 = ATTR + "grad_rel_l2"
+GRAD_REL_L2 = ATTR + "grad_rel_l2"  #: mean over the drift batches
+GRAD_REL_L2_BATCHES = ATTR + "grad_rel_l2_batches"  #: per drift batch (a list; non-finite values as None)
 LOSS_REL = ATTR + "loss_rel"
 GRAD_SQNR_DB_MIN = ATTR + "grad_sqnr_db_min"
 PEAK_BYTES = ATTR + "peak_bytes"
 #: The Measurement fields a trial records -> their keys.
-MEASURED = {"tokens_per_s": TOKENS_PER_S, "step_s": STEP_S, "grad_rel_l2": GRAD_REL_L2, "loss_rel": LOSS_REL,
+MEASURED = {"tokens_per_s": TOKENS_PER_S, "step_s": STEP_S, "grad_rel_l2": GRAD_REL_L2,
+            "grad_rel_l2_batches": GRAD_REL_L2_BATCHES, "loss_rel": LOSS_REL,
             "grad_sqnr_db_min": GRAD_SQNR_DB_MIN, "peak_bytes": PEAK_BYTES}
 
 # Study attributes.
-DRIFT_BUDGET = ATTR + "drift_budget"  #: the grad_rel_l2 budget of the run that last opened the study
+DRIFT_BUDGET = ATTR + "drift_budget"  #: DriftBudget.value of the run that last opened the study
+DRIFT_RULE = ATTR + "drift_rule"  #: DriftBudget.to_dict() of that run (the rule behind the constraint)
 SENSITIVITY = ATTR + "sensitivity"  #: grad_rel_l2 with only one region lowered, per region
 SPACE = ATTR + "space"  #: ``{"dtypes": [...]}`` of the search space the study samples
 MEASURE_VERSION = ATTR + "measure_version"  #: storage.MEASURE_VERSION of the trials' measurements

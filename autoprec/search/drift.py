@@ -22,8 +22,8 @@ from torch import nn
 from autoprec.metrics import grad_rel_l2, grad_sqnr_db_min
 from autoprec.runtime.scaler import DynamicLossScaler
 
-__all__ = ["DRIFT_BATCHES", "MAX_BACKOFFS", "BatchDrift", "Drift", "References", "batch_drift", "draws_random",
-           "is_compiled", "measure_drift"]
+__all__ = ["DRIFT_BATCHES", "MAX_BACKOFFS", "BatchDrift", "Drift", "References", "batch_drift",
+           "draws_random", "is_compiled", "measure_drift"]
 
 #: K, the batches ``get_batch(0..K-1)`` every drift measurement runs on (``Harness(...,
 #: drift_batches=K)`` overrides it). Four gives the paired t-test of
@@ -101,7 +101,8 @@ class Drift:
         return bool(self.batches) and all(b.finite for b in self.batches)
 
 
-def batch_drift(loss: float, grads: list[torch.Tensor], ref_loss: float, ref_grads: list[torch.Tensor]) -> BatchDrift:
+def batch_drift(loss: float, grads: list[torch.Tensor], ref_loss: float,
+                ref_grads: list[torch.Tensor]) -> BatchDrift:
     """One batch's :class:`BatchDrift` of ``(loss, grads)`` against the FP32 ``(ref_loss, ref_grads)``.
 
     Args:
@@ -111,7 +112,8 @@ def batch_drift(loss: float, grads: list[torch.Tensor], ref_loss: float, ref_gra
     """
     g = grad_rel_l2(grads, ref_grads)
     loss_rel = abs(loss - ref_loss) / max(abs(ref_loss), 1e-30) if math.isfinite(loss) else math.inf
-    return BatchDrift(g if math.isfinite(loss_rel) else math.inf, loss_rel, grad_sqnr_db_min(grads, ref_grads))
+    sqnr = grad_sqnr_db_min(grads, ref_grads)
+    return BatchDrift(g if math.isfinite(loss_rel) else math.inf, loss_rel, sqnr)
 
 
 def measure_drift(step: Callable[[int, bool], tuple[float, list[torch.Tensor], int]], refs: list[Grads],
@@ -203,7 +205,8 @@ def _finite(loss: float, grads: list[torch.Tensor]) -> bool:
 
 
 def _back_off(scaler: DynamicLossScaler | None) -> bool:
-    """Lower an enabled scaler's scale by its backoff factor (≥ ``min_scale``); False at the floor or without one."""
+    """Lower an enabled scaler's scale by its backoff factor (≥ ``min_scale``); False at the floor or
+    without one."""
     state = scaler.state_dict() if scaler is not None else {}
     if not state or state["scale"] <= state["min_scale"]:
         return False

@@ -45,8 +45,9 @@ class Measurement:
             non-finite (the last value, inf). :class:`autoprec.search.decide.DriftBudget` judges these.
         loss_rel: |L − L₃₂| / |L₃₂|, the mean over the K drift batches.
         grad_sqnr_db_min: Minimum per-parameter gradient SQNR in dB, the min over the K drift batches.
-        peak_bytes: CUDA peak allocated bytes; on CPU (docs/architecture.md#measurements) bytes of the distinct tensors
-            saved for backward in batch 0's drift pass (``saved_tensors_hooks``; a saved parameter allocates nothing and
+        peak_bytes: CUDA peak allocated bytes; on CPU (docs/architecture.md#measurements) bytes of the
+            distinct tensors saved for backward in batch 0's drift pass (``saved_tensors_hooks``; a
+            saved parameter allocates nothing and
             is not counted again) + :attr:`Harness.state_bytes`: parameter and gradient bytes
             plus the bytes of the tensors the model file's ``make_optimizer`` optimizer holds in
             its state after one step (:func:`autoprec.runtime.train.training_state_bytes`; per
@@ -141,7 +142,8 @@ class Harness:
         self.drift_batches = int(drift_batches)
         self.model: nn.Module = spec.build_model().to(device)
         self.model.train()
-        self.batches = [spec.get_batch(i, device) for i in range(max(steps, PROBE_BATCHES, self.drift_batches))]
+        n = max(steps, PROBE_BATCHES, self.drift_batches)
+        self.batches = [spec.get_batch(i, device) for i in range(n)]
         self.graph_module = capture_for(self.model, self.batches[:PROBE_BATCHES])  # train's rule
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.initial = [p.detach().clone() for p in self.params]
@@ -189,7 +191,8 @@ class Harness:
                 p.grad = None
 
     def _grads(self, fn: Callable[..., Any], scaler: DynamicLossScaler | None,
-               autocast_dtype: torch.dtype | None, counter: SavedBytes | None = None, batch: int = 0) -> Grads:
+               autocast_dtype: torch.dtype | None, counter: SavedBytes | None = None,
+               batch: int = 0) -> Grads:
         """Loss and unscaled fp32 gradients of one forward/backward of ``fn`` on ``batch`` from the
         initial weights and RNG seed ``MEASURE_SEED`` (``counter`` counts what it saves for backward)."""
         self.restore()
@@ -223,7 +226,8 @@ class Harness:
         Raises:
             Exception: whatever running ``fn`` raises (compile errors, out of memory).
         """
-        refs = [self._reference(fn, k) for k in range(self.drift_batches)]  # before the peak reset: may compile
+        # the references first, before the peak reset: the compiled one compiles and runs on first use
+        refs = [self._reference(fn, k) for k in range(self.drift_batches)]
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
 
@@ -235,15 +239,16 @@ class Harness:
         d = measure_drift(step, refs, scaler)
         m = Measurement()
         if d.backoffs:
-            m.note = (f"{d.backoffs} loss-scale backoff{'s' if d.backoffs > 1 else ''} before finite gradients "
-                      f"(scale {scaler.get_scale():g}), as training skips its first steps")
+            m.note = (f"{d.backoffs} loss-scale backoff{'s' if d.backoffs > 1 else ''} before finite "
+                      f"gradients (scale {scaler.get_scale():g}), as training skips its first steps")
         m.grad_rel_l2_batches = [b.grad_rel_l2 for b in d.batches]
         m.grad_rel_l2 = sum(m.grad_rel_l2_batches) / len(d.batches)
         m.loss_rel = sum(b.loss_rel for b in d.batches) / len(d.batches)
         m.grad_sqnr_db_min = min(b.grad_sqnr_db_min for b in d.batches)
         m.peak_bytes = d.saved_bytes + self.state_bytes
         if not d.finite:
-            m.grad_rel_l2, m.error = math.inf, f"non-finite loss or gradients (drift batch {len(d.batches) - 1})"
+            m.grad_rel_l2 = math.inf
+            m.error = f"non-finite loss or gradients (drift batch {len(d.batches) - 1})"
         return m
 
     @property

@@ -1,7 +1,8 @@
 """The Optuna objective: params -> policy -> lowered graph -> measurement (docs/architecture.md#search, #measurements).
 
 Objectives (multi-objective study): maximise tokens/s, minimise ``grad_rel_l2``, minimise peak
-bytes. Constraint (``Trial.set_constraint``): ``grad_rel_l2 − budget ≤ 0``. Trial attributes live
+bytes. Constraint (``Trial.set_constraint``): ``DriftBudget.excess(m) ≤ 0`` (:mod:`autoprec.search.decide`:
+mean over the drift batches − X, or the paired t-test against torch.autocast). Trial attributes live
 under ``autoprec:`` keys (optuna-integration's LightGBMTuner style). A failed trial (lowering
 error, non-finite values, too slow, compile error, out of memory) returns NaN, which Optuna
 records as FAIL, with the reason in ``autoprec:error``; the study goes on.
@@ -22,6 +23,7 @@ from autoprec.passes import lowering_passes
 from autoprec.runtime.saved import saved_eager
 from autoprec.runtime.train import make_scaler
 from autoprec.search import attrs
+from autoprec.search.decide import DriftBudget
 from autoprec.search.measure import Harness, Measurement
 from autoprec.search.space import SearchSpace
 
@@ -62,11 +64,11 @@ class Objective:
     Args:
         harness: Shared model/graph/reference.
         space: The search space.
-        budget: Maximum ``grad_rel_l2``.
+        budget: The drift budget; a trial's constraint is ``budget.excess(m)`` (feasible ≤ 0).
         max_step_s: A trial step slower than this is aborted (several times the FP32 step).
     """
 
-    def __init__(self, harness: Harness, space: SearchSpace, budget: float, max_step_s: float) -> None:
+    def __init__(self, harness: Harness, space: SearchSpace, budget: DriftBudget, max_step_s: float) -> None:
         self.harness, self.space, self.budget, self.max_step_s = harness, space, budget, max_step_s
 
     def __call__(self, trial: optuna.Trial) -> tuple[float, float, float] | float:
@@ -113,12 +115,13 @@ class Objective:
         return m.tokens_per_s, m.grad_rel_l2, float(m.peak_bytes)
 
 
-def _record(trial: optuna.Trial, m: Measurement, budget: float) -> None:
+def _record(trial: optuna.Trial, m: Measurement, budget: DriftBudget) -> None:
+    """Store ``m``'s fields (:data:`attrs.MEASURED`; non-finite floats as None) and its constraint."""
+    finite = lambda v: v if (not isinstance(v, float) or math.isfinite(v)) else None  # noqa: E731
     for field, key in attrs.MEASURED.items():
         v = getattr(m, field)
-        trial.set_user_attr(key, v if (not isinstance(v, float) or math.isfinite(v)) else None)
-    g = m.grad_rel_l2
-    _constrain(trial, (g - budget) if math.isfinite(g) else attrs.INFEASIBLE)
+        trial.set_user_attr(key, [finite(x) for x in v] if isinstance(v, list) else finite(v))
+    _constrain(trial, budget.excess(m))
     if m.error is not None:
         trial.set_user_attr(attrs.ERROR, m.error)
     if m.note is not None:

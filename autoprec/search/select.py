@@ -47,7 +47,7 @@ class Selector:
 
     Args:
         harness: The run's :class:`Harness`.
-        budget: The drift budget (max ``grad_rel_l2``).
+        budget: The drift budget (:class:`autoprec.search.decide.DriftBudget`).
         compile: Compile finalists with Inductor (else the trials' eager numbers are used).
         ac_dtype: torch.autocast's low dtype (the trajectory budget's baseline).
         slow: ``max_step_s`` for every timed measurement (seconds).
@@ -109,7 +109,7 @@ class Selector:
             fn = self._fn(run_pipeline(self.h.graph_module, pol).graph_module)
             m = self.h.measure(fn, lambda pol=pol: make_scaler(pol), max_step_s=self.slow)
             self._point(pol, m)
-            if (self.memory_budget is not None and m.error is None and m.grad_rel_l2 <= self.budget
+            if (self.memory_budget is not None and m.error is None and self.budget.feasible(m)
                     and m.peak_bytes > self.memory_budget):
                 pol, fn, m = self._fit_memory(pol, m)
             why = self._reject_reason(pol, fn, m)
@@ -180,7 +180,7 @@ class Selector:
                             "grad_rel_l2": m.grad_rel_l2, "peak_bytes": m.peak_bytes, "error": m.error})
 
     def _fits(self, m: Measurement) -> bool:
-        return m.error is None and m.peak_bytes <= self.memory_budget and m.grad_rel_l2 <= self.budget
+        return m.error is None and m.peak_bytes <= self.memory_budget and self.budget.feasible(m)
 
     def _fit_memory(self, pol: Policy, m: Measurement) -> tuple[Policy, Any, Measurement]:
         """Fit ``pol`` to the memory budget with the faster of the two levers.
@@ -263,8 +263,8 @@ class Selector:
         """Why a compiled finalist is not chosen (None: it may be)."""
         if m.error is not None:
             return m.error
-        if m.grad_rel_l2 > self.budget:
-            return f"grad_rel_l2 {m.grad_rel_l2:.3g} > budget {self.budget:.3g}"
+        if not self.budget.feasible(m):
+            return self.budget.explain(m)
         if self.memory_budget is not None and m.peak_bytes > self.memory_budget:
             return (f"peak {m.peak_bytes / 2**20:.1f} MiB > memory budget {self.memory_budget / 2**20:.1f} MiB"
                     + " even with full recomputation")

@@ -33,8 +33,10 @@ __all__ = ["GRACE_BEATS", "HEARTBEAT_S", "MEASURE_VERSION", "check_sqlite_file",
 
 #: Version of what a trial measures and how (search/measure.py). Bump it when a change makes old
 #: trials' numbers incomparable with new ones; a study holding trials of another version is not
-#: resumed. 2: a parameter saved for backward counts once in the CPU peak bytes.
-MEASURE_VERSION = 2
+#: resumed. 2: a parameter saved for backward counts once in the CPU peak bytes. 3: drift is the
+#: mean over K = 4 drift batches (search/drift.py), and the constraint the DriftBudget rule
+#: (search/decide.py).
+MEASURE_VERSION = 3
 
 #: Seconds between the heartbeats of a running trial on a database server (Optuna's
 #: ``RDBStorage(heartbeat_interval=...)``); the environment variable ``AUTOPREC_HEARTBEAT_S``

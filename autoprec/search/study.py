@@ -39,6 +39,7 @@ from autoprec.policy import Policy
 from autoprec.runtime.train import autocast_scaler
 from autoprec.search import attrs
 from autoprec.search.budgets import memory_budget, parse_dtypes, parse_max_drift, parse_max_memory
+from autoprec.search.decide import DriftBudget
 from autoprec.search.measure import Harness, Measurement
 from autoprec.search.objective import Objective
 from autoprec.search.probe import kernel_fields, matmul_shape_counts, matmul_shapes, probe_kernels
@@ -104,7 +105,7 @@ class _Run:
     fp32: Measurement = field(default_factory=Measurement)
     autocast: Measurement = field(default_factory=Measurement)
     slow: float = math.inf  # max_step_s of every timed measurement after the fp32 baseline
-    budget: float = math.inf  # drift budget (max grad_rel_l2)
+    budget: DriftBudget | None = None  # the drift budget, set by _baselines
     forced: list[str] | None = None  # --dtypes, or None (the probe decides)
 
     @property
@@ -125,8 +126,10 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
         trials: Finished trials the study should hold (default 20); a resumed or shared study
             counts the trials it already has, so re-running the same command resumes.
         timeout: Stop sampling new trials after this many seconds.
-        max_drift: ``"auto"``: the ``grad_rel_l2`` of ``torch.autocast`` at the device's default
-            low dtype, measured in this run; or a number.
+        max_drift: ``"auto"``: not worse than ``torch.autocast`` at the device's default low dtype,
+            measured in this run on the same drift batches, beyond noise (a paired t-test on the
+            per-batch ``grad_rel_l2``, 2% margin: :class:`autoprec.search.decide.DriftBudget`);
+            or a number, a hard limit on the mean ``grad_rel_l2`` over the drift batches.
         device: ``auto``, ``cpu`` or ``cuda``.
         storage: Optuna storage URL (default: SQLite file beside ``out``). Any RDB URL works,
             so several workers can share one study.
@@ -244,14 +247,15 @@ def _baselines(run: _Run, drift_arg: float | None, memory_arg: tuple[str, float]
         run.autocast = h.measure(h.model, autocast_scaler(run.ac_dtype), autocast_dtype=run.ac_dtype,
                                  max_step_s=run.slow)
     ac = run.autocast
-    run.budget = ac.grad_rel_l2 if drift_arg is None else drift_arg
-    if not math.isfinite(run.budget):
+    if drift_arg is None and not (math.isfinite(ac.grad_rel_l2) and ac.grad_rel_l2_batches):
         raise SearchError(f"drift budget is not finite (torch.autocast: {ac.error}); pass --max-drift X")
+    run.budget = (DriftBudget.auto(ac.grad_rel_l2_batches) if drift_arg is None
+                  else DriftBudget.fixed(drift_arg))
     if memory_arg is not None and memory_arg[0] != "autocast":  # known now: fail before the trials
         memory_budget(memory_arg, run.fp32, ac, h.state_bytes, h.optimizer_name)
     note = f" ({ac.error or ac.note})" if ac.error or ac.note else ""
     log(f"fp32 eager {run.fp32.tokens_per_s:.0f} tok/s; autocast({run.ac_dtype}) eager {ac.tokens_per_s:.0f} tok/s"
-        f"{note}, grad_rel_l2 {ac.grad_rel_l2:.3g} -> drift budget {run.budget:.3g}; "
+        f"{note}, grad_rel_l2 {ac.grad_rel_l2:.3g} -> drift budget: {run.budget.describe()}; "
         f"{run.space.n_params} search parameters", run.quiet)
 
 
@@ -263,7 +267,8 @@ def _search(run: _Run, storage: str, study_name: str, seed: int, trials: int | N
     _adopt_study_kernels(run, stamped())  # another worker's
     check_study(study, storage, run.space)
     _adopt_study_kernels(run, stamped())  # one that stamped at the same moment
-    study.set_user_attr(attrs.DRIFT_BUDGET, run.budget)
+    study.set_user_attr(attrs.DRIFT_BUDGET, run.budget.value)
+    study.set_user_attr(attrs.DRIFT_RULE, run.budget.to_dict())
     if not study.trials:  # a new study: rank regions, then queue the baselines (resumes skip this)
         with run.clock("sensitivity_s"):
             sens = region_sensitivity(run.harness, run.space)
@@ -332,7 +337,7 @@ def _measured(run: _Run, sel: Selector, chosen: Policy, m: Measurement) -> dict[
         "speedup_vs_autocast": m.tokens_per_s / ref.tokens_per_s if ref.tokens_per_s else 0.0,
         "grad_rel_l2": m.grad_rel_l2, "loss_rel": m.loss_rel,
         "traj_rel": sel.traj_of(chosen), "peak_bytes": m.peak_bytes,
-        "drift_budget": run.budget,
+        "drift_budget": run.budget.value,
         # left out when torch.autocast itself overflowed (a policy file holds finite numbers only)
         **({"autocast_grad_rel_l2": run.autocast.grad_rel_l2} if math.isfinite(run.autocast.grad_rel_l2) else {}),
         **({"memory_budget_bytes": sel.memory_budget} if sel.memory_budget is not None else {}),
