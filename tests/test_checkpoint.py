@@ -150,3 +150,28 @@ def test_cli_checkpoint_resume(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "resumed from" in out and "at step 2" in out and "step    2" in out and "step    1 " not in out
     assert main(["train", str(TINY), "--policy", str(pol), "--resume"]) == 2
+
+
+def test_resume_of_finished_run_is_a_no_op(tmp_path, capsys):
+    """Issue 20, item 5: ``--resume`` on a checkpoint at step ≥ --steps exits 0 with one line."""
+    from autoprec.cli import main
+
+    pol = tmp_path / "p.json"
+    Policy.fp32().save(pol)
+    ck = tmp_path / "ck.pt"
+    base = ["train", str(TINY), "--policy", str(pol), "--no-compile", "--checkpoint", str(ck)]
+    assert main(base + ["--steps", "2"]) == 0
+    stamp = ck.stat().st_mtime_ns
+    capsys.readouterr()
+    for steps in ("2", "1"):
+        assert main(base + ["--steps", steps, "--resume"]) == 0
+        cap = capsys.readouterr()
+        assert cap.out.splitlines() == [f"checkpoint {ck} is at step 2 of --steps {steps}: the run is complete, "
+                                        "nothing to do"], cap
+        assert ck.stat().st_mtime_ns == stamp
+    res = train(TINY, pol, steps=2, checkpoint=ck, resume=True, compile=False, quiet=True)
+    assert res.complete and res.start_step == 2 and res.losses == []
+    other = tmp_path / "q.json"
+    Policy.default("bf16").save(other)
+    with pytest.raises(AutoprecError, match="different policy"):  # a finished run still checks the policy
+        train(TINY, other, steps=2, checkpoint=ck, resume=True, compile=False, quiet=True)

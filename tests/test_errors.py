@@ -163,9 +163,9 @@ def test_train_fingerprint_warning_then_resume_past_steps(tmp_path, capsys):
     before, stamp = files(tmp_path), os.stat(ck).st_mtime_ns
     log = tmp_path / "log.jsonl"
     code = main([*args, "--resume", "--log", str(log)])
-    err = capsys.readouterr().err
-    assert code == 2, err
-    assert f"checkpoint {ck} is already at step 1 ≥ --steps 1" in err
+    cap = capsys.readouterr()
+    assert code == 0, cap.err  # a finished run resumed is a no-op (issue 20, item 5)
+    assert cap.out.splitlines() == [f"checkpoint {ck} is at step 1 of --steps 1: the run is complete, nothing to do"]
     assert files(tmp_path) == before and os.stat(ck).st_mtime_ns == stamp
 
 

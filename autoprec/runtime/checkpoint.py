@@ -37,7 +37,8 @@ from autoprec.errors import AutoprecError
 from autoprec.policy import Policy
 from autoprec.runtime.scaler import DynamicLossScaler
 
-__all__ = ["CHECKPOINT_FORMAT", "Checkpoint", "load_checkpoint", "rng_state", "save_checkpoint", "set_rng_state"]
+__all__ = ["CHECKPOINT_FORMAT", "Checkpoint", "load_checkpoint", "peek_checkpoint", "rng_state", "save_checkpoint",
+           "set_rng_state"]
 
 #: Format version written under the ``"autoprec_checkpoint"`` key; loading rejects any other.
 CHECKPOINT_FORMAT = 1
@@ -132,17 +133,7 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
         ValueError: the scaler state is invalid (from ``DynamicLossScaler.load_state_dict``).
     """
     source = os.fspath(path)
-    try:
-        payload = torch.load(source, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise AutoprecError(f"{source}: no such checkpoint") from None
-    except Exception as e:  # unpickling errors come in many types
-        raise AutoprecError(f"{source}: not a loadable autoprec checkpoint ({type(e).__name__}: {e})") from e
-    if not isinstance(payload, dict) or "autoprec_checkpoint" not in payload:
-        raise AutoprecError(f"{source}: not an autoprec checkpoint (no 'autoprec_checkpoint' key)")
-    if payload["autoprec_checkpoint"] != CHECKPOINT_FORMAT:
-        raise AutoprecError(f"{source}: checkpoint format {payload['autoprec_checkpoint']!r} is not supported; "
-                            f"this autoprec reads format {CHECKPOINT_FORMAT}")
+    payload = _read(source)
     try:
         model.load_state_dict(payload["model"])
     except RuntimeError as e:
@@ -156,6 +147,44 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
         scaler.load_state_dict(payload["scaler"])
     if restore_rng:
         set_rng_state(payload["rng"])
+    return _meta(source, payload)
+
+
+def peek_checkpoint(path: str | os.PathLike) -> Checkpoint:
+    """The step counter, policy and ``extra`` of a checkpoint, without loading it into anything.
+
+    The file is memory-mapped (``torch.load(mmap=True)``), so the weights are not read: this is
+    cheap enough to decide, before a model is built, whether a resumed run has anything left to do.
+
+    Raises:
+        AutoprecError: the file is missing, not a checkpoint, or of an unknown format version.
+    """
+    source = os.fspath(path)
+    return _meta(source, _read(source, mmap=True))
+
+
+def _read(source: str, mmap: bool = False) -> dict[str, Any]:
+    """The checkpoint payload at ``source`` (weights_only, on the CPU), its format checked.
+
+    Raises:
+        AutoprecError: missing, not loadable, not an autoprec checkpoint, or of another format.
+    """
+    try:
+        payload = torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
+    except FileNotFoundError:
+        raise AutoprecError(f"{source}: no such checkpoint") from None
+    except Exception as e:  # unpickling errors come in many types
+        raise AutoprecError(f"{source}: not a loadable autoprec checkpoint ({type(e).__name__}: {e})") from e
+    if not isinstance(payload, dict) or "autoprec_checkpoint" not in payload:
+        raise AutoprecError(f"{source}: not an autoprec checkpoint (no 'autoprec_checkpoint' key)")
+    if payload["autoprec_checkpoint"] != CHECKPOINT_FORMAT:
+        raise AutoprecError(f"{source}: checkpoint format {payload['autoprec_checkpoint']!r} is not supported; "
+                            f"this autoprec reads format {CHECKPOINT_FORMAT}")
+    return payload
+
+
+def _meta(source: str, payload: dict[str, Any]) -> Checkpoint:
+    """The :class:`Checkpoint` (step, policy, extra) of a payload :func:`_read` returned."""
     policy = Policy.from_dict(json.loads(payload["policy"]), source=f"{source}:policy") \
         if payload["policy"] is not None else None
     return Checkpoint(step=int(payload["step"]), policy=policy, extra=dict(payload["extra"]))

@@ -26,7 +26,7 @@ from autoprec.errors import AutoprecError
 from autoprec.modelspec import load_model_spec
 from autoprec.policy import Policy
 from autoprec.runtime.apply import apply
-from autoprec.runtime.checkpoint import load_checkpoint, save_checkpoint
+from autoprec.runtime.checkpoint import load_checkpoint, peek_checkpoint, save_checkpoint
 from autoprec.runtime.distributed import (
     close_ranks,
     ddp,
@@ -56,6 +56,8 @@ class TrainResult:
         loss_scale: Final loss scale (1.0 without a scaler).
         start_step: First step run (``> 0`` when resumed from a checkpoint).
         summary: :meth:`Monitor.summary` of the steps run.
+        complete: The run was already complete: ``resume`` found a checkpoint at step ``steps`` or
+            beyond, so no model was built and no step ran (``start_step`` is the checkpoint's step).
     """
 
     losses: list[float] = field(default_factory=list)
@@ -65,6 +67,7 @@ class TrainResult:
     loss_scale: float = 1.0
     start_step: int = 0
     summary: dict[str, Any] = field(default_factory=dict)
+    complete: bool = False
 
 
 def _warn_if_other_model(policy: Policy, policy_path: str | os.PathLike, gm: Any, model_path: str) -> None:
@@ -95,7 +98,8 @@ def train(model_path: str | os.PathLike, policy_path: str | os.PathLike, steps: 
         log_every: Print every n-th step. quiet: Print nothing.
         checkpoint: Checkpoint file written at the end (and every ``checkpoint_every`` steps).
         resume: Continue from ``checkpoint`` if it exists (model, optimizer, scaler, step, RNG);
-            start from step 0 if it does not.
+            start from step 0 if it does not. A checkpoint already at step ``steps`` or beyond is a
+            finished run: one line says so and the result has ``complete=True`` (nothing written).
         checkpoint_every: Also save every this many steps (0: only at the end).
         log_path: JSONL file for the monitor (appended to).
         max_grad_norm: Clip unscaled gradients to this L2 norm.
@@ -104,7 +108,7 @@ def train(model_path: str | os.PathLike, policy_path: str | os.PathLike, steps: 
         ModelSpecError: invalid model file. PolicyError: invalid policy file.
         CaptureError / PassError: the policy cannot be applied to this model.
         AutoprecError: ``--resume`` with a checkpoint saved under a different policy or model, or
-            one already at step ``steps`` or beyond.
+            a file that is not a checkpoint.
         LossScaleError: non-finite gradients persist at the scale floor (names the node).
         ValueError: ``steps`` < 1, or ``resume`` without ``checkpoint``.
     """
@@ -115,6 +119,10 @@ def train(model_path: str | os.PathLike, policy_path: str | os.PathLike, steps: 
     policy = Policy.load(policy_path)
     spec = load_model_spec(model_path)
     ranks = ranks_from_env()
+    if resume and Path(checkpoint).exists():
+        done = _finished(checkpoint, policy_path, policy, steps, quiet or not ranks.lead)
+        if done is not None:
+            return done
     dev = init_ranks(resolve_device(device), ranks)
     try:
         return _train(spec, policy, policy_path, dev, ranks, steps, compile, log_every, quiet or not ranks.lead,
@@ -167,21 +175,45 @@ def _train(spec: Any, policy: Policy, policy_path: str | os.PathLike, dev: Any, 
     return _result(done, start, step, monitor)
 
 
+def _finished(checkpoint: str | os.PathLike, policy_path: str | os.PathLike, policy: Policy, steps: int,
+              quiet: bool) -> TrainResult | None:
+    """The result of a run that ``checkpoint`` shows complete (step ≥ ``steps``), after one line
+    saying so; None when steps are left. Reads only the checkpoint's step and policy.
+
+    Raises:
+        AutoprecError: not a checkpoint, or saved under another policy.
+    """
+    ck = peek_checkpoint(checkpoint)
+    _check_policy(checkpoint, ck, policy_path, policy)
+    if ck.step < steps:
+        return None
+    if not quiet:
+        print(f"checkpoint {checkpoint} is at step {ck.step} of --steps {steps}: the run is complete, "
+              "nothing to do", flush=True)
+    return TrainResult(start_step=ck.step, complete=True)
+
+
+def _check_policy(checkpoint: str | os.PathLike, ck: Any, policy_path: str | os.PathLike, policy: Policy) -> None:
+    """Raise :class:`AutoprecError` when checkpoint ``ck`` was saved under a policy other than ``policy``."""
+    if ck.policy is not None and ck.policy.training_key() != policy.training_key():
+        raise AutoprecError(f"{checkpoint}: saved under a different policy than {policy_path} "
+                            f"({ck.policy.summary()} vs {policy.summary()})")
+
+
 def _resume(checkpoint: str | os.PathLike, policy_path: str | os.PathLike, policy: Policy, step: TrainStep,
             model: Any, steps: int, quiet: bool) -> int:
     """Load ``checkpoint`` into the model, optimizer, scaler and RNG if it exists; the step to start at.
 
     Raises:
-        AutoprecError: saved under another policy, or already at step ``steps`` or beyond.
+        AutoprecError: saved under another policy, or already at step ``steps`` or beyond (the
+            file changed since :func:`_finished` read it).
     """
     if not Path(checkpoint).exists():
         if not quiet:
             print(f"no checkpoint at {checkpoint}; starting from step 0", flush=True)
         return 0
     ck = load_checkpoint(checkpoint, model, step.optimizer, step.scaler)
-    if ck.policy is not None and ck.policy.training_key() != policy.training_key():
-        raise AutoprecError(f"{checkpoint}: saved under a different policy than {policy_path} "
-                            f"({ck.policy.summary()} vs {policy.summary()})")
+    _check_policy(checkpoint, ck, policy_path, policy)
     if ck.step >= steps:
         raise AutoprecError(f"checkpoint {checkpoint} is already at step {ck.step} ≥ --steps {steps}; "
                             f"pass --steps larger than {ck.step} to train further")
