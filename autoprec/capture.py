@@ -30,7 +30,7 @@ from torch import fx, nn
 
 from autoprec.dims import export_ranges, export_refined, plan_dims
 from autoprec.errors import CaptureError
-from autoprec.modelspec import prepare_output, split_batch, training_kwargs
+from autoprec.modelspec import positional_binding, prepare_output, split_batch, training_kwargs
 from autoprec.nodekeys import assign_keys, mark_regions
 from autoprec.shapes import DIMS_META
 
@@ -152,7 +152,8 @@ def capture(model: nn.Module, example_batch: Any, dynamic: bool = False,
         CaptureError: ``torch.export`` failed; the message names the cause (a data-dependent
             branch, an op that cannot be traced, an output type that cannot be flattened, or
             torch's own message), the module class and the source line of the model code, and
-            what to do.
+            what to do; for a list batch, also how its items were bound to ``forward``'s
+            parameters (:func:`autoprec.modelspec.positional_binding`).
 
     torch's own ``FutureWarning`` about ``isinstance(treespec, LeafSpec)`` is filtered during the
     export (:func:`quiet_pytree_deprecation`); warnings raised by the model's code still show.
@@ -170,7 +171,10 @@ def capture(model: nn.Module, example_batch: Any, dynamic: bool = False,
     except CaptureError:
         raise
     except Exception as e:  # torch raises many types here (UserError, GuardOnDataDependent...)
-        raise CaptureError(_binding_error(model, args, kwargs) or _explain(e, model)) from e
+        msg = _binding_error(model, args, kwargs) or _explain(e, model)
+        if isinstance(example_batch, list) and (bound := positional_binding(model, example_batch)):
+            msg += f"\n  Note: {bound}."  # a list is bound like a tuple; say so (issue 20)
+        raise CaptureError(msg) from e
     finally:
         model.train(was_training)
     with quiet_pytree_deprecation():

@@ -27,6 +27,7 @@ from autoprec.modelspec.batch import (
     default_loss_fn,
     default_make_optimizer,
     default_tokens_per_batch,
+    positional_binding,
     split_batch,
 )
 from autoprec.modelspec.loader import ModelSpec, load_model_spec
@@ -49,6 +50,7 @@ __all__ = [
     "default_tokens_per_batch",
     "drop_fixed_kwargs",
     "load_model_spec",
+    "positional_binding",
     "prepare_output",
     "validate_spec",
     "split_batch",

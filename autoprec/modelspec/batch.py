@@ -8,6 +8,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
+import inspect
+
 import torch
 from torch import nn
 
@@ -15,7 +17,7 @@ from autoprec.errors import ModelSpecError
 from autoprec.modelspec.outputs import training_kwargs
 
 __all__ = ["call_model", "default_loss_fn", "default_make_optimizer", "default_tokens_per_batch",
-           "split_batch"]
+           "positional_binding", "split_batch"]
 
 
 def split_batch(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -27,6 +29,42 @@ def split_batch(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     if isinstance(batch, (tuple, list)):
         return tuple(batch), {}
     return (batch,), {}
+
+
+def positional_binding(model: Any, batch: Any) -> str | None:
+    """How a tuple or list batch of two or more items binds to ``model.forward``, for error messages.
+
+    A sequence batch is passed positionally (:func:`split_batch`), so its order must be
+    ``forward``'s parameter order; when the forward fails, this names the mapping, e.g.
+    ``get_batch returned a list of 3 items, passed positionally: batch[0] -> input_ids,
+    batch[1] -> attention_mask, batch[2] -> decoder_input_ids (T5.forward(input_ids, ...))``.
+
+    Args:
+        model: The module (or a callable); its ``forward`` (else the callable) is inspected.
+        batch: What ``get_batch`` returned.
+
+    Returns:
+        The sentence, or None for any other batch or a callable without a signature.
+    """
+    if not isinstance(batch, (tuple, list)) or len(batch) < 2:
+        return None
+    fn = getattr(getattr(model, "_orig_mod", model), "forward", model)
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+    names, rest = [], None
+    for n, p in sig.parameters.items():
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            names.append(n)
+        elif p.kind is p.VAR_POSITIONAL:
+            rest = f"*{n}"
+            break
+    pairs = [f"batch[{i}] -> {names[i] if i < len(names) else rest or '(no parameter: too many items)'}"
+             for i in range(len(batch))]
+    owner = type(getattr(model, "_orig_mod", model)).__name__ if isinstance(model, nn.Module) else "the model"
+    return (f"get_batch returned a {type(batch).__name__} of {len(batch)} items, passed positionally: "
+            f"{', '.join(pairs)} ({owner}.forward{sig}); return a dict to pass the items by name")
 
 
 def call_model(model: Callable[..., Any], batch: Any) -> Any:

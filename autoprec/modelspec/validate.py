@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from autoprec.errors import ModelSpecError
-from autoprec.modelspec.batch import _describe, call_model
+from autoprec.modelspec.batch import _describe, call_model, positional_binding
 from autoprec.modelspec.loader import _OPTIONAL, _REQUIRED, ModelSpec
 
 __all__ = ["validate_spec"]
@@ -111,7 +111,9 @@ def validate_spec(spec: ModelSpec, device: torch.device | str = "cpu") -> tuple[
         ModelSpecError: an entry point raised (named, with the line in the file); ``build_model``
             returned no ``nn.Module``; ``get_batch`` returned something other than a Tensor,
             tuple/list or dict, or two different batches for step 0, or a dict key ``forward``
-            does not take; the loss is not a floating scalar tensor that requires grad;
+            does not take; the forward raised (for a tuple or list batch the message names how
+            its items were bound to ``forward``'s parameters: :func:`positional_binding`); the
+            loss is not a floating scalar tensor that requires grad;
             ``make_optimizer`` returned no ``torch.optim.Optimizer``.
     """
     dev = torch.device(device)
@@ -131,7 +133,12 @@ def validate_spec(spec: ModelSpec, device: torch.device | str = "cpu") -> tuple[
                                  "it must be deterministic in step (e.g. seed a torch.Generator with step)")
         if isinstance(batch, Mapping):
             _check_batch_keys(spec, model, batch)
-        out = _call_entry(spec, "the model's forward on get_batch(0)", call_model, model, batch)
+        try:
+            out = _call_entry(spec, "the model's forward on get_batch(0)", call_model, model, batch)
+        except ModelSpecError as e:
+            if (bound := positional_binding(model, batch)) is None:
+                raise
+            raise ModelSpecError(f"{e}; {bound}") from e
         loss = _call_entry(spec, "loss_fn", spec.loss_fn, out, batch)
         _check_loss(spec, loss)
         del out, loss

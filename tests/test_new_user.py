@@ -1,0 +1,83 @@
+"""What a new user trips over (issue 20): a list batch's positional binding named in the error, an
+impossible memory budget refused before capture, one line per failed trial, quiet logs, ``show``'s
+summary without ``--model``."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from autoprec.errors import CaptureError, ModelSpecError
+from autoprec.modelspec import load_model_spec, positional_binding, validate_spec
+
+# A seq2seq-like forward whose third parameter is not ``labels``: a list [ids, mask, labels] binds
+# labels to decoder_input_ids, and the embedding lookup of -100 fails (as T5's did).
+SEQ2SEQ = textwrap.dedent("""
+    import torch
+    from torch import nn
+
+    class Seq2Seq(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(16, 8)
+            self.out = nn.Linear(8, 16)
+
+        def forward(self, input_ids, attention_mask=None, decoder_input_ids=None, labels=None):
+            h = self.emb(input_ids).mean(1, keepdim=True) + self.emb(decoder_input_ids)
+            return self.out(h).float().mean()
+
+    def build_model():
+        return Seq2Seq()
+
+    def get_batch(step, device):
+        ids = torch.arange(6, device=device).reshape(2, 3)
+        labels = torch.full((2, 3), -100, device=device)
+        return [ids, torch.ones_like(ids), labels]
+
+    def loss_fn(output, batch):
+        return output
+""")
+
+
+def test_list_batch_failure_names_the_positional_mapping(tmp_path: Path) -> None:
+    path = tmp_path / "model.py"
+    path.write_text(SEQ2SEQ)
+    with pytest.raises(ModelSpecError) as e:
+        validate_spec(load_model_spec(path))
+    msg = str(e.value)
+    assert str(path) in msg and "IndexError" in msg
+    assert "list of 3 items, passed positionally" in msg
+    assert "batch[0] -> input_ids, batch[1] -> attention_mask, batch[2] -> decoder_input_ids" in msg
+    assert "return a dict" in msg
+
+
+def test_list_batch_capture_error_names_the_mapping() -> None:
+    from autoprec.capture import capture
+
+    class Two(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(4, 2)
+
+        def forward(self, tokens, targets):
+            return self.emb(tokens).sum() + self.emb(targets).sum()
+
+    batch = [torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 3, dtype=torch.long), torch.zeros(1)]
+    with pytest.raises(CaptureError, match=r"batch\[0\] -> tokens, batch\[1\] -> targets, batch\[2\] -> \(no "):
+        capture(Two(), batch)
+
+
+def test_positional_binding_rules() -> None:
+    class VarArgs(nn.Module):
+        def forward(self, x, *rest):
+            return x
+
+    assert positional_binding(VarArgs(), torch.zeros(1)) is None  # not a sequence
+    assert positional_binding(VarArgs(), [torch.zeros(1)]) is None  # one item binds one way only
+    text = positional_binding(VarArgs(), (1, 2, 3))
+    assert text is not None and "tuple of 3 items" in text
+    assert "batch[0] -> x, batch[1] -> *rest, batch[2] -> *rest" in text and "VarArgs.forward(x, *rest)" in text
