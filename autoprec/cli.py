@@ -23,9 +23,9 @@ from autoprec.errors import AutoprecError
 __all__ = ["main"]
 
 
-def _validate_model(path: str, device: str = "auto") -> None:
+def _validate_model(path: str, device: str = "auto") -> tuple:
     """Load the model file and run each entry point once (one forward pass), so a bad file fails
-    with a :class:`ModelSpecError` naming it before anything is written."""
+    with a :class:`ModelSpecError` naming it before anything is written; ``(spec, model)``."""
     from autoprec.device import resolve_device
     from autoprec.modelspec import load_model_spec, validate_spec
 
@@ -34,7 +34,7 @@ def _validate_model(path: str, device: str = "auto") -> None:
         dev = resolve_device(device)
     except ValueError as e:
         raise AutoprecError(f"--device: {e}") from None
-    validate_spec(spec, dev)
+    return spec, validate_spec(spec, dev)[0]
 
 
 def _make_parents(*paths: str | None) -> list:
@@ -90,13 +90,15 @@ def _remove_if_empty(dirs: list) -> None:
 
 
 def _cmd_tune(a: argparse.Namespace) -> int:
-    from autoprec.search.budgets import parse_max_memory
+    from autoprec.search.budgets import check_memory_floor, parse_max_memory
     from autoprec.search.storage import check_sqlite_file, check_storage_url, default_storage, sqlite_path
 
-    parse_max_memory(a.max_memory)  # a bad value fails before the model is built
+    memory = parse_max_memory(a.max_memory)  # a bad value fails before the model is built
     if a.storage is not None:
         check_storage_url(a.storage)
-    _validate_model(a.model, a.device)
+    spec, model = _validate_model(a.model, a.device)
+    check_memory_floor(memory, model, spec.make_optimizer)  # bytes below the fp32 state: before capture
+    del model
     created = _make_parents(a.out, sqlite_path(a.storage))
     try:
         _check_writable("--out", a.out)  # the default study database sits beside it

@@ -188,3 +188,25 @@ def test_tune_max_memory_tries_both_levers_and_reports_them(tmp_path, capsys, wi
     ws = with_saved(Policy.fp32(), "bf16")
     assert [(r.op_class, r.saved, r.dtype) for r in ws.rules] == [
         ("matmul", "bf16", None), ("sensitive", "bf16", None), ("follow", "bf16", None)]
+
+
+def test_cli_budget_below_parameter_state_fails_before_capture(tmp_path, capsys, monkeypatch):
+    """Issue 20, item 4: a byte budget below the fp32 parameters, gradients and optimizer state is
+    refused right after the model is built: exit 2, no capture, no probe, nothing written."""
+    import autoprec.cli as cli
+
+    def no_tune(_a):
+        raise AssertionError("capture and probing must not start")
+
+    monkeypatch.setattr(cli, "_tune", no_tune)
+    out = tmp_path / "sub" / "p.json"
+    n_params = sum(p.numel() for p in load_model_spec(WIDE).build_model().parameters())
+    assert main(["tune", WIDE, "--max-memory", "10KiB", "--out", str(out), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "--max-memory: the budget (10240 bytes) is not above" in err and "AdamW" in err
+    assert f"{n_params:,} parameters need at least" in err and f"({16 * n_params:,} bytes)" in err
+    assert not (tmp_path / "sub").exists()
+    sgd = Path(__file__).resolve().parent / "models" / "sgd_mlp.py"  # the model file's optimizer counts
+    n_sgd = sum(p.numel() for p in load_model_spec(sgd).build_model().parameters())
+    assert main(["tune", str(sgd), "--max-memory", "1000", "--out", str(out), "--device", "cpu"]) == 2
+    assert f"SGD state of this model alone: {n_sgd:,} parameters need at least" in capsys.readouterr().err

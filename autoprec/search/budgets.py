@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
+from typing import Any
 
 from autoprec.dtypes import FP8_COMPUTE, LOW_DTYPES
 from autoprec.errors import SearchError
 from autoprec.search.measure import Measurement
 
-__all__ = ["format_bytes", "memory_budget", "parse_dtypes", "parse_max_drift", "parse_max_memory"]
+__all__ = ["check_memory_floor", "format_bytes", "memory_budget", "parse_dtypes", "parse_max_drift",
+           "parse_max_memory"]
 
 _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
 
@@ -77,6 +80,39 @@ def parse_max_memory(max_memory: str | float | None) -> tuple[str, float] | None
 def format_bytes(n: float) -> str:
     """``n`` bytes for messages: MiB when large, else the exact count."""
     return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n:.0f} bytes"
+
+
+def check_memory_floor(arg: tuple[str, float] | None, model: Any, make_optimizer: Callable[[list], Any],
+                       option: str = "--max-memory") -> None:
+    """Refuse, right after the model is built and before any capture or measurement, a byte budget
+    no policy can meet: one not above the fp32 parameters, their gradients and the optimizer's state
+    (:func:`autoprec.runtime.train.training_state_bytes` with a fresh ``make_optimizer(params)``:
+    16 bytes per fp32 parameter for Adam and AdamW), which every policy keeps (master weights).
+
+    Args:
+        arg: :func:`parse_max_memory`'s result; only ``("bytes", n)`` is checked (a multiple of a
+            baseline's peak needs that baseline measured: :func:`memory_budget` checks it then).
+        model: The built model (its trainable parameters are counted; weights are left unchanged).
+        make_optimizer: The model file's ``make_optimizer``.
+        option: The option named in the message.
+
+    Raises:
+        SearchError: the budget is at or below that floor; the message names the budget, the
+            parameter count and the minimum bytes.
+    """
+    if arg is None or arg[0] != "bytes":
+        return
+    from autoprec.runtime.train import training_state_bytes
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = make_optimizer(params)
+    floor = training_state_bytes(params, optimizer)
+    if arg[1] <= floor:
+        count = sum(p.numel() for p in params)
+        raise SearchError(f"{option}: the budget ({format_bytes(arg[1])}) is not above the fp32 parameters, "
+                          f"gradients and {type(optimizer).__name__} state of this model alone: {count:,} "
+                          f"parameters need at least {format_bytes(floor)} ({floor:,} bytes) whatever the "
+                          "policy (master weights, docs/architecture.md#runtime); raise the budget")
 
 
 def memory_budget(arg: tuple[str, float] | None, fp32: Measurement, autocast: Measurement,
