@@ -166,8 +166,8 @@ def test_resume_of_finished_run_is_a_no_op(tmp_path, capsys):
     for steps in ("2", "1"):
         assert main(base + ["--steps", steps, "--resume"]) == 0
         cap = capsys.readouterr()
-        assert cap.out.splitlines() == [f"checkpoint {ck} is at step 2 of --steps {steps}: the run is complete, "
-                                        "nothing to do"], cap
+        line = f"checkpoint {ck} is at step 2 of --steps {steps}: the run is complete, nothing to do"
+        assert cap.out.splitlines() == [line], cap
         assert ck.stat().st_mtime_ns == stamp
     res = train(TINY, pol, steps=2, checkpoint=ck, resume=True, compile=False, quiet=True)
     assert res.complete and res.start_step == 2 and res.losses == []

@@ -165,7 +165,8 @@ def test_train_fingerprint_warning_then_resume_past_steps(tmp_path, capsys):
     code = main([*args, "--resume", "--log", str(log)])
     cap = capsys.readouterr()
     assert code == 0, cap.err  # a finished run resumed is a no-op (issue 20, item 5)
-    assert cap.out.splitlines() == [f"checkpoint {ck} is at step 1 of --steps 1: the run is complete, nothing to do"]
+    line = f"checkpoint {ck} is at step 1 of --steps 1: the run is complete, nothing to do"
+    assert cap.out.splitlines() == [line]
     assert files(tmp_path) == before and os.stat(ck).st_mtime_ns == stamp
 
 

@@ -37,8 +37,8 @@ from autoprec.errors import AutoprecError
 from autoprec.policy import Policy
 from autoprec.runtime.scaler import DynamicLossScaler
 
-__all__ = ["CHECKPOINT_FORMAT", "Checkpoint", "load_checkpoint", "peek_checkpoint", "rng_state", "save_checkpoint",
-           "set_rng_state"]
+__all__ = ["CHECKPOINT_FORMAT", "Checkpoint", "load_checkpoint", "peek_checkpoint", "rng_state",
+           "save_checkpoint", "set_rng_state"]
 
 #: Format version written under the ``"autoprec_checkpoint"`` key; loading rejects any other.
 CHECKPOINT_FORMAT = 1

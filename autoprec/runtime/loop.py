@@ -193,7 +193,8 @@ def _finished(checkpoint: str | os.PathLike, policy_path: str | os.PathLike, pol
     return TrainResult(start_step=ck.step, complete=True)
 
 
-def _check_policy(checkpoint: str | os.PathLike, ck: Any, policy_path: str | os.PathLike, policy: Policy) -> None:
+def _check_policy(checkpoint: str | os.PathLike, ck: Any, policy_path: str | os.PathLike,
+                  policy: Policy) -> None:
     """Raise :class:`AutoprecError` when checkpoint ``ck`` was saved under a policy other than ``policy``."""
     if ck.policy is not None and ck.policy.training_key() != policy.training_key():
         raise AutoprecError(f"{checkpoint}: saved under a different policy than {policy_path} "
