@@ -21,7 +21,6 @@ import logging
 import re
 import sys
 import warnings
-import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -37,7 +36,9 @@ from autoprec.shapes import DIMS_META
 __all__ = ["CALL_KWARGS_META", "capture", "quiet_pytree_deprecation"]
 
 _log = logging.getLogger("autoprec")
-_logged: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # models whose training kwargs were announced
+#: (model class, its source file, the fixed kwargs) already announced: said once per process, however
+#: many instances or captures (bench captures twice; a model file loaded again counts as the same)
+_announced: set[tuple[str, str, str]] = set()
 
 #: ``gm.meta`` key of the keyword arguments capture fixed for training (e.g. ``{"use_cache": False}``;
 #: ``{}`` when none): they are part of the graph, so a call must not pass other values.
@@ -146,7 +147,7 @@ def capture(model: nn.Module, example_batch: Any, dynamic: bool = False,
         dicts and ``None`` fields keep their type and fields, other values without tensors are
         returned unchanged. When ``forward`` has a ``use_cache`` parameter the batch does not set,
         the graph is the forward with ``use_cache=False`` (training needs no KV cache; logged once
-        per model on the ``autoprec`` logger); ``gm.meta[CALL_KWARGS_META]`` records it.
+        per process per model class on the ``autoprec`` logger); ``gm.meta[CALL_KWARGS_META]`` records it.
 
     Raises:
         CaptureError: ``torch.export`` failed; the message names the cause (a data-dependent
@@ -190,9 +191,15 @@ def capture(model: nn.Module, example_batch: Any, dynamic: bool = False,
 
 
 def _announce(model: nn.Module, fixed: dict[str, Any]) -> None:
-    if fixed and model not in _logged:
-        _logged.add(model)
-        args = ", ".join(f"{k}={v!r}" for k, v in fixed.items())
+    """Log (INFO, ``autoprec`` logger) the training kwargs the capture fixes, once per process per
+    model class (by name and source file) and kwargs."""
+    if not fixed:
+        return
+    cls = type(model)
+    args = ", ".join(f"{k}={v!r}" for k, v in fixed.items())
+    key = (cls.__qualname__, str(getattr(sys.modules.get(cls.__module__), "__file__", cls.__module__)), args)
+    if key not in _announced:
+        _announced.add(key)
         _log.info("capturing %s for training with %s (forward() accepts it and the batch does not set it; "
                   "training needs no KV cache); the module apply() returns runs with it on every call",
                   type(model).__name__, args)

@@ -61,11 +61,15 @@ def _batch():
     return {"input_ids": ids, "labels": ids}
 
 
-def test_use_cache_is_off_for_training_and_said_once(caplog):
+def test_use_cache_is_off_for_training_and_said_once(caplog, monkeypatch):
+    import sys
+
+    monkeypatch.setattr(sys.modules["autoprec.capture"], "_announced", set())  # as in a fresh process
     model, batch = CacheLM(), _batch()
     with caplog.at_level(logging.INFO, logger="autoprec"):
         gm = capture(model, batch)
         capture(model, batch)  # the same model again: nothing new to say
+        capture(CacheLM(), batch)  # nor another instance: once per process (issue 20)
     said = [r for r in caplog.records if r.name == "autoprec"]
     assert len(said) == 1 and said[0].levelno == logging.INFO
     assert "CacheLM" in said[0].getMessage() and "use_cache=False" in said[0].getMessage()

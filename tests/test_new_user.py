@@ -4,6 +4,7 @@ summary without ``--model``."""
 
 from __future__ import annotations
 
+import logging
 import textwrap
 from pathlib import Path
 
@@ -82,3 +83,68 @@ def test_positional_binding_rules() -> None:
     assert text is not None and "tuple of 3 items" in text
     assert "batch[0] -> x, batch[1] -> *rest, batch[2] -> *rest" in text
     assert "VarArgs.forward(x, *rest)" in text
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def test_failed_trial_is_one_autoprec_line(capsys) -> None:
+    """Issue 20, item 7: Optuna's two warnings per failed trial are gone; one autoprec line per
+    failed trial gives the reason from ``autoprec:error``."""
+    import math
+
+    import optuna
+
+    from autoprec.search import attrs
+    from autoprec.search.trials import _run_trials
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    theirs, ours = _Records(), _Records()
+    logging.getLogger("optuna").addHandler(theirs)
+    log = logging.getLogger("autoprec")
+    log.addHandler(ours)
+    level, log.level = log.level, logging.INFO
+
+    def objective(trial):
+        trial.suggest_float("a", 0, 1)
+        if trial.number == 1:
+            trial.set_user_attr(attrs.ERROR, "non-finite loss\n at step 0")
+            return math.nan
+        return 1.0
+
+    try:
+        study = optuna.create_study()
+        _run_trials(study, objective, target=3, t_end=None, progress=False)
+        _run_trials(study, objective, target=4, t_end=None, progress=True)  # the filter is added once
+    finally:
+        logging.getLogger("optuna").removeHandler(theirs)
+        log.removeHandler(ours)
+        log.setLevel(level)
+    assert not [m for m in theirs.lines if "failed with" in m], theirs.lines
+    assert ours.lines == ["trial 1 failed: non-finite loss at step 0"]
+    assert len(logging.getLogger("optuna.study._optimize").filters) == 1
+
+
+def test_compile_graph_filters_inductor_mixed_dtype_warning() -> None:
+    """Issue 20, item 7: Inductor's "bf16 and fp16 are mixed in the scheduler node" is filtered
+    once (no compile runs here: torch.compile is lazy), other UserWarnings still show."""
+    import warnings
+
+    from autoprec.runtime.apply import compile_graph
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        compile_graph(nn.Linear(2, 2))
+        compile_graph(nn.Linear(2, 2))
+        warnings.warn("bf16 and fp16 are mixed in the scheduler node.", UserWarning)
+        warnings.warn("another warning", UserWarning)
+        mine = [f for f in warnings.filters if f[1] is not None and "mixed in the scheduler" in f[1].pattern]
+    said = [str(w.message) for w in seen]
+    assert "another warning" in said and not [m for m in said if "mixed in the scheduler" in m]
+    assert len(mine) == 1

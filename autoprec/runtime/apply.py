@@ -52,9 +52,14 @@ def compile_graph(gm: nn.Module, activation_memory_budget: float = 1.0) -> Any:
     compiled with those activations saved low and every call runs inside
     :func:`autoprec.runtime.saved.saved_activation_context` (a :class:`autoprec.runtime.saved.SavedCall`).
 
+    Inductor's CPU code generator warns ``bf16 and fp16 are mixed in the scheduler node`` for every
+    kernel that fuses both (a policy with both dtypes: many times per tune); that one message is
+    filtered (:func:`_quiet_mixed_dtype_warning`), other warnings still show.
+
     Returns:
         A callable with ``gm``'s signature.
     """
+    _quiet_mixed_dtype_warning()
     dynamic = isinstance(gm, fx.GraphModule) and _symbolic_inputs(gm)
     saved = isinstance(gm, fx.GraphModule) and has_saved(gm)  # nodes' ``saved`` dtypes: autoprec.runtime.saved
     fn = torch.compile(apply_saved(gm, compiled=True) if saved else gm, backend="inductor",
@@ -62,6 +67,20 @@ def compile_graph(gm: nn.Module, activation_memory_budget: float = 1.0) -> Any:
     fn = fn if activation_memory_budget >= 1.0 else _WithMemoryBudget(fn, activation_memory_budget)
     fn = SavedCall(fn, saved_activation_context(gm), compiled=True) if saved else fn
     return CompileLog(fn, "the dynamic-shape graph") if dynamic else fn
+
+
+#: The message of Inductor's warning (torch/_inductor/codegen/cpp.py) that compile_graph filters.
+_MIXED_DTYPE_WARNING = r"bf16 and fp16 are mixed in the scheduler node"
+
+
+def _quiet_mixed_dtype_warning() -> None:
+    """Add an ``ignore`` filter for :data:`_MIXED_DTYPE_WARNING` unless one is in place. The
+    warning comes when a compiled graph first runs, after compile_graph returns, so the filter is
+    process-wide, not a ``catch_warnings`` block; it is checked on every call because a caller's
+    ``catch_warnings`` (the CLI's) may have restored the filters since."""
+    if not any(action == "ignore" and regex is not None and regex.pattern == _MIXED_DTYPE_WARNING
+               for action, regex, *_ in warnings.filters):
+        warnings.filterwarnings("ignore", message=_MIXED_DTYPE_WARNING, category=UserWarning)
 
 
 def _symbolic_inputs(gm: fx.GraphModule) -> bool:

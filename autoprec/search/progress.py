@@ -1,12 +1,20 @@
-"""What ``tune`` tells the user while it runs: log lines and seconds per phase."""
+"""What ``tune`` tells the user while it runs: log lines, one line per failed trial, and seconds
+per phase."""
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import re
+import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
-__all__ = ["Clock", "log"]
+__all__ = ["Clock", "failed_trial_logger", "log", "quiet_optuna_failures"]
+
+# Optuna's two warnings per failed trial (optuna/study/_optimize.py, _log_failed_trial).
+_OPTUNA_FAILED = re.compile(r"Trial \d+ failed with (parameters: .* because of the following error: |value )")
 
 
 def log(msg: str, quiet: bool) -> None:
@@ -34,3 +42,50 @@ class Clock:
     def done(self) -> dict[str, float]:
         """Seconds per phase, plus ``total_s`` since the clock was made."""
         return {**self.times, "total_s": time.perf_counter() - self.t0}
+
+
+class _DropOptunaFailures(logging.Filter):
+    """Drops Optuna's "Trial N failed with parameters: … because of the following error: …" and
+    "Trial N failed with value …" warnings, except one carrying a traceback (an objective that
+    raised: autoprec's objective reports its failures through ``autoprec:error`` instead)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.exc_info is not None or not _OPTUNA_FAILED.match(record.getMessage())
+
+
+def quiet_optuna_failures() -> None:
+    """Silence Optuna's own per-trial failure warnings (idempotent: the filter is added once, to
+    the logger that emits them, ``optuna.study._optimize``); :func:`failed_trial_logger` says
+    instead, in one line, why each trial failed."""
+    logger = logging.getLogger("optuna.study._optimize")
+    if not any(isinstance(f, _DropOptunaFailures) for f in logger.filters):
+        logger.addFilter(_DropOptunaFailures())
+
+
+def failed_trial_logger(progress: bool) -> Callable[[Any, Any], None]:
+    """An Optuna callback ``(study, frozen_trial)`` that, for a trial that ended FAIL with an
+    ``autoprec:error`` user attribute, says ``[autoprec] trial N failed: <reason>`` once (e.g.
+    ``non-finite loss``, ``lowering failed: …``).
+
+    Args:
+        progress: Optuna's progress bar is shown: the line is written through ``tqdm.write`` on
+            stderr, above the bar; otherwise it goes to the ``autoprec`` logger at INFO (which the
+            CLI prints as ``[autoprec] …``; silent in the Python API unless logging is set up).
+    """
+    import optuna
+
+    from autoprec.search import attrs
+
+    def callback(_study: Any, trial: Any) -> None:
+        if trial.state != optuna.trial.TrialState.FAIL or attrs.ERROR not in trial.user_attrs:
+            return
+        reason = " ".join(str(trial.user_attrs[attrs.ERROR]).split())
+        text = f"trial {trial.number} failed: {reason[:300]}{'…' if len(reason) > 300 else ''}"
+        if progress:
+            from tqdm import tqdm
+
+            tqdm.write(f"[autoprec] {text}", file=sys.stderr)
+        else:
+            logging.getLogger("autoprec").info("%s", text)
+
+    return callback

@@ -15,6 +15,7 @@ from autoprec.runtime.train import make_scaler
 from autoprec.search import attrs
 from autoprec.search.measure import Harness
 from autoprec.search.objective import Objective, is_dead_worker, reap_dead_trials, retried_numbers, retry_of
+from autoprec.search.progress import failed_trial_logger, quiet_optuna_failures
 from autoprec.search.space import SearchSpace
 
 __all__ = ["enqueue_baselines", "feasible", "finished", "optimize", "region_sensitivity"]
@@ -107,6 +108,8 @@ def _run_trials(study: optuna.Study, objective: Objective, target: int, t_end: f
         if finished(study) >= target:
             study.stop()
 
+    quiet_optuna_failures()  # one autoprec line per failed trial instead of Optuna's two
+    said = failed_trial_logger(progress)
     for _ in range(target + 1):
         remaining = target - finished(study)
         left = None if t_end is None else t_end - time.monotonic()
@@ -115,7 +118,7 @@ def _run_trials(study: optuna.Study, objective: Objective, target: int, t_end: f
         try:
             # check: a Ctrl-C swallowed during the trial (see autoprec._interrupt) stops here
             study.optimize(objective, n_trials=remaining, timeout=left, show_progress_bar=progress,
-                           catch=(Exception,), callbacks=[stop, lambda _study, _trial: check_interrupt()])
+                           catch=(Exception,), callbacks=[said, stop, lambda _study, _trial: check_interrupt()])
             break
         except ValueError as e:
             # SQLite has no row locks: two workers can pop the same queued trial, and the second
