@@ -223,18 +223,25 @@ def _cmd_report(a: argparse.Namespace) -> int:
 
 
 def _cmd_show(a: argparse.Namespace) -> int:
+    """``autoprec show P.json [--model M] [--json]``: the policy's summary (with ``--model``, plus
+    the dtypes per module and the nodes each rule matches); ``--json``: the file's JSON."""
     from autoprec.policy import Policy
+    from autoprec.search.report import policy_summary
 
     pol = Policy.load(a.policy)
+    if a.json:
+        print(pol.to_json())
+        return 0
     if a.model:
         from autoprec.search.report import show_nodes
 
         _validate_model(a.model, "cpu")
         with _naming_policy(a.policy):
             nodes = show_nodes(pol, a.model)
-    print(pol.to_json())
-    if a.model:
+        print(policy_summary(pol, a.policy, rules=False))
         print(nodes)
+    else:
+        print(policy_summary(pol, a.policy))
     return 0
 
 

@@ -97,9 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_train(sub)
 
-    s = sub.add_parser("show", help="print a policy file (and per-node dtypes with --model)")
+    s = sub.add_parser("show", help="summarise a policy file (and per-node dtypes with --model)")
     s.add_argument("policy", help="policy JSON file")
     s.add_argument("--model", default=None, help="model file: also print the dtype of each module's nodes")
+    s.add_argument("--json", action="store_true", help="print the policy file's JSON instead of the summary")
 
     b = sub.add_parser("bench", help="time a policy side by side with fp32, autocast and pure low precision")
     b.add_argument("model", help="model file defining build_model() and get_batch(step, device)")

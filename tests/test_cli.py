@@ -109,6 +109,22 @@ def test_tune_writes_policy_resumes_and_trains(tmp_path, capsys):
 def test_show_prints_policy(tmp_path, capsys):
     p = tmp_path / "p.json"
     Policy.default().save(p)
-    assert main(["show", str(p)]) == 0
+    assert main(["show", str(p), "--json"]) == 0
     assert '"schema_version": 1' in capsys.readouterr().out
+
+
+def test_show_without_model_summarises(capsys):
+    """Issue 20, item 8: ``show`` without ``--model`` prints the summary ``--model`` gives (less
+    the node matches), not the raw JSON."""
+    path = EXAMPLES.parent / "benchmarks" / "results" / "tune_4x_2026-11-30" / "qwen2_tiny.policy.json"
+    pol = Policy.load(path)
+    assert main(["show", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert '"schema_version"' not in out
+    assert out.startswith(f"{path}: {pol.summary()}\n")
+    assert "tuned: model examples/qwen2_tiny.py, graph_fingerprint f62b0d9951a236e6" in out
+    assert "measured: 1241 tokens/s, 1.01x fp32 eager, 27.74x torch.autocast, peak 360.6 MiB" in out
+    for i, rule in enumerate(pol.rules):
+        assert f"rules[{i}] {rule.describe()}\n" in out
+    assert "matched nodes" not in out
 

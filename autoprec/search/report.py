@@ -18,7 +18,8 @@ from autoprec.dtypes import kernel_name
 from autoprec.policy import Policy
 from autoprec.search import attrs
 
-__all__ = ["format_table", "write_report", "trial_rows", "pareto_front", "show_nodes", "dtype_map", "node_label", "lever_section"]
+__all__ = ["format_table", "write_report", "trial_rows", "pareto_front", "show_nodes", "dtype_map", "node_label",
+           "lever_section", "policy_summary"]
 
 _DT_COLOUR = {"fp32": 0, "bf16": 1, "fp16": 2}
 
@@ -247,4 +248,43 @@ def show_nodes(policy: Policy, model_path: str | os.PathLike) -> str:
         shown = ", ".join(hits[:8]) + (f", … (+{len(hits) - 8})" if len(hits) > 8 else "")
         count = f"{len(hits)} node{'' if len(hits) == 1 else 's'}"
         lines.append(f"rules[{i}] {rule.describe()}: {count}" + (f": {shown}" if hits else "  (matches no node)"))
+    return "\n".join(lines)
+
+
+def policy_summary(policy: Policy, path: str | os.PathLike, rules: bool = True) -> str:
+    """What ``autoprec show`` prints for a policy file, model or not: its one-line summary, where
+    it was tuned (provenance), what was measured, and (``rules``) each rule in order (``show
+    --model`` lists them with the nodes they match instead: :func:`show_nodes`).
+
+    Args:
+        policy: The loaded policy. path: Its file, named in the first line.
+        rules: List the rules (``rules[i] <rule>``; the last rule that matches a node wins).
+
+    Returns:
+        Lines of text (no trailing newline).
+    """
+    lines = [f"{os.fspath(path)}: {policy.summary()}"]
+    prov = dict(policy.provenance or {})
+    if prov:
+        lines.append("tuned: " + ", ".join(f"{k} {v}" for k, v in prov.items() if not isinstance(v, (dict, list))))
+    m = dict(policy.measured or {})
+    if m:
+        shown = []
+        if "tokens_per_s" in m:
+            shown.append(f"{m.pop('tokens_per_s'):.0f} tokens/s")
+        for key, label in (("speedup_vs_fp32", "fp32 eager"), ("speedup_vs_autocast", "torch.autocast")):
+            if key in m:
+                shown.append(f"{m.pop(key):.2f}x {label}")
+        if "peak_bytes" in m:
+            shown.append(f"peak {m.pop('peak_bytes') / 2**20:.1f} MiB")
+        if "memory_budget_bytes" in m:
+            shown.append(f"memory budget {m.pop('memory_budget_bytes') / 2**20:.1f} MiB")
+        shown += [f"{k} {v:.3g}" if isinstance(v, (int, float)) else f"{k} {v}" for k, v in m.items()]
+        lines.append("measured: " + ", ".join(shown))
+    if rules:
+        lines += ["", f"rules ({len(policy.rules)}; the last one matching a node wins; default "
+                      f"{policy.default_dtype}):"]
+        lines += [f"rules[{i}] {r.describe()}" for i, r in enumerate(policy.rules)] or ["(none)"]
+        lines += ["", "(--model model.py also shows the dtype of each module's nodes and the nodes each rule "
+                      "matches; --json prints the file)"]
     return "\n".join(lines)
