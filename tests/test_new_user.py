@@ -68,7 +68,7 @@ def test_list_batch_capture_error_names_the_mapping() -> None:
             return self.emb(tokens).sum() + self.emb(targets).sum()
 
     batch = [torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 3, dtype=torch.long), torch.zeros(1)]
-    with pytest.raises(CaptureError, match=r"batch\[0\] -> tokens, batch\[1\] -> targets, batch\[2\] -> \(no"):
+    with pytest.raises(CaptureError, match=r"batch\[0\] -> tokens, batch\[1\] -> targets, batch\[2\] -> \("):
         capture(Two(), batch)
 
 

@@ -18,8 +18,8 @@ from autoprec.dtypes import kernel_name
 from autoprec.policy import Policy
 from autoprec.search import attrs
 
-__all__ = ["format_table", "write_report", "trial_rows", "pareto_front", "show_nodes", "dtype_map", "node_label",
-           "lever_section", "policy_summary"]
+__all__ = ["format_table", "write_report", "trial_rows", "pareto_front", "show_nodes", "dtype_map",
+           "node_label", "lever_section", "policy_summary"]
 
 _DT_COLOUR = {"fp32": 0, "bf16": 1, "fp16": 2}
 
@@ -266,7 +266,8 @@ def policy_summary(policy: Policy, path: str | os.PathLike, rules: bool = True) 
     lines = [f"{os.fspath(path)}: {policy.summary()}"]
     prov = dict(policy.provenance or {})
     if prov:
-        lines.append("tuned: " + ", ".join(f"{k} {v}" for k, v in prov.items() if not isinstance(v, (dict, list))))
+        scalars = [f"{k} {v}" for k, v in prov.items() if not isinstance(v, (dict, list))]
+        lines.append("tuned: " + ", ".join(scalars))
     m = dict(policy.measured or {})
     if m:
         shown = []

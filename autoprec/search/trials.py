@@ -118,7 +118,8 @@ def _run_trials(study: optuna.Study, objective: Objective, target: int, t_end: f
         try:
             # check: a Ctrl-C swallowed during the trial (see autoprec._interrupt) stops here
             study.optimize(objective, n_trials=remaining, timeout=left, show_progress_bar=progress,
-                           catch=(Exception,), callbacks=[said, stop, lambda _study, _trial: check_interrupt()])
+                           catch=(Exception,),
+                           callbacks=[said, stop, lambda _study, _trial: check_interrupt()])
             break
         except ValueError as e:
             # SQLite has no row locks: two workers can pop the same queued trial, and the second
