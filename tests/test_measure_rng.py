@@ -149,8 +149,8 @@ def test_compiled_candidates_compare_against_the_compiled_fp32_graph(harness):
     """Inductor draws dropout masks from its own Philox stream (fallback_random False, as in
     training), so a compiled graph is compared against the FP32 graph compiled the same way
     (Harness.reference_fn): compiled FP32 gives grad_rel_l2 == 0 and trajectories equal to the
-    reference's, and a compiled bf16 policy drifts below bf16's rtol (1.6e-2); measured against
-    the eager reference instead, both were ~0.5 on this model (different masks)."""
+    reference's, and a compiled bf16 policy drifts below bf16's rtol (1.6e-2) on batch 0 (below 0.1
+    on every drift batch); measured against the eager reference instead, both were ~0.5 on this model (different masks)."""
     from autoprec.runtime.apply import compile_graph
 
     c32 = compile_graph(harness.graph_module)
@@ -160,7 +160,8 @@ def test_compiled_candidates_compare_against_the_compiled_fp32_graph(harness):
     assert m.error is None and m.grad_rel_l2 == 0.0 and m.loss_rel == 0.0
     pol = Policy.default("bf16")
     cbf = compile_graph(run_pipeline(harness.graph_module, pol).graph_module)
-    assert harness.drift(cbf, make_scaler(pol)).grad_rel_l2 < RTOL[torch.bfloat16]
+    mb = harness.drift(cbf, make_scaler(pol))  # as the eager bf16 test: batch 0, then every drift batch
+    assert mb.grad_rel_l2_batches[0] < RTOL[torch.bfloat16] and max(mb.grad_rel_l2_batches) < 0.1
     ref = harness.trajectory(ref_fn, steps=3)
     assert harness.trajectory(c32, steps=3) == ref
     assert traj_rel(harness.trajectory(cbf, lambda: make_scaler(pol), steps=3), ref) < RTOL[torch.bfloat16]

@@ -40,7 +40,7 @@ Grads = tuple[float, list[torch.Tensor]]
 class References:
     """FP32 reference losses and gradients, each computed once per (reference kind, batch index).
 
-    Kinds are ``"eager"`` (the captured FP32 graph) and ``"compiled"`` (that graph compiled, for
+    Kinds are ``"eager"`` (the captured FP32 graph) and ``"compiled:<id>"`` (that graph compiled, for
     compiled candidates of graphs with random ops: ``Harness.reference_fn``). Memory: one fp32
     gradient set (4 bytes per parameter) per cached (kind, batch), i.e. 4·K·P bytes eagerly.
     """

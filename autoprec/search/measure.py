@@ -178,9 +178,11 @@ class Harness:
 
     def _reference(self, fn: Callable[..., Any], batch: int) -> Grads:
         """FP32 loss and gradients on ``batch`` from :meth:`reference_fn` (``fn``'s RNG stream),
-        computed once per batch and reference (eager, compiled) and cached."""
+        computed once per batch and reference (eager, compiled) and cached. A compiled reference is
+        keyed by its object (the harness keeps it alive): a shallow copy of the harness (bench's
+        low-precision copies) that compiles its own shares the eager references only."""
         ref = self.reference_fn(fn)
-        kind = "eager" if ref is self.graph_module else "compiled"
+        kind = "eager" if ref is self.graph_module else f"compiled:{id(ref)}"
         return self._refs.get(kind, batch, lambda: self._grads(ref, None, None, batch=batch))
 
     def restore(self) -> None:
