@@ -25,13 +25,18 @@ _DT_COLOUR = {"fp32": 0, "bf16": 1, "fp16": 2}
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    """Markdown table of result rows (config, tokens/s, speedup vs fp32, grad_rel_l2, peak MiB)."""
-    head = "| config | tokens/s | speedup vs fp32 eager | grad_rel_l2 | peak MiB | note |"
-    lines = [head, "|---|---:|---:|---:|---:|---|"]
+    """Markdown table of result rows: config, tokens/s (with ``±`` the 95% band's relative
+    half-width when timed in the final head-to-head), speedup vs fp32 eager, vs torch.autocast +
+    torch.compile (``tie`` when within the noise), grad_rel_l2, peak MiB, note."""
+    head = "| config | tokens/s | speedup vs fp32 eager | vs autocast+compile | grad_rel_l2 | peak MiB | note |"
+    lines = [head, "|---|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         g = r.get("grad_rel_l2")
+        rate = f"{r['tokens_per_s']:.0f}" + (f" ±{100 * r['band']:.1f}%" if r.get("band") is not None else "")
+        vs = r.get("vs_autocast_compiled")
+        vs_text = "" if vs is None else f"{vs:.2f}x" + (" (tie)" if r.get("vs_autocast_tie") else "")
         lines.append(
-            f"| {r['config']} | {r['tokens_per_s']:.0f} | {r['speedup_vs_fp32']:.2f}x | "
+            f"| {r['config']} | {rate} | {r['speedup_vs_fp32']:.2f}x | {vs_text} | "
             f"{'inf' if g is None else f'{g:.2e}'} | {r.get('peak_bytes', 0) / 2**20:.1f} | {r.get('error') or ''} |"
         )
     return "\n".join(lines)
@@ -71,13 +76,16 @@ def pareto_front(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for r in ok if not any(dominates(o, r) for o in ok if o is not r)]
 
 
-def _markdown(rows, front, table, policy, timings, shapes=None) -> str:
+def _markdown(rows, front, table, policy, timings, shapes=None, decision=None) -> str:
     lines = ["# autoprec tuning report", ""]
     if policy is not None:
         lines += [f"Chosen policy: `{policy.summary()}`", ""]
+    if decision:
+        lines += ["Final choice (compiled finalists and baselines timed in interleaved rounds; a tie within the "
+                  f"noise goes to the lower-drift, simpler policy): {decision}", ""]
     if shapes:
         lines += ["## Batches measured", "",
-                  "Drift on batch 0; tokens/s over timed steps that run each batch once; traj_rel over "
+                  "Drift over the drift batches (mean); tokens/s over timed steps that run each batch once; traj_rel over "
                   "get_batch(0..K-1) (docs/architecture.md#measurements). Distinct batch shapes:", ""]
         lines += [f"- `{s}`" for s in shapes] + [""]
     if table:
@@ -178,20 +186,21 @@ def _plot_dtype_map(gm: fx.GraphModule, policy: Policy, path: Path) -> None:
 def write_report(study: optuna.Study, stem: str | os.PathLike, table: list[dict[str, Any]] | None = None,
                  policy: Policy | None = None, gm: fx.GraphModule | None = None,
                  timings: dict[str, float] | None = None, shapes: list[str] | None = None,
-                 levers: list[dict[str, Any]] | None = None) -> list[Path]:
+                 levers: list[dict[str, Any]] | None = None, decision: str | None = None) -> list[Path]:
     """Write ``<stem>.report.md``, ``<stem>.pareto.png`` and (with ``gm`` and ``policy``)
     ``<stem>.dtype_map.png``; returns the paths written.
 
     ``shapes`` lists the distinct batch shapes the measurements ran on
     (:func:`autoprec.search.measure.batch_shapes`); the report names them. ``levers`` are the
     compiled finalist measurements (``Selector.points``), memory-lever tries included: the report
-    lists them with the lever each used and marks their speed/memory Pareto front."""
+    lists them with the lever each used and marks their speed/memory Pareto front. ``decision``
+    is the final head-to-head's verdict (:meth:`autoprec.search.final.Decision.describe`)."""
     stem = Path(stem)
     rows = trial_rows(study)
     front = pareto_front(rows)
     fp32 = next((r["tokens_per_s"] for r in (table or []) if r["config"] == "fp32 eager"), None)
     md = stem.with_name(stem.name + ".report.md")
-    md.write_text(_markdown(rows, front, table, policy, timings, shapes) + lever_section(levers or []))
+    md.write_text(_markdown(rows, front, table, policy, timings, shapes, decision) + lever_section(levers or []))
     png = stem.with_name(stem.name + ".pareto.png")
     _plot_pareto(rows, front, fp32, study.user_attrs.get(attrs.DRIFT_BUDGET), png)
     paths = [md, png]

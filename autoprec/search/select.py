@@ -23,11 +23,23 @@ from autoprec.runtime.saved import saved_eager
 from autoprec.runtime.train import autocast_scaler, make_scaler
 from autoprec.search import attrs
 from autoprec.search.budgets import format_bytes
+from autoprec.search.final import Contender, Decision, decide
 from autoprec.search.measure import Measurement
 from autoprec.search.progress import log
 from autoprec.search.space import SAVED_LEVERS, with_saved
+from autoprec.search.timing import Config, Timing, format_rate, time_interleaved
 
-__all__ = ["Selector"]
+#: Relative margin of the trajectory check over torch.autocast's ``traj_rel``: a trajectory is one
+#: run with no noise band of its own, and two implementations of autocast's numerics (torch.autocast
+#: on the module and the autocast twin on the captured graph) differ by a few % per batch from
+#: summation order alone (tests/test_autocast_twin.py), which K optimizer steps compound.
+TRAJ_MARGIN = 0.10
+#: Names of the baselines in the final head-to-head (and its log lines).
+AUTOCAST_COMPILED = "torch.autocast + torch.compile"
+FP32_COMPILED = "fp32 + torch.compile"
+FP32_EAGER = "fp32 eager"
+
+__all__ = ["AUTOCAST_COMPILED", "FP32_COMPILED", "FP32_EAGER", "Selector"]
 
 
 def _lever(pol: Policy) -> str:
@@ -54,11 +66,21 @@ class Selector:
         traj_steps: K of the ``traj_rel`` check (0: off).
         clock: The run's :class:`Clock` (compile seconds are added to ``compile_s``).
         quiet: No log lines.
+        twin: The autocast twin (``Policy.autocast`` at the search's fastest low kernel), always a
+            compiled finalist; None when no low kernel is searched.
+
+    Attributes:
+        timings: The final head-to-head's :class:`~autoprec.search.timing.Timing` per contender.
+        decision: The :class:`~autoprec.search.final.Decision` (None before :meth:`choose`, or
+            without compile).
     """
 
-    def __init__(self, harness, budget, compile, ac_dtype, slow, traj_steps, clock, quiet) -> None:
+    def __init__(self, harness, budget, compile, ac_dtype, slow, traj_steps, clock, quiet, twin=None) -> None:
         self.h, self.budget, self.compile, self.ac_dtype = harness, budget, compile, ac_dtype
         self.slow, self.traj_steps, self.clock, self.quiet = slow, traj_steps, clock, quiet
+        self.twin: Policy | None = twin
+        self.timings: dict[str, Timing] = {}
+        self.decision: Decision | None = None
         self.autocast_compiled: Measurement | None = None
         self.memory_budget: float | None = None
         self.traj: dict[str, float] = {}  # Policy.training_key() -> traj_rel
@@ -83,7 +105,10 @@ class Selector:
 
     def choose(self, feasible: list[optuna.trial.FrozenTrial], k: int,
                memory_budget: Callable[[], float | None] = lambda: None) -> tuple[Policy, Measurement]:
-        """The fastest finalist within the drift (and memory) budgets, with its measurement.
+        """The policy to write, with its measurement: compiled, the finalists within the drift
+        (and memory) budgets and the trajectory check, timed head to head with torch.autocast +
+        torch.compile and fp32 eager (:meth:`_head_to_head`); without compile, the fastest
+        feasible trial that passes the trajectory check (:meth:`_choose_eager`).
 
         ``memory_budget`` is called once the torch.autocast baselines are measured (``--max-memory
         auto`` refers to them) and gives the byte budget or None.
@@ -102,25 +127,58 @@ class Selector:
             log(f"memory budget {format_bytes(self.memory_budget)}", self.quiet)
         if not self.compile:
             return self._choose_eager(feasible)
-        best: tuple[Policy, Measurement] | None = None
+        survivors: list[tuple[str, Policy, Any, Measurement]] = []
+        timed_now = self.h.device.type == "cuda"  # CUDA's peak is read after timed steps; the CPU's needs none
         for pol, label in self._candidates(feasible, k):
             check_interrupt()
             log(f"finalist {label}: {pol.summary()}", self.quiet)
             fn = self._fn(run_pipeline(self.h.graph_module, pol).graph_module)
-            m = self.h.measure(fn, lambda pol=pol: make_scaler(pol), max_step_s=self.slow)
-            self._point(pol, m)
+            m = self.h.measure(fn, lambda pol=pol: make_scaler(pol), timing=timed_now, max_step_s=self.slow)
+            self._point(pol, m, timed=bool(m.step_times))
             if (self.memory_budget is not None and m.error is None and self.budget.feasible(m)
                     and m.peak_bytes > self.memory_budget):
                 pol, fn, m = self._fit_memory(pol, m)
             why = self._reject_reason(pol, fn, m)
-            log(f"  compiled: {m.tokens_per_s:.0f} tok/s, grad_rel_l2 "
-                 f"{m.grad_rel_l2:.3g}, traj_rel {self.traj_of(pol):.3g}"
-                 + (f" -> rejected: {why}" if why else ""), self.quiet)
-            if why is None and (best is None or m.tokens_per_s > best[1].tokens_per_s):
-                best = (pol, m)
-        if best is None:
+            log(f"  compiled: grad_rel_l2 {m.grad_rel_l2:.3g}, traj_rel {self.traj_of(pol):.3g}"
+                + (f" -> rejected: {why}" if why else ""), self.quiet)
+            if why is None:
+                survivors.append((label, pol, fn, m))
+        if not survivors:
             raise SearchError("every finalist failed when re-measured, all-fp32 included (see the log)")
-        return best
+        return self._head_to_head(survivors)
+
+    def _head_to_head(self, survivors: list[tuple[str, Policy, Any, Measurement]]) -> tuple[Policy, Measurement]:
+        """Time the surviving compiled finalists beside torch.autocast + torch.compile (when within
+        the drift budget) and fp32 eager in one interleaved run (:func:`time_interleaved`) and
+        pick by :func:`autoprec.search.final.decide`; every measurement (the baselines' included)
+        takes its speed from those rounds, so the ratios the report and the policy file give are
+        side by side in one process."""
+        configs = [Config(label, fn, lambda pol=pol: make_scaler(pol)) for label, pol, fn, _m in survivors]
+        ac = self.autocast_compiled
+        ac_ok = self._autocast_fn is not None and ac is not None and ac.error is None and self.budget.feasible(ac)
+        if ac_ok:
+            configs.append(Config(AUTOCAST_COMPILED, self._autocast_fn, autocast_scaler(self.ac_dtype), self.ac_dtype))
+        configs.append(Config(FP32_EAGER, self.h.model))
+        log(f"final head-to-head, interleaved: {', '.join(c.name for c in configs)}", self.quiet)
+        self.timings = time_interleaved(self.h, configs, max_step_s=self.slow)
+        contenders = []
+        for label, pol, _fn, m in survivors:
+            _take_timing(m, self.timings[label])
+            self.points.append(self._point_of(pol, m))
+            contenders.append(Contender(label, pol, self.timings[label], m.grad_rel_l2, baseline=_all_fp32(pol)))
+        if ac_ok:
+            _take_timing(ac, self.timings[AUTOCAST_COMPILED])
+            contenders.append(Contender(AUTOCAST_COMPILED, None, self.timings[AUTOCAST_COMPILED], ac.grad_rel_l2,
+                                        baseline=True))
+        # a bar, not a choice: the policy file is trained compiled (when fp32 eager is the fastest, the
+        # decision says "slower" and the log suggests --no-compile)
+        contenders.append(Contender(FP32_EAGER, None, self.timings[FP32_EAGER], 0.0, baseline=True))
+        for c in contenders:
+            log(f"  {c.name}: {format_rate(c.timing)} tok/s" + (f" ({c.timing.error or c.timing.note})"
+                                                                if c.timing.error or c.timing.note else ""), self.quiet)
+        self.decision = decide(contenders)
+        log(self.decision.describe(), self.quiet)
+        return next((pol, m) for label, pol, _fn, m in survivors if label == self.decision.chosen.name)
 
     def _choose_eager(self, feasible: list[optuna.trial.FrozenTrial]) -> tuple[Policy, Measurement]:
         """Without compile the trials' own measurements are what training runs: take the fastest
@@ -140,7 +198,7 @@ class Selector:
             fn = run_pipeline(self.h.graph_module, pol).graph_module
             if not self._traj_ok(pol, fn):
                 log(f"trial {t.number} ({pol.summary()}) rejected: traj_rel {self.traj_of(pol):.3g} > "
-                     f"torch.autocast's {self._traj_budget:.3g}", self.quiet)
+                     f"torch.autocast's {self._traj_budget:.3g} + {TRAJ_MARGIN:.0%}", self.quiet)
                 continue
             m = self.h.measure(fn, lambda pol=pol: make_scaler(pol), max_step_s=self.slow)
             if m.error is None and (self.memory_budget is None or m.peak_bytes <= self.memory_budget):
@@ -164,20 +222,28 @@ class Selector:
         return pol, m
 
     def _candidates(self, feasible: list[optuna.trial.FrozenTrial], k: int) -> list[tuple[Policy, str]]:
-        """The k fastest feasible trials, plus all-fp32 so that a lowered policy must beat FP32
-        measured the same way (compiled or not) to be chosen."""
+        """The k fastest feasible trials, plus the autocast twin (the fallback when nothing beats
+        torch.autocast + torch.compile) and all-fp32 (fp32 + torch.compile, a baseline), each
+        once: a lowered policy must beat both measured the same way to be chosen."""
         out = []
         for t in feasible[:k]:
             pol = Policy.from_dict(t.user_attrs[attrs.POLICY])
             self.eager_tokens_per_s[pol.training_key()] = t.values[0]
             out.append((pol, f"trial {t.number} (eager {t.values[0]:.0f} tok/s)"))
-        if all(p.dtypes_used() - {"fp32"} for p, _ in out):
-            out.append((Policy.fp32(), "all-fp32 (always re-measured)"))
+        keys = {p.training_key() for p, _ in out}
+        if self.twin is not None and self.twin.training_key() not in keys:
+            out.append((self.twin, "autocast twin"))
+        if not any(_all_fp32(p) for p, _ in out):
+            out.append((Policy.fp32(), FP32_COMPILED))
         return out
 
     def _point(self, pol: Policy, m: Measurement, timed: bool = True) -> None:
-        self.points.append({"policy": pol.summary(), "lever": _lever(pol), "tokens_per_s": m.tokens_per_s if timed else None,
-                            "grad_rel_l2": m.grad_rel_l2, "peak_bytes": m.peak_bytes, "error": m.error})
+        self.points.append(self._point_of(pol, m, timed))
+
+    @staticmethod
+    def _point_of(pol: Policy, m: Measurement, timed: bool = True) -> dict[str, Any]:
+        return {"policy": pol.summary(), "lever": _lever(pol), "tokens_per_s": m.tokens_per_s if timed else None,
+                "grad_rel_l2": m.grad_rel_l2, "peak_bytes": m.peak_bytes, "error": m.error}
 
     def _fits(self, m: Measurement) -> bool:
         return m.error is None and m.peak_bytes <= self.memory_budget and self.budget.feasible(m)
@@ -269,11 +335,11 @@ class Selector:
             return (f"peak {m.peak_bytes / 2**20:.1f} MiB > memory budget {self.memory_budget / 2**20:.1f} MiB"
                     + " even with full recomputation")
         if not self._traj_ok(pol, fn):
-            return f"traj_rel {self.traj_of(pol):.3g} > torch.autocast's {self._traj_budget:.3g}"
+            return f"traj_rel {self.traj_of(pol):.3g} > torch.autocast's {self._traj_budget:.3g} + {TRAJ_MARGIN:.0%}"
         return None
 
     def _traj_ok(self, pol: Policy, fn) -> bool:
-        """``traj_rel`` ≤ torch.autocast's over the same K steps; policies that lower nothing
+        """``traj_rel`` ≤ torch.autocast's over the same K steps (+ :data:`TRAJ_MARGIN`); policies that lower nothing
         compute what FP32 computes and skip the check.
 
         The reference is :meth:`Harness.reference_fn`'s: the eager FP32 graph, or, for a compiled
@@ -294,4 +360,17 @@ class Selector:
         ref, self._traj_budget = self._ref_trajs[id(ref_fn)]
         tr = traj_rel(self.h.trajectory(fn, lambda: make_scaler(pol), steps=self.traj_steps), ref)
         self.traj[pol.training_key()] = tr
-        return tr <= max(self._traj_budget, 1e-12)
+        return tr <= max(self._traj_budget * (1 + TRAJ_MARGIN), 1e-12)
+
+
+def _all_fp32(pol: Policy) -> bool:
+    """Whether ``pol`` computes everything in fp32 (what fp32 + torch.compile runs), whatever its rules."""
+    return pol.dtypes_used() <= {"fp32"} and pol.activation_memory_budget >= 1.0
+
+
+def _take_timing(m: Measurement, t: Timing) -> None:
+    """Give ``m`` the head-to-head's step times and speed (its drift and memory stay)."""
+    if t.step_times:
+        m.step_times, m.step_s, m.tokens_per_s = list(t.step_times), t.step_s, t.tokens_per_s
+    if t.error or t.note:
+        m.note = "; ".join(x for x in (m.note, t.error or t.note) if x)

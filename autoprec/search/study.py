@@ -30,9 +30,8 @@ import torch
 from autoprec._interrupt import check as check_interrupt
 from autoprec._version import __version__
 from autoprec.device import autocast_dtype, device_name, resolve_device
-from autoprec.dtypes import LOW_DTYPES, NAMES
+from autoprec.dtypes import LOW_DTYPES
 from autoprec.errors import SearchError
-from autoprec.metrics import median
 from autoprec.modelspec import ModelSpec, load_model_spec
 from autoprec.nodekeys import graph_fingerprint
 from autoprec.policy import Policy
@@ -44,7 +43,8 @@ from autoprec.search.measure import Harness, Measurement
 from autoprec.search.objective import Objective
 from autoprec.search.probe import kernel_fields, matmul_shape_counts, matmul_shapes, probe_kernels
 from autoprec.search.progress import Clock, log
-from autoprec.search.select import Selector
+from autoprec.search.results import measured_block, note_if_eager_was_faster, pooled, side_by_side
+from autoprec.search.select import FP32_EAGER, Selector
 from autoprec.search.space import SAVED_LEVERS, SearchSpace, find_blocks, outside_matmuls
 from autoprec.search.storage import (
     check_study,
@@ -171,7 +171,9 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
     precheck_study(storage, study_name, run.space)  # a study this run cannot resume fails now
     _baselines(run, drift_arg, memory_arg)
     study = _search(run, storage, study_name, seed, trials, timeout, progress and not quiet)
-    sel = Selector(run.harness, run.budget, compile, run.ac_dtype, run.slow, traj_steps, run.clock, quiet)
+    twin = run.space.twin()
+    sel = Selector(run.harness, run.budget, compile, run.ac_dtype, run.slow, traj_steps, run.clock, quiet,
+                   twin=run.space.to_policy(twin) if twin is not None else None)
     chosen, chosen_m = _finalists(run, sel, study, finalists, memory_arg)
     return _write(run, study, sel, chosen, chosen_m, compile, out, report)
 
@@ -290,8 +292,10 @@ def _search(run: _Run, storage: str, study_name: str, seed: int, trials: int | N
 
 def _finalists(run: _Run, sel: Selector, study: optuna.Study, k: int,
                memory_arg: tuple[str, float] | None) -> tuple[Policy, Measurement]:
-    """Phase 5: the selector's pick among the ``k`` fastest feasible trials; then FP32 again,
-    pooled with the first run, so the ratios rest on both runs' steps."""
+    """Phase 5: the selector's pick among the ``k`` fastest feasible trials, the autocast twin and
+    all-fp32, timed head to head with torch.autocast + torch.compile and fp32 eager; fp32 eager's
+    speed is then the head-to-head's (without compile: measured again, pooled with the first run),
+    so every ratio rests on timings taken side by side."""
     h = run.harness
 
     def budget() -> float | None:  # --max-memory auto refers to torch.autocast as compiled, if it was
@@ -300,8 +304,12 @@ def _finalists(run: _Run, sel: Selector, study: optuna.Study, k: int,
 
     with run.clock("finalists_s"):
         chosen, chosen_m = sel.choose(feasible(study), k, budget)
-    with run.clock("baselines_s"):
-        run.fp32 = _pooled(run.fp32, h.measure(h.model), h.tokens)
+    if FP32_EAGER in sel.timings and sel.timings[FP32_EAGER].step_times:  # timed in the head-to-head's rounds
+        t = sel.timings[FP32_EAGER]
+        run.fp32.step_times, run.fp32.step_s, run.fp32.tokens_per_s = list(t.step_times), t.step_s, t.tokens_per_s
+    else:
+        with run.clock("baselines_s"):
+            run.fp32 = pooled(run.fp32, h.measure(h.model), h.tokens)
     return chosen, chosen_m
 
 
@@ -310,77 +318,24 @@ def _write(run: _Run, study: optuna.Study, sel: Selector, chosen: Policy, chosen
     """Phase 6: the policy's ``measured`` and ``provenance`` blocks, the side-by-side table, the
     report (first: Ctrl-C while writing it leaves no policy file) and the policy file (atomic)."""
     timings = run.clock.done()
-    policy = chosen.with_measured(_measured(run, sel, chosen, chosen_m)).with_provenance(
+    policy = chosen.with_measured(measured_block(run, sel, chosen, chosen_m)).with_provenance(
         model=str(run.spec.path), graph_fingerprint=graph_fingerprint(run.gm), device=device_name(run.dev),
         torch=torch.__version__, autoprec=__version__, created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         study=study.study_name, compiled=compile,
     )
-    table = _table(run, sel, chosen_m, compile)
-    _note_if_eager_was_faster(run, sel, chosen, chosen_m, compile)
+    table = side_by_side(run, sel, chosen_m, compile)
+    note_if_eager_was_faster(run, sel, chosen, chosen_m, compile)
     if report:
         from autoprec.search.report import write_report  # matplotlib: only when a report is written
 
         check_interrupt()
         paths = write_report(study, Path(out).with_suffix(""), table=table, policy=policy, gm=run.gm,
-                             timings=timings, shapes=run.harness.shapes, levers=sel.points)
+                             timings=timings, shapes=run.harness.shapes, levers=sel.points,
+                             decision=sel.decision.describe() if sel.decision is not None else None)
         log("report: " + ", ".join(str(p) for p in paths), run.quiet)
     check_interrupt()  # never write a policy after Ctrl-C, even one Python swallowed
     policy.save(out)  # atomic; the last file written
     return TuneResult(policy, study, table, timings, run.probes)
-
-
-def _measured(run: _Run, sel: Selector, chosen: Policy, m: Measurement) -> dict[str, float]:
-    """The policy file's ``measured`` block (finite numbers only: docs/architecture.md#policy-file)."""
-    ref = sel.autocast_compiled or run.autocast
-    return {
-        "tokens_per_s": m.tokens_per_s, "speedup_vs_fp32": m.tokens_per_s / run.fp32.tokens_per_s,
-        "speedup_vs_autocast": m.tokens_per_s / ref.tokens_per_s if ref.tokens_per_s else 0.0,
-        "grad_rel_l2": m.grad_rel_l2, "loss_rel": m.loss_rel,
-        "traj_rel": sel.traj_of(chosen), "peak_bytes": m.peak_bytes,
-        "drift_budget": run.budget.value,
-        # left out when torch.autocast itself overflowed (a policy file holds finite numbers only)
-        **({"autocast_grad_rel_l2": run.autocast.grad_rel_l2} if math.isfinite(run.autocast.grad_rel_l2) else {}),
-        **({"memory_budget_bytes": sel.memory_budget} if sel.memory_budget is not None else {}),
-    }
-
-
-def _table(run: _Run, sel: Selector, chosen_m: Measurement, compile: bool) -> list[dict[str, Any]]:
-    """Rows of the side-by-side table: FP32 eager, torch.autocast eager (and compiled), the policy."""
-    ac = NAMES.get(run.ac_dtype, str(run.ac_dtype))
-    table = [_row("fp32 eager", run.fp32, run.fp32), _row(f"autocast {ac} eager", run.autocast, run.fp32)]
-    if sel.autocast_compiled is not None:
-        table.append(_row(f"autocast {ac} + compile", sel.autocast_compiled, run.fp32))
-    table.append(_row("autoprec policy" + (" + compile" if compile else " (eager)"), chosen_m, run.fp32))
-    return table
-
-
-def _note_if_eager_was_faster(run: _Run, sel: Selector, chosen: Policy, chosen_m: Measurement, compile: bool) -> None:
-    """Say so when an eager run beat the compiled policy by over 10% (not for a recomputing
-    policy, which trades speed for memory on purpose)."""
-    eager = max([(sel.eager_tokens_per_s.get(chosen.training_key()) or 0.0, "this policy eager"),
-                 (run.fp32.tokens_per_s, "fp32 eager")])
-    if compile and eager[0] > 1.1 * chosen_m.tokens_per_s and chosen.activation_memory_budget >= 1.0:
-        log(f"note: {eager[1]} ran faster ({eager[0]:.0f} tok/s) than this policy compiled "
-            f"({chosen_m.tokens_per_s:.0f}); for this model consider tuning and training without compile "
-            "(autoprec tune/train --no-compile)", run.quiet)
-
-
-def _row(name: str, m: Measurement, fp32: Measurement) -> dict[str, Any]:
-    """One table row; a non-finite ``grad_rel_l2`` is None (printed as inf)."""
-    return {"config": name, "tokens_per_s": m.tokens_per_s,
-            "speedup_vs_fp32": m.tokens_per_s / fp32.tokens_per_s if fp32.tokens_per_s else 0.0,
-            "grad_rel_l2": m.grad_rel_l2 if math.isfinite(m.grad_rel_l2) else None,
-            "peak_bytes": m.peak_bytes, "error": m.error or m.note}
-
-
-def _pooled(a: Measurement, b: Measurement, tokens: int) -> Measurement:
-    """``a`` with ``b``'s step times added (median over both runs): one noisy run moves it less."""
-    if b.error is not None or not b.step_times:
-        return a
-    a.step_times = a.step_times + b.step_times
-    a.step_s = median(a.step_times)
-    a.tokens_per_s = tokens / a.step_s
-    return a
 
 
 def _ok(m: Measurement | None) -> bool:

@@ -1,0 +1,91 @@
+"""What ``tune`` reports about its choice (docs/architecture.md#policy-file, #measurements): the
+policy file's ``measured`` block, the side-by-side table (tokens/s with its noise band, vs fp32
+eager and vs torch.autocast + torch.compile), the note when an eager run was faster, and the
+pooling of two timings of one configuration.
+
+``run`` below is ``tune``'s phase state (``autoprec.search.study._Run``: ``fp32``, ``autocast``,
+``ac_dtype``, ``budget``, ``quiet``); ``sel`` its :class:`~autoprec.search.select.Selector`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from autoprec.dtypes import NAMES
+from autoprec.metrics import median
+from autoprec.policy import Policy
+from autoprec.search.measure import Measurement
+from autoprec.search.progress import log
+from autoprec.search.select import AUTOCAST_COMPILED, FP32_EAGER
+from autoprec.search.timing import Timing, compare
+
+__all__ = ["measured_block", "note_if_eager_was_faster", "pooled", "side_by_side"]
+
+
+def measured_block(run: Any, sel: Any, chosen: Policy, m: Measurement) -> dict[str, float]:
+    """The policy file's ``measured`` block (finite numbers only: docs/architecture.md#policy-file)."""
+    ref = sel.autocast_compiled or run.autocast
+    return {
+        "tokens_per_s": m.tokens_per_s, "speedup_vs_fp32": m.tokens_per_s / run.fp32.tokens_per_s,
+        "speedup_vs_autocast": m.tokens_per_s / ref.tokens_per_s if ref.tokens_per_s else 0.0,
+        "grad_rel_l2": m.grad_rel_l2, "loss_rel": m.loss_rel,
+        "traj_rel": sel.traj_of(chosen), "peak_bytes": m.peak_bytes,
+        "drift_budget": run.budget.value,
+        # left out when torch.autocast itself overflowed (a policy file holds finite numbers only)
+        **({"autocast_grad_rel_l2": run.autocast.grad_rel_l2} if math.isfinite(run.autocast.grad_rel_l2) else {}),
+        **({"memory_budget_bytes": sel.memory_budget} if sel.memory_budget is not None else {}),
+    }
+
+
+def side_by_side(run: Any, sel: Any, chosen_m: Measurement, compile: bool) -> list[dict[str, Any]]:
+    """Rows of the side-by-side table: FP32 eager, torch.autocast eager (and compiled), the policy."""
+    ac = NAMES.get(run.ac_dtype, str(run.ac_dtype))
+    t, ref = sel.timings, sel.timings.get(AUTOCAST_COMPILED)
+    chosen_t = t.get(sel.decision.chosen.name) if sel.decision is not None else None
+    table = [_row("fp32 eager", run.fp32, run.fp32, t.get(FP32_EAGER), ref),
+             _row(f"autocast {ac} eager", run.autocast, run.fp32)]
+    if sel.autocast_compiled is not None:
+        table.append(_row(f"autocast {ac} + compile", sel.autocast_compiled, run.fp32, ref, ref))
+    table.append(_row("autoprec policy" + (" + compile" if compile else " (eager)"), chosen_m, run.fp32, chosen_t, ref))
+    return table
+
+
+def note_if_eager_was_faster(run: Any, sel: Any, chosen: Policy, chosen_m: Measurement, compile: bool) -> None:
+    """Say so when an eager run beat the compiled policy by over 10% (not for a recomputing
+    policy, which trades speed for memory on purpose)."""
+    eager = max([(sel.eager_tokens_per_s.get(chosen.training_key()) or 0.0, "this policy eager"),
+                 (run.fp32.tokens_per_s, "fp32 eager")])
+    if compile and eager[0] > 1.1 * chosen_m.tokens_per_s and chosen.activation_memory_budget >= 1.0:
+        log(f"note: {eager[1]} ran faster ({eager[0]:.0f} tok/s) than this policy compiled "
+            f"({chosen_m.tokens_per_s:.0f}); for this model consider tuning and training without compile "
+            "(autoprec tune/train --no-compile)", run.quiet)
+
+
+def _row(name: str, m: Measurement, fp32: Measurement, timing: Timing | None = None,
+         autocast: Timing | None = None) -> dict[str, Any]:
+    """One table row; a non-finite ``grad_rel_l2`` is None (printed as inf). With the final
+    head-to-head's ``timing`` (and torch.autocast + torch.compile's, ``autocast``) the row also
+    gives ``band`` (the 95% band's relative half-width of tokens/s) and ``vs_autocast_compiled``
+    (ratio, and ``tie`` when the band of the ratio contains 1)."""
+    row = {"config": name, "tokens_per_s": m.tokens_per_s,
+           "speedup_vs_fp32": m.tokens_per_s / fp32.tokens_per_s if fp32.tokens_per_s else 0.0,
+           "grad_rel_l2": m.grad_rel_l2 if math.isfinite(m.grad_rel_l2) else None,
+           "peak_bytes": m.peak_bytes, "error": m.error or m.note}
+    if timing is not None and timing.step_times:
+        row["band"] = timing.rel_half_width()
+        if autocast is not None and autocast.step_times:
+            c = compare(timing, autocast)
+            row["vs_autocast_compiled"] = c.ratio
+            row["vs_autocast_tie"] = c.tie and timing is not autocast
+    return row
+
+
+def pooled(a: Measurement, b: Measurement, tokens: int) -> Measurement:
+    """``a`` with ``b``'s step times added (median over both runs): one noisy run moves it less."""
+    if b.error is not None or not b.step_times:
+        return a
+    a.step_times = a.step_times + b.step_times
+    a.step_s = median(a.step_times)
+    a.tokens_per_s = tokens / a.step_s
+    return a
