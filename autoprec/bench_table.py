@@ -96,13 +96,12 @@ def _rate(r: dict[str, Any], tokens_per_step: float) -> str:
 
 
 def _vs_ac(name: str, r: dict[str, Any]) -> str:
-    """The ``vs autocast+compile`` cell: the ratio, or ``tie`` where the noise bands overlap 1."""
+    """The ``vs autocast+compile`` cell: the ratio, with ``(tie)`` where its noise band contains 1."""
     c = r.get("vs_autocast_compiled")
     if r.get("ratio_vs_autocast_compiled") is None:
         return "—"
-    if c is not None and c["tie"] and name != "autocast_compiled":
-        return "tie"
-    return format(r["ratio_vs_autocast_compiled"], ".2f")
+    ratio = format(r["ratio_vs_autocast_compiled"], ".2f")
+    return ratio + " (tie)" if c is not None and c["tie"] and name != "autocast_compiled" else ratio
 
 
 def format_bench_table(result: dict[str, Any]) -> str:

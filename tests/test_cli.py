@@ -78,7 +78,8 @@ def test_tune_writes_policy_resumes_and_trains(tmp_path, capsys):
 
     study = optuna.load_study(study_name=pol.provenance["study"], storage=f"sqlite:///{db}")
     n = len(study.trials)
-    assert n == 6
+    # 6 finished; queued local moves from the autocast twin not reached by then stay WAITING
+    assert sum(t.state.is_finished() for t in study.trials) == 6
     # within the drift budget by its rule (a paired test, not m["grad_rel_l2"] <= the mean): the
     # policy is all-fp32 or a trial's whose constraint (DriftBudget.excess) was <= 0
     def form(d):
@@ -92,7 +93,8 @@ def test_tune_writes_policy_resumes_and_trains(tmp_path, capsys):
         return {k: t.params[k] for k in ("matmul", "sensitive", "follow")}
 
     assert cls_params(study.trials[0]) == {"matmul": "fp32", "sensitive": "fp32", "follow": "fp32"}
-    assert cls_params(study.trials[1]) == {"matmul": "bf16", "sensitive": "fp32", "follow": "auto"}
+    # the autocast twin (Policy.autocast) second
+    assert cls_params(study.trials[1]) == {"matmul": "bf16", "sensitive": "fp32", "follow": "promote"}
     assert {v for k, v in study.trials[1].params.items() if ":" in k} == {"inherit"}
     # Re-running the same command resumes: no new trials needed.
     assert main(args) == 0
