@@ -70,7 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("model", help="model file defining build_model() and get_batch(step, device)")
     t.add_argument("--trials", type=_int_at_least(1), default=None, help="finished trials the study should hold (default 20)")
     t.add_argument("--timeout", type=_positive_float, default=None, help="stop sampling after S seconds")
-    t.add_argument("--max-drift", default="auto", help="'auto' (torch.autocast's grad_rel_l2) or a number")
+    t.add_argument("--max-drift", default="auto",
+                   help="'auto' (not worse than torch.autocast's grad_rel_l2 beyond noise: a paired t-test "
+                        "over 4 batches) or a number (a hard limit on the mean)")
     t.add_argument("--max-memory", default=None, metavar="M",
                    help="memory budget for the policy's peak bytes: 'auto' (torch.autocast's, measured in this "
                         "run), '0.8x' (of FP32 eager's), or bytes ('300MiB', '2GiB'); compiled policies over "
