@@ -28,13 +28,13 @@ SEQ_LEN = 128
 
 def build_model() -> torch.nn.Module:
     """Qwen2ForCausalLM, 24 layers of hidden 256 (4 heads, 2 KV heads, MLP 688), random init with
-    seed 0, fp32, training mode (~19M parameters).
+    seed 0, fp32, training mode (~17.5M parameters; 1783 captured nodes).
 
     Returns:
         The model on CPU, fp32, in training mode (dropout 0).
     """
-    return build_qwen2(hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
-                       intermediate_size=688)
+    return build_qwen2(hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=4,
+                       num_key_value_heads=2, intermediate_size=688)
 
 
 def get_batch(step: int, device: torch.device | str) -> dict[str, torch.Tensor]:

@@ -19,7 +19,8 @@ TOKENS = 1024.0
 
 def _timing(step_s: float, noise: float = 0.01, n: int = 12, seed: int = 0) -> Timing:
     rng = random.Random(seed)
-    return Timing.from_steps([step_s * (1 + rng.uniform(-noise, noise)) for _ in range(n)], TOKENS, rounds=n // 2)
+    steps = [step_s * (1 + rng.uniform(-noise, noise)) for _ in range(n)]
+    return Timing.from_steps(steps, TOKENS, rounds=n // 2)
 
 
 SEARCHED = Policy(default_dtype="bf16", rules=(Rule(op_class="sensitive", dtype="fp32"),

@@ -91,7 +91,10 @@ ACCEPTS_USE_CACHE = {"qwen2", "qwen2-1024", "llama", "mistral", "qwen3", "gemma"
 
 
 @pytest.mark.parametrize("name", FAST + [pytest.param(n, marks=pytest.mark.slow) for n in SLOW])
-def test_default_config_captures_trains_and_drifts_within_2x_autocast(name, caplog):
+def test_default_config_captures_trains_and_drifts_within_2x_autocast(name, caplog, monkeypatch):
+    import sys
+
+    monkeypatch.setattr(sys.modules["autoprec.capture"], "_announced", set())  # said once per process
     model, batch = _build(name)
     if name in ACCEPTS_USE_CACHE:
         assert model.config.use_cache is True  # the default this test is about

@@ -28,7 +28,16 @@ from autoprec.policy.checks import (
 from autoprec.policy.checks import check_fields as _check_fields
 from autoprec.policy.checks import rules_from_json as _rules_from_json
 from autoprec.policy.checks import versions as _versions
-from autoprec.policy.fields import MAX_DEPTH, DuplicateKey, build, check_keys, check_mapping, fail, jsonable, no_duplicates
+from autoprec.policy.fields import (
+    MAX_DEPTH,
+    DuplicateKey,
+    build,
+    check_keys,
+    check_mapping,
+    fail,
+    jsonable,
+    no_duplicates,
+)
 from autoprec.policy.loss_scaling import LOSS_SCALING_KEYS, LossScalingConfig
 from autoprec.policy.rule import Rule
 
@@ -127,7 +136,8 @@ class Policy:
         Raises:
             PolicyError: ``low`` is not a storage dtype.
         """
-        return cls(default_dtype=low, rules=(Rule(op_class="sensitive", dtype="fp32"),), follow_placement="promote")
+        return cls(default_dtype=low, rules=(Rule(op_class="sensitive", dtype="fp32"),),
+                   follow_placement="promote")
 
     @classmethod
     def fp32(cls) -> Policy:

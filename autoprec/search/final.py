@@ -78,7 +78,8 @@ class Decision:
             return f"chosen: {self.chosen.name} (no baseline timed)"
         c, b = self.vs_baseline, self.best_baseline.name
         if self.chosen is self.best_baseline:
-            return f"chosen: {self.chosen.name}, the fastest baseline: no searched policy beat it beyond the noise"
+            return (f"chosen: {self.chosen.name}, the fastest baseline: no searched policy beat it beyond "
+                    "the noise")
         text = f"chosen: {self.chosen.name}, {c.ratio:.2f}x {b} (band {c.band[0]:.2f}-{c.band[1]:.2f})"
         if self.verdict == "tie":
             ties = [n for n in self.tied if n != self.chosen.name]

@@ -28,11 +28,13 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     """Markdown table of result rows: config, tokens/s (with ``±`` the 95% band's relative
     half-width when timed in the final head-to-head), speedup vs fp32 eager, vs torch.autocast +
     torch.compile (``tie`` when within the noise), grad_rel_l2, peak MiB, note."""
-    head = "| config | tokens/s | speedup vs fp32 eager | vs autocast+compile | grad_rel_l2 | peak MiB | note |"
+    head = ("| config | tokens/s | speedup vs fp32 eager | vs autocast+compile | grad_rel_l2 | peak MiB "
+            "| note |")
     lines = [head, "|---|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         g = r.get("grad_rel_l2")
-        rate = f"{r['tokens_per_s']:.0f}" + (f" ±{100 * r['band']:.1f}%" if r.get("band") is not None else "")
+        band = f" ±{100 * r['band']:.1f}%" if r.get("band") is not None else ""
+        rate = f"{r['tokens_per_s']:.0f}{band}"
         vs = r.get("vs_autocast_compiled")
         vs_text = "" if vs is None else f"{vs:.2f}x" + (" (tie)" if r.get("vs_autocast_tie") else "")
         lines.append(

@@ -47,7 +47,8 @@ def side_by_side(run: Any, sel: Any, chosen_m: Measurement, compile: bool) -> li
              _row(f"autocast {ac} eager", run.autocast, run.fp32)]
     if sel.autocast_compiled is not None:
         table.append(_row(f"autocast {ac} + compile", sel.autocast_compiled, run.fp32, ref, ref))
-    table.append(_row("autoprec policy" + (" + compile" if compile else " (eager)"), chosen_m, run.fp32, chosen_t, ref))
+    name = "autoprec policy" + (" + compile" if compile else " (eager)")
+    table.append(_row(name, chosen_m, run.fp32, chosen_t, ref))
     return table
 
 

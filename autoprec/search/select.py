@@ -94,6 +94,7 @@ class Selector:
         self._autocast_fn = None  # torch.autocast's module as compiled for its baseline
         #: Every compiled finalist measurement, memory-lever tries included (the report's lever table).
         self.points: list[dict[str, Any]] = []
+        self._point_index: dict[str, int] = {}  # Policy.training_key() -> its last entry in points
 
     def traj_of(self, policy: Policy) -> float:
         """``traj_rel`` measured for ``policy`` (by content), 0.0 when it was not checked (it
@@ -131,7 +132,7 @@ class Selector:
         if not self.compile:
             return self._choose_eager(feasible)
         survivors: list[tuple[str, Policy, Any, Measurement]] = []
-        timed_now = self.h.device.type == "cuda"  # CUDA's peak is read after timed steps; the CPU's needs none
+        timed_now = self.h.device.type == "cuda"  # CUDA's peak is read after timed steps; the CPU's is not
         for pol, label in self._candidates(feasible, k):
             check_interrupt()
             log(f"finalist {label}: {pol.summary()}", self.quiet)
@@ -150,7 +151,8 @@ class Selector:
             raise SearchError("every finalist failed when re-measured, all-fp32 included (see the log)")
         return self._head_to_head(survivors)
 
-    def _head_to_head(self, survivors: list[tuple[str, Policy, Any, Measurement]]) -> tuple[Policy, Measurement]:
+    def _head_to_head(self, survivors: list[tuple[str, Policy, Any, Measurement]]
+                      ) -> tuple[Policy, Measurement]:
         """Time the surviving compiled finalists beside torch.autocast + torch.compile (when within
         the drift budget) and fp32 eager in one interleaved run (:func:`time_interleaved`) and
         pick by :func:`autoprec.search.final.decide`; every measurement (the baselines' included)
@@ -158,27 +160,34 @@ class Selector:
         side by side in one process."""
         configs = [Config(label, fn, lambda pol=pol: make_scaler(pol)) for label, pol, fn, _m in survivors]
         ac = self.autocast_compiled
-        ac_ok = self._autocast_fn is not None and ac is not None and ac.error is None and self.budget.feasible(ac)
+        ac_ok = (self._autocast_fn is not None and ac is not None and ac.error is None
+                 and self.budget.feasible(ac))
         if ac_ok:
-            configs.append(Config(AUTOCAST_COMPILED, self._autocast_fn, autocast_scaler(self.ac_dtype), self.ac_dtype))
+            configs.append(Config(AUTOCAST_COMPILED, self._autocast_fn, autocast_scaler(self.ac_dtype),
+                                  self.ac_dtype))
         configs.append(Config(FP32_EAGER, self.h.model))
         log(f"final head-to-head, interleaved: {', '.join(c.name for c in configs)}", self.quiet)
         self.timings = time_interleaved(self.h, configs, max_step_s=self.slow)
         contenders = []
         for label, pol, _fn, m in survivors:
             _take_timing(m, self.timings[label])
-            self.points.append(self._point_of(pol, m))
-            contenders.append(Contender(label, pol, self.timings[label], m.grad_rel_l2, baseline=_all_fp32(pol)))
+            i = self._point_index.get(pol.training_key())
+            if i is None:
+                self.points.append(self._point_of(pol, m))
+            else:
+                self.points[i] = self._point_of(pol, m)
+            contenders.append(Contender(label, pol, self.timings[label], m.grad_rel_l2,
+                                        baseline=_all_fp32(pol)))
         if ac_ok:
             _take_timing(ac, self.timings[AUTOCAST_COMPILED])
-            contenders.append(Contender(AUTOCAST_COMPILED, None, self.timings[AUTOCAST_COMPILED], ac.grad_rel_l2,
-                                        baseline=True))
+            contenders.append(Contender(AUTOCAST_COMPILED, None, self.timings[AUTOCAST_COMPILED],
+                                        ac.grad_rel_l2, baseline=True))
         # a bar, not a choice: the policy file is trained compiled (when fp32 eager is the fastest, the
         # decision says "slower" and the log suggests --no-compile)
         contenders.append(Contender(FP32_EAGER, None, self.timings[FP32_EAGER], 0.0, baseline=True))
         for c in contenders:
-            log(f"  {c.name}: {format_rate(c.timing)} tok/s" + (f" ({c.timing.error or c.timing.note})"
-                                                                if c.timing.error or c.timing.note else ""), self.quiet)
+            why = c.timing.error or c.timing.note
+            log(f"  {c.name}: {format_rate(c.timing)} tok/s" + (f" ({why})" if why else ""), self.quiet)
         self.decision = decide(contenders)
         log(self.decision.describe(), self.quiet)
         return next((pol, m) for label, pol, _fn, m in survivors if label == self.decision.chosen.name)
@@ -242,6 +251,7 @@ class Selector:
 
     def _point(self, pol: Policy, m: Measurement, timed: bool = True) -> None:
         self.points.append(self._point_of(pol, m, timed))
+        self._point_index[pol.training_key()] = len(self.points) - 1  # the head-to-head fills its speed in
 
     @staticmethod
     def _point_of(pol: Policy, m: Measurement, timed: bool = True) -> dict[str, Any]:
@@ -342,8 +352,8 @@ class Selector:
         return None
 
     def _traj_ok(self, pol: Policy, fn) -> bool:
-        """``traj_rel`` ≤ torch.autocast's over the same K steps (x :data:`TRAJ_FACTOR`); policies that lower nothing
-        compute what FP32 computes and skip the check.
+        """``traj_rel`` ≤ :data:`TRAJ_FACTOR` x torch.autocast's over the same K steps; policies that
+        lower nothing compute what FP32 computes and skip the check.
 
         The reference is :meth:`Harness.reference_fn`'s: the eager FP32 graph, or, for a compiled
         ``fn`` on a graph that draws random numbers (dropout), the compiled FP32 graph, whose
