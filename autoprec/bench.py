@@ -55,6 +55,7 @@ import torch
 from torch import nn
 
 from autoprec._io import write_json
+from autoprec._version import __version__
 from autoprec.bench_table import add_ratios, format_bench_table, make_row, skipped_row
 from autoprec.capture import capture
 from autoprec.device import autocast_dtype, describe_machine, resolve_device, time_matmul
@@ -66,6 +67,7 @@ from autoprec.runtime.apply import compile_graph
 from autoprec.runtime.scaler import DynamicLossScaler
 from autoprec.runtime.train import autocast_scaler, make_scaler
 from autoprec.search.measure import Harness, Measurement
+from autoprec.search.load import LoadMonitor
 from autoprec.search.timing import Config, format_rate, time_interleaved
 
 __all__ = [
@@ -207,7 +209,8 @@ def _log(msg: str, quiet: bool) -> None:
 def run_bench(model_path: str | os.PathLike, policy: Policy | str | os.PathLike, steps: int = 5, warmup: int = 2,
               device: str = "auto", configs: Sequence[str] | None = None, max_step_ratio: float = 10.0,
               skip_slow: bool = False, quiet: bool = False, json_path: str | os.PathLike | None = None,
-              rel_band: float = 0.03, time_cap_s: float = 120.0) -> dict[str, Any]:
+              rel_band: float = 0.03, time_cap_s: float = 120.0,
+              strict_timing: bool = False) -> dict[str, Any]:
     """Measure ``policy`` and the baselines (:data:`CONFIGS`) on ``model_path`` in this process.
 
     Args:
@@ -229,6 +232,7 @@ def run_bench(model_path: str | os.PathLike, policy: Policy | str | os.PathLike,
         rel_band: Timing stops (after the minimum rounds) once every band's relative half-width
             is at most this (0.03: ±3%).
         time_cap_s: No timing round starts after this many seconds of timing.
+        strict_timing: Raise ``BusyMachineError`` (exit 2) on a busy machine (:mod:`autoprec.search.load`).
 
     Returns:
         ``{"device", "machine", "torch", "autoprec", "date", "model", "policy", "steps", "warmup",
@@ -247,16 +251,14 @@ def run_bench(model_path: str | os.PathLike, policy: Policy | str | os.PathLike,
         ModelSpecError, CaptureError, PolicyError: bad model or policy file.
         ValueError: unknown configuration name or device.
     """
-    from autoprec._version import __version__
-
     names = list(configs) if configs else list(CONFIGS)
-    bad = [n for n in names if n not in CONFIGS]
-    if bad:
+    if bad := [n for n in names if n not in CONFIGS]:
         raise ValueError(f"unknown bench config(s) {', '.join(bad)}; valid: {', '.join(CONFIGS)}")
     names = ["fp32_eager"] + [n for n in dict.fromkeys(names) if n != "fp32_eager"]
     pol = policy if isinstance(policy, Policy) else Policy.load(policy)
     spec = load_model_spec(model_path)
     dev = resolve_device(device)
+    load = LoadMonitor.start(dev, strict_timing)  # the machine's load; again before and after the timing
     low = autocast_dtype(dev)  # the autocast and pure-low baselines' dtype: the same rule as tune's
     h = Harness(spec, dev, warmup=warmup, steps=steps)
     flops = model_flops(h.model, h.batches[0], h.tokens)
@@ -274,11 +276,11 @@ def run_bench(model_path: str | os.PathLike, policy: Policy | str | os.PathLike,
         "steps": steps, "warmup": warmup, "max_step_ratio": max_step_ratio, "tokens_per_batch": h.tokens,
         "flops": flops, "matmul_peak": {"dtype": main, "flops_per_s": peaks[main], "by_dtype": peaks},
         "timing": {"interleaved": True, "steps_per_round": STEPS_PER_ROUND, "max_step_s": None},
-        "partial": True, "configs": rows,
+        "partial": True, "configs": rows, "load": load.records,
     }
     drift = _drift_all(names, cfgs, result, NAMES[low] if skip_slow and slow_low else None, json_path, quiet)
     _time_all(h, cfgs, drift, result, min_rounds=max(MIN_ROUNDS, math.ceil(steps / STEPS_PER_ROUND)),
-              rel_band=rel_band, time_cap_s=time_cap_s, quiet=quiet)
+              rel_band=rel_band, time_cap_s=time_cap_s, quiet=quiet, load=load)
     _checkpoint(result, json_path)
     _remeasure_peaks(result, dev, quiet)
     result["partial"] = False
@@ -332,9 +334,11 @@ def _drift_all(names: Sequence[str], cfgs: dict[str, _Config], result: dict[str,
 
 def _time_all(h: Harness, cfgs: dict[str, _Config], drift: dict[str, tuple[Measurement, Any]],
               result: dict[str, Any], min_rounds: int, rel_band: float, time_cap_s: float,
-              quiet: bool) -> None:
+              quiet: bool, load: LoadMonitor) -> None:
     """Time every configuration whose drift pass ran in one :func:`time_interleaved` call (same
-    rounds for all rows) and fill in their rows' timing, MFU and ratios."""
+    rounds for all rows) and fill in their rows' timing, MFU and ratios; ``load`` checks the
+    machine before and after (``BusyMachineError`` under ``strict_timing``)."""
+    load.check("before timing")
     todo = [n for n, (m, _fn) in drift.items() if m.error is None]
     tm = result["timing"]
     tm.update(min_rounds=min_rounds, max_rounds=max(MAX_ROUNDS, min_rounds), rel_band=rel_band,
@@ -348,6 +352,7 @@ def _time_all(h: Harness, cfgs: dict[str, _Config], drift: dict[str, tuple[Measu
         min_rounds=min_rounds, max_rounds=tm["max_rounds"], steps_per_round=tm["steps_per_round"],
         warmup=result["warmup"], rel_band=rel_band, time_cap_s=time_cap_s, max_step_s=tm["max_step_s"])
     tm["wall_s"] = time.perf_counter() - t0
+    load.check("after timing")
     flops, peak = result["flops"]["flops_per_step"], result["matmul_peak"]["flops_per_s"]
     rows = result["configs"]
     for n, t in timings.items():

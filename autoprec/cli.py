@@ -121,7 +121,7 @@ def _tune(a: argparse.Namespace) -> int:
     res = tune(a.model, trials=a.trials, timeout=a.timeout, max_drift=a.max_drift, device=a.device,
                storage=a.storage, study_name=a.study_name, compile=not a.no_compile, out=a.out,
                seed=a.seed, dtypes=a.dtypes, traj_steps=a.traj_steps, finalists=a.finalists,
-               max_memory=a.max_memory)
+               max_memory=a.max_memory, strict_timing=a.strict_timing)
     print()
     print(format_table(res.table))
     m = res.policy.measured
@@ -258,7 +258,8 @@ def _cmd_bench(a: argparse.Namespace) -> int:
     try:
         with _naming_policy(a.policy):
             res = run_bench(a.model, a.policy, steps=a.steps, warmup=a.warmup, device=a.device, configs=a.configs,
-                            max_step_ratio=a.max_step_ratio, skip_slow=a.skip_slow, json_path=a.json)
+                            max_step_ratio=a.max_step_ratio, skip_slow=a.skip_slow, json_path=a.json,
+                            strict_timing=a.strict_timing)
     except ValueError as e:
         print(f"autoprec bench: error: {e}", file=sys.stderr)
         return 2

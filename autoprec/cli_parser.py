@@ -33,6 +33,13 @@ def _positive_float(text: str) -> float:
     return v
 
 
+def _add_strict_timing(p: argparse.ArgumentParser) -> None:
+    """``--strict-timing`` (tune and bench): a busy machine is an error, not a warning."""
+    p.add_argument("--strict-timing", action="store_true",
+                   help="exit 2 instead of warning when the machine is busy (other processes use over half "
+                        "a core, or a calibration matmul runs 1.5x slower): its timings are unreliable")
+
+
 def _add_train(sub: argparse._SubParsersAction) -> None:
     """The ``train`` subcommand's arguments."""
     r = sub.add_parser("train", help="train with a policy")
@@ -89,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--traj-steps", type=_int_at_least(0), default=20,
                    help="optimizer steps of the traj_rel check on finalists that lower anything (0: off)")
     t.add_argument("--finalists", type=_int_at_least(1), default=2, help="fastest feasible trials re-measured compiled")
+    _add_strict_timing(t)
 
     rp = sub.add_parser("report", help="write the report (Pareto front, trials table) of a study")
     rp.add_argument("--storage", required=True, help="Optuna storage URL, e.g. sqlite:///policy.optuna.db")
@@ -121,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--skip-slow", action="store_true",
                    help="skip low-precision baselines when the device's low-dtype matmul is more than "
                         "--max-step-ratio times slower than fp32 (CPUs that emulate bf16)")
+    _add_strict_timing(b)
     b.add_argument("--nproc", type=_int_at_least(1), default=1, metavar="N",
                    help="measure on N ranks of this machine (torchrun; gloo on CPU, NCCL on CUDA) instead: DDP "
                         "and FSDP2, gradients reduced in fp32 and bf16; step time, grad_rel_l2 against fp32 "

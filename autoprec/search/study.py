@@ -39,6 +39,7 @@ from autoprec.runtime.train import autocast_scaler
 from autoprec.search import attrs
 from autoprec.search.budgets import memory_budget, parse_dtypes, parse_max_drift, parse_max_memory
 from autoprec.search.decide import DriftBudget
+from autoprec.search.load import LoadClock, LoadMonitor
 from autoprec.search.measure import Harness, Measurement
 from autoprec.search.objective import Objective
 from autoprec.search.probe import kernel_fields, matmul_shape_counts, matmul_shapes, probe_kernels
@@ -118,7 +119,7 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
          study_name: str | None = None, compile: bool = True, out: str | os.PathLike = "policy.json",
          seed: int = 0, finalists: int = 2, quiet: bool = False, progress: bool = True,
          dtypes: str | list[str] = "auto", traj_steps: int = 20, report: bool = True,
-         max_memory: str | float | None = None) -> TuneResult:
+         max_memory: str | float | None = None, strict_timing: bool = False) -> TuneResult:
     """Search for the fastest policy within a drift budget and write it to ``out``.
 
     Args:
@@ -153,6 +154,10 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
             memory budget (Inductor recomputes the rest of the activations in backward; see
             ``Selector._fit_memory`` in autoprec/search/select.py); without compile, trials whose measured peak is over it are
             not selected.
+        strict_timing: Raise :class:`~autoprec.search.load.BusyMachineError` when the machine is
+            busy instead of warning: other processes use over half a core, or the calibration
+            matmul runs 1.5x slower than at its fastest (checked at the start, after the baselines
+            and after the trials: :mod:`autoprec.search.load`).
 
     Returns:
         :class:`TuneResult`.
@@ -161,9 +166,10 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
         ModelSpecError: the model file is invalid (nothing is written).
         CaptureError: the model cannot be captured (nothing is written).
         SearchError: bad ``max_drift``, ``max_memory`` or ``dtypes``; no policy met the budgets.
+        BusyMachineError: ``strict_timing`` and the machine is busy (CLI exit 2).
     """
     drift_arg, memory_arg, forced = parse_max_drift(max_drift), parse_max_memory(max_memory), parse_dtypes(dtypes)
-    run = _capture(model_path, device, quiet)
+    run = _capture(model_path, device, quiet, strict_timing)
     _probe(run, forced, SAVED_LEVERS if memory_arg is not None else ())
     storage = storage or default_storage(out)
     study_name = study_name or default_study_name(run.spec.path, run.gm, run.dev, run.space)
@@ -178,11 +184,17 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
     return _write(run, study, sel, chosen, chosen_m, compile, out, report)
 
 
-def _capture(model_path: str | os.PathLike, device: str, quiet: bool) -> _Run:
-    """Phase 1: load the model file, capture it and compute the FP32 reference (``Harness``)."""
+def _capture(model_path: str | os.PathLike, device: str, quiet: bool, strict_timing: bool = False) -> _Run:
+    """Phase 1: check the machine's load (:mod:`autoprec.search.load`; again after the baselines and,
+    through the clock, when the finalists begin), load the model file, capture it and compute the
+    FP32 reference (``Harness``).
+
+    Raises:
+        BusyMachineError: ``strict_timing`` and the machine is busy, before anything is captured.
+    """
     spec = load_model_spec(model_path)
     dev = resolve_device(device)
-    clock = Clock()
+    clock = LoadClock(LoadMonitor.start(dev, strict_timing), {"finalists_s": "after trials"})
     with clock("capture_s"):
         harness = Harness(spec, dev)
     log(f"captured {spec.path}: {len(harness.graph_module.graph.nodes)} nodes, {harness.tokens} tokens/batch, "
@@ -241,6 +253,7 @@ def _baselines(run: _Run, drift_arg: float | None, memory_arg: tuple[str, float]
 
     Raises:
         SearchError: the drift budget is not finite, or the memory budget is impossible.
+        BusyMachineError: under ``strict_timing``, the machine is busy after the baselines.
     """
     h = run.harness
     with run.clock("baselines_s"):
@@ -259,6 +272,8 @@ def _baselines(run: _Run, drift_arg: float | None, memory_arg: tuple[str, float]
     log(f"fp32 eager {run.fp32.tokens_per_s:.0f} tok/s; autocast({run.ac_dtype}) eager {ac.tokens_per_s:.0f} tok/s"
         f"{note}, grad_rel_l2 {ac.grad_rel_l2:.3g} -> drift budget: {run.budget.describe()}; "
         f"{run.space.n_params} search parameters", run.quiet)
+    if isinstance(run.clock, LoadClock):
+        run.clock.monitor.check("after baselines")
 
 
 def _search(run: _Run, storage: str, study_name: str, seed: int, trials: int | None, timeout: float | None,

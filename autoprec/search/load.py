@@ -1,0 +1,267 @@
+"""Is the machine busy? Load detection before and between the phases of ``tune`` and ``bench``
+(docs/architecture.md#measurements).
+
+A second process spinning on the same cores makes every step time garbage (issue 19: a 1-thread
+matmul loop beside a 2-thread tune slowed steps up to 70x), so each phase boundary re-checks:
+
+- **Load from other processes**, three ways: the 1-minute load average (Linux proc(5),
+  ``/proc/loadavg``; ``os.getloadavg``) less this process's own share of it (its CPU time from
+  ``os.times`` plus its live descendants', e.g. Inductor's compile workers, from
+  ``/proc/<pid>/stat``, folded with the load average's own 60 s decay); and, because the load
+  average lags by about a minute, the CPU time every other process used during a short sleep
+  (``/proc/stat``'s aggregate ``cpu`` line, proc(5), less this process's own), which does not.
+- **A calibration matmul** (fp32 512x512x512, the median of a few reps,
+  :func:`autoprec.device.time_matmul`), compared with the fastest one this process has timed.
+
+The machine is busy when other processes use more than :data:`BUSY_CORES` of the cores this
+process may run on (``len(os.sched_getaffinity(0))``; of ``os.cpu_count()`` in all), or the
+calibration is over :data:`BUSY_SLOWDOWN` times the fastest. A busy check is logged as one
+warning on the ``autoprec`` logger (stderr in the CLI) and recorded; under ``strict`` it raises
+:class:`BusyMachineError` (CLI exit 2) instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from autoprec.device import time_matmul
+from autoprec.errors import AutoprecError
+from autoprec.metrics import median
+from autoprec.search.progress import Clock
+
+__all__ = ["BUSY_CORES", "BUSY_SLOWDOWN", "BusyMachineError", "LoadCheck", "LoadClock", "LoadMonitor"]
+
+#: Other processes using more than this many cores (of those this process may use) make the machine busy.
+BUSY_CORES = 0.5
+#: A calibration matmul this many times slower than the fastest one timed makes the machine busy.
+BUSY_SLOWDOWN = 1.5
+#: The calibration: fp32 ``CALIB_N``-cubed matmuls, the median of ``CALIB_REPS`` (about 5 ms each on
+#: the reference machine), stopping after ``CALIB_CAP_S`` seconds.
+CALIB_N, CALIB_REPS, CALIB_CAP_S = 512, 9, 2.0
+#: Seconds of the sleep over which other processes' CPU use is read from ``/proc/stat``.
+SAMPLE_S = 0.25
+#: The 1-minute load average's time constant in seconds (the kernel's ``EXP_1``: 5 s ticks, e^-5/60).
+LOADAVG_TAU_S = 60.0
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100  # clock ticks per second (proc(5))
+_FASTEST: dict[tuple[str, int], float] = {}  # (device, torch threads) -> fastest calibration seconds
+
+
+class BusyMachineError(AutoprecError):
+    """The machine is busy and ``--strict-timing`` asked for an error, not a warning (CLI exit 2)."""
+
+
+@dataclass(frozen=True)
+class LoadCheck:
+    """One load check.
+
+    Attributes:
+        phase: When it was taken (``start``, ``after baselines``, ...).
+        loadavg_1m: The 1-minute load average (runnable + uninterruptible tasks), or None.
+        own_cores: This process's (and its descendants') share of it, in cores.
+        others_avg: ``loadavg_1m - own_cores`` (cores, ≥ 0; None without a load average).
+        others_now: Cores other processes used during a :data:`SAMPLE_S` sleep (None without /proc/stat).
+        cores: Cores this process may run on (its affinity mask). cpu_count: Cores of the machine.
+        threads: ``torch.get_num_threads()``.
+        calib_s: Seconds of the calibration matmul (median).
+        slowdown: ``calib_s`` over the fastest calibration of this process (1.0: as fast).
+        busy: The verdict.
+    """
+
+    phase: str
+    loadavg_1m: float | None
+    own_cores: float
+    others_avg: float | None
+    others_now: float | None
+    cores: int
+    cpu_count: int
+    threads: int
+    calib_s: float
+    slowdown: float
+    busy: bool
+
+    def others(self) -> float:
+        """Cores other processes use, the larger of the two readings, beyond the cores outside
+        this process's affinity mask (a process there does not compete with it)."""
+        seen = max(x for x in (self.others_avg, self.others_now, 0.0) if x is not None)
+        return max(0.0, seen - (self.cpu_count - self.cores))
+
+    def describe(self) -> str:
+        """One line: the load, the cores, the slowdown."""
+        la = f"load average {self.loadavg_1m:.2f}" if self.loadavg_1m is not None else "no load average"
+        now = f", {self.others_now:.2f} just now" if self.others_now is not None else ""
+        return (f"{la} ({self.own_cores:.2f} of it this process; other processes use {self.others():.2f} "
+                f"cores{now}) on {self.cores} cores (of {self.cpu_count}), torch threads {self.threads}; "
+                f"calibration matmul {self.calib_s * 1e3:.3g} ms = {self.slowdown:.2f}x the fastest")
+
+
+class LoadMonitor:
+    """Checks the machine's load when asked (:meth:`check`) and keeps every check.
+
+    Args:
+        device: Where the calibration matmul runs (a CUDA device's load is still the CPU's).
+        strict: Raise :class:`BusyMachineError` on a busy check instead of warning.
+        sample_s: Seconds of sleep over which other processes' CPU use is read (0: skip).
+    """
+
+    def __init__(self, device: torch.device, strict: bool = False, sample_s: float = SAMPLE_S) -> None:
+        self.device, self.strict, self.sample_s = device, strict, sample_s
+        self.checks: list[LoadCheck] = []
+        self.records: list[dict[str, Any]] = []  # the checks as dicts (a result's "load" entry)
+        self._own = _OwnCpu()
+
+    @classmethod
+    def start(cls, device: torch.device, strict: bool = False) -> LoadMonitor:
+        """A monitor that has made its first check (``start``). Raises as :meth:`check`."""
+        m = cls(device, strict)
+        m.check("start")
+        return m
+
+    @property
+    def busy(self) -> bool:
+        """Whether any check found the machine busy."""
+        return any(c.busy for c in self.checks)
+
+    def check(self, phase: str) -> LoadCheck:
+        """Measure the load now, record it, and warn (or raise) when the machine is busy.
+
+        Returns:
+            The :class:`LoadCheck`.
+
+        Raises:
+            BusyMachineError: the machine is busy and the monitor is ``strict``; names the load.
+        """
+        others_now = _others_during_sleep(self.sample_s) if self.sample_s > 0 else None
+        own = self._own.cores()
+        la = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+        calib = median(time_matmul(torch.float32, self.device, CALIB_N, CALIB_REPS, CALIB_CAP_S))
+        key = (str(self.device), torch.get_num_threads())
+        fastest = _FASTEST[key] = min(_FASTEST.get(key, math.inf), calib)
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        c = LoadCheck(phase, la, own, None if la is None else max(0.0, la - own), others_now, cores,
+                      os.cpu_count() or cores, torch.get_num_threads(), calib, calib / fastest, False)
+        c = _replace_busy(c, c.others() > BUSY_CORES or c.slowdown > BUSY_SLOWDOWN)
+        self.checks.append(c)
+        self.records.append(asdict(c))
+        if c.busy:
+            text = (f"the machine is busy ({phase}): {c.describe()}. Timings are unreliable: stop the other "
+                    f"jobs, or run with OMP_NUM_THREADS=1 (torch.set_num_threads(1)) beside them")
+            if self.strict:
+                raise BusyMachineError(f"{text}; --strict-timing refuses to time on a busy machine")
+            logging.getLogger("autoprec").warning("%s", text)
+        return c
+
+
+def _replace_busy(c: LoadCheck, busy: bool) -> LoadCheck:
+    return LoadCheck(**{**asdict(c), "busy": busy})
+
+
+class LoadClock(Clock):
+    """A :class:`~autoprec.search.progress.Clock` that also checks the load when a phase named in
+    ``phases`` begins (``{"finalists_s": "after trials"}``: before the finalists' head-to-head).
+    Raises as :meth:`LoadMonitor.check`."""
+
+    def __init__(self, monitor: LoadMonitor, phases: dict[str, str]) -> None:
+        super().__init__()
+        self.monitor, self.phases = monitor, dict(phases)
+
+    def __call__(self, name: str):
+        if name in self.phases:
+            self.monitor.check(self.phases.pop(name))  # once per phase name
+        return super().__call__(name)
+
+
+@dataclass
+class _OwnCpu:
+    """This process's share of the 1-minute load average, in cores: its CPU time (and its live
+    descendants') folded with the load average's own decay, as if spread evenly over each interval."""
+
+    t: float = field(default_factory=time.monotonic)
+    cpu: float = 0.0
+    ema: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.cpu = _own_cpu_s()
+        age = _process_age_s()
+        if age:  # the process so far, at its mean rate
+            self.ema = self.cpu / age * (1 - math.exp(-age / LOADAVG_TAU_S))
+
+    def cores(self) -> float:
+        now, cpu = time.monotonic(), _own_cpu_s()
+        dt = max(now - self.t, 1e-6)
+        decay = math.exp(-dt / LOADAVG_TAU_S)
+        self.ema = self.ema * decay + max(cpu - self.cpu, 0.0) / dt * (1 - decay)
+        self.t, self.cpu = now, cpu
+        return self.ema
+
+
+def _own_cpu_s() -> float:
+    """CPU seconds of this process, its reaped children and its live descendants (``os.times``,
+    proc(5) ``/proc/<pid>/stat`` utime + stime)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system + sum(
+        s[1] for s in _descendants().values())
+
+
+def _descendants() -> dict[int, tuple[int, float]]:
+    """``{pid: (ppid, cpu seconds)}`` of this process's live descendants ({} without /proc)."""
+    procs: dict[int, tuple[int, float]] = {}
+    try:
+        names = [n for n in os.listdir("/proc") if n.isdigit()]
+    except OSError:
+        return {}
+    for n in names:
+        try:
+            with open(f"/proc/{n}/stat") as f:
+                rest = f.read().rsplit(")", 1)[1].split()  # the command name may hold spaces
+        except (OSError, IndexError):
+            continue  # exited meanwhile
+        procs[int(n)] = (int(rest[1]), (int(rest[11]) + int(rest[12])) / _TICK)  # ppid, utime + stime
+    mine, frontier = {}, [os.getpid()]
+    while frontier:
+        parent = frontier.pop()
+        for pid, (ppid, cpu) in procs.items():
+            if ppid == parent and pid not in mine:
+                mine[pid] = (ppid, cpu)
+                frontier.append(pid)
+    return mine
+
+
+def _process_age_s() -> float | None:
+    """Seconds since this process started (proc(5): ``/proc/self/stat`` starttime, ``/proc/uptime``)."""
+    try:
+        with open("/proc/self/stat") as f:
+            start = int(f.read().rsplit(")", 1)[1].split()[19]) / _TICK
+        with open("/proc/uptime") as f:
+            return max(float(f.read().split()[0]) - start, 1e-3)
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _busy_ticks() -> float | None:
+    """Busy seconds of all CPUs so far: ``/proc/stat``'s ``cpu`` line, all but idle and iowait (and
+    guest time, which user time already counts; proc(5)). None without /proc/stat."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (v + [0] * 8)[:8]
+    return (user + nice + system + irq + softirq + steal) / _TICK
+
+
+def _others_during_sleep(seconds: float) -> float | None:
+    """Cores other processes used while this one slept ``seconds`` (busy CPU time from /proc/stat
+    less this process's own), or None without /proc/stat."""
+    b0, own0, t0 = _busy_ticks(), _own_cpu_s(), time.monotonic()
+    if b0 is None:
+        return None
+    time.sleep(seconds)
+    b1, own1, dt = _busy_ticks(), _own_cpu_s(), time.monotonic() - t0
+    return max(0.0, (b1 - b0) - (own1 - own0)) / dt
