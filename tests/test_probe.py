@@ -92,6 +92,33 @@ def test_fp8_is_kept_only_when_it_measures_faster(factor, kept):
     assert ("fp8_e4m3" in p.low_kernels()) is kept
 
 
+def _noisy_timer(factors: dict[str, list[float]]):
+    """fp32 takes 1 ms per call; a kernel's calls take ``factors[kernel]`` ms, one per repeat."""
+    def timer(kernel, shape, reps, stop_after_s):
+        return [1e-3 * f for f in factors.get(kernel, [1.0] * reps)]
+    return timer
+
+
+def test_a_kernel_near_the_line_is_decided_with_its_noise_band():
+    """Synthetic repeats: fp16:fp32's median is 1.13x fp32 (over the 10% line), but its repeats
+    reach 1.02x: its band's low end is within 1 + TOL, so it is kept (unsure: the search decides).
+    bf16:fp32, whose every repeat is 1.25-1.35x, is out; the point rule alone would drop both."""
+    from autoprec.search.probe import ratio_band
+
+    reps = {"fp16:fp32": [1.02, 1.13, 1.20, 1.05, 1.16], "bf16:fp32": [1.25, 1.30, 1.35, 1.28, 1.32],
+            "bf16": [90.0] * 5, "fp16": [100.0] * 5}
+    p = probe_kernels(CPU, SHAPES[:1], fp8=False, timer=_noisy_timer(reps))
+    near, far = p.kernels["fp16:fp32"], p.kernels["bf16:fp32"]
+    assert near.ratio == pytest.approx(1.13) and near.band[0] <= 1.05 and near.band[1] >= 1.16 and near.kept
+    assert far.band[0] > 1.1 and not far.kept
+    assert p.kept() == {"fp16": ["fp16:fp32"]} and "kept: within its noise band" in p.describe("fp16")
+    # the band itself: the median's bootstrap over the repeats, seeded, the fp32 runs resampled too
+    lo, hi = ratio_band([[1.0, 1.1, 1.2]], [[[1.0, 1.0, 1.0], [1.0, 1.0, 1.0]]], [(8, 8, 8)], [1.0])
+    assert (lo, hi) == (1.0, 1.2)
+    assert ratio_band([[1.1] * 3], [[[1.0] * 3, [1.0] * 3]], [(8, 8, 8)], [1.0]) == (1.1, 1.1)
+    assert ratio_band([[]], [[[1.0], [1.0]]], [(8, 8, 8)], [1.0]) == (math.inf, math.inf)
+
+
 def test_fp8_is_not_probed_without_the_kernel_module(monkeypatch):
     monkeypatch.setitem(sys.modules, "autoprec.kernels.fp8", None)  # import raises ImportError
     calls = []
@@ -197,7 +224,8 @@ def test_real_probe_at_tiny_shapes_has_the_documented_structure():
     assert set(d["kernels"]) == {"bf16", "bf16:fp32", "fp16", "fp16:fp32"}
     for k, row in d["kernels"].items():
         assert row["error"] or (math.isfinite(row["ms"]) and row["ratio"] > 0), k
-        assert set(row) == {"dtype", "ms", "ratio", "kept", "estimated", "per_shape_ms", "error"}
+        assert set(row) == {"dtype", "ms", "ratio", "kept", "estimated", "per_shape_ms", "error", "band"}
+        assert row["error"] or row["band"][0] <= row["ratio"] <= row["band"][1], k
     assert set(d["dtypes"]) == {"bf16", "fp16"}
     for dtype, v in d["dtypes"].items():
         assert bool(v["kept"]) != bool(v["reason"]), dtype  # kept kernels, or the reason why not

@@ -23,22 +23,21 @@ from __future__ import annotations
 
 import functools
 import math
+import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import fx
 
 from autoprec.device import time_call
 from autoprec.dtypes import FP8_COMPUTE, LOW_DTYPES, kernel_name, to_torch
 from autoprec.metrics import median
-from autoprec.nodekeys import op_name
-from autoprec.ops import classify
+from autoprec.search.gemms import Shape, matmul_shape_counts, matmul_shapes
 
-__all__ = ["KERNELS", "TOL", "KernelProbe", "KernelTime", "kernel_fields", "matmul_shape_counts",
-           "matmul_shapes", "probe_kernels", "time_kernel"]
+__all__ = ["BAND_CONFIDENCE", "BAND_RESAMPLES", "KERNELS", "TOL", "KernelProbe", "KernelTime", "kernel_fields",
+           "matmul_shape_counts", "matmul_shapes", "probe_kernels", "ratio_band", "time_kernel"]
 
 #: Every kernel choice in its fixed order (a resumed study must see the same choices in the same
 #: order, whatever a re-run's probe measures): per low storage dtype native, then fp32-compute; fp8 last.
@@ -49,11 +48,14 @@ KERNELS: tuple[str, ...] = (*(k for d in LOW_DTYPES for k in (d, kernel_name(d, 
 #: at fp32 speed; a kernel that stores fp32 (``fp8_e4m3``) saves no memory and is kept only when
 #: it measures faster than fp32.
 TOL = 0.10
+#: Bootstrap resamples of a kernel's ratio band (:func:`ratio_band`) and its confidence: a kernel
+#: is kept when the band's low end is within the keep rule (unsure: kept, the search decides).
+BAND_RESAMPLES = 200
+BAND_CONFIDENCE = 0.95
 #: Shape timed when the graph has no plain GEMM (convolutions, attention only): the hidden size of
 #: the bundled example, compute-bound on a CPU core and milliseconds long.
 DEFAULT_SHAPE = (512, 512, 512)
 
-Shape = tuple[int, int, int]
 #: ``timer(kernel, (M, K, N), reps, stop_after_s) -> seconds of each timed call``.
 Timer = Callable[[str, Shape, int, float], list[float]]
 
@@ -70,61 +72,6 @@ def kernel_fields(kernel: str) -> tuple[str, str | None]:
         raise ValueError(f"unknown kernel choice {kernel!r}; valid: fp32, {', '.join(KERNELS)}")
     dtype, _, compute = kernel.partition(":")
     return dtype, compute or None
-
-
-def _size(v: Any) -> int | None:
-    """A concrete size (the hint of a symbolic one), or None."""
-    if isinstance(v, int):
-        return v
-    hint = getattr(getattr(v, "node", None), "hint", None)
-    return int(hint) if hint is not None else None
-
-
-def _gemm(node: fx.Node) -> Shape | None:
-    """``(M, K, N)`` of a plain GEMM node from its inputs' ``meta["val"]`` (batch dims folded into
-    M), or None for other matmul-class ops (convolutions, attention, einsum, grouped GEMMs)."""
-    name = op_name(node)
-    first = {"linear": 0, "mm": 0, "bmm": 0, "matmul": 0, "addmm": 1, "baddbmm": 1, "addbmm": 1}.get(name)
-    if first is None or len(node.args) < first + 2:
-        return None
-    vals = [getattr(a, "meta", {}).get("val") for a in node.args[first:first + 2]]
-    if not all(isinstance(v, torch.Tensor) for v in vals):
-        return None
-    a, b = ([_size(s) for s in v.shape] for v in vals)
-    if None in a or None in b or not a or not b:
-        return None
-    if name == "linear":  # x[..., K] @ W[N, K]^T
-        return math.prod(a[:-1]), a[-1], b[0]
-    a = [1, *a] if len(a) == 1 else a  # torch.matmul's 1-D rules: a row vector, a column vector
-    b = [*b, 1] if len(b) == 1 else b
-    try:
-        batch = torch.broadcast_shapes(torch.Size(a[:-2]), torch.Size(b[:-2]))
-    except RuntimeError:
-        return None
-    return math.prod(batch) * a[-2], a[-1], b[-1]  # addbmm: the batch is summed, the work is the same
-
-
-def matmul_shape_counts(gm: fx.GraphModule) -> dict[Shape, int]:
-    """How many matmul-class nodes of ``gm`` run each distinct GEMM shape ``(M, K, N)``
-    (:func:`autoprec.ops.classify` ``== "matmul"``; ``linear``: ``x[..., K] @ W[N, K]^T``;
-    ``mm``/``addmm``/``bmm``/``baddbmm``/``matmul``: batch dims folded into M), in graph order.
-    Shapes come from the inputs' ``node.meta["val"]`` (symbolic sizes: their hints); matmul-class
-    ops that are not a plain GEMM (convolutions, attention, einsum) are left out."""
-    counts: dict[Shape, int] = {}
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and classify(node) == "matmul":
-            shape = _gemm(node)
-            if shape is not None and min(shape) > 0:
-                counts[shape] = counts.get(shape, 0) + 1
-    return counts
-
-
-def matmul_shapes(gm: fx.GraphModule, top: int = 4) -> list[Shape]:
-    """The ``top`` GEMM shapes ``(M, K, N)`` of ``gm`` by total FLOPs (count × 2·M·K·N, the
-    forward's share of the model's matmul work), largest first (:func:`matmul_shape_counts`).
-    4 keeps the probe to seconds while covering the projections, MLP and head of a transformer."""
-    counts = matmul_shape_counts(gm)
-    return sorted(counts, key=lambda s: -counts[s] * s[0] * s[1] * s[2])[:top]
 
 
 def time_kernel(kernel: str, shape: Shape, reps: int, stop_after_s: float,
@@ -167,11 +114,13 @@ class KernelTime:
         kernel: Kernel choice (:data:`KERNELS`). dtype: its low dtype (``bf16``, ``fp16``, ``fp8_e4m3``).
         seconds: Σ over the probed shapes of weight × median seconds of one call (inf if it failed).
         ratio: ``seconds`` / fp32's (< 1 is faster than fp32; inf if it failed).
-        kept: Whether the keep rule (:data:`TOL`) keeps it.
+        kept: Whether the keep rule (:data:`TOL`) keeps it, on the low end of ``band``.
         per_shape_s: Median seconds per probed shape (inf for a shape not timed).
         estimated: The wall-clock cap stopped it before every shape was timed; ``seconds``
             extrapolates from the shapes done at their measured FLOP rate.
         error: Why it failed to run ("" if it ran).
+        band: ``(low, high)`` of ``ratio``, its :data:`BAND_CONFIDENCE` bootstrap band from the
+            timed repeats (:func:`ratio_band`); inf when it failed.
     """
 
     kernel: str
@@ -182,6 +131,7 @@ class KernelTime:
     per_shape_s: tuple[float, ...] = ()
     estimated: bool = False
     error: str = ""
+    band: tuple[float, float] = (math.inf, math.inf)
 
     @property
     def label(self) -> str:
@@ -240,9 +190,14 @@ class KernelProbe:
         3.3 ms (1.03x fp32)"`` (``~``: extrapolated after the wall-clock cap)."""
         parts = []
         for t in self.kernels.values():
-            if t.dtype == dtype:
-                parts.append(f"{t.label} failed ({t.error})" if t.error else
-                             f"{t.label} {'~' if t.estimated else ''}{t.seconds * 1e3:.3g} ms ({t.ratio:.2f}x fp32)")
+            if t.dtype != dtype:
+                continue
+            lo, hi = t.band
+            band = f", band {lo:.2f}-{hi:.2f}" if math.isfinite(hi) and hi - lo >= 0.005 else ""
+            unsure = "; kept: within its noise band" if t.kept and not _keeps(t.kernel, t.ratio, self.tol) else ""
+            parts.append(f"{t.label} failed ({t.error})" if t.error else
+                         f"{t.label} {'~' if t.estimated else ''}{t.seconds * 1e3:.3g} ms ({t.ratio:.2f}x fp32"
+                         f"{band}{unsure})")
         return ", ".join(parts)
 
     def low_dtypes(self) -> list[str]:
@@ -272,6 +227,7 @@ class KernelProbe:
             "fp32": {"ms": ms(self.fp32_s), "per_shape_ms": [ms(s) for s in self.fp32_per_shape_s]},
             "kernels": {k: {"dtype": t.dtype, "ms": ms(t.seconds),
                             "ratio": t.ratio if math.isfinite(t.ratio) else None, "kept": t.kept,
+                            "band": [b if math.isfinite(b) else None for b in t.band],
                             "estimated": t.estimated, "per_shape_ms": [ms(s) for s in t.per_shape_s],
                             "error": t.error} for k, t in self.kernels.items()},
             "dtypes": {d: {"kept": kept.get(d, []), "reason": excluded.get(d, "")}
@@ -290,27 +246,57 @@ def _fp8_available(device: torch.device) -> bool:
 
 def _keeps(kernel: str, ratio: float, tol: float) -> bool:
     """The keep rule (:data:`TOL`) on a kernel's time / fp32's: at most ``1 + tol`` for
-    low-precision storage; fp32 storage (fp8 compute) saves no memory, so below 1."""
+    low-precision storage; fp32 storage (fp8 compute) saves no memory, so below 1. The probe
+    applies it to the low end of the ratio's band (:func:`ratio_band`)."""
     return ratio < 1.0 if kernel_fields(kernel)[0] == FP8_COMPUTE else ratio <= 1.0 + tol
 
 
+def ratio_band(kernel_reps: Sequence[Sequence[float]], fp32_reps: Sequence[Sequence[Sequence[float]]],
+               shapes: Sequence[Shape], weights: Sequence[float], resamples: int = BAND_RESAMPLES,
+               confidence: float = BAND_CONFIDENCE, seed: int = 0) -> tuple[float, float]:
+    """The ``confidence`` bootstrap band (percentiles, ``resamples`` draws, seeded) of a kernel's
+    weighted time / fp32's, the probe's statistic redrawn from its own repeats: per shape the
+    median of the kernel's timed calls resampled, over fp32's the mean of the medians of its runs
+    (before and after the kernels), each resampled; weighted as :func:`probe_kernels` weighs them.
+
+    Args:
+        kernel_reps: Per shape the kernel's seconds per call (empty: not timed, extrapolated).
+        fp32_reps: Per shape fp32's runs, each a list of seconds per call.
+        shapes, weights: As :func:`probe_kernels`.
+
+    Returns:
+        ``(low, high)``, unitless ratios (inf when nothing was timed).
+    """
+    rng = random.Random(seed)
+    draw = lambda v: median(rng.choices(v, k=len(v)))  # noqa: E731
+    ratios = sorted(_weighted([draw(v) if v else math.inf for v in kernel_reps], shapes, weights)
+                    / _weighted([sum(draw(r) for r in runs) / len(runs) for runs in fp32_reps], shapes, weights)
+                    for _ in range(resamples))
+    alpha, n = (1 - confidence) / 2, len(ratios)
+    return ratios[min(int(alpha * n), n - 1)], ratios[max(math.ceil((1 - alpha) * n) - 1, 0)]
+
+
 def _measure(timer: Timer, kernels: Sequence[str], shapes: Sequence[Shape], weights: Sequence[float],
-             reps: int, budget_s: float, tol: float) -> tuple[list[float], dict[str, list[float]],
+             reps: int, budget_s: float, tol: float) -> tuple[list[list[list[float]]], dict[str, list[list[float]]],
                                                              set[str], dict[str, str]]:
-    """Median seconds per shape: shape by shape, fp32 before and after the kernels (their mean is
-    fp32's time there), so each kernel is compared with fp32 under the same load. A kernel gets
+    """Seconds per call per shape: shape by shape, fp32 before and after the kernels (the mean of
+    their medians is fp32's time there), so each kernel is compared with fp32 under the same load. A kernel gets
     ``budget_s`` of wall clock over all shapes; once it is spent and the kernel is already slower
     than the keep rule allows over the shapes done, its remaining shapes are skipped (inf).
 
     Returns:
-        ``(fp32 per shape, {kernel: per shape}, kernels cut short, {kernel: error})``.
+        ``(fp32 per shape [before, after] seconds per call, {kernel: per shape seconds per call
+        (empty: not timed)}, kernels cut short, {kernel: error})``.
     """
     fp32: list[float] = []
+    fp32_reps: list[list[list[float]]] = []
     meds: dict[str, list[float]] = {k: [] for k in kernels}
+    raw: dict[str, list[list[float]]] = {k: [] for k in kernels}
     spent, cut, errors = dict.fromkeys(kernels, 0.0), set(), {}
     for i, shape in enumerate(shapes):
-        before = median(timer("fp32", shape, reps, budget_s))
+        fp32_reps.append([list(timer("fp32", shape, reps, budget_s))])
         for k in kernels:
+            raw[k].append([])
             left = budget_s - spent[k]
             if left <= 0 and i and k not in errors and not _keeps(k, _weighted(meds[k], shapes[:i], weights)
                                                                  / _weighted(fp32, shapes[:i], weights), tol):
@@ -320,13 +306,15 @@ def _measure(timer: Timer, kernels: Sequence[str], shapes: Sequence[Shape], weig
                 continue
             t0 = time.perf_counter()
             try:
-                meds[k].append(median(timer(k, shape, reps, max(left, 0.0))))
+                raw[k][-1] = list(timer(k, shape, reps, max(left, 0.0)))
+                meds[k].append(median(raw[k][-1]))
             except Exception as e:  # no kernel for this dtype on this device/build
                 errors[k] = f"{type(e).__name__}: {e}"
                 meds[k].append(math.inf)
             spent[k] += time.perf_counter() - t0
-        fp32.append((before + median(timer("fp32", shape, reps, budget_s))) / 2)
-    return fp32, meds, cut, errors
+        fp32_reps[-1].append(list(timer("fp32", shape, reps, budget_s)))
+        fp32.append(sum(median(r) for r in fp32_reps[-1]) / 2)
+    return fp32_reps, raw, cut, errors
 
 
 def _weighted(meds: Sequence[float], shapes: Sequence[Shape], weights: Sequence[float]) -> float:
@@ -354,8 +342,10 @@ def probe_kernels(device: torch.device, shapes: Sequence[Shape] = (), reps: int 
             module counts as unsupported).
         weights: How many times the model runs each shape (default 1 each:
             :func:`matmul_shape_counts`); the probe's time is Σ weight × median seconds.
-        tol: Noise allowance of the keep rule (:data:`TOL`): a kernel is kept when its time is at
-            most fp32's × (1 + tol); an fp8 kernel (fp32 storage) only when below fp32's.
+        tol: Noise allowance of the keep rule (:data:`TOL`): a kernel is kept when the low end of
+            its ratio's band (:func:`ratio_band`, which contains the ratio) is at most 1 + tol, i.e.
+            when it may be within noise of fp32 × (1 + tol): unsure is kept, the search decides;
+            an fp8 kernel (fp32 storage) only when that low end is below 1.
         timer: ``timer(kernel, shape, reps, stop_after_s) -> [seconds]``; default
             :func:`time_kernel` on ``device`` (tests inject a mock).
 
@@ -370,13 +360,17 @@ def probe_kernels(device: torch.device, shapes: Sequence[Shape] = (), reps: int 
     timer = timer or functools.partial(time_kernel, device=device)
     use_fp8 = _fp8_available(device) if fp8 is None else fp8
     kernels = [k for k in KERNELS if use_fp8 or k != FP8_COMPUTE]
-    fp32_meds, meds, cut, errors = _measure(timer, kernels, shapes, weights, reps, budget_s, tol)
+    fp32_reps, raw, cut, errors = _measure(timer, kernels, shapes, weights, reps, budget_s, tol)
+    fp32_meds = [sum(median(r) for r in runs) / len(runs) for runs in fp32_reps]
     fp32_s = _weighted(fp32_meds, shapes, weights)
     out = {}
     for k in kernels:
-        dtype, s = kernel_fields(k)[0], _weighted(meds[k], shapes, weights)
+        meds = [median(v) if v else math.inf for v in raw[k]]
+        dtype, s = kernel_fields(k)[0], _weighted(meds, shapes, weights)
         if k in errors:
             out[k] = KernelTime(k, dtype, math.inf, math.inf, False, error=errors[k])
-        else:
-            out[k] = KernelTime(k, dtype, s, s / fp32_s, _keeps(k, s / fp32_s, tol), tuple(meds[k]), k in cut)
+            continue
+        lo, hi = ratio_band(raw[k], fp32_reps, shapes, weights)
+        band = (min(lo, s / fp32_s), max(hi, s / fp32_s))
+        out[k] = KernelTime(k, dtype, s, s / fp32_s, _keeps(k, band[0], tol), tuple(meds), k in cut, band=band)
     return KernelProbe(shapes, weights, fp32_s, tuple(fp32_meds), out, tol)
