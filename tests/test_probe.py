@@ -242,10 +242,11 @@ def test_joining_worker_adopts_the_studys_kernels():
 
     probes = {"kernels": {"bf16": {"ms": 5.0}, "bf16:fp32": {"ms": 20.0}}}
     run = SimpleNamespace(forced=None, probes=probes, space=SearchSpace(["bf16"], ["b.0"], ["head/linear#0"]),
-                          quiet=True)
+                          quiet=True, dev=CPU, ac_dtype=torch.float16)
     _adopt_study_kernels(run, ["fp32", "bf16", "bf16:fp32"])
     assert run.space.dtypes == ["fp32", "bf16", "bf16:fp32"] and run.space.low_kernels == ["bf16", "bf16:fp32"]
     assert run.space.blocks == ["b.0"] and run.space.nodes == ["head/linear#0"]
+    assert run.ac_dtype == torch.bfloat16  # torch.autocast over the study's storage dtypes
     forced = SimpleNamespace(forced=["bf16"], probes=probes, space=SearchSpace(["bf16"]), quiet=True)
     _adopt_study_kernels(forced, ["fp32", "bf16", "bf16:fp32"])
     assert forced.space.dtypes == ["fp32", "bf16"]

@@ -194,10 +194,11 @@ class KernelProbe:
                 continue
             lo, hi = t.band
             band = f", band {lo:.2f}-{hi:.2f}" if math.isfinite(hi) and hi - lo >= 0.005 else ""
-            unsure = "; kept: within its noise band" if t.kept and not _keeps(t.kernel, t.ratio, self.tol) else ""
+            unsure = ("; kept: within its noise band" if t.kept and not _keeps(t.kernel, t.ratio, self.tol)
+                      else "")
             parts.append(f"{t.label} failed ({t.error})" if t.error else
-                         f"{t.label} {'~' if t.estimated else ''}{t.seconds * 1e3:.3g} ms ({t.ratio:.2f}x fp32"
-                         f"{band}{unsure})")
+                         f"{t.label} {'~' if t.estimated else ''}{t.seconds * 1e3:.3g} ms "
+                         f"({t.ratio:.2f}x fp32{band}{unsure})")
         return ", ".join(parts)
 
     def low_dtypes(self) -> list[str]:
@@ -268,21 +269,27 @@ def ratio_band(kernel_reps: Sequence[Sequence[float]], fp32_reps: Sequence[Seque
         ``(low, high)``, unitless ratios (inf when nothing was timed).
     """
     rng = random.Random(seed)
-    draw = lambda v: median(rng.choices(v, k=len(v)))  # noqa: E731
-    ratios = sorted(_weighted([draw(v) if v else math.inf for v in kernel_reps], shapes, weights)
-                    / _weighted([sum(draw(r) for r in runs) / len(runs) for runs in fp32_reps], shapes, weights)
-                    for _ in range(resamples))
+
+    def draw(v: Sequence[float]) -> float:
+        return median(rng.choices(v, k=len(v)))
+
+    def ratio() -> float:
+        k = _weighted([draw(v) if v else math.inf for v in kernel_reps], shapes, weights)
+        return k / _weighted([sum(draw(r) for r in runs) / len(runs) for runs in fp32_reps], shapes, weights)
+
+    ratios = sorted(ratio() for _ in range(resamples))
     alpha, n = (1 - confidence) / 2, len(ratios)
     return ratios[min(int(alpha * n), n - 1)], ratios[max(math.ceil((1 - alpha) * n) - 1, 0)]
 
 
 def _measure(timer: Timer, kernels: Sequence[str], shapes: Sequence[Shape], weights: Sequence[float],
-             reps: int, budget_s: float, tol: float) -> tuple[list[list[list[float]]], dict[str, list[list[float]]],
-                                                             set[str], dict[str, str]]:
+             reps: int, budget_s: float, tol: float
+             ) -> tuple[list[list[list[float]]], dict[str, list[list[float]]], set[str], dict[str, str]]:
     """Seconds per call per shape: shape by shape, fp32 before and after the kernels (the mean of
-    their medians is fp32's time there), so each kernel is compared with fp32 under the same load. A kernel gets
-    ``budget_s`` of wall clock over all shapes; once it is spent and the kernel is already slower
-    than the keep rule allows over the shapes done, its remaining shapes are skipped (inf).
+    their medians is fp32's time there), so each kernel is compared with fp32 under the same load.
+    A kernel gets ``budget_s`` of wall clock over all shapes; once it is spent and the kernel is
+    already slower than the keep rule allows over the shapes done (its medians), its remaining
+    shapes are skipped (not timed: extrapolated).
 
     Returns:
         ``(fp32 per shape [before, after] seconds per call, {kernel: per shape seconds per call

@@ -13,7 +13,7 @@ import inspect
 import os
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -29,7 +29,7 @@ from autoprec.search.space import SearchSpace
 
 __all__ = ["GRACE_BEATS", "HEARTBEAT_S", "MEASURE_VERSION", "check_sqlite_file", "check_storage_url", "check_study",
            "default_storage", "default_study_name", "heartbeat_interval", "load_existing_study", "open_study",
-           "precheck_study", "rdb_storage", "sqlite_path"]
+           "precheck_study", "rdb_storage", "sqlite_path", "study_choices", "study_space"]
 
 #: Version of what a trial measures and how (search/measure.py). Bump it when a change makes old
 #: trials' numbers incomparable with new ones; a study holding trials of another version is not
@@ -176,15 +176,22 @@ def check_sqlite_file(option: str, path: str) -> None:
                             "(autoprec never overwrites it)")
 
 
-def default_study_name(path: str | os.PathLike, gm: fx.GraphModule, dev: torch_device, space: SearchSpace) -> str:
-    """``autoprec-<model stem>-<graph fingerprint[:8]>-<device type>-<dtypes>-m<MEASURE_VERSION>``.
+def default_study_name(path: str | os.PathLike, gm: fx.GraphModule, dev: torch_device,
+                       dtypes: Sequence[str] | None = None) -> str:
+    """``autoprec-<model stem>-<graph fingerprint[:8]>-<device type>[-<dtypes>]-m<MEASURE_VERSION>``;
+    ``<dtypes>`` only when ``--dtypes`` forces them (``dtypes``: the parsed list, sorted here).
 
-    The measurement version and the searched dtypes are part of the name: after an upgrade that
+    The name is what the command says, never what the probe measured: a re-run whose probe puts a
+    kernel on the other side of the keep line resumes the same study and searches the kernels
+    recorded in it (``tune``'s ``_adopt_study_kernels``; the probe's decision is stamped by
+    :func:`check_study`). The measurement version is part of the name: after an upgrade that
     changes measurements, or with other ``--dtypes``, the same command starts a new study beside
-    the old one instead of failing on it (see :func:`check_study`).
+    the old one instead of failing on it. Studies named before this rule (the kept kernels in the
+    name) are not found under it: a new study starts.
     """
-    return (f"autoprec-{Path(str(path)).stem}-{graph_fingerprint(gm)[:8]}-{dev.type}-"
-            f"{'-'.join(space.dtypes)}-m{MEASURE_VERSION}")
+    forced = f"-{'-'.join(sorted(dtypes))}" if dtypes else ""
+    stem = Path(str(path)).stem
+    return f"autoprec-{stem}-{graph_fingerprint(gm)[:8]}-{dev.type}{forced}-m{MEASURE_VERSION}"
 
 
 def precheck_study(storage: str, study_name: str, space: SearchSpace) -> None:
@@ -209,6 +216,14 @@ def precheck_study(storage: str, study_name: str, space: SearchSpace) -> None:
 
 def study_choices(storage: str, study_name: str) -> list[str] | None:
     """The kernel choices an existing study was stamped with (``SearchSpace.dtypes``), reading only;
+    None when the database, the study or the stamp is missing (:func:`study_space`)."""
+    old = study_space(storage, study_name)
+    return list(old["dtypes"]) if old else None
+
+
+def study_space(storage: str, study_name: str) -> dict | None:
+    """The :data:`attrs.SPACE` stamp of an existing study, reading only: ``{"dtypes": [...]}`` and,
+    stamped by autoprec since the probe's decision is recorded, ``"probe"`` (:func:`check_study`);
     None when the database, the study or the stamp is missing."""
     path = sqlite_path(storage)
     if path is not None and not os.path.isfile(path):
@@ -219,14 +234,17 @@ def study_choices(storage: str, study_name: str) -> list[str] | None:
         if study_name not in {s.study_name for s in optuna.get_all_study_summaries(rdb)}:
             return None
         old = optuna.load_study(study_name=study_name, storage=rdb).user_attrs.get(attrs.SPACE)
-        return list(old["dtypes"]) if old else None
+        return dict(old) if old else None
     finally:
         if isinstance(rdb, optuna.storages.RDBStorage):
             rdb.engine.dispose()
 
 
-def check_study(study: optuna.Study, storage: str, space: SearchSpace, stamp: bool = True) -> None:
-    """Stamp a new study with :data:`MEASURE_VERSION` and the search space; refuse to resume one
+def check_study(study: optuna.Study, storage: str, space: SearchSpace, stamp: bool = True,
+                probe: Mapping | None = None) -> None:
+    """Stamp a new study with :data:`MEASURE_VERSION` and the search space (:data:`attrs.SPACE`:
+    ``{"dtypes": space.dtypes, "probe": probe}``, ``probe`` the decision that chose them: per kernel
+    measured its ratio to fp32, band and verdict; JSON-ready); refuse to resume one
     whose trials were measured by another version (studies from before the stamp count as
     version 1) or sampled from another space (e.g. other ``--dtypes``: Optuna cannot change a
     parameter's choices within a study).
@@ -248,11 +266,11 @@ def check_study(study: optuna.Study, storage: str, space: SearchSpace, stamp: bo
     if old is not None and old["dtypes"] != space.dtypes:
         raise SearchError(
             f"{where} searched the dtypes {', '.join(old['dtypes'])}; this run searches "
-            f"{', '.join(space.dtypes)} (--dtypes, or what the probe measured as faster than fp32), "
-            f"so it cannot resume it. {fix}")
+            f"{', '.join(space.dtypes)} (--dtypes), so it cannot resume it. {fix}")
     if stamp:  # the first worker's space stays the study's (another may have stamped meanwhile)
         if study.user_attrs.get(attrs.SPACE) is None:
-            study.set_user_attr(attrs.SPACE, {"dtypes": space.dtypes})
+            decision = {"probe": dict(probe)} if probe else {}
+            study.set_user_attr(attrs.SPACE, {"dtypes": space.dtypes, **decision})
         study.set_user_attr(attrs.MEASURE_VERSION, MEASURE_VERSION)
 
 

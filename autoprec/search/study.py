@@ -172,7 +172,7 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
     run = _capture(model_path, device, quiet, strict_timing)
     _probe(run, forced, SAVED_LEVERS if memory_arg is not None else ())
     storage = storage or default_storage(out)
-    study_name = study_name or default_study_name(run.spec.path, run.gm, run.dev, run.space)
+    study_name = study_name or default_study_name(run.spec.path, run.gm, run.dev, forced)
     _adopt_study_kernels(run, study_choices(storage, study_name))  # a shared study's kernels
     precheck_study(storage, study_name, run.space)  # a study this run cannot resume fails now
     _baselines(run, drift_arg, memory_arg)
@@ -231,20 +231,32 @@ def _probe(run: _Run, forced: list[str] | None, saved: tuple[str, ...] = ()) -> 
 
 
 def _adopt_study_kernels(run: _Run, choices: list[str] | None) -> None:
-    """Search the kernels an existing study was created with when this run's probe (``--dtypes
-    auto``) kept others: Optuna cannot change a parameter's choices within a study, and a kernel
-    near the keep rule's 10% line (fp32-compute kernels measure ~1.0–1.2x) falls on either side
-    from one worker's probe to the next. Every kernel runs on every device; the trials measure
-    its speed. The order (fastest first, for the baselines) is this run's probe's."""
+    """Search the kernels an existing study was created with (its :data:`attrs.SPACE` stamp) when
+    this run's probe (``--dtypes auto``) kept others, and say so: the study's name does not depend
+    on the probe (:func:`autoprec.search.storage.default_study_name`), so a resumed or joining run
+    reuses the first run's decision; Optuna cannot change a parameter's choices within a study,
+    and a kernel near the keep rule's 10% line (fp32-compute kernels measure ~1.0–1.2x) falls on
+    either side from one probe to the next. Every kernel runs on every device; the trials measure
+    its speed. The order (fastest first, for the baselines) is this run's probe's, and
+    torch.autocast's dtype is chosen over the study's storage dtypes."""
     if run.forced is not None or choices is None or choices == run.space.dtypes:
         return  # --dtypes forces the space: check_study refuses a study of other choices
     ms = {k: (v.get("ms") or math.inf) for k, v in run.probes.get("kernels", {}).items()}
     lows = sorted(choices[1:], key=lambda k: ms.get(k, math.inf))
-    log(f"the study was created searching {', '.join(choices)}; this run's probe kept "
-        f"{', '.join(run.space.dtypes)}: searching the study's kernels", run.quiet)
+    log(f"resuming a study created searching {', '.join(choices)}; this run's probe kept "
+        f"{', '.join(run.space.dtypes)}: searching the study's kernels (its probe's decision)", run.quiet)
     blocks = run.space.blocks or find_blocks(run.gm)  # a space without low kernels holds no blocks
     nodes = run.space.nodes or outside_matmuls(run.gm, blocks)
     run.space = SearchSpace(lows, blocks, nodes, saved=run.space.saved[1:])
+    storage_lows = list(dict.fromkeys(kernel_fields(k)[0] for k in lows if kernel_fields(k)[0] in LOW_DTYPES))
+    run.ac_dtype = autocast_dtype(run.dev, storage_lows)
+
+
+def _probe_decision(probes: dict[str, Any]) -> dict[str, Any]:
+    """What a new study records of the probe that chose its kernels (``KernelProbe.to_dict``):
+    the keep rule's tolerance and per kernel its ratio to fp32's time, band and verdict."""
+    return {"tol": probes.get("tol"), "kernels": {k: {f: v.get(f) for f in ("ratio", "band", "kept", "error")}
+                                                  for k, v in probes.get("kernels", {}).items()}}
 
 
 def _baselines(run: _Run, drift_arg: float | None, memory_arg: tuple[str, float] | None) -> None:
@@ -282,7 +294,7 @@ def _search(run: _Run, storage: str, study_name: str, seed: int, trials: int | N
     study = open_study(storage, study_name, seed)
     stamped = lambda: (study.user_attrs.get(attrs.SPACE) or {}).get("dtypes")  # noqa: E731
     _adopt_study_kernels(run, stamped())  # another worker's
-    check_study(study, storage, run.space)
+    check_study(study, storage, run.space, probe=_probe_decision(run.probes))
     _adopt_study_kernels(run, stamped())  # one that stamped at the same moment
     study.set_user_attr(attrs.DRIFT_BUDGET, run.budget.value)
     study.set_user_attr(attrs.DRIFT_RULE, run.budget.to_dict())
