@@ -190,3 +190,29 @@ def test_selector_checks_a_compiled_lowered_finalist_on_a_dropout_model(harness)
     fn = sel._fn(run_pipeline(harness.graph_module, pol).graph_module)
     sel._traj_ok(pol, fn)
     assert sel.traj[pol.training_key()] < RTOL[torch.bfloat16] and sel._traj_budget < RTOL[torch.bfloat16]
+
+
+def test_compiled_finalists_on_a_dropout_model_are_judged_against_compiled_autocast(harness):
+    """Issue 19.2: Inductor draws its own dropout masks, so with ``--max-drift auto`` the selector
+    re-bases the budget on torch.autocast as compiled (measured against the compiled FP32 graph,
+    the same masks); the compiled autocast twin is then within it."""
+    from autoprec.runtime.train import autocast_scaler
+    from autoprec.search.decide import DriftBudget
+    from autoprec.search.progress import Clock
+    from autoprec.search.select import Selector
+
+    eager = harness.drift(harness.model, None, torch.bfloat16)
+    sel = Selector(harness, DriftBudget.auto(eager.grad_rel_l2_batches), True, torch.bfloat16, None, 0,
+                   Clock(), True)
+    sel._autocast_fn = sel._fn(harness.model)
+    sel.autocast_compiled = harness.measure(sel._autocast_fn, autocast_scaler(torch.bfloat16),
+                                            autocast_dtype=torch.bfloat16, timing=False)
+    sel._judge_compiled_like_autocast()
+    assert sel.budget.reference == tuple(sel.autocast_compiled.grad_rel_l2_batches)
+    twin = Policy.autocast("bf16")
+    m = harness.drift(sel._fn(run_pipeline(harness.graph_module, twin).graph_module), make_scaler(twin))
+    assert sel.budget.feasible(m), sel.budget.explain(m)
+    fixed = Selector(harness, DriftBudget.fixed(0.5), True, torch.bfloat16, None, 0, Clock(), True)
+    fixed.autocast_compiled = sel.autocast_compiled
+    fixed._judge_compiled_like_autocast()
+    assert fixed.budget == DriftBudget.fixed(0.5)  # a hard --max-drift stays as given
