@@ -16,6 +16,7 @@ The loss scaler's agreement across ranks is :func:`autoprec.runtime.scaler.any_r
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
@@ -87,10 +88,14 @@ def init_ranks(device: torch.device, ranks: Ranks) -> torch.device:
 def close_ranks(ranks: Ranks) -> None:
     """Leave the default process group :func:`init_ranks` joined (no-op with one rank), after a
     barrier: a rank destroying gloo's group while another still talks to it can abort
-    (``terminate called without an active exception``)."""
+    (``terminate called without an active exception``). A ``DistributedDataParallel`` module
+    lives in a reference cycle and its C++ reducer holds the group: the cyclic GC runs first, so
+    no reducer keeps gloo's threads alive past the group's destruction into interpreter exit."""
     if ranks.world > 1 and dist.is_initialized():
+        gc.collect()
         dist.barrier()
         dist.destroy_process_group()
+        gc.collect()
 
 
 def rank_step_batch(get_batch: Callable[[int, torch.device], Any], device: torch.device,
