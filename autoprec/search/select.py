@@ -1,12 +1,10 @@
-"""Finalist selection: the fastest feasible trials re-measured as training runs them (compiled
-with Inductor unless ``--no-compile``), fitted to the memory budget by one of two levers —
-activations saved in low precision (a policy's ``saved``) or recomputation
-(``activation_memory_budget``), whichever is faster within the budgets — checked on ``traj_rel``,
-and the fastest that passes chosen (docs/architecture.md#search)."""
+"""Finalist selection: the fastest feasible trials, the autocast twin and all-fp32 re-measured as
+training runs them (compiled with Inductor unless ``--no-compile``), fitted to the memory budget
+(:mod:`autoprec.search.memory_fit`), checked on ``traj_rel``, then timed head to head with the
+baselines and chosen by :func:`autoprec.search.final.decide` (docs/architecture.md#search)."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any
@@ -26,8 +24,8 @@ from autoprec.search.budgets import format_bytes
 from autoprec.search.decide import DriftBudget
 from autoprec.search.final import Contender, Decision, decide
 from autoprec.search.measure import Measurement
+from autoprec.search.memory_fit import fit_memory, lever
 from autoprec.search.progress import log
-from autoprec.search.space import SAVED_LEVERS, with_saved
 from autoprec.search.timing import Config, Timing, format_rate, time_interleaved
 
 #: The trajectory check passes a finalist whose ``traj_rel`` is at most this many times torch.autocast's
@@ -44,14 +42,6 @@ FP32_COMPILED = "fp32 + torch.compile"
 FP32_EAGER = "fp32 eager"
 
 __all__ = ["AUTOCAST_COMPILED", "FP32_COMPILED", "FP32_EAGER", "Selector"]
-
-
-def _lever(pol: Policy) -> str:
-    """Which memory lever a finalist uses: ``"none"``, ``"recompute <budget>"``, ``"saved <dtype>"``."""
-    saved = {r.saved for r in pol.rules if r.saved is not None}
-    parts = ([f"saved {'/'.join(sorted(saved))}"] if saved else []) + (
-        [f"recompute {pol.activation_memory_budget:g}"] if pol.activation_memory_budget < 1.0 else [])
-    return " + ".join(parts) or "none"
 
 
 class Selector:
@@ -143,7 +133,7 @@ class Selector:
             self._point(pol, m, timed=bool(m.step_times))
             if (self.memory_budget is not None and m.error is None and self.budget.feasible(m)
                     and m.peak_bytes > self.memory_budget):
-                pol, fn, m = self._fit_memory(pol, m)
+                pol, fn, m = fit_memory(self, pol, m)
             why = self._reject_reason(pol, fn, m)
             log(f"  compiled: grad_rel_l2 {m.grad_rel_l2:.3g}, traj_rel {self.traj_of(pol):.3g}"
                 + (f" -> rejected: {why}" if why else ""), self.quiet)
@@ -272,88 +262,11 @@ class Selector:
 
     @staticmethod
     def _point_of(pol: Policy, m: Measurement, timed: bool = True) -> dict[str, Any]:
-        return {"policy": pol.summary(), "lever": _lever(pol), "tokens_per_s": m.tokens_per_s if timed else None,
+        return {"policy": pol.summary(), "lever": lever(pol), "tokens_per_s": m.tokens_per_s if timed else None,
                 "grad_rel_l2": m.grad_rel_l2, "peak_bytes": m.peak_bytes, "error": m.error}
 
     def _fits(self, m: Measurement) -> bool:
         return m.error is None and m.peak_bytes <= self.memory_budget and self.budget.feasible(m)
-
-    def _fit_memory(self, pol: Policy, m: Measurement) -> tuple[Policy, Any, Measurement]:
-        """Fit ``pol`` to the memory budget with the faster of the two levers.
-
-        Saved activations (:data:`SAVED_LEVERS`, :func:`with_saved`: bf16 first, then fp8_e5m2)
-        keep the forward and cost a cast per saved tensor and some drift; recomputation
-        (:meth:`_fit_recompute`) keeps the numerics and costs forward work in backward. Each lever's
-        candidate that fits (peak and drift) is timed, and the faster is returned; when neither
-        fits, the recomputation result is returned for :meth:`_reject_reason` to explain.
-        """
-        fitted = []
-        for dtype in SAVED_LEVERS:
-            check_interrupt()
-            cand = with_saved(pol, dtype)
-            fn = self._fn(run_pipeline(self.h.graph_module, cand).graph_module, cand.activation_memory_budget)
-            probe = self.h.measure(fn, lambda cand=cand: make_scaler(cand), timing=self.h.device.type == "cuda",
-                                   max_step_s=self.slow)
-            log(f"  memory lever saved {dtype}: {probe.peak_bytes / 2**20:.1f} MiB, grad_rel_l2 "
-                f"{probe.grad_rel_l2:.3g}" + (f" ({probe.error})" if probe.error else ""), self.quiet)
-            if self._fits(probe):
-                timed = probe if probe.step_times else self.h.measure(fn, lambda cand=cand: make_scaler(cand),
-                                                                      max_step_s=self.slow)
-                self._point(cand, timed)
-                fitted.append((cand, fn, timed))
-                break
-            self._point(cand, probe, timed=bool(probe.step_times))
-        rc = self._fit_recompute(pol, m)
-        self._point(rc[0], rc[2], timed=bool(rc[2].step_times))
-        if self._fits(rc[2]) and rc[2].step_times:
-            fitted.append(rc)
-        if not fitted:
-            return rc
-        best = max(fitted, key=lambda f: f[2].tokens_per_s)
-        log(f"  memory levers: {', '.join(f'{_lever(c)} {x.tokens_per_s:.0f} tok/s' for c, _, x in fitted)} "
-            f"-> {_lever(best[0])}", self.quiet)
-        return best
-
-    def _fit_recompute(self, pol: Policy, m: Measurement) -> tuple[Policy, Any, Measurement]:
-        """Lower ``pol``'s ``activation_memory_budget`` until the compiled graph's peak fits.
-
-        Saved activations scale about linearly with the partitioner's budget (its definition:
-        torch/_functorch/config.py), so the first guess is proportional, the second a secant
-        through the measured points, the third 0.0 (full recomputation); each aims 10% under
-        the budget. On the CPU memory is counted on one forward/backward (compile included) and
-        only the budget that fits is timed; on CUDA each try is timed (its peak is read then).
-
-        Returns:
-            The policy, callable and measurement to judge: still over the budget when even full
-            recomputation does not fit, with ``error`` set when the budget is below the fp32
-            parameter, gradient and optimizer state alone.
-        """
-        state = self.h.state_bytes
-        room = self.memory_budget - state
-        if room <= 0:
-            m.error = (f"peak {m.peak_bytes / 2**20:.1f} MiB > memory budget {self.memory_budget / 2**20:.1f} MiB, "
-                       f"which is below the fp32 parameter, gradient and optimizer state alone ({state / 2**20:.1f} MiB)")
-            return pol, None, m
-        points = [(pol.activation_memory_budget, m.peak_bytes - state)]
-        for attempt in range(3):
-            (b1, a1), (b0, a0) = points[-1], points[-2] if len(points) > 1 else (0.0, 0.0)
-            slope = (a1 - a0) / (b1 - b0) if (a1 - a0) * (b1 - b0) > 0 else a1 / max(b1, 1e-9)
-            b = 0.0 if attempt == 2 else max(0.0, math.floor(100 * (b1 - (a1 - 0.9 * room) / slope)) / 100)
-            cand = dataclasses.replace(pol, activation_memory_budget=b)
-            # a fresh graph per budget: Dynamo caches compiled code per graph, not per config
-            fn = self._fn(run_pipeline(self.h.graph_module, cand).graph_module, b)
-            # CUDA's peak (max_memory_allocated) is read after timed steps; the CPU's count needs none
-            probe = self.h.measure(fn, lambda cand=cand: make_scaler(cand), timing=self.h.device.type == "cuda",
-                                   max_step_s=self.slow)
-            log(f"  peak {points[-1][1] / 2**20 + state / 2**20:.1f} MiB > memory budget "
-                 f"{self.memory_budget / 2**20:.1f} MiB: activation memory budget {b:g} -> "
-                 f"{probe.peak_bytes / 2**20:.1f} MiB", self.quiet)
-            if probe.error is not None or probe.peak_bytes <= self.memory_budget or b == 0.0:
-                break
-            points.append((b, probe.peak_bytes - state))
-        if probe.error is not None or probe.peak_bytes > self.memory_budget or probe.step_times:
-            return cand, fn, probe
-        return cand, fn, self.h.measure(fn, lambda cand=cand: make_scaler(cand), max_step_s=self.slow)
 
     def _reject_reason(self, pol: Policy, fn, m: Measurement) -> str | None:
         """Why a compiled finalist is not chosen (None: it may be)."""

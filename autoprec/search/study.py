@@ -152,7 +152,7 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
             (a number, or a string with a ``KiB``/``MiB``/``GiB`` suffix). With ``compile``, a
             finalist over it gets an ``activation_memory_budget`` that fits, aimed 10% under the
             memory budget (Inductor recomputes the rest of the activations in backward; see
-            ``Selector._fit_memory`` in autoprec/search/select.py); without compile, trials whose measured peak is over it are
+            ``fit_memory`` in autoprec/search/memory_fit.py); without compile, trials whose measured peak is over it are
             not selected.
         strict_timing: Raise :class:`~autoprec.search.load.BusyMachineError` when the machine is
             busy instead of warning: other processes use over half a core, or the calibration
