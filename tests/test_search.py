@@ -189,3 +189,27 @@ def test_study_of_another_measurement_version_is_not_resumed(tmp_path):
     new = Policy.load(out).provenance["study"]
     assert new.endswith("-m3") and len(optuna.load_study(study_name="old", storage=storage).trials) == 1
     assert optuna.load_study(study_name=new, storage=storage).user_attrs[ATTR + "measure_version"] == 3
+
+
+def test_a_running_trial_that_names_no_worker_is_orphaned_after_a_minute():
+    """A worker killed between Optuna creating its trial and the objective naming the worker
+    leaves a RUNNING trial nobody could identify; a resumed tune must not wait 900 s for it."""
+    import datetime
+
+    from autoprec.search.objective import ORPHAN_AFTER_S, is_dead_worker
+
+    def running(age_s: float, **user_attrs) -> optuna.trial.FrozenTrial:
+        return optuna.trial.FrozenTrial(
+            number=0, state=optuna.trial.TrialState.RUNNING, value=None,
+            datetime_start=datetime.datetime.now() - datetime.timedelta(seconds=age_s),
+            datetime_complete=None, params={}, distributions={}, user_attrs=user_attrs, system_attrs={},
+            intermediate_values={}, trial_id=0)
+
+    assert is_dead_worker(running(ORPHAN_AFTER_S + 5))
+    assert not is_dead_worker(running(1.0))  # just created: its objective names the worker next
+    import socket
+
+    from autoprec.search.attrs import WORKER
+
+    alive = {WORKER: f"{socket.gethostname()}:{os.getpid()}"}
+    assert not is_dead_worker(running(ORPHAN_AFTER_S + 5, **alive))

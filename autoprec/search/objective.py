@@ -10,6 +10,7 @@ records as FAIL, with the reason in ``autoprec:error``; the study goes on.
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import math
 import os
@@ -158,8 +159,19 @@ def _find_measured(study: optuna.Study, fp: str, number: int, wait_s: float = 90
         time.sleep(poll_s)
 
 
+#: A RUNNING trial older than this (seconds) that names no worker was orphaned: its worker was
+#: killed between Optuna creating the trial and the objective's first line, which names it.
+ORPHAN_AFTER_S = 60.0
+
+
 def is_dead_worker(trial: optuna.trial.FrozenTrial) -> bool:
-    """True if ``trial`` was started by a process of this host that no longer exists (killed)."""
+    """True if ``trial`` was started by a process of this host that no longer exists (killed), or
+    is RUNNING without naming a worker for over :data:`ORPHAN_AFTER_S` seconds (a worker killed
+    before it could name itself)."""
+    if attrs.WORKER not in trial.user_attrs:
+        start = trial.datetime_start
+        return (trial.state == optuna.trial.TrialState.RUNNING and start is not None
+                and (datetime.datetime.now() - start).total_seconds() > ORPHAN_AFTER_S)
     host, _, pid = str(trial.user_attrs.get(attrs.WORKER, "")).rpartition(":")
     if host != socket.gethostname() or not pid.isdigit():
         return False
