@@ -27,7 +27,7 @@ from autoprec.runtime.steps import StepsTooSlow, run_steps, slow_step_guard
 from autoprec.runtime.train import TrainStep, training_state_bytes
 from autoprec.search.drift import DRIFT_BATCHES, Grads, References, draws_random, is_compiled, measure_drift
 
-__all__ = ["Measurement", "Harness", "SavedBytes", "batch_shapes", "draws_random"]
+__all__ = ["Measurement", "Harness", "describe_failure", "SavedBytes", "batch_shapes", "draws_random"]
 
 
 @dataclass
@@ -283,7 +283,7 @@ class Harness:
             m = self.drift(fn, scaler_factory(), autocast_dtype)
         except Exception as e:  # compile errors, OOM, kernels missing for a dtype
             self.restore()
-            return Measurement(error=_describe_failure(e))
+            return Measurement(error=describe_failure(e))
         if m.error is not None or not timing:
             return m
         try:
@@ -291,7 +291,7 @@ class Harness:
         except StepsTooSlow as e:
             m.step_times, m.note = [e.seconds], str(e)
         except Exception as e:
-            m.error = _describe_failure(e)
+            m.error = describe_failure(e)
             return m
         finally:
             self.restore()
@@ -352,7 +352,9 @@ def batch_shapes(batches: list[Any]) -> list[str]:
     return out
 
 
-def _describe_failure(e: BaseException) -> str:
+def describe_failure(e: BaseException) -> str:
+    """One line for a failed measurement: ``"<kind>: <first line of the message, ≤ 300 chars>"``,
+    the kind ``out of memory`` when the message says so, else the exception's class name."""
     text = str(e).strip().splitlines()[0] if str(e).strip() else ""
     kind = "out of memory" if "out of memory" in str(e).lower() else type(e).__name__
     return f"{kind}: {text[:300]}"

@@ -29,7 +29,7 @@ from autoprec.metrics import median
 from autoprec.runtime.scaler import DynamicLossScaler
 from autoprec.runtime.steps import StepsTooSlow, run_steps, slow_step_guard
 from autoprec.runtime.train import TrainStep
-from autoprec.search.measure import Harness
+from autoprec.search.measure import Harness, describe_failure
 
 __all__ = ["BOOTSTRAP_RESAMPLES", "Comparison", "Config", "Timing", "compare", "format_rate",
            "time_interleaved"]
@@ -244,8 +244,7 @@ class _Run:
             if not record or not self.times:
                 self.times = [e.seconds]  # stopped in its warm-up: timed on that step only
         except Exception as e:  # noqa: BLE001 - one configuration failing does not stop the others
-            self.error = f"{'out of memory' if 'out of memory' in str(e).lower() else type(e).__name__}: " \
-                         f"{(str(e).strip().splitlines() or [''])[0][:300]}"
+            self.error = describe_failure(e)
         finally:
             self.k += n
             self.recording = False
