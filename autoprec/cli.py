@@ -180,7 +180,8 @@ def _cmd_train(a: argparse.Namespace) -> int:
     with _naming_policy(a.policy):
         res = train(a.model, a.policy, steps=a.steps, device=a.device, compile=not a.no_compile,
                     log_every=a.log_every, checkpoint=a.checkpoint, resume=a.resume,
-                    checkpoint_every=a.checkpoint_every, log_path=a.log, max_grad_norm=a.max_grad_norm)
+                    checkpoint_every=a.checkpoint_every, log_path=a.log, max_grad_norm=a.max_grad_norm,
+                    force=a.force)
     if res.complete:  # --resume on a finished run: train() said so in one line
         return 0
     if ranks_from_env().lead:  # under torchrun (train --nproc) rank 0 speaks for all

@@ -59,6 +59,9 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                         "save the running configuration every N steps under --out-dir")
     r.add_argument("--log", default=None, metavar="JSONL", help="append per-step monitor records here")
     r.add_argument("--max-grad-norm", type=_positive_float, default=None, help="clip unscaled gradients to this norm")
+    r.add_argument("--force", action="store_true",
+                   help="train with a policy none of whose rules matches a node of this model (a policy of "
+                        "another model), which is refused otherwise")
     r.add_argument("--compare", default=None, metavar="LIST",
                    help="convergence check: also train these baselines (fp32,autocast) from the same "
                         "weights on the same batches and compare the loss curves")

@@ -17,6 +17,7 @@ from autoprec.policy import Policy
 from autoprec.runtime.model_facade import check_no_autocast, model_attr, signed_class
 from autoprec.runtime.outputs import flat_output_graph, rebuild
 from autoprec.runtime.saved import SavedCall, apply_saved, has_saved, saved_activation_context
+from autoprec.runtime.policy_match import check_policy_matches
 from autoprec.runtime.shape_cache import CompileLog, ShapeCache, capture_dynamic, is_dynamic
 from autoprec.shapes import InputShapes
 
@@ -289,7 +290,7 @@ class MixedPrecisionModule(nn.Module):
 
 def apply(model: nn.Module, policy: Policy, example_batch: Any, compile: bool = True,
           placement: str = "mincut", graph_module: fx.GraphModule | None = None,
-          dynamic: bool = True) -> MixedPrecisionModule:
+          dynamic: bool = True, force: bool = False) -> MixedPrecisionModule:
     """Apply ``policy`` to ``model``: capture, lower (passes), optionally compile.
 
     Args:
@@ -308,6 +309,8 @@ def apply(model: nn.Module, policy: Policy, example_batch: Any, compile: bool = 
             per input shape, built on first use (:class:`autoprec.runtime.shape_cache.ShapeCache`,
             at most ``MAX_SHAPES``). New compiles and shapes are logged (``autoprec`` logger, INFO);
             a shape outside the ranges raises ``ValueError`` naming the input and the range.
+        force: Apply a policy none of whose rules selects a node of this model (a policy of
+            another model, :func:`autoprec.runtime.policy_match.check_policy_matches`) anyway.
 
     Returns:
         A :class:`MixedPrecisionModule`, a drop-in for ``model`` in the training loop, for batches
@@ -317,6 +320,7 @@ def apply(model: nn.Module, policy: Policy, example_batch: Any, compile: bool = 
     Raises:
         CaptureError: the model cannot be captured.
         PassError: the policy cannot be applied to this graph (names the node).
+        PolicyError: no rule of the policy selects a node of this graph (without ``force``).
 
     Loss scaling: when ``policy.needs_loss_scaling`` is True (any node computes in fp16), the
     module must be trained with a dynamic loss scaler, or small fp16 gradients flush to zero and
@@ -340,13 +344,14 @@ def apply(model: nn.Module, policy: Policy, example_batch: Any, compile: bool = 
         gm = graph_module
     else:
         gm = capture_dynamic(model, example_batch) if dynamic else capture(model, example_batch)
+    check_policy_matches(policy, gm, force=force)
     with quiet_pytree_deprecation():  # the passes deep-copy the graph and its pytree specs
         result = run_pipeline(gm, policy, placement)
     result.graph_module.meta[CALL_KWARGS_META] = dict(gm.meta.get(CALL_KWARGS_META, {}))  # passes keep no gm.meta
     mp = MixedPrecisionModule(model, result.graph_module, policy, result.stats, compile)
     if dynamic and not is_dynamic(gm):  # one graph per shape, the example's first
         _use_shape_cache(mp, example_batch,
-                         lambda batch: apply(model, policy, batch, compile, placement, dynamic=False)._fn)
+                         lambda batch: apply(model, policy, batch, compile, placement, dynamic=False, force=True)._fn)
     return mp
 
 

@@ -36,6 +36,7 @@ from autoprec.runtime.distributed import (
     ranks_from_env,
 )
 from autoprec.runtime.monitor import Monitor
+from autoprec.runtime.policy_match import check_policy_matches
 from autoprec.runtime.shape_cache import PROBE_BATCHES, capture_for
 from autoprec.runtime.steps import StepHook, every, run_steps
 from autoprec.runtime.train import StepStats, TrainStep, make_scaler
@@ -84,7 +85,8 @@ def _warn_if_other_model(policy: Policy, policy_path: str | os.PathLike, gm: Any
 def train(model_path: str | os.PathLike, policy_path: str | os.PathLike, steps: int = 50, device: str = "auto",
           compile: bool = True, log_every: int = 1, quiet: bool = False,
           checkpoint: str | os.PathLike | None = None, resume: bool = False, checkpoint_every: int = 0,
-          log_path: str | os.PathLike | None = None, max_grad_norm: float | None = None) -> TrainResult:
+          log_path: str | os.PathLike | None = None, max_grad_norm: float | None = None,
+          force: bool = False) -> TrainResult:
     """Train the model of ``model_path`` up to ``steps`` optimizer steps under a policy file.
 
     The optimizer is the model file's ``make_optimizer`` (default AdamW) over the fp32 parameters
@@ -103,9 +105,12 @@ def train(model_path: str | os.PathLike, policy_path: str | os.PathLike, steps: 
         checkpoint_every: Also save every this many steps (0: only at the end).
         log_path: JSONL file for the monitor (appended to).
         max_grad_norm: Clip unscaled gradients to this L2 norm.
+        force: Train with a policy none of whose rules selects a node of this model (a policy of
+            another model) instead of refusing it (:mod:`autoprec.runtime.policy_match`).
 
     Raises:
-        ModelSpecError: invalid model file. PolicyError: invalid policy file.
+        ModelSpecError: invalid model file. PolicyError: invalid policy file, or (without
+            ``force``) none of its rules matches a node of this model.
         CaptureError / PassError: the policy cannot be applied to this model.
         AutoprecError: ``--resume`` with a checkpoint saved under a different policy or model, or
             a file that is not a checkpoint.
@@ -126,7 +131,7 @@ def train(model_path: str | os.PathLike, policy_path: str | os.PathLike, steps: 
     dev = init_ranks(resolve_device(device), ranks)
     try:
         return _train(spec, policy, policy_path, dev, ranks, steps, compile, log_every, quiet or not ranks.lead,
-                      checkpoint, resume, checkpoint_every, log_path, max_grad_norm)
+                      checkpoint, resume, checkpoint_every, log_path, max_grad_norm, force)
     finally:
         close_ranks(ranks)
 
@@ -134,15 +139,16 @@ def train(model_path: str | os.PathLike, policy_path: str | os.PathLike, steps: 
 def _train(spec: Any, policy: Policy, policy_path: str | os.PathLike, dev: Any, ranks: Any, steps: int,
            compile: bool, log_every: int, quiet: bool, checkpoint: str | os.PathLike | None, resume: bool,
            checkpoint_every: int, log_path: str | os.PathLike | None,
-           max_grad_norm: float | None) -> TrainResult:
+           max_grad_norm: float | None, force: bool = False) -> TrainResult:
     """:func:`train` once the files are loaded and this rank's device is known."""
     model = spec.build_model().to(dev)
     model.train()
     first = spec.get_batch(0, dev)
     gm = capture_for(model, [first] + [spec.get_batch(i, dev) for i in range(1, PROBE_BATCHES)])
+    check_policy_matches(policy, gm, policy_path, force)  # a policy of another model: refused
     if ranks.lead:
         _warn_if_other_model(policy, policy_path, gm, spec.path)
-    mp = apply(model, policy, first, compile=compile, graph_module=gm)
+    mp = apply(model, policy, first, compile=compile, graph_module=gm, force=True)
     module = ddp(mp, policy) if ranks.world > 1 else mp
     params = [p for p in model.parameters() if p.requires_grad]
     monitor: Monitor | None = None  # opened after the resume check: a refused resume writes nothing

@@ -1,0 +1,77 @@
+"""Whether a policy belongs to the model it is applied to (docs/architecture.md#runtime, "A policy of
+another model").
+
+A tuned policy names the modules and nodes of the graph it was tuned on. Applied to another
+model, none of its rules may select a node: it would then train as all-``default_dtype`` while its
+file (and its ``measured`` block) say otherwise. :func:`check_policy_matches` refuses that case
+unless forced; a policy of which some rules match trains, with one warning per rule that matches
+nothing (``autoprec.passes.assign``).
+"""
+
+from __future__ import annotations
+
+import os
+
+from torch import fx
+
+from autoprec.errors import PolicyError
+from autoprec.nodekeys import graph_fingerprint
+from autoprec.ops import classify
+from autoprec.policy import Policy
+
+__all__ = ["check_policy_matches", "unmatched_rules"]
+
+#: Rules listed by name in the refusal message (the rest are counted).
+_SHOWN = 6
+
+
+def unmatched_rules(policy: Policy, gm: fx.GraphModule) -> list[int]:
+    """Indices of ``policy.rules`` that select no ``call_function`` node of ``gm`` (a node rule:
+    its key is not a node of the graph; any other rule: :meth:`Rule.matches` is False for every
+    node). Op classes come from :func:`autoprec.ops.classify`."""
+    nodes = [(n.meta["autoprec"]["key"], classify(n), n.meta["autoprec"].get("module", ""))
+             for n in gm.graph.nodes if n.op == "call_function" and "key" in n.meta.get("autoprec", {})]
+    return [i for i, rule in enumerate(policy.rules) if not any(rule.matches(*node) for node in nodes)]
+
+
+def check_policy_matches(policy: Policy, gm: fx.GraphModule, source: str | os.PathLike | None = None,
+                         force: bool = False) -> None:
+    """Refuse a policy none of whose rules selects a node of ``gm`` (a policy of another model).
+
+    A policy without rules (everything ``default_dtype``) and a policy with at least one matching
+    rule pass; so does anything with ``force``.
+
+    Args:
+        policy: The policy about to be applied.
+        gm: The captured graph of the model it is applied to.
+        source: The policy file, named in the message (None: "the policy").
+        force: Do not check (``autoprec train --force``, ``apply(..., force=True)``).
+
+    Raises:
+        PolicyError: every rule matches no node; the message names the policy file, each rule
+            that matched nothing, the graph the policy was tuned on against this graph's
+            fingerprint (:func:`autoprec.nodekeys.graph_fingerprint`), and ``--force``.
+    """
+    if force or not policy.rules:
+        return
+    unmatched = unmatched_rules(policy, gm)
+    if len(unmatched) < len(policy.rules):
+        return
+    name = os.fspath(source) if source is not None else "the policy"
+    shown = "; ".join(f"rules[{i}] {policy.rules[i].describe()}" for i in unmatched[:_SHOWN])
+    more = f"; … (+{len(unmatched) - _SHOWN} more)" if len(unmatched) > _SHOWN else ""
+    here = graph_fingerprint(gm)
+    prov = dict(policy.provenance or {})
+    tuned = prov.get("graph_fingerprint")
+    if tuned and tuned != here:
+        where = (f"it was tuned on {prov.get('model', 'another model')} (graph fingerprint {tuned}), "
+                 f"this model's graph is {here}")
+    elif tuned:
+        where = f"its graph fingerprint {tuned} is this model's"
+    else:
+        where = f"it records no graph fingerprint (this model's graph is {here})"
+    raise PolicyError(
+        f"{name}: none of its {len(policy.rules)} rule{'s' if len(policy.rules) > 1 else ''} matches a node of "
+        f"this model's graph ({shown}{more}); {where}. It would train as all-{policy.default_dtype}, not as its "
+        "file says: it looks like the policy of another model. Tune this model (autoprec tune), or pass "
+        "--force (train) / force=True (apply) to train with it anyway")
