@@ -37,7 +37,13 @@ from autoprec.nodekeys import graph_fingerprint
 from autoprec.policy import Policy
 from autoprec.runtime.train import autocast_scaler
 from autoprec.search import attrs
-from autoprec.search.budgets import memory_budget, parse_dtypes, parse_max_drift, parse_max_memory
+from autoprec.search.budgets import (
+    check_memory_floor,
+    memory_budget,
+    parse_dtypes,
+    parse_max_drift,
+    parse_max_memory,
+)
 from autoprec.search.decide import DriftBudget
 from autoprec.search.load import LoadClock, LoadMonitor
 from autoprec.search.measure import Harness, Measurement
@@ -165,11 +171,16 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
     Raises:
         ModelSpecError: the model file is invalid (nothing is written).
         CaptureError: the model cannot be captured (nothing is written).
-        SearchError: bad ``max_drift``, ``max_memory`` or ``dtypes``; no policy met the budgets.
+        SearchError: bad ``max_drift``, ``max_memory`` or ``dtypes``; a ``max_memory`` in bytes not
+            above the model's fp32 parameters, gradients and optimizer state (checked once the model
+            is built, before any capture or measurement, as the CLI does); no policy met the budgets.
         BusyMachineError: ``strict_timing`` and the machine is busy (CLI exit 2).
     """
     drift_arg, memory_arg, forced = parse_max_drift(max_drift), parse_max_memory(max_memory), parse_dtypes(dtypes)
-    run = _capture(model_path, device, quiet, strict_timing)
+    spec = load_model_spec(model_path)
+    if memory_arg is not None and memory_arg[0] == "bytes":  # as the CLI: an impossible budget before capture
+        check_memory_floor(memory_arg, spec.build_model(), spec.make_optimizer, option="max_memory")
+    run = _capture(spec, device, quiet, strict_timing)
     _probe(run, forced, SAVED_LEVERS if memory_arg is not None else ())
     storage = storage or default_storage(out)
     study_name = study_name or default_study_name(run.spec.path, run.gm, run.dev, forced)
@@ -184,15 +195,14 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
     return _write(run, study, sel, chosen, chosen_m, compile, out, report)
 
 
-def _capture(model_path: str | os.PathLike, device: str, quiet: bool, strict_timing: bool = False) -> _Run:
+def _capture(spec: ModelSpec, device: str, quiet: bool, strict_timing: bool = False) -> _Run:
     """Phase 1: check the machine's load (:mod:`autoprec.search.load`; again after the baselines and,
-    through the clock, when the finalists begin), load the model file, capture it and compute the
+    through the clock, when the finalists begin), capture the loaded model file and compute the
     FP32 reference (``Harness``).
 
     Raises:
         BusyMachineError: ``strict_timing`` and the machine is busy, before anything is captured.
     """
-    spec = load_model_spec(model_path)
     dev = resolve_device(device)
     clock = LoadClock(LoadMonitor.start(dev, strict_timing), {"finalists_s": "after trials"})
     with clock("capture_s"):
