@@ -12,7 +12,7 @@ __all__ = [
     "ATTR", "CASTS", "CONSTRAINT", "DRIFT_BUDGET", "DRIFT_RULE", "ERROR", "FINGERPRINT", "GRAD_REL_L2",
     "GRAD_REL_L2_BATCHES", "GRAD_SQNR_DB_MIN", "INFEASIBLE", "INTERRUPTED", "LOSS_REL", "MEASURED",
     "MEASURE_VERSION", "NOTE", "PEAK_BYTES", "POLICY",
-    "REUSED_FROM", "SENSITIVITY", "SPACE", "STEP_S", "TOKENS_PER_S", "WORKER",
+    "REUSED_FROM", "SENSITIVITY", "SPACE", "STEP_S", "STEP_TIMES", "TOKENS_PER_S", "TOKENS_PER_S_BAND", "WORKER",
 ]
 
 #: Namespace of every user attribute autoprec writes.
@@ -31,13 +31,16 @@ REUSED_FROM = ATTR + "reused_from"  #: number of the trial whose measurement of 
 CASTS = ATTR + "casts"  #: casts the placement inserted
 TOKENS_PER_S = ATTR + "tokens_per_s"
 STEP_S = ATTR + "step_s"
+STEP_TIMES = ATTR + "step_times"  #: every timed step's seconds (a list), the band's sample
+#: ``[lo, hi]`` tokens/s, the bootstrap 95% band of the median step (search/timing.py, Timing.from_steps)
+TOKENS_PER_S_BAND = ATTR + "tokens_per_s_band"
 GRAD_REL_L2 = ATTR + "grad_rel_l2"  #: mean over the drift batches
 GRAD_REL_L2_BATCHES = ATTR + "grad_rel_l2_batches"  #: per drift batch (a list; non-finite values as None)
 LOSS_REL = ATTR + "loss_rel"
 GRAD_SQNR_DB_MIN = ATTR + "grad_sqnr_db_min"
 PEAK_BYTES = ATTR + "peak_bytes"
 #: The Measurement fields a trial records -> their keys.
-MEASURED = {"tokens_per_s": TOKENS_PER_S, "step_s": STEP_S, "grad_rel_l2": GRAD_REL_L2,
+MEASURED = {"tokens_per_s": TOKENS_PER_S, "step_s": STEP_S, "step_times": STEP_TIMES, "grad_rel_l2": GRAD_REL_L2,
             "grad_rel_l2_batches": GRAD_REL_L2_BATCHES, "loss_rel": LOSS_REL,
             "grad_sqnr_db_min": GRAD_SQNR_DB_MIN, "peak_bytes": PEAK_BYTES}
 

@@ -27,6 +27,7 @@ from autoprec.search import attrs
 from autoprec.search.decide import DriftBudget
 from autoprec.search.measure import Harness, Measurement
 from autoprec.search.space import SearchSpace
+from autoprec.search.timing import Timing
 
 __all__ = ["Objective", "policy_fingerprint", "DIRECTIONS", "MAX_RETRIES", "is_dead_worker", "reap_dead_trials",
            "requeue_trial", "retried_numbers", "retry_of"]
@@ -117,11 +118,15 @@ class Objective:
 
 
 def _record(trial: optuna.Trial, m: Measurement, budget: DriftBudget) -> None:
-    """Store ``m``'s fields (:data:`attrs.MEASURED`; non-finite floats as None) and its constraint."""
+    """Store ``m``'s fields (:data:`attrs.MEASURED`; non-finite floats as None), the noise band of its
+    tokens/s (:data:`attrs.TOKENS_PER_S_BAND`, from its step times) and its constraint."""
     finite = lambda v: v if (not isinstance(v, float) or math.isfinite(v)) else None  # noqa: E731
     for field, key in attrs.MEASURED.items():
         v = getattr(m, field)
         trial.set_user_attr(key, [finite(x) for x in v] if isinstance(v, list) else finite(v))
+    if m.step_times and m.step_s > 0 and math.isfinite(m.step_s):  # the noise band of its tokens/s
+        band = Timing.from_steps(m.step_times, m.tokens_per_s * m.step_s).tokens_per_s_band
+        trial.set_user_attr(attrs.TOKENS_PER_S_BAND, [finite(x) for x in band])
     _constrain(trial, budget.excess(m))
     if m.error is not None:
         trial.set_user_attr(attrs.ERROR, m.error)

@@ -1,11 +1,11 @@
 """Reports: markdown table of trials, Pareto-front plot, per-layer dtype map, ``show`` listing.
 
-Plots use matplotlib's Agg backend (no display needed).
+Plots live in :mod:`autoprec.search.plots` (matplotlib's Agg backend, no display needed); every
+tokens/s in the tables carries its noise band (:mod:`autoprec.search.bands`).
 """
 
 from __future__ import annotations
 
-import math
 import os
 from collections import defaultdict
 from pathlib import Path
@@ -17,36 +17,45 @@ from torch import fx
 from autoprec.dtypes import kernel_name
 from autoprec.policy import Policy
 from autoprec.search import attrs
+from autoprec.search.bands import rate_text, ties_with_fastest, timing_of
+from autoprec.search.plots import dtype_map_figure, pareto_figure, save_figure
 
 __all__ = ["format_table", "write_report", "trial_rows", "pareto_front", "show_nodes", "dtype_map",
            "node_label", "lever_section", "policy_summary"]
 
-_DT_COLOUR = {"fp32": 0, "bf16": 1, "fp16": 2}
-
-
 def format_table(rows: list[dict[str, Any]]) -> str:
-    """Markdown table of result rows: config, tokens/s (with ``±`` the 95% band's relative
-    half-width when timed in the final head-to-head), speedup vs fp32 eager, vs torch.autocast +
-    torch.compile (``tie`` when within the noise), grad_rel_l2, peak MiB, note."""
+    """Markdown table of result rows: config, tokens/s with ``±`` the 95% band's relative
+    half-width (``(no band)`` / ``(1 step: no band)`` without one, ``—`` when not timed), speedup
+    vs fp32 eager and vs torch.autocast + torch.compile (each ``(tie)`` when within the noise),
+    grad_rel_l2, peak MiB, note."""
     head = ("| config | tokens/s | speedup vs fp32 eager | vs autocast+compile | grad_rel_l2 | peak MiB "
             "| note |")
     lines = [head, "|---|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         g = r.get("grad_rel_l2")
-        band = f" ±{100 * r['band']:.1f}%" if r.get("band") is not None else ""
-        rate = f"{r['tokens_per_s']:.0f}{band}"
+        tps = r["tokens_per_s"]
+        if not tps or tps <= 0:
+            rate = "—"
+        elif r.get("band") is None:
+            rate = f"{tps:.0f} (no band)"
+        elif r.get("timed_steps") == 1:
+            rate = f"{tps:.0f} (1 step: no band)"
+        else:
+            rate = f"{tps:.0f} ±{100 * r['band']:.1f}%"
         vs = r.get("vs_autocast_compiled")
         vs_text = "" if vs is None else f"{vs:.2f}x" + (" (tie)" if r.get("vs_autocast_tie") else "")
+        speedup = f"{r['speedup_vs_fp32']:.2f}x" + (" (tie)" if r.get("vs_fp32_tie") else "")
         lines.append(
-            f"| {r['config']} | {rate} | {r['speedup_vs_fp32']:.2f}x | {vs_text} | "
+            f"| {r['config']} | {rate} | {speedup} | {vs_text} | "
             f"{'inf' if g is None else f'{g:.2e}'} | {r.get('peak_bytes', 0) / 2**20:.1f} | {r.get('error') or ''} |"
         )
     return "\n".join(lines)
 
 
 def trial_rows(study: optuna.Study) -> list[dict[str, Any]]:
-    """One row per finished trial: number, state, tokens/s, grad_rel_l2, peak bytes, feasible,
-    policy summary, error, reused_from."""
+    """One row per finished trial: number, state, tokens/s, step_times (its timed steps, seconds;
+    None in a study written before they were recorded), grad_rel_l2, peak bytes, feasible, policy
+    summary, key (:meth:`Policy.training_key`, None without a policy), error, reused_from."""
     rows = []
     for t in study.get_trials(deepcopy=False):
         if not t.state.is_finished():
@@ -55,10 +64,12 @@ def trial_rows(study: optuna.Study) -> list[dict[str, Any]]:
         pol = ua.get(attrs.POLICY)
         rows.append({
             "number": t.number, "state": t.state.name,
-            "tokens_per_s": ua.get(attrs.TOKENS_PER_S), "grad_rel_l2": ua.get(attrs.GRAD_REL_L2),
+            "tokens_per_s": ua.get(attrs.TOKENS_PER_S), "step_times": ua.get(attrs.STEP_TIMES),
+            "grad_rel_l2": ua.get(attrs.GRAD_REL_L2),
             "peak_bytes": ua.get(attrs.PEAK_BYTES),
             "feasible": ua.get(attrs.CONSTRAINT, attrs.INFEASIBLE) <= 0 and t.state == optuna.trial.TrialState.COMPLETE,
             "policy": Policy.from_dict(pol).summary() if pol else "", "error": ua.get(attrs.ERROR),
+            "key": Policy.from_dict(pol).training_key() if pol else None,
             "reused_from": ua.get(attrs.REUSED_FROM),
         })
     return rows
@@ -78,7 +89,7 @@ def pareto_front(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for r in ok if not any(dominates(o, r) for o in ok if o is not r)]
 
 
-def _markdown(rows, front, table, policy, timings, shapes=None, decision=None) -> str:
+def _markdown(rows, front, table, policy, timings, shapes=None, decision=None, rejected=None) -> str:
     lines = ["# autoprec tuning report", ""]
     if policy is not None:
         lines += [f"Chosen policy: `{policy.summary()}`", ""]
@@ -96,45 +107,23 @@ def _markdown(rows, front, table, policy, timings, shapes=None, decision=None) -
         lines += ["## Where tuning time went", "", "| phase | seconds |", "|---|---:|"]
         lines += [f"| {k} | {v:.1f} |" for k, v in timings.items()] + [""]
     front_ids = {r["number"] for r in front}
-    lines += ["## Trials", "", "| # | state | tokens/s | grad_rel_l2 | peak MiB | feasible | Pareto | policy | note |",
+    lines += ["## Trials", "", "Eager screening: tokens/s ± the 95% band of the median step over the trial's "
+              "timed steps; a feasible trial within the noise of the fastest feasible one says tie.", "",
+              "| # | state | tokens/s | grad_rel_l2 | peak MiB | feasible | Pareto | policy | note |",
               "|---:|---|---:|---:|---:|---|---|---|---|"]
-    for r in rows:
-        tok = f"{r['tokens_per_s']:.0f}" if r["tokens_per_s"] else ""
+    timings = [timing_of(r["step_times"], r["tokens_per_s"]) for r in rows]
+    ties = ties_with_fastest([t if r["feasible"] and r["reused_from"] is None else None
+                              for r, t in zip(rows, timings)], [f"#{r['number']}" for r in rows])
+    for r, t, tie in zip(rows, timings, ties):
+        tok = rate_text(r["tokens_per_s"], t) + (f" (tie with {tie})" if tie else "")
         g = f"{r['grad_rel_l2']:.2e}" if r["grad_rel_l2"] is not None else "inf"
         mem = f"{r['peak_bytes'] / 2**20:.1f}" if r["peak_bytes"] else ""
         note = r["error"] or (f"same graph as #{r['reused_from']}" if r["reused_from"] is not None else "")
+        if (rejected or {}).get(r["key"]):
+            note = "; ".join(x for x in (note, f"finalist rejected: {rejected[r['key']]}") if x)
         lines.append(f"| {r['number']} | {r['state']} | {tok} | {g} | {mem} | {'yes' if r['feasible'] else 'no'} | "
                      f"{'*' if r['number'] in front_ids else ''} | {r['policy']} | {note} |")
     return "\n".join(lines) + "\n"
-
-
-def _plot_pareto(rows, front, fp32_tps: float | None, budget: float | None, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    ok = [r for r in rows if r["state"] == "COMPLETE" and r["tokens_per_s"] and r["grad_rel_l2"] is not None]
-    base = fp32_tps or max((r["tokens_per_s"] for r in ok), default=1.0)
-    fig, ax = plt.subplots(figsize=(6, 4), dpi=110)
-    if ok:
-        xs = [max(r["grad_rel_l2"], 1e-9) for r in ok]
-        ys = [r["tokens_per_s"] / base for r in ok]
-        cs = [(r["peak_bytes"] or 0) / 2**20 for r in ok]
-        sc = ax.scatter(xs, ys, c=cs, cmap="viridis", s=30)
-        fig.colorbar(sc, ax=ax, label="peak memory (MiB)")
-        ax.scatter([max(r["grad_rel_l2"], 1e-9) for r in front], [r["tokens_per_s"] / base for r in front],
-                   s=90, facecolors="none", edgecolors="red", label="Pareto front (speed, drift, memory)")
-        if budget is not None:
-            ax.axvline(max(budget, 1e-9), color="grey", ls="--", lw=1, label=f"drift budget {budget:.2g}")
-        ax.legend(loc="best", fontsize=7)
-    ax.set_xscale("log")
-    ax.set_xlabel("grad_rel_l2 vs FP32 (log; 0 shown at 1e-9)")
-    ax.set_ylabel("speedup vs fp32 eager" if fp32_tps else "relative tokens/s")
-    ax.set_title("autoprec trials")
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
 
 
 def node_label(meta: dict) -> str:
@@ -158,33 +147,6 @@ def dtype_map(gm: fx.GraphModule, policy: Policy) -> dict[str, dict[str, str]]:
     return {m: {c: max(d, key=d.get) for c, d in cl.items()} for m, cl in counts.items()}
 
 
-def _plot_dtype_map(gm: fx.GraphModule, policy: Policy, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.colors import ListedColormap
-    from matplotlib.patches import Patch
-
-    dm = dtype_map(gm, policy)
-    mods = list(dm)
-    classes = ["matmul", "sensitive", "follow"]
-    # colour by storage dtype (the label's first word before ":"); compute and saved are in show's listing
-    grid = [[_DT_COLOUR.get(dm[m].get(c, "").split(":")[0].split(" ")[0], math.nan) for c in classes] for m in mods]
-    fig, ax = plt.subplots(figsize=(5, max(2.0, 0.18 * len(mods) + 1)), dpi=110)
-    colours = ["#4c72b0", "#dd8452", "#c44e52"]  # _DT_COLOUR's indices: fp32, bf16, fp16
-    ax.imshow(grid or [[math.nan] * 3], aspect="auto", cmap=ListedColormap(colours),
-              vmin=0, vmax=2)
-    ax.set_xticks(range(3), classes)
-    ax.set_yticks(range(len(mods)), [m or "<root>" for m in mods], fontsize=6)
-    ax.set_title("dtype per module and op class", fontsize=8)
-    ax.legend(handles=[Patch(color=c, label=d) for d, c in zip(("fp32", "bf16", "fp16"), colours)],
-              loc="upper center", bbox_to_anchor=(0.5, -0.06 if mods else -0.15), ncol=3, fontsize=7, frameon=False)
-    fig.tight_layout()
-    fig.savefig(path, bbox_inches="tight")  # keeps the legend below the axes
-    plt.close(fig)
-
-
 def write_report(study: optuna.Study, stem: str | os.PathLike, table: list[dict[str, Any]] | None = None,
                  policy: Policy | None = None, gm: fx.GraphModule | None = None,
                  timings: dict[str, float] | None = None, shapes: list[str] | None = None,
@@ -195,28 +157,44 @@ def write_report(study: optuna.Study, stem: str | os.PathLike, table: list[dict[
     ``shapes`` lists the distinct batch shapes the measurements ran on
     (:func:`autoprec.search.measure.batch_shapes`); the report names them. ``levers`` are the
     compiled finalist measurements (``Selector.points``), memory-lever tries included: the report
-    lists them with the lever each used and marks their speed/memory Pareto front. ``decision``
+    lists them with the lever each used and marks their speed/memory Pareto front; a finalist's
+    ``rejected`` reason is also the note of the trial it came from. The Pareto plot marks the
+    trial whose policy was written (by training key) with its compiled speedup. ``decision``
     is the final head-to-head's verdict (:meth:`autoprec.search.final.Decision.describe`)."""
     stem = Path(stem)
     rows = trial_rows(study)
     front = pareto_front(rows)
     fp32 = next((r["tokens_per_s"] for r in (table or []) if r["config"] == "fp32 eager"), None)
     md = stem.with_name(stem.name + ".report.md")
-    md.write_text(_markdown(rows, front, table, policy, timings, shapes, decision) + lever_section(levers or []))
+    rejected = {q["key"]: q["rejected"] for q in levers or [] if q.get("rejected") and q.get("key")}
+    md.write_text(_markdown(rows, front, table, policy, timings, shapes, decision, rejected)
+                  + lever_section(levers or []))
     png = stem.with_name(stem.name + ".pareto.png")
-    _plot_pareto(rows, front, fp32, study.user_attrs.get(attrs.DRIFT_BUDGET), png)
+    chosen = _chosen_row(rows, policy)
+    compiled = (policy.measured or {}).get("speedup_vs_fp32") if policy is not None else None
+    save_figure(pareto_figure(rows, front, fp32, study.user_attrs.get(attrs.DRIFT_BUDGET), chosen, compiled), png)
     paths = [md, png]
     if gm is not None and policy is not None:
         dm = stem.with_name(stem.name + ".dtype_map.png")
-        _plot_dtype_map(gm, policy, dm)
+        save_figure(dtype_map_figure(dtype_map(gm, policy)), dm)
         paths.append(dm)
     return paths
 
 
+def _chosen_row(rows: list[dict[str, Any]], policy: Policy | None) -> dict[str, Any] | None:
+    """The first COMPLETE trial row whose policy trains as ``policy`` does (same training key), or None."""
+    if policy is None:
+        return None
+    key = policy.training_key()
+    return next((r for r in rows if r["state"] == "COMPLETE" and r["key"] == key), None)
+
+
 def lever_section(points: list[dict[str, Any]]) -> str:
     """Markdown: every compiled finalist measurement with its memory lever (``none``, ``saved
-    <dtype>``, ``recompute <budget>``); ``*`` marks the Pareto front on (tokens/s ↑, peak ↓) among
-    the timed points without an error (a point only counted for memory has no tokens/s)."""
+    <dtype>``, ``recompute <budget>``), tokens/s with its noise band (``step_times``) and a tie
+    with the fastest kept point; ``*`` marks the Pareto front on (tokens/s ↑, peak ↓) among the
+    timed points without an error (a point only counted for memory has no tokens/s); the note is
+    the point's ``error`` and why it was ``rejected`` (drift, memory, ``traj_rel``)."""
     if not points:
         return ""
     ok = [q for q in points if q["tokens_per_s"] and q["error"] is None]
@@ -224,11 +202,18 @@ def lever_section(points: list[dict[str, Any]]) -> str:
         o["tokens_per_s"] >= q["tokens_per_s"] and o["peak_bytes"] <= q["peak_bytes"]
         and (o["tokens_per_s"], o["peak_bytes"]) != (q["tokens_per_s"], q["peak_bytes"]) for o in ok)}
     lines = ["", "## Finalists compiled, with memory levers", "",
+             "Tokens/s ± the 95% band of the median step (the head-to-head's rounds for the survivors); tie: within "
+             "the noise of the fastest.", "",
              "| policy | lever | tokens/s | grad_rel_l2 | peak MiB | Pareto | note |", "|---|---|---:|---:|---:|---|---|"]
-    for q in points:
-        tps = f"{q['tokens_per_s']:.0f}" if q["tokens_per_s"] else "(memory only)"
+    timings = [timing_of(q.get("step_times"), q["tokens_per_s"]) for q in points]
+    ties = ties_with_fastest([t if q["error"] is None and not q.get("rejected") else None
+                              for q, t in zip(points, timings)], [q["policy"] for q in points])
+    for q, t, tie in zip(points, timings, ties):
+        tps = (rate_text(q["tokens_per_s"], t) + (f" (tie with {tie})" if tie else "")) if q["tokens_per_s"] \
+            else "(memory only)"
+        note = "; ".join(x for x in (q["error"], q.get("rejected") and f"rejected: {q['rejected']}") if x)
         lines.append(f"| {q['policy']} | {q['lever']} | {tps} | {q['grad_rel_l2']:.2e} | {q['peak_bytes'] / 2**20:.1f} | "
-                     f"{'*' if id(q) in front else ''} | {q['error'] or ''} |")
+                     f"{'*' if id(q) in front else ''} | {note} |")
     return "\n".join(lines) + "\n"
 
 

@@ -15,6 +15,7 @@ from typing import Any
 from autoprec.dtypes import NAMES
 from autoprec.metrics import median
 from autoprec.policy import Policy
+from autoprec.search.bands import timing_of
 from autoprec.search.measure import Measurement
 from autoprec.search.progress import log
 from autoprec.search.select import AUTOCAST_COMPILED, FP32_EAGER
@@ -43,12 +44,13 @@ def side_by_side(run: Any, sel: Any, chosen_m: Measurement, compile: bool) -> li
     ac = NAMES.get(run.ac_dtype, str(run.ac_dtype))
     t, ref = sel.timings, sel.timings.get(AUTOCAST_COMPILED)
     chosen_t = t.get(sel.decision.chosen.name) if sel.decision is not None else None
-    table = [_row("fp32 eager", run.fp32, run.fp32, t.get(FP32_EAGER), ref),
-             _row(f"autocast {ac} eager", run.autocast, run.fp32)]
+    fp32_t = t.get(FP32_EAGER)
+    table = [_row("fp32 eager", run.fp32, run.fp32, fp32_t, ref),
+             _row(f"autocast {ac} eager", run.autocast, run.fp32, fp32=fp32_t)]
     if sel.autocast_compiled is not None:
-        table.append(_row(f"autocast {ac} + compile", sel.autocast_compiled, run.fp32, ref, ref))
+        table.append(_row(f"autocast {ac} + compile", sel.autocast_compiled, run.fp32, ref, ref, fp32_t))
     name = "autoprec policy" + (" + compile" if compile else " (eager)")
-    table.append(_row(name, chosen_m, run.fp32, chosen_t, ref))
+    table.append(_row(name, chosen_m, run.fp32, chosen_t, ref, fp32_t))
     return table
 
 
@@ -63,18 +65,26 @@ def note_if_eager_was_faster(run: Any, sel: Any, chosen: Policy, chosen_m: Measu
             "(autoprec tune/train --no-compile)", run.quiet)
 
 
-def _row(name: str, m: Measurement, fp32: Measurement, timing: Timing | None = None,
-         autocast: Timing | None = None) -> dict[str, Any]:
-    """One table row; a non-finite ``grad_rel_l2`` is None (printed as inf). With the final
-    head-to-head's ``timing`` (and torch.autocast + torch.compile's, ``autocast``) the row also
-    gives ``band`` (the 95% band's relative half-width of tokens/s) and ``vs_autocast_compiled``
-    (ratio, and ``tie`` when the band of the ratio contains 1)."""
+def _row(name: str, m: Measurement, fp32_m: Measurement, timing: Timing | None = None,
+         autocast: Timing | None = None, fp32: Timing | None = None) -> dict[str, Any]:
+    """One table row; a non-finite ``grad_rel_l2`` is None (printed as inf). Its tokens/s band
+    comes from the final head-to-head's ``timing``, else from ``m``'s own step times
+    (:func:`autoprec.search.bands.timing_of`): ``band`` (the 95% band's relative half-width, with
+    ``timed_steps``), ``vs_fp32_tie`` (its ratio to fp32 eager's, ``fp32``'s timing or
+    ``fp32_m``'s steps, has a band containing 1). With torch.autocast + torch.compile's timing
+    (``autocast``) also ``vs_autocast_compiled`` (ratio, and ``tie`` when its band contains 1)."""
     row = {"config": name, "tokens_per_s": m.tokens_per_s,
-           "speedup_vs_fp32": m.tokens_per_s / fp32.tokens_per_s if fp32.tokens_per_s else 0.0,
+           "speedup_vs_fp32": m.tokens_per_s / fp32_m.tokens_per_s if fp32_m.tokens_per_s else 0.0,
            "grad_rel_l2": m.grad_rel_l2 if math.isfinite(m.grad_rel_l2) else None,
            "peak_bytes": m.peak_bytes, "error": m.error or m.note}
-    if timing is not None and timing.step_times:
-        row["band"] = timing.rel_half_width()
+    if timing is None or not timing.step_times:
+        timing = timing_of(m.step_times, m.tokens_per_s)
+    if fp32 is None or not fp32.step_times:
+        fp32 = timing_of(fp32_m.step_times, fp32_m.tokens_per_s)
+    if timing.step_times:
+        row["band"], row["timed_steps"] = timing.rel_half_width(), len(timing.step_times)
+        if m is not fp32_m and len(timing.step_times) > 1 and len(fp32.step_times) > 1:
+            row["vs_fp32_tie"] = compare(timing, fp32).tie
         if autocast is not None and autocast.step_times:
             c = compare(timing, autocast)
             row["vs_autocast_compiled"] = c.ratio

@@ -83,7 +83,8 @@ class Selector:
         self._ref_trajs: dict[int, tuple[list[float], float]] = {}
         self._traj_budget: float | None = None  # of the last check (for messages)
         self._autocast_fn = None  # torch.autocast's module as compiled for its baseline
-        #: Every compiled finalist measurement, memory-lever tries included (the report's lever table).
+        #: Every compiled finalist measurement, memory-lever tries included (the report's lever table;
+        #: ``rejected``: why a finalist was not kept, when not its ``error``).
         self.points: list[dict[str, Any]] = []
         self._point_index: dict[str, int] = {}  # Policy.training_key() -> its last entry in points
 
@@ -140,6 +141,8 @@ class Selector:
                 + (f" -> rejected: {why}" if why else ""), self.quiet)
             if why is None:
                 survivors.append((label, pol, fn, m))
+            elif why != m.error and (i := self._point_index.get(pol.training_key())) is not None:
+                self.points[i]["rejected"] = why  # the report's note (drift, memory, traj_rel)
         if not survivors:
             raise SearchError("every finalist failed when re-measured, all-fp32 included (see the log)")
         return self._head_to_head(survivors)
@@ -264,7 +267,9 @@ class Selector:
 
     @staticmethod
     def _point_of(pol: Policy, m: Measurement, timed: bool = True) -> dict[str, Any]:
-        return {"policy": pol.summary(), "lever": lever(pol), "tokens_per_s": m.tokens_per_s if timed else None,
+        return {"policy": pol.summary(), "key": pol.training_key(), "lever": lever(pol),
+                "tokens_per_s": m.tokens_per_s if timed else None,
+                "step_times": list(m.step_times) if timed else [],  # the report's noise band
                 "grad_rel_l2": m.grad_rel_l2, "peak_bytes": m.peak_bytes, "error": m.error}
 
     def _fits(self, m: Measurement) -> bool:

@@ -1,0 +1,109 @@
+"""Issue 19, "Done when" 4: every tokens/s in the report's tables (trials, finalists, side by side)
+carries its noise band, and a tie is labelled as one."""
+
+from __future__ import annotations
+
+import optuna
+import pytest
+
+from autoprec.policy import Policy
+from autoprec.search import attrs
+from autoprec.search.decide import DriftBudget
+from autoprec.search.measure import Measurement
+from autoprec.search.objective import DIRECTIONS, _record
+from autoprec.search.report import format_table, lever_section, write_report
+from autoprec.search.results import _row
+
+FAST = [0.010, 0.0101, 0.0099, 0.0100, 0.0102, 0.0098]  # seconds per step, ~±1%
+ALMOST = [0.01005, 0.0100, 0.0102, 0.0099, 0.0101, 0.0100]  # within FAST's noise
+SLOW = [0.020, 0.0201, 0.0199, 0.0200, 0.0202, 0.0198]  # 2x slower, far outside it
+TOKENS = 100.0
+
+
+def _measurement(times: list[float]) -> Measurement:
+    from autoprec.metrics import median
+
+    s = median(times)
+    return Measurement(step_s=s, tokens_per_s=TOKENS / s, grad_rel_l2=0.01, grad_rel_l2_batches=[0.01],
+                       loss_rel=0.0, grad_sqnr_db_min=30.0, peak_bytes=2**20, step_times=list(times))
+
+
+def test_a_trial_records_its_step_times_and_band():
+    trial = optuna.trial.FixedTrial({})
+    m = _measurement(FAST)
+    _record(trial, m, DriftBudget.fixed(1.0))
+    ua = trial.user_attrs
+    assert ua[attrs.STEP_TIMES] == FAST
+    lo, hi = ua[attrs.TOKENS_PER_S_BAND]
+    assert lo <= m.tokens_per_s <= hi and lo < hi
+
+
+def _study(tmp_path) -> optuna.Study:
+    study = optuna.create_study(directions=list(DIRECTIONS))
+    for i, times in enumerate([FAST, ALMOST, SLOW]):
+        m = _measurement(times)
+        pol = Policy.from_dict({**Policy.fp32().to_dict(), "rules": [{"module": f"m{i}", "dtype": "bf16"}]})
+        study.add_trial(optuna.trial.create_trial(
+            values=[m.tokens_per_s, 0.01, 2**20], state=optuna.trial.TrialState.COMPLETE,
+            user_attrs={attrs.POLICY: pol.to_dict(), attrs.TOKENS_PER_S: m.tokens_per_s, attrs.STEP_TIMES: times,
+                        attrs.GRAD_REL_L2: 0.01, attrs.PEAK_BYTES: 2**20, attrs.CONSTRAINT: -1.0}))
+    return study
+
+
+def _trial_lines(md: str) -> dict[int, str]:
+    part = md.split("## Trials", 1)[1]
+    return {int(line.split("|")[1]): line for line in part.splitlines() if line.startswith("| ") and
+            line.split("|")[1].strip().isdigit()}
+
+
+def test_trial_table_gives_each_tokens_per_s_its_band_and_labels_ties(tmp_path):
+    study = _study(tmp_path)
+    md = write_report(study, tmp_path / "r")[0].read_text()
+    lines = _trial_lines(md)
+    assert len(lines) == 3
+    for line in lines.values():
+        assert "±" in line.split("|")[3], line
+    fastest = max((0, 1), key=lambda i: study.trials[i].values[0])
+    other = 1 - fastest
+    assert f"(tie with #{fastest})" in lines[other], lines[other]
+    assert "tie" not in lines[fastest] and "tie" not in lines[2]  # the slow trial is not a tie
+
+
+def test_side_by_side_row_without_head_to_head_timing_has_a_band_and_a_tie():
+    fp32, same, slow = _measurement(FAST), _measurement(ALMOST), _measurement(SLOW)
+    rows = [_row("fp32 eager", fp32, fp32), _row("autocast bf16 eager", same, fp32), _row("slow", slow, fp32)]
+    table = format_table(rows).splitlines()[2:]
+    for line in table:
+        assert "±" in line.split("|")[2], line
+    assert "(tie)" in table[1].split("|")[3] and "(tie)" not in table[2]
+
+
+def test_side_by_side_says_when_there_is_no_band():
+    one = _measurement([0.5])
+    untimed = Measurement(error="failed")
+    table = format_table([_row("a", one, one), _row("b", untimed, one)]).splitlines()[2:]
+    assert "(1 step: no band)" in table[0] and "| — |" in table[1]
+
+
+def test_lever_table_bands_and_ties():
+    def point(name, times):
+        m = _measurement(times)
+        return {"policy": name, "key": name, "lever": "none", "tokens_per_s": m.tokens_per_s, "step_times": times,
+                "grad_rel_l2": 0.01, "peak_bytes": 2**20, "error": None}
+
+    text = lever_section([point("a", FAST), point("b", ALMOST), point("c", SLOW)])
+    rows = [line for line in text.splitlines() if line.startswith("| ") and line.split("|")[1].strip() in "abc"
+            and line.split("|")[1].strip()]
+    assert len(rows) == 3 and all("±" in r.split("|")[3] for r in rows)
+    assert sum("(tie with" in r for r in rows) == 1 and "tie" not in rows[2]
+
+
+@pytest.mark.parametrize("times", [FAST])
+def test_format_of_the_band_is_the_timing_helpers(times):
+    from autoprec.search.bands import rate_text, timing_of
+    from autoprec.search.timing import format_rate
+
+    m = _measurement(times)
+    t = timing_of(m.step_times, m.tokens_per_s)
+    assert rate_text(m.tokens_per_s, t) == format_rate(t)
+    assert t.tokens_per_s == pytest.approx(m.tokens_per_s)
