@@ -16,8 +16,8 @@ from autoprec.passes import run_pipeline
 from autoprec.policy import Policy
 from autoprec.runtime.model_facade import check_no_autocast, model_attr, signed_class
 from autoprec.runtime.outputs import flat_output_graph, rebuild
-from autoprec.runtime.saved import SavedCall, apply_saved, has_saved, saved_activation_context
 from autoprec.runtime.policy_match import check_policy_matches
+from autoprec.runtime.saved import SavedCall, apply_saved, has_saved, saved_activation_context
 from autoprec.runtime.shape_cache import CompileLog, ShapeCache, capture_dynamic, is_dynamic
 from autoprec.shapes import InputShapes
 

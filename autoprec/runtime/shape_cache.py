@@ -100,12 +100,16 @@ class CompileLog:
 
     A compile is seen as a rise of Dynamo's ``counters["stats"]["unique_graphs"]`` during the call;
     its seconds are the whole call's (compile and first run; the backward compiles in the first
-    ``backward()``, outside it).
+    ``backward()``, outside it). Log lines number compiles across the process (``compile 3``:
+    the third a ``CompileLog`` saw, whichever graph) and per graph (``2nd of this graph``).
 
     Args:
         fn: The compiled callable.
         what: How log lines name it.
     """
+
+    #: Compiles logged by every ``CompileLog`` of this process (the log lines' running number).
+    process_compiles = 0
 
     def __init__(self, fn: Callable[..., Any], what: str) -> None:
         self.fn, self.what = fn, what
@@ -119,14 +123,21 @@ class CompileLog:
             seconds = time.perf_counter() - start
             self.compiles += 1
             self.compile_seconds += seconds
-            _log.info("compiled %s for input shapes %s (compile %d, %.1f s)", self.what,
-                      _shapes_text(args, kwargs), self.compiles, seconds)
+            CompileLog.process_compiles += 1
+            _log.info("compiled %s for input shapes %s (compile %d, %s of this graph, %.1f s)", self.what,
+                      _shapes_text(args, kwargs), CompileLog.process_compiles, _ordinal(self.compiles), seconds)
         return out
 
     def stats(self) -> dict[str, Any]:
         """``{"mode": "dynamic", "captures": 1, "compiles", "compile_seconds"}``."""
         return {"mode": "dynamic", "captures": 1, "compiles": self.compiles,
                 "compile_seconds": self.compile_seconds}
+
+
+def _ordinal(n: int) -> str:
+    """``1st``, ``2nd``, ``3rd``, ``4th``, ``11th``, ``21st``, ..."""
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
 
 
 class ShapeCache:

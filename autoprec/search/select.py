@@ -25,6 +25,7 @@ from autoprec.search.decide import DriftBudget
 from autoprec.search.final import Contender, Decision, decide
 from autoprec.search.measure import Measurement
 from autoprec.search.memory_fit import fit_memory, lever
+from autoprec.search.phases import PhaseBar, phase_bar
 from autoprec.search.progress import log
 from autoprec.search.timing import Config, Timing, format_rate, time_interleaved
 
@@ -62,6 +63,8 @@ class Selector:
         quiet: No log lines.
         twin: The autocast twin (``Policy.autocast`` at the search's fastest low kernel), always a
             compiled finalist; None when no low kernel is searched.
+        progress: Show a bar over the finalists (and the head-to-head) and one over each memory
+            fit (:func:`autoprec.search.phases.phase_bar`).
 
     Attributes:
         timings: The final head-to-head's :class:`~autoprec.search.timing.Timing` per contender.
@@ -69,10 +72,13 @@ class Selector:
             without compile).
     """
 
-    def __init__(self, harness, budget, compile, ac_dtype, slow, traj_steps, clock, quiet, twin=None) -> None:
+    def __init__(self, harness, budget, compile, ac_dtype, slow, traj_steps, clock, quiet, twin=None,
+                 progress=False) -> None:
         self.h, self.budget, self.compile, self.ac_dtype = harness, budget, compile, ac_dtype
         self.slow, self.traj_steps, self.clock, self.quiet = slow, traj_steps, clock, quiet
         self.twin: Policy | None = twin
+        self.progress = progress
+        self._fit_bar: PhaseBar | None = None  # the memory fit's bar while it runs: each compile is a try
         self.timings: dict[str, Timing] = {}
         self.decision: Decision | None = None
         self.autocast_compiled: Measurement | None = None
@@ -94,6 +100,8 @@ class Selector:
         return self.traj.get(policy.training_key(), 0.0)
 
     def _fn(self, gm, activation_memory_budget: float = 1.0):
+        if self._fit_bar is not None:
+            self._fit_bar.step(f"activation memory budget {activation_memory_budget:g}")
         if not self.compile:
             return saved_eager(gm)
         with self.clock("compile_s"):
@@ -112,8 +120,14 @@ class Selector:
         if not feasible:
             raise SearchError("no trial met the drift budget, not even all-fp32 (see the study's "
                               "autoprec:error attributes)")
+        with phase_bar("finalists", None, self.progress) as bar:
+            return self._choose(feasible, k, memory_budget, bar)
+
+    def _choose(self, feasible, k, memory_budget, bar: PhaseBar) -> tuple[Policy, Measurement]:
+        """:meth:`choose`, with its progress bar (a step per finalist, and the head-to-head)."""
         if self.compile:  # the comparison users care about: torch.autocast + torch.compile, same run
             log("compiling the torch.autocast baseline with Inductor", self.quiet)
+            bar.step(AUTOCAST_COMPILED)
             self._autocast_fn = self._fn(self.h.model)
             # timed in the head-to-head's rounds (CUDA's peak is read after timed steps)
             self.autocast_compiled = self.h.measure(self._autocast_fn, autocast_scaler(self.ac_dtype),
@@ -124,18 +138,25 @@ class Selector:
         if self.memory_budget is not None:
             log(f"memory budget {format_bytes(self.memory_budget)}", self.quiet)
         if not self.compile:
-            return self._choose_eager(feasible)
+            return self._choose_eager(feasible, bar)
         survivors: list[tuple[str, Policy, Any, Measurement]] = []
         timed_now = self.h.device.type == "cuda"  # CUDA's peak is read after timed steps; the CPU's is not
-        for pol, label in self._candidates(feasible, k):
+        candidates = self._candidates(feasible, k)
+        bar.set_total(len(candidates) + 2)  # torch.autocast's compile, the finalists, the head-to-head
+        for pol, label in candidates:
             check_interrupt()
             log(f"finalist {label}: {pol.summary()}", self.quiet)
+            bar.step(label)
             fn = self._fn(run_pipeline(self.h.graph_module, pol).graph_module)
             m = self.h.measure(fn, lambda pol=pol: make_scaler(pol), timing=timed_now, max_step_s=self.slow)
             self._point(pol, m, timed=bool(m.step_times))
             if (self.memory_budget is not None and m.error is None and self.budget.feasible(m)
                     and m.peak_bytes > self.memory_budget):
-                pol, fn, m = fit_memory(self, pol, m)
+                with phase_bar("memory fit", None, self.progress) as self._fit_bar:
+                    try:
+                        pol, fn, m = fit_memory(self, pol, m)
+                    finally:
+                        self._fit_bar = None
             why = self._reject_reason(pol, fn, m)
             log(f"  compiled: grad_rel_l2 {m.grad_rel_l2:.3g}, traj_rel {self.traj_of(pol):.3g}"
                 + (f" -> rejected: {why}" if why else ""), self.quiet)
@@ -145,6 +166,7 @@ class Selector:
                 self.points[i]["rejected"] = why  # the report's note (drift, memory, traj_rel)
         if not survivors:
             raise SearchError("every finalist failed when re-measured, all-fp32 included (see the log)")
+        bar.step("head-to-head")
         return self._head_to_head(survivors)
 
     def _head_to_head(self, survivors: list[tuple[str, Policy, Any, Measurement]]
@@ -204,7 +226,8 @@ class Selector:
         log(f"the graph draws random numbers: compiled finalists are judged against torch.autocast + "
             f"torch.compile's drift (mean {ac.grad_rel_l2:.3g}), measured the same way", self.quiet)
 
-    def _choose_eager(self, feasible: list[optuna.trial.FrozenTrial]) -> tuple[Policy, Measurement]:
+    def _choose_eager(self, feasible: list[optuna.trial.FrozenTrial], bar: PhaseBar | None = None
+                      ) -> tuple[Policy, Measurement]:
         """Without compile the trials' own measurements are what training runs: take the fastest
         feasible trial that passes the trajectory check, then re-measure it for the policy's
         ``measured`` block, beside all-fp32 when it lowers anything (:meth:`_or_fp32`). As with
@@ -219,6 +242,8 @@ class Selector:
             feasible = fits
         for t in feasible:
             pol = Policy.from_dict(t.user_attrs[attrs.POLICY])
+            if bar is not None:
+                bar.step(f"trial {t.number}")
             fn = run_pipeline(self.h.graph_module, pol).graph_module
             if not self._traj_ok(pol, fn):
                 log(f"trial {t.number} ({pol.summary()}) rejected: traj_rel {self.traj_of(pol):.3g} > "

@@ -48,6 +48,7 @@ from autoprec.search.decide import DriftBudget
 from autoprec.search.load import LoadClock, LoadMonitor
 from autoprec.search.measure import Harness, Measurement
 from autoprec.search.objective import Objective
+from autoprec.search.phases import accounted, phase_bar
 from autoprec.search.probe import kernel_fields, matmul_shape_counts, matmul_shapes, probe_kernels
 from autoprec.search.progress import Clock, log
 from autoprec.search.results import measured_block, note_if_eager_was_faster, pooled, side_by_side
@@ -86,7 +87,9 @@ class TuneResult:
         study: The Optuna study (all trials and their ``autoprec:`` user attributes).
         table: Rows ``{"config", "tokens_per_s", "speedup_vs_fp32", "grad_rel_l2", "peak_bytes"}``
             for FP32, torch.autocast (eager and compiled) and the chosen policy.
-        timings: Seconds spent per phase (capture, probe, baselines, trials, compile, finalists).
+        timings: Seconds spent per phase (``capture_s``, ``probe_s``, ``baselines_s``,
+            ``sensitivity_s``, ``trials_s``, ``finalists_s``, ``compile_s``, ``total_s``); the
+            Inductor compiles the finalists trigger lazily are in ``compile_s``, not ``finalists_s``.
         probes: Per-dtype matmul probe results.
     """
 
@@ -106,6 +109,7 @@ class _Run:
     harness: Harness
     clock: Clock
     quiet: bool
+    progress: bool = False  # a bar over each long phase (autoprec.search.phases)
     probes: dict[str, Any] = field(default_factory=dict)
     space: SearchSpace = field(default_factory=lambda: SearchSpace([]))
     ac_dtype: torch.dtype = torch.bfloat16
@@ -146,7 +150,9 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
         out: Policy file to write (atomically); the report goes beside it.
         seed: Sampler seed (reproducible sampling).
         finalists: How many of the fastest feasible trials are re-measured compiled.
-        quiet: No log lines. progress: Show Optuna's progress bar.
+        quiet: No log lines. progress: Show a progress bar (stderr) over each long phase: the
+            baselines, region sensitivity, the trials (Optuna's), the finalists and their
+            head-to-head, the memory fit (:mod:`autoprec.search.phases`).
         dtypes: Low dtypes to search: ``"auto"`` keeps those whose matmul the probe measured
             faster than fp32 on this device; a list (or comma-separated string) forces them.
         traj_steps: K, the optimizer steps of the ``traj_rel`` check on finalists that lower
@@ -180,22 +186,22 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
     spec = load_model_spec(model_path)
     if memory_arg is not None and memory_arg[0] == "bytes":  # as the CLI: an impossible budget before capture
         check_memory_floor(memory_arg, spec.build_model(), spec.make_optimizer, option="max_memory")
-    run = _capture(spec, device, quiet, strict_timing)
+    run = _capture(spec, device, quiet, strict_timing, progress and not quiet)
     _probe(run, forced, SAVED_LEVERS if memory_arg is not None else ())
     storage = storage or default_storage(out)
     study_name = study_name or default_study_name(run.spec.path, run.gm, run.dev, forced)
     _adopt_study_kernels(run, study_choices(storage, study_name))  # a shared study's kernels
     precheck_study(storage, study_name, run.space)  # a study this run cannot resume fails now
     _baselines(run, drift_arg, memory_arg)
-    study = _search(run, storage, study_name, seed, trials, timeout, progress and not quiet)
+    study = _search(run, storage, study_name, seed, trials, timeout, run.progress)
     twin = run.space.twin()
     sel = Selector(run.harness, run.budget, compile, run.ac_dtype, run.slow, traj_steps, run.clock, quiet,
-                   twin=run.space.to_policy(twin) if twin is not None else None)
+                   twin=run.space.to_policy(twin) if twin is not None else None, progress=run.progress)
     chosen, chosen_m = _finalists(run, sel, study, finalists, memory_arg)
     return _write(run, study, sel, chosen, chosen_m, compile, out, report)
 
 
-def _capture(spec: ModelSpec, device: str, quiet: bool, strict_timing: bool = False) -> _Run:
+def _capture(spec: ModelSpec, device: str, quiet: bool, strict_timing: bool = False, progress: bool = False) -> _Run:
     """Phase 1: check the machine's load (:mod:`autoprec.search.load`; again after the baselines and,
     through the clock, when the finalists begin), capture the loaded model file and compute the
     FP32 reference (``Harness``).
@@ -209,7 +215,7 @@ def _capture(spec: ModelSpec, device: str, quiet: bool, strict_timing: bool = Fa
         harness = Harness(spec, dev)
     log(f"captured {spec.path}: {len(harness.graph_module.graph.nodes)} nodes, {harness.tokens} tokens/batch, "
         f"device {device_name(dev)}", quiet)
-    return _Run(spec, dev, harness, clock, quiet)
+    return _Run(spec, dev, harness, clock, quiet, progress)
 
 
 def _probe(run: _Run, forced: list[str] | None, saved: tuple[str, ...] = ()) -> None:
@@ -278,9 +284,11 @@ def _baselines(run: _Run, drift_arg: float | None, memory_arg: tuple[str, float]
         BusyMachineError: under ``strict_timing``, the machine is busy after the baselines.
     """
     h = run.harness
-    with run.clock("baselines_s"):
+    with run.clock("baselines_s"), phase_bar("baselines", 2, run.progress) as bar:
+        bar.step("fp32 eager")
         run.fp32 = h.measure(h.model)
         run.slow = max(SLOW_RATIO * run.fp32.step_s, SLOW_FLOOR_S)
+        bar.step(f"torch.autocast({run.ac_dtype}) eager")
         run.autocast = h.measure(h.model, autocast_scaler(run.ac_dtype), autocast_dtype=run.ac_dtype,
                                  max_step_s=run.slow)
     ac = run.autocast
@@ -309,8 +317,9 @@ def _search(run: _Run, storage: str, study_name: str, seed: int, trials: int | N
     study.set_user_attr(attrs.DRIFT_BUDGET, run.budget.value)
     study.set_user_attr(attrs.DRIFT_RULE, run.budget.to_dict())
     if not study.trials:  # a new study: rank regions, then queue the baselines (resumes skip this)
-        with run.clock("sensitivity_s"):
-            sens = region_sensitivity(run.harness, run.space)
+        regions = len(run.space.blocks) + len(run.space.nodes) if run.space.low_dtypes else 0
+        with run.clock("sensitivity_s"), phase_bar("sensitivity", regions, run.progress and regions > 0) as bar:
+            sens = region_sensitivity(run.harness, run.space, bar.step)
         if sens:
             study.set_user_attr(attrs.SENSITIVITY, sens)
             log("sensitivity (grad_rel_l2 with only that region lowered): "
@@ -339,7 +348,7 @@ def _finalists(run: _Run, sel: Selector, study: optuna.Study, k: int,
         ref = sel.autocast_compiled if _ok(sel.autocast_compiled) else run.autocast
         return memory_budget(memory_arg, run.fp32, ref, h.state_bytes, h.optimizer_name)
 
-    with run.clock("finalists_s"):
+    with accounted(run.clock, "finalists_s"):  # the finalists' lazy Inductor compiles go to compile_s
         chosen, chosen_m = sel.choose(feasible(study), k, budget)
     if FP32_EAGER in sel.timings and sel.timings[FP32_EAGER].step_times:  # timed in the head-to-head's rounds
         t = sel.timings[FP32_EAGER]

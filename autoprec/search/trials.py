@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 
 import optuna
 
@@ -27,11 +28,13 @@ WAIT_FOR_OTHERS_S = 600.0
 _ROUNDS = 4
 
 
-def region_sensitivity(harness: Harness, space: SearchSpace) -> dict[str, float]:
+def region_sensitivity(harness: Harness, space: SearchSpace,
+                       on_region: Callable[[str], None] | None = None) -> dict[str, float]:
     """``grad_rel_l2`` when only one region (a layer block's matmuls, or one outside matmul) is
     lowered to the fastest low dtype and everything else stays fp32: one eager forward/backward
     per region. Empty when no low dtype is usable; a region that cannot be lowered or drifts
-    to a non-finite value gets :data:`attrs.INFEASIBLE`."""
+    to a non-finite value gets :data:`attrs.INFEASIBLE`. ``on_region(name)`` is called as each
+    region begins (a progress bar's step)."""
     if not space.low_dtypes:
         return {}
     low = space.low_dtypes[0]
@@ -39,6 +42,8 @@ def region_sensitivity(harness: Harness, space: SearchSpace) -> dict[str, float]
     base |= {f"block:{b}": "inherit" for b in space.blocks} | {f"node:{k}": "inherit" for k in space.nodes}
     out = {}
     for name in [f"block:{b}" for b in space.blocks] + [f"node:{k}" for k in space.nodes]:
+        if on_region is not None:
+            on_region(name)
         pol = space.to_policy(base | {name: low})
         try:
             gm = run_pipeline(harness.graph_module, pol).graph_module
