@@ -21,10 +21,11 @@ DIMS_META = "autoprec_dims"
 
 #: What to do about a batch outside the ranges of a dynamic capture (the rule is autoprec.dims').
 RANGE_ADVICE = ("the ranges come from the example batch given to autoprec.apply (batch sizes up to its batch "
-                "size; sequence lengths up to the model's config.max_position_embeddings, else up to its "
-                "length; see autoprec.dims): apply with an example batch of the largest batch size and "
-                "sequence length you train on, or split the batch; inputs captured as one dimension (the "
-                "sequence of input_ids and labels) must be padded to one size.")
+                "size; sequence lengths, and an encoder-decoder's target lengths (target_seq) on their own, up "
+                "to the model's config.max_position_embeddings, else up to the example's; see autoprec.dims): "
+                "apply with an example batch of the largest batch size and lengths you train on, or without "
+                "strict_shapes=True, which captures again with wider ranges instead of raising; inputs that "
+                "share a dimension (the seq of input_ids and attention_mask) must have the same size in it.")
 
 
 class InputShapes:

@@ -19,6 +19,7 @@ from autoprec.runtime.outputs import flat_output_graph, rebuild
 from autoprec.runtime.policy_match import check_policy_matches
 from autoprec.runtime.saved import SavedCall, apply_saved, has_saved, saved_activation_context
 from autoprec.runtime.shape_cache import CompileLog, ShapeCache, capture_dynamic, is_dynamic
+from autoprec.runtime.widen import Recapture, Routed
 from autoprec.shapes import InputShapes
 
 __all__ = ["MixedPrecisionModule", "apply", "compile_graph", "INDUCTOR_OPTIONS"]
@@ -30,7 +31,7 @@ __all__ = ["MixedPrecisionModule", "apply", "compile_graph", "INDUCTOR_OPTIONS"]
 INDUCTOR_OPTIONS: dict[str, Any] = {"emulate_precision_casts": True}
 
 
-def compile_graph(gm: nn.Module, activation_memory_budget: float = 1.0) -> Any:
+def compile_graph(gm: nn.Module, activation_memory_budget: float = 1.0, dynamic: bool | None = None) -> Any:
     """``torch.compile`` a lowered graph (or a module) with Inductor and :data:`INDUCTOR_OPTIONS`.
 
     Compilation is lazy: the first call (typically 10–90 s on a 2-core CPU for a small
@@ -48,6 +49,10 @@ def compile_graph(gm: nn.Module, activation_memory_budget: float = 1.0) -> Any:
             partitioner, which splits forward and backward when the graph is first compiled, keeps
             only that fraction of its default saved activations and recomputes the rest in backward
             (a 0-1 knapsack on estimated FLOPs; torch/_functorch/config.py).
+        dynamic: ``torch.compile``'s ``dynamic``; None (default): True for a graph with symbolic
+            placeholder sizes, else False. ``autoprec bench`` passes True for the
+            ``torch.autocast`` + ``torch.compile`` baseline (a module, not a graph) when the model
+            file's batches vary in shape, so it compiles once, not once per shape.
 
     A graph whose nodes carry ``meta["autoprec"]["saved"]`` (a policy's ``saved`` field) is
     compiled with those activations saved low and every call runs inside
@@ -61,13 +66,15 @@ def compile_graph(gm: nn.Module, activation_memory_budget: float = 1.0) -> Any:
         A callable with ``gm``'s signature.
     """
     _quiet_mixed_dtype_warning()
-    dynamic = isinstance(gm, fx.GraphModule) and _symbolic_inputs(gm)
+    if dynamic is None:
+        dynamic = isinstance(gm, fx.GraphModule) and _symbolic_inputs(gm)
     saved = isinstance(gm, fx.GraphModule) and has_saved(gm)  # nodes' ``saved`` dtypes: autoprec.runtime.saved
     fn = torch.compile(apply_saved(gm, compiled=True) if saved else gm, backend="inductor",
                        options=dict(INDUCTOR_OPTIONS), dynamic=dynamic)
     fn = fn if activation_memory_budget >= 1.0 else _WithMemoryBudget(fn, activation_memory_budget)
     fn = SavedCall(fn, saved_activation_context(gm), compiled=True) if saved else fn
-    return CompileLog(fn, "the dynamic-shape graph") if dynamic else fn
+    return CompileLog(fn, "the dynamic-shape graph" if isinstance(gm, fx.GraphModule) else type(gm).__name__) \
+        if dynamic else fn
 
 
 #: The message of Inductor's warning (torch/_inductor/codegen/cpp.py) that compile_graph filters.
@@ -116,8 +123,10 @@ class MixedPrecisionModule(nn.Module):
     call whose input tensors have other shapes raises ``ValueError`` naming the input and both
     shapes (see :class:`autoprec.shapes.InputShapes`). From ``apply(..., dynamic=True)`` it takes
     any batch size and sequence length in the ranges of :mod:`autoprec.dims` (one dynamic graph,
-    or one graph per shape: :mod:`autoprec.runtime.shape_cache`); :attr:`shape_stats` counts
-    its captures and compiles.
+    or one graph per shape: :mod:`autoprec.runtime.shape_cache`); a later batch outside those
+    ranges is served too, by a re-capture with wider ranges or a graph of its own (logged;
+    :mod:`autoprec.runtime.widen`), unless ``apply(..., strict_shapes=True)``, which raises
+    ``ValueError`` for it; :attr:`shape_stats` counts its captures and compiles.
 
     When ``policy.needs_loss_scaling`` is True (the policy computes something in fp16), train it
     with the scaler ``autoprec.runtime.train.make_scaler(mp.policy)`` returns (a
@@ -170,6 +179,7 @@ class MixedPrecisionModule(nn.Module):
         object.__setattr__(self, "_inputs", InputShapes(graph_module, what=type(self).__name__))
         self._fixed = dict(graph_module.meta.get(CALL_KWARGS_META, {}))
         self._what = f"{type(self).__name__} of {type(model).__name__}"
+        object.__setattr__(self, "_recapture", None)  # set by apply(dynamic=True, strict_shapes=False)
         self.__class__ = signed_class(type(self), model)  # forward reports model.forward's signature
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -186,14 +196,21 @@ class MixedPrecisionModule(nn.Module):
 
         Raises:
             ValueError: an input tensor's shape differs from the captured one (e.g. a smaller last
-                batch); the message names the input, the captured and the given shapes. Or the
+                batch; with ``dynamic=True``: only under ``strict_shapes=True``, a size outside the
+                captured ranges, or inputs captured as one dimension that disagree); the message
+                names the input, the captured and the given shapes. Or the
                 call sets an argument the capture fixed for training to another value (e.g.
                 ``use_cache=True``; ``use_cache=False`` is accepted). Or it runs under
                 ``torch.autocast`` (e.g. ``Trainer(bf16=True)``), which would override the policy.
         """
         check_no_autocast(self._what)
         kwargs = drop_fixed_kwargs(kwargs, self._fixed, self._what)
-        self._inputs.check(args, kwargs)
+        try:
+            self._inputs.check(args, kwargs)
+        except ValueError as e:
+            if self._recapture is None:
+                raise
+            self._recapture(self, args, kwargs, e)  # re-captures or routes the shape; else raises e
         with self._saved:
             return rebuild(self._fn(*args, **kwargs), self._out_spec)
 
@@ -202,11 +219,15 @@ class MixedPrecisionModule(nn.Module):
         """How the module serves batch shapes: ``{"mode": "static", "captures": 1}``, or (``apply(...,
         dynamic=True)``) ``{"mode": "dynamic", "captures": 1, "compiles", "compile_seconds"}`` /
         ``{"mode": "per_shape", "captures", "capture_seconds", "shapes"}`` (see
-        :mod:`autoprec.runtime.shape_cache`)."""
-        stats = getattr(self._fn, "stats", None) if isinstance(self._fn, (CompileLog, ShapeCache)) else None
-        if stats is not None:
-            return stats()
-        return {"mode": "dynamic" if is_dynamic(self.graph_module) else "static", "captures": 1}
+        :mod:`autoprec.runtime.shape_cache`) / ``{"mode": "dynamic+per_shape", ...}`` (shapes below
+        a range, :class:`autoprec.runtime.widen.Routed`); ``"recaptures"``: times a batch outside
+        the ranges made it capture again with wider ones (:mod:`autoprec.runtime.widen`)."""
+        stats = getattr(self._fn, "stats", None) if isinstance(self._fn, (CompileLog, ShapeCache, Routed)) else None
+        out = stats() if stats is not None else {
+            "mode": "dynamic" if is_dynamic(self.graph_module) else "static", "captures": 1}
+        if self._recapture is not None and self._recapture.recaptures:
+            out["recaptures"] = self._recapture.recaptures
+        return out
 
     def named_parameters(self, prefix: str = "", recurse: bool = True,
                          remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
@@ -290,7 +311,7 @@ class MixedPrecisionModule(nn.Module):
 
 def apply(model: nn.Module, policy: Policy, example_batch: Any, compile: bool = True,
           placement: str = "mincut", graph_module: fx.GraphModule | None = None,
-          dynamic: bool = True, force: bool = False) -> MixedPrecisionModule:
+          dynamic: bool = True, force: bool = False, strict_shapes: bool = False) -> MixedPrecisionModule:
     """Apply ``policy`` to ``model``: capture, lower (passes), optionally compile.
 
     Args:
@@ -307,8 +328,12 @@ def apply(model: nn.Module, policy: Policy, example_batch: Any, compile: bool = 
             ``example_batch`` (batch 1..its size; sequence 2..``config.max_position_embeddings``,
             else 2..its length), compiled once; where the model cannot be exported so, one graph
             per input shape, built on first use (:class:`autoprec.runtime.shape_cache.ShapeCache`,
-            at most ``MAX_SHAPES``). New compiles and shapes are logged (``autoprec`` logger, INFO);
-            a shape outside the ranges raises ``ValueError`` naming the input and the range.
+            at most ``MAX_SHAPES``). New compiles and shapes are logged (``autoprec`` logger, INFO).
+            A later batch outside the ranges (T5: longer than the example) is served by a capture
+            with wider ranges (at least twice the old bound; a compiled module compiles again) or
+            by a graph of its own (:mod:`autoprec.runtime.widen`), logged.
+        strict_shapes: With ``dynamic=True``, raise ``ValueError`` (naming the input, its shape
+            and the range) for a batch outside the ranges instead of capturing again.
         force: Apply a policy none of whose rules selects a node of this model (a policy of
             another model, :func:`autoprec.runtime.policy_match.check_policy_matches`) anyway.
 
@@ -349,15 +374,19 @@ def apply(model: nn.Module, policy: Policy, example_batch: Any, compile: bool = 
         result = run_pipeline(gm, policy, placement)
     result.graph_module.meta[CALL_KWARGS_META] = dict(gm.meta.get(CALL_KWARGS_META, {}))  # passes keep no gm.meta
     mp = MixedPrecisionModule(model, result.graph_module, policy, result.stats, compile)
+    static = lambda batch: apply(model, policy, batch, compile, placement, dynamic=False, force=True)._fn  # noqa: E731
     if dynamic and not is_dynamic(gm):  # one graph per shape, the example's first
-        _use_shape_cache(mp, example_batch,
-                         lambda batch: apply(model, policy, batch, compile, placement, dynamic=False, force=True)._fn)
+        _use_shape_cache(mp, example_batch, static, strict_shapes)
+    elif dynamic and not strict_shapes:  # a batch outside the ranges: capture again (autoprec.runtime.widen)
+        again = lambda g: apply(model, policy, example_batch, compile, placement, graph_module=g,  # noqa: E731
+                                force=True, strict_shapes=True)
+        object.__setattr__(mp, "_recapture", Recapture(model, example_batch, again, static))
     return mp
 
 
-def _use_shape_cache(mp: MixedPrecisionModule, example_batch: Any, build: Any) -> None:
+def _use_shape_cache(mp: MixedPrecisionModule, example_batch: Any, build: Any, strict: bool) -> None:
     """Route ``mp``'s calls through a :class:`ShapeCache` seeded with its example-shape graph."""
     what = f"{type(mp).__name__} of {type(mp.model).__name__}"
-    cache = ShapeCache.seeded(mp.model, example_batch, mp._fn, build, what)
+    cache = ShapeCache.seeded(mp.model, example_batch, mp._fn, build, what, strict=strict)
     object.__setattr__(mp, "_fn", cache)
     object.__setattr__(mp, "_inputs", cache)  # its check is the range check of autoprec.dims

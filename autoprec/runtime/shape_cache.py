@@ -7,8 +7,9 @@ compiles Dynamo makes of it (one, plus one the first time a size-1 batch comes: 
 specialises sizes 0 and 1). Where the model cannot be captured so (``torch.export`` raises, e.g.
 because its code specialises a size), :class:`ShapeCache` holds one captured, lowered (and
 compiled) graph per input shape instead, built on first use with an INFO line on the
-``autoprec`` logger, at most :data:`MAX_SHAPES` of them; a shape beyond that, or outside the
-ranges, raises ``ValueError``.
+``autoprec`` logger, at most :data:`MAX_SHAPES` of them; a shape beyond that raises ``ValueError``,
+and so does a shape outside the example's ranges when the cache is ``strict`` (``apply(...,
+strict_shapes=True)``; otherwise it gets its graph like any other, logged).
 """
 
 from __future__ import annotations
@@ -152,23 +153,25 @@ class ShapeCache:
         plan: The dimension plan of the example batch (its ranges bound the shapes accepted).
         what: How messages name the module, e.g. ``"MixedPrecisionModule of Qwen2ForCausalLM"``.
         max_shapes: The most graphs kept (:data:`MAX_SHAPES`).
+        strict: Refuse shapes outside ``plan``'s ranges (``ValueError`` in :meth:`check`); when
+            False they are accepted and get a graph of their own (logged once per shape).
 
     Attributes:
         captures: Graphs built so far (the example's included), and ``capture_seconds`` their time.
     """
 
     def __init__(self, build: Callable[[Any], Callable[..., Any]], plan: DimPlan, what: str,
-                 max_shapes: int = MAX_SHAPES) -> None:
-        self.build, self.plan, self.what, self.max_shapes = build, plan, what, max_shapes
+                 max_shapes: int = MAX_SHAPES, strict: bool = True) -> None:
+        self.build, self.plan, self.what, self.max_shapes, self.strict = build, plan, what, max_shapes, strict
         self._fns: dict[tuple[Any, ...], Callable[..., Any]] = {}
         self.captures, self.capture_seconds = 0, 0.0
 
     @classmethod
     def seeded(cls, model: nn.Module, example_batch: Any, fn: Callable[..., Any],
-               build: Callable[[Any], Callable[..., Any]], what: str) -> ShapeCache:
+               build: Callable[[Any], Callable[..., Any]], what: str, strict: bool = True) -> ShapeCache:
         """A cache whose ranges come from ``example_batch`` and whose first graph is ``fn`` (for it)."""
         args, kwargs = split_batch(example_batch)
-        cache = cls(build, plan_dims(model, args, kwargs), what)
+        cache = cls(build, plan_dims(model, args, kwargs), what, strict=strict)
         cache.add(args, kwargs, fn, 0.0)
         return cache
 
@@ -179,11 +182,12 @@ class ShapeCache:
         self.capture_seconds += seconds
 
     def check(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Raise ``ValueError`` if a batch or sequence dimension of the call leaves its range.
+        """Raise ``ValueError`` if a batch or sequence dimension of the call leaves its range
+        (``strict`` only; otherwise the shape is logged when its graph is built).
 
         The message names the input, its shape and the allowed range, and says what to do.
         """
-        bad = self.plan.out_of_range(args, kwargs)
+        bad = self.plan.out_of_range(args, kwargs) if self.strict else None
         if bad:
             raise ValueError(f"{self.what} runs one graph per input shape, for {self.plan.describe()}; got "
                              f"{_shapes_text(args, kwargs)}: {'; '.join(bad)}.\n  What to do: {RANGE_ADVICE}")

@@ -1,0 +1,155 @@
+"""A batch outside a dynamic capture's ranges, met in the middle of a training loop (docs/architecture.md#runtime).
+
+``autoprec.apply(model, policy, example_batch)`` captures with the ranges :mod:`autoprec.dims`
+derives from the example batch: batch sizes up to its size, sequence lengths up to
+``config.max_position_embeddings``, else (T5, models without that field) up to the example's. A
+later batch that is longer or larger than the example does not fit. Unless ``apply(...,
+strict_shapes=True)``, the module then serves it instead of raising (:class:`Recapture`):
+
+- a size **above** its range: the model is captured again, with dynamic dimensions, for ranges
+  that reach at least twice the old upper bound and the new size (so a loop whose lengths creep
+  up re-captures a few times, not at every batch); the module switches to the new graph (a
+  compiled one compiles again on this call). One INFO line on the ``autoprec`` logger says so;
+- a size **below** its range (``torch.export`` narrowed the lower bound, e.g. a target length of
+  2 when the code needs 3), or a model that cannot be exported with the wider ranges: that shape
+  gets a graph of its own from the per-shape cache
+  (:class:`autoprec.runtime.shape_cache.ShapeCache`, at most ``MAX_SHAPES``, each logged), and
+  the batches in the ranges keep running the dynamic graph.
+
+Inputs that were captured as one dimension but disagree in a call (``input_ids`` of length 30 with
+an ``attention_mask`` of 28) are a mistake in the batch, not a range: that error is raised as it is.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from autoprec.dims import maxima, plan_dims, tensor_shapes
+from autoprec.errors import CaptureError
+from autoprec.runtime.shape_cache import ShapeCache, capture_dynamic, is_dynamic
+
+__all__ = ["Recapture", "Routed"]
+
+_log = logging.getLogger("autoprec")
+
+
+class Routed:
+    """A dynamic graph for the calls in its ranges, a per-shape cache for the others.
+
+    Args:
+        fn: The dynamic graph's callable (compiled or not).
+        inputs: Its input check (:class:`autoprec.shapes.InputShapes`); a call it refuses goes to
+            ``cache``.
+        cache: The per-shape graphs (:class:`ShapeCache`, not strict).
+    """
+
+    def __init__(self, fn: Callable[..., Any], inputs: Any, cache: ShapeCache) -> None:
+        self.fn, self.inputs, self.cache = fn, inputs, cache
+
+    def check(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Accept every call (routing decides where it runs; the cache refuses past ``MAX_SHAPES``)."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the call on the dynamic graph when its shapes fit, else on the shape's own graph."""
+        try:
+            self.inputs.check(args, kwargs)
+        except ValueError:
+            return self.cache(*args, **kwargs)
+        return self.fn(*args, **kwargs)
+
+    def stats(self) -> dict[str, Any]:
+        """``{"mode": "dynamic+per_shape", "captures", "capture_seconds", "shapes"}`` (the dynamic
+        graph counted in ``captures``; ``shapes``: those with a graph of their own)."""
+        st = self.cache.stats()
+        return {"mode": "dynamic+per_shape", "captures": 1 + st["captures"],
+                "capture_seconds": st["capture_seconds"], "shapes": st["shapes"]}
+
+
+class Recapture:
+    """What a non-strict :class:`~autoprec.runtime.apply.MixedPrecisionModule` does with a call its
+    input check refuses (module docstring): re-capture with wider ranges, or route the shape to the
+    per-shape cache, or re-raise.
+
+    Args:
+        model: The fp32 model.
+        example_batch: The example batch given to ``apply`` (the capture's example when the
+            refused call has a size below 2 in a dynamic dimension, which export cannot take).
+        rebuild: ``rebuild(graph_module) -> MixedPrecisionModule`` applying the policy to a new
+            capture (same policy, placement, compile).
+        build_static: ``build_static(batch) -> callable``, one shape's graph (the per-shape cache's).
+
+    Attributes:
+        recaptures: How many times the model was captured again with wider ranges.
+    """
+
+    def __init__(self, model: Any, example_batch: Any, rebuild: Callable[[Any], Any],
+                 build_static: Callable[[Any], Callable[..., Any]]) -> None:
+        self.model, self.example, self.rebuild, self.build_static = model, example_batch, rebuild, build_static
+        self.recaptures = 0
+
+    def __call__(self, mp: Any, args: tuple[Any, ...], kwargs: dict[str, Any], error: ValueError) -> None:
+        """Make ``mp`` serve a call of these shapes, or raise ``error`` (the input check's).
+
+        Raises:
+            ValueError: ``error``, when the call is not outside a range (inputs that share a
+                dimension disagree, another structure) or takes both positional and keyword tensors.
+        """
+        ranges = getattr(mp._inputs, "ranges", None)
+        if not ranges or (args and kwargs) or isinstance(mp._fn, Routed):
+            raise error
+        sizes = maxima([plan_dims(self.model, args, kwargs)])
+        bounds = {role: (lo, hi) for role, lo, hi in ranges.values()}
+        above = [r for r, (_lo, hi) in bounds.items() if hi is not None and sizes.get(r, 0) > hi]
+        below = [r for r, (lo, _hi) in bounds.items() if lo is not None and r in sizes and sizes[r] < lo]
+        if not above and not below:
+            raise error
+        shapes = _text(args, kwargs)
+        batch = dict(kwargs) if kwargs else tuple(args)
+        if not below:
+            at_least = {r: max(sizes.get(r, 0), 2 * hi) for r, (_lo, hi) in bounds.items() if hi is not None}
+            example = batch if min(sizes.values(), default=0) >= 2 else self.example
+            start = time.perf_counter()
+            try:
+                gm = capture_dynamic(self.model, example, at_least)
+            except CaptureError:
+                gm = None
+            if gm is not None and is_dynamic(gm):
+                new = self.rebuild(gm)
+                try:
+                    new._inputs.check(args, kwargs)
+                except ValueError:
+                    pass  # the export narrowed a range again: fall back below
+                else:
+                    _adopt(mp, new)
+                    self.recaptures += 1
+                    _log.info("%s: input shapes %s are outside the captured ranges (%s); captured again with "
+                              "ranges %s (recapture %d, %.1f s%s; apply(..., strict_shapes=True) raises instead)",
+                              mp._what, shapes, _ranges(ranges), _ranges(new._inputs.ranges), self.recaptures,
+                              time.perf_counter() - start, ", compiles on this call" if mp.compiled else "")
+                    return
+        what = mp._what
+        cache = ShapeCache(self.build_static, plan_dims(self.model, args, kwargs), what, strict=False)
+        object.__setattr__(mp, "_fn", Routed(mp._fn, mp._inputs, cache))
+        object.__setattr__(mp, "_inputs", mp._fn)
+        _log.info("%s: input shapes %s are outside the captured ranges (%s) and a wider dynamic capture cannot "
+                  "serve them; such shapes get a graph each (per-shape cache; apply(..., strict_shapes=True) "
+                  "raises instead)", what, shapes, _ranges(ranges))
+
+
+def _adopt(mp: Any, new: Any) -> None:
+    """Point ``mp`` at ``new``'s graph, compiled function, input check and output structure."""
+    for name in ("graph_module", "_fn", "_inputs", "_saved", "_out_spec"):
+        object.__setattr__(mp, name, getattr(new, name))
+    mp.__dict__["stats"] = new.stats
+
+
+def _ranges(ranges: dict[str, tuple[str, int | None, int | None]]) -> str:
+    """``"batch 1..4, seq 2..27"``."""
+    return ", ".join(dict.fromkeys(f"{role} {lo}..{'' if hi is None else hi}" for role, lo, hi in ranges.values()))
+
+
+def _text(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    return "{" + ", ".join(f"{n}: {s}" for n, s in tensor_shapes(args, kwargs)) + "}"
