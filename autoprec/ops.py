@@ -61,6 +61,7 @@ OP_TABLE: dict[str, tuple[str, str]] = {
     "conv3d": (_M, "convolution; fp32 accumulation in the kernel"),
     "convolution": (_M, "convolution; fp32 accumulation in the kernel"),
     "scaled_dot_product_attention": (_M, "fused attention; softmax inside runs in fp32"),
+    "sdpa_math": (_M, "attention as two GEMMs (policy attention=math); softmax runs in fp32"),
     # --- sensitive: range or accumulation problems in 8-bit (bf16) / 5-bit-exponent (fp16) types.
     "softmax": (_S, "exp overflows fp16 past 11.1; normaliser sums many terms"),
     "_softmax": (_S, "exp overflows fp16 past 11.1; normaliser sums many terms"),

@@ -322,7 +322,7 @@ def test_lowering_lints_once_per_pass(net, monkeypatch):
     real = torch.fx.Graph.lint
     monkeypatch.setattr(torch.fx.Graph, "lint", lambda self: calls.append(1) or real(self))
     run_pipeline(gm, Policy.default())
-    assert len(calls) == len(lowering_passes(gm, Policy.default())) == 5
+    assert len(calls) == len(lowering_passes(gm, Policy.default())) == 6
 
 
 @pytest.mark.parametrize("policy", [Policy.default(), Policy.default("fp16"), Policy(default_dtype="bf16"),
@@ -334,14 +334,15 @@ def test_prefix_then_rest_equals_whole_list(policy):
     gm = capture(Summer(), (x,))
     whole = run_pipeline(gm, policy)
     manager = lowering_passes(gm, policy)
-    assert manager.names == ["assign_dtypes", "insert_casts", "accumulate_fp32", "lower_fp8", "verify"]
+    assert manager.names == ["assign_dtypes", "insert_casts", "accumulate_fp32", "lower_fp8", "math_attention",
+                             "verify"]
     for k in range(len(manager) + 1):
         head = manager[:k](gm)
         part = manager[k:].resume(head)
         assert part.graph_module.code == whole.graph_module.code, k
         assert part.stats == whole.stats and part.modified == whole.modified, k
     assert set(whole.stats) == {"casts", "cast_bytes", "placed", "constants_fp32", "constants_clamped",
-                                "accumulate_fp32", "accumulate_casts", "fp8_matmuls", "saved_low"}
+                                "accumulate_fp32", "accumulate_casts", "fp8_matmuls", "math_attention", "saved_low"}
 
 
 def test_bad_modes_rejected_when_the_list_is_built(net):

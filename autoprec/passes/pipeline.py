@@ -1,4 +1,5 @@
-"""The lowering pass list: assign dtypes -> insert casts -> fp32 accumulation -> fp8 matmuls -> verify.
+"""The lowering pass list: assign dtypes -> insert casts -> fp32 accumulation -> fp8 matmuls ->
+explicit attention -> verify.
 
 :func:`lowering_passes` builds it; :class:`~autoprec.passes.manager.PassManager` runs it
 (``graph.lint()`` and each pass's post-condition after every pass; failures raise
@@ -11,6 +12,7 @@ from torch import fx
 
 from autoprec.passes.accumulate import AccumulateFp32
 from autoprec.passes.assign import AssignDtypes
+from autoprec.passes.attention import MathAttention
 from autoprec.passes.base import PassResult
 from autoprec.passes.casts import InsertCasts
 from autoprec.passes.fp8 import LowerFp8
@@ -36,7 +38,7 @@ def lowering_passes(
 
     Returns:
         ``PassManager`` of ``assign_dtypes``, ``insert_casts``, ``accumulate_fp32``, ``lower_fp8``,
-        ``verify``.
+        ``math_attention``, ``verify``.
 
     Raises:
         ValueError: unknown ``placement`` or ``constants`` mode.
@@ -46,6 +48,7 @@ def lowering_passes(
         InsertCasts(),
         AccumulateFp32(policy),
         LowerFp8(policy),
+        MathAttention(policy),
         Verify(output_dtypes(gm)),
     ])
 
@@ -65,7 +68,7 @@ def run_pipeline(
         ``PassResult`` with the lowered graph (same Parameters as ``gm``) and stats
         ``casts`` (count of placement casts), ``cast_bytes`` (bytes of the tensors converted),
         ``placed``, ``constants_fp32``, ``constants_clamped``, ``accumulate_fp32`` and
-        ``accumulate_casts``, ``fp8_matmuls``, ``saved_low``.
+        ``accumulate_casts``, ``fp8_matmuls``, ``math_attention``, ``saved_low``.
 
     Raises:
         PassError: a pass or the verifier failed; the message names the pass and the node.

@@ -38,10 +38,14 @@ FP8_SCALINGS: tuple[str, ...] = ("tensorwise", "rowwise")
 #: (the dtype that minimises bytes cast, :func:`autoprec.graph.place_follow`) or ``promote``
 #: (type promotion over their inputs, as under ``torch.autocast``: fp32 when any input is fp32).
 FOLLOW_PLACEMENTS: tuple[str, ...] = ("mincut", "promote")
+#: How attention (``aten.scaled_dot_product_attention``) runs (``Policy.attention``): ``fused``
+#: (PyTorch's fused kernel) or ``math`` (two explicit GEMMs and an fp32 softmax,
+#: :mod:`autoprec.kernels.attention`).
+ATTENTION_IMPLS: tuple[str, ...] = ("fused", "math")
 TOP_LEVEL_KEYS: tuple[str, ...] = (
     "schema_version", "default_dtype", "rules", "accumulate", "loss_scaling",
     "master_weights", "optimizer_state", "activation_memory_budget", "grad_reduce_dtype", "fp8_scaling",
-    "follow_placement", "provenance", "measured",
+    "follow_placement", "attention", "provenance", "measured",
 )
 
 
@@ -72,6 +76,7 @@ def check_fields(p: Any, source: str) -> None:
     check_choice(p.grad_reduce_dtype, GRAD_REDUCE_DTYPES, "gradient reduction dtype", source, "grad_reduce_dtype")
     check_choice(p.fp8_scaling, FP8_SCALINGS, "fp8 scaling", source, "fp8_scaling")
     check_choice(p.follow_placement, FOLLOW_PLACEMENTS, "follow placement", source, "follow_placement")
+    check_choice(p.attention, ATTENTION_IMPLS, "attention implementation", source, "attention")
     check_mapping(p.provenance, source, "provenance")
     for k, v in check_mapping(p.measured, source, "measured").items():
         if not isinstance(k, str):

@@ -77,6 +77,11 @@ class Policy:
             or ``"promote"`` (PyTorch's type promotion over the node's float inputs, as
             ``torch.autocast`` runs every op outside its lists: fp32 as soon as one input is fp32;
             ``torch.result_type``). A schema-2 field, written only when ``"promote"``.
+        attention: How ``scaled_dot_product_attention`` runs: ``"fused"`` (default; PyTorch's
+            fused kernel) or ``"math"`` (two explicit GEMMs in the node's dtype and an fp32
+            softmax, :mod:`autoprec.kernels.attention`; faster than the fused kernel where native
+            low-precision GEMMs are, and measured by the search). A schema-2 field, written only
+            when ``"math"``.
         provenance: Read-only JSON-ready mapping (model, graph fingerprint, device, versions, ...).
         measured: Read-only mapping of finite numbers (tokens_per_s, grad_rel_l2, peak_bytes, ...).
 
@@ -94,6 +99,7 @@ class Policy:
     grad_reduce_dtype: str = "fp32"
     fp8_scaling: str = "tensorwise"
     follow_placement: str = "mincut"
+    attention: str = "fused"
     provenance: Mapping[str, Any] = field(default_factory=dict)
     measured: Mapping[str, float] = field(default_factory=dict)
 
@@ -223,14 +229,17 @@ class Policy:
             parts.append(f"fp8 scaling {self.fp8_scaling}")
         if self.follow_placement != "mincut":
             parts.append(f"follow {self.follow_placement}")
+        if self.attention != "fused":
+            parts.append(f"attention {self.attention}")
         return "; ".join(parts)
 
     @property
     def schema2(self) -> bool:
         """Whether the policy uses a schema-2 field (a rule's ``compute``, ``saved`` or fp8;
-        ``fp8_scaling`` or ``follow_placement`` other than the default): written as version 2."""
-        return self.fp8_scaling != "tensorwise" or self.follow_placement != "mincut" or any(
-            r.schema2 for r in self.rules)
+        ``fp8_scaling``, ``follow_placement`` or ``attention`` other than the default): written as
+        version 2."""
+        defaults = self.fp8_scaling == "tensorwise" and self.follow_placement == "mincut" and self.attention == "fused"
+        return not defaults or any(r.schema2 for r in self.rules)
 
     # -- JSON -----------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -258,6 +267,8 @@ class Policy:
             d["fp8_scaling"] = self.fp8_scaling
         if self.follow_placement != "mincut":
             d["follow_placement"] = self.follow_placement
+        if self.attention != "fused":
+            d["attention"] = self.attention
         return d | {"provenance": jsonable(self.provenance, "Policy", "provenance"),
                     "measured": dict(self.measured)}
 
@@ -284,10 +295,11 @@ class Policy:
         check_keys(d, TOP_LEVEL_KEYS, "top-level", source, "")
         kw: dict[str, Any] = {k: d[k] for k in ("default_dtype", "accumulate", "master_weights",
                                                   "optimizer_state", "activation_memory_budget",
-                                                  "grad_reduce_dtype", "fp8_scaling", "follow_placement")
+                                                  "grad_reduce_dtype", "fp8_scaling", "follow_placement",
+                                                  "attention")
                                  if k in d}
         kw["rules"] = _rules_from_json(d.get("rules", []), source, version)
-        for key in ("fp8_scaling", "follow_placement"):
+        for key in ("fp8_scaling", "follow_placement", "attention"):
             if version < 2 and key in d:
                 raise fail(source, key, "needs schema_version 2 (a schema-2 field); this file says 1")
         if "loss_scaling" in d:

@@ -20,8 +20,8 @@ from autoprec.ops import classify
 from autoprec.policy import RULE_OP_CLASSES, Policy, Rule
 from autoprec.search.probe import KERNELS, kernel_fields
 
-__all__ = ["SAVED_LEVERS", "SearchSpace", "BASELINES", "FP32_COMPUTE_BASELINE", "find_blocks", "outside_matmuls",
-           "with_saved"]
+__all__ = ["ATTENTION_BASELINE", "SAVED_LEVERS", "SearchSpace", "BASELINES", "FP32_COMPUTE_BASELINE", "find_blocks",
+           "has_attention", "outside_matmuls", "with_saved"]
 
 #: The saved-activation dtypes of the memory lever, least drift first (docs/architecture.md#search):
 #: a search parameter under ``tune --max-memory`` and the finalists' memory fit.
@@ -46,6 +46,12 @@ FP32_COMPUTE_BASELINE: tuple[str, Mapping[str, str]] = (
     "low-storage fp32-compute", {"matmul": "{c}", "sensitive": "fp32", "follow": "{c}"})
 
 
+#: Queued after the baselines when the graph has SDPA nodes: the autocast twin with attention as
+#: explicit GEMMs (``Policy.attention = "math"``), which native low-precision GEMMs can make faster
+#: than the fused kernel (measured, per device, like every other choice).
+ATTENTION_BASELINE: tuple[str, Mapping[str, str]] = ("autocast-twin, math attention", {"attention": "math"})
+
+_SDPA = torch.ops.aten.scaled_dot_product_attention.default
 _BLOCK = re.compile(r"^(.*?\.\d+)(?:\.|$)")
 
 
@@ -59,6 +65,12 @@ def find_blocks(gm: torch.fx.GraphModule) -> list[str]:
         if m:
             seen.setdefault(m.group(1), None)
     return list(seen)
+
+
+def has_attention(gm: torch.fx.GraphModule) -> bool:
+    """Whether the captured graph runs ``aten.scaled_dot_product_attention`` (then the search
+    offers ``attention`` in ``fused`` / ``math``)."""
+    return any(n.target is _SDPA for n in gm.graph.nodes)
 
 
 def outside_matmuls(gm: torch.fx.GraphModule, blocks: list[str]) -> list[str]:
@@ -87,6 +99,9 @@ class SearchSpace:
     3. Per node: ``node:<key>`` for matmul nodes outside the blocks (LM head, projections) in
        ``inherit`` or a kernel.
 
+    Besides: ``attention`` in ``fused`` / ``math`` (``Policy.attention``) when the graph has SDPA
+    nodes and a low kernel is kept; ``saved`` under a memory budget.
+
     Levels 2–3 exist only when a low kernel is kept (otherwise every choice is fp32).
 
     Args:
@@ -94,6 +109,8 @@ class SearchSpace:
             (:meth:`autoprec.search.probe.KernelProbe.low_kernels`); a bare dtype name is its native kernel.
         blocks: Block module paths (:func:`find_blocks`).
         nodes: Node keys with their own parameter (:func:`outside_matmuls`).
+        saved: The memory lever's saved dtypes (:data:`SAVED_LEVERS`), or empty.
+        attention: Whether to search ``attention`` (:func:`has_attention` on the graph).
 
     Attributes:
         low_kernels: As given, fastest first (``low_dtypes`` is the same list).
@@ -105,7 +122,7 @@ class SearchSpace:
     """
 
     def __init__(self, low_kernels: list[str], blocks: list[str] = (), nodes: list[str] = (),
-                 saved: Sequence[str] = ()) -> None:
+                 saved: Sequence[str] = (), attention: bool = False) -> None:
         for k in low_kernels:
             kernel_fields(k)
         self.low_kernels = list(low_kernels)
@@ -118,6 +135,9 @@ class SearchSpace:
         #: The memory lever's choices (``saved``: "none" or a saved dtype for every op class,
         #: :func:`with_saved`), searched only when given (``tune --max-memory``).
         self.saved = ["none", *saved] if saved else []
+        #: ``Policy.attention``'s choices, searched when the graph has SDPA nodes and a low
+        #: kernel is kept (in fp32 the explicit form is no faster than the fused kernel).
+        self.attention = ["fused", "math"] if attention and self.low_kernels else []
 
     @property
     def low_dtypes(self) -> list[str]:
@@ -128,7 +148,7 @@ class SearchSpace:
     @property
     def n_params(self) -> int:
         """Number of free parameters."""
-        return 3 + len(self.blocks) + len(self.nodes) + bool(self.saved)
+        return 3 + len(self.blocks) + len(self.nodes) + bool(self.saved) + bool(self.attention)
 
     def suggest(self, trial: optuna.Trial) -> dict[str, str]:
         """Sample one parameter set."""
@@ -143,14 +163,17 @@ class SearchSpace:
             p[f"node:{k}"] = trial.suggest_categorical(f"node:{k}", ["inherit", *self.dtypes])
         if self.saved:
             p["saved"] = trial.suggest_categorical("saved", self.saved)
+        if self.attention:
+            p["attention"] = trial.suggest_categorical("attention", self.attention)
         return p
 
     def baselines(self) -> list[tuple[str, dict[str, str]]]:
         """Baseline parameter sets (:data:`BASELINES`, then :data:`FP32_COMPUTE_BASELINE` when a
-        ``":fp32"`` kernel is kept) with every block/node parameter ``inherit``; one needing a
+        ``":fp32"`` kernel is kept, then the twin with :data:`ATTENTION_BASELINE` when attention is
+        searched) with every block/node parameter ``inherit`` and fused attention; one needing a
         low-storage kernel when only fp8 is kept, or equal to an earlier one, is left out."""
         rest = {f"block:{b}": "inherit" for b in self.blocks} | {f"node:{k}": "inherit" for k in self.nodes} | (
-            {"saved": "none"} if self.saved else {})
+            {"saved": "none"} if self.saved else {}) | ({"attention": "fused"} if self.attention else {})
         if not self.low_kernels:
             return [(BASELINES[0][0], dict(BASELINES[0][1]) | ({"saved": "none"} if self.saved else {}))]
         floats = [k for k in self.low_kernels if k != FP8_COMPUTE]
@@ -163,6 +186,9 @@ class SearchSpace:
             params = {k: v.format(**fill) for k, v in p.items()} | rest
             if all(params != q for _n, q in out):
                 out.append((name, params))
+        twin = next((p for name, p in out if name == "autocast-twin"), None)
+        if self.attention and twin is not None:
+            out.append((ATTENTION_BASELINE[0], twin | ATTENTION_BASELINE[1]))
         return out
 
     def twin(self) -> dict[str, str] | None:
@@ -191,7 +217,7 @@ class SearchSpace:
         if params["follow"] not in ("auto", "promote"):
             rules.append(rule(params["follow"], op_class="follow"))
         for name, value in params.items():
-            if value == "inherit" or name == "saved":
+            if value == "inherit" or name in ("saved", "attention"):
                 continue
             if name.startswith("block:"):
                 rules.append(rule(value, module=name[len("block:"):] + ".*", op_class="matmul"))
@@ -199,7 +225,8 @@ class SearchSpace:
                 rules.append(rule(value, node=name[len("node:"):]))
         default = "fp32" if mm_dtype == FP8_COMPUTE else mm_dtype
         pol = Policy(default_dtype=default, rules=tuple(rules),
-                     follow_placement="promote" if params["follow"] == "promote" else "mincut")
+                     follow_placement="promote" if params["follow"] == "promote" else "mincut",
+                     attention=params.get("attention", "fused"))
         return pol if params.get("saved", "none") == "none" else with_saved(pol, params["saved"])
 
 

@@ -53,7 +53,7 @@ from autoprec.search.probe import kernel_fields, matmul_shape_counts, matmul_sha
 from autoprec.search.progress import Clock, log
 from autoprec.search.results import measured_block, note_if_eager_was_faster, pooled, side_by_side
 from autoprec.search.select import FP32_EAGER, Selector
-from autoprec.search.space import SAVED_LEVERS, SearchSpace, find_blocks, outside_matmuls
+from autoprec.search.space import SAVED_LEVERS, SearchSpace, find_blocks, has_attention, outside_matmuls
 from autoprec.search.storage import (
     check_study,
     default_storage,
@@ -242,7 +242,8 @@ def _probe(run: _Run, forced: list[str] | None, saved: tuple[str, ...] = ()) -> 
     storage_lows = list(dict.fromkeys(kernel_fields(k)[0] for k in kernels if kernel_fields(k)[0] in LOW_DTYPES))
     blocks = find_blocks(run.gm)
     run.probes = probe.to_dict()
-    run.space = SearchSpace(kernels, blocks, outside_matmuls(run.gm, blocks), saved=saved)
+    run.space = SearchSpace(kernels, blocks, outside_matmuls(run.gm, blocks), saved=saved,
+                            attention=has_attention(run.gm))
     run.ac_dtype = autocast_dtype(run.dev, storage_lows)
 
 
@@ -263,7 +264,7 @@ def _adopt_study_kernels(run: _Run, choices: list[str] | None) -> None:
         f"{', '.join(run.space.dtypes)}: searching the study's kernels (its probe's decision)", run.quiet)
     blocks = run.space.blocks or find_blocks(run.gm)  # a space without low kernels holds no blocks
     nodes = run.space.nodes or outside_matmuls(run.gm, blocks)
-    run.space = SearchSpace(lows, blocks, nodes, saved=run.space.saved[1:])
+    run.space = SearchSpace(lows, blocks, nodes, saved=run.space.saved[1:], attention=bool(run.space.attention))
     storage_lows = list(dict.fromkeys(kernel_fields(k)[0] for k in lows if kernel_fields(k)[0] in LOW_DTYPES))
     run.ac_dtype = autocast_dtype(run.dev, storage_lows)
 
