@@ -28,7 +28,8 @@ autocast+compile`` column says ``tie`` where :func:`autoprec.search.timing.compa
 difference within the noise. A configuration whose steps are too slow against the limit (two
 steps in a row over it, or one step over 4x it: :func:`autoprec.runtime.steps.slow_step_guard`;
 e.g. bf16 on a CPU without native bf16 arithmetic) is dropped from later rounds, and its row
-says so (``capped``). Rows and table: :mod:`autoprec.bench_table`.
+says so (``capped``). Rows and table: :mod:`autoprec.bench_table`. Every row runs batches of every
+shape with no compile timed (:mod:`autoprec.bench_shapes`); ``autoprec bench`` exits 1 if a row failed.
 
 MFU counts model FLOPs per step as ``6 · N · tokens`` (N: trainable parameters except embedding
 tables, whose forward is a gather, not a matmul; Kaplan et al. 2020, PaLM appendix B) plus
@@ -41,14 +42,11 @@ configurations (the higher of the two counts: a busy moment on a shared machine 
 
 from __future__ import annotations
 
-import copy
 import datetime
 import math
 import os
 import time
-from collections import Counter
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -56,16 +54,14 @@ from torch import nn
 
 from autoprec._io import write_json
 from autoprec._version import __version__
+from autoprec import bench_shapes as shapes
+from autoprec.bench_configs import BenchConfig, build_configs, main_dtype
 from autoprec.bench_table import add_ratios, format_bench_table, make_row, skipped_row
-from autoprec.capture import capture
 from autoprec.device import autocast_dtype, describe_machine, resolve_device, time_matmul
 from autoprec.dtypes import NAMES, to_torch
 from autoprec.modelspec import load_model_spec
 from autoprec.passes import run_pipeline
 from autoprec.policy import Policy
-from autoprec.runtime.apply import compile_graph
-from autoprec.runtime.scaler import DynamicLossScaler
-from autoprec.runtime.train import autocast_scaler, make_scaler
 from autoprec.search.measure import Harness, Measurement
 from autoprec.search.load import LoadMonitor
 from autoprec.search.timing import Config, format_rate, time_interleaved
@@ -151,56 +147,6 @@ def model_flops(model: nn.Module, batch: Any, tokens: int) -> dict[str, Any]:
             "formula": "6*params_matmul*tokens + 12*layers*seq*hidden*tokens"}
 
 
-def _main_dtype(lowered: torch.fx.GraphModule, policy: Policy) -> str:
-    """Most common dtype among the lowered graph's ``matmul``-class nodes (else the default)."""
-    seen = Counter(n.meta["autoprec"]["dtype"] for n in lowered.graph.nodes
-                   if n.meta.get("autoprec", {}).get("op_class") == "matmul" and n.meta["autoprec"].get("dtype"))
-    return seen.most_common(1)[0][0] if seen else policy.default_dtype
-
-
-@dataclass
-class _Config:
-    """How to run one configuration: module, scaler, autocast dtype and harness (weights)."""
-
-    fn: Callable[[], Any]
-    harness: Harness
-    scaler: Callable[[], DynamicLossScaler | None]
-    autocast: torch.dtype | None
-    dtype: str
-    compiled: bool
-
-
-def _pure_low(h: Harness, dtype: torch.dtype) -> Harness:
-    """A shallow copy of ``h`` whose model, parameters and initial weights are ``dtype`` copies
-    (same values rounded; no fp32 master weights); batches and FP32 reference are shared."""
-    low = copy.copy(h)
-    low.model = copy.deepcopy(h.model).to(dtype)
-    low.params = [p for p in low.model.parameters() if p.requires_grad]
-    low.initial = [p.detach().clone() for p in low.params]
-    return low
-
-
-def _build_configs(h: Harness, policy: Policy, low: torch.dtype, names: Sequence[str]) -> dict[str, _Config]:
-    lowered = run_pipeline(h.graph_module, policy).graph_module
-    pol_scaler = lambda: make_scaler(policy)
-    low_scaler = autocast_scaler(low)
-    lname, pdt = NAMES[low], _main_dtype(lowered, policy)
-    plow = _pure_low(h, low) if any(n.startswith("pure_low") for n in names) else None
-    table = {
-        "fp32_eager": lambda: _Config(lambda: h.model, h, lambda: None, None, "fp32", False),
-        "fp32_compiled": lambda: _Config(lambda: compile_graph(h.graph_module), h, lambda: None, None, "fp32", True),
-        "autocast_eager": lambda: _Config(lambda: h.model, h, low_scaler, low, lname, False),
-        "autocast_compiled": lambda: _Config(lambda: compile_graph(h.model), h, low_scaler, low, lname, True),
-        "pure_low_eager": lambda: _Config(lambda: plow.model, plow, low_scaler, None, lname, False),
-        "pure_low_compiled": lambda: _Config(lambda: compile_graph(capture(plow.model, plow.batches[0])), plow,
-                                             low_scaler, None, lname, True),
-        "policy_eager": lambda: _Config(lambda: lowered, h, pol_scaler, None, pdt, False),
-        "policy_compiled": lambda: _Config(lambda: compile_graph(lowered, policy.activation_memory_budget), h,
-                                           pol_scaler, None, pdt, True),
-    }
-    return {n: table[n]() for n in names}
-
-
 def _log(msg: str, quiet: bool) -> None:
     if not quiet:
         print(f"[autoprec bench] {msg}", flush=True)
@@ -219,7 +165,7 @@ def run_bench(model_path: str | os.PathLike, policy: Policy | str | os.PathLike,
         steps: Timed training steps per configuration at least (median reported): the
             interleaved timing runs ``max(MIN_ROUNDS, ceil(steps / STEPS_PER_ROUND))`` rounds at
             least and ``MAX_ROUNDS`` (12) at most.
-        warmup: Untimed steps per configuration before the rounds (at least one per batch shape).
+        warmup: Untimed steps per configuration before the rounds (up to every batch shape's first batch).
         device: ``auto``, ``cpu``, ``cuda``.
         configs: Subset of :data:`CONFIGS`, measured in the order given (``fp32_eager`` is always
             measured, first: it is the reference and sets the slow-step limit).
@@ -262,8 +208,8 @@ def run_bench(model_path: str | os.PathLike, policy: Policy | str | os.PathLike,
     low = autocast_dtype(dev)  # the autocast and pure-low baselines' dtype: the same rule as tune's
     h = Harness(spec, dev, warmup=warmup, steps=steps)
     flops = model_flops(h.model, h.batches[0], h.tokens)
-    cfgs = _build_configs(h, pol, low, names)
-    main = cfgs["policy_eager"].dtype if "policy_eager" in cfgs else _main_dtype(
+    cfgs = build_configs(h, pol, low, names)
+    main = cfgs["policy_eager"].dtype if "policy_eager" in cfgs else main_dtype(
         run_pipeline(h.graph_module, pol).graph_module, pol)
     peaks = _measure_peaks([main, "fp32", NAMES[low]], dev, quiet)
     slow_low = peaks[NAMES[low]] * max_step_ratio < peaks["fp32"]
@@ -297,7 +243,7 @@ def _measure_peaks(dtypes: Sequence[str], dev: torch.device, quiet: bool) -> dic
     return peaks
 
 
-def _drift_all(names: Sequence[str], cfgs: dict[str, _Config], result: dict[str, Any], skip_dtype: str | None,
+def _drift_all(names: Sequence[str], cfgs: dict[str, BenchConfig], result: dict[str, Any], skip_dtype: str | None,
                json_path: str | os.PathLike | None, quiet: bool) -> dict[str, tuple[Measurement, Any]]:
     """Drift and memory of each configuration in turn (``fp32_eager`` timed too, back to back, for
     the slow-step limit ``result["timing"]["max_step_s"]``); rows without timing, checkpointed.
@@ -332,7 +278,7 @@ def _drift_all(names: Sequence[str], cfgs: dict[str, _Config], result: dict[str,
     return out
 
 
-def _time_all(h: Harness, cfgs: dict[str, _Config], drift: dict[str, tuple[Measurement, Any]],
+def _time_all(h: Harness, cfgs: dict[str, BenchConfig], drift: dict[str, tuple[Measurement, Any]],
               result: dict[str, Any], min_rounds: int, rel_band: float, time_cap_s: float,
               quiet: bool, load: LoadMonitor) -> None:
     """Time every configuration whose drift pass ran in one :func:`time_interleaved` call (same
@@ -340,24 +286,26 @@ def _time_all(h: Harness, cfgs: dict[str, _Config], drift: dict[str, tuple[Measu
     machine before and after (``BusyMachineError`` under ``strict_timing``)."""
     load.check("before timing")
     todo = [n for n, (m, _fn) in drift.items() if m.error is None]
-    tm = result["timing"]
+    tm, watch = result["timing"], {n: shapes.CompileWatch(drift[n][1]) for n in todo}
     tm.update(min_rounds=min_rounds, max_rounds=max(MAX_ROUNDS, min_rounds), rel_band=rel_band,
-              time_cap_s=time_cap_s)
+              time_cap_s=time_cap_s, warmup_steps=shapes.warmup_steps(h.batches, result["warmup"]))
     _log(f"timing {', '.join(todo)} interleaved ({tm['steps_per_round']} steps each per round, "
          f"{min_rounds}-{tm['max_rounds']} rounds, until ±{100 * rel_band:g}% or {time_cap_s:g} s)", quiet)
     t0 = time.perf_counter()
     timings = time_interleaved(
-        h, [Config(n, drift[n][1], cfgs[n].scaler, cfgs[n].autocast,
+        h, [Config(n, watch[n], cfgs[n].scaler, cfgs[n].autocast,
                    cfgs[n].harness if cfgs[n].harness is not h else None) for n in todo],
         min_rounds=min_rounds, max_rounds=tm["max_rounds"], steps_per_round=tm["steps_per_round"],
-        warmup=result["warmup"], rel_band=rel_band, time_cap_s=time_cap_s, max_step_s=tm["max_step_s"])
+        warmup=tm["warmup_steps"], rel_band=rel_band, time_cap_s=time_cap_s, max_step_s=tm["max_step_s"])
     tm["wall_s"] = time.perf_counter() - t0
     load.check("after timing")
     flops, peak = result["flops"]["flops_per_step"], result["matmul_peak"]["flops_per_s"]
     rows = result["configs"]
-    for n, t in timings.items():
+    for n in timings:  # a timed step that compiled (a shape the warm-up missed) is left out
+        t, late = shapes.drop_compiled_steps(timings[n], watch[n], tm["warmup_steps"], cfgs[n].harness.tokens)
+        timings[n] = t
         rows[n] = {**make_row(drift[n][0], cfgs[n].dtype, cfgs[n].compiled, t, flops, peak,
-                              result["max_step_ratio"]), "wall_s": rows[n]["wall_s"]}
+                              result["max_step_ratio"], late), "wall_s": rows[n]["wall_s"]}
         why = rows[n]["note"] or rows[n]["error"]
         _log(f"{n}: {format_rate(t)} tok/s over {t.rounds} rounds" + (f" ({why})" if why else ""), quiet)
     add_ratios(rows, timings)

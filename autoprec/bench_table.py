@@ -11,13 +11,13 @@ from autoprec._io import json_safe
 from autoprec.search.measure import Measurement
 from autoprec.search.timing import Timing, compare, format_rate
 
-__all__ = ["add_ratios", "format_bench_table", "make_row", "skipped_row"]
+__all__ = ["add_ratios", "failed_rows", "format_bench_table", "make_row", "skipped_row"]
 
 _DRIFT = ("grad_rel_l2", "loss_rel", "grad_sqnr_db_min")
 
 
 def make_row(m: Measurement, dtype: str, compiled: bool, t: Timing | None = None, flops: float = 0.0,
-             peak: float = 0.0, ratio: float = 10.0) -> dict[str, Any]:
+             peak: float = 0.0, ratio: float = 10.0, compiles_timed: int = 0) -> dict[str, Any]:
     """The row of one configuration as ``bench.json`` holds it (non-finite floats as ``"inf"``,
     ``"-inf"``, ``"nan"``: :func:`autoprec._io.json_safe`).
 
@@ -29,12 +29,14 @@ def make_row(m: Measurement, dtype: str, compiled: bool, t: Timing | None = None
         flops: Model FLOPs per step (:func:`autoprec.bench.model_flops`).
         peak: The matmul peak, FLOP/s, that MFU divides by (0: no MFU).
         ratio: ``max_step_ratio``, named in the note of a configuration the slow-step rule stopped.
+        compiles_timed: Timed steps whose forward compiled (a shape the warm-up did not meet),
+            left out of ``t`` already (:func:`autoprec.bench_shapes.drop_compiled_steps`).
 
     Returns:
         ``step_s`` (s, median), ``step_s_band`` (s), ``iqr_s`` (s), ``tokens_per_s``,
         ``tokens_per_s_band`` (tokens/s, bootstrap 95% interval), ``rel_half_width``, ``rounds``,
         the drift metrics, ``peak_bytes`` (CUDA: the timing's estimate), ``mfu`` (0..1),
-        ``steps_timed``, ``step_times`` (s), ``capped``, ``note``, ``error``.
+        ``steps_timed``, ``step_times`` (s), ``capped``, ``compiles_timed``, ``note``, ``error``.
     """
     timed = t is not None and bool(t.step_times)
     error = m.error or (t.error if t is not None else None)
@@ -42,6 +44,9 @@ def make_row(m: Measurement, dtype: str, compiled: bool, t: Timing | None = None
     if t is not None and t.note:
         note = (f"{t.note} (limit {ratio:g}x fp32 eager's step)" if t.too_slow else t.note) + \
             (f"; {note}" if note else "")
+    if compiles_timed:
+        note = (f"{compiles_timed} timed step{'s' if compiles_timed > 1 else ''} compiled (a new shape) and "
+                "left out of the timing") + (f"; {note}" if note else "")
     return json_safe({
         "dtype": dtype, "compiled": compiled,
         "step_s": t.step_s if timed else None, "step_s_band": list(t.band_s) if timed else None,
@@ -54,7 +59,8 @@ def make_row(m: Measurement, dtype: str, compiled: bool, t: Timing | None = None
         "mfu": (flops / t.step_s / peak) if (timed and peak > 0) else None,
         "steps_timed": len(t.step_times) if t is not None else 0,
         "step_times": list(t.step_times) if t is not None else [],
-        "capped": bool(t is not None and t.too_slow), "note": note, "error": error,
+        "capped": bool(t is not None and t.too_slow), "compiles_timed": int(compiles_timed), "note": note,
+        "error": error,
     })
 
 
@@ -63,7 +69,15 @@ def skipped_row(dtype: str, compiled: bool, note: str) -> dict[str, Any]:
     return {"dtype": dtype, "compiled": compiled, "step_s": None, "step_s_band": None, "iqr_s": None,
             "tokens_per_s": 0.0, "tokens_per_s_band": None, "rel_half_width": None, "rounds": 0,
             "grad_rel_l2": None, "loss_rel": None, "grad_sqnr_db_min": None, "peak_bytes": 0, "mfu": None,
-            "steps_timed": 0, "step_times": [], "capped": False, "skipped": True, "note": note, "error": None}
+            "steps_timed": 0, "step_times": [], "capped": False, "compiles_timed": 0, "skipped": True, "note": note,
+            "error": None}
+
+
+def failed_rows(result: dict[str, Any]) -> dict[str, str]:
+    """``{name: error}`` of the configurations of a :func:`autoprec.bench.run_bench` result that
+    failed (an ``error``: capture, compile, a step raised, non-finite gradients); skipped and
+    capped rows are not failures. ``autoprec bench`` exits 1 when this is not empty."""
+    return {name: r["error"] for name, r in result["configs"].items() if r.get("error")}
 
 
 def add_ratios(rows: dict[str, dict[str, Any]], timings: dict[str, Timing] | None = None) -> None:

@@ -273,6 +273,11 @@ def _cmd_bench(a: argparse.Namespace) -> int:
         Path(a.md).parent.mkdir(parents=True, exist_ok=True)
         Path(a.md).write_text(table + "\n")
         print(f"wrote {a.md}")
+    from autoprec.bench_table import failed_rows
+
+    if failed := failed_rows(res):  # a configuration that could not be measured: exit 1
+        print("autoprec bench: error: " + "; ".join(f"{n} failed ({e})" for n, e in failed.items()), file=sys.stderr)
+        return 1
     return 0
 
 

@@ -1,0 +1,84 @@
+"""How ``autoprec bench`` builds each configuration (docs/architecture.md#measurements): the module it
+trains, its loss scaler, its autocast dtype and the harness whose weights it trains, so that every
+configuration runs every batch shape the model file gives (:mod:`autoprec.bench_shapes`)."""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from autoprec import bench_shapes as shapes
+from autoprec.dtypes import NAMES
+from autoprec.passes import run_pipeline
+from autoprec.policy import Policy
+from autoprec.runtime.apply import compile_graph
+from autoprec.runtime.scaler import DynamicLossScaler
+from autoprec.runtime.train import autocast_scaler, make_scaler
+from autoprec.search.measure import Harness
+
+__all__ = ["BenchConfig", "build_configs", "main_dtype", "pure_low"]
+
+
+def main_dtype(lowered: torch.fx.GraphModule, policy: Policy) -> str:
+    """Most common dtype among the lowered graph's ``matmul``-class nodes (else the default)."""
+    seen = Counter(n.meta["autoprec"]["dtype"] for n in lowered.graph.nodes
+                   if n.meta.get("autoprec", {}).get("op_class") == "matmul" and n.meta["autoprec"].get("dtype"))
+    return seen.most_common(1)[0][0] if seen else policy.default_dtype
+
+
+@dataclass
+class BenchConfig:
+    """How to run one configuration: module, scaler, autocast dtype and harness (weights)."""
+
+    fn: Callable[[], Any]
+    harness: Harness
+    scaler: Callable[[], DynamicLossScaler | None]
+    autocast: torch.dtype | None
+    dtype: str
+    compiled: bool
+
+
+def pure_low(h: Harness, dtype: torch.dtype) -> Harness:
+    """A shallow copy of ``h`` whose model, parameters and initial weights are ``dtype`` copies
+    (same values rounded; no fp32 master weights); batches and FP32 reference are shared."""
+    low = copy.copy(h)
+    low.model = copy.deepcopy(h.model).to(dtype)
+    low.params = [p for p in low.model.parameters() if p.requires_grad]
+    low.initial = [p.detach().clone() for p in low.params]
+    return low
+
+
+def build_configs(h: Harness, policy: Policy, low: torch.dtype, names: Sequence[str]) -> dict[str, BenchConfig]:
+    """How to run each configuration in ``names`` (:data:`autoprec.bench.CONFIGS`) on ``h``'s model and
+    batches, in the low dtype ``low``; modules are built lazily (``BenchConfig.fn()``: compiling starts
+    at their first call). Widens ``h.graph_module``'s ranges first when a batch is outside them
+    (:func:`autoprec.bench_shapes.cover_batches`).
+
+    Raises:
+        PassError: the policy cannot be applied to the graph.
+    """
+    shapes.cover_batches(h)  # dynamic ranges over every batch the rows run, not only the first ones
+    lowered = run_pipeline(h.graph_module, policy).graph_module
+    pol_scaler = lambda: make_scaler(policy)
+    low_scaler = autocast_scaler(low)
+    lname, pdt = NAMES[low], main_dtype(lowered, policy)
+    plow = pure_low(h, low) if any(n.startswith("pure_low") for n in names) else None
+    table = {
+        "fp32_eager": lambda: BenchConfig(lambda: h.model, h, lambda: None, None, "fp32", False),
+        "fp32_compiled": lambda: BenchConfig(lambda: compile_graph(h.graph_module), h, lambda: None, None, "fp32", True),
+        "autocast_eager": lambda: BenchConfig(lambda: h.model, h, low_scaler, low, lname, False),
+        "autocast_compiled": lambda: BenchConfig(lambda: compile_graph(h.model, dynamic=shapes.autocast_dynamic(
+            h.batches)), h, low_scaler, low, lname, True),
+        "pure_low_eager": lambda: BenchConfig(lambda: plow.model, plow, low_scaler, None, lname, False),
+        "pure_low_compiled": lambda: BenchConfig(lambda: compile_graph(shapes.capture_rows(plow.model, plow.batches)), plow,
+                                             low_scaler, None, lname, True),
+        "policy_eager": lambda: BenchConfig(lambda: lowered, h, pol_scaler, None, pdt, False),
+        "policy_compiled": lambda: BenchConfig(lambda: compile_graph(lowered, policy.activation_memory_budget), h,
+                                           pol_scaler, None, pdt, True),
+    }
+    return {n: table[n]() for n in names}

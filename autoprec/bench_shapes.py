@@ -1,0 +1,151 @@
+"""``autoprec bench`` on batches that vary in shape (docs/architecture.md#measurements).
+
+A model file whose ``get_batch`` pads to the longest sequence gives a new shape at almost every
+step. Every bench row must run all of the harness's batches, and no compile may be timed:
+
+- the captured graphs (``fp32_*``, ``policy_*``, ``pure_low_compiled``'s own capture) follow the
+  rule of ``tune`` and ``train`` (:func:`autoprec.runtime.shape_cache.capture_for`): dynamic
+  batch/sequence dimensions when the shapes vary, ranges covering every batch the bench runs
+  (:func:`cover_batches` captures the harness's graph again when ``--steps`` brings batches
+  past the first ones'), so one compile serves every shape;
+- ``autocast_compiled`` (``torch.compile`` of the ``nn.Module``) compiles with ``dynamic=True``
+  when the shapes vary (:func:`autocast_dynamic`), instead of once per shape;
+- the timing's warm-up runs every batch up to the last first appearance of a shape
+  (:func:`warmup_steps`), so each configuration meets each shape (and compiles, if it must)
+  before a step is timed;
+- :class:`CompileWatch` counts compiles during the timed steps anyway; a timed step whose
+  forward compiled is left out of the row's timing (:func:`drop_compiled_steps`), and the row
+  says how many (``compiles_timed``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch import fx, nn
+
+from autoprec.dims import shapes_vary, tensor_shapes
+from autoprec.modelspec import split_batch
+from autoprec.runtime.shape_cache import capture_for, is_dynamic
+from autoprec.runtime.steps import compile_count
+from autoprec.search.timing import Timing
+from autoprec.shapes import InputShapes
+
+__all__ = ["CompileWatch", "autocast_dynamic", "capture_rows", "cover_batches", "drop_compiled_steps",
+           "warmup_steps"]
+
+
+def warmup_steps(batches: list[Any], warmup: int) -> int:
+    """Untimed steps that meet every distinct shape of ``batches`` (cycled from batch 0): at least
+    ``warmup``, and at least up to and including the first batch of the last shape to appear.
+
+    Args:
+        batches: The harness's batches, in the order steps take them.
+        warmup: The user's ``--warmup``.
+
+    Returns:
+        The warm-up step count.
+    """
+    seen: set[tuple[Any, ...]] = set()
+    last = -1
+    for i, b in enumerate(batches):
+        key = _key(b)
+        if key not in seen:
+            seen.add(key)
+            last = i
+    return max(int(warmup), last + 1)
+
+
+def capture_rows(model: nn.Module, batches: list[Any]) -> fx.GraphModule:
+    """The capture of a configuration that runs ``batches``: :func:`capture_for` on all of them
+    (dynamic dimensions with ranges covering every batch when their shapes vary).
+
+    Raises:
+        CaptureError: as :func:`autoprec.capture.capture`.
+    """
+    return capture_for(model, batches)
+
+
+def cover_batches(h: Any) -> bool:
+    """Capture the harness's graph again, over all its batches, when one of them falls outside
+    its dynamic ranges (the harness captured on its first batches only); returns whether it did.
+
+    Args:
+        h: The :class:`~autoprec.search.measure.Harness`; ``h.graph_module`` is replaced (its
+            FP32 references, already computed on the first batches, are unchanged by the wider ranges).
+    """
+    gm = h.graph_module
+    if not is_dynamic(gm):
+        return False
+    check = InputShapes(gm, what="the captured graph")
+    for b in h.batches:
+        try:
+            check.check(*split_batch(b))
+        except ValueError:
+            h.graph_module = capture_rows(h.model, h.batches)
+            return True
+    return False
+
+
+def autocast_dynamic(batches: list[Any]) -> bool | None:
+    """``torch.compile``'s ``dynamic`` for the autocast baseline: True when ``batches`` vary in
+    shape (one compile for all of them), else None (the default rule: one static compile)."""
+    return True if shapes_vary(batches) else None
+
+
+class CompileWatch:
+    """A configuration's function during timing: counts its calls and the calls that compiled.
+
+    A compile is a rise of Dynamo's graph count (:func:`autoprec.runtime.steps.compile_count`)
+    across the call; the backward of a newly compiled forward compiles in the same step.
+
+    Args:
+        fn: The function the drift pass ran (compiled or not).
+
+    Attributes:
+        calls: Calls so far (one per training step).
+        compiled: 0-based indices of the calls that compiled.
+    """
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+        self.calls = 0
+        self.compiled: list[int] = []
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Call ``fn`` and note whether the call compiled."""
+        before = compile_count()
+        try:
+            return self.fn(*args, **kwargs)
+        finally:
+            if compile_count() != before:
+                self.compiled.append(self.calls)
+            self.calls += 1
+
+
+def drop_compiled_steps(t: Timing, watch: CompileWatch, warm: int, tokens: float) -> tuple[Timing, int]:
+    """``t`` without the timed steps whose forward compiled, and how many there were.
+
+    Args:
+        t: The configuration's interleaved timing (its steps after ``warm`` untimed ones).
+        watch: Its :class:`CompileWatch` (calls counted from the warm-up's first step).
+        warm: Untimed warm-up steps before the first timed one.
+        tokens: Tokens per step (the harness's).
+
+    Returns:
+        ``(timing, n)``: the timing re-made from the other steps (error, note, cap and peak memory
+        kept), or ``t`` itself when ``n`` is 0 or no step would be left.
+    """
+    late = {i - warm for i in watch.compiled if i >= warm}
+    late = {i for i in late if i < len(t.step_times)}
+    if not late or t.error is not None or len(late) >= len(t.step_times):
+        return t, len(late)
+    kept = [s for i, s in enumerate(t.step_times) if i not in late]
+    out = Timing.from_steps(kept, tokens, rounds=t.rounds)
+    out.error, out.note, out.too_slow, out.peak_bytes = t.error, t.note, t.too_slow, t.peak_bytes
+    return out, len(late)
+
+
+def _key(batch: Any) -> tuple[Any, ...]:
+    return tuple(tensor_shapes(*split_batch(batch)))
