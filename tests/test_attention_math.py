@@ -148,3 +148,17 @@ def test_search_offers_attention_only_with_sdpa_and_a_low_kernel():
     assert SearchSpace.to_policy(base["autocast-twin"]) == Policy.autocast("bf16")
     assert SearchSpace([], attention=True).attention == []  # all fp32: the fused kernel is as fast
     assert "autocast-twin, math attention" not in dict(SearchSpace(["bf16"]).baselines())
+
+
+def test_search_fingerprint_tells_math_attention_from_fused():
+    """Trials with equal per-node dtypes are measured once: the attention choice must count."""
+    from autoprec.passes.assign import assign_dtypes
+    from autoprec.search.objective import policy_fingerprint
+
+    model, batch = _qwen2_and_batch()
+    gm = capture(model, batch)
+    twin = Policy.autocast("bf16")
+    fused = assign_dtypes(gm, twin).graph_module
+    math = assign_dtypes(gm, dataclasses.replace(twin, attention="math")).graph_module
+    assert policy_fingerprint(fused) != policy_fingerprint(math)
+    assert policy_fingerprint(fused) == policy_fingerprint(assign_dtypes(gm, twin).graph_module)

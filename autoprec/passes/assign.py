@@ -95,7 +95,8 @@ def assign_dtypes(
             constants outside a lowered node's dtype range (case C03).
 
     Returns:
-        ``PassResult`` whose graph's nodes carry ``meta["autoprec"]["dtype"]``; stats
+        ``PassResult`` whose graph's nodes carry ``meta["autoprec"]["dtype"]`` (and, on SDPA
+        nodes under ``policy.attention="math"``, ``impl="math"``); stats
         ``placed`` (follow nodes placed), ``constants_fp32`` and ``constants_clamped``.
 
     Raises:
@@ -133,6 +134,10 @@ def assign_dtypes(
         node.meta["autoprec"].update(dtype=dt, decided_by=f"placement:{placement}")
     n_clamped = _constants_after(nodes, constants)
     n_saved = _assign_saved(nodes, policy)
+    if policy.attention != "fused":  # run by the math_attention pass; part of the search's fingerprint
+        for n in nodes:
+            if n.target is torch.ops.aten.scaled_dot_product_attention.default:
+                n.meta["autoprec"]["impl"] = policy.attention
     stats = {"placed": len(placed), "constants_fp32": n_fp32, "constants_clamped": n_clamped, "saved_low": n_saved}
     return PassResult(gm, True, stats)
 

@@ -29,24 +29,28 @@ def _math_op() -> object:
     return torch.ops.autoprec.sdpa_math.default
 
 
+def _marked(n: fx.Node) -> bool:
+    return n.target is _SDPA and n.meta.get("autoprec", {}).get("impl") == "math"
+
+
 def math_attention(gm: fx.GraphModule, policy: Policy) -> PassResult:
-    """Retarget every SDPA node of a copy of ``gm`` to ``autoprec::sdpa_math`` when the policy
-    asks for explicit attention.
+    """Retarget the SDPA nodes of a copy of ``gm`` that ``assign_dtypes`` marked
+    ``impl="math"`` (all of them under ``policy.attention == "math"``) to ``autoprec::sdpa_math``.
 
     Args:
         gm: Output of ``insert_casts`` (or later); not modified.
-        policy: Its ``attention`` field: ``"math"`` retargets, ``"fused"`` leaves the graph.
+        policy: The policy (its ``attention`` field decided the marks; unused here).
 
     Returns:
         ``PassResult`` with stats ``math_attention`` (nodes retargeted).
     """
     stats = {"math_attention": 0}
-    if policy.attention != "math" or not any(n.target is _SDPA for n in gm.graph.nodes):
+    if not any(_marked(n) for n in gm.graph.nodes):
         return PassResult(gm, False, stats)
     gm = clone_graph_module(gm)
     op = _math_op()
     for n in gm.graph.nodes:
-        if n.target is _SDPA:
+        if _marked(n):
             n.target = op
             n.meta["autoprec"]["decided_by"] = f"{n.meta['autoprec'].get('decided_by')}; {PASS}"
             stats["math_attention"] += 1
@@ -71,12 +75,11 @@ class MathAttention(PassBase):
         return math_attention(gm, self.policy)
 
     def ensures(self, gm: fx.GraphModule) -> None:
-        """Under ``attention="math"`` no fused SDPA node is left.
+        """No node marked ``impl="math"`` still runs the fused SDPA.
 
         Raises:
-            PassError: a node still runs ``aten.scaled_dot_product_attention``.
+            PassError: a marked node still runs ``aten.scaled_dot_product_attention``.
         """
-        if self.policy.attention == "math":
-            for n in gm.graph.nodes:
-                if n.target is _SDPA:
-                    raise pass_error(PASS, n, "policy attention is 'math' but the node still runs the fused SDPA")
+        for n in gm.graph.nodes:
+            if _marked(n):
+                raise pass_error(PASS, n, "marked impl='math' but still runs the fused SDPA")

@@ -43,8 +43,8 @@ _RETRY_HISTORY = "retry_history"
 
 
 def policy_fingerprint(lowered: torch.fx.GraphModule) -> str:
-    """SHA-256 (16 hex) of the effective per-node dtypes (storage, compute, saved) of an assigned (or
-    lowered) graph.
+    """SHA-256 (16 hex) of the effective per-node dtypes (storage, compute, saved) and kernel
+    implementation (``impl``: explicit attention) of an assigned (or lowered) graph.
 
     Two policies with the same fingerprint run the same computation, whatever parameters
     produced them; the study measures it once.
@@ -53,7 +53,7 @@ def policy_fingerprint(lowered: torch.fx.GraphModule) -> str:
     for n in lowered.graph.nodes:
         meta = n.meta.get("autoprec", {})
         if meta.get("dtype") is not None:  # compute and saved only where set: old fingerprints stay valid
-            extra = "".join(f"|{k}={meta[k]}" for k in ("compute", "saved") if meta.get(k) is not None)
+            extra = "".join(f"|{k}={meta[k]}" for k in ("compute", "saved", "impl") if meta.get(k) is not None)
             h.update(f"{meta.get('key', n.name)}={meta['dtype']}{extra};".encode())
     return h.hexdigest()[:16]
 
