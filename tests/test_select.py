@@ -57,3 +57,26 @@ def test_training_key_ignores_measurements_and_provenance():
     q = p.with_measured({"tokens_per_s": 1.0}).with_provenance(model="m.py")
     assert p.training_key() == q.training_key()
     assert p.training_key() != Policy.default("fp16").training_key()
+
+
+def test_candidates_always_include_twin_also_and_fp32_once():
+    """The twin, the ``also`` policies (the twin with math attention, whose gain eager screening
+    cannot see) and all-fp32 are compiled finalists whatever the trials, each once."""
+    import dataclasses
+
+    import optuna
+
+    from autoprec.search import attrs
+
+    twin = Policy.autocast("bf16")
+    math = dataclasses.replace(twin, attention="math")
+    sel = Selector(_TrajHarness(), DriftBudget.fixed(1.0), False, torch.bfloat16, None, 0, Clock(), True,
+                   twin=twin, also=[(math, "autocast twin, math attention")])
+    trial = optuna.trial.create_trial(values=[100.0, 1e-3, 1.0], user_attrs={attrs.POLICY: math.to_dict()},
+                                      distributions={}, params={})
+    for feasible, expect in (([], ["autocast twin", "autocast twin, math attention"]),
+                             ([trial], ["trial -1 (eager 100 tok/s)", "autocast twin"])):  # the trial is the math twin
+        labels = [label for _p, label in sel._candidates(feasible, 2)]
+        assert labels == [*expect, "fp32 + torch.compile"]
+        keys = [p.training_key() for p, _l in sel._candidates(feasible, 2)]
+        assert len(keys) == len(set(keys)) and Policy.fp32().training_key() in keys

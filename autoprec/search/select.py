@@ -63,6 +63,10 @@ class Selector:
         quiet: No log lines.
         twin: The autocast twin (``Policy.autocast`` at the search's fastest low kernel), always a
             compiled finalist; None when no low kernel is searched.
+        also: More always-compiled finalists, ``(policy, label)``: variants of the twin whose gain
+            only compiling shows, so eager screening cannot rank them (the twin with math
+            attention: slower than the fused kernel eagerly, faster compiled where low-precision
+            GEMMs are; ``benchmarks/results/attention_math_2026-12-01``).
         progress: Show a bar over the finalists (and the head-to-head) and one over each memory
             fit (:func:`autoprec.search.phases.phase_bar`).
 
@@ -73,10 +77,11 @@ class Selector:
     """
 
     def __init__(self, harness, budget, compile, ac_dtype, slow, traj_steps, clock, quiet, twin=None,
-                 progress=False) -> None:
+                 progress=False, also=()) -> None:
         self.h, self.budget, self.compile, self.ac_dtype = harness, budget, compile, ac_dtype
         self.slow, self.traj_steps, self.clock, self.quiet = slow, traj_steps, clock, quiet
         self.twin: Policy | None = twin
+        self.also: list[tuple[Policy, str]] = list(also)
         self.progress = progress
         self._fit_bar: PhaseBar | None = None  # the memory fit's bar while it runs: each compile is a try
         self.timings: dict[str, Timing] = {}
@@ -272,16 +277,18 @@ class Selector:
 
     def _candidates(self, feasible: list[optuna.trial.FrozenTrial], k: int) -> list[tuple[Policy, str]]:
         """The k fastest feasible trials, plus the autocast twin (the fallback when nothing beats
-        torch.autocast + torch.compile) and all-fp32 (fp32 + torch.compile, a baseline), each
-        once: a lowered policy must beat both measured the same way to be chosen."""
+        torch.autocast + torch.compile), the ``also`` policies and all-fp32 (fp32 + torch.compile,
+        a baseline), each once: a lowered policy must beat both measured the same way to be chosen."""
         out = []
         for t in feasible[:k]:
             pol = Policy.from_dict(t.user_attrs[attrs.POLICY])
             self.eager_tokens_per_s[pol.training_key()] = t.values[0]
             out.append((pol, f"trial {t.number} (eager {t.values[0]:.0f} tok/s)"))
         keys = {p.training_key() for p, _ in out}
-        if self.twin is not None and self.twin.training_key() not in keys:
-            out.append((self.twin, "autocast twin"))
+        for pol, label in ([(self.twin, "autocast twin")] if self.twin is not None else []) + self.also:
+            if pol.training_key() not in keys:
+                out.append((pol, label))
+                keys.add(pol.training_key())
         if not any(_all_fp32(p) for p, _ in out):
             out.append((Policy.fp32(), FP32_COMPILED))
         return out

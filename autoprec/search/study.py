@@ -53,7 +53,14 @@ from autoprec.search.probe import kernel_fields, matmul_shape_counts, matmul_sha
 from autoprec.search.progress import Clock, log
 from autoprec.search.results import measured_block, note_if_eager_was_faster, pooled, side_by_side
 from autoprec.search.select import FP32_EAGER, Selector
-from autoprec.search.space import SAVED_LEVERS, SearchSpace, find_blocks, has_attention, outside_matmuls
+from autoprec.search.space import (
+    ATTENTION_BASELINE,
+    SAVED_LEVERS,
+    SearchSpace,
+    find_blocks,
+    has_attention,
+    outside_matmuls,
+)
 from autoprec.search.storage import (
     check_study,
     default_storage,
@@ -195,8 +202,9 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
     _baselines(run, drift_arg, memory_arg)
     study = _search(run, storage, study_name, seed, trials, timeout, run.progress)
     twin = run.space.twin()
+    also = [(run.space.to_policy(p), name) for name, p in run.space.baselines() if name == ATTENTION_BASELINE[0]]
     sel = Selector(run.harness, run.budget, compile, run.ac_dtype, run.slow, traj_steps, run.clock, quiet,
-                   twin=run.space.to_policy(twin) if twin is not None else None, progress=run.progress)
+                   twin=run.space.to_policy(twin) if twin is not None else None, progress=run.progress, also=also)
     chosen, chosen_m = _finalists(run, sel, study, finalists, memory_arg)
     return _write(run, study, sel, chosen, chosen_m, compile, out, report)
 
