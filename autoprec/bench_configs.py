@@ -45,11 +45,15 @@ class BenchConfig:
 
 def pure_low(h: Harness, dtype: torch.dtype) -> Harness:
     """A shallow copy of ``h`` whose model, parameters and initial weights are ``dtype`` copies
-    (same values rounded; no fp32 master weights); batches and FP32 reference are shared."""
+    (same values rounded; no fp32 master weights); batches and FP32 references (eager and
+    compiled: ``h._reference``) are ``h``'s."""
     low = copy.copy(h)
     low.model = copy.deepcopy(h.model).to(dtype)
     low.params = [p for p in low.model.parameters() if p.requires_grad]
     low.initial = [p.detach().clone() for p in low.params]
+    # FP32 references from h itself, on h's fp32 weights: with random ops a compiled candidate's is the
+    # compiled FP32 graph (Harness.reference_fn), whose gradients land on h's parameters, not the copy's
+    low._reference = h._reference
     return low
 
 
