@@ -242,3 +242,21 @@ def test_python_api_compiled_loop_over_batches_of_other_shapes(spec):
         opt.zero_grad()
         assert math.isfinite(loss.item())
     assert mp.shape_stats["recaptures"] == 1
+
+
+def test_shape_below_a_range_gets_its_own_graph(caplog):
+    """A size under a range's lower bound (torch.export narrowed seq to 3..: logits[:, :-1]) cannot
+    be served by a wider capture: that shape gets a graph of its own, logged; in-range batches keep
+    the dynamic graph."""
+    from tests.test_dynamic_shapes import CausalLM, lm_batch
+
+    torch.manual_seed(0)
+    model = CausalLM()
+    mp = autoprec.apply(model, autoprec.Policy.fp32(), lm_batch(4, 32, 0), compile=False)
+    with caplog.at_level(logging.INFO, logger="autoprec"):
+        for b, t in [(2, 2), (2, 20), (6, 40), (2, 2)]:
+            batch = lm_batch(b, t, 1)
+            torch.testing.assert_close(mp(**batch), model(**batch))
+    assert "a wider dynamic capture cannot serve them" in caplog.text
+    stats = mp.shape_stats
+    assert stats["mode"] == "dynamic+per_shape" and stats["captures"] == 3  # (2, 2) and (6, 40) each
