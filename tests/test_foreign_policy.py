@@ -50,14 +50,14 @@ def test_cli_train_exits_2_unless_force(tmp_path, capsys):
     p = _policy_file(tmp_path)
     assert main(["train", MICRO, "--policy", str(p), "--steps", "1", "--no-compile"]) == 2
     err = capsys.readouterr().err
-    assert "none of its 2 rules matches a node" in err and "--force" in err, err
+    assert "none of its 2 module/node rules matches a node" in err and "--force" in err, err
     assert main(["train", MICRO, "--policy", str(p), "--steps", "1", "--no-compile", "--force"]) == 0
 
 
 def test_apply_refuses_unless_force_and_a_matching_rule_passes():
     torch.manual_seed(0)
     model, batch = Block(), (torch.randint(0, 100, (2, 8)),)
-    with pytest.raises(PolicyError, match="none of its 2 rules matches a node"):
+    with pytest.raises(PolicyError, match="none of its 2 module/node rules matches a node"):
         apply(model, Policy.from_dict(_OTHER), batch, compile=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -66,3 +66,10 @@ def test_apply_refuses_unless_force_and_a_matching_rule_passes():
         partly = {**_OTHER, "rules": [*_OTHER["rules"], {"module": "fc1", "dtype": "bf16"}]}
         apply(model, Policy.from_dict(partly), batch, compile=False)
     apply(model, Policy.fp32(), batch, compile=False)  # no rules: nothing to match
+
+
+def test_op_class_rules_alone_never_make_a_policy_foreign():
+    """``Policy.default("fp16")`` (``sensitive->fp32``) on a model with no sensitive node is a generic
+    policy, not another model's (tests/cases C06 apply it to a bare Linear)."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    apply(model, Policy.default("bf16"), torch.randn(2, 8), compile=False)

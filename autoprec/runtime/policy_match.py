@@ -2,9 +2,10 @@
 another model").
 
 A tuned policy names the modules and nodes of the graph it was tuned on. Applied to another
-model, none of its rules may select a node: it would then train as all-``default_dtype`` while its
-file (and its ``measured`` block) say otherwise. :func:`check_policy_matches` refuses that case
-unless forced; a policy of which some rules match trains, with one warning per rule that matches
+model, none of its module or node rules may select a node: it would then train as its op-class
+rules alone while its file (and its ``measured`` block) say otherwise. :func:`check_policy_matches`
+refuses that case unless forced; op-class rules (``sensitive->fp32``) are model-independent and
+never make a policy "of another model", even on a model with no node of that class; a policy of which some rules match trains, with one warning per rule that matches
 nothing (``autoprec.passes.assign``).
 """
 
@@ -36,10 +37,11 @@ def unmatched_rules(policy: Policy, gm: fx.GraphModule) -> list[int]:
 
 def check_policy_matches(policy: Policy, gm: fx.GraphModule, source: str | os.PathLike | None = None,
                          force: bool = False) -> None:
-    """Refuse a policy none of whose rules selects a node of ``gm`` (a policy of another model).
+    """Refuse a policy none of whose module or node rules selects a node of ``gm`` (a policy of
+    another model).
 
-    A policy without rules (everything ``default_dtype``) and a policy with at least one matching
-    rule pass; so does anything with ``force``.
+    A policy without module or node rules (everything by ``default_dtype`` and op class) and a
+    policy with at least one matching module or node rule pass; so does anything with ``force``.
 
     Args:
         policy: The policy about to be applied.
@@ -48,14 +50,15 @@ def check_policy_matches(policy: Policy, gm: fx.GraphModule, source: str | os.Pa
         force: Do not check (``autoprec train --force``, ``apply(..., force=True)``).
 
     Raises:
-        PolicyError: every rule matches no node; the message names the policy file, each rule
+        PolicyError: every module or node rule matches no node; the message names the policy file, each rule
             that matched nothing, the graph the policy was tuned on against this graph's
             fingerprint (:func:`autoprec.nodekeys.graph_fingerprint`), and ``--force``.
     """
-    if force or not policy.rules:
+    specific = [i for i, r in enumerate(policy.rules) if r.module is not None or r.node is not None]
+    if force or not specific:
         return
-    unmatched = unmatched_rules(policy, gm)
-    if len(unmatched) < len(policy.rules):
+    unmatched = [i for i in unmatched_rules(policy, gm) if i in specific]
+    if len(unmatched) < len(specific):
         return
     name = os.fspath(source) if source is not None else "the policy"
     shown = "; ".join(f"rules[{i}] {policy.rules[i].describe()}" for i in unmatched[:_SHOWN])
@@ -71,7 +74,8 @@ def check_policy_matches(policy: Policy, gm: fx.GraphModule, source: str | os.Pa
     else:
         where = f"it records no graph fingerprint (this model's graph is {here})"
     raise PolicyError(
-        f"{name}: none of its {len(policy.rules)} rule{'s' if len(policy.rules) > 1 else ''} matches a node of "
-        f"this model's graph ({shown}{more}); {where}. It would train as all-{policy.default_dtype}, not as its "
+        f"{name}: none of its {len(specific)} module/node rule{'s' if len(specific) > 1 else ''} matches a node of "
+        f"this model's graph ({shown}{more}); {where}. It would train by default_dtype {policy.default_dtype} and "
+        "op-class rules alone, not as its "
         "file says: it looks like the policy of another model. Tune this model (autoprec tune), or pass "
         "--force (train) / force=True (apply) to train with it anyway")
