@@ -108,8 +108,15 @@ class Harness:
     (``torch._inductor.config.fallback_random`` is False, as in training), so with a random op in
     the graph (:func:`draws_random`) a compiled ``fn`` is compared against the FP32 graph compiled
     the same way (:meth:`reference_fn`; one extra compile, cached) instead of the eager FP32
-    reference: same seed, same Inductor random stream, same masks. Without random ops every ``fn``
-    is compared against the eager reference, as before.
+    reference. Its drift passes and trajectory steps also run under ``fallback_random=True`` (issue
+    19.2, :meth:`_eager_random`): Inductor's own dropout rounds ``rand_like(x)`` to x's dtype
+    before comparing it with p, so a bf16 graph drew other masks than the FP32 one (GPT-2, dropout
+    0.1: compiled torch.autocast 1.09e-2 against eager's 5.41e-3); with eager's random ops every
+    dtype, compiled or not, draws eager's masks. A compiled ``fn`` compiles on its first call, its
+    first drift pass wherever a measurement starts with drift (``measure``, bench, the selector),
+    and Dynamo does not recompile for a changed Inductor config: its later timed steps run the same
+    eager random ops. Without random ops every ``fn`` is compared against the eager reference, as
+    before.
 
     Args:
         spec: Loaded model file.
@@ -192,6 +199,16 @@ class Harness:
                 p.copy_(p0)
                 p.grad = None
 
+    def _eager_random(self, fn: Callable[..., Any]) -> contextlib.AbstractContextManager[Any]:
+        """``torch._inductor.config.patch(fallback_random=True)`` for a compiled ``fn`` on a graph with
+        random ops, else a no-op: drift passes and trajectory steps run under it, so a compiled graph
+        compiled there draws eager's masks whatever its dtypes (class docstring)."""
+        if not (self.random and is_compiled(fn)):
+            return contextlib.nullcontext()
+        import torch._inductor.config as inductor_config  # loaded lazily, by a compiled fn's first call
+
+        return inductor_config.patch(fallback_random=True)
+
     def _grads(self, fn: Callable[..., Any], scaler: DynamicLossScaler | None,
                autocast_dtype: torch.dtype | None, counter: SavedBytes | None = None,
                batch: int = 0) -> Grads:
@@ -202,7 +219,7 @@ class Harness:
                          autocast_dtype=autocast_dtype, device_type=self.device.type)
         hooks = (torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t) if counter is not None
                  else contextlib.nullcontext())
-        with same_rng(self.device), hooks:
+        with same_rng(self.device), hooks, self._eager_random(fn):
             loss = step.forward_backward(self.batches[batch])
         inv = 1.0 / scaler.get_scale() if scaler is not None else 1.0
         grads = [(p.grad.float() * inv) if p.grad is not None else torch.zeros_like(p) for p in self.params]
@@ -333,8 +350,9 @@ class Harness:
             self.batches.append(self.spec.get_batch(len(self.batches), self.device))
         try:
             step = self._step(fn, scaler_factory(), autocast_dtype)
-            done = run_steps(step, self.batches.__getitem__, 0, steps, rng=StepRng(MEASURE_SEED, per_step=True),
-                             device=self.device)
+            with self._eager_random(fn):  # a first call compiles here too: eager's masks, as drift's
+                done = run_steps(step, self.batches.__getitem__, 0, steps, rng=StepRng(MEASURE_SEED, per_step=True),
+                                 device=self.device)
             return [stats.loss for stats, _seconds in done]
         finally:
             self.restore()
