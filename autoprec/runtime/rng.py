@@ -53,7 +53,9 @@ def same_rng(device: torch.device, seed: int = MEASURE_SEED) -> Iterator[None]:
     they take from the same generators (``inductor_prims.seeds`` -> ``torch.randint``), so they
     are reproducible run to run but use Inductor's Philox stream, not eager's
     (``torch._inductor.config.fallback_random`` is False): a compiled graph's dropout masks
-    differ from an eager graph's even from the same seed.
+    differ from an eager graph's even from the same seed. Measurements therefore run compiled
+    graphs with random ops under ``fallback_random=True``
+    (:meth:`autoprec.search.measure.Harness._eager_random`).
 
     Args:
         device: The device the body runs on (its CUDA generator is forked and seeded too).
