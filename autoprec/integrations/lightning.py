@@ -31,10 +31,11 @@ imports Lightning.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -132,13 +133,9 @@ class AutoprecPrecision(Precision):
         if self.mp is None:
             example = self.example_batch if self.example_batch is not None else batch
             device = next((p.device for p in inner.parameters()), torch.device("cpu"))
-            ours = inner.__dict__["forward"]
-            inner.forward = orig
-            try:
+            with _own_forward(inner, orig):
                 self.mp = apply(inner, self.policy, move_data_to_device(example, device), compile=self.compile,
                                 placement=self.placement, dynamic=self.dynamic)
-            finally:
-                inner.forward = ours
         return self.mp
 
     def _diagnose(self) -> str | None:
@@ -246,7 +243,21 @@ class _PolicyForward:
         batch = dict(kwargs) if kwargs else tuple(args)
         mp = self.plugin._module_for(inner, self.orig, batch)
         self.plugin._last_batch = batch
-        return mp(*args, **kwargs)
+        with _own_forward(inner, self.orig):  # a batch outside the ranges captures the model again
+            return mp(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _own_forward(inner: nn.Module, orig: Callable[..., Any]) -> Iterator[None]:
+    """The model's own ``forward`` in place of the plugin's while autoprec captures it (the first
+    capture, and a re-capture for a batch outside the captured ranges, ``autoprec.runtime.widen``):
+    torch.export must trace the model, not the policy's graph that the plugin's forward calls."""
+    ours = inner.__dict__["forward"]
+    inner.forward = orig
+    try:
+        yield
+    finally:
+        inner.forward = ours
 
 
 def _inner(module: nn.Module, path: str) -> nn.Module:

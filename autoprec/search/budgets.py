@@ -109,9 +109,10 @@ def check_memory_floor(arg: tuple[str, float] | None, model: Any, make_optimizer
     floor = training_state_bytes(params, optimizer)
     if arg[1] <= floor:
         count = sum(p.numel() for p in params)
+        exact = "" if format_bytes(floor) == f"{floor} bytes" else f" ({floor:,} bytes)"
         raise SearchError(f"{option}: the budget ({format_bytes(arg[1])}) is not above the fp32 parameters, "
                           f"gradients and {type(optimizer).__name__} state of this model alone: {count:,} "
-                          f"parameters need at least {format_bytes(floor)} ({floor:,} bytes) whatever the "
+                          f"parameters need at least {format_bytes(floor)}{exact} whatever the "
                           "policy (master weights, docs/architecture.md#runtime); raise the budget")
 
 
