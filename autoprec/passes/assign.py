@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import operator
 import warnings
+from collections.abc import Iterable
 
 import torch
 from torch import fx
@@ -40,6 +41,7 @@ from autoprec.ops import (
     reason,
     rmsnorm_regions,
 )
+from autoprec.passes.attention import SDPA
 from autoprec.passes.base import PassBase, PassResult, clone_graph_module, pass_error
 from autoprec.passes.constants import (
     check_constants_mode,
@@ -53,17 +55,28 @@ from autoprec.policy import Policy, Rule
 PASS = "assign_dtypes"
 
 
+def unmatched_rules(policy: Policy, nodes: Iterable[fx.Node]) -> list[int]:
+    """Indices of ``policy.rules`` that select no keyed ``call_function`` node of ``nodes`` (a node
+    rule: its key is not a node's; any other rule: :meth:`Rule.matches` is False for every node,
+    op classes from :func:`autoprec.ops.classify`). The one rule for "matches nothing": the
+    warnings here and the refusal of another model's policy (``runtime/policy_match.py``) use it."""
+    keyed = [(n.meta["autoprec"]["key"], classify(n), n.meta["autoprec"].get("module", ""))
+             for n in nodes if n.op == "call_function" and "key" in n.meta.get("autoprec", {})]
+    keys = {k for k, _c, _m in keyed}
+    return [i for i, rule in enumerate(policy.rules)
+            if (rule.node not in keys if rule.node is not None else not any(rule.matches(*n) for n in keyed))]
+
+
 def _check_node_rules(policy: Policy, nodes: list[fx.Node]) -> None:
     by_key = {n.meta["autoprec"]["key"]: n for n in nodes if "key" in n.meta.get("autoprec", {})}
     inputs = {str(name) for n in nodes if n.op == "placeholder" for name in (n.name, n.target)}
+    unmatched = set(unmatched_rules(policy, nodes))
     for i, rule in enumerate(policy.rules):
         if rule.node is None:
             # docs/architecture.md#policy-file: a rule that matches no node is reported. A rule by op class alone may
             # fairly match nothing (a model without norms); one naming modules is a typo or a
             # policy for another model.
-            if rule.module is not None and not any(
-                    rule.matches(n.meta["autoprec"]["key"], classify(n), n.meta["autoprec"]["module"])
-                    for n in nodes if n.op == "call_function" and "key" in n.meta.get("autoprec", {})):
+            if rule.module is not None and i in unmatched:
                 warnings.warn(f"autoprec: policy rules[{i}] {rule.describe()} matches no node of this graph "
                               "(the rule has no effect)", stacklevel=3)
             continue
@@ -136,7 +149,7 @@ def assign_dtypes(
     n_saved = _assign_saved(nodes, policy)
     if policy.attention != "fused":  # run by the math_attention pass; part of the search's fingerprint
         for n in nodes:
-            if n.target is torch.ops.aten.scaled_dot_product_attention.default:
+            if n.target is SDPA:
                 n.meta["autoprec"]["impl"] = policy.attention
     stats = {"placed": len(placed), "constants_fp32": n_fp32, "constants_clamped": n_clamped, "saved_low": n_saved}
     return PassResult(gm, True, stats)

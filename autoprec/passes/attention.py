@@ -15,12 +15,17 @@ import torch
 from torch import fx
 
 from autoprec.passes.base import PassBase, PassResult, clone_graph_module, pass_error
-from autoprec.policy import Policy
 
-__all__ = ["MathAttention", "math_attention"]
+__all__ = ["SDPA", "MathAttention", "has_sdpa", "math_attention"]
 
 PASS = "math_attention"
-_SDPA = torch.ops.aten.scaled_dot_product_attention.default
+#: PyTorch's fused attention op, as torch.export captures it.
+SDPA = torch.ops.aten.scaled_dot_product_attention.default
+
+
+def has_sdpa(gm: fx.GraphModule) -> bool:
+    """Whether ``gm`` runs ``aten.scaled_dot_product_attention`` (then ``Policy.attention`` applies)."""
+    return any(n.target is SDPA for n in gm.graph.nodes)
 
 
 def _math_op() -> object:
@@ -30,16 +35,15 @@ def _math_op() -> object:
 
 
 def _marked(n: fx.Node) -> bool:
-    return n.target is _SDPA and n.meta.get("autoprec", {}).get("impl") == "math"
+    return n.target is SDPA and n.meta.get("autoprec", {}).get("impl") == "math"
 
 
-def math_attention(gm: fx.GraphModule, policy: Policy) -> PassResult:
+def math_attention(gm: fx.GraphModule) -> PassResult:
     """Retarget the SDPA nodes of a copy of ``gm`` that ``assign_dtypes`` marked
     ``impl="math"`` (all of them under ``policy.attention == "math"``) to ``autoprec::sdpa_math``.
 
     Args:
         gm: Output of ``insert_casts`` (or later); not modified.
-        policy: The policy (its ``attention`` field decided the marks; unused here).
 
     Returns:
         ``PassResult`` with stats ``math_attention`` (nodes retargeted).
@@ -59,20 +63,14 @@ def math_attention(gm: fx.GraphModule, policy: Policy) -> PassResult:
 
 
 class MathAttention(PassBase):
-    """:func:`math_attention` as a :class:`~autoprec.passes.base.PassBase`.
-
-    Args:
-        policy: The policy (its ``attention`` field).
-    """
+    """:func:`math_attention` as a :class:`~autoprec.passes.base.PassBase` (no options: the policy's
+    ``attention`` field is read once, by ``assign_dtypes``, which marks the nodes)."""
 
     name = PASS
 
-    def __init__(self, policy: Policy) -> None:
-        self.policy = policy
-
     def call(self, gm: fx.GraphModule) -> PassResult:
-        """``math_attention(gm, policy)``; ``gm`` is not modified."""
-        return math_attention(gm, self.policy)
+        """``math_attention(gm)``; ``gm`` is not modified."""
+        return math_attention(gm)
 
     def ensures(self, gm: fx.GraphModule) -> None:
         """No node marked ``impl="math"`` still runs the fused SDPA.

@@ -48,7 +48,7 @@ def lowering_passes(
         InsertCasts(),
         AccumulateFp32(policy),
         LowerFp8(policy),
-        MathAttention(policy),
+        MathAttention(),
         Verify(output_dtypes(gm)),
     ])
 

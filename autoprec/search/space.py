@@ -17,6 +17,7 @@ import torch
 
 from autoprec.dtypes import FP8_COMPUTE
 from autoprec.ops import classify
+from autoprec.passes.attention import has_sdpa
 from autoprec.policy import RULE_OP_CLASSES, Policy, Rule
 from autoprec.search.probe import KERNELS, kernel_fields
 
@@ -51,7 +52,6 @@ FP32_COMPUTE_BASELINE: tuple[str, Mapping[str, str]] = (
 #: than the fused kernel (measured, per device, like every other choice).
 ATTENTION_BASELINE: tuple[str, Mapping[str, str]] = ("autocast-twin, math attention", {"attention": "math"})
 
-_SDPA = torch.ops.aten.scaled_dot_product_attention.default
 _BLOCK = re.compile(r"^(.*?\.\d+)(?:\.|$)")
 
 
@@ -69,8 +69,8 @@ def find_blocks(gm: torch.fx.GraphModule) -> list[str]:
 
 def has_attention(gm: torch.fx.GraphModule) -> bool:
     """Whether the captured graph runs ``aten.scaled_dot_product_attention`` (then the search
-    offers ``attention`` in ``fused`` / ``math``)."""
-    return any(n.target is _SDPA for n in gm.graph.nodes)
+    offers ``attention`` in ``fused`` / ``math``; :func:`autoprec.passes.attention.has_sdpa`)."""
+    return has_sdpa(gm)
 
 
 def outside_matmuls(gm: torch.fx.GraphModule, blocks: list[str]) -> list[str]:
@@ -194,7 +194,15 @@ class SearchSpace:
     def twin(self) -> dict[str, str] | None:
         """The autocast twin's parameter set (``Policy.autocast`` at the fastest kept kernel), or
         None when no low kernel is kept."""
-        return next((p for name, p in self.baselines() if name == "autocast-twin"), None)
+        return self._baseline("autocast-twin")
+
+    def attention_twin(self) -> dict[str, str] | None:
+        """The twin with math attention (:data:`ATTENTION_BASELINE`), or None when attention is
+        not searched (no SDPA in the graph, or no low kernel kept)."""
+        return self._baseline(ATTENTION_BASELINE[0])
+
+    def _baseline(self, name: str) -> dict[str, str] | None:
+        return next((p for n, p in self.baselines() if n == name), None)
 
     @staticmethod
     def to_policy(params: Mapping[str, str]) -> Policy:

@@ -202,7 +202,8 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
     _baselines(run, drift_arg, memory_arg)
     study = _search(run, storage, study_name, seed, trials, timeout, run.progress)
     twin = run.space.twin()
-    also = [(run.space.to_policy(p), name) for name, p in run.space.baselines() if name == ATTENTION_BASELINE[0]]
+    math_twin = run.space.attention_twin()
+    also = [(run.space.to_policy(math_twin), ATTENTION_BASELINE[0])] if math_twin is not None else []
     sel = Selector(run.harness, run.budget, compile, run.ac_dtype, run.slow, traj_steps, run.clock, quiet,
                    twin=run.space.to_policy(twin) if twin is not None else None, progress=run.progress, also=also)
     chosen, chosen_m = _finalists(run, sel, study, finalists, memory_arg)
