@@ -17,22 +17,13 @@ from torch import fx
 
 from autoprec.errors import PolicyError
 from autoprec.nodekeys import graph_fingerprint
-from autoprec.ops import classify
+from autoprec.passes.assign import unmatched_rules
 from autoprec.policy import Policy
 
-__all__ = ["check_policy_matches", "unmatched_rules"]
+__all__ = ["check_policy_matches"]
 
 #: Rules listed by name in the refusal message (the rest are counted).
 _SHOWN = 6
-
-
-def unmatched_rules(policy: Policy, gm: fx.GraphModule) -> list[int]:
-    """Indices of ``policy.rules`` that select no ``call_function`` node of ``gm`` (a node rule:
-    its key is not a node of the graph; any other rule: :meth:`Rule.matches` is False for every
-    node). Op classes come from :func:`autoprec.ops.classify`."""
-    nodes = [(n.meta["autoprec"]["key"], classify(n), n.meta["autoprec"].get("module", ""))
-             for n in gm.graph.nodes if n.op == "call_function" and "key" in n.meta.get("autoprec", {})]
-    return [i for i, rule in enumerate(policy.rules) if not any(rule.matches(*node) for node in nodes)]
 
 
 def check_policy_matches(policy: Policy, gm: fx.GraphModule, source: str | os.PathLike | None = None,
@@ -57,7 +48,7 @@ def check_policy_matches(policy: Policy, gm: fx.GraphModule, source: str | os.Pa
     specific = [i for i, r in enumerate(policy.rules) if r.module is not None or r.node is not None]
     if force or not specific:
         return
-    unmatched = [i for i in unmatched_rules(policy, gm) if i in specific]
+    unmatched = [i for i in unmatched_rules(policy, gm.graph.nodes) if i in specific]
     if len(unmatched) < len(specific):
         return
     name = os.fspath(source) if source is not None else "the policy"
