@@ -79,7 +79,9 @@ def _load_corpus() -> torch.Tensor:
     return _corpus
 
 
-def _split(heldout: bool) -> torch.Tensor:
+def corpus_split(heldout: bool) -> torch.Tensor:
+    """The training split (first 90%) or the held-out split (last 10%) of the corpus, uint8 bytes;
+    ``qwen2_deep.py`` and ``t5_seq2seq.py`` read the same corpus through it."""
     corpus = _load_corpus()
     n_train = int(len(corpus) * (1.0 - HELDOUT_FRACTION))
     return corpus[n_train:] if heldout else corpus[:n_train]
@@ -89,7 +91,7 @@ def make_batch(step: int, device: torch.device | str, batch_size: int = BATCH_SI
                heldout: bool = False) -> dict[str, torch.Tensor]:
     """``batch_size`` windows of ``seq_len`` bytes from the training (or held-out) split, chosen
     by a generator seeded with ``step``: ``{"input_ids", "labels"}``, LongTensor[batch, seq]."""
-    data = _split(heldout)
+    data = corpus_split(heldout)
     gen = torch.Generator().manual_seed(step)
     starts = torch.randint(0, len(data) - seq_len + 1, (batch_size,), generator=gen)
     input_ids = torch.stack([data[s : s + seq_len] for s in starts.tolist()]).long().to(device)

@@ -3,7 +3,7 @@
 A 2+2-layer, d_model-64 ``transformers.T5ForConditionalGeneration`` (relative position bias,
 RMSNorm, ReLU MLP, tied embeddings: T5's defaults) built from a ``T5Config`` with random fp32
 weights (seed 0, nothing downloaded). The task is continuation on real text, the CPython standard
-library's top-level ``.py`` sources read as bytes: the encoder reads a span of 8-32 bytes, the
+library's top-level ``.py`` sources read as bytes (``qwen2_tiny.py``'s corpus): the encoder reads a span of 8-32 bytes, the
 decoder predicts the 4-16 bytes that follow it, then end-of-sequence. The last 10% of the corpus is
 held out.
 
@@ -24,27 +24,25 @@ Run::
 
 Entry points (docs/architecture.md#modelpy-contract): ``build_model``, ``get_batch``,
 ``get_heldout_batch``, ``tokens_per_batch``; the loss is the model's own ``output.loss`` and the
-optimizer the default AdamW. Needs only torch and transformers.
+optimizer the default AdamW. Needs only torch and transformers (and ``qwen2_tiny.py`` beside it).
 """
 
 from __future__ import annotations
 
-import glob
 import os
-import sysconfig
+import sys
 
 import torch
 from transformers import T5Config, T5ForConditionalGeneration
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from qwen2_tiny import corpus_split  # noqa: E402  the same corpus and held-out split
 
 BATCH_SIZE = 4
 SRC_LEN = (8, 32)  # inclusive range of source lengths, bytes
 TGT_LEN = (4, 16)  # inclusive range of target lengths, bytes (end-of-sequence token added)
 PAD, EOS, OFFSET = 0, 1, 3  # token ids: pad, end of sequence; byte b is token b + OFFSET
 VOCAB_SIZE = 256 + OFFSET
-CORPUS_MAX_BYTES = 1_000_000
-HELDOUT_FRACTION = 0.1
-
-_corpus: torch.Tensor | None = None  # uint8 [n_bytes], loaded once per process
 
 
 def build_model() -> torch.nn.Module:
@@ -66,32 +64,6 @@ def build_model() -> torch.nn.Module:
     return model.float().train()
 
 
-def _load_corpus() -> torch.Tensor:
-    """The corpus as uint8 bytes: sorted top-level stdlib ``*.py`` files, capped at 1 MB."""
-    global _corpus
-    if _corpus is None:
-        stdlib = sysconfig.get_paths()["stdlib"]
-        chunks: list[bytes] = []
-        total = 0
-        for name in sorted(glob.glob(os.path.join(stdlib, "*.py"))):
-            with open(name, "rb") as f:
-                data = f.read(CORPUS_MAX_BYTES - total)
-            chunks.append(data)
-            total += len(data)
-            if total >= CORPUS_MAX_BYTES:
-                break
-        if total < 100 * BATCH_SIZE * (SRC_LEN[1] + TGT_LEN[1]):
-            raise RuntimeError(f"stdlib sources under {stdlib} too small for a corpus ({total} bytes)")
-        _corpus = torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8)
-    return _corpus
-
-
-def _split(heldout: bool) -> torch.Tensor:
-    corpus = _load_corpus()
-    n_train = int(len(corpus) * (1.0 - HELDOUT_FRACTION))
-    return corpus[n_train:] if heldout else corpus[:n_train]
-
-
 def make_batch(step: int, device: torch.device | str, batch_size: int = BATCH_SIZE,
                heldout: bool = False) -> dict[str, torch.Tensor]:
     """``batch_size`` (source, continuation) pairs, each of its own length, padded to the longest.
@@ -107,7 +79,7 @@ def make_batch(step: int, device: torch.device | str, batch_size: int = BATCH_SI
         LongTensor[B, T]}``: S the longest source, T the longest target plus one (eos); source
         padding is ``PAD`` with mask 0, label padding -100.
     """
-    data = _split(heldout)
+    data = corpus_split(heldout)
     gen = torch.Generator().manual_seed(step)
     src_lens = torch.randint(SRC_LEN[0], SRC_LEN[1] + 1, (batch_size,), generator=gen).tolist()
     tgt_lens = torch.randint(TGT_LEN[0], TGT_LEN[1] + 1, (batch_size,), generator=gen).tolist()
