@@ -64,7 +64,7 @@ def main() -> None:
         for _ in range(3):
             out = fn(*inputs[dt])
             out.backward(grad.to(out.dtype))
-        err[name] = float((out.double() - ref).norm() / ref.norm())
+        err[name] = float((out.detach().double() - ref).norm() / ref.norm())
     for _ in range(args.rounds):
         for name, (fn, dt) in configs.items():
             t0 = time.perf_counter()
