@@ -50,7 +50,7 @@ from autoprec.runtime.train import TrainStep  # noqa: E402
 
 def windows(step: int, lengths: tuple[int, int]) -> list[torch.Tensor]:
     """``BATCH_SIZE`` windows of the training split, of lengths drawn in ``lengths`` (seed ``step``)."""
-    data = qwen2_tiny._split(heldout=False)
+    data = qwen2_tiny.corpus_split(heldout=False)
     gen = torch.Generator().manual_seed(10_000 + step)
     lens = torch.randint(lengths[0], lengths[1] + 1, (qwen2_tiny.BATCH_SIZE,), generator=gen).tolist()
     starts = torch.randint(0, len(data) - lengths[1], (len(lens),), generator=gen).tolist()

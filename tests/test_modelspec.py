@@ -78,7 +78,7 @@ def test_qwen_corpus_is_text_and_split(qwen: ModelSpec) -> None:
     corpus = ns["_load_corpus"]()
     assert corpus is ns["_load_corpus"]()  # cached
     assert corpus.dtype == torch.uint8 and 1_000_000 < len(corpus) <= 4_000_000
-    train, held = ns["_split"](heldout=False), ns["_split"](heldout=True)
+    train, held = ns["corpus_split"](heldout=False), ns["corpus_split"](heldout=True)
     assert len(train) + len(held) == len(corpus) and abs(len(held) / len(corpus) - 0.1) < 1e-3
     text = bytes(qwen.get_batch(0, CPU)["input_ids"].flatten().tolist())
     printable = sum(32 <= c < 127 or c in (9, 10) for c in text) / len(text)
