@@ -8,7 +8,7 @@ MODEL   ?= examples/qwen2_tiny.py
 OUT     ?= out/qwen2_tiny.policy.json
 TUNE_ARGS ?=
 
-.PHONY: install tune train test test-slow clean
+.PHONY: install tune train test test-slow docs clean
 
 install: $(VENV)/.installed
 
@@ -31,6 +31,10 @@ test: install
 
 test-slow: install
 	$(BIN)/python -m pytest -q -m slow
+
+# The documentation site (mkdocs.yml), built in strict mode into site/.
+docs: install
+	$(BIN)/mkdocs build --strict --site-dir site
 
 clean:
 	rm -rf out .pytest_cache

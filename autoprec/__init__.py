@@ -6,13 +6,16 @@ Public API (docs/architecture.md#public-api)::
     gm = autoprec.capture(model, example_batch)
     policy = autoprec.Policy.default(low="bf16")
     mp = autoprec.apply(model, policy, example_batch, compile=True)
-    scaler = autoprec.DynamicLossScaler()
+    scaler = autoprec.make_scaler(policy)      # a DynamicLossScaler for fp16 policies, else None
+    module = autoprec.ddp(mp)                  # or autoprec.shard(mp): DDP / FSDP2 over ranks
     result = autoprec.tune("model.py")
+
+The reference of every name here is docs/api.md.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autoprec._version import __version__
 from autoprec.capture import capture
@@ -28,12 +31,17 @@ from autoprec.errors import (
 from autoprec.policy import LossScalingConfig, Policy, Rule
 from autoprec.runtime.apply import MixedPrecisionModule, apply
 from autoprec.runtime.checkpoint import load_checkpoint, save_checkpoint
+from autoprec.runtime.distributed import ddp, shard
 from autoprec.runtime.monitor import Monitor
 from autoprec.runtime.scaler import DynamicLossScaler
+from autoprec.runtime.train import make_scaler
+
+if TYPE_CHECKING:  # imported on first use (below); named here for type checkers and the API reference
+    from autoprec.search.study import TuneResult, tune
 
 __all__ = [
     "__version__", "capture", "apply", "tune", "TuneResult", "Policy", "Rule", "LossScalingConfig",
-    "MixedPrecisionModule", "DynamicLossScaler", "Monitor",
+    "MixedPrecisionModule", "DynamicLossScaler", "make_scaler", "Monitor", "ddp", "shard",
     "save_checkpoint", "load_checkpoint", "AutoprecError", "CaptureError", "LossScaleError",
     "ModelSpecError", "PassError", "PolicyError", "SearchError",
 ]
