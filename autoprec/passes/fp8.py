@@ -1,18 +1,19 @@
 """Pass: matmuls whose compute dtype is fp8 run as ``autoprec::fp8_linear`` (docs/architecture.md#passes).
 
 After ``insert_casts`` a node with ``meta["autoprec"]["compute"] == "fp8_e4m3"`` reads its inputs
-and writes its output in its storage dtype; this pass swaps its ATen target for the scaled fp8
-matmul of :mod:`autoprec.kernels.fp8` (operands quantised to float8_e4m3fn with amax scales in
-forward, the output gradient to float8_e5m2 in backward; torchao.float8's recipe), keeping
-arguments and output dtype, so cast placement and the verifier see an ordinary node:
+and writes its output in its storage dtype; this pass swaps its ATen target for the fp8 linear of
+:mod:`autoprec.kernels.fp8` (torchao.float8's ``matmul_with_hp_or_float8_args`` under the policy's
+``fp8_scaling`` recipe: ``tensorwise``, ``rowwise`` or ``rowwise_with_gw_hp``, torchao's names),
+keeping arguments and output dtype, so cast placement and the verifier see an ordinary node:
 
-- ``linear(x[..., K], w[N, K], bias?)`` -> ``fp8_linear(x, w, bias, scaling)``;
-- ``mm(a[M, K], b[K, N])`` and ``matmul(a[..., K], b[K, N])`` -> ``fp8_linear(a, t(b), None, scaling)``;
+- ``linear(x[..., K], w[N, K], bias?)`` -> ``fp8_linear(x, w, bias, recipe)``;
+- ``mm(a[M, K], b[K, N])`` and ``matmul(a[..., K], b[K, N])`` -> ``fp8_linear(a, t(b), None, recipe)``;
 - ``addmm(bias[N], a[M, K], b[K, N])`` (GPT-2's ``Conv1D``; ``beta = alpha = 1``) ->
-  ``fp8_linear(a, t(b), bias, scaling)``.
+  ``fp8_linear(a, t(b), bias, recipe)``.
 
 Other matmul-class ops (``bmm``, attention, convolutions) have no fp8 kernel; ``assign_dtypes``
-leaves them in their storage dtype (:func:`fp8_lowerable`).
+leaves them in their storage dtype (:func:`fp8_lowerable`). torchao is needed only when a node is
+lowered: without it the pass raises ImportError naming ``pip install torchao``.
 """
 
 from __future__ import annotations
@@ -52,9 +53,15 @@ def fp8_lowerable(node: fx.Node) -> bool:
     return False
 
 
-def _fp8_op() -> object:
-    import autoprec.kernels.fp8  # noqa: F401  registers torch.ops.autoprec.fp8_linear
+def _fp8_op(recipe: str) -> object:
+    """``torch.ops.autoprec.fp8_linear.default``, after checking that torchao can run ``recipe``.
 
+    Raises:
+        ImportError: torchao is not installed (the message names ``pip install torchao``).
+    """
+    from autoprec.kernels.fp8 import torchao_config  # registers torch.ops.autoprec.fp8_linear
+
+    torchao_config(recipe)
     return torch.ops.autoprec.fp8_linear.default
 
 
@@ -63,20 +70,23 @@ def lower_fp8(gm: fx.GraphModule, policy: Policy) -> PassResult:
 
     Args:
         gm: Output of ``insert_casts``; not modified.
-        policy: Its ``fp8_scaling`` (``"tensorwise"`` or ``"rowwise"``) goes to every fp8 node.
+        policy: Its ``fp8_scaling``, a torchao.float8 recipe name (``"tensorwise"``, ``"rowwise"``
+            or ``"rowwise_with_gw_hp"``), goes to every fp8 node.
 
     Returns:
         ``PassResult`` with stats ``fp8_matmuls`` (nodes swapped).
 
     Raises:
         PassError: a node marked fp8 is not an op :func:`fp8_lowerable` accepts.
+        ImportError: fp8 nodes but no torchao (a ``PassManager`` reports it as a PassError of
+            this pass, the message kept).
     """
     gm = clone_graph_module(gm)
     stats = {"fp8_matmuls": 0}
     nodes = [n for n in gm.graph.nodes if n.meta.get("autoprec", {}).get("compute") == FP8_COMPUTE]
     if not nodes:
         return PassResult(gm, False, stats)
-    op = _fp8_op()
+    op = _fp8_op(policy.fp8_scaling)
     for n in nodes:
         if not fp8_lowerable(n):
             raise pass_error(PASS, n, f"marked fp8 but {n.target} has no fp8 kernel")
@@ -101,7 +111,7 @@ class LowerFp8(PassBase):
     """:func:`lower_fp8` as a :class:`~autoprec.passes.base.PassBase`.
 
     Args:
-        policy: The policy (its ``fp8_scaling``).
+        policy: The policy (its ``fp8_scaling``: the torchao recipe).
     """
 
     name = PASS

@@ -32,8 +32,12 @@ READ_VERSIONS: tuple[int, ...] = (1, 2)
 ACCUMULATE_MODES: tuple[str, ...] = ("fp32", "none")
 #: dtypes gradients may be communicated in across ranks (``Policy.grad_reduce_dtype``).
 GRAD_REDUCE_DTYPES: tuple[str, ...] = ("fp32", "bf16")
-#: Scale granularities of fp8 matmuls (``Policy.fp8_scaling``; torchao.float8's recipes).
-FP8_SCALINGS: tuple[str, ...] = ("tensorwise", "rowwise")
+#: fp8 matmul recipes (``Policy.fp8_scaling``): torchao.float8's ``Float8LinearRecipeName`` values,
+#: the same list as ``autoprec.kernels.fp8.RECIPES`` (a test checks; the layers keep them apart).
+#: ``"rowwise"`` in a file written before autoprec ran torchao's recipes loads unchanged and now
+#: means torchao's rowwise (e4m3 gradients, power-of-two scales) where it meant e5m2 gradients and
+#: unrounded scales: the format is the same, the numerics differ by ~5e-2 relative (measured).
+FP8_SCALINGS: tuple[str, ...] = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 #: How ``follow`` nodes no rule selects get their dtype (``Policy.follow_placement``): ``mincut``
 #: (the dtype that minimises bytes cast, :func:`autoprec.graph.place_follow`) or ``promote``
 #: (type promotion over their inputs, as under ``torch.autocast``: fp32 when any input is fp32).

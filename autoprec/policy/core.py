@@ -68,10 +68,11 @@ class Policy:
             or ``"bf16"`` (DDP's ``bf16_compress_hook``, FSDP2's ``MixedPrecisionPolicy(reduce_dtype=
             torch.bfloat16)``: :mod:`autoprec.runtime.distributed`); one process ignores it. The
             ``.grad`` of the master weights stays fp32 either way.
-        fp8_scaling: How fp8 matmuls (compute ``fp8_e4m3``) scale their operands: ``"tensorwise"``
-            (default; one amax scale per tensor) or ``"rowwise"`` (one per row of the input and per
-            output row of the weight), torchao.float8's two recipes (:mod:`autoprec.kernels.fp8`).
-            Written only when ``"rowwise"``.
+        fp8_scaling: The torchao.float8 recipe of fp8 matmuls (compute ``fp8_e4m3``):
+            ``"tensorwise"`` (default; one amax scale per tensor, e5m2 gradients), ``"rowwise"``
+            (one power-of-two scale per row of each operand, all e4m3) or ``"rowwise_with_gw_hp"``
+            (rowwise, the weight gradient in high precision); :mod:`autoprec.kernels.fp8`. Written
+            only when not ``"tensorwise"``.
         follow_placement: How ``follow`` nodes that no rule selects get their dtype:
             ``"mincut"`` (default; the dtype that minimises bytes cast, :func:`autoprec.graph.place_follow`)
             or ``"promote"`` (PyTorch's type promotion over the node's float inputs, as
