@@ -33,9 +33,10 @@ NOT_RUN = {
         "trials take minutes on a CPU; the same calls run, cheaply, in docs/usage.md",
 }
 
-#: Pages whose examples need something of their own: a process group (distributed.md, one gloo rank
-#: in the environment torchrun would set) or the optional integrations (transformers, lightning).
-GROUPS = {"distributed": ["docs/distributed.md"], "integrations": ["docs/integrations.md"]}
+#: Pages whose examples need the optional integrations (transformers, lightning) run in a process of
+#: their own; the others share one (each page in a fresh namespace), started in the environment
+#: torchrun would set for one rank, for docs/distributed.md's process group.
+GROUPS = {"integrations": ["docs/integrations.md"]}
 
 
 @dataclass(frozen=True)
@@ -123,8 +124,9 @@ def test_examples_import_only_the_public_api():
         for m in re.finditer(r"^\s*(?:from|import)\s+(autoprec\.[\w.]+)", b.code, re.M):
             if not m.group(1).startswith("autoprec.integrations."):
                 bad.append(f"{b.page}:{b.line}: {m.group(1)}")
+    internal = re.compile(r"from autoprec\.(?!integrations\.)[\w.]+ import")
     prose = [f"{p.relative_to(ROOT)}: {m}" for p in PAGES
-             for m in re.findall(r"from autoprec\.(?!integrations\.)[\w.]+ import", p.read_text(encoding="utf-8"))]
+             for m in internal.findall(p.read_text(encoding="utf-8"))]
     assert not bad and not prose, bad + prose
 
 
@@ -177,7 +179,7 @@ def _group_pages(group: str) -> list[str]:
     return [str(p.relative_to(ROOT)) for p in PAGES if str(p.relative_to(ROOT)) not in taken]
 
 
-@pytest.mark.parametrize("group", ["core", "distributed", "integrations"])
+@pytest.mark.parametrize("group", ["core", "integrations"])
 def test_python_examples_run(group, tmp_path):
     """Every Python block not in NOT_RUN runs without error, page by page in order."""
     if group == "integrations":
@@ -191,8 +193,9 @@ def test_python_examples_run(group, tmp_path):
     (work / "blocks.json").write_text(json.dumps(pages))
     (work / "run_blocks.py").write_text(_RUNNER)
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    if group == "distributed":  # one rank, in the environment torchrun would set
-        env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    if group == "core":  # one rank, in the environment torchrun would set (docs/distributed.md)
+        env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(_free_port()))
     r = subprocess.run([sys.executable, "run_blocks.py", "blocks.json"], cwd=work, env=env,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-6000:]
@@ -235,7 +238,8 @@ def test_shell_commands_parse(capsys):
         try:
             build_parser().parse_args(argv[1:])
         except SystemExit as e:
-            bad.append(f"{b.page}:{b.line}: {shlex.join(argv)} -> exit {e.code}: {capsys.readouterr().err[-300:]}")
+            err = capsys.readouterr().err[-300:]
+            bad.append(f"{b.page}:{b.line}: {shlex.join(argv)} -> exit {e.code}: {err}")
     assert n >= 20 and not bad, bad
 
 
@@ -246,9 +250,10 @@ def test_usage_synopsis_matches_the_parser():
     subparsers = next(a for a in build_parser()._actions if a.dest == "cmd").choices  # argparse's own map
     synopsis = next(b for b in _blocks(ROOT / "docs" / "usage.md") if b.lang == "text")
     shown: dict[str, set[str]] = {}
+    cmd = ""
     for line in synopsis.code.splitlines():
         m = re.match(r"autoprec (\w+)", line.strip())
-        cmd = m.group(1) if m else cmd
+        cmd = m.group(1) if m else cmd  # a continuation line belongs to the command above
         shown.setdefault(cmd, set()).update(re.findall(r"(--[\w-]+)", line))
     assert set(shown) == set(subparsers), sorted(shown)
     for cmd, sub in subparsers.items():
@@ -276,7 +281,8 @@ def test_cheap_commands_run(tmp_path):
     work = _scratch(tmp_path)
     (work / "commands.json").write_text(json.dumps(cheap))
     (work / "run_cli.py").write_text(_CLI_RUNNER)
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     r = subprocess.run([sys.executable, "run_cli.py", "commands.json"], cwd=work, capture_output=True,
-                       text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+                       text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-4000:]
     assert r.stdout.count("$ ") == len(cheap)
