@@ -17,7 +17,7 @@ steps (forward, loss, backward, optimizer step, loss scaler) through the one mea
 ``policy_compiled``    the policy-lowered graph compiled (what ``autoprec train`` runs)
 =====================  ===========================================================================
 
-Compiled configurations all use :data:`autoprec.runtime.apply.INDUCTOR_OPTIONS`, so compiled
+Compiled configurations all use :data:`autoprec.runtime.compile.INDUCTOR_OPTIONS`, so compiled
 rows differ only in their dtypes. First each configuration's drift and memory are measured in turn
 (``Harness.measure(timing=False)``; compiling happens there), ``fp32_eager`` also timed back to
 back to set the slow-step limit ``max(max_step_ratio x fp32_eager's step, 1 s)``. Then every

@@ -16,7 +16,7 @@ from autoprec import bench_shapes as shapes
 from autoprec.dtypes import NAMES
 from autoprec.passes import run_pipeline
 from autoprec.policy import Policy
-from autoprec.runtime.apply import compile_graph
+from autoprec.runtime.compile import compile_graph
 from autoprec.runtime.scaler import DynamicLossScaler
 from autoprec.runtime.train import autocast_scaler, make_scaler
 from autoprec.search.measure import Harness

@@ -38,7 +38,8 @@ import autoprec  # noqa: E402
 from autoprec.device import describe_machine, heap_bytes  # noqa: E402
 from autoprec.metrics import grad_rel_l2  # noqa: E402
 from autoprec.policy import Policy  # noqa: E402
-from autoprec.runtime.apply import INDUCTOR_OPTIONS, MixedPrecisionModule  # noqa: E402
+from autoprec.runtime.apply import MixedPrecisionModule
+from autoprec.runtime.compile import INDUCTOR_OPTIONS  # noqa: E402
 from autoprec.runtime.outputs import flat_output_graph, rebuild  # noqa: E402
 from autoprec.search.measure import SavedBytes  # noqa: E402
 

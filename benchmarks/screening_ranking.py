@@ -21,7 +21,7 @@ import torch
 from autoprec.device import device_name
 from autoprec.modelspec import load_model_spec
 from autoprec.passes import run_pipeline
-from autoprec.runtime.apply import compile_graph
+from autoprec.runtime.compile import compile_graph
 from autoprec.runtime.train import make_scaler
 from autoprec.search.measure import Harness
 from autoprec.search.space import SearchSpace

@@ -151,7 +151,7 @@ def test_compiled_candidates_compare_against_the_compiled_fp32_graph(harness):
     (Harness.reference_fn): compiled FP32 gives grad_rel_l2 == 0 and trajectories equal to the
     reference's, and a compiled bf16 policy drifts below bf16's rtol (1.6e-2) on batch 0 (below 0.1
     on every drift batch); measured against the eager reference instead, both were ~0.5 on this model (different masks)."""
-    from autoprec.runtime.apply import compile_graph
+    from autoprec.runtime.compile import compile_graph
 
     c32 = compile_graph(harness.graph_module)
     ref_fn = harness.reference_fn(c32)

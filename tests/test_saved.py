@@ -129,7 +129,7 @@ def test_fp8_keeps_infinities_and_stays_finite_elsewhere():
 
 def test_compile_graph_and_saved_eager_honour_marks(setup):
     """The search's paths: a lowered graph measured eagerly (saved_eager) or via compile_graph."""
-    from autoprec.runtime.apply import compile_graph
+    from autoprec.runtime.compile import compile_graph
     from autoprec.runtime.saved import saved_eager
 
     model, ids = setup

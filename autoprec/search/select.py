@@ -16,7 +16,7 @@ from autoprec.errors import SearchError
 from autoprec.metrics import traj_rel
 from autoprec.passes import run_pipeline
 from autoprec.policy import Policy
-from autoprec.runtime.apply import compile_graph
+from autoprec.runtime.compile import compile_graph
 from autoprec.runtime.saved import saved_eager
 from autoprec.runtime.train import autocast_scaler, make_scaler
 from autoprec.search import attrs

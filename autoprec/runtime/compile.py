@@ -1,0 +1,119 @@
+"""``compile_graph``: a lowered graph compiled with Inductor, its repeated blocks once
+(docs/architecture.md#regional-compilation)."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from autoprec.runtime.regions import outline_blocks
+from autoprec.runtime.saved import SavedCall, apply_saved, has_saved, saved_activation_context
+from autoprec.runtime.shape_cache import CompileLog
+
+__all__ = ["compile_graph", "INDUCTOR_OPTIONS", "REGION_OPTIONS"]
+
+_log = logging.getLogger("autoprec")
+
+#: Inductor options used for every compile. ``emulate_precision_casts`` makes fused kernels
+#: round at each explicit low-precision cast as eager does, instead of keeping fp32
+#: intermediates (torch/_inductor/config.py), so the compiled graph honours the policy and the
+#: drift the search measures is the drift training sees.
+INDUCTOR_OPTIONS: dict[str, Any] = {"emulate_precision_casts": True}
+
+#: Added to :data:`INDUCTOR_OPTIONS` for a graph with shared regions. torch 2.13's Inductor reuses
+#: buffers wrongly across the calls of one ``invoke_subgraph`` region on CPU: a region with an
+#: activation-by-activation matmul (attention's ``q @ k^T``, ``softmax @ v``, fused SDPA) gets
+#: gradients 50-80% off (relative L2) while ``aot_eager`` and the flat graph are exact;
+#: ``allow_buffer_reuse=False`` makes them exact (tests/test_regions.py checks the gradients).
+REGION_OPTIONS: dict[str, Any] = {"allow_buffer_reuse": False}
+
+
+def compile_graph(gm: nn.Module, activation_memory_budget: float = 1.0, dynamic: bool | None = None,
+                  regional: bool = True) -> Any:
+    """``torch.compile`` a lowered graph (or a module) with Inductor and :data:`INDUCTOR_OPTIONS`.
+
+    Compilation is lazy: the first call (typically 10–90 s on a 2-core CPU for a small
+    transformer) pays for it. A graph captured with dynamic dimensions (symbolic placeholder
+    sizes, ``capture(..., dynamic=True)``) compiles with ``dynamic=True``: Dynamo re-traces it
+    with symbolic sizes, so Inductor's kernels take the sizes as arguments and one compile serves
+    every shape, plus one for size-1 batches (Dynamo specialises sizes 0 and 1); its compiles are
+    counted and logged (:class:`autoprec.runtime.shape_cache.CompileLog`). Any other graph
+    compiles with ``dynamic=False`` (one specialised compile).
+
+    Args:
+        gm: The graph (or module) to compile.
+        activation_memory_budget: Below 1.0, every call runs under
+            ``torch._functorch.config.patch(activation_memory_budget=...)``, so AOTAutograd's
+            partitioner, which splits forward and backward when the graph is first compiled, keeps
+            only that fraction of its default saved activations and recomputes the rest in backward
+            (a 0-1 knapsack on estimated FLOPs; torch/_functorch/config.py).
+        dynamic: ``torch.compile``'s ``dynamic``; None (default): True for a graph with symbolic
+            placeholder sizes, else False. ``autoprec bench`` passes True for the
+            ``torch.autocast`` + ``torch.compile`` baseline (a module, not a graph) when the model
+            file's batches vary in shape, so it compiles once, not once per shape.
+        regional: For a graph, compile its repeated blocks (transformer layers of one structure)
+            once, as one ``torch.compiler.nested_compile_region`` each
+            (:func:`autoprec.runtime.regions.outline_blocks`; logged at INFO); False: one flat
+            graph. A module (not a graph) is always compiled as it is.
+
+    A graph whose nodes carry ``meta["autoprec"]["saved"]`` (a policy's ``saved`` field) is
+    compiled with those activations saved low and every call runs inside
+    :func:`autoprec.runtime.saved.saved_activation_context` (a :class:`autoprec.runtime.saved.SavedCall`).
+
+    Inductor's CPU code generator warns ``bf16 and fp16 are mixed in the scheduler node`` for every
+    kernel that fuses both (a policy with both dtypes: many times per tune); that one message is
+    filtered (:func:`_quiet_mixed_dtype_warning`), other warnings still show.
+
+    Returns:
+        A callable with ``gm``'s signature.
+    """
+    _quiet_mixed_dtype_warning()
+    if dynamic is None:
+        dynamic = isinstance(gm, fx.GraphModule) and _symbolic_inputs(gm)
+    saved = isinstance(gm, fx.GraphModule) and has_saved(gm)  # nodes' ``saved`` dtypes: autoprec.runtime.saved
+    target = apply_saved(gm, compiled=True) if saved else gm
+    options = dict(INDUCTOR_OPTIONS)
+    if regional and isinstance(gm, fx.GraphModule):
+        target, plan = outline_blocks(target)
+        _log.info("compile: %s", plan.describe())
+        if plan.blocks:
+            options.update(REGION_OPTIONS)
+    fn = torch.compile(target, backend="inductor", options=options, dynamic=dynamic)
+    fn = fn if activation_memory_budget >= 1.0 else _WithMemoryBudget(fn, activation_memory_budget)
+    fn = SavedCall(fn, saved_activation_context(gm), compiled=True) if saved else fn
+    return CompileLog(fn, "the dynamic-shape graph" if isinstance(gm, fx.GraphModule) else type(gm).__name__) \
+        if dynamic else fn
+
+
+#: The message of Inductor's warning (torch/_inductor/codegen/cpp.py) that compile_graph filters.
+_MIXED_DTYPE_WARNING = r"bf16 and fp16 are mixed in the scheduler node"
+
+
+def _quiet_mixed_dtype_warning() -> None:
+    """Add an ``ignore`` filter for :data:`_MIXED_DTYPE_WARNING` unless one is in place. The
+    warning comes when a compiled graph first runs, after compile_graph returns, so the filter is
+    process-wide, not a ``catch_warnings`` block; it is checked on every call because a caller's
+    ``catch_warnings`` (the CLI's) may have restored the filters since."""
+    if not any(action == "ignore" and regex is not None and regex.pattern == _MIXED_DTYPE_WARNING
+               for action, regex, *_ in warnings.filters):
+        warnings.filterwarnings("ignore", message=_MIXED_DTYPE_WARNING, category=UserWarning)
+
+
+def _symbolic_inputs(gm: fx.GraphModule) -> bool:
+    vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+    return any(isinstance(v, torch.Tensor) and not all(isinstance(d, int) for d in v.shape) for v in vals)
+
+
+class _WithMemoryBudget:
+    """Calls a compiled function with the partitioner's activation memory budget set."""
+
+    def __init__(self, fn: Any, budget: float) -> None:
+        self.fn, self.budget = fn, float(budget)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with torch._functorch.config.patch(activation_memory_budget=self.budget):
+            return self.fn(*args, **kwargs)
