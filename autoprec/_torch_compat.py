@@ -43,7 +43,7 @@ __all__ = [
     "TorchDispatchMode", "amp_unscale_", "child_module", "detect_fake_mode", "dynamo_compile_seconds",
     "dynamo_unique_graphs", "export_assert_ops", "fake_tensor_errors", "is_dynamo_optimized",
     "new_fake_mode", "overload_schema", "pytree", "pytree_info", "safe_softmax", "saved_tensor_hook_node",
-    "scaled_mm", "set_pytree_codegen", "sparse_values", "top_saved_tensors_hooks", "tree_flatten_spec",
+    "set_pytree_codegen", "sparse_values", "top_saved_tensors_hooks", "tree_flatten_spec",
 ]
 
 
@@ -185,21 +185,6 @@ def _masked_rows_zero_softmax(x: torch.Tensor, dim: int) -> torch.Tensor:
     """:func:`safe_softmax`'s fallback in public ops (torch's ``_safe_softmax`` decomposition)."""
     out = torch.softmax(x, dim)
     return torch.where(torch.isneginf(x).all(dim, keepdim=True), torch.zeros_like(out), out)
-
-
-def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
-              out_dtype: torch.dtype, **kwargs: Any) -> torch.Tensor:
-    """``torch._scaled_mm(a, b, scale_a=..., scale_b=..., out_dtype=..., **kwargs)``: the fp8 matmul
-    ``(a * scale_a) @ (b * scale_b)`` in ``out_dtype`` (``a`` row-major, ``b`` column-major; ``scale_*``
-    float32: one value (tensorwise) or one per row of ``a`` / column of ``b`` (rowwise)).
-
-    For :mod:`autoprec.kernels.fp8`. Checked on 2.13.0 (CPU: tensorwise and rowwise); since torch
-    2.5 it returns one tensor (before: ``(out, amax)``). Missing: a :class:`RuntimeError` naming it.
-    """
-    mm = getattr(torch, "_scaled_mm", None)
-    if mm is None:
-        raise _missing("torch._scaled_mm", "the fp8 matmul")
-    return mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype, **kwargs)
 
 
 def amp_unscale_(grads: Sequence[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:

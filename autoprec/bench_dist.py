@@ -43,9 +43,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from autoprec._io import write_json
+from autoprec._torch_compat import TorchDispatchMode
 from autoprec.device import describe_machine, heap_bytes, resolve_device
 from autoprec.metrics import grad_rel_l2, median
 from autoprec.modelspec import load_model_spec

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from autoprec._torch_compat import export_assert_ops, fake_tensor_errors
 from autoprec.dims import export_ranges, export_refined, plan_dims
 from autoprec.errors import CaptureError
 from autoprec.modelspec import positional_binding, prepare_output, split_batch, training_kwargs
@@ -46,9 +47,7 @@ CALL_KWARGS_META = "autoprec_call_kwargs"
 
 # Export inserts these runtime checks after `.to()` calls; they assert the fp32 dtype seen at
 # trace time and would fail once a pass lowers the producer, so capture removes them.
-_ASSERT_OPS = {
-    torch.ops.aten._assert_tensor_metadata.default,
-}
+_ASSERT_OPS = export_assert_ops()
 
 
 @contextlib.contextmanager
@@ -240,7 +239,7 @@ _CONTROL_FLOW = ("data-dependent Python control flow (an `if` on tensor values) 
 
 def _cause(e: BaseException) -> tuple[str, str]:
     """What failed and what to do, from the exception (or one it was raised from)."""
-    from torch._subclasses.fake_tensor import DynamicOutputShapeException, UnsupportedOperatorException
+    dynamic_shape_error, unsupported_op_error = fake_tensor_errors()
     from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
     chain = [e]
@@ -250,11 +249,11 @@ def _cause(e: BaseException) -> tuple[str, str]:
         text = str(x)
         if isinstance(x, GuardOnDataDependentSymNode) or "data-dependent expression" in text:
             return "a data-dependent branch", _CONTROL_FLOW
-        if isinstance(x, DynamicOutputShapeException):
+        if isinstance(x, dynamic_shape_error):
             return (f"the op {x.func} has an output shape that depends on tensor values",
                     "compute it with fixed-shape ops (e.g. a mask and torch.where instead of boolean "
                     "indexing or nonzero), or move it out of forward().")
-        op = str(x.func) if isinstance(x, UnsupportedOperatorException) else next(
+        op = str(x.func) if isinstance(x, unsupported_op_error) else next(
             (m.group(1) for p in _OP_PATTERNS if (m := p.search(text))), None)
         if op is not None and op.startswith((".", "data")):
             what = f"Tensor{op}" if op.startswith(".") else "reading a tensor's data pointer"

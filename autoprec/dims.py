@@ -5,8 +5,8 @@ One rule, used by ``capture(..., dynamic=True)`` (the ``torch.export`` ``dynamic
 graph cache of ``autoprec.runtime.shape_cache`` (the same ranges when a model cannot be captured
 dynamically); docs/architecture.md#runtime.
 
-The heuristic, on the example batch's tensors (flattened as ``torch.utils._pytree`` flattens the
-call's ``(args, kwargs)``):
+The heuristic, on the example batch's tensors (flattened as torch's pytree, ``_torch_compat.pytree``,
+flattens the call's ``(args, kwargs)``):
 
 - the *primary* input is ``input_ids`` when the batch has it, else the first integer tensor, else
   the first tensor (with at least one dimension);
@@ -33,7 +33,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils import _pytree as pytree
+
+from autoprec._torch_compat import pytree
 
 __all__ = ["BATCH", "SEQ", "TARGET", "DimPlan", "DimRange", "export_ranges", "export_refined", "largest_batch", "leaf_name", "maxima", "plan_dims",
            "shapes_vary", "tensor_shapes"]
@@ -212,7 +213,7 @@ def export_refined(export: Callable[[Any], Any], dynamic_shapes: Any) -> Any:
 
     try:
         return export(dynamic_shapes)
-    except Exception as e:  # torch._dynamo.exc.UserError (constraint violation) among others
+    except Exception as e:  # Dynamo's UserError (constraint violation) among others
         if dynamic_shapes is None or "Suggested fixes:" not in str(e):
             raise
         # torch appends advice after the fixes; the parser takes only the "name = fix" lines

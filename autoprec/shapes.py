@@ -12,6 +12,8 @@ from typing import Any
 import torch
 from torch import fx
 
+from autoprec._torch_compat import pytree, pytree_info, tree_flatten_spec
+
 __all__ = ["DIMS_META", "RANGE_ADVICE", "InputShapes"]
 
 #: ``gm.meta`` key of ``{symbol: (role, lo, hi)}``, the ranges of a graph's symbolic input
@@ -55,7 +57,7 @@ class InputShapes:
 
     def __init__(self, gm: fx.GraphModule, what: str = "the captured graph") -> None:
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        info = getattr(gm.graph._codegen, "pytree_info", None)
+        info = pytree_info(gm.graph)
         spec = getattr(info, "in_spec", None)
         self.what = what
         self.shapes: list[tuple[int | None, ...] | None] = [_shape_of(n) for n in placeholders]
@@ -118,8 +120,6 @@ class InputShapes:
 
     def _leaves_nested(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any] | None:
         """Flatten the call as the exported forward does; None where it would not bind."""
-        from torch.fx._pytree import tree_flatten_spec
-
         if len(args) > len(self._args) or any(k not in self._index for k in kwargs):
             return None
         values = dict(zip(self._args, args))
@@ -235,8 +235,6 @@ def _is_args_kwargs_spec(spec: Any) -> bool:
 
 def _leaf_names(spec: Any, arg_names: list[str]) -> list[str]:
     """Display names of the leaves of an ``(args, kwargs)`` spec: ``ids``, ``extra[1]['z']``."""
-    from torch.utils import _pytree as pytree
-
     n = spec.num_leaves
     tree = pytree.tree_unflatten(list(range(n)), spec)
     names = [""] * n

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import torch
 
+from autoprec._torch_compat import safe_softmax
+
 __all__ = ["sdpa_math", "SCHEMA"]
 
 #: The op's schema: the arguments of ``aten.scaled_dot_product_attention`` (same order, same
@@ -84,7 +86,7 @@ def sdpa_math(
             scores = scores.masked_fill(attn_mask.logical_not(), float("-inf"))
         else:
             scores = scores + attn_mask.to(scores.dtype)
-    weights = torch.ops.aten._safe_softmax(scores, -1)
+    weights = safe_softmax(scores, -1)
     if dropout_p > 0.0:
         weights = torch.nn.functional.dropout(weights, p=dropout_p, training=True)
     return torch.matmul(weights.to(value.dtype), value)

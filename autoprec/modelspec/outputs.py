@@ -23,9 +23,9 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
 
+from autoprec._torch_compat import pytree
 from autoprec.errors import CaptureError
 
 __all__ = ["Kept", "TRAINING_KWARGS", "drop_fixed_kwargs", "prepare_output", "training_kwargs"]

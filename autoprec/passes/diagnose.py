@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 from torch import fx
-from torch.utils import _pytree as pytree
+
+from autoprec._torch_compat import pytree
 
 __all__ = ["first_nonfinite_node"]
 

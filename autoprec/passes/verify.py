@@ -4,7 +4,7 @@ Re-derives every node's output dtype by running the graph on fake tensors
 (``torch.fx.passes.fake_tensor_prop.FakeTensorProp``: shapes and dtypes only, no compute),
 refreshing ``node.meta["val"]``. A graph captured with dynamic dimensions (``capture(...,
 dynamic=True)``) is propagated in its own ``FakeTensorMode`` (the export's, found by
-``torch._guards.detect_fake_mode`` on the placeholders' fake values), so symbolic sizes stay
+``autoprec._torch_compat.detect_fake_mode`` on the placeholders' fake values), so symbolic sizes stay
 symbolic (``s0``, ``s1``) and nothing specialises them; its post-condition compares each with the assigned dtype and
 checks that graph outputs keep the dtype they had when captured, that no integer/bool tensor
 was cast, and that a node computing in another dtype than it stores is read only through its store
@@ -13,12 +13,13 @@ cast.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import fx
-from torch._guards import detect_fake_mode
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
+from autoprec._torch_compat import detect_fake_mode, new_fake_mode
 from autoprec.dtypes import NAMES
 from autoprec.passes.base import PassBase, PassResult, pass_error
 from autoprec.passes.casts import is_inserted_cast
@@ -28,7 +29,7 @@ __all__ = ["Verify", "output_dtypes"]
 PASS = "verify"
 
 
-def _fake_inputs(gm: fx.GraphModule) -> tuple[FakeTensorMode, list]:
+def _fake_inputs(gm: fx.GraphModule) -> tuple[Any, list]:
     """The fake mode to propagate ``gm`` in and its inputs (fake tensors of that mode, or other values).
 
     With symbolic placeholder shapes: the export's own mode and fake values (its ``ShapeEnv`` holds
@@ -45,7 +46,7 @@ def _fake_inputs(gm: fx.GraphModule) -> tuple[FakeTensorMode, list]:
             raise RuntimeError("placeholders have symbolic shapes but carry no FakeTensorMode")
         mode.allow_non_fake_inputs = True  # export's mode already does; parameters are real tensors
         return mode, vals
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    mode = new_fake_mode(allow_non_fake_inputs=True)
     return mode, [mode.from_tensor(torch.empty(v.shape, dtype=v.dtype)) if isinstance(v, torch.Tensor)
                   else v for v in vals]
 

@@ -19,7 +19,7 @@ __all__ = ["FP8", "OP_CLASSES", "RULE_KEYS", "RULE_OP_CLASSES", "SCHEMA2_RULE_KE
 OP_CLASSES: tuple[str, ...] = ("matmul", "sensitive", "follow", "nonfloat")
 #: Op classes a rule may target.
 RULE_OP_CLASSES: tuple[str, ...] = ("matmul", "sensitive", "follow")
-#: The fp8 compute dtype of matmuls (``autoprec.kernels.fp8``: a scaled matmul, torch._scaled_mm).
+#: The fp8 compute dtype of matmuls (``autoprec.kernels.fp8``: a scaled matmul, torch's ``_scaled_mm``).
 FP8 = FP8_COMPUTE
 RULE_KEYS: tuple[str, ...] = ("node", "module", "op_class", "dtype", "compute", "saved")
 #: Rule keys that schema 1 did not have (a policy using one is written as schema 2).

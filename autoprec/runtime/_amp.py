@@ -3,8 +3,9 @@
 Helpers of :class:`autoprec.runtime.scaler.DynamicLossScaler` (``docs/architecture.md#runtime``).
 
 Sources:
-    * ``torch.amp.GradScaler`` (torch/amp/grad_scaler.py) and its kernels
-      ``torch._amp_foreach_non_finite_check_and_unscale_`` / ``torch._amp_update_scale_``.
+    * ``torch.amp.GradScaler`` (torch/amp/grad_scaler.py) and its ATen kernels
+      ``_amp_foreach_non_finite_check_and_unscale_`` / ``_amp_update_scale_`` (the fused unscale is
+      called through :func:`autoprec._torch_compat.amp_unscale_`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Iterable
 
 import torch
 
+from autoprec._torch_compat import amp_unscale_, sparse_values
 from autoprec.policy.loss_scaling import to_fp32
 
 __all__ = ["amp_update_scale", "unscale_grads_", "unscaled_grad_norm"]
@@ -22,7 +24,7 @@ __all__ = ["amp_update_scale", "unscale_grads_", "unscaled_grad_norm"]
 
 def amp_update_scale(scale: float, tracker: int, found_inf: bool, growth_factor: float,
                       backoff_factor: float, growth_interval: int) -> tuple[float, int]:
-    """One step of ``torch._amp_update_scale_``, bit for bit.
+    """One step of GradScaler's ATen kernel ``_amp_update_scale_``, bit for bit.
 
     The kernel multiplies the float32 scale by the (double) factor in double precision and rounds the
     product to float32; a growth that would overflow float32 to ``inf`` is dropped (the scale is kept)
@@ -47,7 +49,7 @@ def grads_of(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
             if param.grad.is_sparse:
                 if not param.grad.is_coalesced():
                     param.grad = param.grad.coalesce()  # duplicates are summed before the check
-                grads.append(param.grad._values())
+                grads.append(sparse_values(param.grad))
             else:
                 grads.append(param.grad)
     return grads
@@ -64,7 +66,7 @@ def unscale_grads_(optimizer: torch.optim.Optimizer, inv_scale: float) -> bool:
             found_inf = torch.zeros((), dtype=torch.float32, device=device)
             inv = torch.full((), inv_scale, dtype=torch.float32, device=device)
             # GradScaler's fused kernel: flags non-finite values, then grad = float(grad) * inv.
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv)
+            amp_unscale_(grads, found_inf, inv)
             found.append(found_inf)
     return any(bool(f.item()) for f in found)
 
@@ -90,7 +92,7 @@ def unscaled_grad_norm(parameters: torch.Tensor | Iterable[torch.Tensor]) -> flo
         if grad is None:
             continue
         if grad.is_sparse:
-            grad = grad.coalesce()._values()
+            grad = sparse_values(grad.coalesce())
         norms.append(torch.linalg.vector_norm(grad.detach(), 2, dtype=torch.float32))
     if not norms:
         return 0.0

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import fx, nn
 
+from autoprec._torch_compat import child_module
 from autoprec.errors import AutoprecError
 from autoprec.policy import Policy
 from autoprec.runtime.apply import MixedPrecisionModule
@@ -236,7 +237,7 @@ def _read_model_modules(gm: fx.GraphModule, model: nn.Module) -> None:
         if top in own:
             raise AutoprecError(f"shard: {type(model).__name__}.{top} is a Parameter of the model itself; "
                                 "FSDP2 over autoprec needs every Parameter in a submodule")
-        sub = model._modules.get(top)
+        sub = child_module(model, top)
         if sub is not None:
             setattr(gm, top, sub)
 

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch.utils._pytree as pytree
 from torch import fx
+
+from autoprec._torch_compat import pytree, pytree_info, set_pytree_codegen
 
 __all__ = ["flat_output_graph", "rebuild"]
 
@@ -29,12 +30,11 @@ def flat_output_graph(gm: fx.GraphModule) -> tuple[fx.GraphModule, pytree.TreeSp
         returns the graph's output values as a tuple; ``spec`` is ``gm``'s output spec, or None
         when ``gm`` has none (then ``flat`` is ``gm`` itself and its outputs need no rebuilding).
     """
-    codegen = gm.graph._codegen
-    info = getattr(codegen, "pytree_info", None)
+    info = pytree_info(gm.graph)
     if info is None or info.out_spec is None:
         return gm, None
     graph = fx.Graph()
-    graph._codegen = fx.graph._PyTreeCodeGen(info._replace(out_spec=None))
+    set_pytree_codegen(graph, info._replace(out_spec=None))
     graph.output(graph.graph_copy(gm.graph, {}))
     flat = fx.GraphModule(gm, graph, class_name=type(gm).__name__)
     flat.meta = dict(gm.meta)

@@ -48,6 +48,7 @@ import torch
 from torch import fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from autoprec._torch_compat import pytree, saved_tensor_hook_node, top_saved_tensors_hooks
 from autoprec.dtypes import SAVED_DTYPES, to_torch
 from autoprec.errors import PassError
 from autoprec.kernels.fp8 import amax_scale
@@ -172,10 +173,7 @@ def unpack(packed: Any, dtype: torch.dtype) -> torch.Tensor:
 
 def _traced_node() -> fx.Node | None:
     """The forward-graph node AOTAutograd is inlining the hooks for (None outside compilation)."""
-    from torch._functorch._aot_autograd.graph_compile import _get_saved_tensor_hook_context
-
-    ctx = _get_saved_tensor_hook_context()
-    return None if ctx is None else ctx.get("_node")
+    return saved_tensor_hook_node()
 
 
 def _pack_hook(t: torch.Tensor) -> Any:
@@ -238,7 +236,7 @@ def report_saved(outputs: Any) -> None:
     if outer is None:
         return
     seen: set[int] = set()
-    for t in torch.utils._pytree.tree_leaves(outputs):
+    for t in pytree.tree_leaves(outputs):
         fn = getattr(t, "grad_fn", None) if isinstance(t, torch.Tensor) else None
         if fn is None or id(fn) in seen or not type(fn).__name__.startswith("CompiledFunction"):
             continue
@@ -251,7 +249,7 @@ class _SavedHooks(contextlib.AbstractContextManager):
     """Pushes :data:`_HOOKS` and the per-forward state; reusable and re-entrant (a stack per thread)."""
 
     def __enter__(self) -> None:
-        top = torch._C._autograd._top_saved_tensors_default_hooks(True)
+        top = top_saved_tensors_hooks()
         outer = top if top and not isinstance(top[0], fx.GraphModule) else None
         stack = _state.__dict__.setdefault("stack", [])
         hooks = torch.autograd.graph.saved_tensors_hooks(*_HOOKS)

@@ -17,8 +17,8 @@ fp16 ``DynamicLossScaler`` (``min_loss_scale``) and from failures seen in practi
   (torch/distributed/fsdp/sharded_grad_scaler.py, ``unscale_``) does.
 
 Sources:
-    * ``torch.amp.GradScaler`` (torch/amp/grad_scaler.py) and its kernels
-      ``torch._amp_foreach_non_finite_check_and_unscale_`` / ``torch._amp_update_scale_``.
+    * ``torch.amp.GradScaler`` (torch/amp/grad_scaler.py) and its ATen kernels
+      ``_amp_foreach_non_finite_check_and_unscale_`` / ``_amp_update_scale_``.
     * DeepSpeed ``deepspeed/runtime/fp16/loss_scaler.py`` (``DynamicLossScaler``, ``min_loss_scale``).
     * ``torch.distributed.fsdp.ShardedGradScaler`` (found_inf all-reduced before the step).
 """
@@ -99,7 +99,7 @@ class DynamicLossScaler:
             monitor.last_batch = batch      # the batch diagnose() re-runs if update() gives up
             ...                             # forward, scale(loss).backward(), step, update
 
-    The scale is kept as a float32 value, and ``update`` reproduces ``torch._amp_update_scale_``
+    The scale is kept as a float32 value, and ``update`` reproduces the kernel ``_amp_update_scale_``
     exactly (so, with the floor and cap not binding, the trajectory equals GradScaler's): on a step
     with inf/NaN gradients the scale is multiplied by ``backoff_factor`` and the growth tracker reset;
     after ``growth_interval`` consecutive clean steps it is multiplied by ``growth_factor``. The result

@@ -20,8 +20,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from torch import fx, nn
-from torch.utils import _pytree as pytree
 
+from autoprec._torch_compat import pytree
 from autoprec.capture import capture
 from autoprec.dims import DimPlan, largest_batch, maxima, plan_dims, shapes_vary, tensor_shapes
 from autoprec.errors import CaptureError

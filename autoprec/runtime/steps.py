@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from autoprec._torch_compat import dynamo_unique_graphs
 from autoprec.runtime.rng import StepRng
 from autoprec.runtime.train import StepStats, TrainStep
 
@@ -110,11 +111,10 @@ class StepsTooSlow(Exception):
 
 def compile_count() -> int:
     """Graphs ``torch.compile`` (Dynamo) has compiled in this process so far
-    (``torch._dynamo.utils.counters["stats"]["unique_graphs"]``): a rise across a call means the
-    call compiled. Process-wide, so a compile in another thread at the same time counts too."""
-    from torch._dynamo.utils import counters
-
-    return int(counters["stats"]["unique_graphs"])
+    (Dynamo's ``unique_graphs`` counter, :func:`autoprec._torch_compat.dynamo_unique_graphs`): a rise
+    across a call means the call compiled. Process-wide, so a compile in another thread at the same
+    time counts too."""
+    return dynamo_unique_graphs()
 
 
 def slow_step_guard(max_step_s: float) -> StepHook:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from autoprec._torch_compat import is_dynamo_optimized, overload_schema
 from autoprec.metrics import grad_rel_l2, grad_sqnr_db_min
 from autoprec.runtime.scaler import DynamicLossScaler
 
@@ -164,11 +165,12 @@ def draws_random(gm: nn.Module) -> bool:
             continue
         for node in graph.nodes:
             t = node.target
-            if node.op != "call_function" or not isinstance(t, torch._ops.OpOverload):
+            schema = overload_schema(t) if node.op == "call_function" else None
+            if schema is None:
                 continue
             if torch.Tag.nondeterministic_seeded not in t.tags:
                 continue
-            args = t._schema.arguments
+            args = schema.arguments
 
             def arg(name: str, node=node, args=args) -> Any:
                 i = next((k for k, a in enumerate(args) if a.name == name), None)
@@ -179,7 +181,7 @@ def draws_random(gm: nn.Module) -> bool:
                 return node.args[i] if i < len(node.args) else args[i].default_value
 
             if arg("train") is False or arg("dropout_p") == 0 or (
-                    "dropout" in t._schema.name and arg("p") == 0):
+                    "dropout" in schema.name and arg("p") == 0):
                 continue
             return True
     return False
@@ -189,12 +191,10 @@ def is_compiled(fn: Callable[..., Any]) -> bool:
     """Whether ``fn`` runs through ``torch.compile``: what ``compile_graph`` returns (an
     ``OptimizedModule``, or the wrappers around one — the activation-memory-budget wrapper, the
     saved-activation call, ``CompileLog`` — each holding the next as ``.fn``)."""
-    from torch._dynamo.eval_frame import OptimizedModule
-
     for _ in range(4):
         if fn is None:
             return False
-        if isinstance(fn, OptimizedModule) or hasattr(fn, "_torchdynamo_orig_callable"):
+        if is_dynamo_optimized(fn):
             return True
         fn = getattr(fn, "fn", None)
     return False
