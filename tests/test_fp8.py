@@ -157,7 +157,8 @@ def test_scale_of_zeros_is_finite_and_amax_maps_to_fp8_max():
         q, _ = quantize(t, dtype, "tensorwise")
         assert q.float().abs().max().item() == torch.finfo(dtype).max
     s = amax_scale(t, E4M3, -1, round_pow2=True)
-    assert torch.equal(s, torch.exp2(torch.log2(s).round())) and (s * t.abs().amax(-1, keepdim=True) <= 448).all()
+    assert torch.equal(s, torch.exp2(torch.log2(s).round()))
+    assert (s * t.abs().amax(-1, keepdim=True) <= 448).all()
 
 
 def test_padded_path_is_exact():
@@ -203,7 +204,8 @@ def test_aot_graph_shows_amax_scale_and_cast_to_the_compiler():
 
     torch._dynamo.reset()
     x, w, b = _problem()
-    torch.compile(_step, fullgraph=True, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep))(x, w, b).backward()
+    backend = aot_autograd(fw_compiler=keep, bw_compiler=keep)
+    torch.compile(_step, fullgraph=True, backend=backend)(x, w, b).backward()
     assert len(graphs) == 2
     for targets in graphs:
         assert not any("autoprec" in t for t in targets), targets
@@ -240,8 +242,8 @@ def test_fake_tensors_give_shape_and_dtype():
 
     with FakeTensorMode():
         for recipe in RECIPES:
-            out = fp8_linear(torch.randn(2, 7, 40, dtype=torch.bfloat16), torch.randn(24, 40, dtype=torch.bfloat16),
-                             None, recipe)
+            x, w = torch.randn(2, 7, 40, dtype=torch.bfloat16), torch.randn(24, 40, dtype=torch.bfloat16)
+            out = fp8_linear(x, w, None, recipe)
             assert out.shape == (2, 7, 24) and out.dtype == torch.bfloat16
 
 

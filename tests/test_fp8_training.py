@@ -1,8 +1,9 @@
 """fp8 matmuls train a tiny Qwen2 (issue 14, Done when 4): every linear computes in fp8
-(``autoprec::fp8_linear``: e4m3 operands, e5m2 gradients, amax scales), 50 AdamW steps through
+(``autoprec::fp8_linear``: torchao.float8's recipe, amax scales), 50 AdamW steps through
 ``autoprec.apply``; the loss falls, and the first step's gradient drift against FP32
-(``autoprec.metrics.grad_rel_l2``) is reported and bounded. Tensorwise scaling runs in the default
-suite (~30 s: the CPU's reference fp8 kernels are slow), rowwise is ``slow``."""
+(``autoprec.metrics.grad_rel_l2``) is reported and bounded. The tensorwise recipe runs in the
+default suite (minutes on one CPU core: torch's CPU e4m3 x e4m3 ``_scaled_mm`` takes ~80 ms at
+128x64x128, measured, the same before and after the move to torchao), the rowwise ones are ``slow``."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from autoprec.metrics import grad_rel_l2
 from autoprec.policy import Policy, Rule
 
 tf = pytest.importorskip("transformers")
+pytest.importorskip("torchao.float8")
 
 B, T, V = 4, 32, 96
 
@@ -40,7 +42,8 @@ def _batches(n: int):
     return out
 
 
-@pytest.mark.parametrize("scaling", ["tensorwise", pytest.param("rowwise", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("scaling", ["tensorwise", pytest.param("rowwise", marks=pytest.mark.slow),
+                                     pytest.param("rowwise_with_gw_hp", marks=pytest.mark.slow)])
 def test_qwen2_trains_50_steps_with_fp8_matmuls(scaling, capsys):
     policy = Policy(default_dtype="bf16", fp8_scaling=scaling,
                     rules=(Rule(op_class="sensitive", dtype="fp32"),

@@ -196,8 +196,8 @@ def torchao_config(recipe: str) -> tuple[Any, Any]:
     from torchao.float8 import Float8LinearConfig, LinearMMConfig, ScaledMMConfig
 
     c = Float8LinearConfig.from_recipe_name(recipe)
-    mm = LinearMMConfig(*(ScaledMMConfig(c.emulate, g.use_fast_accum, False, c.pad_inner_dim)
-                          for g in (c.gemm_config_output, c.gemm_config_grad_input, c.gemm_config_grad_weight)))
+    gemms = (c.gemm_config_output, c.gemm_config_grad_input, c.gemm_config_grad_weight)
+    mm = LinearMMConfig(*(ScaledMMConfig(c.emulate, g.use_fast_accum, False, c.pad_inner_dim) for g in gemms))
     return c, mm
 
 

@@ -29,7 +29,8 @@ __all__ = ["LowerFp8", "fp8_lowerable", "lower_fp8"]
 
 PASS = "lower_fp8"
 _aten = torch.ops.aten
-_LINEAR, _MM, _MATMUL, _ADDMM = _aten.linear.default, _aten.mm.default, _aten.matmul.default, _aten.addmm.default
+_LINEAR, _MM, _MATMUL, _ADDMM = (_aten.linear.default, _aten.mm.default, _aten.matmul.default,
+                                 _aten.addmm.default)
 
 
 def _rank(a: object) -> int | None:
@@ -98,7 +99,8 @@ def lower_fp8(gm: fx.GraphModule, policy: Policy) -> PassResult:
             with gm.graph.inserting_before(n):
                 w = gm.graph.call_function(_aten.t.default, (src,))
             w.meta["val"] = src.meta["val"].t()
-            w.meta["autoprec"] = {**src.meta.get("autoprec", {}), "key": f"t({n.meta['autoprec'].get('key')})",
+            key = f"t({n.meta['autoprec'].get('key')})"
+            w.meta["autoprec"] = {**src.meta.get("autoprec", {}), "key": key,
                                   "inserted_cast": True, "op_class": "follow"}
         n.target, n.args, n.kwargs = op, (x, w, bias, policy.fp8_scaling), {}
         n.meta["autoprec"]["decided_by"] = f"{n.meta['autoprec'].get('decided_by')}; {PASS}"
@@ -130,5 +132,6 @@ class LowerFp8(PassBase):
             PassError: an fp8-compute node still runs its original op.
         """
         for n in gm.graph.nodes:
-            if n.meta.get("autoprec", {}).get("compute") == FP8_COMPUTE and n.target in (_LINEAR, _MM, _MATMUL, _ADDMM):
+            fp8 = n.meta.get("autoprec", {}).get("compute") == FP8_COMPUTE
+            if fp8 and n.target in (_LINEAR, _MM, _MATMUL, _ADDMM):
                 raise pass_error(PASS, n, "marked fp8 but still runs the ATen matmul")
