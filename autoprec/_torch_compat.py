@@ -313,3 +313,31 @@ def dynamo_compile_seconds() -> float:
         return float(utils.calculate_time_spent().get("total_wall_time", 0.0))
     except Exception:  # noqa: BLE001 - a private API; accounting must never fail a tune
         return 0.0
+
+
+#: :func:`compile_cache_counts`'s keys -> (Dynamo counter group, counter) (torch/_dynamo/utils.py
+#: ``counters``; torch/_inductor/codecache.py and torch/_functorch/_aot_autograd/autograd_cache.py
+#: increment them).
+_CACHE_COUNTERS = {
+    "aot_autograd_hit": ("aot_autograd", "autograd_cache_hit"),
+    "aot_autograd_miss": ("aot_autograd", "autograd_cache_miss"),
+    "aot_autograd_bypass": ("aot_autograd", "autograd_cache_bypass"),
+    "fx_graph_hit": ("inductor", "fxgraph_cache_hit"),
+    "fx_graph_miss": ("inductor", "fxgraph_cache_miss"),
+    "fx_graph_bypass": ("inductor", "fxgraph_cache_bypass"),
+}
+
+
+def compile_cache_counts() -> dict[str, int]:
+    """Lookups of Inductor's on-disk caches in this process so far: the AOTAutograd cache (a whole
+    forward+backward compile reused) and the FX graph cache (one Inductor graph's code reused),
+    each as ``*_hit``, ``*_miss`` and ``*_bypass`` (a graph the cache cannot hold), from Dynamo's
+    ``torch._dynamo.utils.counters``.
+
+    Does not import Dynamo: all 0 before anything did. Checked on 2.13.0 only. Missing: all 0.
+    """
+    utils = sys.modules.get("torch._dynamo.utils")
+    counters = getattr(utils, "counters", None)
+    if counters is None:
+        return dict.fromkeys(_CACHE_COUNTERS, 0)
+    return {key: int(counters[group][name]) for key, (group, name) in _CACHE_COUNTERS.items()}

@@ -115,9 +115,12 @@ def _cmd_tune(a: argparse.Namespace) -> int:
 
 
 def _tune(a: argparse.Namespace) -> int:
+    from autoprec._torch_compat import compile_cache_counts
+    from autoprec.runtime.compile import cache_report
     from autoprec.search.report import format_table
     from autoprec.search.study import tune
 
+    caches = compile_cache_counts()
     res = tune(a.model, trials=a.trials, timeout=a.timeout, max_drift=a.max_drift, device=a.device,
                storage=a.storage, study_name=a.study_name, compile=not a.no_compile, out=a.out,
                seed=a.seed, dtypes=a.dtypes, traj_steps=a.traj_steps, finalists=a.finalists,
@@ -130,6 +133,7 @@ def _tune(a: argparse.Namespace) -> int:
           f"grad_rel_l2 {m['grad_rel_l2']:.3g} (budget {m['drift_budget']:.3g}), peak {m['peak_bytes'] / 2**20:.1f} MiB"
           + (f" (budget {m['memory_budget_bytes'] / 2**20:.1f} MiB)" if "memory_budget_bytes" in m else ""))
     print("time: " + ", ".join(f"{k} {v:.0f}s" for k, v in res.timings.items()))
+    print(cache_report(caches))
     return 0
 
 

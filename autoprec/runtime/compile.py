@@ -10,11 +10,12 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from autoprec._torch_compat import compile_cache_counts
 from autoprec.runtime.regions import outline_blocks
 from autoprec.runtime.saved import SavedCall, apply_saved, has_saved, saved_activation_context
 from autoprec.runtime.shape_cache import CompileLog
 
-__all__ = ["compile_graph", "INDUCTOR_OPTIONS", "REGION_OPTIONS"]
+__all__ = ["compile_graph", "cache_report", "INDUCTOR_OPTIONS", "REGION_OPTIONS"]
 
 _log = logging.getLogger("autoprec")
 
@@ -117,3 +118,25 @@ class _WithMemoryBudget:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         with torch._functorch.config.patch(activation_memory_budget=self.budget):
             return self.fn(*args, **kwargs)
+
+
+def cache_report(before: dict[str, int]) -> str:
+    """What Inductor's on-disk caches served since ``before`` (a
+    :func:`autoprec._torch_compat.compile_cache_counts` snapshot), e.g. ``Inductor caches:
+    AOTAutograd 1 hit, 0 misses; FX graph 2 hits, 0 misses``, or ``Inductor caches: not used``.
+
+    A hit means a compile was reused, not redone: ``autoprec train`` after ``tune`` on the same
+    model and policy hits the AOTAutograd cache (same lowered graph, same options), so its first
+    step costs the Dynamo trace only. The caches live in ``TORCHINDUCTOR_CACHE_DIR`` (default a
+    ``torchinductor_<user>`` folder in the system's temporary directory; PyTorch docs,
+    "Compile Time Caching in torch.compile").
+    """
+    now = compile_cache_counts()
+    delta = {k: now[k] - before.get(k, 0) for k in now}
+    parts = []
+    for name, key in (("AOTAutograd", "aot_autograd"), ("FX graph", "fx_graph")):
+        hit, miss, bypass = (delta[f"{key}_{kind}"] for kind in ("hit", "miss", "bypass"))
+        if hit or miss or bypass:
+            parts.append(f"{name} {hit} hit{'s' if hit != 1 else ''}, {miss} miss{'es' if miss != 1 else ''}"
+                         + (f", {bypass} bypassed" if bypass else ""))
+    return "Inductor caches: " + ("; ".join(parts) if parts else "not used")

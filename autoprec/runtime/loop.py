@@ -14,6 +14,7 @@ prints, writes the monitor log and saves checkpoints (every rank loads one on ``
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import sys
@@ -21,12 +22,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from autoprec._torch_compat import compile_cache_counts
 from autoprec.device import resolve_device
 from autoprec.errors import AutoprecError
 from autoprec.modelspec import load_model_spec
 from autoprec.policy import Policy
 from autoprec.runtime.apply import apply
 from autoprec.runtime.checkpoint import load_checkpoint, peek_checkpoint, save_checkpoint
+from autoprec.runtime.compile import cache_report
 from autoprec.runtime.distributed import (
     close_ranks,
     ddp,
@@ -40,6 +43,8 @@ from autoprec.runtime.policy_match import check_policy_matches
 from autoprec.runtime.shape_cache import PROBE_BATCHES, capture_for
 from autoprec.runtime.steps import StepHook, every, run_steps
 from autoprec.runtime.train import StepStats, TrainStep, make_scaler
+
+_log = logging.getLogger("autoprec")
 
 __all__ = ["TrainResult", "train"]
 
@@ -167,6 +172,8 @@ def _train(spec: Any, policy: Policy, policy_path: str | os.PathLike, dev: Any, 
         save_checkpoint(checkpoint, model, optimizer, step.scaler, policy, step=done)
 
     hooks = [mean_loss_hook(ranks), _recorder(monitor, spec.tokens_per_batch), _printer(steps, log_every, quiet)]
+    if compile and not quiet:
+        hooks.append(_first_step_cache(start, compile_cache_counts()))
     if checkpoint is not None:
         hooks.append(every(checkpoint_every, save, stop=steps))
     batches = rank_step_batch(spec.get_batch, dev, ranks) if ranks.world > 1 else (
@@ -233,6 +240,17 @@ def _recorder(monitor: Monitor, tokens_per_batch: Any) -> StepHook:
     """Hook recording each step in ``monitor`` (tokens from the model file's ``tokens_per_batch``)."""
     def hook(k: int, batch: Any, stats: StepStats, seconds: float) -> None:
         monitor.record(k, stats, tokens=tokens_per_batch(batch), seconds=seconds, batch=batch)
+
+    return hook
+
+
+def _first_step_cache(start: int, before: dict[str, int]) -> StepHook:
+    """Hook logging, after the first step run, how long it took and what Inductor's caches served
+    it (:func:`autoprec.runtime.compile.cache_report`): a ``train`` after ``tune`` reuses the
+    compiled graph instead of compiling it again."""
+    def hook(k: int, _batch: Any, _st: StepStats, seconds: float) -> None:
+        if k == start:
+            _log.info("first step %.1f s (compile included); %s", seconds, cache_report(before))
 
     return hook
 

@@ -178,7 +178,7 @@ class Harness:
         if not (self.random and is_compiled(fn)):
             return self.graph_module
         if self._compiled_fp32 is None:
-            from autoprec.runtime.compile import compile_graph  # apply imports the passes
+            from autoprec.runtime.compile import compile_graph  # imported on use, as before (Inductor is heavy)
 
             self._compiled_fp32 = compile_graph(self.graph_module)
         return self._compiled_fp32

@@ -1,0 +1,37 @@
+"""``autoprec train`` right after ``tune`` reuses the compiled graph from Inductor's caches (the
+AOTAutograd and FX graph caches), and both commands say what the caches served."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+from tests.conftest import EXAMPLES
+
+CACHE_LINE = re.compile(r"Inductor caches: AOTAutograd (\d+) hits?, (\d+) miss(?:es)?")
+
+
+def _run(args, env):
+    r = subprocess.run([sys.executable, "-m", "autoprec.cli", *args], capture_output=True, text=True,
+                       env=env, timeout=900)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    return r.stdout + r.stderr
+
+
+def test_train_after_tune_hits_the_compile_caches(tmp_path):
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "OMP_NUM_THREADS": "1"}
+    policy = tmp_path / "p.json"
+    model = str(EXAMPLES / "tiny_mlp.py")
+    tuned = _run(["tune", model, "--out", str(policy), "--trials", "3", "--finalists", "1", "--traj-steps", "0"], env)
+    hits, misses = map(int, CACHE_LINE.search(tuned).groups())
+    assert misses >= 2  # a fresh cache: the baselines and the finalist compiled for real
+    trained = _run(["train", model, "--policy", str(policy), "--steps", "2"], env)
+    line = next(ln for ln in trained.splitlines() if "first step" in ln)
+    assert CACHE_LINE.search(line).groups() == ("1", "0"), line  # the tuned graph, reused
+    again = tmp_path / "cold"
+    cold = _run(["train", model, "--policy", str(policy), "--steps", "2"],
+                {**env, "TORCHINDUCTOR_CACHE_DIR": str(again)})
+    line = next(ln for ln in cold.splitlines() if "first step" in ln)
+    assert CACHE_LINE.search(line).groups() == ("0", "1"), line  # another cache: compiled again
