@@ -15,6 +15,8 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
+from autoprec._torch_compat import dynamo_compile_seconds
+
 __all__ = ["PhaseBar", "accounted", "compile_seconds", "phase_bar"]
 
 #: The longest step label a bar shows.
@@ -22,18 +24,10 @@ _LABEL = 60
 
 
 def compile_seconds() -> float:
-    """Seconds this process has spent compiling with Dynamo/Inductor so far: forward frames and
-    the backward graphs AOTAutograd compiles lazily at the first ``backward()`` (Dynamo's
-    ``calculate_time_spent()["total_wall_time"]``, ``entire_frame_compile`` +
-    ``entire_backward_compile``). 0.0 before Dynamo is imported or where the counter is missing;
-    ``torch._dynamo.reset()`` sets it back to 0."""
-    utils = sys.modules.get("torch._dynamo.utils")
-    if utils is None:  # nothing imported Dynamo: nothing was compiled
-        return 0.0
-    try:
-        return float(utils.calculate_time_spent().get("total_wall_time", 0.0))
-    except Exception:  # noqa: BLE001 - a private API; accounting must never fail a tune
-        return 0.0
+    """Seconds this process has spent compiling with Dynamo/Inductor so far, forward frames and
+    the backward graphs AOTAutograd compiles lazily at the first ``backward()``
+    (:func:`autoprec._torch_compat.dynamo_compile_seconds`; 0.0 before anything compiled)."""
+    return dynamo_compile_seconds()
 
 
 @contextlib.contextmanager
