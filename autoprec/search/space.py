@@ -19,6 +19,7 @@ from autoprec.dtypes import FP8_COMPUTE
 from autoprec.ops import classify
 from autoprec.passes.attention import has_sdpa
 from autoprec.policy import RULE_OP_CLASSES, Policy, Rule
+from autoprec.search.groups import block_params, members
 from autoprec.search.probe import KERNELS, kernel_fields
 
 __all__ = ["ATTENTION_BASELINE", "SAVED_LEVERS", "SearchSpace", "BASELINES", "FP32_COMPUTE_BASELINE", "find_blocks",
@@ -90,12 +91,15 @@ def outside_matmuls(gm: torch.fx.GraphModule, blocks: list[str]) -> list[str]:
 class SearchSpace:
     """Hierarchical kernel choices over the kernels the device runs usefully.
 
-    Levels (the number of parameters grows linearly with the number of layers):
+    Levels (the number of parameters does not grow with depth beyond
+    :data:`autoprec.search.groups.MAX_BLOCK_PARAMS` per block container):
 
     1. Op class: ``matmul`` in fp32 + the kept kernels; ``sensitive`` in fp32 + the kept kernels
        with low-precision storage (no fp8: matmuls only); ``follow`` in ``auto`` (min-cut
        placement), ``promote`` (type promotion, as torch.autocast) + those.
-    2. Per layer block: ``block:<path>`` in ``inherit`` or a kernel for that block's matmuls.
+    2. Per layer block, or per run of neighbouring blocks in a deep model (:mod:`autoprec.search.groups`):
+       ``block:<path>`` / ``blocks:<container>.<a>-<b>`` in ``inherit`` or a kernel for the matmuls
+       of that block (those blocks).
     3. Per node: ``node:<key>`` for matmul nodes outside the blocks (LM head, projections) in
        ``inherit`` or a kernel.
 
@@ -131,6 +135,8 @@ class SearchSpace:
         self.dtypes = ["fp32", *sorted(set(self.low_kernels), key=KERNELS.index)]
         self.float_choices = [c for c in self.dtypes if c != FP8_COMPUTE]
         self.blocks = list(blocks) if self.low_kernels else []
+        #: The block parameters' names (:func:`autoprec.search.groups.block_params`).
+        self.block_params = block_params(self.blocks)
         self.nodes = list(nodes) if self.low_kernels else []
         #: The memory lever's choices (``saved``: "none" or a saved dtype for every op class,
         #: :func:`with_saved`), searched only when given (``tune --max-memory``).
@@ -148,7 +154,12 @@ class SearchSpace:
     @property
     def n_params(self) -> int:
         """Number of free parameters."""
-        return 3 + len(self.blocks) + len(self.nodes) + bool(self.saved) + bool(self.attention)
+        return 3 + len(self.block_params) + len(self.nodes) + bool(self.saved) + bool(self.attention)
+
+    def region_params(self) -> list[str]:
+        """The parameters that lower one region each (a block, a run of blocks, an outside
+        matmul node), in graph order: what the sensitivity pass measures one at a time."""
+        return [*self.block_params, *(f"node:{k}" for k in self.nodes)]
 
     def suggest(self, trial: optuna.Trial) -> dict[str, str]:
         """Sample one parameter set."""
@@ -157,8 +168,8 @@ class SearchSpace:
             "sensitive": trial.suggest_categorical("sensitive", self.float_choices),
             "follow": trial.suggest_categorical("follow", ["auto", "promote", *self.float_choices]),
         }
-        for b in self.blocks:
-            p[f"block:{b}"] = trial.suggest_categorical(f"block:{b}", ["inherit", *self.dtypes])
+        for b in self.block_params:
+            p[b] = trial.suggest_categorical(b, ["inherit", *self.dtypes])
         for k in self.nodes:
             p[f"node:{k}"] = trial.suggest_categorical(f"node:{k}", ["inherit", *self.dtypes])
         if self.saved:
@@ -172,7 +183,7 @@ class SearchSpace:
         ``":fp32"`` kernel is kept, then the twin with :data:`ATTENTION_BASELINE` when attention is
         searched) with every block/node parameter ``inherit`` and fused attention; one needing a
         low-storage kernel when only fp8 is kept, or equal to an earlier one, is left out."""
-        rest = {f"block:{b}": "inherit" for b in self.blocks} | {f"node:{k}": "inherit" for k in self.nodes} | (
+        rest = dict.fromkeys(self.region_params(), "inherit") | (
             {"saved": "none"} if self.saved else {}) | ({"attention": "fused"} if self.attention else {})
         if not self.low_kernels:
             return [(BASELINES[0][0], dict(BASELINES[0][1]) | ({"saved": "none"} if self.saved else {}))]
@@ -227,8 +238,8 @@ class SearchSpace:
         for name, value in params.items():
             if value == "inherit" or name in ("saved", "attention"):
                 continue
-            if name.startswith("block:"):
-                rules.append(rule(value, module=name[len("block:"):] + ".*", op_class="matmul"))
+            if name.startswith(("block:", "blocks:")):
+                rules += [rule(value, module=f"{b}.*", op_class="matmul") for b in members(name)]
             elif name.startswith("node:"):
                 rules.append(rule(value, node=name[len("node:"):]))
         default = "fp32" if mm_dtype == FP8_COMPUTE else mm_dtype

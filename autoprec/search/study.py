@@ -327,7 +327,7 @@ def _search(run: _Run, storage: str, study_name: str, seed: int, trials: int | N
     study.set_user_attr(attrs.DRIFT_BUDGET, run.budget.value)
     study.set_user_attr(attrs.DRIFT_RULE, run.budget.to_dict())
     if not study.trials:  # a new study: rank regions, then queue the baselines (resumes skip this)
-        regions = len(run.space.blocks) + len(run.space.nodes) if run.space.low_dtypes else 0
+        regions = len(run.space.region_params()) if run.space.low_dtypes else 0
         with run.clock("sensitivity_s"), phase_bar("sensitivity", regions, run.progress and regions > 0) as bar:
             sens = region_sensitivity(run.harness, run.space, bar.step)
         if sens:

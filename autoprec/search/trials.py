@@ -30,18 +30,19 @@ _ROUNDS = 4
 
 def region_sensitivity(harness: Harness, space: SearchSpace,
                        on_region: Callable[[str], None] | None = None) -> dict[str, float]:
-    """``grad_rel_l2`` when only one region (a layer block's matmuls, or one outside matmul) is
-    lowered to the fastest low dtype and everything else stays fp32: one eager forward/backward
-    per region. Empty when no low dtype is usable; a region that cannot be lowered or drifts
+    """``grad_rel_l2`` when only one region (a layer block's matmuls, a run of blocks', or one
+    outside matmul: :meth:`SearchSpace.region_params`) is lowered to the fastest low dtype and
+    everything else stays fp32: one eager forward/backward per region, so a deep model costs
+    as many as a 4-layer one (:mod:`autoprec.search.groups`). Empty when no low dtype is usable; a region that cannot be lowered or drifts
     to a non-finite value gets :data:`attrs.INFEASIBLE`. ``on_region(name)`` is called as each
     region begins (a progress bar's step)."""
     if not space.low_dtypes:
         return {}
     low = space.low_dtypes[0]
     base = {"matmul": "fp32", "sensitive": "fp32", "follow": "auto"}
-    base |= {f"block:{b}": "inherit" for b in space.blocks} | {f"node:{k}": "inherit" for k in space.nodes}
+    base |= dict.fromkeys(space.region_params(), "inherit")
     out = {}
-    for name in [f"block:{b}" for b in space.blocks] + [f"node:{k}" for k in space.nodes]:
+    for name in space.region_params():
         if on_region is not None:
             on_region(name)
         pol = space.to_policy(base | {name: low})
