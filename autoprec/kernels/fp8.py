@@ -46,8 +46,10 @@ every amax unchanged and add nothing to a product (tested by forcing the padding
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -163,6 +165,22 @@ def _torchao() -> Any:
     Raises:
         ImportError: torchao (>= 0.18) is not installed, with the command that installs it.
     """
+    try:
+        with quiet_torchao_import():
+            from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
+    except ImportError as e:
+        raise ImportError(f"fp8 matmuls (compute 'fp8_e4m3') run on torchao.float8, which is not "
+                          f"installed or too old ({e}); {_INSTALL}") from e
+    return matmul_with_hp_or_float8_args
+
+
+@contextlib.contextmanager
+def quiet_torchao_import() -> Iterator[None]:
+    """Hold torchao's import-time noise while the body runs: its "Failed to load <.so>" warnings
+    for CUDA kernels (dropped where CUDA is absent, as the CPU path does not use them) and torch's
+    deprecation of torchao's ``register_constant`` on an Enum (``torch.utils._pytree`` logger,
+    dropped always). torchao is imported by the fp8 path and also by ``transformers`` whenever it
+    is installed (its torchao quantizer), so the model file loader runs under this too."""
     quiet = [logging.getLogger("torch.utils._pytree")]
     if not torch.cuda.is_available():
         quiet.append(logging.getLogger("torchao"))
@@ -170,14 +188,10 @@ def _torchao() -> Any:
     for log in quiet:
         log.setLevel(logging.ERROR)
     try:
-        from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
-    except ImportError as e:
-        raise ImportError(f"fp8 matmuls (compute 'fp8_e4m3') run on torchao.float8, which is not "
-                          f"installed or too old ({e}); {_INSTALL}") from e
+        yield
     finally:
         for log, level in zip(quiet, levels):
             log.setLevel(level)
-    return matmul_with_hp_or_float8_args
 
 
 @functools.cache

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from autoprec.errors import ModelSpecError
+from autoprec.kernels.fp8 import quiet_torchao_import
 from autoprec.modelspec.batch import default_loss_fn, default_make_optimizer, default_tokens_per_batch
 
 __all__ = ["ModelSpec", "load_model_spec"]
@@ -148,7 +149,8 @@ def _import_file(shown: str) -> Any:
     saved_dont_write = sys.dont_write_bytecode
     sys.dont_write_bytecode = True
     try:
-        loader.exec_module(module)
+        with quiet_torchao_import():  # transformers imports torchao when installed
+            loader.exec_module(module)
     except SyntaxError as e:
         if e.filename and os.path.abspath(e.filename) == filename:
             text = (e.text or "").rstrip("\n").strip()
