@@ -52,9 +52,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from autoprec import bench_shapes as shapes
 from autoprec._io import write_json
 from autoprec._version import __version__
-from autoprec import bench_shapes as shapes
 from autoprec.bench_configs import BenchConfig, build_configs, main_dtype
 from autoprec.bench_table import add_ratios, format_bench_table, make_row, skipped_row
 from autoprec.device import autocast_dtype, describe_machine, resolve_device, time_matmul
@@ -62,8 +62,8 @@ from autoprec.dtypes import NAMES, to_torch
 from autoprec.modelspec import load_model_spec
 from autoprec.passes import run_pipeline
 from autoprec.policy import Policy
-from autoprec.search.measure import Harness, Measurement
 from autoprec.search.load import LoadMonitor
+from autoprec.search.measure import Harness, Measurement
 from autoprec.search.timing import Config, format_rate, time_interleaved
 
 __all__ = [
@@ -139,7 +139,8 @@ def model_flops(model: nn.Module, batch: Any, tokens: int) -> dict[str, Any]:
     cfg = getattr(model, "config", None)
     layers = int(getattr(cfg, "num_hidden_layers", 0) or 0)
     hidden = int(getattr(cfg, "hidden_size", 0) or 0)
-    x = batch.get("input_ids") if isinstance(batch, dict) else batch[0] if isinstance(batch, (tuple, list)) else batch
+    x = (batch.get("input_ids") if isinstance(batch, dict)
+         else batch[0] if isinstance(batch, (tuple, list)) else batch)
     seq = int(x.shape[-1]) if isinstance(x, torch.Tensor) and x.dim() >= 1 else 0
     flops = 6 * n_mm * tokens + 12 * layers * seq * hidden * tokens
     return {"flops_per_step": float(flops), "params_matmul": n_mm, "params_embedding": n_emb,
@@ -152,10 +153,10 @@ def _log(msg: str, quiet: bool) -> None:
         print(f"[autoprec bench] {msg}", flush=True)
 
 
-def run_bench(model_path: str | os.PathLike, policy: Policy | str | os.PathLike, steps: int = 5, warmup: int = 2,
-              device: str = "auto", configs: Sequence[str] | None = None, max_step_ratio: float = 10.0,
-              skip_slow: bool = False, quiet: bool = False, json_path: str | os.PathLike | None = None,
-              rel_band: float = 0.03, time_cap_s: float = 120.0,
+def run_bench(model_path: str | os.PathLike, policy: Policy | str | os.PathLike, steps: int = 5,
+              warmup: int = 2, device: str = "auto", configs: Sequence[str] | None = None,
+              max_step_ratio: float = 10.0, skip_slow: bool = False, quiet: bool = False,
+              json_path: str | os.PathLike | None = None, rel_band: float = 0.03, time_cap_s: float = 120.0,
               strict_timing: bool = False) -> dict[str, Any]:
     """Measure ``policy`` and the baselines (:data:`CONFIGS`) on ``model_path`` in this process.
 
@@ -243,8 +244,9 @@ def _measure_peaks(dtypes: Sequence[str], dev: torch.device, quiet: bool) -> dic
     return peaks
 
 
-def _drift_all(names: Sequence[str], cfgs: dict[str, BenchConfig], result: dict[str, Any], skip_dtype: str | None,
-               json_path: str | os.PathLike | None, quiet: bool) -> dict[str, tuple[Measurement, Any]]:
+def _drift_all(names: Sequence[str], cfgs: dict[str, BenchConfig], result: dict[str, Any],
+               skip_dtype: str | None, json_path: str | os.PathLike | None,
+               quiet: bool) -> dict[str, tuple[Measurement, Any]]:
     """Drift and memory of each configuration in turn (``fp32_eager`` timed too, back to back, for
     the slow-step limit ``result["timing"]["max_step_s"]``); rows without timing, checkpointed.
 

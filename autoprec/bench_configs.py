@@ -27,7 +27,8 @@ __all__ = ["BenchConfig", "build_configs", "main_dtype", "pure_low"]
 def main_dtype(lowered: torch.fx.GraphModule, policy: Policy) -> str:
     """Most common dtype among the lowered graph's ``matmul``-class nodes (else the default)."""
     seen = Counter(n.meta["autoprec"]["dtype"] for n in lowered.graph.nodes
-                   if n.meta.get("autoprec", {}).get("op_class") == "matmul" and n.meta["autoprec"].get("dtype"))
+                   if n.meta.get("autoprec", {}).get("op_class") == "matmul"
+                   and n.meta["autoprec"].get("dtype"))
     return seen.most_common(1)[0][0] if seen else policy.default_dtype
 
 
@@ -57,7 +58,8 @@ def pure_low(h: Harness, dtype: torch.dtype) -> Harness:
     return low
 
 
-def build_configs(h: Harness, policy: Policy, low: torch.dtype, names: Sequence[str]) -> dict[str, BenchConfig]:
+def build_configs(h: Harness, policy: Policy, low: torch.dtype,
+                  names: Sequence[str]) -> dict[str, BenchConfig]:
     """How to run each configuration in ``names`` (:data:`autoprec.bench.CONFIGS`) on ``h``'s model and
     batches, in the low dtype ``low``; modules are built lazily (``BenchConfig.fn()``: compiling starts
     at their first call). Widens ``h.graph_module``'s ranges first when a batch is outside them
@@ -74,15 +76,18 @@ def build_configs(h: Harness, policy: Policy, low: torch.dtype, names: Sequence[
     plow = pure_low(h, low) if any(n.startswith("pure_low") for n in names) else None
     table = {
         "fp32_eager": lambda: BenchConfig(lambda: h.model, h, lambda: None, None, "fp32", False),
-        "fp32_compiled": lambda: BenchConfig(lambda: compile_graph(h.graph_module), h, lambda: None, None, "fp32", True),
+        "fp32_compiled": lambda: BenchConfig(lambda: compile_graph(h.graph_module), h, lambda: None, None,
+                                             "fp32", True),
         "autocast_eager": lambda: BenchConfig(lambda: h.model, h, low_scaler, low, lname, False),
-        "autocast_compiled": lambda: BenchConfig(lambda: compile_graph(h.model, dynamic=shapes.autocast_dynamic(
-            h.batches)), h, low_scaler, low, lname, True),
+        "autocast_compiled": lambda: BenchConfig(
+            lambda: compile_graph(h.model, dynamic=shapes.autocast_dynamic(h.batches)),
+            h, low_scaler, low, lname, True),
         "pure_low_eager": lambda: BenchConfig(lambda: plow.model, plow, low_scaler, None, lname, False),
-        "pure_low_compiled": lambda: BenchConfig(lambda: compile_graph(shapes.capture_rows(plow.model, plow.batches)), plow,
-                                             low_scaler, None, lname, True),
+        "pure_low_compiled": lambda: BenchConfig(
+            lambda: compile_graph(shapes.capture_rows(plow.model, plow.batches)),
+            plow, low_scaler, None, lname, True),
         "policy_eager": lambda: BenchConfig(lambda: lowered, h, pol_scaler, None, pdt, False),
-        "policy_compiled": lambda: BenchConfig(lambda: compile_graph(lowered, policy.activation_memory_budget), h,
-                                           pol_scaler, None, pdt, True),
+        "policy_compiled": lambda: BenchConfig(
+            lambda: compile_graph(lowered, policy.activation_memory_budget), h, pol_scaler, None, pdt, True),
     }
     return {n: table[n]() for n in names}

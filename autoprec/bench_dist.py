@@ -1,4 +1,5 @@
-"""``autoprec bench --nproc N``: gradient communication and memory under DDP and FSDP2 (docs/architecture.md#runtime).
+"""``autoprec bench --nproc N``: gradient communication and memory under DDP and FSDP2
+(docs/architecture.md#runtime).
 
 ``autoprec bench MODEL --policy P --nproc N`` starts N ranks with torchrun
 (:func:`autoprec.runtime.distributed.launch`); every rank runs :func:`run_bench_dist`, which trains
@@ -114,7 +115,8 @@ def predicted_peak_bytes(n_params: int, largest: int, wrapper: str, world: int, 
     elif wrapper == "fsdp2":
         rest = (4 + 4 + moments) / world
         total = (rest + 12) * n_params
-        formula = f"({4 + 4 + moments}/{world} sharded + 4 gathered weights + 4 unsharded grads + 4 reduce-scatter) x params"
+        formula = (f"({4 + 4 + moments}/{world} sharded + 4 gathered weights + 4 unsharded grads "
+                   "+ 4 reduce-scatter) x params")
     else:
         raise ValueError(f"predicted_peak_bytes: wrapper {wrapper!r}: expected 'ddp' or 'fsdp2'")
     return {"bytes": total, "bytes_per_param": total / max(n_params, 1), "at_rest_per_param": rest,
@@ -204,11 +206,12 @@ def _build(spec: Any, policy: Policy, wrapper: str, dev: torch.device) -> tuple[
     mp = apply(model, policy, spec.get_batch(0, dev), compile=False, dynamic=False)
     module = ddp(mp, policy) if wrapper == "ddp" else shard(mp, policy=policy)
     params = [p for p in module.parameters() if p.requires_grad]
-    return mp, TrainStep(module, params, spec.make_optimizer(params), spec.loss_fn, scaler=make_scaler(policy),
-                         device_type=dev.type)
+    return mp, TrainStep(module, params, spec.make_optimizer(params), spec.loss_fn,
+                         scaler=make_scaler(policy), device_type=dev.type)
 
 
-def _reduced_grads(spec: Any, policy: Policy, wrapper: str, dev: torch.device, ranks: Ranks) -> list[torch.Tensor]:
+def _reduced_grads(spec: Any, policy: Policy, wrapper: str, dev: torch.device,
+                   ranks: Ranks) -> list[torch.Tensor]:
     """Step 0's reduced gradients from the initial weights (unscaled), built apart from the
     measured row so that gathering them counts in no peak."""
     _, step = _build(spec, policy, wrapper, dev)
@@ -221,7 +224,8 @@ def _row(spec: Any, policy: Policy, wrapper: str, dev: torch.device, ranks: Rank
     """One configuration on this rank: peak over build and warm-up, then the timed steps."""
     meter = _PeakBytes(dev)
     batches = rank_step_batch(spec.get_batch, dev, ranks)
-    gc.collect()  # the rows before: DDP/FSDP2 modules hold reference cycles (hooks); free them outside the span
+    # the rows before: DDP/FSDP2 modules hold reference cycles (hooks); free them outside the span
+    gc.collect()
     with meter.span():
         mp, step = _build(spec, policy, wrapper, dev)
         run_steps(step, batches, 0, warmup)
@@ -233,14 +237,16 @@ def _row(spec: Any, policy: Policy, wrapper: str, dev: torch.device, ranks: Rank
     every = [None] * ranks.world
     dist.all_gather_object(every, local)
     n_params = sum(sizes)
-    pred = predicted_peak_bytes(n_params, max(sizes, default=0), wrapper, ranks.world, policy.grad_reduce_dtype)
+    pred = predicted_peak_bytes(n_params, max(sizes, default=0), wrapper, ranks.world,
+                                policy.grad_reduce_dtype)
     step_s = every[0]["step_s"]
     return {"wrapper": wrapper, "grad_reduce_dtype": policy.grad_reduce_dtype, "step_s": step_s,
             "step_s_max_rank": max(e["step_s"] for e in every), "step_times_rank0": [s for _, s in timed],
             "tokens_per_s": sum(e["tokens"] for e in every) / step_s if step_s > 0 else 0.0,
-            "peak_bytes_per_rank": [int(e["peak"]) for e in every], "predicted_peak_bytes": int(pred["bytes"]),
-            "predicted_bytes_per_param": pred["bytes_per_param"], "at_rest_bytes_per_param": pred["at_rest_per_param"],
-            "formula": pred["formula"], "params": n_params, "largest_param": max(sizes, default=0),
+            "peak_bytes_per_rank": [int(e["peak"]) for e in every],
+            "predicted_peak_bytes": int(pred["bytes"]), "predicted_bytes_per_param": pred["bytes_per_param"],
+            "at_rest_bytes_per_param": pred["at_rest_per_param"], "formula": pred["formula"],
+            "params": n_params, "largest_param": max(sizes, default=0),
             "measured_bytes_per_param": max(e["peak"] for e in every) / max(n_params, 1),
             "final_loss_rank0": every[0]["losses"][-1] if every[0]["losses"] else None}
 
@@ -297,8 +303,8 @@ def run_bench_dist(model_path: str | os.PathLike, policy: Policy | str | os.Path
             rows[name]["policy_choice"] = reduce == pol.grad_reduce_dtype
             if ranks.lead and not quiet:
                 r = rows[name]
-                print(f"[autoprec bench] {name}: {r['step_s']:.4f} s/step, grad_rel_l2 {r['grad_rel_l2']:.2e}, "
-                      f"peak {max(r['peak_bytes_per_rank']) / 2**20:.2f} MiB/rank "
+                print(f"[autoprec bench] {name}: {r['step_s']:.4f} s/step, grad_rel_l2 "
+                      f"{r['grad_rel_l2']:.2e}, peak {max(r['peak_bytes_per_rank']) / 2**20:.2f} MiB/rank "
                       f"(predicted {r['predicted_peak_bytes'] / 2**20:.2f})", flush=True)
     finally:
         if own:
@@ -306,7 +312,8 @@ def run_bench_dist(model_path: str | os.PathLike, policy: Policy | str | os.Path
     if not ranks.lead:
         return None
     machine = describe_machine(dev)
-    result = {"device": machine["device"], "machine": machine, "torch": torch.__version__, "autoprec": __version__,
+    result = {"device": machine["device"], "machine": machine, "torch": torch.__version__,
+              "autoprec": __version__,
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "model": str(spec.path), "policy": pol.to_dict(), "world": ranks.world, "steps": steps,
               "warmup": warmup, "backend": "nccl" if dev.type == "cuda" else "gloo",
@@ -317,7 +324,8 @@ def run_bench_dist(model_path: str | os.PathLike, policy: Policy | str | os.Path
 
 
 _PEAK_RULE = {True: "torch.cuda.max_memory_allocated over build + warm-up, minus memory_allocated before",
-              False: "C heap bytes in use (glibc mallinfo2, after every ATen op and every 0.2 ms) over build + warm-up, minus before"}
+              False: "C heap bytes in use (glibc mallinfo2, after every ATen op and every 0.2 ms) over build "
+                     "+ warm-up, minus before"}
 
 
 def format_dist_table(result: dict[str, Any]) -> str:
@@ -328,10 +336,12 @@ def format_dist_table(result: dict[str, Any]) -> str:
     for name, r in result["configs"].items():
         peak = max(r["peak_bytes_per_rank"])
         lines.append(f"| {name} | {r['step_s']:.4f} | {r['step_s_max_rank']:.4f} | {r['tokens_per_s']:.0f} | "
-                     f"{r['grad_rel_l2']:.2e} | {' / '.join(f'{b / 2**20:.2f}' for b in r['peak_bytes_per_rank'])} | "
-                     f"{r['predicted_peak_bytes'] / 2**20:.2f} | {peak / max(r['predicted_peak_bytes'], 1):.3f} | "
+                     f"{r['grad_rel_l2']:.2e} | "
+                     f"{' / '.join(f'{b / 2**20:.2f}' for b in r['peak_bytes_per_rank'])} | "
+                     f"{r['predicted_peak_bytes'] / 2**20:.2f} | "
+                     f"{peak / max(r['predicted_peak_bytes'], 1):.3f} | "
                      f"{'yes' if r['policy_choice'] else ''} |")
     lines.append("")
-    lines.append(f"{result['device']}; torch {result['torch']}; {result['world']} ranks ({result['backend']}); "
-                 f"{result['date']}; peak: {result['peak_rule']}")
+    lines.append(f"{result['device']}; torch {result['torch']}; {result['world']} ranks "
+                 f"({result['backend']}); {result['date']}; peak: {result['peak_rule']}")
     return "\n".join(lines)

@@ -1,4 +1,5 @@
-"""Capture a model's forward as an ATen-level ``torch.fx.GraphModule`` (docs/architecture.md#data-flow, #node-keys-and-op-classes).
+"""Capture a model's forward as an ATen-level ``torch.fx.GraphModule`` (docs/architecture.md#data-flow,
+#node-keys-and-op-classes).
 
 ``torch.export.export(..., strict=False)`` traces the model's forward (the training IR: ops
 such as ``aten.linear``, ``aten.scaled_dot_product_attention`` stay whole) and
@@ -83,7 +84,8 @@ def _quiet_partial_graph() -> Iterator[None]:
             yield
     except Exception as e:
         partial = getattr(e, "partial_fx_graph", None)
-        sys.stderr.write(buf.getvalue().replace(f"{partial}\n", "") if partial is not None else buf.getvalue())
+        sys.stderr.write(buf.getvalue().replace(f"{partial}\n", "") if partial is not None
+                         else buf.getvalue())
         raise
     else:
         sys.stderr.write(buf.getvalue())
@@ -291,11 +293,11 @@ def _binding_error(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
     try:
         inspect.signature(model.forward).bind(*args, **kwargs)
     except TypeError as e:
-        return (f"autoprec could not capture {type(model).__name__}: the example batch ({len(args)} positional, "
-                f"keywords {list(kwargs)}) does not match forward{inspect.signature(model.forward)}: {e}.\n"
-                "  What to do: make get_batch return what forward() takes (a dict is passed as keyword "
-                "arguments, a tuple or list as positional ones, a tensor as the one argument; "
-                "docs/architecture.md#modelpy-contract).")
+        return (f"autoprec could not capture {type(model).__name__}: the example batch ({len(args)} "
+                f"positional, keywords {list(kwargs)}) does not match "
+                f"forward{inspect.signature(model.forward)}: {e}.\n  What to do: make get_batch return what "
+                "forward() takes (a dict is passed as keyword arguments, a tuple or list as positional ones, "
+                "a tensor as the one argument; docs/architecture.md#modelpy-contract).")
     except ValueError:  # no signature to check against
         return None
     return None
@@ -306,7 +308,8 @@ def _explain(e: BaseException, model: nn.Module) -> str:
     cause, todo = _cause(e)
     where = _where(e, model)
     if todo is _CONTROL_FLOW and not _is_branch(where):
-        cause, todo = (_DATA_DEPENDENT_SIZE, "keep sizes static (e.g. a mask instead of slicing by a tensor's "
+        cause, todo = (_DATA_DEPENDENT_SIZE,
+                       "keep sizes static (e.g. a mask instead of slicing by a tensor's "
                        "value), or bound the value with torch._check(...) (torch.export's docs on "
                        "unbacked sizes), or move it out of forward().")
     first = str(e).strip().splitlines()[0] if str(e).strip() else ""

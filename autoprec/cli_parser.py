@@ -46,19 +46,24 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     r.add_argument("model", help="model file defining build_model() and get_batch(step, device)")
     r.add_argument("--policy", required=True, help="policy JSON file (from autoprec tune)")
     r.add_argument("--steps", type=_int_at_least(1), default=50,
-                   help="total optimizer steps of the run; a resumed run continues up to this step (default 50)")
+                   help="total optimizer steps of the run; a resumed run continues up to this step "
+                        "(default 50)")
     r.add_argument("--device", default="auto", help="auto | cpu | cuda")
-    r.add_argument("--no-compile", action="store_true", help="run the lowered graph eagerly, no torch.compile")
-    r.add_argument("--log-every", type=_int_at_least(1), default=1, metavar="N", help="print every N-th step (default 1)")
+    r.add_argument("--no-compile", action="store_true",
+                   help="run the lowered graph eagerly, no torch.compile")
+    r.add_argument("--log-every", type=_int_at_least(1), default=1, metavar="N",
+                   help="print every N-th step (default 1)")
     r.add_argument("--checkpoint", default=None, metavar="PATH",
                    help="checkpoint file written at the end (and every --checkpoint-every steps)")
     r.add_argument("--resume", action="store_true",
-                   help="continue from --checkpoint if it exists (with --compare: the unfinished run in --out-dir)")
+                   help="continue from --checkpoint if it exists (with --compare: the unfinished run "
+                        "in --out-dir)")
     r.add_argument("--checkpoint-every", type=_int_at_least(0), default=0, metavar="N",
-                   help="also save the checkpoint every N steps (default 0: only at the end); with --compare, "
-                        "save the running configuration every N steps under --out-dir")
+                   help="also save the checkpoint every N steps (default 0: only at the end); with "
+                        "--compare, save the running configuration every N steps under --out-dir")
     r.add_argument("--log", default=None, metavar="JSONL", help="append per-step monitor records here")
-    r.add_argument("--max-grad-norm", type=_positive_float, default=None, help="clip unscaled gradients to this norm")
+    r.add_argument("--max-grad-norm", type=_positive_float, default=None,
+                   help="clip unscaled gradients to this norm")
     r.add_argument("--force", action="store_true",
                    help="train with a policy none of whose rules matches a node of this model (a policy of "
                         "another model), which is refused otherwise")
@@ -68,25 +73,28 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--out-dir", default="convergence", help="where --compare writes JSON + PNG")
     r.add_argument("--nproc", type=_int_at_least(1), default=1, metavar="N",
                    help="train on N ranks of this machine under DDP (torchrun; gloo on CPU, NCCL on CUDA): "
-                        "rank r at step k trains on get_batch(k*N + r); rank 0 logs and checkpoints (default 1)")
+                        "rank r at step k trains on get_batch(k*N + r); rank 0 logs and "
+                        "checkpoints (default 1)")
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``autoprec`` argument parser: one subcommand per command, numbers validated by type."""
-    p = argparse.ArgumentParser(prog="autoprec", description="Mixed-precision autotuner for PyTorch training.")
+    p = argparse.ArgumentParser(prog="autoprec",
+                                description="Mixed-precision autotuner for PyTorch training.")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     t = sub.add_parser("tune", help="search for the fastest policy within a drift budget")
     t.add_argument("model", help="model file defining build_model() and get_batch(step, device)")
-    t.add_argument("--trials", type=_int_at_least(1), default=None, help="finished trials the study should hold (default 20)")
+    t.add_argument("--trials", type=_int_at_least(1), default=None,
+                   help="finished trials the study should hold (default 20)")
     t.add_argument("--timeout", type=_positive_float, default=None, help="stop sampling after S seconds")
     t.add_argument("--max-drift", default="auto",
                    help="'auto' (not worse than torch.autocast's grad_rel_l2 beyond noise: a paired t-test "
                         "over 4 batches) or a number (a hard limit on the mean)")
     t.add_argument("--max-memory", default=None, metavar="M",
-                   help="memory budget for the policy's peak bytes: 'auto' (torch.autocast's, measured in this "
-                        "run), '0.8x' (of FP32 eager's), or bytes ('300MiB', '2GiB'); compiled policies over "
-                        "it recompute activations in backward (default: none)")
+                   help="memory budget for the policy's peak bytes: 'auto' (torch.autocast's, measured in "
+                        "this run), '0.8x' (of FP32 eager's), or bytes ('300MiB', '2GiB'); compiled policies "
+                        "over it recompute activations in backward (default: none)")
     t.add_argument("--device", default="auto", help="auto | cpu | cuda")
     t.add_argument("--out", default="policy.json", help="policy file to write (default policy.json)")
     t.add_argument("--storage", default=None, help="Optuna storage URL (default: SQLite beside --out)")
@@ -98,7 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--traj-steps", type=_int_at_least(0), default=20,
                    help="optimizer steps of the traj_rel check on finalists that lower anything (0: off)")
-    t.add_argument("--finalists", type=_int_at_least(1), default=2, help="fastest feasible trials re-measured compiled")
+    t.add_argument("--finalists", type=_int_at_least(1), default=2,
+                   help="fastest feasible trials re-measured compiled")
     _add_strict_timing(t)
 
     rp = sub.add_parser("report", help="write the report (Pareto front, trials table) of a study")
@@ -118,7 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="time a policy side by side with fp32, autocast and pure low precision")
     b.add_argument("model", help="model file defining build_model() and get_batch(step, device)")
     b.add_argument("--policy", required=True, help="policy JSON file")
-    b.add_argument("--steps", type=_int_at_least(1), default=5, help="timed steps per configuration (median reported)")
+    b.add_argument("--steps", type=_int_at_least(1), default=5,
+                   help="timed steps per configuration (median reported)")
     b.add_argument("--warmup", type=_int_at_least(0), default=2, help="untimed steps before timing")
     b.add_argument("--device", default="auto", help="auto | cpu | cuda")
     b.add_argument("--json", default=None, help="write the results as JSON here")
@@ -127,14 +137,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="subset of: fp32_eager fp32_compiled autocast_eager autocast_compiled pure_low_eager "
                         "pure_low_compiled policy_eager policy_compiled (default all)")
     b.add_argument("--max-step-ratio", type=_positive_float, default=10.0,
-                   help="stop timing a config after two steps over this multiple of fp32 eager's step (or one "
-                        "over 4x that) and report its last step")
+                   help="stop timing a config after two steps over this multiple of fp32 eager's step (or "
+                        "one over 4x that) and report its last step")
     b.add_argument("--skip-slow", action="store_true",
                    help="skip low-precision baselines when the device's low-dtype matmul is more than "
                         "--max-step-ratio times slower than fp32 (CPUs that emulate bf16)")
     _add_strict_timing(b)
     b.add_argument("--nproc", type=_int_at_least(1), default=1, metavar="N",
-                   help="measure on N ranks of this machine (torchrun; gloo on CPU, NCCL on CUDA) instead: DDP "
-                        "and FSDP2, gradients reduced in fp32 and bf16; step time, grad_rel_l2 against fp32 "
-                        "reduction and per-rank peak bytes beside the predicted ones (default 1)")
+                   help="measure on N ranks of this machine (torchrun; gloo on CPU, NCCL on CUDA) instead: "
+                        "DDP and FSDP2, gradients reduced in fp32 and bf16; step time, grad_rel_l2 against "
+                        "fp32 reduction and per-rank peak bytes beside the predicted ones (default 1)")
     return p

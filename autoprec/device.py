@@ -19,7 +19,8 @@ import torch
 from autoprec.dtypes import NAMES, to_torch
 from autoprec.errors import AutoprecError
 
-__all__ = ["autocast_dtype", "heap_bytes", "describe_machine", "device_name", "resolve_device", "sync", "time_call", "time_matmul"]
+__all__ = ["autocast_dtype", "heap_bytes", "describe_machine", "device_name", "resolve_device", "sync",
+           "time_call", "time_matmul"]
 
 
 def resolve_device(device: str = "auto") -> torch.device:
@@ -72,7 +73,8 @@ def describe_machine(device: torch.device) -> dict[str, Any]:
     }
 
 
-def time_matmul(dtype: torch.dtype, device: torch.device, n: int, reps: int, stop_after_s: float) -> list[float]:
+def time_matmul(dtype: torch.dtype, device: torch.device, n: int, reps: int,
+                stop_after_s: float) -> list[float]:
     """Wall-clock seconds of ``n×n @ n×n`` matmuls in ``dtype`` on ``device``.
 
     One warm-up, then up to ``reps`` timed runs (device-synchronised), stopping early once

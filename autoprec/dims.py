@@ -36,8 +36,8 @@ from torch import nn
 
 from autoprec._torch_compat import pytree
 
-__all__ = ["BATCH", "SEQ", "TARGET", "DimPlan", "DimRange", "export_ranges", "export_refined", "largest_batch", "leaf_name", "maxima", "plan_dims",
-           "shapes_vary", "tensor_shapes"]
+__all__ = ["BATCH", "SEQ", "TARGET", "DimPlan", "DimRange", "export_ranges", "export_refined",
+           "largest_batch", "leaf_name", "maxima", "plan_dims", "shapes_vary", "tensor_shapes"]
 
 BATCH, SEQ, TARGET = "batch", "seq", "target_seq"
 
@@ -136,8 +136,8 @@ def plan_dims(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
         no token ids).
     """
     leaves, paths = _leaves(args, kwargs)
-    plan = DimPlan(names=[leaf_name(p, _arg_names(model)) for p in paths], paths=[pytree.keystr(p) for p in paths],
-                   dims=[{} for _ in leaves])
+    plan = DimPlan(names=[leaf_name(p, _arg_names(model)) for p in paths],
+                   paths=[pytree.keystr(p) for p in paths], dims=[{} for _ in leaves])
     tensors = [(i, t) for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.dim() >= 1]
     if not tensors:
         return plan

@@ -1,4 +1,5 @@
-"""Graph views and cast placement for ``follow`` nodes (docs/architecture.md#data-flow, issue "compiler core").
+"""Graph views and cast placement for ``follow`` nodes (docs/architecture.md#data-flow, issue "compiler
+core").
 
 A cast is paid once per producer and target dtype: if a tensor ``u`` of ``B`` bytes is read by
 consumers in a dtype other than its own, one conversion of ``B`` bytes is needed. ``follow``

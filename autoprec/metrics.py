@@ -16,7 +16,8 @@ __all__ = ["grad_rel_l2", "grad_sqnr_db_min", "median", "traj_rel"]
 
 
 def grad_rel_l2(grads: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
-    """‖g − g₃₂‖₂ / ‖g₃₂‖₂ over all gradients concatenated (docs/architecture.md#measurements); inf if non-finite.
+    """‖g − g₃₂‖₂ / ‖g₃₂‖₂ over all gradients concatenated (docs/architecture.md#measurements); inf if
+    non-finite.
 
     Args:
         grads: Gradients (any float dtype; compared in fp64), same shapes as ``ref``.
@@ -48,7 +49,8 @@ def grad_sqnr_db_min(grads: list[torch.Tensor], ref: list[torch.Tensor]) -> floa
 
 
 def traj_rel(losses: list[float], ref: list[float]) -> float:
-    """max over steps k of |L_k − L32_k| / |L32_k| (docs/architecture.md#measurements); inf if any loss is non-finite.
+    """max over steps k of |L_k − L32_k| / |L32_k| (docs/architecture.md#measurements); inf if any loss is
+    non-finite.
 
     Also the "max relative deviation from the FP32 curve" of ``autoprec train --compare``.
     """

@@ -33,7 +33,8 @@ def module_path(node: fx.Node) -> str:
 
 
 def node_key(module: str, op: str, k: int) -> str:
-    """Format a stable node key: ``model.layers.3.mlp.down_proj/linear#0`` (docs/architecture.md#node-keys-and-op-classes)."""
+    """Format a stable node key: ``model.layers.3.mlp.down_proj/linear#0``
+    (docs/architecture.md#node-keys-and-op-classes)."""
     return f"{module}/{op}#{k}" if module else f"{op}#{k}"
 
 

@@ -1,4 +1,5 @@
-"""The op table: every ATen op autoprec knows, its class and the numerical reason (docs/architecture.md#node-keys-and-op-classes).
+"""The op table: every ATen op autoprec knows, its class and the numerical reason
+(docs/architecture.md#node-keys-and-op-classes).
 
 Classes (TVM ``ToMixedPrecision`` ALWAYS/FOLLOW/NEVER, TensorFlow AMP allow/infer/deny lists):
 

@@ -23,11 +23,12 @@ DIMS_META = "autoprec_dims"
 
 #: What to do about a batch outside the ranges of a dynamic capture (the rule is autoprec.dims').
 RANGE_ADVICE = ("the ranges come from the example batch given to autoprec.apply (batch sizes up to its batch "
-                "size; sequence lengths, and an encoder-decoder's target lengths (target_seq) on their own, up "
-                "to the model's config.max_position_embeddings, else up to the example's; see autoprec.dims): "
-                "apply with an example batch of the largest batch size and lengths you train on, or without "
-                "strict_shapes=True, which captures again with wider ranges instead of raising; inputs that "
-                "share a dimension (the seq of input_ids and attention_mask) must have the same size in it.")
+                "size; sequence lengths, and an encoder-decoder's target lengths (target_seq) on their own, "
+                "up to the model's config.max_position_embeddings, else up to the example's; see "
+                "autoprec.dims): apply with an example batch of the largest batch size and lengths you train "
+                "on, or without strict_shapes=True, which captures again with wider ranges instead of "
+                "raising; inputs that share a dimension (the seq of input_ids and attention_mask) must have "
+                "the same size in it.")
 
 
 class InputShapes:
@@ -41,8 +42,9 @@ class InputShapes:
     arguments, then keyword arguments by name, nested lists/dicts flattened by the captured pytree spec).
     Shapes come from each placeholder's ``meta["val"]``. A symbolic dimension (dynamic capture) must
     lie in its range from ``gm.meta[DIMS_META]`` (any size when the graph records none), and inputs
-    that share a symbol (the batch size of ``input_ids`` and ``labels``) must agree. Anything the check cannot map (wrong arity, unknown keyword, another structure) is
-    left to the graph's own call, which raises its usual error.
+    that share a symbol (the batch size of ``input_ids`` and ``labels``) must agree. Anything the check cannot
+    map (wrong arity, unknown keyword, another structure) is left to the graph's own call, which raises its
+    usual error.
 
     Args:
         gm: A graph from :func:`capture` (or one lowered from it by ``autoprec.passes``).
@@ -74,11 +76,13 @@ class InputShapes:
             self._n_positional = spec.child(0).num_children
             self.names = _leaf_names(spec, self._args)
             # one leaf per argument in argument order: index the call directly, no pytree walk
-            flat = all(spec.child(i).child(j).is_leaf() for i in (0, 1) for j in range(spec.child(i).num_children))
+            flat = all(spec.child(i).child(j).is_leaf()
+                       for i in (0, 1) for j in range(spec.child(i).num_children))
             self._spec = None if flat else spec
         elif spec is not None:
             self.enabled = False  # a layout this check does not know: let the graph check its inputs
-        if len(self.names) != len(self.shapes) or (self._spec is None and len(self._args) != len(self.shapes)):
+        if (len(self.names) != len(self.shapes)
+                or (self._spec is None and len(self._args) != len(self.shapes))):
             self.enabled = False  # placeholders do not map onto the arguments: leave it to the graph
         self._index = {name: i for i, name in enumerate(self._args)}
 
@@ -148,8 +152,8 @@ class InputShapes:
                 size = int(leaf.shape[i])
                 role, lo, hi = self.ranges.get(sym, (f"dim {i}", None, None))
                 if (lo is not None and size < lo) or (hi is not None and size > hi):
-                    bad.append(f"input {name!r} has shape {_fmt(tuple(leaf.shape))}: dim {i} ({role}) is {size}, "
-                               f"allowed {_fmt_range(lo, hi)}")
+                    bad.append(f"input {name!r} has shape {_fmt(tuple(leaf.shape))}: dim {i} ({role}) is "
+                               f"{size}, allowed {_fmt_range(lo, hi)}")
                 elif sym in seen and seen[sym][1] != size:
                     bad.append(f"input {name!r} has {role} {size} (dim {i}) but input {seen[sym][0]!r} has "
                                f"{seen[sym][1]}: they were captured as one dimension")
@@ -157,7 +161,8 @@ class InputShapes:
         return bad
 
     def _raise_range(self, leaves: list[Any], bad: list[str]) -> None:
-        accepted = [f"{n}: {_fmt(self._display(s, syms))}" for n, s, syms in zip(self.names, self.shapes, self._symbols)
+        accepted = [f"{n}: {_fmt(self._display(s, syms))}" for n, s, syms in zip(self.names, self.shapes,
+                                                                                 self._symbols)
                     if s is not None]
         given = [f"{n}: {_fmt(tuple(x.shape))}" for n, x, s in zip(self.names, leaves, self.shapes)
                  if s is not None and isinstance(x, torch.Tensor)]
@@ -225,7 +230,8 @@ def _fits(shape: torch.Size, want: tuple[int | None, ...] | None) -> bool:
 
 
 def _fmt(shape: tuple[Any, ...]) -> str:
-    return "(" + ", ".join("?" if d is None else str(d) for d in shape) + ("," if len(shape) == 1 else "") + ")"
+    return ("(" + ", ".join("?" if d is None else str(d) for d in shape)
+            + ("," if len(shape) == 1 else "") + ")")
 
 
 def _is_args_kwargs_spec(spec: Any) -> bool:

@@ -47,7 +47,8 @@ def main() -> None:
     """Time every configuration and write ``attention.json``, ``attention.md``, ``machine.json``."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="output directory")
-    ap.add_argument("--shape", type=int, nargs=5, default=[4, 8, 4, 256, 64], metavar=("B", "H", "HKV", "S", "E"))
+    ap.add_argument("--shape", type=int, nargs=5, default=[4, 8, 4, 256, 64],
+                    metavar=("B", "H", "HKV", "S", "E"))
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--no-compile", action="store_true")
     args = ap.parse_args()

@@ -85,7 +85,8 @@ def run(name: str, batches: list[dict[str, torch.Tensor]], example: dict[str, to
         times.append(seconds)
         losses.append(stats.loss)
         compiled.append(counters["stats"]["unique_graphs"] != before)
-        print(f"{name} step {i}: shape {tuple(batch['input_ids'].shape)} {seconds:.2f} s loss {stats.loss:.3f}"
+        print(f"{name} step {i}: shape {tuple(batch['input_ids'].shape)} {seconds:.2f} s loss "
+              f"{stats.loss:.3f}"
               + (" (compiled)" if compiled[-1] else ""), flush=True)
     steady = [t for t, c in zip(times, compiled) if not c]
     median = statistics.median(steady) if steady else float("nan")
@@ -98,7 +99,8 @@ def run(name: str, batches: list[dict[str, torch.Tensor]], example: dict[str, to
         "median_step_seconds": median, "steps": len(batches),
         "distinct_shapes": len({tuple(b["input_ids"].shape) for b in batches}),
         "padded_tokens": sum(b["input_ids"].numel() for b in batches), "real_tokens": sum(real),
-        "real_tokens_per_second": sum(r for r, c in zip(real, compiled) if not c) / sum(steady) if steady else None,
+        "real_tokens_per_second": (sum(r for r, c in zip(real, compiled) if not c) / sum(steady)
+                                   if steady else None),
         "total_seconds": capture_s + sum(times),
         "loss_first5": statistics.mean(losses[:5]), "loss_last5": statistics.mean(losses[-5:]),
         "step_seconds": times, "compiled_steps": [i for i, c in enumerate(compiled) if c],
@@ -128,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
             "distinct_shapes", "real_tokens_per_second", "total_seconds", "loss_first5", "loss_last5"]
     print("| | " + " | ".join(keys) + " |\n|---|" + "---:|" * len(keys))
     for name, r in results.items():
-        print(f"| {name} | " + " | ".join(f"{r[k]:.3g}" if isinstance(r[k], float) else str(r[k]) for k in keys) + " |")
+        print(f"| {name} | "
+              + " | ".join(f"{r[k]:.3g}" if isinstance(r[k], float) else str(r[k]) for k in keys) + " |")
     return 0
 
 

@@ -85,7 +85,8 @@ def python_hooks() -> Any:
     outer = torch._C._autograd._top_saved_tensors_default_hooks(True)
 
     def pack(t):
-        low = t.to(torch.bfloat16) if t.dtype == torch.float32 and not isinstance(t, torch.nn.Parameter) else t
+        low = (t.to(torch.bfloat16) if t.dtype == torch.float32 and not isinstance(t, torch.nn.Parameter)
+               else t)
         return (t.dtype, outer[0](low) if outer else low)
 
     def unpack(p):
@@ -103,7 +104,8 @@ def marked(model, gm, saved: str, compile: bool) -> MixedPrecisionModule:
     return MixedPrecisionModule(model, gm, Policy.fp32(), {}, compile)
 
 
-def step(fn, params, batch, counter: Counter | None, ctx: Any = None) -> tuple[float, list[torch.Tensor], int]:
+def step(fn, params, batch, counter: Counter | None, ctx: Any = None) -> tuple[float, list[torch.Tensor],
+                                                                               int]:
     """One forward+backward; returns loss, gradients and the heap growth over forward (bytes)."""
     for p in params:
         p.grad = None

@@ -64,7 +64,8 @@ def main() -> None:
         t0 = time.perf_counter()
         comp = h.measure(compile_graph(gm), lambda pol=pol: make_scaler(pol))
         rows.append({"policy": pol.summary(), "eager_tokens_per_s": eager.tokens_per_s,
-                     "compiled_tokens_per_s": comp.tokens_per_s, "compile_and_measure_s": time.perf_counter() - t0,
+                     "compiled_tokens_per_s": comp.tokens_per_s,
+                     "compile_and_measure_s": time.perf_counter() - t0,
                      "eager_grad_rel_l2": eager.grad_rel_l2, "compiled_grad_rel_l2": comp.grad_rel_l2})
         print(rows[-1], flush=True)
     e = [r["eager_tokens_per_s"] for r in rows]

@@ -119,8 +119,8 @@ def lines_by_class(heldout: bool = False) -> list[list[str]]:
         for line in _read_lines(heldout):
             groups[label_of(line)].append(line)
         if any(not g for g in groups):
-            raise RuntimeError(f"examples/finetune_pretrained.py: a class has no {'held-out' if heldout else 'training'} "
-                               f"lines ({[len(g) for g in groups]})")
+            raise RuntimeError("examples/finetune_pretrained.py: a class has no "
+                               f"{'held-out' if heldout else 'training'} lines ({[len(g) for g in groups]})")
         _lines[heldout] = groups
     return _lines[heldout]
 
@@ -174,8 +174,9 @@ def ensure_pretrained(root: str | os.PathLike | None = None) -> Path:
             os.rename(tmp, target)
         except OSError as e:
             if not _complete(target):  # not a lost race: a real failure
-                raise OSError(f"examples/finetune_pretrained.py: cannot move the built checkpoint to {target} "
-                              f"({e}); if that directory is a partial copy, delete it to rebuild") from e
+                raise OSError("examples/finetune_pretrained.py: cannot move the built checkpoint to "
+                              f"{target} ({e}); if that directory is a partial copy, delete "
+                              "it to rebuild") from e
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
@@ -209,7 +210,8 @@ def _pretrain(tokenizer: Any, lines: list[str]) -> torch.nn.Module:
     ids_per_line = tokenizer(lines, truncation=True, max_length=MAX_LEN)["input_ids"]
     stream = torch.tensor([i for ids in ids_per_line for i in ids], dtype=torch.long)
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # same reduction order on any core count; and 128-wide matmuls gain little from more
+    # same reduction order on any core count; and 128-wide matmuls gain little from more
+    torch.set_num_threads(1)
     try:
         return _pretrain_steps(stream)
     finally:
@@ -254,7 +256,8 @@ def _quiet_transformers() -> Iterator[None]:
 
 
 def load_tokenizer(directory: str | os.PathLike | None = None) -> Any:
-    """The checkpoint's tokenizer (``AutoTokenizer.from_pretrained``), cached per process for the default directory."""
+    """The checkpoint's tokenizer (``AutoTokenizer.from_pretrained``), cached per process for the default
+    directory."""
     global _tokenizer
     from transformers import AutoTokenizer
 

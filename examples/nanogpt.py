@@ -9,8 +9,8 @@ Run::
 
     autoprec tune examples/nanogpt.py
 
-Entry points (docs/architecture.md#modelpy-contract): ``build_model``, ``get_batch``, ``loss_fn``; optimizer: default AdamW.
-Needs only torch.
+Entry points (docs/architecture.md#modelpy-contract): ``build_model``, ``get_batch``, ``loss_fn``; optimizer:
+default AdamW. Needs only torch.
 """
 
 from __future__ import annotations
@@ -168,6 +168,7 @@ def get_batch(step: int, device: torch.device | str) -> tuple[torch.Tensor, torc
     return x.to(device), y.to(device)
 
 
-def loss_fn(output: tuple[torch.Tensor, torch.Tensor], batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+def loss_fn(output: tuple[torch.Tensor, torch.Tensor],
+            batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """The model's own mean next-byte cross-entropy (``output[1]``, a scalar)."""
     return output[1]

@@ -9,8 +9,8 @@ Run::
 
     autoprec tune examples/qwen2_tiny.py
 
-Entry points (docs/architecture.md#modelpy-contract): ``build_model``, ``get_batch``, ``get_heldout_batch``; the loss is the
-model's own ``output.loss`` (batches carry ``labels``) and the optimizer the default AdamW.
+Entry points (docs/architecture.md#modelpy-contract): ``build_model``, ``get_batch``, ``get_heldout_batch``;
+the loss is the model's own ``output.loss`` (batches carry ``labels``) and the optimizer the default AdamW.
 Needs only torch and transformers.
 """
 

@@ -3,9 +3,9 @@
 A 2+2-layer, d_model-64 ``transformers.T5ForConditionalGeneration`` (relative position bias,
 RMSNorm, ReLU MLP, tied embeddings: T5's defaults) built from a ``T5Config`` with random fp32
 weights (seed 0, nothing downloaded). The task is continuation on real text, the CPython standard
-library's top-level ``.py`` sources read as bytes (``qwen2_tiny.py``'s corpus): the encoder reads a span of 8-32 bytes, the
-decoder predicts the 4-16 bytes that follow it, then end-of-sequence. The last 10% of the corpus is
-held out.
+library's top-level ``.py`` sources read as bytes (``qwen2_tiny.py``'s corpus): the encoder reads a span of
+8-32 bytes, the decoder predicts the 4-16 bytes that follow it, then end-of-sequence. The last 10% of the
+corpus is held out.
 
 Batches are what a seq2seq data collator gives (``DataCollatorForSeq2Seq``): every example has its
 own source and target length, and each batch is padded to its longest, so shapes change from batch
@@ -54,10 +54,10 @@ def build_model() -> torch.nn.Module:
     Returns:
         The model on CPU, fp32, in training mode. The global RNG state is left as it was.
     """
-    config = T5Config(vocab_size=VOCAB_SIZE, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2,
-                      num_heads=4, relative_attention_num_buckets=16, relative_attention_max_distance=32,
-                      dropout_rate=0.1, pad_token_id=PAD, eos_token_id=EOS, decoder_start_token_id=PAD,
-                      use_cache=False)
+    config = T5Config(vocab_size=VOCAB_SIZE, d_model=64, d_kv=16, d_ff=128, num_layers=2,
+                      num_decoder_layers=2, num_heads=4, relative_attention_num_buckets=16,
+                      relative_attention_max_distance=32, dropout_rate=0.1, pad_token_id=PAD,
+                      eos_token_id=EOS, decoder_start_token_id=PAD, use_cache=False)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = T5ForConditionalGeneration(config)

@@ -64,7 +64,8 @@ def test_right_shape_still_runs_and_other_errors_are_the_graphs_own():
     torch.manual_seed(0)
     model = Tiny()
     ids, mask = _ids(8), torch.ones(8, 4)
-    mp = autoprec.apply(model, autoprec.Policy.fp32(), {"ids": ids, "mask": mask}, compile=False, dynamic=False)
+    mp = autoprec.apply(model, autoprec.Policy.fp32(), {"ids": ids, "mask": mask}, compile=False,
+                        dynamic=False)
     torch.testing.assert_close(mp(ids=ids, mask=mask), model(ids, mask))
     torch.testing.assert_close(mp(ids, mask), model(ids, mask))  # positional, like the exported forward
     with pytest.raises(ValueError) as err:
@@ -122,10 +123,12 @@ def test_loss_scale_error_advice_followed_literally_names_the_node():
     # route 1: monitor = autoprec.Monitor(graph_module=mp.graph_module), diagnose=monitor.diagnoser(),
     # monitor.last_batch = batch before each step
     m = re.search(r"monitor = (autoprec\.Monitor\(graph_module=mp\.graph_module\))", msg)
-    assert m and "diagnose=monitor.diagnoser()" in msg and "monitor.last_batch = batch before each step" in msg
+    assert m and "diagnose=monitor.diagnoser()" in msg
+    assert "monitor.last_batch = batch before each step" in msg
     monitor = eval(m.group(1), {"autoprec": autoprec, "mp": mp})  # noqa: S307 - the message's own code
     assert isinstance(monitor, Monitor)
-    scaler = DynamicLossScaler(init_scale=4.0, min_scale=1.0, max_skips_at_floor=2, diagnose=monitor.diagnoser())
+    scaler = DynamicLossScaler(init_scale=4.0, min_scale=1.0, max_skips_at_floor=2,
+                               diagnose=monitor.diagnoser())
     err = _train_until_floor_error(mp, model, batch, scaler, monitor)
     assert "First node that produced a non-finite value: 'proj/linear#0'" in str(err)
 
@@ -137,7 +140,8 @@ def test_loss_scale_error_advice_followed_literally_names_the_node():
 
 def test_scaler_docstring_uses_real_names():
     doc = DynamicLossScaler.__doc__
-    assert "monitor.first_nonfinite_node" not in doc.replace("autoprec.runtime.monitor.first_nonfinite_node", "")
+    assert "monitor.first_nonfinite_node" not in doc.replace("autoprec.runtime.monitor.first_nonfinite_node",
+                                                             "")
     assert "diagnose=monitor.diagnoser()" in doc and hasattr(Monitor, "diagnoser")
 
 

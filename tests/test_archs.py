@@ -67,7 +67,8 @@ def _hf(name):
 
 
 def _nanogpt():
-    spec = importlib.util.spec_from_file_location("nanogpt_example", os.path.join(ROOT, "examples", "nanogpt.py"))
+    spec = importlib.util.spec_from_file_location("nanogpt_example",
+                                                  os.path.join(ROOT, "examples", "nanogpt.py"))
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # dataclasses resolve their module through sys.modules
     spec.loader.exec_module(mod)

@@ -26,7 +26,8 @@ MATH = torch.ops.autoprec.sdpa_math.default
 def _qkv(dtype, heads=4, kv_heads=2, seed=0):
     g = torch.Generator().manual_seed(seed)
     shape = lambda h: (2, h, 16, 8)  # noqa: E731
-    return [torch.randn(shape(h), generator=g, dtype=torch.float64).to(dtype) for h in (heads, kv_heads, kv_heads)]
+    return [torch.randn(shape(h), generator=g, dtype=torch.float64).to(dtype) for h in (heads, kv_heads,
+                                                                                        kv_heads)]
 
 
 @pytest.mark.parametrize("kw", [dict(is_causal=True, enable_gqa=True), dict(enable_gqa=True, scale=0.3)])
@@ -45,8 +46,9 @@ def test_masks_float64_and_fully_masked_rows_are_zero():
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
     assert torch.isfinite(out).all() and out[:, :, 3].abs().max() == 0
     bias = torch.randn(16, 16, dtype=torch.float64)
-    torch.testing.assert_close(sdpa_math(q, k, v, bias), F.scaled_dot_product_attention(q, k, v, attn_mask=bias),
-                               rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(sdpa_math(q, k, v, bias),
+                               F.scaled_dot_product_attention(q, k, v, attn_mask=bias), rtol=1e-12,
+                               atol=1e-12)
     with pytest.raises(RuntimeError, match="is_causal and attn_mask"):
         sdpa_math(q, k, v, keep, is_causal=True)
 
@@ -68,8 +70,10 @@ def test_bf16_error_against_float64_is_bf16_sized_and_gradients_flow():
 
 def test_compiled_equals_eager():
     q, k, v = _qkv(torch.bfloat16)
-    compiled = torch.compile(lambda a, b, c: MATH(a, b, c, is_causal=True, enable_gqa=True), backend="inductor")
-    torch.testing.assert_close(compiled(q, k, v), MATH(q, k, v, is_causal=True, enable_gqa=True), rtol=2e-2, atol=2e-2)
+    compiled = torch.compile(lambda a, b, c: MATH(a, b, c, is_causal=True, enable_gqa=True),
+                             backend="inductor")
+    torch.testing.assert_close(compiled(q, k, v), MATH(q, k, v, is_causal=True, enable_gqa=True), rtol=2e-2,
+                               atol=2e-2)
 
 
 def _qwen2_and_batch():

@@ -39,7 +39,8 @@ def test_ratios_consistent(result):
     assert rows["fp32_eager"]["ratio_vs_fp32_eager"] == pytest.approx(1.0)
     for r in rows.values():
         assert r["error"] is None
-        assert r["ratio_vs_fp32_eager"] == pytest.approx(r["tokens_per_s"] / rows["fp32_eager"]["tokens_per_s"])
+        assert r["ratio_vs_fp32_eager"] == pytest.approx(
+            r["tokens_per_s"] / rows["fp32_eager"]["tokens_per_s"])
         assert r["tokens_per_s"] == pytest.approx(result["tokens_per_batch"] / r["step_s"])
         assert r["ratio_vs_autocast_compiled"] is None  # autocast_compiled not run
 
@@ -198,7 +199,8 @@ def test_bench_json_non_finite_rule_is_the_packages(tmp_path):
     out = tmp_path / "bench.json"
     data = {"x": math.inf, "y": [-math.inf, math.nan, 1.5], "z": None}
     write_bench_json(data, out)
-    assert json.loads(out.read_text()) == _io.json_safe(data) == {"x": "inf", "y": ["-inf", "nan", 1.5], "z": None}
+    assert json.loads(out.read_text()) == _io.json_safe(data) == {"x": "inf", "y": ["-inf", "nan", 1.5],
+                                                                  "z": None}
 
 
 @pytest.mark.parametrize("low", [torch.float16, torch.bfloat16])
@@ -212,7 +214,8 @@ def test_bench_autocast_dtype_is_the_packages_rule(monkeypatch, low):
     real = torch.get_autocast_dtype
     monkeypatch.setattr(torch, "get_autocast_dtype", lambda t: low if t == "cpu" else real(t))
     monkeypatch.setattr(bench, "matmul_peak_flops", lambda dtype, device, **k: (1e9, 512))
-    res = run_bench(TINY, Policy.fp32(), steps=1, warmup=0, device="cpu", configs=["autocast_eager"], quiet=True)
+    res = run_bench(TINY, Policy.fp32(), steps=1, warmup=0, device="cpu", configs=["autocast_eager"],
+                    quiet=True)
     assert res["low_dtype"] == NAMES[autocast_dtype(torch.device("cpu"))] == NAMES[low]
     assert res["configs"]["autocast_eager"]["dtype"] == NAMES[low]
     assert res["configs"]["autocast_eager"]["error"] is None
@@ -235,5 +238,6 @@ def test_a_config_the_slow_step_rule_stops_is_capped():
 
     t = Timing.from_steps([2.5], 100.0)
     t.too_slow, t.note = True, "timing stopped: 2 steps in a row took over the 1.00 s limit"
-    row = make_row(Measurement(grad_rel_l2=0.0, loss_rel=0.0), "bf16", False, t, flops=1.0, peak=1.0, ratio=10.0)
+    row = make_row(Measurement(grad_rel_l2=0.0, loss_rel=0.0), "bf16", False, t, flops=1.0, peak=1.0,
+                   ratio=10.0)
     assert row["capped"] and "10x fp32 eager's step" in row["note"] and row["steps_timed"] == 1

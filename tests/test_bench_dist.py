@@ -40,7 +40,8 @@ def _check_rows(res: dict, tolerance: float = TOLERANCE) -> None:
         assert r["step_s"] > 0 and r["step_s_max_rank"] >= r["step_s"] and r["tokens_per_s"] > 0, name
         assert len(r["peak_bytes_per_rank"]) == res["world"] == 2
         for peak in r["peak_bytes_per_rank"]:
-            assert abs(peak / r["predicted_peak_bytes"] - 1) <= tolerance, (name, peak, r["predicted_peak_bytes"])
+            assert abs(peak / r["predicted_peak_bytes"] - 1) <= tolerance, (
+                name, peak, r["predicted_peak_bytes"])
         pred = predicted_peak_bytes(r["params"], r["largest_param"], r["wrapper"], 2, r["grad_reduce_dtype"])
         assert r["predicted_peak_bytes"] == int(pred["bytes"])
     assert rows["ddp_fp32_reduce"]["grad_rel_l2"] == 0.0  # the reference itself
@@ -57,8 +58,8 @@ def test_bench_nproc_2_measures_drift_time_and_peaks(tmp_path, capfd):
     policy = tmp_path / "bf16.json"
     Policy.default("bf16").save(policy)
     out = tmp_path / "out" / "bench.json"
-    code = main(["bench", str(MODEL), "--policy", str(policy), "--nproc", "2", "--device", "cpu", "--steps", "3",
-                 "--warmup", "2", "--json", str(out), "--md", str(tmp_path / "out" / "bench.md")])
+    code = main(["bench", str(MODEL), "--policy", str(policy), "--nproc", "2", "--device", "cpu", "--steps",
+                 "3", "--warmup", "2", "--json", str(out), "--md", str(tmp_path / "out" / "bench.md")])
     text = capfd.readouterr().out
     assert code == 0, text
     assert text.count("| fsdp2_bf16_reduce |") == 1  # rank 0 prints the table, rank 1 does not

@@ -128,4 +128,5 @@ def test_value_used_as_a_size_is_not_called_a_branch():
     msg = _message(SliceByValue(), (torch.randn(3, 4),))
     assert "a value read from a tensor (.item(), int(tensor)) used as a size or an index" in msg
     assert "k = int(y.argmax().item())" in msg and "torch._check" in msg
-    assert "torch.cond" not in msg and "an `if` on tensor values" not in msg and "a data-dependent branch" not in msg
+    assert ("torch.cond" not in msg and "an `if` on tensor values" not in msg
+            and "a data-dependent branch" not in msg)

@@ -196,5 +196,6 @@ def test_cli_shows_the_use_cache_line_prefixed(tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 0, err
     lines = [ln for ln in err.splitlines() if "use_cache=False" in ln]
-    assert len(lines) == 1 and lines[0].startswith("[autoprec] capturing LM for training with use_cache=False"), err
+    assert len(lines) == 1 and lines[0].startswith("[autoprec] capturing LM for training with "
+                                                   "use_cache=False"), err
     assert not logging.getLogger("autoprec").handlers  # the CLI's handler is gone after main()

@@ -37,7 +37,8 @@ def test_bad_model_file_exits_2_and_writes_nothing(tmp_path, capsys, name):
 def test_console_script_exit_code(tmp_path):
     model = tmp_path / "m.py"
     model.write_text("def get_batch(step, device):\n    return None\n")
-    r = subprocess.run([sys.executable, "-m", "autoprec.cli", "tune", str(model), "--out", str(tmp_path / "p.json")],
+    r = subprocess.run([sys.executable, "-m", "autoprec.cli", "tune", str(model), "--out",
+                        str(tmp_path / "p.json")],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stderr
     assert "build_model" in r.stderr and str(model) in r.stderr
@@ -53,7 +54,8 @@ def test_bad_policy_file_exits_2(tmp_path, capsys):
 
 
 def test_bad_max_drift_exits_2(tmp_path, capsys):
-    code = main(["tune", str(EXAMPLES / "tiny_mlp.py"), "--max-drift", "-1", "--out", str(tmp_path / "p.json")])
+    code = main(["tune", str(EXAMPLES / "tiny_mlp.py"), "--max-drift", "-1", "--out",
+                 str(tmp_path / "p.json")])
     assert code == 2 and "--max-drift" in capsys.readouterr().err
     assert not (tmp_path / "p.json").exists()
 

@@ -161,7 +161,8 @@ def test_loss_scale_error_exits_1(monkeypatch, capsys):
 def test_dtype_choices_are_in_a_fixed_order():
     """Two probes that order bf16/fp16 differently by speed give the same categorical choices,
     so a re-run resumes the study instead of failing in Optuna."""
-    assert SearchSpace(["fp16", "bf16"]).dtypes == SearchSpace(["bf16", "fp16"]).dtypes == ["fp32", "bf16", "fp16"]
+    assert (SearchSpace(["fp16", "bf16"]).dtypes == SearchSpace(["bf16", "fp16"]).dtypes
+            == ["fp32", "bf16", "fp16"])
     assert SearchSpace(["fp16", "bf16"]).low_dtypes[0] == "fp16"  # fastest first is kept where it matters
 
 
@@ -202,7 +203,8 @@ def test_eager_selection_must_beat_fp32_measured_beside_it(monkeypatch, fp32_tps
     """Without compile, the trial picked on its screening number is re-measured, and all-fp32 with
     it: a lowered policy slower than all-fp32 (a flattering screening run) is not written."""
     monkeypatch.setattr(select_mod, "run_pipeline", lambda gm, pol: type("R", (), {"graph_module": None}))
-    sel = select_mod.Selector(_FakeHarness(fp32_tps), DriftBudget.fixed(1e-2), False, None, None, 0, None, True)
+    sel = select_mod.Selector(_FakeHarness(fp32_tps), DriftBudget.fixed(1e-2), False, None, None, 0, None,
+                              True)
     bf16 = Policy.default("bf16")
     pol, m = sel._or_fp32(3, bf16, Measurement(step_s=1.0, tokens_per_s=100.0, grad_rel_l2=1e-3))
     assert pol.dtypes_used() == ({"fp32"} if chosen == "fp32" else bf16.dtypes_used())
@@ -226,22 +228,26 @@ def test_autocast_overflow_with_max_drift_still_writes_a_policy(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     pol = Policy.load(out)
     assert "autocast_grad_rel_l2" not in pol.measured and pol.measured["grad_rel_l2"] <= 0.01
-    study = optuna.load_study(study_name=pol.provenance["study"], storage=f"sqlite:///{tmp_path / 'p.optuna.db'}")
+    study = optuna.load_study(study_name=pol.provenance["study"],
+                              storage=f"sqlite:///{tmp_path / 'p.optuna.db'}")
     lowered = [t for t in study.trials if "fp16" in json.dumps(t.user_attrs.get(attrs.POLICY))]
     assert any(t.values is None or not t.values[1] <= 0.01 for t in lowered)  # the overflow was caught
 
 
 def test_train_reports_a_module_rule_that_matches_no_node(tmp_path):
-    """docs/architecture.md#policy-file: a rule that matches no node is reported; the CLI prints it as its own warning
-    (no Python source line), and training goes on."""
+    """docs/architecture.md#policy-file: a rule that matches no node is reported; the CLI prints it as its own
+    warning (no Python source line), and training goes on."""
     pol = Policy.from_dict({**Policy.fp32().to_dict(),
                             "rules": [{"module": "model.layers.*", "op_class": "matmul", "dtype": "bf16"}]})
     pol.save(tmp_path / "p.json")
-    r = subprocess.run([sys.executable, "-m", "autoprec.cli", "train", MICRO, "--policy", str(tmp_path / "p.json"),
-                        "--steps", "1", "--no-compile", "--force"], capture_output=True, text=True, timeout=300)
-    err = r.stderr  # --force: a policy none of whose rules matches is refused otherwise (tests/test_foreign_policy.py)
+    r = subprocess.run([sys.executable, "-m", "autoprec.cli", "train", MICRO, "--policy",
+                        str(tmp_path / "p.json"), "--steps", "1", "--no-compile", "--force"],
+                       capture_output=True, text=True, timeout=300)
+    # --force: a policy none of whose rules matches is refused otherwise (tests/test_foreign_policy.py)
+    err = r.stderr
     assert r.returncode == 0, err[-2000:]
-    assert ("autoprec train: warning: policy rules[0] model.layers.*:matmul->bf16 matches no node of this graph"
+    assert ("autoprec train: warning: policy rules[0] model.layers.*:matmul->bf16 matches no node "
+            "of this graph"
             in err), err
     assert "warnings.warn" not in err
 
@@ -250,7 +256,8 @@ def test_bench_error_names_the_policy_file(tmp_path, capsys):
     """A policy that does not fit the model fails bench with the policy file named, as in train/show."""
     p = tmp_path / "int_node.json"  # a node rule on an integer node (ids.roll): the assign pass refuses it
     Policy.from_dict({**Policy.fp32().to_dict(), "rules": [{"node": "roll#0", "dtype": "fp16"}]}).save(p)
-    rc = main(["bench", MICRO, "--policy", str(p), "--configs", "policy_eager", "--steps", "1", "--warmup", "0"])
+    rc = main(["bench", MICRO, "--policy", str(p), "--configs", "policy_eager", "--steps", "1", "--warmup",
+               "0"])
     err = capsys.readouterr().err
     assert rc == 2 and f"autoprec bench: error: {p}: [assign_dtypes]" in err and "roll#0" in err, err
 
@@ -267,9 +274,11 @@ def test_storage_that_is_not_a_database(tmp_path, capsys):
     rc, err = _tune_rc(["--out", str(tmp_path / "q.json")], capsys)
     assert rc == 2 and f"--out: {tmp_path / 'q.optuna.db'} exists and is not a SQLite database" in err
     (tmp_path / "sdir").mkdir()
-    rc, err = _tune_rc(["--out", str(tmp_path / "r.json"), "--storage", f"sqlite:///{tmp_path / 'sdir'}"], capsys)
+    rc, err = _tune_rc(["--out", str(tmp_path / "r.json"), "--storage", f"sqlite:///{tmp_path / 'sdir'}"],
+                       capsys)
     assert rc == 2 and "is a directory, not a SQLite study database" in err
-    rc, err = _tune_rc(["--out", str(tmp_path / "s.json"), "--storage", "postgresql://u@nohost.invalid/db"], capsys)
+    rc, err = _tune_rc(["--out", str(tmp_path / "s.json"), "--storage", "postgresql://u@nohost.invalid/db"],
+                       capsys)
     assert rc == 2 and "--storage 'postgresql://u@nohost.invalid/db': cannot connect" in err
     assert junk.read_text() == "junk" and (tmp_path / "q.optuna.db").read_text() == "junk"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notdb.db", "q.optuna.db", "sdir"]

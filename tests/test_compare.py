@@ -52,7 +52,8 @@ def test_cli_compare_bf16_writes_json_and_png(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "max rel dev vs fp32" in text and "autocast" in text
     d = json.loads((out / "convergence.json").read_text(), parse_constant=lambda c: pytest.fail(c))
-    assert set(d["curves"]) == {"fp32", "policy", "autocast"} and all(len(c) == 2 for c in d["curves"].values())
+    assert set(d["curves"]) == {"fp32", "policy", "autocast"}
+    assert all(len(c) == 2 for c in d["curves"].values())
     assert d["meta"]["autocast_dtype"] == "bfloat16" and d["meta"]["steps"] == 2
     assert d["curves"]["policy"][0] != d["curves"]["fp32"][0]  # bf16 compute really ran
     for name in ("policy", "autocast"):
@@ -136,8 +137,8 @@ def test_compare_checkpoint_of_another_run_is_refused(tmp_path, monkeypatch):
 def test_cli_compare_checkpoint_flag_is_refused(tmp_path, capsys):
     pol = tmp_path / "p.json"
     Policy.fp32().save(pol)
-    assert main(["train", TINY, "--policy", str(pol), "--compare", "fp32", "--checkpoint", str(tmp_path / "c.pt"),
-                 "--out-dir", str(tmp_path / "o")]) == 2
+    assert main(["train", TINY, "--policy", str(pol), "--compare", "fp32", "--checkpoint",
+                 str(tmp_path / "c.pt"), "--out-dir", str(tmp_path / "o")]) == 2
     assert "--checkpoint does not apply to --compare" in capsys.readouterr().err
     assert not (tmp_path / "o").exists() and not (tmp_path / "c.pt").exists()
 

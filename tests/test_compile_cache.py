@@ -24,7 +24,8 @@ def test_train_after_tune_hits_the_compile_caches(tmp_path):
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "OMP_NUM_THREADS": "1"}
     policy = tmp_path / "p.json"
     model = str(EXAMPLES / "tiny_mlp.py")
-    tuned = _run(["tune", model, "--out", str(policy), "--trials", "3", "--finalists", "1", "--traj-steps", "0"], env)
+    tuned = _run(["tune", model, "--out", str(policy), "--trials", "3", "--finalists", "1", "--traj-steps",
+                  "0"], env)
     hits, misses = map(int, CACHE_LINE.search(tuned).groups())
     assert misses >= 2  # a fresh cache: the baselines and the finalist compiled for real
     trained = _run(["train", model, "--policy", str(policy), "--steps", "2"], env)

@@ -199,4 +199,5 @@ def test_gpt2_conv1d_addmm_lowers_to_fp8():
     pol = Policy(default_dtype="fp32", rules=(Rule(op_class="matmul", dtype="fp8_e4m3"),))
     out = run_pipeline(gm, pol).graph_module
     targets = [str(n.target) for n in out.graph.nodes if n.op == "call_function"]
-    assert targets.count("autoprec.fp8_linear.default") == 5 and "aten.addmm.default" not in targets  # 4 Conv1D + head
+    # 4 Conv1D + head
+    assert targets.count("autoprec.fp8_linear.default") == 5 and "aten.addmm.default" not in targets

@@ -21,7 +21,7 @@ from autoprec.policy import Policy
 from autoprec.runtime.rng import same_rng
 from autoprec.runtime.train import make_scaler
 from autoprec.search import attrs
-from autoprec.search.decide import MARGIN, DriftBudget, _T95, t95
+from autoprec.search.decide import _T95, MARGIN, DriftBudget, t95
 from autoprec.search.drift import DRIFT_BATCHES
 from autoprec.search.measure import Harness, Measurement
 

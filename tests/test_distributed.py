@@ -214,9 +214,9 @@ def _fsdp_worker(rank: int, world: int, compile: bool, reduce: str) -> dict:
     state = sum(t.to_local().numel() * t.element_size() for st in opt.state.values() for t in st.values()
                 if isinstance(t, torch.distributed.tensor.DTensor))
     grads = sum(p.grad.to_local().numel() * p.grad.element_size() for p in root.parameters())
-    return {"losses": losses, "flat": torch.cat([p.full_tensor().detach().flatten() for p in model.parameters()]),
-            "param_bytes": local, "grad_bytes": grads, "state_bytes": state,
-            "keys": list(root.state_dict())}
+    return {"losses": losses,
+            "flat": torch.cat([p.full_tensor().detach().flatten() for p in model.parameters()]),
+            "param_bytes": local, "grad_bytes": grads, "state_bytes": state, "keys": list(root.state_dict())}
 
 
 def _single_process_reference(steps: int = 6) -> torch.Tensor:
@@ -266,8 +266,8 @@ def test_train_nproc_2_matches_one_rank_at_twice_the_batch(tmp_path, capfd):
     policy = tmp_path / "fp32.json"
     Policy.fp32().save(policy)
     log = tmp_path / "log.jsonl"
-    code = main(["train", str(MODELS / "ddp_mlp.py"), "--policy", str(policy), "--steps", "20", "--no-compile",
-                 "--device", "cpu", "--nproc", "2", "--log", str(log), "--log-every", "10"])
+    code = main(["train", str(MODELS / "ddp_mlp.py"), "--policy", str(policy), "--steps", "20",
+                 "--no-compile", "--device", "cpu", "--nproc", "2", "--log", str(log), "--log-every", "10"])
     out = capfd.readouterr().out
     assert code == 0, out
     assert out.count("step   10") == 1  # rank 0 prints, rank 1 does not
@@ -281,7 +281,8 @@ def test_train_nproc_2_matches_one_rank_at_twice_the_batch(tmp_path, capfd):
 def test_train_nproc_refuses_compare(tmp_path, capsys):
     policy = tmp_path / "p.json"
     Policy.fp32().save(policy)
-    code = main(["train", str(MODELS / "ddp_mlp.py"), "--policy", str(policy), "--nproc", "2", "--compare", "fp32"])
+    code = main(["train", str(MODELS / "ddp_mlp.py"), "--policy", str(policy), "--nproc", "2", "--compare",
+                 "fp32"])
     assert code == 2 and "--compare" in capsys.readouterr().err
 
 

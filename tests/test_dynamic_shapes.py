@@ -98,26 +98,30 @@ def test_dynamic_capture_lowers_with_symbolic_shapes_and_example_costs():
     assert any(not isinstance(d, int) for s in shapes for d in s)
     assert low.graph_module.meta[DIMS_META] == gm.meta[DIMS_META]  # the ranges survive the passes
     # byte costs are counted at the example's sizes: the same placement as the static capture's
-    assert low.stats["casts"] == static.stats["casts"] and low.stats["cast_bytes"] == static.stats["cast_bytes"]
+    assert low.stats["casts"] == static.stats["casts"]
+    assert low.stats["cast_bytes"] == static.stats["cast_bytes"]
     emb = next(n for n in gm.graph.nodes if n.meta.get("autoprec", {}).get("op") == "embedding")
     assert tensor_bytes(emb) == 4 * 32 * 32 * 4
     for b, t in [(1, 17), (3, 30)]:
         batch = lm_batch(b, t, 1)  # one lowered graph runs every shape in range, close to FP32
-        torch.testing.assert_close(low.graph_module(**batch), model(**batch), rtol=RTOL[torch.bfloat16], atol=0)
+        torch.testing.assert_close(low.graph_module(**batch), model(**batch), rtol=RTOL[torch.bfloat16],
+                                   atol=0)
 
 
 def test_call_outside_the_range_names_input_shape_and_range():
     torch.manual_seed(0)
     model = CausalLM()
-    mp = autoprec.apply(model, autoprec.Policy.default("bf16"), lm_batch(4, 32, 0), compile=False, dynamic=True,
-                        strict_shapes=True)  # default: a batch outside the ranges is captured again (test_t5_example)
+    mp = autoprec.apply(model, autoprec.Policy.default("bf16"), lm_batch(4, 32, 0), compile=False,
+                        # default: a batch outside the ranges is captured again (test_t5_example)
+                        dynamic=True, strict_shapes=True)
     mp(**lm_batch(2, 20, 1))  # in range: runs
     with pytest.raises(ValueError) as err:
         mp(**lm_batch(5, 20, 1))
     msg = str(err.value)
     # seq 3..32, not 2..32: logits[:, :-1] needs 2+ positions, and the capture took torch.export's
     # suggested narrower range (autoprec.dims.export_refined)
-    assert "accepts input shapes {input_ids: (batch, seq), labels: (batch, seq)} with batch 1..4, seq 3..32" in msg
+    assert ("accepts input shapes {input_ids: (batch, seq), labels: (batch, seq)} "
+            "with batch 1..4, seq 3..32") in msg
     assert "input 'input_ids' has shape (5, 20): dim 0 (batch) is 5, allowed 1..4" in msg
     assert "example batch of the largest batch size and lengths" in msg
     with pytest.raises(ValueError, match=r"dim 1 \(seq\) is 33, allowed 3\.\.32"):
@@ -130,7 +134,8 @@ def test_call_outside_the_range_names_input_shape_and_range():
 class ParityLM(CausalLM):
     """Branches on the sequence length's parity: torch.export cannot keep the length symbolic."""
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(self, input_ids: torch.Tensor,  # type: ignore[override]
+                labels: torch.Tensor) -> torch.Tensor:
         loss = super().forward(input_ids, labels)
         return loss * 2 if input_ids.shape[1] % 2 == 0 else loss
 

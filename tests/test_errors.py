@@ -42,7 +42,8 @@ BAD = {
     "build_model_int": ("    return Net()", "    return 3", "build_model returned int"),
     "build_model_raises": ("    return Net()", "    raise RuntimeError('no weights')",
                            "build_model() raised RuntimeError: no weights"),
-    "get_batch_int": ("    return torch.randn(2, 4, generator=torch.Generator().manual_seed(step)).to(device)",
+    "get_batch_int": ("    return torch.randn(2, 4, "
+                      "generator=torch.Generator().manual_seed(step)).to(device)",
                       "    return 7", "get_batch returned int; expected a Tensor, tuple or dict"),
     "get_batch_random": ("generator=torch.Generator().manual_seed(step)", "", "deterministic"),
     "dict_bad_key": ("    return torch.randn(2, 4, generator=torch.Generator().manual_seed(step)).to(device)",
@@ -176,8 +177,10 @@ def test_report_creates_out_directory(tmp_path, capsys):
 
     storage = f"sqlite:///{tmp_path / 's.db'}"
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    optuna.create_study(study_name="s", storage=storage).optimize(lambda t: t.suggest_float("a", 0, 1), n_trials=1)
-    assert main(["report", "--storage", storage, "--study-name", "s", "--out", str(tmp_path / "new" / "r")]) == 0
+    optuna.create_study(study_name="s", storage=storage).optimize(lambda t: t.suggest_float("a", 0, 1),
+                                                                  n_trials=1)
+    assert main(["report", "--storage", storage, "--study-name", "s", "--out",
+                 str(tmp_path / "new" / "r")]) == 0
     assert any((tmp_path / "new").iterdir())
 
 
@@ -188,7 +191,8 @@ def test_report_without_study_name(tmp_path, capsys):
 
     storage = f"sqlite:///{tmp_path / 's.db'}"
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    optuna.create_study(study_name="s", storage=storage).optimize(lambda t: t.suggest_float("a", 0, 1), n_trials=1)
+    optuna.create_study(study_name="s", storage=storage).optimize(lambda t: t.suggest_float("a", 0, 1),
+                                                                  n_trials=1)
     assert main(["report", "--storage", storage, "--out", str(tmp_path / "r")]) == 0
     assert any(p.name.startswith("r") for p in tmp_path.iterdir())
     optuna.create_study(study_name="t", storage=storage)
@@ -205,7 +209,8 @@ def test_error_docstrings_give_the_cli_exit_code(monkeypatch, capsys):
     from autoprec import cli, errors
 
     classes = [c for c in vars(errors).values()
-               if isinstance(c, type) and issubclass(c, errors.AutoprecError) and c is not errors.AutoprecError]
+               if isinstance(c, type) and issubclass(c, errors.AutoprecError)
+               and c is not errors.AutoprecError]
     assert {c.__name__ for c in classes} >= {"ModelSpecError", "CaptureError", "PassError", "PolicyError",
                                             "SearchError", "LossScaleError"}
     for cls in classes:

@@ -42,7 +42,8 @@ def _import_example():
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
-    """``AUTOPREC_CACHE`` pointed at a fresh directory for this module; the example's checkpoint built in it."""
+    """``AUTOPREC_CACHE`` pointed at a fresh directory for this module; the example's checkpoint built in
+    it."""
     root = tmp_path_factory.mktemp("autoprec_cache")
     patch = pytest.MonkeyPatch()
     patch.setenv("AUTOPREC_CACHE", str(root))
@@ -56,7 +57,8 @@ def test_checkpoint_directory_is_built_and_loads_with_from_pretrained(cache):
     example, directory = cache
     assert directory.parent.parent == Path(os.environ["AUTOPREC_CACHE"])
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in directory.iterdir()}
-    assert not [p for p in directory.parent.iterdir() if p.name.startswith(".")], "temporary build dir left behind"
+    assert not [p for p in directory.parent.iterdir() if p.name.startswith(".")], \
+        "temporary build dir left behind"
     assert json.loads((directory / "config.json").read_text())["model_type"] == "bert"
     stamp = (directory / "model.safetensors").stat().st_mtime_ns
     assert example.ensure_pretrained() == directory
@@ -68,7 +70,8 @@ def test_checkpoint_directory_is_built_and_loads_with_from_pretrained(cache):
     saved = load_file(directory / "model.safetensors")
     stock = BertForSequenceClassification.from_pretrained(directory, num_labels=len(example.CLASSES))
     encoder = {k: v for k, v in stock.state_dict().items() if k.startswith("bert.encoder.")}
-    assert encoder and all(torch.equal(v, saved[k]) for k, v in encoder.items()), "encoder not loaded from the file"
+    assert encoder and all(torch.equal(v, saved[k]) for k, v in encoder.items()), \
+        "encoder not loaded from the file"
     tokenizer = AutoTokenizer.from_pretrained(directory)
     ids = tokenizer(["import os"])["input_ids"][0]
     assert ids[0] == tokenizer.cls_token_id and ids[-1] == tokenizer.sep_token_id
@@ -118,7 +121,8 @@ def test_model_file_follows_the_contract(cache):
     assert not torch.equal(batch["input_ids"], spec.get_batch(4, torch.device("cpu"))["input_ids"])
     held = spec.heldout_batch(3, torch.device("cpu"))
     assert not torch.equal(batch["input_ids"], held["input_ids"])
-    assert [example.label_of(s) for s in ("# x", "from a import b", "async def f():", "x = 1")] == [0, 1, 2, 3]
+    sources = ("# x", "from a import b", "async def f():", "x = 1")
+    assert [example.label_of(s) for s in sources] == [0, 1, 2, 3]
 
 
 def test_train_checkpoint_loads_into_the_stock_model(cache, tmp_path):

@@ -80,7 +80,8 @@ def _grads(model, fn, batch, autocast=False):
     with same_rng(CPU, MEASURE_SEED), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         out = fn(**batch)
         out.loss.float().backward()
-    grads = [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
+    grads = [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
+             for p in model.parameters()]
     model.zero_grad(set_to_none=True)
     return out, grads
 
@@ -102,7 +103,8 @@ def test_default_config_captures_trains_and_drifts_within_2x_autocast(name, capl
     _, g_ac = _grads(model, model, batch, autocast=True)
     with caplog.at_level(logging.INFO, logger="autoprec"):
         mp = autoprec.apply(model, autoprec.Policy.default("bf16"), batch, compile=False)
-    said = [r.getMessage() for r in caplog.records if r.name == "autoprec" and "use_cache=False" in r.getMessage()]
+    said = [r.getMessage() for r in caplog.records
+            if r.name == "autoprec" and "use_cache=False" in r.getMessage()]
     assert len(said) == (1 if name in ACCEPTS_USE_CACHE else 0), said
 
     out, g_ap = _grads(model, mp, batch)

@@ -94,14 +94,15 @@ def _applied(model_file, low: str = "bf16"):
 
 
 def _args(tmp_path, steps: int = 20, **kw):
-    return tf.TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=steps, per_device_train_batch_size=2,
-                                per_device_eval_batch_size=2,
+    return tf.TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=steps,
+                                per_device_train_batch_size=2, per_device_eval_batch_size=2,
                                 report_to=[], use_cpu=True, save_strategy="no", dataloader_num_workers=0,
                                 logging_steps=1, lr_scheduler_type="constant", disable_tqdm=True, **kw)
 
 
 def _trainer(cls, mp, tmp_path, collate, steps: int = 20, callbacks=None, **kw):
-    opt = torch.optim.AdamW(mp.parameters(), lr=LR, weight_decay=0.0)  # what the model file's make_optimizer makes
+    # what the model file's make_optimizer makes
+    opt = torch.optim.AdamW(mp.parameters(), lr=LR, weight_decay=0.0)
     return cls(model=mp, args=_args(tmp_path, steps, **kw), train_dataset=_dataset(), data_collator=collate,
                optimizers=(opt, None), callbacks=callbacks)
 
@@ -121,14 +122,16 @@ def test_plain_trainer_trains_and_matches_autoprec_train(model_file, tmp_path):
     torch.save(collate.batches, tmp_path / "batches.pt")
     policy = tmp_path / "bf16.json"
     autoprec.Policy.default("bf16").save(policy)
-    ref = autoprec_train(model_file, policy, steps=20, device="cpu", compile=False, quiet=True, max_grad_norm=1.0)
+    ref = autoprec_train(model_file, policy, steps=20, device="cpu", compile=False, quiet=True,
+                         max_grad_norm=1.0)
     torch.testing.assert_close(losses, ref.losses, rtol=1e-4, atol=1e-5)
 
 
 def test_module_presents_the_model_to_trainer(model_file, tmp_path):
     model, mp = _applied(model_file)
     assert inspect.signature(mp.forward) == inspect.signature(model.forward)
-    assert inspect.signature(type(mp).forward).parameters.keys() == inspect.signature(type(model).forward).parameters.keys()
+    assert (inspect.signature(type(mp).forward).parameters.keys()
+            == inspect.signature(type(model).forward).parameters.keys())
     assert isinstance(mp, autoprec.MixedPrecisionModule) and type(mp).__name__ == "MixedPrecisionModule"
     assert mp.config is model.config and mp.main_input_name == "input_ids"
     assert mp._keys_to_ignore_on_save == model._keys_to_ignore_on_save
@@ -139,7 +142,8 @@ def test_module_presents_the_model_to_trainer(model_file, tmp_path):
     assert sorted(trainer.get_decay_parameter_names(mp)) == sorted(trainer.get_decay_parameter_names(model))
     trainer.train()
     assert "eval_loss" in trainer.evaluate(_dataset()[:4])  # the label names make Trainer compute it
-    trainer.save_model(str(tmp_path / "plain"))  # not a PreTrainedModel: model.safetensors only, the model's keys
+    # not a PreTrainedModel: model.safetensors only, the model's keys
+    trainer.save_model(str(tmp_path / "plain"))
     mp.config.save_pretrained(str(tmp_path / "plain"))
     _assert_same_weights(tf.Qwen2ForCausalLM.from_pretrained(str(tmp_path / "plain")), model)
     _, mp2 = _applied(model_file)
@@ -194,8 +198,8 @@ def test_autoprec_trainer_fp16_skips_inf_step_and_logs_it(model_file, tmp_path):
     # the same steps through TrainStep with the policy's scaler: same losses, same scale
     ref_model, ref_mp = _applied(model_file, "fp16")
     params = list(ref_model.parameters())
-    step = TrainStep(ref_mp, params, torch.optim.AdamW(params, lr=LR, weight_decay=0.0), lambda out, b: out.loss,
-                     scaler=make_scaler(ref_mp.policy), max_grad_norm=1.0)
+    step = TrainStep(ref_mp, params, torch.optim.AdamW(params, lr=LR, weight_decay=0.0),
+                     lambda out, b: out.loss, scaler=make_scaler(ref_mp.policy), max_grad_norm=1.0)
     _inject_inf(ref_model.lm_head.weight, at_call=2)
     ref = [step(b) for b in collate.batches[:6]]  # the loader makes one batch ahead
     assert [st.skipped for st in ref] == [False, False, True, False, False, False]

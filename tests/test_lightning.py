@@ -94,8 +94,10 @@ def test_resumed_run_is_bit_identical(policy, tmp_path):
     assert Policy.from_dict(json.loads(state["policy"])).training_key() == policy.training_key()
     assert plugin.state_dict()["scaler"] == full_plugin.state_dict()["scaler"]
     if policy.needs_loss_scaling:  # the scaler's state at step 20 is one a fresh scaler does not have
-        assert state["scaler"]["scale"] != make_scaler(policy).get_scale() and state["scaler"]["skipped_steps"] > 0
-        assert plugin.loss_scale == full_plugin.loss_scale and plugin.skipped_steps == full_plugin.skipped_steps
+        assert state["scaler"]["scale"] != make_scaler(policy).get_scale()
+        assert state["scaler"]["skipped_steps"] > 0
+        assert plugin.loss_scale == full_plugin.loss_scale
+        assert plugin.skipped_steps == full_plugin.skipped_steps
         with pytest.raises(AutoprecError, match="different policy"):
             AutoprecPrecision(Policy.default(low="bf16")).load_state_dict(state)
     else:

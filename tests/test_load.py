@@ -27,8 +27,8 @@ pytestmark = pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="reads 
 def burner(seconds: float = 20.0):
     """A matmul loop in another process (not a child: a launcher that exits at once leaves it
     orphaned, so this process does not count it as its own), killed on the way out."""
-    code = (f"import subprocess, sys; p = subprocess.Popen([sys.executable, '-c', {BURNER.format(s=seconds)!r}], "
-            "stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); "
+    code = ("import subprocess, sys; p = subprocess.Popen([sys.executable, '-c', "
+            f"{BURNER.format(s=seconds)!r}], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); "
             "print(p.pid)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -64,10 +64,11 @@ def test_strict_busy_check_raises_naming_the_load():
 def test_strict_timing_tune_exits_2_naming_the_load(tmp_path):
     out = tmp_path / "p.json"
     with burner():
-        r = subprocess.run([sys.executable, "-m", "autoprec.cli", "tune", str(ROOT / "tests/models/micro_lm.py"),
-                            "--out", str(out), "--trials", "2", "--no-compile", "--traj-steps", "0",
-                            "--strict-timing"], capture_output=True, text=True, cwd=tmp_path, timeout=120,
-                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+        r = subprocess.run([sys.executable, "-m", "autoprec.cli", "tune",
+                            str(ROOT / "tests/models/micro_lm.py"), "--out", str(out), "--trials", "2",
+                            "--no-compile", "--traj-steps", "0", "--strict-timing"], capture_output=True,
+                           text=True, cwd=tmp_path, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
-    assert "busy" in r.stderr and "load average" in r.stderr and "--strict-timing" in r.stderr, r.stderr[-2000:]
+    assert "busy" in r.stderr and "load average" in r.stderr and "--strict-timing" in r.stderr, \
+        r.stderr[-2000:]
     assert not out.exists()

@@ -1,8 +1,8 @@
 """Drift and trajectory measurements of models with random ops (dropout) start from one RNG state.
 
 The Harness compares a candidate's gradients with the FP32 reference's on the same weights and
-batch (docs/architecture.md#measurements, ``grad_rel_l2``): with dropout, both must see the same masks, or even FP32
-differs from itself by ``grad_rel_l2`` ~1 (a reviewer's Linear/BatchNorm/ReLU/Dropout(0.2)/Linear
+batch (docs/architecture.md#measurements, ``grad_rel_l2``): with dropout, both must see the same masks, or
+even FP32 differs from itself by ``grad_rel_l2`` ~1 (a reviewer's Linear/BatchNorm/ReLU/Dropout(0.2)/Linear
 model measured 1.06 and ``autoprec tune`` found no trial within the drift budget). Eager
 measurements must be exactly reproducible; compiled ones are compared against the FP32 graph
 compiled the same way, since Inductor draws its own random numbers (``fallback_random`` False).
@@ -150,12 +150,14 @@ def test_compiled_candidates_compare_against_the_compiled_fp32_graph(harness):
     training), so a compiled graph is compared against the FP32 graph compiled the same way
     (Harness.reference_fn): compiled FP32 gives grad_rel_l2 == 0 and trajectories equal to the
     reference's, and a compiled bf16 policy drifts below bf16's rtol (1.6e-2) on batch 0 (below 0.1
-    on every drift batch); measured against the eager reference instead, both were ~0.5 on this model (different masks)."""
+    on every drift batch); measured against the eager reference instead, both were ~0.5 on this model
+    (different masks)."""
     from autoprec.runtime.compile import compile_graph
 
     c32 = compile_graph(harness.graph_module)
     ref_fn = harness.reference_fn(c32)
-    assert ref_fn is not harness.graph_module and harness.reference_fn(harness.graph_module) is harness.graph_module
+    assert ref_fn is not harness.graph_module
+    assert harness.reference_fn(harness.graph_module) is harness.graph_module
     m = harness.drift(c32)
     assert m.error is None and m.grad_rel_l2 == 0.0 and m.loss_rel == 0.0
     pol = Policy.default("bf16")
@@ -172,8 +174,8 @@ def test_selector_checks_a_compiled_lowered_finalist_on_a_dropout_model(harness)
     reference is the compiled FP32 graph and the budget torch.autocast as compiled for its
     baseline (an OptimizedModule, which must not be truth-tested: its __len__ raises). Both
     trajectories are bf16-sized apart from the reference, not mask-sized (~0.2 against eager)."""
-    from autoprec.search.progress import Clock
     from autoprec.search.decide import DriftBudget
+    from autoprec.search.progress import Clock
     from autoprec.search.select import Selector
 
     sel = Selector(harness, DriftBudget.fixed(1.0), True, torch.bfloat16, None, 2, Clock(), True)

@@ -68,7 +68,8 @@ def wide_compiled():
     """WideMLP's fp32 policy compiled at activation memory budgets 1.0 and 0.0 (two compiles,
     shared by the tests below): ``{budget: Measurement}`` and the harness's state bytes."""
     h = Harness(load_model_spec(WIDE), torch.device("cpu"), warmup=1, steps=1)
-    ms = {b: h.drift(apply(h.model, dataclasses.replace(Policy.fp32(), activation_memory_budget=b), h.batches[0]))
+    ms = {b: h.drift(apply(h.model, dataclasses.replace(Policy.fp32(), activation_memory_budget=b),
+                           h.batches[0]))
           for b in (1.0, 0.0)}
     return ms, h.state_bytes
 
@@ -104,7 +105,8 @@ def test_tune_memory_budget_nothing_fits_eager(tmp_path):
     out = tmp_path / "p.json"
     with pytest.raises(SearchError, match=r"no feasible trial fits the memory budget \(2\.0 MiB; "
                                           r"the smallest peak was \d+\.\d MiB\)"):
-        tune(WIDE, trials=1, out=out, max_memory="2MiB", compile=False, progress=False, report=False, quiet=True)
+        tune(WIDE, trials=1, out=out, max_memory="2MiB", compile=False, progress=False, report=False,
+             quiet=True)
     assert not out.exists()
 
 
@@ -124,8 +126,8 @@ def test_budget_error_names_the_model_files_optimizer(tmp_path):
     AdamW: the state is counted from the optimizer make_optimizer returns."""
     sgd = Path(__file__).resolve().parent / "models" / "sgd_mlp.py"
     n_params = sum(p.numel() for p in load_model_spec(sgd).build_model().parameters())
-    with pytest.raises(SearchError, match=rf"gradients and SGD state of this model alone: {n_params:,} parameters "
-                                          rf"need at least {8 * n_params} bytes whatever"):
+    with pytest.raises(SearchError, match=rf"gradients and SGD state of this model alone: {n_params:,} "
+                                          rf"parameters need at least {8 * n_params} bytes whatever"):
         tune(sgd, trials=1, out=tmp_path / "p.json", max_memory="1000", compile=False, progress=False,
              report=False, quiet=True, dtypes="bf16")
     assert not (tmp_path / "p.json").exists()

@@ -142,8 +142,8 @@ def test_compile_graph_filters_inductor_mixed_dtype_warning() -> None:
         warnings.simplefilter("always")
         compile_graph(nn.Linear(2, 2))
         compile_graph(nn.Linear(2, 2))
-        warnings.warn("bf16 and fp16 are mixed in the scheduler node.", UserWarning)
-        warnings.warn("another warning", UserWarning)
+        warnings.warn("bf16 and fp16 are mixed in the scheduler node.", UserWarning, stacklevel=1)
+        warnings.warn("another warning", UserWarning, stacklevel=1)
         mine = [f for f in warnings.filters if f[1] is not None and "mixed in the scheduler" in f[1].pattern]
     said = [str(w.message) for w in seen]
     assert "another warning" in said and not [m for m in said if "mixed in the scheduler" in m]

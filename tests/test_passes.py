@@ -156,7 +156,8 @@ def test_fp32_accumulation_of_lowered_reductions(low):
     r = run_pipeline(gm, lowered)
     assert r.stats["accumulate_fp32"] == 2
     s, v = r.graph_module(x)
-    ref = torch.tensor(0.01, dtype=getattr(torch, {"bf16": "bfloat16", "fp16": "float16"}[low])).float() * 4096
+    torch_dtype = getattr(torch, {"bf16": "bfloat16", "fp16": "float16"}[low])
+    ref = torch.tensor(0.01, dtype=torch_dtype).float() * 4096
     # the result is the exact fp32 sum of the low-precision inputs, rounded once to `low`
     tol = {"bf16": 1.6e-2, "fp16": 1e-3}[low]
     torch.testing.assert_close(s, ref.expand(2), rtol=tol, atol=0)
@@ -334,15 +335,16 @@ def test_prefix_then_rest_equals_whole_list(policy):
     gm = capture(Summer(), (x,))
     whole = run_pipeline(gm, policy)
     manager = lowering_passes(gm, policy)
-    assert manager.names == ["assign_dtypes", "insert_casts", "accumulate_fp32", "lower_fp8", "math_attention",
-                             "verify"]
+    assert manager.names == ["assign_dtypes", "insert_casts", "accumulate_fp32", "lower_fp8",
+                             "math_attention", "verify"]
     for k in range(len(manager) + 1):
         head = manager[:k](gm)
         part = manager[k:].resume(head)
         assert part.graph_module.code == whole.graph_module.code, k
         assert part.stats == whole.stats and part.modified == whole.modified, k
     assert set(whole.stats) == {"casts", "cast_bytes", "placed", "constants_fp32", "constants_clamped",
-                                "accumulate_fp32", "accumulate_casts", "fp8_matmuls", "math_attention", "saved_low"}
+                                "accumulate_fp32", "accumulate_casts", "fp8_matmuls", "math_attention",
+                                "saved_low"}
 
 
 def test_bad_modes_rejected_when_the_list_is_built(net):

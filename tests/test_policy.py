@@ -549,7 +549,8 @@ def test_deep_provenance_is_a_policy_error(tmp_path):
     """Nesting that json can parse but that would overflow the validator's recursion."""
     text = json.dumps(base()).replace('"provenance": {}', f'"provenance": {{"x": {_nested(500)}}}')
     path = write(tmp_path, text)
-    with pytest.raises(PolicyError, match=rf"^{re.escape(str(path))}: provenance\.x(\[0\])+: nested deeper than"):
+    with pytest.raises(PolicyError, match=rf"^{re.escape(str(path))}: provenance\.x(\[0\])+: "
+                                          r"nested deeper than"):
         Policy.load(path)
     with pytest.raises(PolicyError, match=r"^Policy: provenance\.x"):
         Policy(provenance={"x": json.loads(_nested(500))})
@@ -710,5 +711,6 @@ def test_saved_fp16_needs_no_loss_scaler_and_summary_names_fp8_scaling():
     p = Policy(default_dtype="fp32", rules=(Rule(op_class="follow", saved="fp16"),),
                loss_scaling=LossScalingConfig(mode="none"))
     assert not p.needs_loss_scaling
-    q = Policy(default_dtype="fp32", fp8_scaling="rowwise", rules=(Rule(op_class="matmul", dtype="fp8_e4m3"),))
+    q = Policy(default_dtype="fp32", fp8_scaling="rowwise",
+               rules=(Rule(op_class="matmul", dtype="fp8_e4m3"),))
     assert "fp8 scaling rowwise" in q.summary()

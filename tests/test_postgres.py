@@ -65,8 +65,9 @@ def study_name():
 
 
 def _tune_cmd(out: Path, name: str, trials: int) -> list[str]:
-    return [sys.executable, "-m", "autoprec.cli", "tune", str(MODEL), "--out", str(out), "--trials", str(trials),
-            "--no-compile", "--dtypes", "bf16", "--traj-steps", "0", "--storage", URL, "--study-name", name]
+    return [sys.executable, "-m", "autoprec.cli", "tune", str(MODEL), "--out", str(out), "--trials",
+            str(trials), "--no-compile", "--dtypes", "bf16", "--traj-steps", "0", "--storage", URL,
+            "--study-name", name]
 
 
 def _trials(name: str) -> list[optuna.trial.FrozenTrial]:
@@ -90,7 +91,8 @@ def _counted(trials) -> list[optuna.trial.FrozenTrial]:
 def _assert_measured_once(trials) -> None:
     """Every measured assignment (a finished trial that measured, not one cut short or reused) once."""
     measured = [t for t in trials if REUSED_FROM not in t.user_attrs and (
-        t.state == optuna.trial.TrialState.COMPLETE or (t.state == optuna.trial.TrialState.FAIL and ERROR in t.user_attrs))]
+        t.state == optuna.trial.TrialState.COMPLETE
+        or (t.state == optuna.trial.TrialState.FAIL and ERROR in t.user_attrs))]
     fps = [t.user_attrs.get(FINGERPRINT) for t in measured]
     assert len(fps) == len(set(fps)), f"an assignment was measured twice: {sorted(fps, key=str)}"
 
@@ -169,7 +171,8 @@ def test_sigkilled_worker_trial_is_rerun_by_the_next(tmp_path, study_name):
     """A worker of this host killed mid-trial: the next worker finds its pid gone, fails the
     trial (interrupted) and runs it again first (default heartbeats: the pid rule comes first)."""
     out = tmp_path / "p.json"
-    proc = subprocess.Popen(_tune_cmd(out, study_name, 12), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(_tune_cmd(out, study_name, 12), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
     try:
         killed = _kill_mid_trial(proc, study_name, min_done=3)
     finally:
@@ -198,7 +201,8 @@ def test_trial_of_a_worker_lost_on_another_machine_is_rerun(tmp_path, study_name
     study = optuna.load_study(study_name=study_name, storage=_db())
     study._storage.set_trial_user_attr(killed._trial_id, WORKER, "a-machine-that-is-gone:1")
     before = {t.number: (t.state, t.values) for t in study.trials if t.state.is_finished()}
-    r = subprocess.run(_tune_cmd(out, study_name, 10), capture_output=True, text=True, timeout=TIMEOUT_S, env=ENV)
+    r = subprocess.run(_tune_cmd(out, study_name, 10), capture_output=True, text=True, timeout=TIMEOUT_S,
+                       env=ENV)
     assert r.returncode == 0, r.stderr[-3000:]
     trials = _assert_rerun(study_name, killed, before, 10)
     assert INTERRUPTED not in trials[killed.number].user_attrs  # the heartbeat, not the pid, gave it up

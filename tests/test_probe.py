@@ -68,7 +68,8 @@ def test_native_bf16_device_puts_the_native_kernel_first():
     assert space.dtypes == ["fp32", "bf16", "bf16:fp32", "fp16"]  # fixed order, not by speed
     base = dict(space.baselines())
     assert base["autocast-equivalent"]["matmul"] == "bf16"
-    assert base["low-storage fp32-compute"] == {"matmul": "bf16:fp32", "sensitive": "fp32", "follow": "bf16:fp32"}
+    assert base["low-storage fp32-compute"] == {"matmul": "bf16:fp32", "sensitive": "fp32",
+                                                "follow": "bf16:fp32"}
 
 
 def test_all_slower_excludes_every_dtype_with_its_reason():
@@ -127,7 +128,8 @@ def test_fp8_is_not_probed_without_the_kernel_module(monkeypatch):
 
 
 def test_a_kernel_that_fails_is_excluded_with_the_error():
-    p = probe_kernels(CPU, SHAPES, fp8=False, timer=_timer({"fp16": RuntimeError("no fp16 gemm"), "fp16:fp32": 1.5}))
+    p = probe_kernels(CPU, SHAPES, fp8=False,
+                      timer=_timer({"fp16": RuntimeError("no fp16 gemm"), "fp16:fp32": 1.5}))
     assert p.excluded()["fp16"] == "native failed: RuntimeError: no fp16 gemm, fp32-compute 1.5x slower"
     assert math.isinf(p.kernels["fp16"].seconds)
     # --dtypes fp16: its native kernel whatever it measured, then its other kernels that ran
@@ -220,7 +222,8 @@ def test_real_probe_at_tiny_shapes_has_the_documented_structure():
     d = p.to_dict()
     json.dumps(d, allow_nan=False)
     assert set(d) == {"shapes", "weights", "tol", "fp32", "kernels", "dtypes"}
-    assert d["shapes"] == [[16, 32, 8], [8, 16, 16]] and math.isfinite(d["fp32"]["ms"]) and d["fp32"]["ms"] > 0
+    assert d["shapes"] == [[16, 32, 8], [8, 16, 16]]
+    assert math.isfinite(d["fp32"]["ms"]) and d["fp32"]["ms"] > 0
     assert set(d["kernels"]) == {"bf16", "bf16:fp32", "fp16", "fp16:fp32"}
     for k, row in d["kernels"].items():
         assert row["error"] or (math.isfinite(row["ms"]) and row["ratio"] > 0), k
@@ -244,7 +247,8 @@ def test_joining_worker_adopts_the_studys_kernels():
     run = SimpleNamespace(forced=None, probes=probes, space=SearchSpace(["bf16"], ["b.0"], ["head/linear#0"]),
                           quiet=True, dev=CPU, ac_dtype=torch.float16)
     _adopt_study_kernels(run, ["fp32", "bf16", "bf16:fp32"])
-    assert run.space.dtypes == ["fp32", "bf16", "bf16:fp32"] and run.space.low_kernels == ["bf16", "bf16:fp32"]
+    assert run.space.dtypes == ["fp32", "bf16", "bf16:fp32"]
+    assert run.space.low_kernels == ["bf16", "bf16:fp32"]
     assert run.space.blocks == ["b.0"] and run.space.nodes == ["head/linear#0"]
     assert run.ac_dtype == torch.bfloat16  # torch.autocast over the study's storage dtypes
     forced = SimpleNamespace(forced=["bf16"], probes=probes, space=SearchSpace(["bf16"]), quiet=True)

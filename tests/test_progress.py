@@ -87,7 +87,8 @@ def test_the_memory_fit_and_the_finalists_have_bars(capsys, monkeypatch):
     study.add_trial(optuna.trial.create_trial(
         values=[1000.0, 0.01, 2**20], state=optuna.trial.TrialState.COMPLETE,
         user_attrs={attrs.POLICY: Policy.default("bf16").to_dict(), attrs.CONSTRAINT: -1.0}))
-    sel = Selector(harness, DriftBudget.fixed(1.0), True, torch.bfloat16, None, 0, Clock(), True, progress=True)
+    sel = Selector(harness, DriftBudget.fixed(1.0), True, torch.bfloat16, None, 0, Clock(), True,
+                   progress=True)
     with pytest.raises(SearchError, match="every finalist failed"):
         sel.choose(study.trials, 1, lambda: harness.state_bytes + 1)
     err = capsys.readouterr().err

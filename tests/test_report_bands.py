@@ -45,8 +45,9 @@ def _study(tmp_path) -> optuna.Study:
         pol = Policy.from_dict({**Policy.fp32().to_dict(), "rules": [{"module": f"m{i}", "dtype": "bf16"}]})
         study.add_trial(optuna.trial.create_trial(
             values=[m.tokens_per_s, 0.01, 2**20], state=optuna.trial.TrialState.COMPLETE,
-            user_attrs={attrs.POLICY: pol.to_dict(), attrs.TOKENS_PER_S: m.tokens_per_s, attrs.STEP_TIMES: times,
-                        attrs.GRAD_REL_L2: 0.01, attrs.PEAK_BYTES: 2**20, attrs.CONSTRAINT: -1.0}))
+            user_attrs={attrs.POLICY: pol.to_dict(), attrs.TOKENS_PER_S: m.tokens_per_s,
+                        attrs.STEP_TIMES: times, attrs.GRAD_REL_L2: 0.01, attrs.PEAK_BYTES: 2**20,
+                        attrs.CONSTRAINT: -1.0}))
     return study
 
 
@@ -88,12 +89,12 @@ def test_side_by_side_says_when_there_is_no_band():
 def test_lever_table_bands_and_ties():
     def point(name, times):
         m = _measurement(times)
-        return {"policy": name, "key": name, "lever": "none", "tokens_per_s": m.tokens_per_s, "step_times": times,
-                "grad_rel_l2": 0.01, "peak_bytes": 2**20, "error": None}
+        return {"policy": name, "key": name, "lever": "none", "tokens_per_s": m.tokens_per_s,
+                "step_times": times, "grad_rel_l2": 0.01, "peak_bytes": 2**20, "error": None}
 
     text = lever_section([point("a", FAST), point("b", ALMOST), point("c", SLOW)])
-    rows = [line for line in text.splitlines() if line.startswith("| ") and line.split("|")[1].strip() in "abc"
-            and line.split("|")[1].strip()]
+    rows = [line for line in text.splitlines()
+            if line.startswith("| ") and line.split("|")[1].strip() in "abc" and line.split("|")[1].strip()]
     assert len(rows) == 3 and all("±" in r.split("|")[3] for r in rows)
     assert sum("(tie with" in r for r in rows) == 1 and "tie" not in rows[2]
 

@@ -30,8 +30,8 @@ def _study(policies: list[Policy]) -> optuna.Study:
         tps = 1000.0 + 100 * i
         study.add_trial(optuna.trial.create_trial(
             values=[tps, 0.01 * (i + 1), 2**20], state=optuna.trial.TrialState.COMPLETE,
-            user_attrs={attrs.POLICY: pol.to_dict(), attrs.TOKENS_PER_S: tps, attrs.GRAD_REL_L2: 0.01 * (i + 1),
-                        attrs.PEAK_BYTES: 2**20, attrs.CONSTRAINT: -1.0}))
+            user_attrs={attrs.POLICY: pol.to_dict(), attrs.TOKENS_PER_S: tps,
+                        attrs.GRAD_REL_L2: 0.01 * (i + 1), attrs.PEAK_BYTES: 2**20, attrs.CONSTRAINT: -1.0}))
     return study
 
 

@@ -30,7 +30,10 @@ def overflow_spec():
     return load_model_spec(OVERFLOW_MODEL)
 
 
-def _run(study, spec, lows, n, budget=DriftBudget.fixed(1.0)):
+_BUDGET = DriftBudget.fixed(1.0)
+
+
+def _run(study, spec, lows, n, budget=_BUDGET):
     h = Harness(spec, torch.device("cpu"), warmup=1, steps=2)
     blocks = find_blocks(h.graph_module)
     space = SearchSpace(lows, blocks, outside_matmuls(h.graph_module, blocks))
@@ -75,8 +78,8 @@ def test_equal_graphs_are_measured_once(tmp_path, overflow_spec):
 
 
 def _tune_cmd(model, out, trials, extra=()):
-    return [sys.executable, "-m", "autoprec.cli", "tune", str(model), "--out", str(out), "--trials", str(trials),
-            "--no-compile", "--dtypes", "bf16", "--traj-steps", "0", *extra]
+    return [sys.executable, "-m", "autoprec.cli", "tune", str(model), "--out", str(out), "--trials",
+            str(trials), "--no-compile", "--dtypes", "bf16", "--traj-steps", "0", *extra]
 
 
 def _finished(db, name):
@@ -146,7 +149,8 @@ def test_two_workers_share_one_study(tmp_path):
     def form(d):
         return json.dumps({k: v for k, v in d.items() if k not in ("measured", "provenance")}, sort_keys=True)
 
-    feasible = {form(t.user_attrs[ATTR + "policy"]) for t in finished if t.user_attrs.get(ATTR + "constraint", 1.0) <= 0}
+    feasible = {form(t.user_attrs[ATTR + "policy"]) for t in finished if t.user_attrs.get(ATTR + "constraint",
+                                                                                          1.0) <= 0}
     for p in (tmp_path / "p0.json", tmp_path / "p1.json"):
         pol = Policy.load(p)
         # feasible by the drift rule (search/decide.py: a paired test against torch.autocast, so the

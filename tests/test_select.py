@@ -75,7 +75,8 @@ def test_candidates_always_include_twin_also_and_fp32_once():
     trial = optuna.trial.create_trial(values=[100.0, 1e-3, 1.0], user_attrs={attrs.POLICY: math.to_dict()},
                                       distributions={}, params={})
     for feasible, expect in (([], ["autocast twin", "autocast twin, math attention"]),
-                             ([trial], ["trial -1 (eager 100 tok/s)", "autocast twin"])):  # the trial is the math twin
+                             # the trial is the math twin
+                             ([trial], ["trial -1 (eager 100 tok/s)", "autocast twin"])):
         labels = [label for _p, label in sel._candidates(feasible, 2)]
         assert labels == [*expect, "fp32 + torch.compile"]
         keys = [p.training_key() for p, _l in sel._candidates(feasible, 2)]

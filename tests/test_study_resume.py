@@ -11,7 +11,8 @@ import optuna
 import pytest
 import torch
 
-from autoprec.search import attrs, study as study_mod
+from autoprec.search import attrs
+from autoprec.search import study as study_mod
 from autoprec.search.probe import probe_kernels as real_probe
 from autoprec.search.storage import default_study_name
 

@@ -73,8 +73,8 @@ def _bench_rows(path: Path) -> dict:
 
 def test_bench_eager_rows_on_varying_shapes_exit_0(tmp_path: Path, policy_file: Path):
     out = tmp_path / "bench.json"
-    code = main(["bench", T5, "--policy", str(policy_file), "--steps", "2", "--warmup", "1", "--device", "cpu",
-                 "--configs", *EAGER, "--json", str(out)])
+    code = main(["bench", T5, "--policy", str(policy_file), "--steps", "2", "--warmup", "1", "--device",
+                 "cpu", "--configs", *EAGER, "--json", str(out)])
     assert code == 0
     res = _bench_rows(out)
     assert res["timing"]["warmup_steps"] >= 5  # every distinct shape of the 5 batches met before timing
@@ -106,7 +106,8 @@ FP32_ONLY = textwrap.dedent("""
         return Fp32Only()
 
     def get_batch(step, device):
-        return {"input_ids": torch.randint(0, 32, (4, 8), generator=torch.Generator().manual_seed(step)).to(device)}
+        g = torch.Generator().manual_seed(step)
+        return {"input_ids": torch.randint(0, 32, (4, 8), generator=g).to(device)}
 """)
 
 
@@ -220,8 +221,8 @@ def test_strict_shapes_raises_a_clear_error(spec):
 def test_bench_every_row_on_the_example(tmp_path: Path, policy_file: Path):
     """All eight rows on T5 (compiles of several minutes on a 2-core CPU): each measured, exit 0."""
     out = tmp_path / "bench.json"
-    code = main(["bench", T5, "--policy", str(policy_file), "--steps", "2", "--warmup", "1", "--device", "cpu",
-                 "--json", str(out)])
+    code = main(["bench", T5, "--policy", str(policy_file), "--steps", "2", "--warmup", "1", "--device",
+                 "cpu", "--json", str(out)])
     assert code == 0
     res = _bench_rows(out)
     for name in CONFIGS:

@@ -21,7 +21,8 @@ VARLEN = Path(__file__).resolve().parent / "models" / "varlen_lm.py"
 def test_harness_captures_once_with_dynamic_dims_and_times_every_shape():
     h = Harness(load_model_spec(VARLEN), torch.device("cpu"), warmup=1, steps=5)
     assert is_dynamic(h.graph_module)
-    assert h.shapes == ["args[0] (3, 12)", "args[0] (2, 8)", "args[0] (3, 16)", "args[0] (1, 10)", "args[0] (2, 12)"]
+    assert h.shapes == ["args[0] (3, 12)", "args[0] (2, 8)", "args[0] (3, 16)", "args[0] (1, 10)",
+                        "args[0] (2, 12)"]
     m = h.measure(h.graph_module)
     assert m.error is None and len(m.step_times) == 5 and m.grad_rel_l2 == 0.0
     assert h.tokens == (36 + 16 + 48 + 10 + 24) / 5  # mean tokens of the timed steps, one per batch

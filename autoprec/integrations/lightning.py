@@ -100,7 +100,8 @@ class AutoprecPrecision(Precision):
     def __init__(self, policy: Policy, example_batch: Any = None, compile: bool = True, module: str = "model",
                  dynamic: bool = True, placement: str = "mincut", restore_rng: bool = True) -> None:
         if not isinstance(policy, Policy):
-            raise TypeError(f"AutoprecPrecision(policy=...) expects an autoprec.Policy, got {type(policy).__name__}")
+            raise TypeError("AutoprecPrecision(policy=...) expects an autoprec.Policy, got "
+                            f"{type(policy).__name__}")
         self.policy = policy
         self.example_batch, self.compile, self.module = example_batch, bool(compile), module
         self.dynamic, self.placement, self.restore_rng = bool(dynamic), placement, bool(restore_rng)
@@ -134,8 +135,8 @@ class AutoprecPrecision(Precision):
             example = self.example_batch if self.example_batch is not None else batch
             device = next((p.device for p in inner.parameters()), torch.device("cpu"))
             with _own_forward(inner, orig):
-                self.mp = apply(inner, self.policy, move_data_to_device(example, device), compile=self.compile,
-                                placement=self.placement, dynamic=self.dynamic)
+                self.mp = apply(inner, self.policy, move_data_to_device(example, device),
+                                compile=self.compile, placement=self.placement, dynamic=self.dynamic)
         return self.mp
 
     def _diagnose(self) -> str | None:
@@ -146,7 +147,8 @@ class AutoprecPrecision(Precision):
         return first_nonfinite_node(self.mp.graph_module, self._last_batch)
 
     # ----------------------------------------------------------------- loss scaling
-    def pre_backward(self, tensor: torch.Tensor, module: pl.LightningModule) -> torch.Tensor:  # type: ignore[override]
+    def pre_backward(self, tensor: torch.Tensor,  # type: ignore[override]
+                     module: pl.LightningModule) -> torch.Tensor:
         """Scale the loss (fp32) when the policy uses fp16, then Lightning's ``on_before_backward``."""
         if self.scaler is not None:
             tensor = self.scaler.scale(tensor)
@@ -169,10 +171,11 @@ class AutoprecPrecision(Precision):
         if self.scaler is None:
             return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
         if isinstance(optimizer, torch.optim.LBFGS):
-            raise MisconfigurationException("AutoprecPrecision with an fp16 policy (loss scaling) and the LBFGS "
-                                            "optimizer are not compatible.")
+            raise MisconfigurationException("AutoprecPrecision with an fp16 policy (loss scaling) and the "
+                                            "LBFGS optimizer are not compatible.")
         closure_result = closure()
-        if closure_result is None and model.automatic_optimization:  # training_step returned None: no backward
+        # training_step returned None: no backward
+        if closure_result is None and model.automatic_optimization:
             return closure_result
         self.scaler.unscale_(optimizer)
         self._after_closure(model, optimizer)
@@ -237,9 +240,10 @@ class _PolicyForward:
         if not inner.training:
             return self.orig(*args, **kwargs)
         if args and kwargs:
-            raise ValueError(f"AutoprecPrecision: {type(inner).__name__} was called with positional and keyword "
-                             "arguments; autoprec graphs take a batch as model(**batch), model(*batch) or "
-                             "model(batch) (docs/architecture.md#modelpy-contract): call it one of these ways")
+            raise ValueError(f"AutoprecPrecision: {type(inner).__name__} was called with positional and "
+                             "keyword arguments; autoprec graphs take a batch as model(**batch), "
+                             "model(*batch) or model(batch) (docs/architecture.md#modelpy-contract): call it "
+                             "one of these ways")
         batch = dict(kwargs) if kwargs else tuple(args)
         mp = self.plugin._module_for(inner, self.orig, batch)
         self.plugin._last_batch = batch

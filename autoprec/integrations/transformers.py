@@ -61,17 +61,17 @@ def check_training_args(args: Any, what: str = "AutoprecTrainer") -> None:
     for flag, effect in _PRECISION_FLAGS.items():
         if getattr(args, flag, False):
             raise ValueError(
-                f"{what}: TrainingArguments({flag}=True) together with a policy-applied model: Trainer {effect}, "
-                "overriding the dtypes the policy sets for each node. Pass bf16=False and fp16=False (the "
-                "defaults); the policy decides the precision, and AutoprecTrainer adds the loss scaler a "
-                "policy with fp16 nodes needs.")
+                f"{what}: TrainingArguments({flag}=True) together with a policy-applied model: Trainer "
+                f"{effect}, overriding the dtypes the policy sets for each node. Pass bf16=False and "
+                "fp16=False (the defaults); the policy decides the precision, and AutoprecTrainer adds the "
+                "loss scaler a policy with fp16 nodes needs.")
     if getattr(args, "activation_checkpointing", False) or getattr(args, "gradient_checkpointing", False):
         raise ValueError(
-            f"{what}: TrainingArguments(gradient_checkpointing=True) (or activation_checkpointing=True): gradient "
-            "checkpointing cannot be switched on after autoprec.apply (the graph is captured and lowered "
-            "already). Pass gradient_checkpointing=False and activation_checkpointing=False; to trade compute "
-            "for activation memory, give the policy an activation_memory_budget below 1.0 and apply with "
-            "compile=True (docs/architecture.md#policy-file).")
+            f"{what}: TrainingArguments(gradient_checkpointing=True) (or activation_checkpointing=True): "
+            "gradient checkpointing cannot be switched on after autoprec.apply (the graph is captured and "
+            "lowered already). Pass gradient_checkpointing=False and activation_checkpointing=False; to "
+            "trade compute for activation memory, give the policy an activation_memory_budget below 1.0 and "
+            "apply with compile=True (docs/architecture.md#policy-file).")
 
 
 class AutoprecTrainer(transformers.Trainer):
@@ -115,8 +115,8 @@ class AutoprecTrainer(transformers.Trainer):
         hyper-parameter search, so each accelerator gets a fresh scaler."""
         super().create_accelerator_and_postprocess()
         if self.accelerator.scaler is not None:  # check_training_args refused fp16 already
-            raise ValueError("AutoprecTrainer: accelerate created its own GradScaler (mixed_precision='fp16' in "
-                             "the accelerate config or environment); set mixed_precision='no'")
+            raise ValueError("AutoprecTrainer: accelerate created its own GradScaler (mixed_precision='fp16' "
+                             "in the accelerate config or environment); set mixed_precision='no'")
         self.accelerator.scaler = make_scaler(self.model.policy)
 
     @property
@@ -126,7 +126,8 @@ class AutoprecTrainer(transformers.Trainer):
         return scaler if isinstance(scaler, DynamicLossScaler) else None
 
     def _unscale(self) -> None:
-        """Divide the accumulated gradients by the scale (fp32, in place) and record inf/NaN, once per step."""
+        """Divide the accumulated gradients by the scale (fp32, in place) and record inf/NaN, once per
+        step."""
         if self.loss_scaler is not None:
             self.loss_scaler.unscale_(getattr(self.optimizer, "optimizer", self.optimizer))
 
@@ -157,7 +158,8 @@ class AutoprecTrainer(transformers.Trainer):
 
     @contextlib.contextmanager
     def _inner_model(self) -> Iterator[None]:
-        """``self.model`` is the wrapped ``PreTrainedModel`` inside the block (unchanged for another model)."""
+        """``self.model`` is the wrapped ``PreTrainedModel`` inside the block (unchanged for another
+        model)."""
         mp = self.model
         inner = getattr(mp, "model", None)
         if not isinstance(inner, transformers.PreTrainedModel):

@@ -11,9 +11,9 @@ pass :mod:`autoprec.passes.attention` retargets the graph's SDPA nodes to this o
 The numerics follow PyTorch's reference implementation in the ``scaled_dot_product_attention``
 docs, with the precision split of the fused kernels and of ``torch.autocast`` over eager
 attention: both GEMMs run in the inputs' dtype (fp32 accumulation inside the kernel), the scores
-are scaled, masked and soft-maxed in fp32 (float64 stays float64), and the probabilities are rounded to ``value``'s dtype
-for the second GEMM. A row whose every position is masked gives zeros, as PyTorch's math backend
-(``_safe_softmax``) does, not NaN.
+are scaled, masked and soft-maxed in fp32 (float64 stays float64), and the probabilities are rounded to
+``value``'s dtype for the second GEMM. A row whose every position is masked gives zeros, as PyTorch's math
+backend (``_safe_softmax``) does, not NaN.
 
 The op is registered ``CompositeImplicitAutograd``: eager runs, ``torch.export``, AOTAutograd and
 Inductor see its ATen ops (matmul, softmax, ...), which Inductor fuses and differentiates as usual.
@@ -69,7 +69,8 @@ def sdpa_math(
     implementation and argument semantics).
     """
     if is_causal and attn_mask is not None:
-        raise RuntimeError("sdpa_math: is_causal and attn_mask cannot both be set (as scaled_dot_product_attention)")
+        raise RuntimeError("sdpa_math: is_causal and attn_mask cannot both be set (as "
+                           "scaled_dot_product_attention)")
     if enable_gqa and key.size(-3) != query.size(-3):
         groups = query.size(-3) // key.size(-3)
         key = key.repeat_interleave(groups, dim=-3)

@@ -5,10 +5,9 @@ See :mod:`autoprec.modelspec` for the contract (``docs/architecture.md#modelpy-c
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
-
-import inspect
 
 import torch
 from torch import nn
@@ -21,8 +20,8 @@ __all__ = ["call_model", "default_loss_fn", "default_make_optimizer", "default_t
 
 
 def split_batch(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """The positional and keyword arguments a batch stands for (docs/architecture.md#modelpy-contract): a mapping is
-    ``(), dict(batch)``, a tuple or list ``tuple(batch), {}``, anything else (typically a tensor)
+    """The positional and keyword arguments a batch stands for (docs/architecture.md#modelpy-contract): a
+    mapping is ``(), dict(batch)``, a tuple or list ``tuple(batch), {}``, anything else (typically a tensor)
     ``(batch,), {}``."""
     if isinstance(batch, Mapping):
         return (), dict(batch)

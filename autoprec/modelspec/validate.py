@@ -82,7 +82,8 @@ def _check_loss(spec: ModelSpec, loss: Any) -> None:
     who = f"{spec.path}: loss_fn" if user is not None else f"{spec.path}: the model's loss (output.loss)"
     fix = "return the loss tensor itself (no .item(), .detach() or float())"
     if not isinstance(loss, torch.Tensor):
-        raise ModelSpecError(f"{who} returned {_describe(loss)}; expected a scalar floating-point Tensor; {fix}")
+        raise ModelSpecError(f"{who} returned {_describe(loss)}; expected a scalar floating-point "
+                             f"Tensor; {fix}")
     if not loss.is_floating_point():
         raise ModelSpecError(f"{who} returned {_describe(loss)}; expected a floating-point scalar Tensor")
     if loss.numel() != 1:
@@ -93,7 +94,8 @@ def _check_loss(spec: ModelSpec, loss: Any) -> None:
 
 
 def validate_spec(spec: ModelSpec, device: torch.device | str = "cpu") -> tuple[nn.Module, Any]:
-    """Run every entry point of ``spec`` once and check what it returns (docs/architecture.md#modelpy-contract).
+    """Run every entry point of ``spec`` once and check what it returns
+    (docs/architecture.md#modelpy-contract).
 
     Builds the model once, calls ``get_batch(0, device)`` twice (determinism), runs one forward
     and ``loss_fn`` (no backward), and builds the optimizer. Cost: one model build and one forward
@@ -126,11 +128,13 @@ def validate_spec(spec: ModelSpec, device: torch.device | str = "cpu") -> tuple[
         model.train()
         batch = _call_entry(spec, "get_batch(0, device)", spec.get_batch, 0, dev)
         if not isinstance(batch, (torch.Tensor, tuple, list, Mapping)):
-            raise ModelSpecError(f"{spec.path}: get_batch returned {_describe(batch)}; expected {_BATCH_TYPES}")
+            raise ModelSpecError(f"{spec.path}: get_batch returned {_describe(batch)}; expected "
+                                 f"{_BATCH_TYPES}")
         again = _call_entry(spec, "get_batch(0, device)", spec.get_batch, 0, dev)
         if not _same_batch(batch, again):
-            raise ModelSpecError(f"{spec.path}: get_batch(0, device) returned different batches on two calls; "
-                                 "it must be deterministic in step (e.g. seed a torch.Generator with step)")
+            raise ModelSpecError(f"{spec.path}: get_batch(0, device) returned different batches on two "
+                                 "calls; it must be deterministic in step (e.g. seed a "
+                                 "torch.Generator with step)")
         if isinstance(batch, Mapping):
             _check_batch_keys(spec, model, batch)
         try:

@@ -1,4 +1,5 @@
-"""Pass 3: fp32 accumulation for reductions computed in a low dtype (docs/architecture.md#data-flow, case C06).
+"""Pass 3: fp32 accumulation for reductions computed in a low dtype (docs/architecture.md#data-flow, case
+C06).
 
 Adding ``0.01`` into a bf16 accumulator 1000 times gives 4.0, not 10.0: each partial sum is
 rounded to 8 mantissa bits. When ``policy.accumulate == "fp32"`` (the default) every reduction

@@ -73,8 +73,8 @@ def _check_node_rules(policy: Policy, nodes: list[fx.Node]) -> None:
     unmatched = set(unmatched_rules(policy, nodes))
     for i, rule in enumerate(policy.rules):
         if rule.node is None:
-            # docs/architecture.md#policy-file: a rule that matches no node is reported. A rule by op class alone may
-            # fairly match nothing (a model without norms); one naming modules is a typo or a
+            # docs/architecture.md#policy-file: a rule that matches no node is reported. A rule by op class
+            # alone may fairly match nothing (a model without norms); one naming modules is a typo or a
             # policy for another model.
             if rule.module is not None and i in unmatched:
                 warnings.warn(f"autoprec: policy rules[{i}] {rule.describe()} matches no node of this graph "
@@ -85,7 +85,8 @@ def _check_node_rules(policy: Policy, nodes: list[fx.Node]) -> None:
             warnings.warn(f"autoprec: policy rules[{i}] names {rule.node!r}, a graph input; inputs are never "
                           "cast (the rule has no effect)", stacklevel=3)
         elif n is None:
-            warnings.warn(f"autoprec: policy rules[{i}] names node {rule.node!r}, which is not in the graph", stacklevel=3)
+            warnings.warn(f"autoprec: policy rules[{i}] names node {rule.node!r}, which is not in the graph",
+                          stacklevel=3)
         elif n.meta["autoprec"]["op_class"] == "nonfloat":
             raise pass_error(
                 PASS, n, f"policy rules[{i}] sets dtype {rule.dtype} on a non-float node "
@@ -151,7 +152,8 @@ def assign_dtypes(
         for n in nodes:
             if n.target is SDPA:
                 n.meta["autoprec"]["impl"] = policy.attention
-    stats = {"placed": len(placed), "constants_fp32": n_fp32, "constants_clamped": n_clamped, "saved_low": n_saved}
+    stats = {"placed": len(placed), "constants_fp32": n_fp32, "constants_clamped": n_clamped,
+             "saved_low": n_saved}
     return PassResult(gm, True, stats)
 
 
@@ -202,7 +204,8 @@ def _assign_saved(nodes: list[fx.Node], policy: Policy) -> int:
     count = 0
     for n in nodes:
         meta = n.meta.get("autoprec", {})
-        if n.op != "call_function" or meta.get("dtype") in (None, "auto") or meta.get("op_class") == "nonfloat":
+        if (n.op != "call_function" or meta.get("dtype") in (None, "auto")
+                or meta.get("op_class") == "nonfloat"):
             continue
         saved = policy.resolve_saved(meta.get("key", ""), meta.get("op_class", ""), meta.get("module", ""))
         if saved is not None and saved != meta.get("compute", meta["dtype"]):
@@ -255,7 +258,8 @@ def _constants_after(nodes, mode: str) -> int:
     for n in nodes:
         meta = n.meta.get("autoprec", {})
         dt = _low_compute(n) or meta.get("dtype")  # the dtype the op computes in holds the constant
-        if n.op != "call_function" or dt in (None, "fp32", "auto") or meta.get("decided_by") == "fixed-dtype op":
+        if (n.op != "call_function" or dt in (None, "fp32", "auto")
+                or meta.get("decided_by") == "fixed-dtype op"):
             continue
         bad = out_of_range_constants(n, dt)
         if not bad:
@@ -330,7 +334,8 @@ def _set_compute(node: fx.Node, meta: dict, rule: Rule) -> None:
     if compute == FP8_COMPUTE and not fp8_lowerable(node):
         if rule.node is not None:
             raise pass_error(PASS, node, f"policy rule {rule.describe()} asks fp8 of "
-                             f"{meta.get('op')}, which has no fp8 kernel (fp8 lowers linear, mm and 2-D matmul)")
+                             f"{meta.get('op')}, which has no fp8 kernel (fp8 lowers linear, mm "
+                             "and 2-D matmul)")
         meta["reason"] = f"no fp8 kernel for {meta.get('op')}: computed in {rule.storage}"
         return
     meta["compute"] = compute

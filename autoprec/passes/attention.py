@@ -1,4 +1,5 @@
-"""Pass: with ``policy.attention == "math"``, SDPA nodes run as ``autoprec::sdpa_math`` (docs/architecture.md#passes).
+"""Pass: with ``policy.attention == "math"``, SDPA nodes run as ``autoprec::sdpa_math``
+(docs/architecture.md#passes).
 
 After ``insert_casts`` an ``aten.scaled_dot_product_attention`` node reads ``query``, ``key`` and
 ``value`` in its storage dtype and writes its output in it. This pass swaps its target for

@@ -5,8 +5,8 @@ Re-derives every node's output dtype by running the graph on fake tensors
 refreshing ``node.meta["val"]``. A graph captured with dynamic dimensions (``capture(...,
 dynamic=True)``) is propagated in its own ``FakeTensorMode`` (the export's, found by
 ``autoprec._torch_compat.detect_fake_mode`` on the placeholders' fake values), so symbolic sizes stay
-symbolic (``s0``, ``s1``) and nothing specialises them; its post-condition compares each with the assigned dtype and
-checks that graph outputs keep the dtype they had when captured, that no integer/bool tensor
+symbolic (``s0``, ``s1``) and nothing specialises them; its post-condition compares each with the assigned
+dtype and checks that graph outputs keep the dtype they had when captured, that no integer/bool tensor
 was cast, and that a node computing in another dtype than it stores is read only through its store
 cast.
 """
@@ -118,9 +118,11 @@ class Verify(PassBase):
                 if got != want:
                     raise pass_error(PASS, node, f"assigned {want} but computes {got}")
             storage = meta.get("storage")
-            if storage is not None and any(not is_inserted_cast(u) or NAMES.get(getattr(u.meta.get("val"), "dtype", None))
+            if storage is not None and any(not is_inserted_cast(u) or NAMES.get(getattr(u.meta.get("val"),
+                                                                                        "dtype", None))
                                            not in (storage, None) for u in node.users):
-                raise pass_error(PASS, node, f"computes in {want} but a consumer does not read its {storage} store")
+                raise pass_error(PASS, node, f"computes in {want} but a consumer does not read its "
+                                             f"{storage} store")
         if self.original_output_dtypes is None:
             return
         for i, (a, want) in enumerate(zip(_outputs(gm), self.original_output_dtypes)):

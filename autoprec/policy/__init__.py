@@ -1,10 +1,11 @@
-"""Precision policies: frozen dataclasses, JSON schema v2 (v1 read unchanged), atomic save, validated load (docs/architecture.md#policy-file).
+"""Precision policies: frozen dataclasses, JSON schema v2 (v1 read unchanged), atomic save, validated load
+(docs/architecture.md#policy-file).
 
 A :class:`Policy` says which dtype each graph node stores its output in, computes in and saves
 for backward. It is a default dtype plus an
 ordered list of :class:`Rule` objects; a rule selects nodes by op class (``ops.py``), by a module
-glob, or by an exact node key (``<module path>/<op>#<k>``, docs/architecture.md#node-keys-and-op-classes). Later rules override earlier
-ones and node rules win over all others.
+glob, or by an exact node key (``<module path>/<op>#<k>``, docs/architecture.md#node-keys-and-op-classes).
+Later rules override earlier ones and node rules win over all others.
 
 Every invalid value raises :class:`~autoprec.errors.PolicyError` whose message names the source
 (a file path, or the class being constructed) and the exact field, e.g.
@@ -31,6 +32,7 @@ from autoprec.policy.loss_scaling import LOSS_SCALING_KEYS, LOSS_SCALING_MODES, 
 from autoprec.policy.rule import FP8, OP_CLASSES, RULE_KEYS, RULE_OP_CLASSES, Rule
 
 __all__ = [
-    "ACCUMULATE_MODES", "FP8", "GRAD_REDUCE_DTYPES", "LOSS_SCALING_KEYS", "LOSS_SCALING_MODES", "OP_CLASSES", "RULE_KEYS",
-    "READ_VERSIONS", "RULE_OP_CLASSES", "SCHEMA_VERSION", "TOP_LEVEL_KEYS", "LossScalingConfig", "Policy", "Rule",
+    "ACCUMULATE_MODES", "FP8", "GRAD_REDUCE_DTYPES", "LOSS_SCALING_KEYS", "LOSS_SCALING_MODES", "OP_CLASSES",
+    "RULE_KEYS", "READ_VERSIONS", "RULE_OP_CLASSES", "SCHEMA_VERSION", "TOP_LEVEL_KEYS", "LossScalingConfig",
+    "Policy", "Rule",
 ]

@@ -77,7 +77,8 @@ def check_fields(p: Any, source: str) -> None:
     if not 0.0 <= amb <= 1.0:
         raise fail(source, "activation_memory_budget", f"{amb!r} is outside [0, 1] (a fraction of the "
                    "activations Inductor saves by default; 1.0 = no extra recomputation)")
-    check_choice(p.grad_reduce_dtype, GRAD_REDUCE_DTYPES, "gradient reduction dtype", source, "grad_reduce_dtype")
+    check_choice(p.grad_reduce_dtype, GRAD_REDUCE_DTYPES, "gradient reduction dtype", source,
+                 "grad_reduce_dtype")
     check_choice(p.fp8_scaling, FP8_SCALINGS, "fp8 scaling", source, "fp8_scaling")
     check_choice(p.follow_placement, FOLLOW_PLACEMENTS, "follow placement", source, "follow_placement")
     check_choice(p.attention, ATTENTION_IMPLS, "attention implementation", source, "attention")
@@ -91,7 +92,8 @@ def check_fields(p: Any, source: str) -> None:
             raise fail(source, f"measured.{k}", f"{v!r} is not a finite number")
     if p.loss_scaling.mode == "none" and p.needs_loss_scaling:
         where = "default_dtype" if p.default_dtype == "fp16" else next(
-            f"rules[{i}].{k}" for i, r in enumerate(p.rules) for k in ("dtype", "compute") if getattr(r, k) == "fp16")
+            f"rules[{i}].{k}" for i, r in enumerate(p.rules) for k in ("dtype", "compute")
+            if getattr(r, k) == "fp16")
         raise fail(source, "loss_scaling.mode", f"'none' but {where} is fp16: fp16 without a loss scaler "
                    "is refused (small gradients underflow to 0 in fp16, cases C07); use 'dynamic'")
 

@@ -41,13 +41,15 @@ from autoprec.policy.fields import (
 from autoprec.policy.loss_scaling import LOSS_SCALING_KEYS, LossScalingConfig
 from autoprec.policy.rule import Rule
 
-__all__ = ["ACCUMULATE_MODES", "FOLLOW_PLACEMENTS", "FP8_SCALINGS", "GRAD_REDUCE_DTYPES", "READ_VERSIONS", "SCHEMA_VERSION", "TOP_LEVEL_KEYS", "Policy"]
+__all__ = ["ACCUMULATE_MODES", "FOLLOW_PLACEMENTS", "FP8_SCALINGS", "GRAD_REDUCE_DTYPES", "READ_VERSIONS",
+           "SCHEMA_VERSION", "TOP_LEVEL_KEYS", "Policy"]
 
 
 
 @dataclass(frozen=True)
 class Policy:
-    """A mixed-precision policy (docs/architecture.md#policy-file): default dtype, ordered rules and training settings.
+    """A mixed-precision policy (docs/architecture.md#policy-file): default dtype, ordered rules and training
+    settings.
 
     Attributes:
         default_dtype: dtype of float nodes no rule selects (``fp32``, ``bf16`` or ``fp16``);
@@ -239,7 +241,8 @@ class Policy:
         """Whether the policy uses a schema-2 field (a rule's ``compute``, ``saved`` or fp8;
         ``fp8_scaling``, ``follow_placement`` or ``attention`` other than the default): written as
         version 2."""
-        defaults = self.fp8_scaling == "tensorwise" and self.follow_placement == "mincut" and self.attention == "fused"
+        defaults = (self.fp8_scaling == "tensorwise" and self.follow_placement == "mincut"
+                    and self.attention == "fused")
         return not defaults or any(r.schema2 for r in self.rules)
 
     # -- JSON -----------------------------------------------------------------------------------

@@ -1,1 +1,2 @@
-"""Runtime pieces used while training: loss scaling, monitoring, applying a policy (docs/architecture.md#runtime)."""
+"""Runtime pieces used while training: loss scaling, monitoring, applying a policy
+(docs/architecture.md#runtime)."""

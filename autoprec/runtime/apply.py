@@ -1,4 +1,5 @@
-"""``autoprec.apply``: a policy applied to a model as a trainable drop-in module (docs/architecture.md#runtime)."""
+"""``autoprec.apply``: a policy applied to a model as a trainable drop-in module
+(docs/architecture.md#runtime)."""
 
 from __future__ import annotations
 
@@ -32,9 +33,10 @@ class MixedPrecisionModule(nn.Module):
     batch given to :func:`apply`); it returns the model's output type and fields (``out.loss``,
     ``out.logits`` of a ``ModelOutput``), outputs in their original dtype (fp32). When the capture
     fixed ``use_cache=False`` for training (:func:`autoprec.modelspec.training_kwargs`), every call
-    runs with it: passing ``use_cache=False`` is accepted, another value raises ``ValueError``. ``parameters()``, ``named_parameters()``, ``state_dict()`` and
-    ``load_state_dict()`` are the wrapped model's, so optimizers and checkpoints are unchanged;
-    parameters (master weights) stay fp32 and low-precision copies are cast inside the graph.
+    runs with it: passing ``use_cache=False`` is accepted, another value raises ``ValueError``.
+    ``parameters()``, ``named_parameters()``, ``state_dict()`` and ``load_state_dict()`` are the wrapped
+    model's, so optimizers and checkpoints are unchanged; parameters (master weights) stay fp32 and
+    low-precision copies are cast inside the graph.
 
     By default the graph is specialised to the example batch's shapes (batch size included): a
     call whose input tensors have other shapes raises ``ValueError`` naming the input and both
@@ -74,7 +76,8 @@ class MixedPrecisionModule(nn.Module):
     supports_gradient_checkpointing = False
     config = model_attr("config", "The wrapped model's ``config`` (Hugging Face models).")
     main_input_name = model_attr("main_input_name", "The wrapped model's ``main_input_name``.")
-    _keys_to_ignore_on_save = model_attr("_keys_to_ignore_on_save", "The wrapped model's (Trainer's resume reads it).")
+    _keys_to_ignore_on_save = model_attr("_keys_to_ignore_on_save",
+                                         "The wrapped model's (Trainer's resume reads it).")
 
     def __init__(self, model: nn.Module, graph_module: fx.GraphModule, policy: Policy,
                  stats: dict[str, Any], compile: bool) -> None:
@@ -85,14 +88,16 @@ class MixedPrecisionModule(nn.Module):
         self.stats = stats
         self.compiled = compile
         if not compile and policy.activation_memory_budget < 1.0:
-            warnings.warn(f"autoprec: the policy's activation_memory_budget {policy.activation_memory_budget:g} "
-                          "applies to compiled graphs only; without compile every activation is kept, so peak "
-                          "memory exceeds what tune measured", stacklevel=3)
+            warnings.warn("autoprec: the policy's activation_memory_budget "
+                          f"{policy.activation_memory_budget:g} applies to compiled graphs only; without "
+                          "compile every activation is kept, so peak memory exceeds what tune measured",
+                          stacklevel=3)
         flat, self._out_spec = flat_output_graph(graph_module)  # the output is rebuilt outside compile
         if not compile:  # nodes' ``saved`` dtypes (autoprec.runtime.saved; compile_graph handles compiled)
             apply_saved(flat, compiled=False)
         object.__setattr__(self, "_saved", saved_activation_context(flat) if not compile else nullcontext())
-        object.__setattr__(self, "_fn", compile_graph(flat, policy.activation_memory_budget) if compile else flat)
+        object.__setattr__(self, "_fn",
+                           compile_graph(flat, policy.activation_memory_budget) if compile else flat)
         object.__setattr__(self, "_inputs", InputShapes(graph_module, what=type(self).__name__))
         self._fixed = dict(graph_module.meta.get(CALL_KWARGS_META, {}))
         self._what = f"{type(self).__name__} of {type(model).__name__}"
@@ -139,7 +144,8 @@ class MixedPrecisionModule(nn.Module):
         :mod:`autoprec.runtime.shape_cache`) / ``{"mode": "dynamic+per_shape", ...}`` (shapes below
         a range, :class:`autoprec.runtime.widen.Routed`); ``"recaptures"``: times a batch outside
         the ranges made it capture again with wider ones (:mod:`autoprec.runtime.widen`)."""
-        stats = getattr(self._fn, "stats", None) if isinstance(self._fn, (CompileLog, ShapeCache, Routed)) else None
+        stats = (getattr(self._fn, "stats", None) if isinstance(self._fn, (CompileLog, ShapeCache, Routed))
+                 else None)
         out = stats() if stats is not None else {
             "mode": "dynamic" if is_dynamic(self.graph_module) else "static", "captures": 1}
         if self._recapture is not None and self._recapture.recaptures:
@@ -201,7 +207,8 @@ class MixedPrecisionModule(nn.Module):
             f"{self._what}: gradient checkpointing cannot be switched on after autoprec.apply (the graph is "
             "captured and lowered already). Set TrainingArguments(gradient_checkpointing=False, "
             "activation_checkpointing=False); to trade compute for activation memory, give the policy an "
-            "activation_memory_budget below 1.0 and apply with compile=True (docs/architecture.md#policy-file)")
+            "activation_memory_budget below 1.0 and apply with compile=True "
+            "(docs/architecture.md#policy-file)")
 
     activation_checkpointing_enable = gradient_checkpointing_enable
 
@@ -289,7 +296,8 @@ def apply(model: nn.Module, policy: Policy, example_batch: Any, compile: bool = 
     check_policy_matches(policy, gm, force=force)
     with quiet_pytree_deprecation():  # the passes deep-copy the graph and its pytree specs
         result = run_pipeline(gm, policy, placement)
-    result.graph_module.meta[CALL_KWARGS_META] = dict(gm.meta.get(CALL_KWARGS_META, {}))  # passes keep no gm.meta
+    # passes keep no gm.meta
+    result.graph_module.meta[CALL_KWARGS_META] = dict(gm.meta.get(CALL_KWARGS_META, {}))
     mp = MixedPrecisionModule(model, result.graph_module, policy, result.stats, compile)
     static = lambda batch: apply(model, policy, batch, compile, placement, dynamic=False, force=True)._fn  # noqa: E731
     if dynamic and not is_dynamic(gm):  # one graph per shape, the example's first

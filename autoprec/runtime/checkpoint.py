@@ -1,4 +1,5 @@
-"""Training checkpoints: model, optimizer, loss scaler, policy, step counter and RNG states (docs/architecture.md#runtime, C14).
+"""Training checkpoints: model, optimizer, loss scaler, policy, step counter and RNG states
+(docs/architecture.md#runtime, C14).
 
 A checkpoint is one ``torch.save`` file whose content is plain tensors, dicts, lists, strings and
 numbers only, so it loads with ``torch.load(weights_only=True)`` (no arbitrary unpickling). It holds
@@ -178,8 +179,8 @@ def _read(source: str, mmap: bool = False) -> dict[str, Any]:
     if not isinstance(payload, dict) or "autoprec_checkpoint" not in payload:
         raise AutoprecError(f"{source}: not an autoprec checkpoint (no 'autoprec_checkpoint' key)")
     if payload["autoprec_checkpoint"] != CHECKPOINT_FORMAT:
-        raise AutoprecError(f"{source}: checkpoint format {payload['autoprec_checkpoint']!r} is not supported; "
-                            f"this autoprec reads format {CHECKPOINT_FORMAT}")
+        raise AutoprecError(f"{source}: checkpoint format {payload['autoprec_checkpoint']!r} is not "
+                            f"supported; this autoprec reads format {CHECKPOINT_FORMAT}")
     return payload
 
 

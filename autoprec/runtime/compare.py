@@ -1,4 +1,5 @@
-"""Convergence check: a policy's loss curve against FP32 and ``torch.autocast`` (``autoprec train --compare``).
+"""Convergence check: a policy's loss curve against FP32 and ``torch.autocast`` (``autoprec train
+--compare``).
 
 Every configuration starts from the same initial weights (one ``build_model()`` state dict loaded into
 each fresh model), sees the same batches (``get_batch(step)``) and the same global RNG seed, and uses
@@ -7,12 +8,13 @@ the model file's optimizer. The configurations:
 * ``policy``: the policy file applied with :func:`autoprec.apply` (compiled unless ``compile=False``),
   with a :class:`DynamicLossScaler` when the policy uses fp16;
 * ``fp32``: the unmodified model, eager, fp32 (the reference; always run);
-* ``autocast``: the unmodified model under ``torch.autocast(device, dtype=autoprec.device.autocast_dtype(device))``
-  (torch's default: bf16 on CPU, fp16 on CUDA; fp16 gets a loss scaler), eager: standard AMP.
+* ``autocast``: the unmodified model under ``torch.autocast(device,
+  dtype=autoprec.device.autocast_dtype(device))`` (torch's default: bf16 on CPU, fp16 on CUDA; fp16 gets a
+  loss scaler), eager: standard AMP.
 
 For each curve the maximum relative deviation from the FP32 curve, ``max_k |L_k − L32_k| / |L32_k|``
-(docs/architecture.md#measurements ``traj_rel``), and the final held-out loss (mean over ``heldout_batches`` batches of
-``get_heldout_batch(j)``, or of ``get_batch(10**6 + j)`` when the model file has none, evaluated
+(docs/architecture.md#measurements ``traj_rel``), and the final held-out loss (mean over ``heldout_batches``
+batches of ``get_heldout_batch(j)``, or of ``get_batch(10**6 + j)`` when the model file has none, evaluated
 under ``torch.no_grad`` in the configuration's own precision) are reported, and written with the curves
 to ``convergence.json`` and ``convergence.png`` (matplotlib, Agg backend).
 
@@ -112,12 +114,13 @@ class _State:
         if not self.dir.exists():
             return
         if not resume:
-            raise AutoprecError(f"{self.dir} holds an unfinished --compare run; pass --resume to continue it, "
-                                "or remove that directory (or use another --out-dir) to start over")
+            raise AutoprecError(f"{self.dir} holds an unfinished --compare run; pass --resume to continue "
+                                "it, or remove that directory (or use another --out-dir) to start over")
         try:
             saved = json.loads(self.results.read_text(encoding="utf-8"))
         except (OSError, json.JSONDecodeError) as e:
-            raise AutoprecError(f"{self.results}: unreadable compare state ({e}); remove {self.dir} to start over") from e
+            raise AutoprecError(f"{self.results}: unreadable compare state ({e}); remove {self.dir} "
+                                "to start over") from e
         old = saved.get("key", {}) if isinstance(saved, dict) else {}
         diff = [k for k in sorted(set(key) | set(old)) if old.get(k) != key.get(k)]
         if diff:
@@ -190,7 +193,8 @@ def _run(name: str, spec: ModelSpec, init: dict[str, torch.Tensor], policy: Poli
         ck = load_checkpoint(ckpt, model, optimizer, scaler)  # also restores the RNG state
         start = ck.step
         run = {"losses": list(ck.extra["losses"]), "times": list(ck.extra["times"]),
-               "skipped": ck.extra["skipped"], "warm": sorted(set(ck.extra.get("warm", [0])) | {start})}  # the resumed process compiles again
+               # the resumed process compiles again
+               "skipped": ck.extra["skipped"], "warm": sorted(set(ck.extra.get("warm", [0])) | {start})}
         log(start, f"[{name}] resumed from {ckpt} at step {start}")
 
     def collect(k: int, _batch: Any, st: StepStats, seconds: float) -> None:
@@ -277,7 +281,8 @@ def compare(model_path: str | os.PathLike, policy_path: str | os.PathLike, steps
         "model": os.fspath(model_path), "policy_file": os.fspath(policy_path), "policy": policy.summary(),
         "steps": steps, "device": str(dev), "cpu": describe_machine(dev)["cpu"], "torch": torch.__version__,
         "compile_policy": compile, "seed": seed, "heldout_batches": heldout_batches,
-        "heldout_source": "get_heldout_batch" if spec.heldout_batch is not None else f"get_batch({FAR_STEP}+j)",
+        "heldout_source": ("get_heldout_batch" if spec.heldout_batch is not None
+                           else f"get_batch({FAR_STEP}+j)"),
         "autocast_dtype": str(autocast_dtype(dev)).replace("torch.", ""),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     })
@@ -291,7 +296,8 @@ def compare(model_path: str | os.PathLike, policy_path: str | os.PathLike, steps
             r = state.done[name]
             log(0, f"[{name}] finished in an earlier run: kept from {state.dir}")
         else:
-            r = _run(name, spec, init, policy, steps, dev, compile, heldout_batches, seed, log, state, checkpoint_every)
+            r = _run(name, spec, init, policy, steps, dev, compile, heldout_batches, seed, log, state,
+                     checkpoint_every)
             if state is not None:
                 state.finish(name, r)
         res.curves[name], res.heldout_loss[name] = [float(x) for x in r["losses"]], float(r["heldout_loss"])
@@ -319,11 +325,13 @@ def plot_curves(res: CompareResult, path: str | os.PathLike) -> None:
     style = {"fp32": ("k", "-"), "policy": ("C0", "-"), "autocast": ("C1", "--")}
     for name, losses in res.curves.items():
         color, ls = style.get(name, (None, "-"))
-        label = f"{name} (max rel dev {res.max_rel_dev.get(name, math.nan):.2e}, held-out {res.heldout_loss[name]:.4f})"
+        label = (f"{name} (max rel dev {res.max_rel_dev.get(name, math.nan):.2e}, "
+                 f"held-out {res.heldout_loss[name]:.4f})")
         ax.plot(range(len(losses)), losses, label=label, lw=1.2, color=color, ls=ls)
         if name != "fp32":
             dev = [abs(a - b) / max(abs(b), 1e-30) for a, b in zip(losses, ref)]
-            dev_ax.semilogy(range(len(dev)), [max(d, 1e-12) for d in dev], label=name, lw=1.0, color=color, ls=ls)
+            dev_ax.semilogy(range(len(dev)), [max(d, 1e-12) for d in dev], label=name, lw=1.0, color=color,
+                            ls=ls)
     m = res.meta
     ax.set_title(f"{Path(m.get('model', '')).name}: {m.get('policy', '')}\n"
                  f"{m.get('steps')} steps, {m.get('device')}, {m.get('cpu', '')}, torch {m.get('torch', '')}",

@@ -1,4 +1,5 @@
-"""Many processes: DDP and FSDP2 over an applied module, the rank's batches, ``train --nproc`` (docs/architecture.md#runtime).
+"""Many processes: DDP and FSDP2 over an applied module, the rank's batches, ``train --nproc``
+(docs/architecture.md#runtime).
 
 * :func:`ddp` wraps a :class:`~autoprec.runtime.apply.MixedPrecisionModule` in
   ``DistributedDataParallel`` (eager or compiled graph; gloo on CPU, NCCL on CUDA), with the
@@ -128,7 +129,8 @@ def bf16_hook(state, bucket):  # no annotations: DDP compares them to the classe
     return bf16_compress_hook(state, bucket)
 
 
-def ddp(mp: MixedPrecisionModule, policy: Policy | None = None, **kwargs: Any) -> nn.parallel.DistributedDataParallel:
+def ddp(mp: MixedPrecisionModule, policy: Policy | None = None,
+        **kwargs: Any) -> nn.parallel.DistributedDataParallel:
     """``DistributedDataParallel(mp, **kwargs)`` with the gradient communication of the policy.
 
     Args:

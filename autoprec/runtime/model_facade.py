@@ -88,7 +88,7 @@ def check_no_autocast(what: str) -> None:
             raise ValueError(
                 f"{what} was called under torch.autocast({device_type!r}, "
                 f"{torch.get_autocast_dtype(device_type)}), e.g. by transformers.Trainer with "
-                "TrainingArguments(bf16=True) or fp16=True, or by accelerate's mixed_precision: autocast would "
-                "recast the policy's nodes and override its dtypes. The policy already sets each node's dtype: "
-                "train with bf16=False and fp16=False (fp16 policies: "
+                "TrainingArguments(bf16=True) or fp16=True, or by accelerate's mixed_precision: autocast "
+                "would recast the policy's nodes and override its dtypes. The policy already sets each "
+                "node's dtype: train with bf16=False and fp16=False (fp16 policies: "
                 "autoprec.integrations.transformers.AutoprecTrainer, which adds the loss scaler).")

@@ -1,4 +1,5 @@
-"""Training monitor: per-step numbers, a JSONL log, and the diagnosis of non-finite values (docs/architecture.md#runtime).
+"""Training monitor: per-step numbers, a JSONL log, and the diagnosis of non-finite values
+(docs/architecture.md#runtime).
 
 :class:`Monitor` records, for every optimizer step, the loss, the loss scale used, whether the step was
 skipped, the (unscaled) gradient L2 norm, the number of non-finite gradient elements and the throughput;
@@ -8,10 +9,10 @@ every line is strict JSON (``json.loads`` with no ``NaN`` extension; RFC 8259 ha
 
 :func:`first_nonfinite_node` re-runs a forward pass through an instrumented
 :class:`torch.fx.Interpreter` (``autoprec.passes.diagnose``) and returns the stable key
-(``node.meta["autoprec"]["key"]``, docs/architecture.md#node-keys-and-op-classes) of the first node whose floating output holds an inf or
-NaN. :meth:`Monitor.diagnoser` wraps it as the zero-argument ``diagnose`` callable of
-:class:`~autoprec.runtime.scaler.DynamicLossScaler`, so a ``LossScaleError`` at the scale floor names
-that node.
+(``node.meta["autoprec"]["key"]``, docs/architecture.md#node-keys-and-op-classes) of the first node whose
+floating output holds an inf or NaN. :meth:`Monitor.diagnoser` wraps it as the zero-argument ``diagnose``
+callable of :class:`~autoprec.runtime.scaler.DynamicLossScaler`, so a ``LossScaleError`` at the scale
+floor names that node.
 """
 
 from __future__ import annotations
@@ -169,7 +170,8 @@ class Monitor:
             ValueError: the monitor has no ``graph_module``.
         """
         if self.graph_module is None:
-            raise ValueError("Monitor.diagnoser() needs a graph_module (e.g. MixedPrecisionModule.graph_module)")
+            raise ValueError("Monitor.diagnoser() needs a graph_module (e.g. "
+                             "MixedPrecisionModule.graph_module)")
 
         def diagnose() -> str | None:
             if self.last_batch is None:

@@ -5,8 +5,8 @@ A tuned policy names the modules and nodes of the graph it was tuned on. Applied
 model, none of its module or node rules may select a node: it would then train as its op-class
 rules alone while its file (and its ``measured`` block) say otherwise. :func:`check_policy_matches`
 refuses that case unless forced; op-class rules (``sensitive->fp32``) are model-independent and
-never make a policy "of another model", even on a model with no node of that class; a policy of which some rules match trains, with one warning per rule that matches
-nothing (``autoprec.passes.assign``).
+never make a policy "of another model", even on a model with no node of that class; a policy of which some
+rules match trains, with one warning per rule that matches nothing (``autoprec.passes.assign``).
 """
 
 from __future__ import annotations
@@ -65,8 +65,8 @@ def check_policy_matches(policy: Policy, gm: fx.GraphModule, source: str | os.Pa
     else:
         where = f"it records no graph fingerprint (this model's graph is {here})"
     raise PolicyError(
-        f"{name}: none of its {len(specific)} module/node rule{'s' if len(specific) > 1 else ''} matches a node of "
-        f"this model's graph ({shown}{more}); {where}. It would train by default_dtype {policy.default_dtype} and "
-        "op-class rules alone, not as its "
+        f"{name}: none of its {len(specific)} module/node rule{'s' if len(specific) > 1 else ''} matches a "
+        f"node of this model's graph ({shown}{more}); {where}. It would train by default_dtype "
+        f"{policy.default_dtype} and op-class rules alone, not as its "
         "file says: it looks like the policy of another model. Tune this model (autoprec tune), or pass "
         "--force (train) / force=True (apply) to train with it anyway")

@@ -128,15 +128,15 @@ def pack(t: torch.Tensor, name: str | None) -> Any:
     case C01, would otherwise be saved as inf and the gradients come back NaN); prefer bf16 or
     fp8_e5m2 (scaled) where activations are large.
 
-    fp8: tensorwise scale ``s = max_e5m2 / max(amax, 1e-12)`` (:func:`autoprec.kernels.fp8.amax_scale`) and ``q = clamp(t·s,
-    ±max_e5m2).to(float8_e5m2)`` (torchao.float8's ``amax_to_scale``/``to_fp8_saturated`` recipe), so an
-    all-zero tensor packs to zeros with a finite scale. ``amax`` is over the finite elements and
-    ±inf are kept as ±inf (e5m2 has infinities): attention scores masked with ``-inf`` would
+    fp8: tensorwise scale ``s = max_e5m2 / max(amax, 1e-12)`` (:func:`autoprec.kernels.fp8.amax_scale`) and
+    ``q = clamp(t·s, ±max_e5m2).to(float8_e5m2)`` (torchao.float8's ``amax_to_scale``/``to_fp8_saturated``
+    recipe), so an all-zero tensor packs to zeros with a finite scale. ``amax`` is over the finite elements
+    and ±inf are kept as ±inf (e5m2 has infinities): attention scores masked with ``-inf`` would
     otherwise give ``amax = inf``, ``s = 0`` and ``inf·0 = NaN`` (measured on Qwen2, compiled: the
     gradients came back non-finite). Elements of magnitude below ``amax·2^-31`` (e5m2's smallest
     subnormal over its max) flush to zero, so a tensor mixing ``finfo.min`` mask values with
-    ordinary ones keeps little of the latter: mark such nodes ``bf16``, not fp8. A dtype not narrower than ``t``'s (``fp32``, or
-    ``None``) leaves ``t`` as it is.
+    ordinary ones keeps little of the latter: mark such nodes ``bf16``, not fp8. A dtype not narrower than
+    ``t``'s (``fp32``, or ``None``) leaves ``t`` as it is.
 
     Args:
         t: A floating tensor of any shape saved for backward.

@@ -1,4 +1,5 @@
-"""Dynamic loss scaling for fp16 training, with a floor and a diagnosis (docs/architecture.md#runtime, cases C07/C09/C14).
+"""Dynamic loss scaling for fp16 training, with a floor and a diagnosis (docs/architecture.md#runtime, cases
+C07/C09/C14).
 
 :class:`DynamicLossScaler` is a drop-in for :class:`torch.amp.GradScaler` (same method names, same
 scale trajectory bit for bit, a compatible ``state_dict``) with three additions taken from DeepSpeed's
@@ -267,9 +268,9 @@ class DynamicLossScaler:
         except Exception as e:  # noqa: BLE001 - a failing diagnosis must not hide the real error
             return f"{head} diagnose() failed ({e!r}). {hint}"
         if node is None:
-            return (f"{head} diagnose() found no node with a non-finite output: the forward pass of the batch "
-                    "it ran is finite, so the inf/NaN arise in the backward pass or that batch is not one that "
-                    f"overflows. {hint}")
+            return (f"{head} diagnose() found no node with a non-finite output: the forward pass of the "
+                    "batch it ran is finite, so the inf/NaN arise in the backward pass or that batch is not "
+                    f"one that overflows. {hint}")
         return f"{head} First node that produced a non-finite value: {str(node)!r}."
 
     def get_scale(self) -> float:

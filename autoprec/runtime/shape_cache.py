@@ -29,7 +29,8 @@ from autoprec.modelspec import split_batch
 from autoprec.runtime.steps import compile_count
 from autoprec.shapes import DIMS_META, RANGE_ADVICE
 
-__all__ = ["MAX_SHAPES", "PROBE_BATCHES", "CompileLog", "ShapeCache", "capture_dynamic", "capture_for", "is_dynamic"]
+__all__ = ["MAX_SHAPES", "PROBE_BATCHES", "CompileLog", "ShapeCache", "capture_dynamic", "capture_for",
+           "is_dynamic"]
 
 _log = logging.getLogger("autoprec")
 
@@ -71,7 +72,8 @@ def capture_dynamic(model: nn.Module, example_batch: Any,
         gm = capture(model, example_batch)  # raises the model's own error if the static capture fails too
         reason = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
         _log.info("%s cannot be captured with dynamic batch/sequence dimensions (%s); using one "
-                  "graph per input shape instead (at most %d)", type(model).__name__, reason[:300], MAX_SHAPES)
+                  "graph per input shape instead (at most %d)", type(model).__name__, reason[:300],
+                  MAX_SHAPES)
         return gm
 
 
@@ -126,7 +128,8 @@ class CompileLog:
             self.compile_seconds += seconds
             CompileLog.process_compiles += 1
             _log.info("compiled %s for input shapes %s (compile %d, %s of this graph, %.1f s)", self.what,
-                      _shapes_text(args, kwargs), CompileLog.process_compiles, _ordinal(self.compiles), seconds)
+                      _shapes_text(args, kwargs), CompileLog.process_compiles, _ordinal(self.compiles),
+                      seconds)
         return out
 
     def stats(self) -> dict[str, Any]:
@@ -175,7 +178,8 @@ class ShapeCache:
         cache.add(args, kwargs, fn, 0.0)
         return cache
 
-    def add(self, args: tuple[Any, ...], kwargs: dict[str, Any], fn: Callable[..., Any], seconds: float) -> None:
+    def add(self, args: tuple[Any, ...], kwargs: dict[str, Any], fn: Callable[..., Any],
+            seconds: float) -> None:
         """Register the graph ``fn`` built (in ``seconds``) for the shape of this call."""
         self._fns[_key(args, kwargs)] = fn
         self.captures += 1
@@ -210,8 +214,9 @@ class ShapeCache:
                 "DataLoader(drop_last=True), or make the model exportable with dynamic shapes (the INFO "
                 "log line of autoprec.apply names why it is not).")
         if args and kwargs:
-            raise ValueError(f"{self.what}: a new input shape ({shapes}) needs its own capture, which takes a "
-                             "batch called either positionally or by keyword, not both; call it as model(**batch)")
+            raise ValueError(f"{self.what}: a new input shape ({shapes}) needs its own capture, which takes "
+                             "a batch called either positionally or by keyword, not both; call it as "
+                             "model(**batch)")
         start = time.perf_counter()
         fn = self.build(dict(kwargs) if kwargs else tuple(args))
         self.add(args, kwargs, fn, time.perf_counter() - start)

@@ -3,8 +3,8 @@
 The same :class:`TrainStep` runs in ``autoprec train``, in every search trial and in
 ``autoprec bench``, so what the tuner measures is what training runs.
 
-Master weights (docs/architecture.md#runtime): parameters, their ``.grad`` and the optimizer state are fp32 whatever
-the policy computes in; the lowered graph casts each weight to its compute dtype inside the graph
+Master weights (docs/architecture.md#runtime): parameters, their ``.grad`` and the optimizer state are fp32
+whatever the policy computes in; the lowered graph casts each weight to its compute dtype inside the graph
 (``aten._to_copy``), and the cast's backward returns an fp32 gradient, so accumulation across
 micro-batches happens in fp32 (case C06; ``tests/cases/test_c06_*``, ``tests/test_master_weights.py``).
 Caching the low-precision copies once per optimizer step instead was measured and is not faster
@@ -92,10 +92,10 @@ class TrainStep:
         stats: Compute grad norm and non-finite count each step (costs one pass over grads).
     """
 
-    def __init__(self, module: Callable[..., Any], params: list[nn.Parameter], optimizer: torch.optim.Optimizer,
-                 loss_fn: Callable[[Any, Any], torch.Tensor], scaler: DynamicLossScaler | None = None,
-                 autocast_dtype: torch.dtype | None = None, device_type: str = "cpu",
-                 max_grad_norm: float | None = None, stats: bool = True) -> None:
+    def __init__(self, module: Callable[..., Any], params: list[nn.Parameter],
+                 optimizer: torch.optim.Optimizer, loss_fn: Callable[[Any, Any], torch.Tensor],
+                 scaler: DynamicLossScaler | None = None, autocast_dtype: torch.dtype | None = None,
+                 device_type: str = "cpu", max_grad_norm: float | None = None, stats: bool = True) -> None:
         self.module, self.params, self.optimizer, self.loss_fn = module, params, optimizer, loss_fn
         self.scaler, self.autocast_dtype, self.device_type = scaler, autocast_dtype, device_type
         self.max_grad_norm, self.stats = max_grad_norm, stats
@@ -128,7 +128,8 @@ class TrainStep:
         scale = self.scaler.get_scale() if self.scaler is not None else 1.0
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
-        norm, bad = (unscaled_grad_norm(self.params), _count_nonfinite(self.params)) if self.stats else (0.0, 0)
+        norm, bad = ((unscaled_grad_norm(self.params), _count_nonfinite(self.params)) if self.stats
+                     else (0.0, 0))
         if self.max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
         if self.scaler is not None:

@@ -1,4 +1,5 @@
-"""A batch outside a dynamic capture's ranges, met in the middle of a training loop (docs/architecture.md#runtime).
+"""A batch outside a dynamic capture's ranges, met in the middle of a training loop
+(docs/architecture.md#runtime).
 
 ``autoprec.apply(model, policy, example_batch)`` captures with the ranges :mod:`autoprec.dims`
 derives from the example batch: batch sizes up to its size, sequence lengths up to
@@ -87,7 +88,8 @@ class Recapture:
 
     def __init__(self, model: Any, example_batch: Any, rebuild: Callable[[Any], Any],
                  build_static: Callable[[Any], Callable[..., Any]]) -> None:
-        self.model, self.example, self.rebuild, self.build_static = model, example_batch, rebuild, build_static
+        self.model, self.example = model, example_batch
+        self.rebuild, self.build_static = rebuild, build_static
         self.recaptures = 0
 
     def __call__(self, mp: Any, args: tuple[Any, ...], kwargs: dict[str, Any], error: ValueError) -> None:
@@ -126,7 +128,8 @@ class Recapture:
                     _adopt(mp, new)
                     self.recaptures += 1
                     _log.info("%s: input shapes %s are outside the captured ranges (%s); captured again with "
-                              "ranges %s (recapture %d, %.1f s%s; apply(..., strict_shapes=True) raises instead)",
+                              "ranges %s (recapture %d, %.1f s%s; apply(..., strict_shapes=True) "
+                              "raises instead)",
                               mp._what, shapes, _ranges(ranges), _ranges(new._inputs.ranges), self.recaptures,
                               time.perf_counter() - start, ", compiles on this call" if mp.compiled else "")
                     return
@@ -134,9 +137,9 @@ class Recapture:
         cache = ShapeCache(self.build_static, plan_dims(self.model, args, kwargs), what, strict=False)
         object.__setattr__(mp, "_fn", Routed(mp._fn, mp._inputs, cache))
         object.__setattr__(mp, "_inputs", mp._fn)
-        _log.info("%s: input shapes %s are outside the captured ranges (%s) and a wider dynamic capture cannot "
-                  "serve them; such shapes get a graph each (per-shape cache; apply(..., strict_shapes=True) "
-                  "raises instead)", what, shapes, _ranges(ranges))
+        _log.info("%s: input shapes %s are outside the captured ranges (%s) and a wider dynamic capture "
+                  "cannot serve them; such shapes get a graph each (per-shape cache; apply(..., "
+                  "strict_shapes=True) raises instead)", what, shapes, _ranges(ranges))
 
 
 def _adopt(mp: Any, new: Any) -> None:
@@ -148,7 +151,8 @@ def _adopt(mp: Any, new: Any) -> None:
 
 def _ranges(ranges: dict[str, tuple[str, int | None, int | None]]) -> str:
     """``"batch 1..4, seq 2..27"``."""
-    return ", ".join(dict.fromkeys(f"{role} {lo}..{'' if hi is None else hi}" for role, lo, hi in ranges.values()))
+    return ", ".join(dict.fromkeys(f"{role} {lo}..{'' if hi is None else hi}"
+                                   for role, lo, hi in ranges.values()))
 
 
 def _text(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:

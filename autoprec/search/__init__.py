@@ -1,1 +1,2 @@
-"""Policy search: search space, measurements, the Optuna study (docs/architecture.md#data-flow, #measurements)."""
+"""Policy search: search space, measurements, the Optuna study (docs/architecture.md#data-flow,
+#measurements)."""

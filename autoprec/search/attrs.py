@@ -11,8 +11,8 @@ from __future__ import annotations
 __all__ = [
     "ATTR", "CASTS", "CONSTRAINT", "DRIFT_BUDGET", "DRIFT_RULE", "ERROR", "FINGERPRINT", "GRAD_REL_L2",
     "GRAD_REL_L2_BATCHES", "GRAD_SQNR_DB_MIN", "INFEASIBLE", "INTERRUPTED", "LOSS_REL", "MEASURED",
-    "MEASURE_VERSION", "NOTE", "PEAK_BYTES", "POLICY",
-    "REUSED_FROM", "SENSITIVITY", "SPACE", "STEP_S", "STEP_TIMES", "TOKENS_PER_S", "TOKENS_PER_S_BAND", "WORKER",
+    "MEASURE_VERSION", "NOTE", "PEAK_BYTES", "POLICY", "REUSED_FROM", "SENSITIVITY", "SPACE", "STEP_S",
+    "STEP_TIMES", "TOKENS_PER_S", "TOKENS_PER_S_BAND", "WORKER",
 ]
 
 #: Namespace of every user attribute autoprec writes.
@@ -40,8 +40,8 @@ LOSS_REL = ATTR + "loss_rel"
 GRAD_SQNR_DB_MIN = ATTR + "grad_sqnr_db_min"
 PEAK_BYTES = ATTR + "peak_bytes"
 #: The Measurement fields a trial records -> their keys.
-MEASURED = {"tokens_per_s": TOKENS_PER_S, "step_s": STEP_S, "step_times": STEP_TIMES, "grad_rel_l2": GRAD_REL_L2,
-            "grad_rel_l2_batches": GRAD_REL_L2_BATCHES, "loss_rel": LOSS_REL,
+MEASURED = {"tokens_per_s": TOKENS_PER_S, "step_s": STEP_S, "step_times": STEP_TIMES,
+            "grad_rel_l2": GRAD_REL_L2, "grad_rel_l2_batches": GRAD_REL_L2_BATCHES, "loss_rel": LOSS_REL,
             "grad_sqnr_db_min": GRAD_SQNR_DB_MIN, "peak_bytes": PEAK_BYTES}
 
 # Study attributes.

@@ -52,7 +52,8 @@ def ties_with_fastest(timings: Sequence[Timing | None], names: Sequence[str]) ->
     """
     if len(timings) != len(names):
         raise ValueError(f"{len(timings)} timings for {len(names)} names")
-    timed = [i for i, t in enumerate(timings) if t is not None and len(t.step_times) > 1 and t.tokens_per_s > 0]
+    timed = [i for i, t in enumerate(timings)
+             if t is not None and len(t.step_times) > 1 and t.tokens_per_s > 0]
     out: list[str | None] = [None] * len(timings)
     if not timed:
         return out

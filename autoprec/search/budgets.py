@@ -73,8 +73,8 @@ def parse_max_memory(max_memory: str | float | None) -> tuple[str, float] | None
         scaled = value if unit == "x" else value * _UNITS[unit]
         if value > 0 and math.isfinite(scaled) and scaled < 2.0**62:
             return ("fp32", value) if unit == "x" else ("bytes", scaled)
-    raise SearchError(f"--max-memory: expected 'auto', 'none', a multiple of FP32's peak like '0.8x', or bytes "
-                      f"like '300MiB', '2GiB' or '5e8'; got {max_memory!r}")
+    raise SearchError("--max-memory: expected 'auto', 'none', a multiple of FP32's peak like '0.8x', or "
+                      f"bytes like '300MiB', '2GiB' or '5e8'; got {max_memory!r}")
 
 
 def format_bytes(n: float) -> str:
@@ -145,7 +145,7 @@ def memory_budget(arg: tuple[str, float] | None, fp32: Measurement, autocast: Me
                               "pass a number of bytes instead")
         budget = value * ref.peak_bytes
     if budget <= state_bytes:
-        raise SearchError(f"--max-memory: the budget ({format_bytes(budget)}) is not above the fp32 parameters, "
-                          f"gradients and {optimizer} state alone ({format_bytes(state_bytes)}), which every "
-                          "policy keeps (master weights, docs/architecture.md#runtime)")
+        raise SearchError(f"--max-memory: the budget ({format_bytes(budget)}) is not above the fp32 "
+                          f"parameters, gradients and {optimizer} state alone ({format_bytes(state_bytes)}), "
+                          "which every policy keeps (master weights, docs/architecture.md#runtime)")
     return budget

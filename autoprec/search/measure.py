@@ -178,7 +178,8 @@ class Harness:
         if not (self.random and is_compiled(fn)):
             return self.graph_module
         if self._compiled_fp32 is None:
-            from autoprec.runtime.compile import compile_graph  # imported on use, as before (Inductor is heavy)
+            # imported on use, as before (Inductor is heavy)
+            from autoprec.runtime.compile import compile_graph
 
             self._compiled_fp32 = compile_graph(self.graph_module)
         return self._compiled_fp32
@@ -274,10 +275,12 @@ class Harness:
     def state_bytes(self) -> int:
         """Bytes of the parameters, their gradients and the state of the model file's optimizer
         (:func:`autoprec.runtime.train.training_state_bytes`, counted once when the harness is
-        built): what every policy needs whatever it computes in (fp32 master weights, docs/architecture.md#runtime)."""
+        built): what every policy needs whatever it computes in (fp32 master weights,
+        docs/architecture.md#runtime)."""
         return self._state_bytes
 
-    def measure(self, fn: Callable[..., Any], scaler_factory: Callable[[], DynamicLossScaler | None] = lambda: None,
+    def measure(self, fn: Callable[..., Any],
+                scaler_factory: Callable[[], DynamicLossScaler | None] = lambda: None,
                 autocast_dtype: torch.dtype | None = None, timing: bool = True,
                 max_step_s: float | None = None) -> Measurement:
         """Drift, memory and (optionally) median step time of full training steps of ``fn``.
@@ -322,8 +325,9 @@ class Harness:
               autocast_dtype: torch.dtype | None) -> TrainStep:
         """A training step of ``fn`` from the initial weights with the model file's optimizer."""
         self.restore()
-        return TrainStep(fn, self.params, self.spec.make_optimizer(self.params), self.spec.loss_fn, scaler=scaler,
-                         autocast_dtype=autocast_dtype, device_type=self.device.type, stats=False)
+        return TrainStep(fn, self.params, self.spec.make_optimizer(self.params), self.spec.loss_fn,
+                         scaler=scaler, autocast_dtype=autocast_dtype, device_type=self.device.type,
+                         stats=False)
 
     def _time(self, fn, scaler, autocast_dtype, max_step_s) -> list[float]:
         """Seconds of the timed steps after the untimed warm-up (batches reused cyclically);
@@ -338,7 +342,8 @@ class Harness:
                          device=self.device, after=guard)
         return [seconds for _stats, seconds in done[self._warm:]]
 
-    def trajectory(self, fn: Callable[..., Any], scaler_factory: Callable[[], DynamicLossScaler | None] = lambda: None,
+    def trajectory(self, fn: Callable[..., Any],
+                   scaler_factory: Callable[[], DynamicLossScaler | None] = lambda: None,
                    autocast_dtype: torch.dtype | None = None, steps: int = 20) -> list[float]:
         """Losses of ``steps`` optimizer steps on batches ``get_batch(0..steps-1)`` from the
         initial weights (the weights are restored afterwards). Non-finite losses are kept as-is.
@@ -351,8 +356,8 @@ class Harness:
         try:
             step = self._step(fn, scaler_factory(), autocast_dtype)
             with self._eager_random(fn):  # a first call compiles here too: eager's masks, as drift's
-                done = run_steps(step, self.batches.__getitem__, 0, steps, rng=StepRng(MEASURE_SEED, per_step=True),
-                                 device=self.device)
+                done = run_steps(step, self.batches.__getitem__, 0, steps,
+                                 rng=StepRng(MEASURE_SEED, per_step=True), device=self.device)
             return [stats.loss for stats, _seconds in done]
         finally:
             self.restore()

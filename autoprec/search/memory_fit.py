@@ -84,8 +84,9 @@ def fit_recompute(sel: Any, pol: Policy, m: Measurement) -> tuple[Policy, Any, M
     state = sel.h.state_bytes
     room = sel.memory_budget - state
     if room <= 0:
-        m.error = (f"peak {m.peak_bytes / 2**20:.1f} MiB > memory budget {sel.memory_budget / 2**20:.1f} MiB, "
-                   f"which is below the fp32 parameter, gradient and optimizer state alone ({state / 2**20:.1f} MiB)")
+        m.error = (f"peak {m.peak_bytes / 2**20:.1f} MiB > memory budget {sel.memory_budget / 2**20:.1f} "
+                   "MiB, which is below the fp32 parameter, gradient and optimizer state alone "
+                   f"({state / 2**20:.1f} MiB)")
         return pol, None, m
     points = [(pol.activation_memory_budget, m.peak_bytes - state)]
     for attempt in range(3):

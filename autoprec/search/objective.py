@@ -1,4 +1,5 @@
-"""The Optuna objective: params -> policy -> lowered graph -> measurement (docs/architecture.md#search, #measurements).
+"""The Optuna objective: params -> policy -> lowered graph -> measurement (docs/architecture.md#search,
+#measurements).
 
 Objectives (multi-objective study): maximise tokens/s, minimise ``grad_rel_l2``, minimise peak
 bytes. Constraint (``Trial.set_constraint``): ``DriftBudget.excess(m) ≤ 0`` (:mod:`autoprec.search.decide`:
@@ -29,8 +30,8 @@ from autoprec.search.measure import Harness, Measurement
 from autoprec.search.space import SearchSpace
 from autoprec.search.timing import Timing
 
-__all__ = ["Objective", "policy_fingerprint", "DIRECTIONS", "MAX_RETRIES", "is_dead_worker", "reap_dead_trials",
-           "requeue_trial", "retried_numbers", "retry_of"]
+__all__ = ["Objective", "policy_fingerprint", "DIRECTIONS", "MAX_RETRIES", "is_dead_worker",
+           "reap_dead_trials", "requeue_trial", "retried_numbers", "retry_of"]
 
 #: Study directions: tokens/s (max), grad_rel_l2 (min), peak bytes (min).
 DIRECTIONS = ("maximize", "minimize", "minimize")
@@ -53,7 +54,8 @@ def policy_fingerprint(lowered: torch.fx.GraphModule) -> str:
     for n in lowered.graph.nodes:
         meta = n.meta.get("autoprec", {})
         if meta.get("dtype") is not None:  # compute and saved only where set: old fingerprints stay valid
-            extra = "".join(f"|{k}={meta[k]}" for k in ("compute", "saved", "impl") if meta.get(k) is not None)
+            extra = "".join(f"|{k}={meta[k]}" for k in ("compute", "saved", "impl")
+                            if meta.get(k) is not None)
             h.update(f"{meta.get('key', n.name)}={meta['dtype']}{extra};".encode())
     return h.hexdigest()[:16]
 
@@ -195,10 +197,10 @@ def reap_dead_trials(study: optuna.Study) -> None:
     Two rules find them, in this order: a process of this host that no longer exists
     (:func:`is_dead_worker`; the trial is marked ``autoprec:interrupted`` and failed), and, on a
     storage with heartbeats (a database server, :func:`autoprec.search.storage.rdb_storage`), a
-    trial whose heartbeat is older than the grace period, whatever machine ran it (Optuna's ``fail_stale_trials``, which
-    fails it and calls :func:`requeue_trial`). On a storage with heartbeats a trial of a dead
-    local process is queued again too (:func:`requeue_trial`); SQLite only fails it. Two workers
-    reaping one trial at once is fine: only the one whose FAIL lands queues it again.
+    trial whose heartbeat is older than the grace period, whatever machine ran it (Optuna's
+    ``fail_stale_trials``, which fails it and calls :func:`requeue_trial`). On a storage with heartbeats a
+    trial of a dead local process is queued again too (:func:`requeue_trial`); SQLite only fails it. Two
+    workers reaping one trial at once is fine: only the one whose FAIL lands queues it again.
     """
     storage = study._storage
     heartbeat = getattr(storage, "get_heartbeat_interval", lambda: None)() is not None

@@ -74,13 +74,15 @@ def pareto_figure(rows: list[dict[str, Any]], front: list[dict[str, Any]], fp32_
     ax.set_title("autoprec trials (eager screening speeds)")
     note = EAGER_NOTE + (f": {chosen_compiled:.2f}x fp32 eager" if chosen_compiled else "")
     if chosen is None and ok:
-        note += "; the chosen policy is not one of these trials (a memory lever or the head-to-head changed it)"
+        note += ("; the chosen policy is not one of these trials (a memory lever or the head-to-head "
+                 "changed it)")
     fig.text(0.01, 0.01, note, fontsize=6, wrap=True)
     fig.tight_layout(rect=(0, 0.06, 1, 1))
     return fig
 
 
-def dtype_map_figure(dm: dict[str, dict[str, str]], classes: tuple[str, ...] = ("matmul", "sensitive", "follow")
+def dtype_map_figure(dm: dict[str, dict[str, str]],
+                     classes: tuple[str, ...] = ("matmul", "sensitive", "follow")
                      ) -> Any:
     """A module x op class grid coloured by storage dtype (:func:`autoprec.search.report.dtype_map`'s
     labels, their first word before ``:``); a white cell is a module with no node of that class,
@@ -99,8 +101,8 @@ def dtype_map_figure(dm: dict[str, dict[str, str]], classes: tuple[str, ...] = (
     grid = [[order.index(d) if (d := dm[m].get(c, "").split(":")[0].split(" ")[0]) in order else math.nan
              for c in classes] for m in mods]
     fig, ax = plt.subplots(figsize=(5, max(2.0, 0.18 * len(mods) + 1)), dpi=110)
-    ax.imshow(grid or [[math.nan] * len(classes)], aspect="auto", cmap=ListedColormap(list(DTYPE_COLOURS.values())),
-              vmin=0, vmax=len(order) - 1)
+    ax.imshow(grid or [[math.nan] * len(classes)], aspect="auto",
+              cmap=ListedColormap(list(DTYPE_COLOURS.values())), vmin=0, vmax=len(order) - 1)
     ax.set_xticks(range(len(classes)), classes)
     ax.xaxis.tick_top()  # the legend goes below the grid
     ax.set_yticks(range(len(mods)), [m or "<root>" for m in mods], fontsize=6)

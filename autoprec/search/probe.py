@@ -36,8 +36,9 @@ from autoprec.dtypes import FP8_COMPUTE, LOW_DTYPES, kernel_name, to_torch
 from autoprec.metrics import median
 from autoprec.search.gemms import Shape, matmul_shape_counts, matmul_shapes
 
-__all__ = ["BAND_CONFIDENCE", "BAND_RESAMPLES", "KERNELS", "TOL", "KernelProbe", "KernelTime", "kernel_fields",
-           "matmul_shape_counts", "matmul_shapes", "probe_kernels", "ratio_band", "time_kernel"]
+__all__ = ["BAND_CONFIDENCE", "BAND_RESAMPLES", "KERNELS", "TOL", "KernelProbe", "KernelTime",
+           "kernel_fields", "matmul_shape_counts", "matmul_shapes", "probe_kernels", "ratio_band",
+           "time_kernel"]
 
 #: Every kernel choice in its fixed order (a resumed study must see the same choices in the same
 #: order, whatever a re-run's probe measures): per low storage dtype native, then fp32-compute; fp8 last.
@@ -82,8 +83,8 @@ def time_kernel(kernel: str, shape: Shape, reps: int, stop_after_s: float,
     ``"fp32"``: fp32 product. ``d``: inputs stored in ``d``, product in ``d``. ``d:fp32``: inputs
     stored in ``d``, upcast, fp32 product (the store cast of the result is not timed: in compiled
     training Inductor fuses it into the consumer's elementwise kernel, as it fuses the upcasts into
-    the producers', so this is the upper end of what the kernel costs there). ``fp8_e4m3``: fp32 inputs through
-    :func:`autoprec.kernels.fp8.fp8_linear` (amax, scales and quantisation included).
+    the producers', so this is the upper end of what the kernel costs there). ``fp8_e4m3``: fp32 inputs
+    through :func:`autoprec.kernels.fp8.fp8_linear` (amax, scales and quantisation included).
 
     Raises:
         ValueError: unknown kernel. Whatever the kernel raises (e.g. RuntimeError: no kernel for a dtype).
@@ -379,5 +380,6 @@ def probe_kernels(device: torch.device, shapes: Sequence[Shape] = (), reps: int 
             continue
         lo, hi = ratio_band(raw[k], fp32_reps, shapes, weights)
         band = (min(lo, s / fp32_s), max(hi, s / fp32_s))
-        out[k] = KernelTime(k, dtype, s, s / fp32_s, _keeps(k, band[0], tol), tuple(meds), k in cut, band=band)
+        out[k] = KernelTime(k, dtype, s, s / fp32_s, _keeps(k, band[0], tol), tuple(meds), k in cut,
+                            band=band)
     return KernelProbe(shapes, weights, fp32_s, tuple(fp32_meds), out, tol)

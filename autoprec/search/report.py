@@ -47,7 +47,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         speedup = f"{r['speedup_vs_fp32']:.2f}x" + (" (tie)" if r.get("vs_fp32_tie") else "")
         lines.append(
             f"| {r['config']} | {rate} | {speedup} | {vs_text} | "
-            f"{'inf' if g is None else f'{g:.2e}'} | {r.get('peak_bytes', 0) / 2**20:.1f} | {r.get('error') or ''} |"
+            f"{'inf' if g is None else f'{g:.2e}'} | {r.get('peak_bytes', 0) / 2**20:.1f} | "
+            f"{r.get('error') or ''} |"
         )
     return "\n".join(lines)
 
@@ -67,7 +68,8 @@ def trial_rows(study: optuna.Study) -> list[dict[str, Any]]:
             "tokens_per_s": ua.get(attrs.TOKENS_PER_S), "step_times": ua.get(attrs.STEP_TIMES),
             "grad_rel_l2": ua.get(attrs.GRAD_REL_L2),
             "peak_bytes": ua.get(attrs.PEAK_BYTES),
-            "feasible": ua.get(attrs.CONSTRAINT, attrs.INFEASIBLE) <= 0 and t.state == optuna.trial.TrialState.COMPLETE,
+            "feasible": (ua.get(attrs.CONSTRAINT, attrs.INFEASIBLE) <= 0
+                         and t.state == optuna.trial.TrialState.COMPLETE),
             "policy": Policy.from_dict(pol).summary() if pol else "", "error": ua.get(attrs.ERROR),
             "key": Policy.from_dict(pol).training_key() if pol else None,
             "reused_from": ua.get(attrs.REUSED_FROM),
@@ -94,12 +96,13 @@ def _markdown(rows, front, table, policy, timings, shapes=None, decision=None, r
     if policy is not None:
         lines += [f"Chosen policy: `{policy.summary()}`", ""]
     if decision:
-        lines += ["Final choice (compiled finalists and baselines timed in interleaved rounds; a tie within the "
-                  f"noise goes to the lower-drift, simpler policy): {decision}", ""]
+        lines += ["Final choice (compiled finalists and baselines timed in interleaved rounds; a tie within "
+                  f"the noise goes to the lower-drift, simpler policy): {decision}", ""]
     if shapes:
         lines += ["## Batches measured", "",
-                  "Drift over the drift batches (mean); tokens/s over timed steps that run each batch once; traj_rel over "
-                  "get_batch(0..K-1) (docs/architecture.md#measurements). Distinct batch shapes:", ""]
+                  "Drift over the drift batches (mean); tokens/s over timed steps that run each batch once; "
+                  "traj_rel over get_batch(0..K-1) (docs/architecture.md#measurements). Distinct "
+                  "batch shapes:", ""]
         lines += [f"- `{s}`" for s in shapes] + [""]
     if table:
         lines += ["## Side by side (same weights and batches, one process)", "", format_table(table), ""]
@@ -121,8 +124,9 @@ def _markdown(rows, front, table, policy, timings, shapes=None, decision=None, r
         note = r["error"] or (f"same graph as #{r['reused_from']}" if r["reused_from"] is not None else "")
         if (rejected or {}).get(r["key"]):
             note = "; ".join(x for x in (note, f"finalist rejected: {rejected[r['key']]}") if x)
-        lines.append(f"| {r['number']} | {r['state']} | {tok} | {g} | {mem} | {'yes' if r['feasible'] else 'no'} | "
-                     f"{'*' if r['number'] in front_ids else ''} | {r['policy']} | {note} |")
+        lines.append(f"| {r['number']} | {r['state']} | {tok} | {g} | {mem} | "
+                     f"{'yes' if r['feasible'] else 'no'} | {'*' if r['number'] in front_ids else ''} | "
+                     f"{r['policy']} | {note} |")
     return "\n".join(lines) + "\n"
 
 
@@ -172,7 +176,8 @@ def write_report(study: optuna.Study, stem: str | os.PathLike, table: list[dict[
     png = stem.with_name(stem.name + ".pareto.png")
     chosen = _chosen_row(rows, policy)
     compiled = (policy.measured or {}).get("speedup_vs_fp32") if policy is not None else None
-    save_figure(pareto_figure(rows, front, fp32, study.user_attrs.get(attrs.DRIFT_BUDGET), chosen, compiled), png)
+    save_figure(pareto_figure(rows, front, fp32, study.user_attrs.get(attrs.DRIFT_BUDGET), chosen, compiled),
+                png)
     paths = [md, png]
     if gm is not None and policy is not None:
         dm = stem.with_name(stem.name + ".dtype_map.png")
@@ -202,9 +207,10 @@ def lever_section(points: list[dict[str, Any]]) -> str:
         o["tokens_per_s"] >= q["tokens_per_s"] and o["peak_bytes"] <= q["peak_bytes"]
         and (o["tokens_per_s"], o["peak_bytes"]) != (q["tokens_per_s"], q["peak_bytes"]) for o in ok)}
     lines = ["", "## Finalists compiled, with memory levers", "",
-             "Tokens/s ± the 95% band of the median step (the head-to-head's rounds for the survivors); tie: within "
-             "the noise of the fastest.", "",
-             "| policy | lever | tokens/s | grad_rel_l2 | peak MiB | Pareto | note |", "|---|---|---:|---:|---:|---|---|"]
+             "Tokens/s ± the 95% band of the median step (the head-to-head's rounds for the survivors); tie: "
+             "within the noise of the fastest.", "",
+             "| policy | lever | tokens/s | grad_rel_l2 | peak MiB | Pareto | note |",
+             "|---|---|---:|---:|---:|---|---|"]
     timings = [timing_of(q.get("step_times"), q["tokens_per_s"]) for q in points]
     ties = ties_with_fastest([t if q["error"] is None and not q.get("rejected") else None
                               for q, t in zip(points, timings)], [q["policy"] for q in points])
@@ -212,8 +218,8 @@ def lever_section(points: list[dict[str, Any]]) -> str:
         tps = (rate_text(q["tokens_per_s"], t) + (f" (tie with {tie})" if tie else "")) if q["tokens_per_s"] \
             else "(memory only)"
         note = "; ".join(x for x in (q["error"], q.get("rejected") and f"rejected: {q['rejected']}") if x)
-        lines.append(f"| {q['policy']} | {q['lever']} | {tps} | {q['grad_rel_l2']:.2e} | {q['peak_bytes'] / 2**20:.1f} | "
-                     f"{'*' if id(q) in front else ''} | {note} |")
+        lines.append(f"| {q['policy']} | {q['lever']} | {tps} | {q['grad_rel_l2']:.2e} | "
+                     f"{q['peak_bytes'] / 2**20:.1f} | {'*' if id(q) in front else ''} | {note} |")
     return "\n".join(lines) + "\n"
 
 
@@ -243,7 +249,8 @@ def show_nodes(policy: Policy, model_path: str | os.PathLike) -> str:
                 if rule.matches(n.meta["autoprec"]["key"], classify(n), n.meta["autoprec"]["module"])]
         shown = ", ".join(hits[:8]) + (f", … (+{len(hits) - 8})" if len(hits) > 8 else "")
         count = f"{len(hits)} node{'' if len(hits) == 1 else 's'}"
-        lines.append(f"rules[{i}] {rule.describe()}: {count}" + (f": {shown}" if hits else "  (matches no node)"))
+        lines.append(f"rules[{i}] {rule.describe()}: {count}"
+                     + (f": {shown}" if hits else "  (matches no node)"))
     return "\n".join(lines)
 
 

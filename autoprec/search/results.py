@@ -34,7 +34,8 @@ def measured_block(run: Any, sel: Any, chosen: Policy, m: Measurement) -> dict[s
         "traj_rel": sel.traj_of(chosen), "peak_bytes": m.peak_bytes,
         "drift_budget": run.budget.value,
         # left out when torch.autocast itself overflowed (a policy file holds finite numbers only)
-        **({"autocast_grad_rel_l2": run.autocast.grad_rel_l2} if math.isfinite(run.autocast.grad_rel_l2) else {}),
+        **({"autocast_grad_rel_l2": run.autocast.grad_rel_l2}
+           if math.isfinite(run.autocast.grad_rel_l2) else {}),
         **({"memory_budget_bytes": sel.memory_budget} if sel.memory_budget is not None else {}),
     }
 
@@ -54,7 +55,8 @@ def side_by_side(run: Any, sel: Any, chosen_m: Measurement, compile: bool) -> li
     return table
 
 
-def note_if_eager_was_faster(run: Any, sel: Any, chosen: Policy, chosen_m: Measurement, compile: bool) -> None:
+def note_if_eager_was_faster(run: Any, sel: Any, chosen: Policy, chosen_m: Measurement,
+                             compile: bool) -> None:
     """Say so when an eager run beat the compiled policy by over 10% (not for a recomputing
     policy, which trades speed for memory on purpose)."""
     eager = max([(sel.eager_tokens_per_s.get(chosen.training_key()) or 0.0, "this policy eager"),

@@ -241,9 +241,10 @@ class Selector:
         if self.memory_budget is not None:
             fits = [t for t in feasible if t.values[2] <= self.memory_budget]
             if not fits:
-                raise SearchError(f"no feasible trial fits the memory budget ({format_bytes(self.memory_budget)}; the "
-                                  f"smallest peak was {min(t.values[2] for t in feasible) / 2**20:.1f} MiB); "
-                                  "without --no-compile, recomputation in backward can lower the peak")
+                raise SearchError("no feasible trial fits the memory budget "
+                                  f"({format_bytes(self.memory_budget)}; the smallest peak was "
+                                  f"{min(t.values[2] for t in feasible) / 2**20:.1f} MiB); without "
+                                  "--no-compile, recomputation in backward can lower the peak")
             feasible = fits
         for t in feasible:
             pol = Policy.from_dict(t.user_attrs[attrs.POLICY])
@@ -314,10 +315,12 @@ class Selector:
         if not self.budget.feasible(m):
             return self.budget.explain(m)
         if self.memory_budget is not None and m.peak_bytes > self.memory_budget:
-            return (f"peak {m.peak_bytes / 2**20:.1f} MiB > memory budget {self.memory_budget / 2**20:.1f} MiB"
+            return (f"peak {m.peak_bytes / 2**20:.1f} MiB > memory budget "
+                    f"{self.memory_budget / 2**20:.1f} MiB"
                     + " even with full recomputation")
         if not self._traj_ok(pol, fn):
-            return f"traj_rel {self.traj_of(pol):.3g} > {TRAJ_FACTOR:g}x torch.autocast's {self._traj_budget:.3g}"
+            return (f"traj_rel {self.traj_of(pol):.3g} > {TRAJ_FACTOR:g}x torch.autocast's "
+                    f"{self._traj_budget:.3g}")
         return None
 
     def _traj_ok(self, pol: Policy, fn) -> bool:

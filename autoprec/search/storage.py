@@ -27,9 +27,10 @@ from autoprec.search import attrs
 from autoprec.search.objective import DIRECTIONS, reap_dead_trials, requeue_trial
 from autoprec.search.space import SearchSpace
 
-__all__ = ["GRACE_BEATS", "HEARTBEAT_S", "MEASURE_VERSION", "check_sqlite_file", "check_storage_url", "check_study",
-           "default_storage", "default_study_name", "heartbeat_interval", "load_existing_study", "open_study",
-           "precheck_study", "rdb_storage", "sqlite_path", "study_choices", "study_space"]
+__all__ = ["GRACE_BEATS", "HEARTBEAT_S", "MEASURE_VERSION", "check_sqlite_file", "check_storage_url",
+           "check_study", "default_storage", "default_study_name", "heartbeat_interval",
+           "load_existing_study", "open_study", "precheck_study", "rdb_storage", "sqlite_path",
+           "study_choices", "study_space"]
 
 #: Version of what a trial measures and how (search/measure.py). Bump it when a change makes old
 #: trials' numbers incomparable with new ones; a study holding trials of another version is not
@@ -91,7 +92,8 @@ def check_storage_url(url: str) -> None:
         parsed.get_dialect()
     except Exception as e:
         hint = f"; for a SQLite file use {_SQLITE}{url}" if "://" not in url else ""
-        raise AutoprecError(f"--storage {url!r}: not a usable database URL ({type(e).__name__}: {e}){hint}") from None
+        raise AutoprecError(f"--storage {url!r}: not a usable database URL "
+                            f"({type(e).__name__}: {e}){hint}") from None
     if parsed.get_backend_name() == "sqlite":
         return  # the file is checked by check_sqlite_file (a missing one is created)
     try:  # a server database: its driver must import and the server must answer
@@ -137,9 +139,9 @@ def rdb_storage(url: str) -> str | optuna.storages.RDBStorage:
         return url
     interval = heartbeat_interval()
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)  # heartbeat_interval
+    rdb_params = inspect.signature(optuna.storages.RDBStorage).parameters
     callback = ("heartbeat_stale_trial_callback"  # Optuna >= 4.9; failed_trial_callback before
-                if "heartbeat_stale_trial_callback" in inspect.signature(optuna.storages.RDBStorage).parameters
-                else "failed_trial_callback")
+                if "heartbeat_stale_trial_callback" in rdb_params else "failed_trial_callback")
     return _retry_schema_race(lambda: optuna.storages.RDBStorage(
         _driver_url(url), engine_kwargs={"pool_pre_ping": True}, heartbeat_interval=interval,
         grace_period=GRACE_BEATS * interval, **{callback: requeue_trial}))
@@ -289,7 +291,8 @@ def open_study(storage: str, study_name: str, seed: int = 0) -> optuna.Study:
     sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=6, multivariate=True, group=True)
     rdb = rdb_storage(storage)
     study = _retry_schema_race(lambda: optuna.create_study(
-        storage=rdb, study_name=study_name, directions=list(DIRECTIONS), sampler=sampler, load_if_exists=True))
+        storage=rdb, study_name=study_name, directions=list(DIRECTIONS), sampler=sampler,
+        load_if_exists=True))
     reap_dead_trials(study)
     return study
 

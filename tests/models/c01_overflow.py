@@ -1,4 +1,5 @@
-"""Case C01 as a model file: fp16 ``x @ w`` overflows (66355 > 65504), then an RMSNorm turns the inf into NaN."""
+"""Case C01 as a model file: fp16 ``x @ w`` overflows (66355 > 65504), then an RMSNorm turns the inf into
+NaN."""
 import torch
 from torch import nn
 
