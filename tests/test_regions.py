@@ -139,7 +139,7 @@ def test_a_graph_with_saved_dtypes_compiles_flat(qwen, caplog):
     """The saved-activation marks do not reach the pack hook inside a region (measured: the
     saved bytes of fp8_e5m2-saved matmuls rose 1.46x), so such a graph is not outlined."""
     model, batch = qwen
-    policy = Policy(default_dtype="bf16", rules=(Rule(op_class="matmul", saved="bf16"),))
+    policy = Policy(default_dtype="bf16", rules=(Rule(op_class="matmul", saved="fp8_e5m2"),))
     flat = _flat(model, policy, batch)
     with caplog.at_level("INFO", logger="autoprec"):
         compile_graph(flat)  # lazy: nothing compiles before the first call

@@ -59,7 +59,9 @@ def compile_graph(gm: nn.Module, activation_memory_budget: float = 1.0, dynamic:
         regional: For a graph, compile its repeated blocks (transformer layers of one structure)
             once, as one ``torch.compiler.nested_compile_region`` each
             (:func:`autoprec.runtime.regions.outline_blocks`; logged at INFO); False: one flat
-            graph. A module (not a graph) is always compiled as it is.
+            graph. A module (not a graph) is always compiled as it is, and so is a graph with
+            saved-activation dtypes: the pack hook does not see a region's nodes' marks (a
+            4-layer Qwen2 with fp8_e5m2-saved matmuls saved 770 kB regional against 528 kB flat).
 
     A graph whose nodes carry ``meta["autoprec"]["saved"]`` (a policy's ``saved`` field) is
     compiled with those activations saved low and every call runs inside
@@ -78,7 +80,10 @@ def compile_graph(gm: nn.Module, activation_memory_budget: float = 1.0, dynamic:
     saved = isinstance(gm, fx.GraphModule) and has_saved(gm)  # nodes' ``saved`` dtypes: autoprec.runtime.saved
     target = apply_saved(gm, compiled=True) if saved else gm
     options = dict(INDUCTOR_OPTIONS)
-    if regional and isinstance(gm, fx.GraphModule):
+    if regional and isinstance(gm, fx.GraphModule) and saved:
+        _log.info("compile: one flat graph (the policy's saved-activation dtypes do not reach the pack "
+                  "hook inside a compiled region: measured 1.46x the saved bytes)")
+    elif regional and isinstance(gm, fx.GraphModule):
         target, plan = outline_blocks(target)
         _log.info("compile: %s", plan.describe())
         if plan.blocks:
