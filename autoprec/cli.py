@@ -72,9 +72,11 @@ def _check_writable(option: str, path: str, example: str = "policy.json") -> Non
     import tempfile
 
     if os.path.isdir(path) or path.endswith(("/", os.sep)):
-        raise AutoprecError(f"{option} {path}: is a directory; give a file path, e.g. {os.path.join(path, example)}")
+        raise AutoprecError(f"{option} {path}: is a directory; give a file path, "
+                            f"e.g. {os.path.join(path, example)}")
     try:
-        with tempfile.NamedTemporaryFile(dir=os.path.dirname(os.path.abspath(path)), prefix=".autoprec-check-"):
+        with tempfile.NamedTemporaryFile(dir=os.path.dirname(os.path.abspath(path)),
+                                         prefix=".autoprec-check-"):
             pass
     except OSError as e:
         raise AutoprecError(f"{option} {path}: cannot write there ({e.strerror or e})") from None
@@ -130,7 +132,8 @@ def _tune(a: argparse.Namespace) -> int:
     m = res.policy.measured
     print(f"\nchosen: {res.policy.summary()}")
     print(f"wrote {a.out}: {m['tokens_per_s']:.0f} tokens/s, {m['speedup_vs_fp32']:.2f}x fp32 eager, "
-          f"grad_rel_l2 {m['grad_rel_l2']:.3g} (budget {m['drift_budget']:.3g}), peak {m['peak_bytes'] / 2**20:.1f} MiB"
+          f"grad_rel_l2 {m['grad_rel_l2']:.3g} (budget {m['drift_budget']:.3g}), "
+          f"peak {m['peak_bytes'] / 2**20:.1f} MiB"
           + (f" (budget {m['memory_budget_bytes'] / 2**20:.1f} MiB)" if "memory_budget_bytes" in m else ""))
     print("time: " + ", ".join(f"{k} {v:.0f}s" for k, v in res.timings.items()))
     print(cache_report(caches))
@@ -208,7 +211,8 @@ def _cmd_compare(a: argparse.Namespace) -> int:
     res = compare(a.model, a.policy, a.steps, baselines=names, device=a.device, compile=not a.no_compile,
                   out_dir=a.out_dir, log_every=a.log_every, checkpoint_every=a.checkpoint_every,
                   resume=a.resume)
-    print(f"\n{'config':10s} {'max rel dev vs fp32':>20s} {'held-out loss':>14s} {'s/step':>8s} {'skipped':>8s}")
+    print(f"\n{'config':10s} {'max rel dev vs fp32':>20s} {'held-out loss':>14s} "
+          f"{'s/step':>8s} {'skipped':>8s}")
     for name in res.curves:
         print(f"{name:10s} {res.max_rel_dev[name]:20.3e} {res.heldout_loss[name]:14.4f} "
               f"{res.seconds_per_step[name]:8.3f} {res.skipped[name]:8d}")
@@ -262,9 +266,9 @@ def _cmd_bench(a: argparse.Namespace) -> int:
         return _cmd_bench_dist(a)
     try:
         with _naming_policy(a.policy):
-            res = run_bench(a.model, a.policy, steps=a.steps, warmup=a.warmup, device=a.device, configs=a.configs,
-                            max_step_ratio=a.max_step_ratio, skip_slow=a.skip_slow, json_path=a.json,
-                            strict_timing=a.strict_timing)
+            res = run_bench(a.model, a.policy, steps=a.steps, warmup=a.warmup, device=a.device,
+                            configs=a.configs, max_step_ratio=a.max_step_ratio, skip_slow=a.skip_slow,
+                            json_path=a.json, strict_timing=a.strict_timing)
     except ValueError as e:
         print(f"autoprec bench: error: {e}", file=sys.stderr)
         return 2
@@ -280,7 +284,8 @@ def _cmd_bench(a: argparse.Namespace) -> int:
     from autoprec.bench_table import failed_rows
 
     if failed := failed_rows(res):  # a configuration that could not be measured: exit 1
-        print("autoprec bench: error: " + "; ".join(f"{n} failed ({e})" for n, e in failed.items()), file=sys.stderr)
+        print("autoprec bench: error: " + "; ".join(f"{n} failed ({e})" for n, e in failed.items()),
+              file=sys.stderr)
         return 1
     return 0
 
@@ -303,7 +308,8 @@ def _cmd_bench_dist(a: argparse.Namespace) -> int:
         if path:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
     with _naming_policy(a.policy):
-        res = run_bench_dist(a.model, a.policy, steps=a.steps, warmup=a.warmup, device=a.device, json_path=a.json)
+        res = run_bench_dist(a.model, a.policy, steps=a.steps, warmup=a.warmup, device=a.device,
+                             json_path=a.json)
     if res is None:  # not rank 0
         return 0
     table = format_dist_table(res)

@@ -77,7 +77,8 @@ def compile_graph(gm: nn.Module, activation_memory_budget: float = 1.0, dynamic:
     _quiet_mixed_dtype_warning()
     if dynamic is None:
         dynamic = isinstance(gm, fx.GraphModule) and _symbolic_inputs(gm)
-    saved = isinstance(gm, fx.GraphModule) and has_saved(gm)  # nodes' ``saved`` dtypes: autoprec.runtime.saved
+    # nodes' ``saved`` dtypes: autoprec.runtime.saved
+    saved = isinstance(gm, fx.GraphModule) and has_saved(gm)
     target = apply_saved(gm, compiled=True) if saved else gm
     options = dict(INDUCTOR_OPTIONS)
     if regional and isinstance(gm, fx.GraphModule) and saved:
@@ -91,8 +92,9 @@ def compile_graph(gm: nn.Module, activation_memory_budget: float = 1.0, dynamic:
     fn = torch.compile(target, backend="inductor", options=options, dynamic=dynamic)
     fn = fn if activation_memory_budget >= 1.0 else _WithMemoryBudget(fn, activation_memory_budget)
     fn = SavedCall(fn, saved_activation_context(gm), compiled=True) if saved else fn
-    return CompileLog(fn, "the dynamic-shape graph" if isinstance(gm, fx.GraphModule) else type(gm).__name__) \
-        if dynamic else fn
+    if not dynamic:
+        return fn
+    return CompileLog(fn, "the dynamic-shape graph" if isinstance(gm, fx.GraphModule) else type(gm).__name__)
 
 
 #: The message of Inductor's warning (torch/_inductor/codegen/cpp.py) that compile_graph filters.

@@ -87,8 +87,8 @@ def _warn_if_other_model(policy: Policy, policy_path: str | os.PathLike, gm: Any
               "match and its measurements do not apply", file=sys.stderr, flush=True)
 
 
-def train(model_path: str | os.PathLike, policy_path: str | os.PathLike, steps: int = 50, device: str = "auto",
-          compile: bool = True, log_every: int = 1, quiet: bool = False,
+def train(model_path: str | os.PathLike, policy_path: str | os.PathLike, steps: int = 50,
+          device: str = "auto", compile: bool = True, log_every: int = 1, quiet: bool = False,
           checkpoint: str | os.PathLike | None = None, resume: bool = False, checkpoint_every: int = 0,
           log_path: str | os.PathLike | None = None, max_grad_norm: float | None = None,
           force: bool = False) -> TrainResult:
@@ -135,8 +135,9 @@ def train(model_path: str | os.PathLike, policy_path: str | os.PathLike, steps: 
             return done
     dev = init_ranks(resolve_device(device), ranks)
     try:
-        return _train(spec, policy, policy_path, dev, ranks, steps, compile, log_every, quiet or not ranks.lead,
-                      checkpoint, resume, checkpoint_every, log_path, max_grad_norm, force)
+        return _train(spec, policy, policy_path, dev, ranks, steps, compile, log_every,
+                      quiet or not ranks.lead, checkpoint, resume, checkpoint_every, log_path,
+                      max_grad_norm, force)
     finally:
         close_ranks(ranks)
 
@@ -171,7 +172,8 @@ def _train(spec: Any, policy: Policy, policy_path: str | os.PathLike, dev: Any, 
     def save(done: int) -> None:
         save_checkpoint(checkpoint, model, optimizer, step.scaler, policy, step=done)
 
-    hooks = [mean_loss_hook(ranks), _recorder(monitor, spec.tokens_per_batch), _printer(steps, log_every, quiet)]
+    hooks = [mean_loss_hook(ranks), _recorder(monitor, spec.tokens_per_batch),
+             _printer(steps, log_every, quiet)]
     if compile and not quiet:
         hooks.append(_first_step_cache(start, compile_cache_counts()))
     if checkpoint is not None:
@@ -265,7 +267,8 @@ def _printer(steps: int, log_every: int, quiet: bool) -> StepHook:
     return hook
 
 
-def _result(done: list[tuple[StepStats, float]], start: int, step: TrainStep, monitor: Monitor) -> TrainResult:
+def _result(done: list[tuple[StepStats, float]], start: int, step: TrainStep,
+            monitor: Monitor) -> TrainResult:
     """The :class:`TrainResult` of the steps run."""
     res = TrainResult(start_step=start, losses=[st.loss for st, _ in done],
                       skipped=sum(int(st.skipped) for st, _ in done), summary=monitor.summary(),

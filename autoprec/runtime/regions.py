@@ -1,4 +1,5 @@
-"""Repeated blocks compiled once: regional compilation of a lowered graph (docs/architecture.md#regional-compilation).
+"""Repeated blocks compiled once: regional compilation of a lowered graph
+(docs/architecture.md#regional-compilation).
 
 A transformer's layers are the same code with the same shapes; under one policy they lower to
 the same nodes up to names. Compiled as one flat graph, Dynamo, AOTAutograd and Inductor trace,

@@ -67,5 +67,6 @@ def members(param: str) -> list[str]:
         return [param[len("block:"):]]
     m = _RUN.match(param)
     if m is None:
-        raise ValueError(f"not a block parameter: {param!r} (expected 'block:<path>' or 'blocks:<container>.<a>-<b>')")
+        raise ValueError(f"not a block parameter: {param!r} "
+                         "(expected 'block:<path>' or 'blocks:<container>.<a>-<b>')")
     return [f"{m['container']}.{i}" for i in range(int(m["first"]), int(m["last"]) + 1)]

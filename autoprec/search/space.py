@@ -22,8 +22,8 @@ from autoprec.policy import RULE_OP_CLASSES, Policy, Rule
 from autoprec.search.groups import block_params, members
 from autoprec.search.probe import KERNELS, kernel_fields
 
-__all__ = ["ATTENTION_BASELINE", "SAVED_LEVERS", "SearchSpace", "BASELINES", "FP32_COMPUTE_BASELINE", "find_blocks",
-           "has_attention", "outside_matmuls", "with_saved"]
+__all__ = ["ATTENTION_BASELINE", "SAVED_LEVERS", "SearchSpace", "BASELINES", "FP32_COMPUTE_BASELINE",
+           "find_blocks", "has_attention", "outside_matmuls", "with_saved"]
 
 #: The saved-activation dtypes of the memory lever, least drift first (docs/architecture.md#search):
 #: a search parameter under ``tune --max-memory`` and the finalists' memory fit.

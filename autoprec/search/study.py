@@ -165,14 +165,15 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
         traj_steps: K, the optimizer steps of the ``traj_rel`` check on finalists that lower
             anything (budget: torch.autocast's ``traj_rel`` over the same steps).
         report: Write the markdown report and plots beside ``out``.
-        max_memory: Memory budget for the chosen policy's ``peak_bytes`` (docs/architecture.md#measurements): ``None``
-            (none), ``"auto"`` (torch.autocast's peak measured in this run: with ``compile``, that
-            of torch.autocast + torch.compile), ``"<r>x"`` (r times FP32 eager's peak), or bytes
-            (a number, or a string with a ``KiB``/``MiB``/``GiB`` suffix). With ``compile``, a
-            finalist over it gets an ``activation_memory_budget`` that fits, aimed 10% under the
-            memory budget (Inductor recomputes the rest of the activations in backward; see
-            ``fit_memory`` in autoprec/search/memory_fit.py); without compile, trials whose measured peak is over it are
-            not selected.
+        max_memory: Memory budget for the chosen policy's ``peak_bytes``
+            (docs/architecture.md#measurements): ``None`` (none), ``"auto"`` (torch.autocast's
+            peak measured in this run: with ``compile``, that of torch.autocast + torch.compile),
+            ``"<r>x"`` (r times FP32 eager's peak), or bytes (a number, or a string with a
+            ``KiB``/``MiB``/``GiB`` suffix). With ``compile``, a finalist over it gets an
+            ``activation_memory_budget`` that fits, aimed 10% under the memory budget (Inductor
+            recomputes the rest of the activations in backward; see ``fit_memory`` in
+            autoprec/search/memory_fit.py); without compile, trials whose measured peak is over
+            it are not selected.
         strict_timing: Raise :class:`~autoprec.search.load.BusyMachineError` when the machine is
             busy instead of warning: other processes use over half a core, or the calibration
             matmul runs 1.5x slower than at its fastest (checked at the start, after the baselines
@@ -189,7 +190,8 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
             is built, before any capture or measurement, as the CLI does); no policy met the budgets.
         BusyMachineError: ``strict_timing`` and the machine is busy (CLI exit 2).
     """
-    drift_arg, memory_arg, forced = parse_max_drift(max_drift), parse_max_memory(max_memory), parse_dtypes(dtypes)
+    drift_arg, memory_arg, forced = (parse_max_drift(max_drift), parse_max_memory(max_memory),
+                                     parse_dtypes(dtypes))
     spec = load_model_spec(model_path)
     if memory_arg is not None and memory_arg[0] == "bytes":  # as the CLI: an impossible budget before capture
         check_memory_floor(memory_arg, spec.build_model(), spec.make_optimizer, option="max_memory")
@@ -205,12 +207,14 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
     math_twin = run.space.attention_twin()
     also = [(run.space.to_policy(math_twin), ATTENTION_BASELINE[0])] if math_twin is not None else []
     sel = Selector(run.harness, run.budget, compile, run.ac_dtype, run.slow, traj_steps, run.clock, quiet,
-                   twin=run.space.to_policy(twin) if twin is not None else None, progress=run.progress, also=also)
+                   twin=run.space.to_policy(twin) if twin is not None else None,
+                   progress=run.progress, also=also)
     chosen, chosen_m = _finalists(run, sel, study, finalists, memory_arg)
     return _write(run, study, sel, chosen, chosen_m, compile, out, report)
 
 
-def _capture(spec: ModelSpec, device: str, quiet: bool, strict_timing: bool = False, progress: bool = False) -> _Run:
+def _capture(spec: ModelSpec, device: str, quiet: bool, strict_timing: bool = False,
+             progress: bool = False) -> _Run:
     """Phase 1: check the machine's load (:mod:`autoprec.search.load`; again after the baselines and,
     through the clock, when the finalists begin), capture the loaded model file and compute the
     FP32 reference (``Harness``).
@@ -222,8 +226,8 @@ def _capture(spec: ModelSpec, device: str, quiet: bool, strict_timing: bool = Fa
     clock = LoadClock(LoadMonitor.start(dev, strict_timing), {"finalists_s": "after trials"})
     with clock("capture_s"):
         harness = Harness(spec, dev)
-    log(f"captured {spec.path}: {len(harness.graph_module.graph.nodes)} nodes, {harness.tokens} tokens/batch, "
-        f"device {device_name(dev)}", quiet)
+    log(f"captured {spec.path}: {len(harness.graph_module.graph.nodes)} nodes, "
+        f"{harness.tokens} tokens/batch, device {device_name(dev)}", quiet)
     return _Run(spec, dev, harness, clock, quiet, progress)
 
 
@@ -237,7 +241,8 @@ def _probe(run: _Run, forced: list[str] | None, saved: tuple[str, ...] = ()) -> 
     shapes = matmul_shapes(run.gm)
     with run.clock("probe_s"):
         probe = probe_kernels(run.dev, shapes, weights=[counts[s] for s in shapes])
-    where = ", ".join(f"{m}x{k}x{n} x{counts[(m, k, n)]}" for m, k, n in shapes) or "512x512x512 (no GEMM found)"
+    where = (", ".join(f"{m}x{k}x{n} x{counts[(m, k, n)]}" for m, k, n in shapes)
+             or "512x512x512 (no GEMM found)")
     log(f"probe fp32: {probe.fp32_s * 1e3:.3g} ms of matmuls at the model's shapes (MxKxN x count: {where})",
         run.quiet)
     kept, excluded = probe.kept(), probe.excluded()
@@ -245,10 +250,12 @@ def _probe(run: _Run, forced: list[str] | None, saved: tuple[str, ...] = ()) -> 
         if forced is not None:
             verdict = "searched (--dtypes)" if dtype in forced else "not searched (--dtypes)"
         else:
-            verdict = f"searched: {', '.join(kept[dtype])}" if dtype in kept else f"excluded: {excluded[dtype]}"
+            verdict = (f"searched: {', '.join(kept[dtype])}" if dtype in kept
+                       else f"excluded: {excluded[dtype]}")
         log(f"probe {dtype}: {probe.describe(dtype)} -> {verdict}", run.quiet)
     kernels = probe.low_kernels(forced)
-    storage_lows = list(dict.fromkeys(kernel_fields(k)[0] for k in kernels if kernel_fields(k)[0] in LOW_DTYPES))
+    storage_lows = list(dict.fromkeys(kernel_fields(k)[0] for k in kernels
+                                      if kernel_fields(k)[0] in LOW_DTYPES))
     blocks = find_blocks(run.gm)
     run.probes = probe.to_dict()
     run.space = SearchSpace(kernels, blocks, outside_matmuls(run.gm, blocks), saved=saved,
@@ -273,7 +280,8 @@ def _adopt_study_kernels(run: _Run, choices: list[str] | None) -> None:
         f"{', '.join(run.space.dtypes)}: searching the study's kernels (its probe's decision)", run.quiet)
     blocks = run.space.blocks or find_blocks(run.gm)  # a space without low kernels holds no blocks
     nodes = run.space.nodes or outside_matmuls(run.gm, blocks)
-    run.space = SearchSpace(lows, blocks, nodes, saved=run.space.saved[1:], attention=bool(run.space.attention))
+    run.space = SearchSpace(lows, blocks, nodes, saved=run.space.saved[1:],
+                            attention=bool(run.space.attention))
     storage_lows = list(dict.fromkeys(kernel_fields(k)[0] for k in lows if kernel_fields(k)[0] in LOW_DTYPES))
     run.ac_dtype = autocast_dtype(run.dev, storage_lows)
 
@@ -309,7 +317,8 @@ def _baselines(run: _Run, drift_arg: float | None, memory_arg: tuple[str, float]
     if memory_arg is not None and memory_arg[0] != "autocast":  # known now: fail before the trials
         memory_budget(memory_arg, run.fp32, ac, h.state_bytes, h.optimizer_name)
     note = f" ({ac.error or ac.note})" if ac.error or ac.note else ""
-    log(f"fp32 eager {run.fp32.tokens_per_s:.0f} tok/s; autocast({run.ac_dtype}) eager {ac.tokens_per_s:.0f} tok/s"
+    log(f"fp32 eager {run.fp32.tokens_per_s:.0f} tok/s; "
+        f"autocast({run.ac_dtype}) eager {ac.tokens_per_s:.0f} tok/s"
         f"{note}, grad_rel_l2 {ac.grad_rel_l2:.3g} -> drift budget: {run.budget.describe()}; "
         f"{run.space.n_params} search parameters", run.quiet)
     if isinstance(run.clock, LoadClock):
@@ -328,12 +337,14 @@ def _search(run: _Run, storage: str, study_name: str, seed: int, trials: int | N
     study.set_user_attr(attrs.DRIFT_RULE, run.budget.to_dict())
     if not study.trials:  # a new study: rank regions, then queue the baselines (resumes skip this)
         regions = len(run.space.region_params()) if run.space.low_dtypes else 0
-        with run.clock("sensitivity_s"), phase_bar("sensitivity", regions, run.progress and regions > 0) as bar:
+        with (run.clock("sensitivity_s"),
+              phase_bar("sensitivity", regions, run.progress and regions > 0) as bar):
             sens = region_sensitivity(run.harness, run.space, bar.step)
         if sens:
             study.set_user_attr(attrs.SENSITIVITY, sens)
             log("sensitivity (grad_rel_l2 with only that region lowered): "
-                + ", ".join(f"{k} {v:.2g}" for k, v in sorted(sens.items(), key=lambda kv: -kv[1])), run.quiet)
+                + ", ".join(f"{k} {v:.2g}" for k, v in sorted(sens.items(), key=lambda kv: -kv[1])),
+                run.quiet)
         enqueue_baselines(study, run.space, sens)
     target = trials if trials is not None else DEFAULT_TRIALS
     if not run.space.low_dtypes and target > 1:  # every parameter's only float choice is fp32
@@ -362,7 +373,8 @@ def _finalists(run: _Run, sel: Selector, study: optuna.Study, k: int,
         chosen, chosen_m = sel.choose(feasible(study), k, budget)
     if FP32_EAGER in sel.timings and sel.timings[FP32_EAGER].step_times:  # timed in the head-to-head's rounds
         t = sel.timings[FP32_EAGER]
-        run.fp32.step_times, run.fp32.step_s, run.fp32.tokens_per_s = list(t.step_times), t.step_s, t.tokens_per_s
+        run.fp32.step_times, run.fp32.step_s = list(t.step_times), t.step_s
+        run.fp32.tokens_per_s = t.tokens_per_s
     else:
         with run.clock("baselines_s"):
             run.fp32 = pooled(run.fp32, h.measure(h.model), h.tokens)

@@ -33,9 +33,10 @@ def region_sensitivity(harness: Harness, space: SearchSpace,
     """``grad_rel_l2`` when only one region (a layer block's matmuls, a run of blocks', or one
     outside matmul: :meth:`SearchSpace.region_params`) is lowered to the fastest low dtype and
     everything else stays fp32: one eager forward/backward per region, so a deep model costs
-    as many as a 4-layer one (:mod:`autoprec.search.groups`). Empty when no low dtype is usable; a region that cannot be lowered or drifts
-    to a non-finite value gets :data:`attrs.INFEASIBLE`. ``on_region(name)`` is called as each
-    region begins (a progress bar's step)."""
+    as many as a 4-layer one (:mod:`autoprec.search.groups`). Empty when no low dtype is
+    usable; a region that cannot be lowered or drifts to a non-finite value gets
+    :data:`attrs.INFEASIBLE`. ``on_region(name)`` is called as each region begins (a progress
+    bar's step)."""
     if not space.low_dtypes:
         return {}
     low = space.low_dtypes[0]
@@ -55,7 +56,8 @@ def region_sensitivity(harness: Harness, space: SearchSpace,
     return out
 
 
-def enqueue_baselines(study: optuna.Study, space: SearchSpace, sensitivity: dict[str, float] | None = None) -> None:
+def enqueue_baselines(study: optuna.Study, space: SearchSpace,
+                      sensitivity: dict[str, float] | None = None) -> None:
     """Queue the baselines (the autocast twin among them), then local moves from the twin: its
     two most sensitive regions in fp32, one at a time, so the search starts inside the region the
     twin makes feasible, whatever the depth."""
@@ -80,7 +82,8 @@ def finished(study: optuna.Study) -> int:
                for t in trials)
 
 
-def optimize(study: optuna.Study, objective: Objective, target: int, timeout: float | None, progress: bool) -> None:
+def optimize(study: optuna.Study, objective: Objective, target: int, timeout: float | None,
+             progress: bool) -> None:
     """Run trials until the study holds ``target`` finished ones (shared with other workers),
     then wait (at most :data:`WAIT_FOR_OTHERS_S`) for other live workers' running trials, so
     every worker selects from the same trials. A trial whose worker died is given up
@@ -108,7 +111,8 @@ def _queued_retries(study: optuna.Study) -> int:
     return 0 if last is None else sum(t.number <= last for t in waiting)
 
 
-def _run_trials(study: optuna.Study, objective: Objective, target: int, t_end: float | None, progress: bool) -> None:
+def _run_trials(study: optuna.Study, objective: Objective, target: int, t_end: float | None,
+                progress: bool) -> None:
     """Optuna's ``study.optimize`` until the study holds ``target`` finished trials or ``t_end``."""
     def stop(study: optuna.Study, _trial) -> None:
         if finished(study) >= target:
