@@ -1,0 +1,185 @@
+"""Cost against depth (issue 22): the first training step's compile, flat and with regional
+compilation, and a default ``tune`` followed by ``train``, for a Qwen2 of hidden 256 (4 heads,
+2 KV heads, MLP 688, 4x128 tokens of ``qwen2_tiny``'s corpus) at growing depth.
+
+Every measurement runs in a process of its own, one after the other (never two at once), with a
+fresh Inductor cache (``TORCHINDUCTOR_CACHE_DIR``) so compiles are cold, except ``train`` after
+``tune``, which shares ``tune``'s cache as a user's would. Reported:
+
+- ``first_step``: ``autoprec.apply`` (capture + passes) and the first forward+backward (Dynamo,
+  AOTAutograd, Inductor) of ``Policy.default("bf16")``, flat (``regional=False``) and regional,
+  plus the median step after it (8 steps; interquartile range) and what the regions were;
+- ``tune``: wall seconds, the phases of its ``time:`` line, its cache line; then ``train --steps 3``
+  on the written policy: its first step's seconds and cache line.
+
+Run::
+
+    .venv/bin/python benchmarks/depth_scaling.py --out benchmarks/results/depth_<date>
+    # --layers 2 8 24 (first step) --tune-layers 4 24 (tune, then train)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+from autoprec.device import describe_machine
+
+EXAMPLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples")
+MODEL = '''"""Qwen2 of hidden 256 with {layers} layers (benchmarks/depth_scaling.py)."""
+import sys
+sys.path.insert(0, {examples!r})
+from qwen2_tiny import build_qwen2, make_batch
+
+
+def build_model():
+    return build_qwen2(hidden_size=256, num_hidden_layers={layers}, num_attention_heads=4,
+                       num_key_value_heads=2, intermediate_size=688)
+
+
+def get_batch(step, device):
+    return make_batch(step, device, batch_size=4, seq_len=128)
+'''
+
+FIRST_STEP = r'''
+import json, sys, time, torch
+sys.path.insert(0, sys.argv[1])
+import logging
+from model import build_model, get_batch
+import autoprec
+from autoprec.policy import Policy
+from autoprec.runtime.compile import compile_graph
+from autoprec.runtime.outputs import flat_output_graph
+from autoprec.runtime.regions import outline_blocks
+regional = sys.argv[2] == "regional"
+model, batch = build_model(), get_batch(0, "cpu")
+t0 = time.perf_counter()
+mp = autoprec.apply(model, Policy.default("bf16"), batch, compile=False, dynamic=False)
+flat = flat_output_graph(mp.graph_module)[0]
+fn = compile_graph(flat, regional=regional)
+t1 = time.perf_counter()
+fn(**batch)[0].backward()
+t2 = time.perf_counter()
+steps = []
+for _ in range(8):
+    s = time.perf_counter(); fn(**batch)[0].backward(); steps.append(time.perf_counter() - s)
+steps.sort()
+print(json.dumps({"apply_s": t1 - t0, "first_step_s": t2 - t1, "steady_s": steps[4],
+                  "steady_iqr_s": [steps[2], steps[6]], "nodes": len(flat.graph.nodes),
+                  "regions": outline_blocks(flat)[1].describe() if regional else "flat"}))
+'''
+
+
+def _run(cmd: list[str], env: dict[str, str]) -> tuple[str, float]:
+    """Run ``cmd``; its stdout+stderr and wall seconds (raises on a non-zero exit)."""
+    start = time.perf_counter()
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if r.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} exited {r.returncode}:\n{r.stderr[-3000:]}")
+    return r.stdout + r.stderr, time.perf_counter() - start
+
+
+def _model_dir(work: str, layers: int) -> str:
+    d = os.path.join(work, f"qwen2_l{layers}")
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, "model.py"), "w") as f:
+        f.write(MODEL.format(layers=layers, examples=os.path.abspath(EXAMPLES)))
+    return d
+
+
+def _cold_env(work: str, name: str) -> dict[str, str]:
+    return {**os.environ, "TORCHINDUCTOR_CACHE_DIR": os.path.join(work, "cache", name)}
+
+
+def first_steps(work: str, layers: list[int]) -> list[dict]:
+    """The ``first_step`` rows, flat and regional per depth."""
+    rows = []
+    for n in layers:
+        d = _model_dir(work, n)
+        for mode in ("flat", "regional"):
+            out, _ = _run([sys.executable, "-c", FIRST_STEP, d, mode], _cold_env(work, f"first-{n}-{mode}"))
+            row = json.loads(next(ln for ln in reversed(out.splitlines())
+                                  if ln.startswith("{\"apply_s"))) | {"layers": n, "mode": mode}
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    return rows
+
+
+def tune_then_train(work: str, layers: list[int], out: str) -> list[dict]:
+    """The ``tune`` rows: default tune, then train on its policy with tune's cache; each tune's
+    log goes to ``out/tune_l<layers>.log``."""
+    rows = []
+    for n in layers:
+        d = _model_dir(work, n)
+        env = _cold_env(work, f"tune-{n}")
+        policy = os.path.join(d, "policy.json")
+        log, wall = _run([sys.executable, "-m", "autoprec.cli", "tune", os.path.join(d, "model.py"),
+                          "--out", policy], env)
+        times = re.search(r"^time: (.*)$", log, re.M)
+        chosen = re.search(r"chosen: (.*?), ([\d.]+)x torch.autocast \+ torch.compile", log)
+        row = {"layers": n, "tune_wall_s": wall,
+               "phases": ({k: float(v) for k, v in re.findall(r"(\w+) (\d+)s", times.group(1))}
+                          if times else {}),
+               "tune_cache": (re.search(r"^Inductor caches: .*$", log, re.M) or [""])[0],
+               "vs_autocast_compiled": float(chosen.group(2)) if chosen else None,
+               "policy": json.load(open(policy)).get("rules", [])}
+        tlog, twall = _run([sys.executable, "-m", "autoprec.cli", "train", os.path.join(d, "model.py"),
+                            "--policy", policy, "--steps", "3"], env)
+        first = re.search(r"first step ([\d.]+) s \(compile included\); (.*)$", tlog, re.M)
+        row |= {"train_wall_s": twall, "train_first_step_s": float(first.group(1)) if first else None,
+                "train_cache": first.group(2) if first else ""}
+        with open(os.path.join(out, f"tune_l{n}.log"), "w") as f:
+            f.write(log.replace(work, "<work>"))  # no machine paths in committed logs
+        print(json.dumps({k: v for k, v in row.items() if k != "policy"}), flush=True)
+        rows.append(row)
+    return rows
+
+
+def _markdown(res: dict) -> str:
+    lines = ["| layers | mode | nodes | apply s | first step s | apply+first s | steady s (IQR) | regions |",
+             "|---:|---|---:|---:|---:|---:|---|---|"]
+    for r in res["first_step"]:
+        lines.append(f"| {r['layers']} | {r['mode']} | {r['nodes']} | {r['apply_s']:.1f} | "
+                     f"{r['first_step_s']:.1f} | {r['apply_s'] + r['first_step_s']:.1f} | "
+                     f"{r['steady_s']:.3f} ({r['steady_iqr_s'][0]:.3f}-{r['steady_iqr_s'][1]:.3f}) | "
+                     f"{r['regions']} |")
+    lines += ["",
+              "| layers | tune s | phases | vs autocast+compile | tune caches | "
+              "train first step s | train caches |",
+              "|---:|---:|---|---:|---|---:|---|"]
+    for r in res["tune"]:
+        phases = ", ".join(f"{k} {v:.0f}" for k, v in r["phases"].items())
+        lines.append(f"| {r['layers']} | {r['tune_wall_s']:.0f} | {phases} | {r['vs_autocast_compiled']} | "
+                     f"{r['tune_cache']} | {r['train_first_step_s']} | {r['train_cache']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    """Measure and write ``depth.json``, ``depth.md``, ``machine.json`` and the tune logs to ``--out``."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, help="output directory")
+    ap.add_argument("--layers", type=int, nargs="*", default=[2, 8, 24])
+    ap.add_argument("--tune-layers", type=int, nargs="*", default=[4, 24])
+    a = ap.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "machine.json"), "w") as f:
+        json.dump(describe_machine(torch.device("cpu")), f, indent=2)
+    with tempfile.TemporaryDirectory() as work:
+        res = {"first_step": first_steps(work, a.layers), "tune": tune_then_train(work, a.tune_layers, a.out)}
+    with open(os.path.join(a.out, "depth.json"), "w") as f:
+        json.dump(res, f, indent=2)
+    with open(os.path.join(a.out, "depth.md"), "w") as f:
+        f.write(_markdown(res))
+    print(_markdown(res))
+
+
+if __name__ == "__main__":
+    main()
