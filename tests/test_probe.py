@@ -240,19 +240,19 @@ def test_joining_worker_adopts_the_studys_kernels():
     with --dtypes forced it keeps its own space (check_study then refuses a mismatch)."""
     from types import SimpleNamespace
 
+    from autoprec.search.kernel_choice import adopt_study_kernels
     from autoprec.search.space import SearchSpace
-    from autoprec.search.study import _adopt_study_kernels
 
     probes = {"kernels": {"bf16": {"ms": 5.0}, "bf16:fp32": {"ms": 20.0}}}
     run = SimpleNamespace(forced=None, probes=probes, space=SearchSpace(["bf16"], ["b.0"], ["head/linear#0"]),
                           quiet=True, dev=CPU, ac_dtype=torch.float16)
-    _adopt_study_kernels(run, ["fp32", "bf16", "bf16:fp32"])
+    adopt_study_kernels(run, ["fp32", "bf16", "bf16:fp32"])
     assert run.space.dtypes == ["fp32", "bf16", "bf16:fp32"]
     assert run.space.low_kernels == ["bf16", "bf16:fp32"]
     assert run.space.blocks == ["b.0"] and run.space.nodes == ["head/linear#0"]
     assert run.ac_dtype == torch.bfloat16  # torch.autocast over the study's storage dtypes
     forced = SimpleNamespace(forced=["bf16"], probes=probes, space=SearchSpace(["bf16"]), quiet=True)
-    _adopt_study_kernels(forced, ["fp32", "bf16", "bf16:fp32"])
+    adopt_study_kernels(forced, ["fp32", "bf16", "bf16:fp32"])
     assert forced.space.dtypes == ["fp32", "bf16"]
 
 
@@ -267,3 +267,15 @@ def test_memory_lever_is_a_search_parameter_under_max_memory():
     assert [(r.op_class, r.saved) for r in pol.rules if r.saved] == [
         ("matmul", "fp8_e5m2"), ("sensitive", "fp8_e5m2"), ("follow", "fp8_e5m2")]
     assert SearchSpace(["bf16"]).saved == [] and "saved" not in SearchSpace(["bf16"]).baselines()[0][1]
+
+
+def test_fp8_is_not_probed_where_fp8_supported_says_no(monkeypatch):
+    """fp8_supported returns (ok, reason); a False verdict must keep fp8 out of the probe (the
+    tuple itself is truthy)."""
+    import autoprec.kernels.fp8 as fp8
+    from autoprec.search.probe import _fp8_available
+
+    monkeypatch.setattr(fp8, "fp8_supported", lambda device: (False, "no fp8 kernel on this device"))
+    assert _fp8_available(torch.device("cpu")) is False
+    monkeypatch.setattr(fp8, "fp8_supported", lambda device: (True, "ok"))
+    assert _fp8_available(torch.device("cpu")) is True

@@ -1,7 +1,7 @@
 """The same command twice resumes the same study, even when the probe flips (issue 19 item 3):
 the default study name does not depend on the probe's verdict, the first run's decision is
 recorded in the study (``autoprec:space``), and the second run searches the study's kernels and
-says so (autoprec/search/study.py ``_adopt_study_kernels``, search/storage.py)."""
+says so (autoprec/search/kernel_choice.py ``adopt_study_kernels``, search/storage.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import optuna
 import pytest
 import torch
 
-from autoprec.search import attrs
+from autoprec.search import attrs, kernel_choice
 from autoprec.search import study as study_mod
 from autoprec.search.probe import probe_kernels as real_probe
 from autoprec.search.storage import default_study_name
@@ -48,7 +48,7 @@ def test_study_name_is_the_commands_not_the_probes():
 def test_same_command_twice_resumes_the_study_when_the_probe_flips(tmp_path, monkeypatch, capsys):
     out = tmp_path / "p.json"
     kw = dict(trials=3, compile=False, traj_steps=0, out=out, report=False, progress=False)
-    monkeypatch.setattr(study_mod, "probe_kernels", _flipping_probe(RUN_1))
+    monkeypatch.setattr(kernel_choice, "probe_kernels", _flipping_probe(RUN_1))
     first = study_mod.tune(EXAMPLES / "tiny_mlp.py", **kw)
     log1 = capsys.readouterr().out
     assert "fp16:fp32" in log1 and first.study.user_attrs[attrs.SPACE]["dtypes"] == ["fp32", "bf16:fp32",
@@ -60,7 +60,7 @@ def test_same_command_twice_resumes_the_study_when_the_probe_flips(tmp_path, mon
     assert not native["kept"] and native["band"][0] == pytest.approx(100.0)
     n = len(first.study.trials)
 
-    monkeypatch.setattr(study_mod, "probe_kernels", _flipping_probe(RUN_2))
+    monkeypatch.setattr(kernel_choice, "probe_kernels", _flipping_probe(RUN_2))
     second = study_mod.tune(EXAMPLES / "tiny_mlp.py", **kw)
     log2 = capsys.readouterr().out
     assert "probe fp16: " in log2 and "-> excluded" in log2  # its own probe dropped fp16:fp32 ...

@@ -238,12 +238,14 @@ class KernelProbe:
 
 
 def _fp8_available(device: torch.device) -> bool:
-    """:func:`autoprec.kernels.fp8.fp8_supported`; False when that module is missing."""
+    """:func:`autoprec.kernels.fp8.fp8_supported`'s verdict (its ``(ok, reason)``'s ``ok``: the
+    tuple itself is always truthy); False when that module is missing."""
     try:
         from autoprec.kernels.fp8 import fp8_supported
     except ImportError:
         return False
-    return bool(fp8_supported(device))
+    ok, _reason = fp8_supported(device)
+    return bool(ok)
 
 
 def _keeps(kernel: str, ratio: float, tol: float) -> bool:

@@ -185,8 +185,8 @@ def default_study_name(path: str | os.PathLike, gm: fx.GraphModule, dev: torch_d
 
     The name is what the command says, never what the probe measured: a re-run whose probe puts a
     kernel on the other side of the keep line resumes the same study and searches the kernels
-    recorded in it (``tune``'s ``_adopt_study_kernels``; the probe's decision is stamped by
-    :func:`check_study`). The measurement version is part of the name: after an upgrade that
+    recorded in it (``autoprec.search.kernel_choice.adopt_study_kernels``; the probe's decision is
+    stamped by :func:`check_study`). The measurement version is part of the name: after an upgrade that
     changes measurements, or with other ``--dtypes``, the same command starts a new study beside
     the old one instead of failing on it. Studies named before this rule (the kept kernels in the
     name) are not found under it: a new study starts.

@@ -29,8 +29,7 @@ import torch
 
 from autoprec._interrupt import check as check_interrupt
 from autoprec._version import __version__
-from autoprec.device import autocast_dtype, device_name, resolve_device
-from autoprec.dtypes import LOW_DTYPES
+from autoprec.device import device_name, resolve_device
 from autoprec.errors import SearchError
 from autoprec.modelspec import ModelSpec, load_model_spec
 from autoprec.nodekeys import graph_fingerprint
@@ -45,11 +44,11 @@ from autoprec.search.budgets import (
     parse_max_memory,
 )
 from autoprec.search.decide import DriftBudget
+from autoprec.search.kernel_choice import adopt_study_kernels, probe_decision, probe_phase
 from autoprec.search.load import LoadClock, LoadMonitor
 from autoprec.search.measure import Harness, Measurement
 from autoprec.search.objective import Objective
 from autoprec.search.phases import accounted, phase_bar
-from autoprec.search.probe import kernel_fields, matmul_shape_counts, matmul_shapes, probe_kernels
 from autoprec.search.progress import Clock, log
 from autoprec.search.results import measured_block, note_if_eager_was_faster, pooled, side_by_side
 from autoprec.search.select import FP32_EAGER, Selector
@@ -57,9 +56,6 @@ from autoprec.search.space import (
     ATTENTION_BASELINE,
     SAVED_LEVERS,
     SearchSpace,
-    find_blocks,
-    has_attention,
-    outside_matmuls,
 )
 from autoprec.search.storage import (
     check_study,
@@ -196,19 +192,14 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
     if memory_arg is not None and memory_arg[0] == "bytes":  # as the CLI: an impossible budget before capture
         check_memory_floor(memory_arg, spec.build_model(), spec.make_optimizer, option="max_memory")
     run = _capture(spec, device, quiet, strict_timing, progress and not quiet)
-    _probe(run, forced, SAVED_LEVERS if memory_arg is not None else ())
+    probe_phase(run, forced, SAVED_LEVERS if memory_arg is not None else ())
     storage = storage or default_storage(out)
     study_name = study_name or default_study_name(run.spec.path, run.gm, run.dev, forced)
-    _adopt_study_kernels(run, study_choices(storage, study_name))  # a shared study's kernels
+    adopt_study_kernels(run, study_choices(storage, study_name))  # a shared study's kernels
     precheck_study(storage, study_name, run.space)  # a study this run cannot resume fails now
     _baselines(run, drift_arg, memory_arg)
     study = _search(run, storage, study_name, seed, trials, timeout, run.progress)
-    twin = run.space.twin()
-    math_twin = run.space.attention_twin()
-    also = [(run.space.to_policy(math_twin), ATTENTION_BASELINE[0])] if math_twin is not None else []
-    sel = Selector(run.harness, run.budget, compile, run.ac_dtype, run.slow, traj_steps, run.clock, quiet,
-                   twin=run.space.to_policy(twin) if twin is not None else None,
-                   progress=run.progress, also=also)
+    sel = _selector(run, compile, traj_steps)
     chosen, chosen_m = _finalists(run, sel, study, finalists, memory_arg)
     return _write(run, study, sel, chosen, chosen_m, compile, out, report)
 
@@ -229,68 +220,6 @@ def _capture(spec: ModelSpec, device: str, quiet: bool, strict_timing: bool = Fa
     log(f"captured {spec.path}: {len(harness.graph_module.graph.nodes)} nodes, "
         f"{harness.tokens} tokens/batch, device {device_name(dev)}", quiet)
     return _Run(spec, dev, harness, clock, quiet, progress)
-
-
-def _probe(run: _Run, forced: list[str] | None, saved: tuple[str, ...] = ()) -> None:
-    """Phase 2: time each low dtype's kernels (native, fp32-compute, fp8) against fp32 at the
-    model's own matmul shapes (:mod:`autoprec.search.probe`); the kernels searched (fastest
-    first), the search space over them, and torch.autocast's dtype
-    (:func:`autoprec.device.autocast_dtype` over the kept storage dtypes, fastest first)."""
-    run.forced = forced
-    counts = matmul_shape_counts(run.gm)
-    shapes = matmul_shapes(run.gm)
-    with run.clock("probe_s"):
-        probe = probe_kernels(run.dev, shapes, weights=[counts[s] for s in shapes])
-    where = (", ".join(f"{m}x{k}x{n} x{counts[(m, k, n)]}" for m, k, n in shapes)
-             or "512x512x512 (no GEMM found)")
-    log(f"probe fp32: {probe.fp32_s * 1e3:.3g} ms of matmuls at the model's shapes (MxKxN x count: {where})",
-        run.quiet)
-    kept, excluded = probe.kept(), probe.excluded()
-    for dtype in dict.fromkeys(t.dtype for t in probe.kernels.values()):
-        if forced is not None:
-            verdict = "searched (--dtypes)" if dtype in forced else "not searched (--dtypes)"
-        else:
-            verdict = (f"searched: {', '.join(kept[dtype])}" if dtype in kept
-                       else f"excluded: {excluded[dtype]}")
-        log(f"probe {dtype}: {probe.describe(dtype)} -> {verdict}", run.quiet)
-    kernels = probe.low_kernels(forced)
-    storage_lows = list(dict.fromkeys(kernel_fields(k)[0] for k in kernels
-                                      if kernel_fields(k)[0] in LOW_DTYPES))
-    blocks = find_blocks(run.gm)
-    run.probes = probe.to_dict()
-    run.space = SearchSpace(kernels, blocks, outside_matmuls(run.gm, blocks), saved=saved,
-                            attention=has_attention(run.gm))
-    run.ac_dtype = autocast_dtype(run.dev, storage_lows)
-
-
-def _adopt_study_kernels(run: _Run, choices: list[str] | None) -> None:
-    """Search the kernels an existing study was created with (its :data:`attrs.SPACE` stamp) when
-    this run's probe (``--dtypes auto``) kept others, and say so: the study's name does not depend
-    on the probe (:func:`autoprec.search.storage.default_study_name`), so a resumed or joining run
-    reuses the first run's decision; Optuna cannot change a parameter's choices within a study,
-    and a kernel near the keep rule's 10% line (fp32-compute kernels measure ~1.0–1.2x) falls on
-    either side from one probe to the next. Every kernel runs on every device; the trials measure
-    its speed. The order (fastest first, for the baselines) is this run's probe's, and
-    torch.autocast's dtype is chosen over the study's storage dtypes."""
-    if run.forced is not None or choices is None or choices == run.space.dtypes:
-        return  # --dtypes forces the space: check_study refuses a study of other choices
-    ms = {k: (v.get("ms") or math.inf) for k, v in run.probes.get("kernels", {}).items()}
-    lows = sorted(choices[1:], key=lambda k: ms.get(k, math.inf))
-    log(f"resuming a study created searching {', '.join(choices)}; this run's probe kept "
-        f"{', '.join(run.space.dtypes)}: searching the study's kernels (its probe's decision)", run.quiet)
-    blocks = run.space.blocks or find_blocks(run.gm)  # a space without low kernels holds no blocks
-    nodes = run.space.nodes or outside_matmuls(run.gm, blocks)
-    run.space = SearchSpace(lows, blocks, nodes, saved=run.space.saved[1:],
-                            attention=bool(run.space.attention))
-    storage_lows = list(dict.fromkeys(kernel_fields(k)[0] for k in lows if kernel_fields(k)[0] in LOW_DTYPES))
-    run.ac_dtype = autocast_dtype(run.dev, storage_lows)
-
-
-def _probe_decision(probes: dict[str, Any]) -> dict[str, Any]:
-    """What a new study records of the probe that chose its kernels (``KernelProbe.to_dict``):
-    the keep rule's tolerance and per kernel its ratio to fp32's time, band and verdict."""
-    return {"tol": probes.get("tol"), "kernels": {k: {f: v.get(f) for f in ("ratio", "band", "kept", "error")}
-                                                  for k, v in probes.get("kernels", {}).items()}}
 
 
 def _baselines(run: _Run, drift_arg: float | None, memory_arg: tuple[str, float] | None) -> None:
@@ -330,9 +259,9 @@ def _search(run: _Run, storage: str, study_name: str, seed: int, trials: int | N
     """Phase 4: open (or resume) the study, queue the baselines in a new one, run the trials."""
     study = open_study(storage, study_name, seed)
     stamped = lambda: (study.user_attrs.get(attrs.SPACE) or {}).get("dtypes")  # noqa: E731
-    _adopt_study_kernels(run, stamped())  # another worker's
-    check_study(study, storage, run.space, probe=_probe_decision(run.probes))
-    _adopt_study_kernels(run, stamped())  # one that stamped at the same moment
+    adopt_study_kernels(run, stamped())  # another worker's
+    check_study(study, storage, run.space, probe=probe_decision(run.probes))
+    adopt_study_kernels(run, stamped())  # one that stamped at the same moment
     study.set_user_attr(attrs.DRIFT_BUDGET, run.budget.value)
     study.set_user_attr(attrs.DRIFT_RULE, run.budget.to_dict())
     if not study.trials:  # a new study: rank regions, then queue the baselines (resumes skip this)
@@ -355,6 +284,16 @@ def _search(run: _Run, storage: str, study_name: str, seed: int, trials: int | N
     with run.clock("trials_s"):
         optimize(study, objective, target, timeout, progress)
     return study
+
+
+def _selector(run: _Run, compile: bool, traj_steps: int) -> Selector:
+    """Phase 5's selector: the autocast twin, and the twin with math attention when attention is
+    searched, always among the finalists."""
+    twin, math_twin = run.space.twin(), run.space.attention_twin()
+    also = [(run.space.to_policy(math_twin), ATTENTION_BASELINE[0])] if math_twin is not None else []
+    return Selector(run.harness, run.budget, compile, run.ac_dtype, run.slow, traj_steps, run.clock,
+                    run.quiet, twin=run.space.to_policy(twin) if twin is not None else None,
+                    progress=run.progress, also=also)
 
 
 def _finalists(run: _Run, sel: Selector, study: optuna.Study, k: int,

@@ -1,0 +1,79 @@
+"""Which kernels a ``tune`` searches: phase 2's probe on the model's own matmul shapes, or, when
+it resumes or joins a study, the kernels that study was created with
+(docs/architecture.md#search). Functions of :func:`autoprec.search.study.tune`'s run state
+(``_Run``: its graph, device, clock, space, probes)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from autoprec.device import autocast_dtype
+from autoprec.dtypes import LOW_DTYPES
+from autoprec.search.probe import kernel_fields, matmul_shape_counts, matmul_shapes, probe_kernels
+from autoprec.search.progress import log
+from autoprec.search.space import SearchSpace, find_blocks, has_attention, outside_matmuls
+
+__all__ = ["adopt_study_kernels", "probe_decision", "probe_phase"]
+
+
+def probe_phase(run: Any, forced: list[str] | None, saved: tuple[str, ...] = ()) -> None:
+    """Phase 2: time each low dtype's kernels (native, fp32-compute, fp8) against fp32 at the
+    model's own matmul shapes (:mod:`autoprec.search.probe`); the kernels searched (fastest
+    first), the search space over them, and torch.autocast's dtype
+    (:func:`autoprec.device.autocast_dtype` over the kept storage dtypes, fastest first)."""
+    run.forced = forced
+    counts = matmul_shape_counts(run.gm)
+    shapes = matmul_shapes(run.gm)
+    with run.clock("probe_s"):
+        probe = probe_kernels(run.dev, shapes, weights=[counts[s] for s in shapes])
+    where = (", ".join(f"{m}x{k}x{n} x{counts[(m, k, n)]}" for m, k, n in shapes)
+             or "512x512x512 (no GEMM found)")
+    log(f"probe fp32: {probe.fp32_s * 1e3:.3g} ms of matmuls at the model's shapes (MxKxN x count: {where})",
+        run.quiet)
+    kept, excluded = probe.kept(), probe.excluded()
+    for dtype in dict.fromkeys(t.dtype for t in probe.kernels.values()):
+        if forced is not None:
+            verdict = "searched (--dtypes)" if dtype in forced else "not searched (--dtypes)"
+        else:
+            verdict = (f"searched: {', '.join(kept[dtype])}" if dtype in kept
+                       else f"excluded: {excluded[dtype]}")
+        log(f"probe {dtype}: {probe.describe(dtype)} -> {verdict}", run.quiet)
+    kernels = probe.low_kernels(forced)
+    storage_lows = list(dict.fromkeys(kernel_fields(k)[0] for k in kernels
+                                      if kernel_fields(k)[0] in LOW_DTYPES))
+    blocks = find_blocks(run.gm)
+    run.probes = probe.to_dict()
+    run.space = SearchSpace(kernels, blocks, outside_matmuls(run.gm, blocks), saved=saved,
+                            attention=has_attention(run.gm))
+    run.ac_dtype = autocast_dtype(run.dev, storage_lows)
+
+
+def adopt_study_kernels(run: Any, choices: list[str] | None) -> None:
+    """Search the kernels an existing study was created with (its :data:`attrs.SPACE` stamp) when
+    this run's probe (``--dtypes auto``) kept others, and say so: the study's name does not depend
+    on the probe (:func:`autoprec.search.storage.default_study_name`), so a resumed or joining run
+    reuses the first run's decision; Optuna cannot change a parameter's choices within a study,
+    and a kernel near the keep rule's 10% line (fp32-compute kernels measure ~1.0–1.2x) falls on
+    either side from one probe to the next. Every kernel runs on every device; the trials measure
+    its speed. The order (fastest first, for the baselines) is this run's probe's, and
+    torch.autocast's dtype is chosen over the study's storage dtypes."""
+    if run.forced is not None or choices is None or choices == run.space.dtypes:
+        return  # --dtypes forces the space: check_study refuses a study of other choices
+    ms = {k: (v.get("ms") or math.inf) for k, v in run.probes.get("kernels", {}).items()}
+    lows = sorted(choices[1:], key=lambda k: ms.get(k, math.inf))
+    log(f"resuming a study created searching {', '.join(choices)}; this run's probe kept "
+        f"{', '.join(run.space.dtypes)}: searching the study's kernels (its probe's decision)", run.quiet)
+    blocks = run.space.blocks or find_blocks(run.gm)  # a space without low kernels holds no blocks
+    nodes = run.space.nodes or outside_matmuls(run.gm, blocks)
+    run.space = SearchSpace(lows, blocks, nodes, saved=run.space.saved[1:],
+                            attention=bool(run.space.attention))
+    storage_lows = list(dict.fromkeys(kernel_fields(k)[0] for k in lows if kernel_fields(k)[0] in LOW_DTYPES))
+    run.ac_dtype = autocast_dtype(run.dev, storage_lows)
+
+
+def probe_decision(probes: dict[str, Any]) -> dict[str, Any]:
+    """What a new study records of the probe that chose its kernels (``KernelProbe.to_dict``):
+    the keep rule's tolerance and per kernel its ratio to fp32's time, band and verdict."""
+    return {"tol": probes.get("tol"), "kernels": {k: {f: v.get(f) for f in ("ratio", "band", "kept", "error")}
+                                                  for k, v in probes.get("kernels", {}).items()}}
