@@ -113,7 +113,8 @@ def test_no_repeated_blocks_leaves_the_graph_as_it_is():
 def test_regional_compile_has_the_gradients_of_eager_fp32(qwen):
     """Tight: in fp32 the compiled regions must match eager to rounding. torch 2.13's Inductor
     reused buffers wrongly across the calls of one region (gradients 50-80% off) until
-    compile_graph set REGION_OPTIONS; this test fails without them."""
+    compile_graph set REGION_OPTIONS; this test fails without them (tests/test_memory.py's
+    WideMLP checks the in-place half)."""
     model, batch = qwen
     flat = _flat(model, Policy.fp32(), batch)
     ref_loss, ref_grads = _loss_and_grads(model, flat, batch)
@@ -147,3 +148,29 @@ def test_a_graph_with_saved_dtypes_compiles_flat(qwen, caplog):
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("compile:")]
     assert lines[0].startswith("compile: one flat graph (the policy's saved-activation dtypes")
     assert lines[1] == "compile: 3 of 4 blocks of model.layers in 1 region"
+
+
+def test_outlining_that_fails_falls_back_to_one_flat_graph(qwen, caplog, monkeypatch):
+    import autoprec.runtime.regions as regions
+
+    def broken(*_a, **_k):
+        raise RuntimeError("cycle between blocks")
+
+    monkeypatch.setattr(regions, "fuse_by_partitions", broken)
+    model, batch = qwen
+    flat = _flat(model, Policy.default("bf16"), batch)
+    with caplog.at_level("INFO", logger="autoprec"):
+        compile_graph(flat)  # lazy: nothing compiles before the first call
+    expected = ("compile: one flat graph (outlining the repeated blocks failed: RuntimeError: "
+                "cycle between blocks)")
+    assert expected in [r.getMessage() for r in caplog.records]
+
+
+def test_a_graph_under_a_memory_budget_compiles_flat(qwen, caplog):
+    """Under an activation memory budget the graph is compiled flat: the memory fit of
+    ``tune --max-memory`` is measured on flat graphs only."""
+    model, batch = qwen
+    with caplog.at_level("INFO", logger="autoprec"):
+        compile_graph(_flat(model, Policy.default("bf16"), batch), activation_memory_budget=0.5)
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("compile:")]
+    assert line.startswith("compile: one flat graph (AOTAutograd's activation memory budget is not measured")
