@@ -10,6 +10,7 @@ same fingerprint.
 from __future__ import annotations
 
 import hashlib
+import re
 from collections import defaultdict
 
 import torch
@@ -17,7 +18,8 @@ from torch import fx
 
 from autoprec.ops import op_name
 
-__all__ = ["assign_keys", "graph_fingerprint", "mark_regions", "module_path", "node_key", "op_name"]
+__all__ = ["BLOCK_PATTERN", "assign_keys", "block_of", "graph_fingerprint", "mark_regions", "module_path",
+           "node_key", "op_name"]
 
 
 def module_path(node: fx.Node) -> str:
@@ -30,6 +32,21 @@ def module_path(node: fx.Node) -> str:
         return ""
     path, _type = list(stack.values())[-1]
     return str(path)
+
+
+#: A repeated block's module path: the outermost ``<container>.<index>`` of a module path
+#: (``model.layers.3.mlp`` -> container ``model.layers``, index 3; T5's ``encoder.block.2.layer.0``
+#: -> ``encoder.block``, 2). The one rule for "which layer block a node is in": the search's block
+#: parameters (``autoprec.search.space.find_blocks``) and the compile regions
+#: (``autoprec.runtime.regions``) both read it.
+BLOCK_PATTERN = re.compile(r"^(?P<container>.+?)\.(?P<index>\d+)(?=\.|$)")
+
+
+def block_of(module: str) -> tuple[str, int] | None:
+    """``(container, index)`` of the repeated block ``module`` (a module path) lies in, or None
+    outside any (:data:`BLOCK_PATTERN`)."""
+    match = BLOCK_PATTERN.match(module or "")
+    return (match["container"], int(match["index"])) if match else None
 
 
 def node_key(module: str, op: str, k: int) -> str:

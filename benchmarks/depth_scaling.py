@@ -58,6 +58,7 @@ import autoprec
 from autoprec.policy import Policy
 from autoprec.runtime.compile import compile_graph
 from autoprec.runtime.outputs import flat_output_graph
+from autoprec.metrics import median
 from autoprec.runtime.regions import outline_blocks
 regional = sys.argv[2] == "regional"
 model, batch = build_model(), get_batch(0, "cpu")
@@ -72,7 +73,7 @@ steps = []
 for _ in range(8):
     s = time.perf_counter(); fn(**batch)[0].backward(); steps.append(time.perf_counter() - s)
 steps.sort()
-print(json.dumps({"apply_s": t1 - t0, "first_step_s": t2 - t1, "steady_s": steps[4],
+print(json.dumps({"apply_s": t1 - t0, "first_step_s": t2 - t1, "steady_s": median(steps),
                   "steady_iqr_s": [steps[2], steps[6]], "nodes": len(flat.graph.nodes),
                   "regions": outline_blocks(flat)[1].describe() if regional else "flat"}))
 '''

@@ -11,6 +11,7 @@ import torch
 from torch import fx
 
 import autoprec
+from autoprec.metrics import grad_rel_l2
 from autoprec.policy import Policy
 from autoprec.policy.rule import Rule
 from autoprec.runtime.compile import compile_graph
@@ -39,12 +40,6 @@ def _loss_and_grads(model, fn, batch):
     loss = fn(**batch)[0]
     loss.backward()
     return loss.detach(), [p.grad.clone() for p in model.parameters()]
-
-
-def _rel(a, b) -> float:
-    num = sum(float((x.double() - y.double()).pow(2).sum()) for x, y in zip(a, b, strict=True))
-    den = sum(float(y.double().pow(2).sum()) for y in b)
-    return (num / den) ** 0.5
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +116,7 @@ def test_regional_compile_has_the_gradients_of_eager_fp32(qwen):
     torch._dynamo.reset()
     loss, grads = _loss_and_grads(model, compile_graph(flat), batch)
     assert torch.allclose(loss, ref_loss, rtol=1e-5)
-    assert _rel(grads, ref_grads) < 1e-5
+    assert grad_rel_l2(grads, ref_grads) < 1e-5
 
 
 def test_regional_compile_with_dynamic_shapes_serves_two_lengths():
@@ -133,7 +128,7 @@ def test_regional_compile_with_dynamic_shapes_serves_two_lengths():
     for batch in batches:
         ref_loss, ref_grads = _loss_and_grads(model, flat, batch)
         loss, grads = _loss_and_grads(model, fn, batch)
-        assert torch.allclose(loss, ref_loss, rtol=1e-5) and _rel(grads, ref_grads) < 1e-5
+        assert torch.allclose(loss, ref_loss, rtol=1e-5) and grad_rel_l2(grads, ref_grads) < 1e-5
 
 
 def test_a_graph_with_saved_dtypes_compiles_flat(qwen, caplog):

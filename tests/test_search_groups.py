@@ -62,3 +62,12 @@ def test_a_run_parameter_lowers_exactly_its_blocks():
            if n.op == "call_function" and n.meta.get("autoprec", {}).get("op_class") == "matmul"
            and n.meta["autoprec"].get("dtype") == "bf16"}
     assert low == {"2", "3"}
+
+
+def test_block_of_is_the_outermost_container_and_index():
+    from autoprec.nodekeys import block_of
+
+    assert block_of("model.layers.3.mlp.down_proj") == ("model.layers", 3)
+    assert block_of("encoder.block.2.layer.0") == ("encoder.block", 2)
+    assert block_of("model.layers.11") == ("model.layers", 11)
+    assert block_of("lm_head") is None and block_of("") is None and block_of("0") is None

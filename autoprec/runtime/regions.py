@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,14 +29,11 @@ import torch
 from torch import fx, nn
 from torch.fx.passes.utils.fuser_utils import fuse_by_partitions, validate_partition
 
-__all__ = ["BlockRegion", "RegionPlan", "outline_blocks", "BLOCK_PATTERN"]
+from autoprec.nodekeys import block_of
+
+__all__ = ["BlockRegion", "RegionPlan", "outline_blocks"]
 
 _log = logging.getLogger("autoprec")
-
-#: A repeated block's module path: the outermost ``<container>.<index>`` of a node's
-#: ``meta["autoprec"]["module"]`` (``model.layers.3.mlp`` -> container ``model.layers``, index 3;
-#: T5's ``encoder.block.2.layer.0`` -> ``encoder.block``, 2).
-BLOCK_PATTERN = re.compile(r"^(?P<container>.+?)\.(?P<index>\d+)(?=\.|$)")
 
 #: ``fuse_by_partitions`` names its submodules with this prefix (they are removed again).
 _FUSED = "autoprec_block_"
@@ -146,9 +142,8 @@ def outline_blocks(gm: fx.GraphModule) -> tuple[fx.GraphModule, RegionPlan]:
 
 
 def _block_of(node: fx.Node) -> tuple[str, int] | None:
-    """``(container, index)`` of ``node``'s module path, or None outside any repeated block."""
-    match = BLOCK_PATTERN.match((node.meta.get("autoprec") or {}).get("module") or "")
-    return (match["container"], int(match["index"])) if match else None
+    """``(container, index)`` of ``node``'s module path (:func:`autoprec.nodekeys.block_of`)."""
+    return block_of((node.meta.get("autoprec") or {}).get("module") or "")
 
 
 def _block_partitions(gm: fx.GraphModule) -> dict[tuple[str, int], dict[fx.Node, None]]:

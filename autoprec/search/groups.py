@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import re
 
+from autoprec.nodekeys import block_of
+
 __all__ = ["MAX_BLOCK_PARAMS", "block_params", "members"]
 
 #: The most block parameters per container (the blocks of a 4-layer model, one each).
 MAX_BLOCK_PARAMS = 4
 
-_INDEXED = re.compile(r"^(?P<container>.+)\.(?P<index>\d+)$")
 _RUN = re.compile(r"^blocks:(?P<container>.+)\.(?P<first>\d+)-(?P<last>\d+)$")
 
 
@@ -34,11 +35,11 @@ def block_params(blocks: list[str], max_params: int = MAX_BLOCK_PARAMS) -> list[
     by_container: dict[str, list[int]] = {}
     alone: list[str] = []
     for b in blocks:
-        m = _INDEXED.match(b)
-        if m is None:
+        block = block_of(b)
+        if block is None or f"{block[0]}.{block[1]}" != b:  # not a <container>.<index> path
             alone.append(b)
         else:
-            by_container.setdefault(m["container"], []).append(int(m["index"]))
+            by_container.setdefault(block[0], []).append(block[1])
     out: list[str] = []
     for container, indices in by_container.items():
         consecutive = indices == list(range(indices[0], indices[0] + len(indices)))

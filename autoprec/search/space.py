@@ -16,6 +16,7 @@ import optuna
 import torch
 
 from autoprec.dtypes import FP8_COMPUTE
+from autoprec.nodekeys import block_of
 from autoprec.ops import classify
 from autoprec.passes.attention import has_sdpa
 from autoprec.policy import RULE_OP_CLASSES, Policy, Rule
@@ -53,18 +54,15 @@ FP32_COMPUTE_BASELINE: tuple[str, Mapping[str, str]] = (
 #: than the fused kernel (measured, per device, like every other choice).
 ATTENTION_BASELINE: tuple[str, Mapping[str, str]] = ("autocast-twin, math attention", {"attention": "math"})
 
-_BLOCK = re.compile(r"^(.*?\.\d+)(?:\.|$)")
-
-
 def find_blocks(gm: torch.fx.GraphModule) -> list[str]:
     """Repeated layer blocks of a captured graph, in graph order: the module path up to the first
-    numeric component (``model.layers.3``, ``transformer.h.0``, ``encoder.block.1``)."""
+    numeric component (``model.layers.3``, ``transformer.h.0``, ``encoder.block.1``;
+    :func:`autoprec.nodekeys.block_of`)."""
     seen: dict[str, None] = {}
     for n in gm.graph.nodes:
-        mod = n.meta.get("autoprec", {}).get("module", "")
-        m = _BLOCK.match(mod)
-        if m:
-            seen.setdefault(m.group(1), None)
+        block = block_of(n.meta.get("autoprec", {}).get("module", ""))
+        if block is not None:
+            seen.setdefault(f"{block[0]}.{block[1]}", None)
     return list(seen)
 
 
