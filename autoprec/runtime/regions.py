@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import logging
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any
 
 import torch
@@ -207,15 +208,7 @@ def _value_key(gm: fx.GraphModule, node: fx.Node) -> tuple[Any, ...]:
     """Shape, dtype and stride of ``node``'s value: a ``get_attr``'s tensor (a Parameter or
     buffer, by its attributes, not its name), else ``meta["val"]`` (strings: symbolic sizes print
     as their symbols); a non-tensor by its type."""
-    val = _attr(gm, str(node.target)) if node.op == "get_attr" else node.meta.get("val")
+    val = attrgetter(str(node.target))(gm) if node.op == "get_attr" else node.meta.get("val")
     if isinstance(val, torch.Tensor):
         return str(tuple(val.shape)), str(val.dtype), str(val.stride()), node.op
     return node.op, type(val).__name__
-
-
-def _attr(gm: fx.GraphModule, target: str) -> Any:
-    """The object at dotted ``target`` of ``gm`` (a ``get_attr`` node's value)."""
-    obj: Any = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
