@@ -1,13 +1,17 @@
-"""A drift measurement with a dynamic loss scaler backs off as training's first steps do."""
+"""A drift measurement with a dynamic loss scaler backs off as training's first steps do, in
+log2 forward/backward passes rather than one per back-off."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from autoprec.modelspec import load_model_spec
 from autoprec.passes import run_pipeline
 from autoprec.policy import Policy, Rule
+from autoprec.runtime.scaler import DynamicLossScaler
 from autoprec.runtime.train import make_scaler
+from autoprec.search.drift import measure_drift
 from autoprec.search.measure import Harness
 
 MODEL = '''
@@ -40,3 +44,44 @@ def test_fp16_storage_drift_backs_off_instead_of_failing(tmp_path):
     assert "loss-scale backoff" in (m.note or "") and scaler.get_scale() < 2.0 ** 16
     fp32 = h.drift(run_pipeline(h.graph_module, Policy.fp32()).graph_module, None)
     assert not fp32.note
+
+
+def _sequential_backoffs(scale: float, threshold: float, factor: float, floor: float) -> tuple[float, int]:
+    """Training's rule, one step per back-off: halve until the gradients are finite or the floor."""
+    j = 0
+    while scale > threshold and scale > floor:
+        scale, j = max(scale * factor, floor), j + 1
+    return scale, j
+
+
+def _fake_step(scaler, threshold: float, calls: list[float], loss: float = 1.0):
+    """A forward/backward whose scaled gradients overflow above ``threshold`` (monotone in the scale)."""
+    def step(k, count):
+        calls.append(scaler.get_scale())
+        g = torch.full((3,), float("inf") if scaler.get_scale() > threshold else 1.0)
+        return loss, [g], 0
+    return step
+
+
+@pytest.mark.parametrize("threshold", [2.0 ** 16, 2.0 ** 15, 2.0 ** 9, 3.0, 1.0])
+def test_backoff_bisection_lands_where_halving_does_in_log_steps(threshold):
+    scaler = DynamicLossScaler(init_scale=2.0 ** 16, min_scale=1.0)
+    calls: list[float] = []
+    refs = [(1.0, [torch.ones(3)])] * 2
+    d = measure_drift(_fake_step(scaler, threshold, calls), refs, scaler)
+    want_scale, want_j = _sequential_backoffs(2.0 ** 16, threshold, 0.5, 1.0)
+    assert scaler.get_scale() == want_scale and d.backoffs == want_j
+    assert all(b.finite for b in d.batches) and len(d.batches) == 2
+    # batch 0: one run at 2^16, then at most 1 + ceil(log2(16)) = 5 runs; batch 1 starts at the found scale
+    assert len(calls) - 1 <= (1 + 1 + 4 if want_j else 1)
+
+
+def test_backoff_fails_after_one_run_at_the_floor_and_at_once_on_a_nonfinite_loss():
+    scaler = DynamicLossScaler(init_scale=2.0 ** 16, min_scale=1.0)
+    calls: list[float] = []
+    d = measure_drift(_fake_step(scaler, 0.5, calls), [(1.0, [torch.ones(3)])] * 4, scaler)
+    assert calls == [2.0 ** 16, 1.0] and not d.batches[-1].finite and len(d.batches) == 1
+    assert d.backoffs == 16 and scaler.get_scale() == 1.0  # what 16 skipped training steps reach
+    scaler, calls = DynamicLossScaler(init_scale=2.0 ** 16), []
+    d = measure_drift(_fake_step(scaler, 2.0 ** 20, calls, loss=float("nan")), [(1.0, [torch.ones(3)])], scaler)
+    assert calls == [2.0 ** 16] and d.backoffs == 0 and not d.batches[0].finite  # the scale cannot fix a forward

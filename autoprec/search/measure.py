@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -26,70 +25,17 @@ from autoprec.runtime.shape_cache import PROBE_BATCHES, capture_for
 from autoprec.runtime.steps import StepsTooSlow, run_steps, slow_step_guard
 from autoprec.runtime.train import TrainStep, training_state_bytes
 from autoprec.search.drift import DRIFT_BATCHES, Grads, References, draws_random, is_compiled, measure_drift
+from autoprec.search.measurement import Measurement, SavedBytes
 
-__all__ = ["Measurement", "Harness", "describe_failure", "SavedBytes", "batch_shapes", "draws_random"]
+__all__ = ["MIN_TIMED_STEPS", "TIMED_BUDGET_S", "Measurement", "Harness", "describe_failure", "SavedBytes",
+           "batch_shapes", "draws_random"]
 
-
-@dataclass
-class Measurement:
-    """One configuration measured on the harness's weights and batches.
-
-    Attributes:
-        step_s: Median wall-clock seconds of a full training step after warm-up (inf if not timed).
-        tokens_per_s: Mean tokens per timed step / ``step_s`` (with batches of varying shapes the
-            timed steps cycle through them: their mean rate).
-        grad_rel_l2: ‖g − g₃₂‖/‖g₃₂‖, the mean over the K drift batches of
-            :attr:`grad_rel_l2_batches` (inf if any is non-finite).
-        grad_rel_l2_batches: ‖g − g₃₂‖/‖g₃₂‖ on each drift batch ``get_batch(0..K-1)``
-            (K = :attr:`Harness.drift_batches`), in batch order; fewer than K when a batch was
-            non-finite (the last value, inf). :class:`autoprec.search.decide.DriftBudget` judges these.
-        loss_rel: |L − L₃₂| / |L₃₂|, the mean over the K drift batches.
-        grad_sqnr_db_min: Minimum per-parameter gradient SQNR in dB, the min over the K drift batches.
-        peak_bytes: CUDA peak allocated bytes; on CPU (docs/architecture.md#measurements) bytes of the
-            distinct tensors saved for backward in batch 0's drift pass (``saved_tensors_hooks``; a
-            saved parameter allocates nothing and
-            is not counted again) + :attr:`Harness.state_bytes`: parameter and gradient bytes
-            plus the bytes of the tensors the model file's ``make_optimizer`` optimizer holds in
-            its state after one step (:func:`autoprec.runtime.train.training_state_bytes`; per
-            fp32 parameter: 8 bytes with SGD, 12 with SGD momentum, 16 with AdamW, the default).
-        step_times: All timed step durations (seconds).
-        error: Why the measurement failed (non-finite values, compile error, out of memory).
-        note: Remarks that do not invalidate it (e.g. timing stopped by the slow-step rule of
-            :func:`autoprec.runtime.steps.slow_step_guard`, timed on its last step only).
-    """
-
-    step_s: float = math.inf
-    tokens_per_s: float = 0.0
-    grad_rel_l2: float = math.inf
-    grad_rel_l2_batches: list[float] = field(default_factory=list)
-    loss_rel: float = math.inf
-    grad_sqnr_db_min: float = -math.inf
-    peak_bytes: int = 0
-    step_times: list[float] = field(default_factory=list)
-    error: str | None = None
-    note: str | None = None
-
-
-class SavedBytes:
-    """Counts bytes of distinct tensors saved for backward (``saved_tensors_hooks``).
-
-    A saved tensor that shares storage with a parameter (e.g. a weight a matmul keeps for its
-    input gradient) allocates nothing: it is counted once, with the parameters, not here.
-    """
-
-    def __init__(self, params: list[torch.Tensor] = ()) -> None:
-        self.seen: set[int] = {p.untyped_storage().data_ptr() for p in params}
-        self.total = 0
-
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
-        try:
-            key = t.untyped_storage().data_ptr()
-        except Exception:  # tensors without storage (fake/meta)
-            key = id(t)
-        if key not in self.seen:
-            self.seen.add(key)
-            self.total += t.numel() * t.element_size()
-        return t
+#: Timed steps a measurement always runs (their median is the step time), and the seconds of timed
+#: steps after which it runs no more of its ``steps``: screening ranks policies, and the finalists
+#: are timed again head to head (:mod:`autoprec.search.timing`), so a deep model's 0.5-1 s steps
+#: need not be timed 5 times each. With 0.1 s steps all 5 run, as before.
+MIN_TIMED_STEPS = 3
+TIMED_BUDGET_S = 2.0
 
 
 class Harness:
@@ -316,7 +262,7 @@ class Harness:
         finally:
             self.restore()
         m.step_s = median(m.step_times)
-        m.tokens_per_s = self.tokens / m.step_s
+        m.tokens_per_s = self._timed_tokens(len(m.step_times)) / m.step_s
         if self.device.type == "cuda":
             m.peak_bytes = int(torch.cuda.max_memory_allocated(self.device))
         return m
@@ -335,12 +281,26 @@ class Harness:
 
         The warm-up is ``warmup`` steps, or one per distinct batch shape when there are more
         (:attr:`shapes`), so a compiled graph meets every shape (and recompiles, if it must)
-        before timing starts."""
+        before timing starts. Timing stops after ``steps`` timed steps, or after
+        :data:`MIN_TIMED_STEPS` once the timed steps have taken :data:`TIMED_BUDGET_S` in all."""
         guard = [slow_step_guard(max_step_s)] if max_step_s is not None else []
         step = self._step(fn, scaler, autocast_dtype)
-        done = run_steps(step, lambda k: self.batches[k % len(self.batches)], 0, self._warm + self.steps,
-                         device=self.device, after=guard)
-        return [seconds for _stats, seconds in done[self._warm:]]
+
+        def run(start: int, stop: int) -> list[float]:
+            done = run_steps(step, lambda k: self.batches[k % len(self.batches)], start, stop,
+                             device=self.device, after=guard)
+            return [seconds for _stats, seconds in done]
+
+        first = self._warm + min(MIN_TIMED_STEPS, self.steps)
+        seconds = run(0, first)[self._warm:]
+        while len(seconds) < self.steps and sum(seconds) < TIMED_BUDGET_S:
+            seconds += run(self._warm + len(seconds), self._warm + len(seconds) + 1)
+        return seconds
+
+    def _timed_tokens(self, n: int) -> float:
+        """Mean tokens per step of the first ``n`` timed steps (the batches they cycled through)."""
+        timed = [self.batches[k % len(self.batches)] for k in range(self._warm, self._warm + max(n, 1))]
+        return sum(self.spec.tokens_per_batch(b) for b in timed) / len(timed)
 
     def trajectory(self, fn: Callable[..., Any],
                    scaler_factory: Callable[[], DynamicLossScaler | None] = lambda: None,

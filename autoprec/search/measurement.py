@@ -1,0 +1,73 @@
+"""What one measurement holds (:class:`Measurement`) and the saved-for-backward byte counter
+(:class:`SavedBytes`) of docs/architecture.md#measurements; :mod:`autoprec.search.measure` fills them."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["Measurement", "SavedBytes"]
+
+
+@dataclass
+class Measurement:
+    """One configuration measured on the harness's weights and batches.
+
+    Attributes:
+        step_s: Median wall-clock seconds of a full training step after warm-up (inf if not timed).
+        tokens_per_s: Mean tokens per timed step / ``step_s`` (with batches of varying shapes the
+            timed steps cycle through them: their mean rate).
+        grad_rel_l2: ‖g − g₃₂‖/‖g₃₂‖, the mean over the K drift batches of
+            :attr:`grad_rel_l2_batches` (inf if any is non-finite).
+        grad_rel_l2_batches: ‖g − g₃₂‖/‖g₃₂‖ on each drift batch ``get_batch(0..K-1)``
+            (K = :attr:`Harness.drift_batches`), in batch order; fewer than K when a batch was
+            non-finite (the last value, inf). :class:`autoprec.search.decide.DriftBudget` judges these.
+        loss_rel: |L − L₃₂| / |L₃₂|, the mean over the K drift batches.
+        grad_sqnr_db_min: Minimum per-parameter gradient SQNR in dB, the min over the K drift batches.
+        peak_bytes: CUDA peak allocated bytes; on CPU (docs/architecture.md#measurements) bytes of the
+            distinct tensors saved for backward in batch 0's drift pass (``saved_tensors_hooks``; a
+            saved parameter allocates nothing and
+            is not counted again) + :attr:`Harness.state_bytes`: parameter and gradient bytes
+            plus the bytes of the tensors the model file's ``make_optimizer`` optimizer holds in
+            its state after one step (:func:`autoprec.runtime.train.training_state_bytes`; per
+            fp32 parameter: 8 bytes with SGD, 12 with SGD momentum, 16 with AdamW, the default).
+        step_times: All timed step durations (seconds).
+        error: Why the measurement failed (non-finite values, compile error, out of memory).
+        note: Remarks that do not invalidate it (e.g. timing stopped by the slow-step rule of
+            :func:`autoprec.runtime.steps.slow_step_guard`, timed on its last step only).
+    """
+
+    step_s: float = math.inf
+    tokens_per_s: float = 0.0
+    grad_rel_l2: float = math.inf
+    grad_rel_l2_batches: list[float] = field(default_factory=list)
+    loss_rel: float = math.inf
+    grad_sqnr_db_min: float = -math.inf
+    peak_bytes: int = 0
+    step_times: list[float] = field(default_factory=list)
+    error: str | None = None
+    note: str | None = None
+
+
+class SavedBytes:
+    """Counts bytes of distinct tensors saved for backward (``saved_tensors_hooks``).
+
+    A saved tensor that shares storage with a parameter (e.g. a weight a matmul keeps for its
+    input gradient) allocates nothing: it is counted once, with the parameters, not here.
+    """
+
+    def __init__(self, params: list[torch.Tensor] = ()) -> None:
+        self.seen: set[int] = {p.untyped_storage().data_ptr() for p in params}
+        self.total = 0
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        try:
+            key = t.untyped_storage().data_ptr()
+        except Exception:  # tensors without storage (fake/meta)
+            key = id(t)
+        if key not in self.seen:
+            self.seen.add(key)
+            self.total += t.numel() * t.element_size()
+        return t
