@@ -83,5 +83,7 @@ def test_backoff_fails_after_one_run_at_the_floor_and_at_once_on_a_nonfinite_los
     assert calls == [2.0 ** 16, 1.0] and not d.batches[-1].finite and len(d.batches) == 1
     assert d.backoffs == 16 and scaler.get_scale() == 1.0  # what 16 skipped training steps reach
     scaler, calls = DynamicLossScaler(init_scale=2.0 ** 16), []
-    d = measure_drift(_fake_step(scaler, 2.0 ** 20, calls, loss=float("nan")), [(1.0, [torch.ones(3)])], scaler)
-    assert calls == [2.0 ** 16] and d.backoffs == 0 and not d.batches[0].finite  # the scale cannot fix a forward
+    nan_loss = _fake_step(scaler, 2.0 ** 20, calls, loss=float("nan"))
+    d = measure_drift(nan_loss, [(1.0, [torch.ones(3)])], scaler)
+    assert calls == [2.0 ** 16] and d.backoffs == 0 and not d.batches[0].finite  # a forward the scale
+    # multiplies only afterwards: no back-off can fix it

@@ -1,17 +1,17 @@
 """Pass 4 (the last): verify a lowered graph.
 
-Re-derives every node's output dtype by running the graph on data-free tensors (shapes and
-dtypes only, no compute), refreshing ``node.meta["val"]``: on the ``meta`` device
-(:class:`MetaProp`, every device argument read as ``meta``) when every shape is static, which costs
-a few microseconds a node against ``torch.fx.passes.fake_tensor_prop.FakeTensorProp``'s ~1 ms
-(0.1 s against 2.8 s on a 24-layer Qwen2 of 2,265 nodes); on fake tensors where meta propagation
-fails (an op without a meta kernel, a data-dependent size) and always for symbolic shapes. A graph captured with dynamic dimensions (``capture(...,
-dynamic=True)``) is propagated in its own ``FakeTensorMode`` (the export's, found by
-``autoprec._torch_compat.detect_fake_mode`` on the placeholders' fake values), so symbolic sizes stay
-symbolic (``s0``, ``s1``) and nothing specialises them; its post-condition compares each with the assigned
-dtype and checks that graph outputs keep the dtype they had when captured, that no integer/bool tensor
-was cast, and that a node computing in another dtype than it stores is read only through its store
-cast.
+Re-derives every node's output dtype by running the graph on data-free tensors (shapes and dtypes
+only, no compute), refreshing ``node.meta["val"]``: on the ``meta`` device (:class:`MetaProp`)
+when every shape is static, which costs about a fifth of
+``torch.fx.passes.fake_tensor_prop.FakeTensorProp``'s time (fake tensors add their bookkeeping to
+the same meta kernels); on fake tensors where meta propagation fails (an op without a meta
+kernel) and always for symbolic shapes. A graph captured with dynamic dimensions
+(``capture(..., dynamic=True)``) is propagated in its own ``FakeTensorMode`` (the export's, found
+by ``autoprec._torch_compat.detect_fake_mode`` on the placeholders' fake values), so symbolic sizes
+stay symbolic (``s0``, ``s1``) and nothing specialises them. The post-condition compares each
+dtype with the assigned one and checks that graph outputs keep the dtype they had when captured,
+that no integer/bool tensor was cast, and that a node computing in another dtype than it stores is
+read only through its store cast.
 """
 
 from __future__ import annotations
@@ -75,9 +75,11 @@ class MetaProp(fx.Interpreter):
 
     Placeholders read their recorded ``meta["val"]`` (left as they are), ``get_attr`` tensors
     and every ``torch.device`` argument become ``meta`` ones, and each other node's result (the
-    output node's too) is stored as its ``meta["val"]`` (tensors on ``meta``: the same shape, stride and dtype as
-    :class:`~torch.fx.passes.fake_tensor_prop.FakeTensorProp` gives, since fake tensors run the
-    same meta kernels; tests/test_verify_meta.py compares the two node by node).
+    output node's too) is stored as its ``meta["val"]``: tensors on ``meta`` with the shapes and
+    dtypes :class:`~torch.fx.passes.fake_tensor_prop.FakeTensorProp` gives (tests/test_verify_meta.py
+    compares the two node by node). Strides can differ where a composite op picks its kernel by
+    device (``scaled_dot_product_attention`` on ``meta`` is the math one); only the region keys of
+    :mod:`autoprec.runtime.regions` read strides, comparing the nodes of one graph.
 
     Raises:
         Exception: whatever an op raises on ``meta`` (no meta kernel, a data-dependent size).

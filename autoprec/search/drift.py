@@ -141,7 +141,7 @@ def measure_drift(step: Callable[[int, bool], tuple[float, list[torch.Tensor], i
     for k, (ref_loss, ref_grads) in enumerate(refs):
         loss, grads, nbytes = step(k, k == 0)
         if not _finite(loss, grads) and math.isfinite(loss):
-            (loss, grads, nbytes), tries = _back_off_search(lambda: step(k, k == 0), scaler,
+            (loss, grads, nbytes), tries = _back_off_search(lambda k=k: step(k, k == 0), scaler,
                                                             (loss, grads, nbytes))
             out.backoffs += tries
         if k == 0:
