@@ -124,6 +124,36 @@ def new_fake_mode(allow_non_fake_inputs: bool = True) -> Any:
     return FakeTensorMode(allow_non_fake_inputs=allow_non_fake_inputs)
 
 
+def lazy_graph_module(root: nn.Module, graph: fx.Graph) -> fx.GraphModule:
+    """``fx.GraphModule(root, graph)`` whose Python code is generated on first use, not at each
+    ``recompile()`` (``torch.fx._lazy_graph_module._LazyGraphModule``, what Inductor uses for the
+    same reason): a chain of passes then generates code once, for the graph that runs. Code is
+    generated on the first call, ``.code``, pickling, or :func:`materialize`.
+
+    Checked on 2.13.0; in torch's source since 2.3. Missing: a plain ``fx.GraphModule`` (eager
+    code generation, the same graph).
+    """
+    try:
+        from torch.fx._lazy_graph_module import _LazyGraphModule
+    except ImportError:
+        return fx.GraphModule(root, graph)
+    return _LazyGraphModule(root, graph)
+
+
+def materialize(gm: fx.GraphModule) -> fx.GraphModule:
+    """Generate ``gm``'s pending Python code now (a no-op for a plain ``GraphModule``) and return
+    it: what a pass chain hands on is an ordinary module to Dynamo, scripting and pickling alike.
+
+    Checked on 2.13.0 (``_LazyGraphModule.force_recompile``); missing: a no-op.
+    """
+    try:
+        from torch.fx._lazy_graph_module import _LazyGraphModule
+    except ImportError:
+        return gm
+    _LazyGraphModule.force_recompile(gm)
+    return gm
+
+
 class _NeverRaised(Exception):
     """Stands for an exception class this torch lacks: nothing is an instance of it."""
 

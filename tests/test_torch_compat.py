@@ -238,3 +238,21 @@ def test_dynamo_compile_seconds_rises_with_a_compile(compiled_run, monkeypatch):
     assert after > before >= 0.0
     monkeypatch.delitem(sys.modules, "torch._dynamo.utils")  # nothing imported Dynamo: nothing compiled
     assert tc.dynamo_compile_seconds() == 0.0
+
+
+def test_lazy_graph_module_generates_its_code_once_when_materialized(monkeypatch):
+    import copy
+
+    gm = fx.symbolic_trace(nn.Sequential(nn.Linear(3, 2), nn.ReLU()))
+    x = torch.randn(4, 3)
+    calls = []
+    real = fx.Graph.python_code
+    monkeypatch.setattr(fx.Graph, "python_code", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    lazy = tc.lazy_graph_module(gm, copy.deepcopy(gm.graph))
+    lazy.recompile()
+    lazy.recompile()  # a pass edited the graph: only marked stale
+    assert calls == []
+    assert tc.materialize(lazy) is lazy and len(calls) == 1
+    torch.testing.assert_close(lazy(x), gm(x))
+    assert len(calls) == 1 and lazy.code == gm.code
+    assert tc.materialize(gm) is gm  # a plain GraphModule: nothing to do

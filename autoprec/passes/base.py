@@ -9,6 +9,7 @@ from typing import Any
 
 from torch import fx
 
+from autoprec._torch_compat import lazy_graph_module
 from autoprec.errors import PassError
 
 
@@ -77,12 +78,15 @@ def clone_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     ``copy.deepcopy(gm.graph)`` shares each node's ``meta`` values, so the ``autoprec`` meta
     dicts are copied here explicitly. Pytree in/out specs (``_in_spec``/``_out_spec``) and
     ``gm.meta`` (e.g. the ranges of dynamic dimensions, ``autoprec.shapes.DIMS_META``) carry over.
+    Its Python code is generated lazily (:func:`autoprec._torch_compat.lazy_graph_module`): the
+    passes' ``recompile()`` calls only mark it stale, and :class:`~autoprec.passes.manager.PassManager`
+    generates it once for the graph it returns.
     """
     graph = copy.deepcopy(gm.graph)
     for node in graph.nodes:
         if "autoprec" in node.meta:
             node.meta["autoprec"] = dict(node.meta["autoprec"])
-    new = fx.GraphModule(gm, graph)
+    new = lazy_graph_module(gm, graph)  # code generated once, after the last pass (PassManager)
     for attr in ("_in_spec", "_out_spec"):
         if hasattr(gm, attr):
             setattr(new, attr, getattr(gm, attr))

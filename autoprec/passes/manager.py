@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 from torch import fx
 
+from autoprec._torch_compat import materialize
 from autoprec.errors import PassError
 from autoprec.passes.base import PassBase, PassResult, pass_error
 
@@ -109,7 +110,8 @@ class PassManager:
             done: The result of the passes before these (e.g. ``manager[:1](gm)``).
 
         Returns:
-            As :meth:`__call__`, with ``done.stats`` first in the union.
+            As :meth:`__call__`, with ``done.stats`` first in the union; the graph module's Python
+            code is generated (:func:`autoprec._torch_compat.materialize`), once for all passes.
 
         Raises:
             PassError: as :meth:`__call__`.
@@ -119,7 +121,7 @@ class PassManager:
             result = _run_one(p, gm)
             gm, modified = result.graph_module, modified or result.modified
             stats.update(result.stats)
-        return PassResult(gm, modified, stats)
+        return PassResult(materialize(gm), modified, stats)
 
     def __repr__(self) -> str:
         return f"PassManager({self.names})"
