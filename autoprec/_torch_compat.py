@@ -57,7 +57,7 @@ def tree_flatten_spec(tree: Any, spec: pytree.TreeSpec) -> list[Any]:
     """The leaves of ``tree`` in the order of ``spec`` (``torch.fx._pytree.tree_flatten_spec``): how an
     exported graph's generated ``forward`` flattens its call; dict children are matched by key.
 
-    Used by :class:`autoprec.shapes.InputShapes` to find which tensor feeds which placeholder. Checked
+    Used by :class:`autoprec.capture.InputShapes` to find which tensor feeds which placeholder. Checked
     on 2.13.0; in torch's source since 1.11. Missing: a :class:`RuntimeError` naming it.
 
     Raises:

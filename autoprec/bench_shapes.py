@@ -4,7 +4,7 @@ A model file whose ``get_batch`` pads to the longest sequence gives a new shape 
 step. Every bench row must run all of the harness's batches, and no compile may be timed:
 
 - the captured graphs (``fp32_*``, ``policy_*``, ``pure_low_compiled``'s own capture) follow the
-  rule of ``tune`` and ``train`` (:func:`autoprec.runtime.shape_cache.capture_for`): dynamic
+  rule of ``tune`` and ``train`` (:func:`autoprec.capture.capture_for`): dynamic
   batch/sequence dimensions when the shapes vary, ranges covering every batch the bench runs
   (:func:`cover_batches` captures the harness's graph again when ``--steps`` brings batches
   past the first ones'), so one compile serves every shape;
@@ -25,12 +25,11 @@ from typing import Any
 
 from torch import fx, nn
 
-from autoprec.dims import shapes_vary, tensor_shapes
+from autoprec.capture import InputShapes, capture_for, shapes_vary, tensor_shapes
 from autoprec.modelspec import split_batch
-from autoprec.runtime.shape_cache import capture_for, is_dynamic
+from autoprec.runtime.shape_cache import is_dynamic
 from autoprec.runtime.steps import compile_count
 from autoprec.search.timing import Timing
-from autoprec.shapes import InputShapes
 
 __all__ = ["CompileWatch", "autocast_dynamic", "capture_rows", "cover_batches", "drop_compiled_steps",
            "warmup_steps"]

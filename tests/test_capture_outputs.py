@@ -64,7 +64,7 @@ def _batch():
 def test_use_cache_is_off_for_training_and_said_once(caplog, monkeypatch):
     import sys
 
-    monkeypatch.setattr(sys.modules["autoprec.capture"], "_announced", set())  # as in a fresh process
+    monkeypatch.setattr(sys.modules["autoprec.capture.trace"], "_announced", set())  # as in a fresh process
     model, batch = CacheLM(), _batch()
     with caplog.at_level(logging.INFO, logger="autoprec"):
         gm = capture(model, batch)

@@ -12,13 +12,11 @@ import torch
 from torch import nn
 
 import autoprec
-from autoprec.capture import capture
-from autoprec.dims import BATCH, SEQ, plan_dims
+from autoprec.capture import BATCH, DIMS_META, SEQ, capture, plan_dims
 from autoprec.graph import tensor_bytes
 from autoprec.metrics import grad_rel_l2
 from autoprec.passes import run_pipeline
 from autoprec.runtime.shape_cache import ShapeCache
-from autoprec.shapes import DIMS_META
 from tests.conftest import EXAMPLES, RTOL
 
 VOCAB = 64
@@ -58,7 +56,7 @@ def lm_batch(b: int, t: int, step: int) -> dict[str, torch.Tensor]:
 SHAPES = [(4 - i % 4, 17 + (i * 239) // 19) for i in range(20)]
 
 
-# ------------------------------------------------------------------ the rule: autoprec.dims
+# ------------------------------------------------------------------ the rule: autoprec.capture.dims
 def test_plan_dims_finds_batch_and_sequence_with_bounds():
     class Cfg:
         max_position_embeddings = 512
@@ -119,7 +117,7 @@ def test_call_outside_the_range_names_input_shape_and_range():
         mp(**lm_batch(5, 20, 1))
     msg = str(err.value)
     # seq 3..32, not 2..32: logits[:, :-1] needs 2+ positions, and the capture took torch.export's
-    # suggested narrower range (autoprec.dims.export_refined)
+    # suggested narrower range (autoprec.capture.export.export_program)
     assert ("accepts input shapes {input_ids: (batch, seq), labels: (batch, seq)} "
             "with batch 1..4, seq 3..32") in msg
     assert "input 'input_ids' has shape (5, 20): dim 0 (batch) is 5, allowed 1..4" in msg

@@ -95,7 +95,7 @@ ACCEPTS_USE_CACHE = {"qwen2", "qwen2-1024", "llama", "mistral", "qwen3", "gemma"
 def test_default_config_captures_trains_and_drifts_within_2x_autocast(name, caplog, monkeypatch):
     import sys
 
-    monkeypatch.setattr(sys.modules["autoprec.capture"], "_announced", set())  # said once per process
+    monkeypatch.setattr(sys.modules["autoprec.capture.trace"], "_announced", set())  # said once per process
     model, batch = _build(name)
     if name in ACCEPTS_USE_CACHE:
         assert model.config.use_cache is True  # the default this test is about

@@ -77,7 +77,7 @@ def clone_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     ``copy.deepcopy(gm)`` would copy the Parameters (training would then update copies), and
     ``copy.deepcopy(gm.graph)`` shares each node's ``meta`` values, so the ``autoprec`` meta
     dicts are copied here explicitly. Pytree in/out specs (``_in_spec``/``_out_spec``) and
-    ``gm.meta`` (e.g. the ranges of dynamic dimensions, ``autoprec.shapes.DIMS_META``) carry over.
+    ``gm.meta`` (e.g. the ranges of dynamic dimensions, ``autoprec.capture.DIMS_META``) carry over.
     Its Python code is generated lazily (:func:`autoprec._torch_compat.lazy_graph_module`): the
     passes' ``recompile()`` calls only mark it stale, and :class:`~autoprec.passes.manager.PassManager`
     generates it once for the graph it returns.

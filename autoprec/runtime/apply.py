@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from autoprec.capture import CALL_KWARGS_META, capture, quiet_pytree_deprecation
+from autoprec.capture import CALL_KWARGS_META, InputShapes, capture, capture_dynamic, quiet_pytree_deprecation
 from autoprec.modelspec import drop_fixed_kwargs
 from autoprec.passes import run_pipeline
 from autoprec.policy import Policy
@@ -20,9 +20,8 @@ from autoprec.runtime.model_facade import check_no_autocast, model_attr, signed_
 from autoprec.runtime.outputs import flat_output_graph, rebuild
 from autoprec.runtime.policy_match import check_policy_matches
 from autoprec.runtime.saved import apply_saved, saved_activation_context
-from autoprec.runtime.shape_cache import CompileLog, ShapeCache, capture_dynamic, is_dynamic
+from autoprec.runtime.shape_cache import CompileLog, ShapeCache, is_dynamic
 from autoprec.runtime.widen import Recapture, Routed
-from autoprec.shapes import InputShapes
 
 __all__ = ["MixedPrecisionModule", "apply"]
 
@@ -40,8 +39,8 @@ class MixedPrecisionModule(nn.Module):
 
     By default the graph is specialised to the example batch's shapes (batch size included): a
     call whose input tensors have other shapes raises ``ValueError`` naming the input and both
-    shapes (see :class:`autoprec.shapes.InputShapes`). From ``apply(..., dynamic=True)`` it takes
-    any batch size and sequence length in the ranges of :mod:`autoprec.dims` (one dynamic graph,
+    shapes (see :class:`autoprec.capture.InputShapes`). From ``apply(..., dynamic=True)`` it takes
+    any batch size and sequence length in the ranges of :mod:`autoprec.capture.dims` (one dynamic graph,
     or one graph per shape: :mod:`autoprec.runtime.shape_cache`); a later batch outside those
     ranges is served too, by a re-capture with wider ranges or a graph of its own (logged;
     :mod:`autoprec.runtime.widen`), unless ``apply(..., strict_shapes=True)``, which raises
@@ -248,7 +247,7 @@ def apply(model: nn.Module, policy: Policy, example_batch: Any, compile: bool = 
         placement: Cast placement mode for ``follow`` nodes (``mincut``, ``paint``, ``naive``).
         graph_module: An already captured graph of ``model`` (skips the capture).
         dynamic: Accept batches of other batch sizes and sequence lengths (docs/architecture.md#runtime):
-            one capture with dynamic dimensions, in the ranges :mod:`autoprec.dims` derives from
+            one capture with dynamic dimensions, in the ranges :mod:`autoprec.capture.dims` derives from
             ``example_batch`` (batch 1..its size; sequence 2..``config.max_position_embeddings``,
             else 2..its length), compiled once; where the model cannot be exported so, one graph
             per input shape, built on first use (:class:`autoprec.runtime.shape_cache.ShapeCache`,
@@ -314,4 +313,4 @@ def _use_shape_cache(mp: MixedPrecisionModule, example_batch: Any, build: Any, s
     what = f"{type(mp).__name__} of {type(mp.model).__name__}"
     cache = ShapeCache.seeded(mp.model, example_batch, mp._fn, build, what, strict=strict)
     object.__setattr__(mp, "_fn", cache)
-    object.__setattr__(mp, "_inputs", cache)  # its check is the range check of autoprec.dims
+    object.__setattr__(mp, "_inputs", cache)  # its check is the range check of autoprec.capture.dims

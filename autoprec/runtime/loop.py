@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from autoprec._torch_compat import compile_cache_counts
+from autoprec.capture import PROBE_BATCHES, capture_for
 from autoprec.device import resolve_device
 from autoprec.errors import AutoprecError
 from autoprec.modelspec import load_model_spec
@@ -40,7 +41,6 @@ from autoprec.runtime.distributed import (
 )
 from autoprec.runtime.monitor import Monitor
 from autoprec.runtime.policy_match import check_policy_matches
-from autoprec.runtime.shape_cache import PROBE_BATCHES, capture_for
 from autoprec.runtime.steps import StepHook, every, run_steps
 from autoprec.runtime.train import StepStats, TrainStep, make_scaler
 

@@ -28,10 +28,10 @@ from typing import IO, Any
 from torch import fx
 
 from autoprec._io import json_safe  # re-exported: the package's one non-finite rule
+from autoprec.capture import InputShapes
 from autoprec.metrics import median
 from autoprec.modelspec import split_batch
 from autoprec.passes.diagnose import first_nonfinite_node as _first_nonfinite_in_graph
-from autoprec.shapes import InputShapes
 
 __all__ = ["Monitor", "StepRecord", "first_nonfinite_node", "json_safe", "read_jsonl", "tokens_per_s"]
 

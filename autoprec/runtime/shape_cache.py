@@ -1,7 +1,7 @@
 """Batches whose shape changes (docs/architecture.md#runtime).
 
 ``autoprec.apply(model, policy, batch, dynamic=True)`` first tries one capture with symbolic batch
-and sequence dimensions (:func:`capture_dynamic`, ranges from :func:`autoprec.dims.plan_dims`),
+and sequence dimensions (:func:`autoprec.capture.capture_dynamic`, ranges: :mod:`autoprec.capture.dims`),
 compiled once with ``torch.compile(dynamic=True)``; :class:`CompileLog` counts and logs the
 compiles Dynamo makes of it (one, plus one the first time a size-1 batch comes: Dynamo
 specialises sizes 0 and 1). Where the model cannot be captured so (``torch.export`` raises, e.g.
@@ -16,86 +16,24 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 from torch import fx, nn
 
 from autoprec._torch_compat import pytree
-from autoprec.capture import capture
-from autoprec.dims import DimPlan, largest_batch, maxima, plan_dims, shapes_vary, tensor_shapes
-from autoprec.errors import CaptureError
+from autoprec.capture import DIMS_META, MAX_SHAPES, RANGE_ADVICE, DimPlan, plan_dims, tensor_shapes
 from autoprec.modelspec import split_batch
 from autoprec.runtime.steps import compile_count
-from autoprec.shapes import DIMS_META, RANGE_ADVICE
 
-__all__ = ["MAX_SHAPES", "PROBE_BATCHES", "CompileLog", "ShapeCache", "capture_dynamic", "capture_for",
-           "is_dynamic"]
+__all__ = ["MAX_SHAPES", "CompileLog", "ShapeCache", "is_dynamic"]
 
 _log = logging.getLogger("autoprec")
-
-#: Most per-shape graphs a :class:`ShapeCache` holds. Each costs one capture and lowering
-#: (seconds) plus one compile (10-90 s on a 2-core CPU for a small transformer) and its kernels'
-#: memory; 16 covers a bucketed loader (e.g. lengths padded to multiples of 64 up to 512, two
-#: batch sizes) while bounding the compile time of a loader that pads to the longest sequence.
-MAX_SHAPES = 16
 
 
 def is_dynamic(gm: fx.GraphModule) -> bool:
     """Whether ``gm`` was captured with dynamic dimensions (it records their ranges)."""
     return bool(gm.meta.get(DIMS_META))
-
-
-def capture_dynamic(model: nn.Module, example_batch: Any,
-                    at_least: Mapping[str, int] | None = None) -> fx.GraphModule:
-    """``capture(model, batch, dynamic=True)``, else the per-shape capture with one INFO log line.
-
-    Args:
-        model: The fp32 model.
-        example_batch: The example batch, the largest the module will be called with (see
-            :mod:`autoprec.dims`), unless ``at_least`` says how large the others get.
-        at_least: Largest size per role the ranges must reach (:func:`autoprec.dims.maxima`).
-
-    Returns:
-        A graph with symbolic dimensions (:func:`is_dynamic`), or the static capture when the
-        model has no dimension that can vary or cannot be exported with them.
-
-    Raises:
-        CaptureError: the model cannot be captured even for the example's shape.
-    """
-    args, kwargs = split_batch(example_batch)
-    if not plan_dims(model, args, kwargs, at_least).dynamic:
-        return capture(model, example_batch)
-    try:
-        return capture(model, example_batch, dynamic=True, at_least=at_least)
-    except CaptureError as e:
-        gm = capture(model, example_batch)  # raises the model's own error if the static capture fails too
-        reason = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
-        _log.info("%s cannot be captured with dynamic batch/sequence dimensions (%s); using one "
-                  "graph per input shape instead (at most %d)", type(model).__name__, reason[:300],
-                  MAX_SHAPES)
-        return gm
-
-
-#: How many of the model file's first batches (``get_batch(0..4)``) ``tune`` and ``train`` look at
-#: to decide between a dynamic and a one-shape capture (:func:`capture_for`).
-PROBE_BATCHES = 5
-
-
-def capture_for(model: nn.Module, batches: list[Any]) -> fx.GraphModule:
-    """The capture ``autoprec tune`` and ``autoprec train`` share for a model file's first batches:
-    with dynamic dimensions (:func:`capture_dynamic`, on the largest batch) when their shapes
-    vary (:func:`autoprec.dims.shapes_vary`), else for ``batches[0]``'s shapes (a module applied
-    to it still meets an occasional other shape through :class:`ShapeCache`). One rule, so the
-    tuned graph and the trained graph (and their fingerprints) are the same.
-
-    Raises:
-        CaptureError: as :func:`autoprec.capture.capture`.
-    """
-    if shapes_vary(batches):
-        sizes = maxima([plan_dims(model, *split_batch(b)) for b in batches])
-        return capture_dynamic(model, largest_batch(batches), at_least=sizes)
-    return capture(model, batches[0])
 
 
 class CompileLog:
@@ -148,7 +86,7 @@ class ShapeCache:
     """One graph per input shape, built on first use, at most ``max_shapes`` of them.
 
     It is also the module's input check (``check``): shapes outside the ranges of
-    :func:`autoprec.dims.plan_dims` for the example batch are refused before anything is captured.
+    :func:`autoprec.capture.plan_dims` for the example batch are refused before anything is captured.
 
     Args:
         build: ``build(batch) -> callable`` capturing and lowering a graph for ``batch`` (a dict

@@ -1,7 +1,7 @@
 """A batch outside a dynamic capture's ranges, met in the middle of a training loop
 (docs/architecture.md#runtime).
 
-``autoprec.apply(model, policy, example_batch)`` captures with the ranges :mod:`autoprec.dims`
+``autoprec.apply(model, policy, example_batch)`` captures with the ranges :mod:`autoprec.capture.dims`
 derives from the example batch: batch sizes up to its size, sequence lengths up to
 ``config.max_position_embeddings``, else (T5, models without that field) up to the example's. A
 later batch that is longer or larger than the example does not fit. Unless ``apply(...,
@@ -28,9 +28,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from autoprec.dims import maxima, plan_dims, tensor_shapes
+from autoprec.capture import capture_dynamic, maxima, plan_dims, tensor_shapes
 from autoprec.errors import CaptureError
-from autoprec.runtime.shape_cache import ShapeCache, capture_dynamic, is_dynamic
+from autoprec.runtime.shape_cache import ShapeCache, is_dynamic
 
 __all__ = ["Recapture", "Routed"]
 
@@ -42,7 +42,7 @@ class Routed:
 
     Args:
         fn: The dynamic graph's callable (compiled or not).
-        inputs: Its input check (:class:`autoprec.shapes.InputShapes`); a call it refuses goes to
+        inputs: Its input check (:class:`autoprec.capture.InputShapes`); a call it refuses goes to
             ``cache``.
         cache: The per-shape graphs (:class:`ShapeCache`, not strict).
     """

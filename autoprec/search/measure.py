@@ -16,12 +16,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoprec.dims import tensor_shapes
+from autoprec.capture import PROBE_BATCHES, capture_for, tensor_shapes
 from autoprec.metrics import median
 from autoprec.modelspec import ModelSpec, split_batch
 from autoprec.runtime.rng import MEASURE_SEED, StepRng, same_rng
 from autoprec.runtime.scaler import DynamicLossScaler
-from autoprec.runtime.shape_cache import PROBE_BATCHES, capture_for
 from autoprec.runtime.steps import StepsTooSlow, run_steps, slow_step_guard
 from autoprec.runtime.train import TrainStep, training_state_bytes
 from autoprec.search.drift import DRIFT_BATCHES, Grads, References, draws_random, is_compiled, measure_drift
@@ -325,7 +324,7 @@ class Harness:
 
 def batch_shapes(batches: list[Any]) -> list[str]:
     """The distinct shapes of ``batches``, in order of first appearance, one line each:
-    ``"input_ids (4, 128), labels (4, 128)"`` (inputs named as :func:`autoprec.dims.tensor_shapes`
+    ``"input_ids (4, 128), labels (4, 128)"`` (inputs named as :func:`autoprec.capture.tensor_shapes`
     names them; the report lists them)."""
     out: list[str] = []
     for batch in batches:

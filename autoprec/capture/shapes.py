@@ -2,7 +2,7 @@
 
 A graph captured with dynamic dimensions (``capture(model, batch, dynamic=True)``) has symbolic
 batch/sequence sizes; ``gm.meta[DIMS_META]`` holds their ranges (written by ``capture`` from
-:func:`autoprec.dims.export_ranges`), and the check compares a call's sizes with them.
+:func:`autoprec.capture.export.export_ranges`), and the check compares a call's sizes with them.
 """
 
 from __future__ import annotations
@@ -21,14 +21,14 @@ __all__ = ["DIMS_META", "RANGE_ADVICE", "InputShapes"]
 #: survives the passes' deep copies, so the lowered graph keeps it.
 DIMS_META = "autoprec_dims"
 
-#: What to do about a batch outside the ranges of a dynamic capture (the rule is autoprec.dims').
+#: What to do about a batch outside the ranges of a dynamic capture (the rule is autoprec.capture.dims').
 RANGE_ADVICE = ("the ranges come from the example batch given to autoprec.apply (batch sizes up to its batch "
                 "size; sequence lengths, and an encoder-decoder's target lengths (target_seq) on their own, "
                 "up to the model's config.max_position_embeddings, else up to the example's; see "
-                "autoprec.dims): apply with an example batch of the largest batch size and lengths you train "
-                "on, or without strict_shapes=True, which captures again with wider ranges instead of "
-                "raising; inputs that share a dimension (the seq of input_ids and attention_mask) must have "
-                "the same size in it.")
+                "autoprec.capture.dims): apply with an example batch of the largest batch size and lengths "
+                "you train on, or without strict_shapes=True, which captures again with wider ranges "
+                "instead of raising; inputs that share a dimension (the seq of input_ids and attention_mask) "
+                "must have the same size in it.")
 
 
 class InputShapes:

@@ -1,0 +1,102 @@
+"""Which capture a model gets for the batches it will run: one graph with dynamic batch/sequence
+dimensions, or one for the example's shapes (docs/architecture.md#runtime, #data-flow).
+
+:func:`capture_for` is the rule ``autoprec tune`` and ``autoprec train`` share for a model file's
+first :data:`PROBE_BATCHES` batches: their :class:`~autoprec.capture.dims.DimPlan` is made once,
+from all of them, and passed down to the one export. :func:`capture_dynamic` is the same choice for
+one example batch (``autoprec.apply(..., dynamic=True)``). Where the model cannot be exported with
+dynamic dimensions the static capture is returned, with one INFO line on the ``autoprec`` logger:
+the caller then runs one graph per input shape (``autoprec.runtime.shape_cache.ShapeCache``, at most
+:data:`MAX_SHAPES`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from torch import fx, nn
+
+from autoprec.capture.dims import DimPlan, largest_batch, largest_sizes, plan_dims, shapes_vary
+from autoprec.capture.trace import capture, capture_planned
+from autoprec.errors import CaptureError
+from autoprec.modelspec import split_batch
+
+__all__ = ["MAX_SHAPES", "PROBE_BATCHES", "capture_dynamic", "capture_for"]
+
+_log = logging.getLogger("autoprec")
+
+#: How many of the model file's first batches (``get_batch(0..4)``) ``tune`` and ``train`` look at
+#: to decide between a dynamic and a one-shape capture (:func:`capture_for`).
+PROBE_BATCHES = 5
+
+#: Most per-shape graphs a ``ShapeCache`` (``autoprec.runtime.shape_cache``) holds. Each costs one
+#: capture and lowering (seconds) plus one compile (10-90 s on a 2-core CPU for a small transformer)
+#: and its kernels' memory; 16 covers a bucketed loader (e.g. lengths padded to multiples of 64 up to
+#: 512, two batch sizes) while bounding the compile time of a loader that pads to the longest sequence.
+MAX_SHAPES = 16
+
+
+def capture_for(model: nn.Module, batches: list[Any]) -> fx.GraphModule:
+    """The capture ``autoprec tune`` and ``autoprec train`` share for a model file's first batches.
+
+    When their shapes vary (:func:`autoprec.capture.dims.shapes_vary`), one capture with dynamic
+    dimensions on the largest batch (:func:`~autoprec.capture.dims.largest_batch`), its ranges
+    reaching every batch's largest sizes (:func:`~autoprec.capture.dims.largest_sizes`): the plan is
+    made once here and passed down to the export; else the capture for ``batches[0]``'s shapes (a
+    module applied to it still meets an occasional other shape through the per-shape cache). One
+    rule, so the tuned graph and the trained graph (and their fingerprints) are the same.
+
+    Args:
+        model: The fp32 model.
+        batches: The first batches as ``get_batch(0..)`` returns them (at least one).
+
+    Returns:
+        A graph with symbolic dimensions, or the static capture (as :func:`capture_dynamic`).
+
+    Raises:
+        CaptureError: as :func:`autoprec.capture.trace.capture`.
+    """
+    if not shapes_vary(batches):
+        return capture(model, batches[0])
+    example = largest_batch(batches)
+    return _dynamic_or_static(model, example, plan_dims(model, *split_batch(example),
+                                                        largest_sizes(model, batches)))
+
+
+def capture_dynamic(model: nn.Module, example_batch: Any,
+                    at_least: Mapping[str, int] | None = None) -> fx.GraphModule:
+    """``capture(model, batch, dynamic=True)``, else the per-shape capture with one INFO log line.
+
+    Args:
+        model: The fp32 model.
+        example_batch: The example batch, the largest the module will be called with (see
+            :mod:`autoprec.capture.dims`), unless ``at_least`` says how large the others get.
+        at_least: Largest size per role the ranges must reach
+            (:func:`autoprec.capture.dims.largest_sizes`).
+
+    Returns:
+        A graph with symbolic dimensions (``gm.meta[DIMS_META]`` set), or the static capture when
+        the model has no dimension that can vary or cannot be exported with them.
+
+    Raises:
+        CaptureError: the model cannot be captured even for the example's shape.
+    """
+    return _dynamic_or_static(model, example_batch, plan_dims(model, *split_batch(example_batch), at_least))
+
+
+def _dynamic_or_static(model: nn.Module, example_batch: Any, plan: DimPlan) -> fx.GraphModule:
+    """The capture with ``plan``'s dynamic dimensions; the static one when it has none or the
+    dynamic export fails (logged, with the first line of the reason)."""
+    if not plan.dynamic:
+        return capture(model, example_batch)
+    try:
+        return capture_planned(model, example_batch, plan)
+    except CaptureError as e:
+        gm = capture(model, example_batch)  # raises the model's own error if the static capture fails too
+        reason = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
+        _log.info("%s cannot be captured with dynamic batch/sequence dimensions (%s); using one "
+                  "graph per input shape instead (at most %d)", type(model).__name__, reason[:300],
+                  MAX_SHAPES)
+        return gm

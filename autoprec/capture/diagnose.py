@@ -1,0 +1,183 @@
+"""Why a capture failed, in words: the :class:`~autoprec.errors.CaptureError` message of a failed
+``torch.export`` (docs/architecture.md#design-choices: "Capture failures are a CaptureError naming the
+model's source line").
+
+The message names the cause (a data-dependent branch or size, an op without a fake (meta)
+implementation, a tensor converted outside torch, an output type export cannot flatten, an error of
+the model's own code, or torch's message), where it happened (the innermost frame of the model's
+code, ``file:line (function): code``, with the submodule's dotted path and class) and what to do.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from typing import Any
+
+from torch import nn
+
+from autoprec._torch_compat import fake_tensor_errors
+from autoprec.modelspec import positional_binding
+
+__all__ = ["explain_failure"]
+
+
+def explain_failure(e: BaseException, model: nn.Module, example_batch: Any, args: tuple[Any, ...],
+                    kwargs: dict[str, Any]) -> str:
+    """The :class:`~autoprec.errors.CaptureError` message for ``torch.export``'s exception ``e``.
+
+    Args:
+        e: What ``torch.export.export`` raised (``UserError``, ``GuardOnDataDependentSymNode``, an
+            error of the model's code, ...); its ``__cause__`` chain is searched too.
+        model: The model being captured (names the class and the submodule at fault).
+        example_batch: The batch as ``get_batch`` returned it (a list gets a note on how its items
+            were bound to ``forward``'s parameters, :func:`autoprec.modelspec.positional_binding`).
+        args, kwargs: ``example_batch`` as ``autoprec.modelspec.split_batch`` splits it.
+
+    Returns:
+        ``"autoprec could not capture M: the example batch ... does not match forward(...)"`` when the
+        batch does not bind to ``forward``'s signature, else ``"torch.export could not capture M:
+        <cause>, at <file:line (function): code> [in module 'a.b' (Cls)].\n  <torch's type>: <its first
+        line>\n  What to do: <advice>"``.
+    """
+    msg = _binding_error(model, args, kwargs) or _explain(e, model)
+    if isinstance(example_batch, list) and (bound := positional_binding(model, example_batch)):
+        msg += f"\n  Note: {bound}."  # a list is bound like a tuple; say so (issue 20)
+    return msg
+
+
+def _is_user(filename: str) -> bool:
+    return not any(p in filename for p in ("/torch/", "/autoprec/", "/transformers/utils/", "/contextlib.py"))
+
+
+def _where(exc: BaseException, model: nn.Module | None = None) -> str:
+    """The innermost user-code frame of a traceback, as ``file:line (function): code``.
+
+    When that frame is a method of a submodule of ``model``, the module's dotted path and class
+    are named too (``in module 'layers.0.mlp' (MyMLP)``).
+    """
+    import linecache
+
+    tb, user = exc.__traceback__, None
+    while tb is not None:
+        if _is_user(tb.tb_frame.f_code.co_filename):
+            user = tb
+        tb = tb.tb_next
+    if user is None:
+        return "unknown location"
+    frame, lineno = user.tb_frame, user.tb_lineno
+    fname = frame.f_code.co_filename
+    line = linecache.getline(fname, lineno).strip()
+    where = f"{fname}:{lineno} ({frame.f_code.co_name}): {line}"
+    owner = frame.f_locals.get("self")
+    if isinstance(owner, nn.Module):
+        path = next((n for n, m in (model.named_modules() if model is not None else []) if m is owner), None)
+        label = "the root module" if path == "" else f"module {path!r}" if path else "module"
+        where += f" [in {label} ({type(owner).__name__})]"
+    return where
+
+
+
+# torch messages that name an op the fake-tensor tracer cannot run (group 1 is the op).
+_OP_PATTERNS = (
+    re.compile(r"no fake impl registered for <CustomOpDef\((\S+)\)>"),
+    re.compile(r"(?:operator|op) '?([\w.]+::[\w.]+)'? (?:does not|doesn't) have"),
+    re.compile(r"Could not run '([\w.]+::[\w.]+)' with arguments from the 'Meta' backend"),
+    re.compile(r"(\.numpy\(\)|\.tolist\(\)|data_ptr|data pointer)"),
+)
+_CONTROL_FLOW = ("data-dependent Python control flow (an `if` on tensor values) cannot be captured; "
+                 "rewrite it with torch.where / torch.cond, or move it out of forward().")
+
+
+def _cause(e: BaseException) -> tuple[str, str]:
+    """What failed and what to do, from the exception (or one it was raised from)."""
+    dynamic_shape_error, unsupported_op_error = fake_tensor_errors()
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    chain = [e]
+    while chain[-1].__cause__ is not None and len(chain) < 8:
+        chain.append(chain[-1].__cause__)
+    for x in chain:
+        text = str(x)
+        if isinstance(x, GuardOnDataDependentSymNode) or "data-dependent expression" in text:
+            return "a data-dependent branch", _CONTROL_FLOW
+        if isinstance(x, dynamic_shape_error):
+            return (f"the op {x.func} has an output shape that depends on tensor values",
+                    "compute it with fixed-shape ops (e.g. a mask and torch.where instead of boolean "
+                    "indexing or nonzero), or move it out of forward().")
+        op = str(x.func) if isinstance(x, unsupported_op_error) else next(
+            (m.group(1) for p in _OP_PATTERNS if (m := p.search(text))), None)
+        if op is not None and op.startswith((".", "data")):
+            what = f"Tensor{op}" if op.startswith(".") else "reading a tensor's data pointer"
+            return (f"an unsupported op: {what} needs tensor data outside torch",
+                    "keep the computation in torch ops (a traced tensor has no data to convert), "
+                    "or move it out of forward().")
+        if op is not None:
+            return (f"an unsupported op: {op} has no fake (meta) implementation, so it cannot be traced",
+                    f"register one with torch.library.register_fake({op!r}) (output shapes and dtypes "
+                    "only), compute it with standard torch ops, or move it out of forward().")
+        if m := re.search(r"Found (<class '[^']+'>|\S+) in output", text):
+            return (f"an output of type {m.group(1)} that torch.export cannot flatten",
+                    "return tensors, None, numbers, strings, or tuples/lists/dicts/ModelOutput dataclasses "
+                    "of them, or register the type with torch.utils._pytree.register_pytree_node.")
+    if _raised_by_user_code(e):
+        return (f"forward() itself raised {type(e).__name__} (not a tracing limit)",
+                "fix that line of the model code, or the example batch it is given; the same call "
+                "fails without autoprec.")
+    return ("torch.export cannot trace this code (torch's message follows; the original exception is "
+            "chained as __cause__)",
+            "change or move that line out of forward(); torch.export's documentation lists what "
+            "non-strict export traces (https://pytorch.org/docs/stable/export.html).")
+
+
+def _raised_by_user_code(e: BaseException) -> bool:
+    """Whether the innermost frame of ``e``'s traceback is the model's code (a plain Python error)."""
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and _is_user(tb.tb_frame.f_code.co_filename)
+
+
+def _binding_error(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+    """The CaptureError message when the batch does not bind to ``model.forward``'s signature, else None."""
+    try:
+        inspect.signature(model.forward).bind(*args, **kwargs)
+    except TypeError as e:
+        return (f"autoprec could not capture {type(model).__name__}: the example batch ({len(args)} "
+                f"positional, keywords {list(kwargs)}) does not match "
+                f"forward{inspect.signature(model.forward)}: {e}.\n  What to do: make get_batch return what "
+                "forward() takes (a dict is passed as keyword arguments, a tuple or list as positional ones, "
+                "a tensor as the one argument; docs/architecture.md#modelpy-contract).")
+    except ValueError:  # no signature to check against
+        return None
+    return None
+
+
+def _explain(e: BaseException, model: nn.Module) -> str:
+    """The :class:`CaptureError` message for a failed export: cause, where, torch's line, what to do."""
+    cause, todo = _cause(e)
+    where = _where(e, model)
+    if todo is _CONTROL_FLOW and not _is_branch(where):
+        cause, todo = (_DATA_DEPENDENT_SIZE,
+                       "keep sizes static (e.g. a mask instead of slicing by a tensor's "
+                       "value), or bound the value with torch._check(...) (torch.export's docs on "
+                       "unbacked sizes), or move it out of forward().")
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return (f"torch.export could not capture {type(model).__name__}: {cause}, at {where}.\n"
+            f"  {type(e).__name__}: {first}\n  What to do: {todo}")
+
+
+_DATA_DEPENDENT_SIZE = "a value read from a tensor (.item(), int(tensor)) used as a size or an index"
+
+
+def _is_branch(where: str) -> bool:
+    """Whether the source line :func:`_where` found is Python control flow (``if``/``while``/
+    ``assert``, a conditional expression, ``and``/``or``) rather than, e.g., a slice by a
+    tensor's value; an unknown line counts as a branch (the advice stays as torch's)."""
+    code = where.split("): ", 1)[1].split(" [in ", 1)[0] if "): " in where else ""
+    if not code:
+        return True
+    words = f" {code} "
+    return code.startswith(("if ", "elif ", "while ", "assert ")) or any(
+        w in words for w in (" if ", " and ", " or ", " not "))
+
