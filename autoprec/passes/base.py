@@ -10,6 +10,7 @@ from typing import Any
 from torch import fx
 
 from autoprec.errors import PassError
+from autoprec.nodemeta import read_meta, unshare_meta
 
 
 @dataclass
@@ -38,7 +39,7 @@ class PassBase(abc.ABC):
     post-condition of the pass before it, already checked by the runner.
     """
 
-    #: The pass's name in error messages and in ``node.meta["autoprec"]["decided_by"]``.
+    #: The pass's name in error messages and in a node's ``NodeMeta.decided_by`` (:mod:`autoprec.nodemeta`).
     name: str = ""
 
     @abc.abstractmethod
@@ -66,7 +67,7 @@ def pass_error(pass_name: str, node: fx.Node | None, msg: str) -> PassError:
     """Build a :class:`PassError` that names the pass, the node's key and ``node.format_node()``."""
     if node is None:
         return PassError(f"[{pass_name}] {msg}")
-    key = node.meta.get("autoprec", {}).get("key", node.name)
+    key = read_meta(node).key or node.name
     return PassError(f"[{pass_name}] node {key} ({node.format_node()}): {msg}")
 
 
@@ -74,14 +75,13 @@ def clone_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     """A new ``GraphModule`` with a deep copy of ``gm``'s graph and the *same* Parameters.
 
     ``copy.deepcopy(gm)`` would copy the Parameters (training would then update copies), and
-    ``copy.deepcopy(gm.graph)`` shares each node's ``meta`` values, so the ``autoprec`` meta
-    dicts are copied here explicitly. Pytree in/out specs (``_in_spec``/``_out_spec``) and
-    ``gm.meta`` (e.g. the ranges of dynamic dimensions, ``autoprec.shapes.DIMS_META``) carry over.
+    ``copy.deepcopy(gm.graph)`` shares each node's ``meta`` values, so each node's
+    :class:`~autoprec.nodemeta.NodeMeta` is copied here explicitly (:func:`autoprec.nodemeta.unshare_meta`).
+    Pytree in/out specs (``_in_spec``/``_out_spec``) and ``gm.meta`` (e.g. the ranges of dynamic
+    dimensions, ``autoprec.shapes.DIMS_META``) carry over.
     """
     graph = copy.deepcopy(gm.graph)
-    for node in graph.nodes:
-        if "autoprec" in node.meta:
-            node.meta["autoprec"] = dict(node.meta["autoprec"])
+    unshare_meta(graph)
     new = fx.GraphModule(gm, graph)
     for attr in ("_in_spec", "_out_spec"):
         if hasattr(gm, attr):
