@@ -1,11 +1,13 @@
 """What autoprec records on a graph node: one typed :class:`NodeMeta` per node (docs/architecture.md#passes).
 
 Capture, the passes and their readers (compile regions, saved activations, the search, the report)
-share what they know about a node through ``node.meta["autoprec"]`` (:data:`META_KEY`, the same
-storage key as before the metadata was typed), which holds a :class:`NodeMeta`. Nothing else names
-that key: writers call :func:`meta_of` (which creates the object on first write) or :func:`set_meta`
-(a node the passes insert), readers :func:`read_meta` (which creates nothing), and a pass that copies
-a graph calls :func:`unshare_meta`.
+share what they know about a node through ``node.meta["autoprec"]`` (:data:`META_KEY`), which holds
+a :class:`NodeMeta`. The key is the one the untyped dict had, so code that looks for autoprec's
+metadata on a node still finds it there; no saved artifact depends on it (policies name nodes by
+key, checkpoints hold state dicts, and graph pickles drop node metadata). Nothing else names that
+key: writers call :func:`meta_of` (which creates the object on first write) or :func:`set_meta` (a
+node the passes insert), readers :func:`read_meta` (which creates nothing), and a pass that copies a
+graph calls :func:`unshare_meta`.
 
 Fields, by who writes them (dtype names are ``autoprec.dtypes``'s: ``fp32``, ``bf16``, ``fp16``, and
 ``fp8_e4m3`` / ``fp8_e5m2`` where said; every field is None, or False for a flag, until written):
