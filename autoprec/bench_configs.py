@@ -14,6 +14,7 @@ import torch
 
 from autoprec import bench_shapes as shapes
 from autoprec.dtypes import NAMES
+from autoprec.nodemeta import read_meta
 from autoprec.passes import run_pipeline
 from autoprec.policy import Policy
 from autoprec.runtime.compile import compile_graph
@@ -26,9 +27,8 @@ __all__ = ["BenchConfig", "build_configs", "main_dtype", "pure_low"]
 
 def main_dtype(lowered: torch.fx.GraphModule, policy: Policy) -> str:
     """Most common dtype among the lowered graph's ``matmul``-class nodes (else the default)."""
-    seen = Counter(n.meta["autoprec"]["dtype"] for n in lowered.graph.nodes
-                   if n.meta.get("autoprec", {}).get("op_class") == "matmul"
-                   and n.meta["autoprec"].get("dtype"))
+    seen = Counter(read_meta(n).dtype for n in lowered.graph.nodes
+                   if read_meta(n).op_class == "matmul" and read_meta(n).dtype)
     return seen.most_common(1)[0][0] if seen else policy.default_dtype
 
 

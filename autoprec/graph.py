@@ -35,6 +35,8 @@ import networkx as nx
 import torch
 from torch import fx
 
+from autoprec.nodemeta import read_meta
+
 try:  # torch >= 2.13: a hint that adds no guard, meant for cost estimates
     from torch.fx.experimental.symbolic_shapes import optimization_hint
 except ImportError:  # older torch: the node's recorded hint
@@ -90,12 +92,13 @@ def to_networkx(gm: fx.GraphModule) -> nx.DiGraph:
     """A ``networkx.DiGraph`` of ``gm``: one vertex per FX node, an edge per data dependency.
 
     Edge attribute ``bytes`` is the size of the tensor(s) flowing along it (0 for non-float).
-    Vertex attributes: ``fx_op`` (FX opcode) plus the node's ``autoprec`` meta if any (``key``,
-    ``op`` (ATen op name), ``dtype``...).
+    Vertex attributes: ``fx_op`` (FX opcode) plus the set fields of the node's
+    :class:`~autoprec.nodemeta.NodeMeta` if any (``key``, ``op`` (ATen op name), ``dtype``...;
+    :meth:`~autoprec.nodemeta.NodeMeta.as_dict`).
     """
     g = nx.DiGraph()
     for n in gm.graph.nodes:
-        g.add_node(n.name, **{**n.meta.get("autoprec", {}), "fx_op": n.op})
+        g.add_node(n.name, **{**read_meta(n).as_dict(), "fx_op": n.op})
         for a in n.all_input_nodes:
             g.add_edge(a.name, n.name, bytes=tensor_bytes(a))
     return g

@@ -16,6 +16,7 @@ from collections import defaultdict
 import torch
 from torch import fx
 
+from autoprec.nodemeta import Region, meta_of, read_meta
 from autoprec.ops import op_name
 
 __all__ = ["BLOCK_PATTERN", "assign_keys", "block_of", "graph_fingerprint", "mark_regions", "module_path",
@@ -58,8 +59,8 @@ def node_key(module: str, op: str, k: int) -> str:
 def assign_keys(gm: fx.GraphModule) -> dict[str, fx.Node]:
     """Give every ``call_function`` node of ``gm`` its stable key.
 
-    Sets ``node.meta["autoprec"] = {"key": ..., "module": ..., "op": ...}`` (existing entries are
-    kept) and returns ``{key: node}`` in graph order.
+    Sets the ``key``, ``module`` and ``op`` of each node's :class:`~autoprec.nodemeta.NodeMeta` (its
+    other fields are kept) and returns ``{key: node}`` in graph order.
     """
     counters: dict[tuple[str, str], int] = defaultdict(int)
     keys: dict[str, fx.Node] = {}
@@ -70,8 +71,8 @@ def assign_keys(gm: fx.GraphModule) -> dict[str, fx.Node]:
         k = counters[(mod, op)]
         counters[(mod, op)] += 1
         key = node_key(mod, op, k)
-        meta = node.meta.setdefault("autoprec", {})
-        meta.update(key=key, module=mod, op=op)
+        meta = meta_of(node)
+        meta.key, meta.module, meta.op = key, mod, op
         keys[key] = node
     return keys
 
@@ -83,8 +84,8 @@ def mark_regions(gm: fx.GraphModule) -> list[fx.Node]:
     ``higher_order.wrap_with_autocast(device, dtype, enabled, cache_enabled, submod, *inputs)`` or
     ``higher_order.wrap_with_set_grad_enabled(enabled, submod, *inputs)``, whose body is a
     sub-``GraphModule``. autoprec keeps these nodes whole (fp32 inputs, fp32 body unless the
-    user's own autocast says otherwise), never inlines and so never drops the context. Sets
-    ``meta["autoprec"]["region"]`` (``{"kind": "autocast"|"grad", "enabled": bool, ...}``) and
+    user's own autocast says otherwise), never inlines and so never drops the context. Sets the
+    :class:`~autoprec.nodemeta.NodeMeta` fields ``region`` (a :class:`~autoprec.nodemeta.Region`) and
     ``autocast_disabled`` on the node and on every node of its body.
 
     Returns:
@@ -97,19 +98,20 @@ def mark_regions(gm: fx.GraphModule) -> list[fx.Node]:
         name = op_name(node)
         if name == "wrap_with_autocast":
             device, dtype, enabled = node.args[0], node.args[1], bool(node.args[2])
-            region = {"kind": "autocast", "device": str(device), "dtype": str(dtype), "enabled": enabled}
+            region = Region(kind="autocast", enabled=enabled, device=str(device), dtype=str(dtype))
             body = node.args[4]
         elif name == "wrap_with_set_grad_enabled":
-            region = {"kind": "grad", "enabled": bool(node.args[0])}
+            region = Region(kind="grad", enabled=bool(node.args[0]))
             body = node.args[1]
         else:
             continue
-        meta = node.meta.setdefault("autoprec", {})
-        meta.update(region=region, autocast_disabled=True)
+        meta = meta_of(node)
+        meta.region, meta.autocast_disabled = region, True
         sub = getattr(gm, body.target, None) if isinstance(body, fx.Node) and body.op == "get_attr" else None
         if isinstance(sub, fx.GraphModule):
             for inner in sub.graph.nodes:
-                inner.meta.setdefault("autoprec", {}).update(autocast_disabled=True, region=region)
+                inner_meta = meta_of(inner)
+                inner_meta.autocast_disabled, inner_meta.region = True, region
         found.append(node)
     return found
 
@@ -119,6 +121,7 @@ def graph_fingerprint(gm: torch.fx.GraphModule) -> str:
     h = hashlib.sha256()
     for n in gm.graph.nodes:
         v = n.meta.get("val")
-        h.update(f"{n.op}|{n.meta.get('autoprec', {}).get('key', n.target)}|{getattr(v, 'shape', '')}|"
+        key = read_meta(n).key
+        h.update(f"{n.op}|{n.target if key is None else key}|{getattr(v, 'shape', '')}|"
                  f"{getattr(v, 'dtype', '')};".encode())
     return h.hexdigest()[:16]

@@ -19,6 +19,7 @@ import torch
 from autoprec.capture import capture
 from autoprec.graph import PLACEMENT_MODES
 from autoprec.modelspec import load_model_spec
+from autoprec.nodemeta import read_meta
 from autoprec.passes import run_pipeline
 from autoprec.policy import Policy
 
@@ -46,8 +47,8 @@ def main(argv: list[str] | None = None) -> int:
         dt = time.perf_counter() - t
         low_follow = sum(
             1 for n in r.graph_module.graph.nodes
-            if n.meta.get("autoprec", {}).get("decided_by", "").startswith("placement:")
-            and n.meta["autoprec"].get("dtype") not in (None, "fp32")
+            if (read_meta(n).decided_by or "").startswith("placement:")
+            and read_meta(n).dtype not in (None, "fp32")
         )
         s = r.stats
         rows[mode] = s["cast_bytes"]

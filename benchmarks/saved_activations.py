@@ -37,6 +37,7 @@ import qwen2_tiny  # noqa: E402
 import autoprec  # noqa: E402
 from autoprec.device import describe_machine, heap_bytes  # noqa: E402
 from autoprec.metrics import grad_rel_l2  # noqa: E402
+from autoprec.nodemeta import meta_of  # noqa: E402
 from autoprec.policy import Policy  # noqa: E402
 from autoprec.runtime.apply import MixedPrecisionModule
 from autoprec.runtime.compile import INDUCTOR_OPTIONS  # noqa: E402
@@ -99,8 +100,8 @@ def python_hooks() -> Any:
 def marked(model, gm, saved: str, compile: bool) -> MixedPrecisionModule:
     """(d2/d3): autoprec.runtime.saved with every float node's output marked ``saved``."""
     for n in gm.graph.nodes:
-        if n.op == "call_function" and "autoprec" in n.meta:
-            n.meta["autoprec"]["saved"] = saved
+        if n.op == "call_function":
+            meta_of(n).saved = saved
     return MixedPrecisionModule(model, gm, Policy.fp32(), {}, compile)
 
 

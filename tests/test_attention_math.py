@@ -16,6 +16,7 @@ from autoprec.capture import capture
 from autoprec.errors import PolicyError
 from autoprec.kernels.attention import sdpa_math
 from autoprec.metrics import grad_rel_l2
+from autoprec.nodemeta import read_meta
 from autoprec.passes import run_pipeline
 
 tf = pytest.importorskip("transformers")
@@ -106,9 +107,9 @@ def test_pass_retargets_every_sdpa_node_and_keeps_dtypes_and_keys():
     assert len(f_nodes) == len(m_nodes) == 2
     assert not any(n.target is SDPA for n in math.graph_module.graph.nodes)
     for a, b in zip(f_nodes, m_nodes):
-        assert a.meta["autoprec"]["key"] == b.meta["autoprec"]["key"]
-        assert a.meta["autoprec"]["dtype"] == b.meta["autoprec"]["dtype"] == "bf16"
-        assert "math_attention" in b.meta["autoprec"]["decided_by"]
+        assert read_meta(a).key == read_meta(b).key
+        assert read_meta(a).dtype == read_meta(b).dtype == "bf16"
+        assert "math_attention" in read_meta(b).decided_by
     assert fused.stats["casts"] == math.stats["casts"]
 
     # Numerics: fp32 math equals fp32 fused to fp32 rounding; bf16 math is within bf16 drift of fp32.

@@ -12,6 +12,7 @@ from autoprec.capture import capture
 from autoprec.dtypes import NAMES
 from autoprec.errors import PolicyError
 from autoprec.metrics import grad_rel_l2
+from autoprec.nodemeta import read_meta
 from autoprec.passes import lower
 from autoprec.passes.assign import assign_dtypes
 from autoprec.search.space import SearchSpace
@@ -54,10 +55,10 @@ def _differing(gm: torch.fx.GraphModule, policy: Policy, seen: dict[str, str]) -
     assigned = assign_dtypes(gm, policy).graph_module
     out = []
     for n in assigned.graph.nodes:
-        meta = n.meta.get("autoprec", {})
-        stored = meta.get("storage", meta.get("dtype"))
+        meta = read_meta(n)
+        stored = meta.dtype if meta.storage is None else meta.storage
         if n.name in seen and stored is not None and stored != seen[n.name]:
-            out.append(f"{meta.get('key')}: {stored} vs autocast {seen[n.name]}")
+            out.append(f"{meta.key}: {stored} vs autocast {seen[n.name]}")
     return out
 
 
@@ -121,16 +122,16 @@ def test_promotion_keeps_an_fp32_stream_fp32_and_low_only_inputs_low():
     gm = _residual_graph()
     by_op = {}
     for n in assign_dtypes(gm, Policy.autocast("bf16")).graph_module.graph.nodes:
-        meta = n.meta.get("autoprec", {})
+        meta = read_meta(n)
         if n.op == "call_function":
-            by_op[meta["key"].split("/")[-1]] = (meta["dtype"], meta["decided_by"])
+            by_op[meta.key.split("/")[-1]] = (meta.dtype, meta.decided_by)
     assert by_op["linear#0"][0] == "bf16"
     assert by_op["add#0"] == ("fp32", "placement:promote")  # fp32 x + bf16 h
     assert by_op["relu#0"][0] == "fp32"
     assert by_op["sigmoid#0"][0] == "bf16"  # only a bf16 input
     assert by_op["mul#0"][0] == "fp32"  # fp32 relu * bf16 sigmoid
     # min-cut stores the same adds low (fewest bytes cast): the placement is the policy's
-    assert any(n.meta.get("autoprec", {}).get("dtype") == "bf16" and "add" in str(n.target)
+    assert any(read_meta(n).dtype == "bf16" and "add" in str(n.target)
                for n in assign_dtypes(gm, Policy.default("bf16")).graph_module.graph.nodes)
 
 

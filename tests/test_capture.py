@@ -10,6 +10,7 @@ from torch import nn
 
 from autoprec.capture import capture
 from autoprec.errors import CaptureError
+from autoprec.nodemeta import read_meta
 
 
 class Block(nn.Module):
@@ -34,7 +35,7 @@ class Net(nn.Module):
 
 
 def _keys(gm):
-    return [n.meta["autoprec"]["key"] for n in gm.graph.nodes if n.op == "call_function"]
+    return [read_meta(n).key for n in gm.graph.nodes if n.op == "call_function"]
 
 
 def test_keys_format_and_stability():

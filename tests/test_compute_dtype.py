@@ -7,6 +7,7 @@ import torch
 
 from autoprec.capture import capture
 from autoprec.errors import PassError
+from autoprec.nodemeta import read_meta
 from autoprec.passes import assign_dtypes, run_pipeline
 from autoprec.policy import Policy, Rule
 from autoprec.search.objective import policy_fingerprint
@@ -32,7 +33,7 @@ def lowered(policy: Policy, model: torch.nn.Module | None = None):
 
 
 def by_key(gm, suffix: str):
-    return next(n for n in gm.graph.nodes if n.meta.get("autoprec", {}).get("key", "").endswith(suffix))
+    return next(n for n in gm.graph.nodes if (read_meta(n).key or "").endswith(suffix))
 
 
 def test_compute_fp32_storage_bf16_cast_structure():
@@ -40,14 +41,14 @@ def test_compute_fp32_storage_bf16_cast_structure():
     back in bf16 by one cast that is its only consumer."""
     _, _, gm = lowered(BF16_FP32)
     up = by_key(gm, "up/linear#0")
-    meta = up.meta["autoprec"]
-    assert (meta["dtype"], meta["storage"], meta["compute"]) == ("fp32", "bf16", "fp32")
+    meta = read_meta(up)
+    assert (meta.dtype, meta.storage, meta.compute) == ("fp32", "bf16", "fp32")
     for a in up.args:  # x, weight, bias: each an fp32 cast of a bf16 value
         assert a.target is torch.ops.aten._to_copy.default and a.kwargs["dtype"] == torch.float32
         src = a.args[0]
         assert src.meta["val"].dtype == torch.bfloat16, src.format_node()
     (store,) = up.users
-    assert store.kwargs["dtype"] == torch.bfloat16 and store.meta["autoprec"]["inserted_cast"]
+    assert store.kwargs["dtype"] == torch.bfloat16 and read_meta(store).inserted_cast
     assert up.meta["val"].dtype == torch.float32
 
 
@@ -119,10 +120,10 @@ def test_fp8_class_rule_leaves_ops_without_fp8_kernel_in_storage_dtype():
     pol = Policy(default_dtype="fp32", rules=(Rule(op_class="matmul", dtype="bf16", compute="fp8_e4m3"),))
     out = run_pipeline(gm, pol).graph_module
     sdpa = by_key(out, "scaled_dot_product_attention#0")
-    assert "compute" not in sdpa.meta["autoprec"] and "no fp8 kernel" in sdpa.meta["autoprec"]["reason"]
-    assert sdpa.meta["autoprec"]["dtype"] == "bf16"
+    assert read_meta(sdpa).compute is None and "no fp8 kernel" in read_meta(sdpa).reason
+    assert read_meta(sdpa).dtype == "bf16"
     assert any(str(n.target) == "autoprec.fp8_linear.default" for n in out.graph.nodes)
-    key = sdpa.meta["autoprec"]["key"]
+    key = read_meta(sdpa).key
     with pytest.raises(PassError, match="no fp8 kernel"):
         run_pipeline(gm, Policy(default_dtype="fp32", rules=(Rule(node=key, dtype="fp8_e4m3"),)))
 
@@ -134,9 +135,9 @@ def test_saved_is_recorded_where_it_differs_from_the_stored_dtype():
                                               Rule(node="down/linear#0", saved="fp32")))
     gm = assign_dtypes(capture(m, (x,)), pol).graph_module
     gelu = by_key(gm, "gelu#0")
-    assert gelu.meta["autoprec"]["saved"] == "bf16" and gelu.meta["autoprec"]["dtype"] == "fp32"
-    assert "saved" not in by_key(gm, "down/linear#0").meta["autoprec"]  # saved as stored: nothing to do
-    assert "saved" not in by_key(gm, "up/linear#0").meta["autoprec"]
+    assert read_meta(gelu).saved == "bf16" and read_meta(gelu).dtype == "fp32"
+    assert read_meta(by_key(gm, "down/linear#0")).saved is None  # saved as stored: nothing to do
+    assert read_meta(by_key(gm, "up/linear#0")).saved is None
 
 
 def test_report_labels_storage_compute_and_saved():
@@ -173,7 +174,7 @@ def test_mask_fill_constant_is_clamped_for_a_low_compute_dtype(storage):
     pol = Policy(default_dtype="fp32", rules=(Rule(op_class="follow", dtype=storage, compute="fp16"),))
     gm = run_pipeline(capture(Masked(), (x,)), pol).graph_module
     fill = by_key(gm, "masked_fill#0")
-    assert fill.meta["autoprec"].get("constants_clamped") and fill.meta["autoprec"]["dtype"] == "fp16"
+    assert read_meta(fill).constants_clamped and read_meta(fill).dtype == "fp16"
     out = gm(x)
     assert torch.isfinite(out).all()
 
@@ -185,7 +186,7 @@ def test_saved_on_a_compute_node_moves_to_its_store_cast():
     gm = run_pipeline(capture(m, (x,)), pol).graph_module
     up = by_key(gm, "up/linear#0")
     (store,) = up.users
-    assert "saved" not in up.meta["autoprec"] and store.meta["autoprec"]["saved"] == "fp8_e5m2"
+    assert read_meta(up).saved is None and read_meta(store).saved == "fp8_e5m2"
 
 
 def test_gpt2_conv1d_addmm_lowers_to_fp8():

@@ -15,6 +15,7 @@ import autoprec
 from autoprec.capture import BATCH, DIMS_META, SEQ, capture, plan_dims
 from autoprec.graph import tensor_bytes
 from autoprec.metrics import grad_rel_l2
+from autoprec.nodemeta import read_meta
 from autoprec.passes import run_pipeline
 from autoprec.runtime.shape_cache import ShapeCache
 from tests.conftest import EXAMPLES, RTOL
@@ -98,7 +99,7 @@ def test_dynamic_capture_lowers_with_symbolic_shapes_and_example_costs():
     # byte costs are counted at the example's sizes: the same placement as the static capture's
     assert low.stats["casts"] == static.stats["casts"]
     assert low.stats["cast_bytes"] == static.stats["cast_bytes"]
-    emb = next(n for n in gm.graph.nodes if n.meta.get("autoprec", {}).get("op") == "embedding")
+    emb = next(n for n in gm.graph.nodes if read_meta(n).op == "embedding")
     assert tensor_bytes(emb) == 4 * 32 * 32 * 4
     for b, t in [(1, 17), (3, 30)]:
         batch = lm_batch(b, t, 1)  # one lowered graph runs every shape in range, close to FP32

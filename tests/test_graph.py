@@ -13,6 +13,7 @@ from torch import nn
 
 from autoprec.capture import capture
 from autoprec.graph import PLACEMENT_MODES, place_follow, to_networkx
+from autoprec.nodemeta import read_meta
 from autoprec.passes import run_pipeline
 from autoprec.policy import Policy
 
@@ -21,10 +22,10 @@ def cast_set(gm) -> set[tuple[str, str]]:
     """``{(source key, dtype)}`` of every cast the passes inserted."""
     out = set()
     for n in gm.graph.nodes:
-        m = n.meta.get("autoprec", {})
-        if m.get("inserted_cast"):
+        m = read_meta(n)
+        if m.inserted_cast:
             src = n.args[0]
-            out.add((src.meta.get("autoprec", {}).get("key", src.name), m["dtype"]))
+            out.add((read_meta(src).key or src.name, m.dtype))
     return out
 
 
@@ -132,7 +133,7 @@ def test_mincut_cast_bytes_are_what_the_casts_convert(broadcast):
     r = run_pipeline(gm, Policy.default(), "mincut")
     # cast bytes are counted at fp32 size (4 bytes per element of the source tensor)
     total = sum(4 * n.args[0].meta["val"].numel() for n in r.graph_module.graph.nodes
-                if n.meta.get("autoprec", {}).get("inserted_cast"))
+                if read_meta(n).inserted_cast)
     assert r.stats["cast_bytes"] == total
     assert r.stats["casts"] == len(cast_set(r.graph_module))
 

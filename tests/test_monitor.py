@@ -12,6 +12,7 @@ from torch import nn
 from autoprec import LossScaleError, Monitor, Policy
 from autoprec.capture import capture
 from autoprec.metrics import median
+from autoprec.nodemeta import read_meta
 from autoprec.runtime.apply import apply
 from autoprec.runtime.monitor import first_nonfinite_node, json_safe, read_jsonl
 from autoprec.runtime.scaler import DynamicLossScaler
@@ -37,7 +38,7 @@ def _sum_loss(out, batch):
 def _inject_inf(gm, key):
     """Make the node with ``key`` output +inf everywhere its value is >= 0 (and -inf below)."""
     for n in gm.graph.nodes:
-        if n.meta.get("autoprec", {}).get("key") == key:
+        if read_meta(n).key == key:
             orig = n.target
             n.target = lambda *a, _f=orig, **k: _f(*a, **k) * math.inf
             gm.recompile()

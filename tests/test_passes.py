@@ -8,6 +8,7 @@ from torch import nn
 
 from autoprec.capture import capture
 from autoprec.errors import PassError
+from autoprec.nodemeta import meta_of, read_meta
 from autoprec.ops import op_name
 from autoprec.passes import PassBase, PassManager, PassResult, lowering_passes, run_pipeline
 from autoprec.passes.accumulate import AccumulateFp32, accumulate_fp32
@@ -39,17 +40,17 @@ def net():
 
 
 def _meta(gm, key):
-    return next(n.meta["autoprec"] for n in gm.graph.nodes if n.meta.get("autoprec", {}).get("key") == key)
+    return next(read_meta(n) for n in gm.graph.nodes if read_meta(n).key == key)
 
 
 def test_passes_are_pure(net):
     _m, _ids, gm = net
-    before = [(n.name, dict(n.meta.get("autoprec", {}))) for n in gm.graph.nodes]
+    before = [(n.name, read_meta(n).copy()) for n in gm.graph.nodes]
     code = gm.code
     r = run_pipeline(gm, Policy.default())
     assert r.graph_module is not gm
     assert gm.code == code
-    assert [(n.name, dict(n.meta.get("autoprec", {}))) for n in gm.graph.nodes] == before
+    assert [(n.name, read_meta(n).copy()) for n in gm.graph.nodes] == before
     # same Parameter objects (training updates the user's model)
     assert {id(p) for p in r.graph_module.parameters()} == {id(p) for p in gm.parameters()}
 
@@ -59,15 +60,15 @@ def test_each_pass_lints_and_records_decisions(net):
     r1 = assign_dtypes(gm, Policy.default())
     r1.graph_module.graph.lint()
     fc = _meta(r1.graph_module, "fc/linear#0")
-    assert fc["op_class"] == "matmul" and fc["dtype"] == "bf16" and fc["decided_by"] == "default_dtype"
-    assert "GEMM" in fc["reason"]
+    assert fc.op_class == "matmul" and fc.dtype == "bf16" and fc.decided_by == "default_dtype"
+    assert "GEMM" in fc.reason
     sm = _meta(r1.graph_module, "softmax#0")
-    assert sm["op_class"] == "sensitive" and sm["dtype"] == "fp32" and sm["decided_by"] == "rule"
-    assert "exp" in sm["reason"]
+    assert sm.op_class == "sensitive" and sm.dtype == "fp32" and sm.decided_by == "rule"
+    assert "exp" in sm.reason
     emb = _meta(r1.graph_module, "emb/embedding#0")
-    assert emb["op_class"] == "follow" and emb["decided_by"].startswith("placement:")
+    assert emb.op_class == "follow" and emb.decided_by.startswith("placement:")
     mul = _meta(r1.graph_module, "mul#0")  # ids * 2: integer
-    assert mul["op_class"] == "nonfloat" and mul["dtype"] is None
+    assert mul.op_class == "nonfloat" and mul.dtype is None
     r2 = insert_casts(r1.graph_module)
     r2.graph_module.graph.lint()
     r3 = accumulate_fp32(r2.graph_module, Policy.default())
@@ -82,7 +83,7 @@ def test_outputs_keep_dtype_and_ints_never_cast(net):
         assert probs.dtype == torch.float32 and ids2.dtype == torch.int64
         assert torch.equal(ids2, ids * 2)
         for n in low.graph.nodes:
-            if n.meta.get("autoprec", {}).get("inserted_cast"):
+            if read_meta(n).inserted_cast:
                 assert n.args[0].meta["val"].dtype.is_floating_point, n.format_node()
 
 
@@ -98,8 +99,8 @@ def test_node_rule_wins(net):
     policy = Policy(default_dtype="bf16", rules=(Rule(op_class="sensitive", dtype="fp32"),
                                                   Rule(node="softmax#0", dtype="bf16")))
     r = run_pipeline(gm, policy)
-    assert _meta(r.graph_module, "softmax#0")["dtype"] == "bf16"
-    assert _meta(r.graph_module, "ln/layer_norm#0")["dtype"] == "fp32"
+    assert _meta(r.graph_module, "softmax#0").dtype == "bf16"
+    assert _meta(r.graph_module, "ln/layer_norm#0").dtype == "fp32"
 
 
 def test_unknown_op_warns_once_and_follows():
@@ -171,12 +172,12 @@ def test_accumulate_rewrite_shape(net):
     x = torch.randn(3, 64)
     gm = capture(Summer(), (x,))
     r = run_pipeline(gm, Policy(default_dtype="bf16"))
-    sums = [n for n in r.graph_module.graph.nodes if n.meta.get("autoprec", {}).get("op") == "sum"]
+    sums = [n for n in r.graph_module.graph.nodes if read_meta(n).op == "sum"]
     assert len(sums) == 1 and sums[0].kwargs.get("dtype") == torch.float32
-    assert sums[0].meta["autoprec"]["accumulate"] == "fp32"
+    assert read_meta(sums[0]).accumulate == "fp32"
     back = list(sums[0].users)
     assert len(back) == 1 and back[0].kwargs["dtype"] == torch.bfloat16
-    vars_ = [n for n in r.graph_module.graph.nodes if n.meta.get("autoprec", {}).get("op") == "var"]
+    vars_ = [n for n in r.graph_module.graph.nodes if read_meta(n).op == "var"]
     assert vars_[0].args[0].kwargs["dtype"] == torch.float32  # var's input upcast
 
 
@@ -208,13 +209,13 @@ def test_two_low_dtypes_in_one_policy():
     gm = capture(m, (x,))
     policy = Policy(default_dtype="bf16", rules=(Rule(module="a", op_class="matmul", dtype="fp16"),))
     r = run_pipeline(gm, policy)
-    d = {n.meta["autoprec"].get("key"): n.meta["autoprec"].get("dtype") for n in r.graph_module.graph.nodes
-         if "key" in n.meta.get("autoprec", {})}
+    d = {read_meta(n).key: read_meta(n).dtype for n in r.graph_module.graph.nodes
+         if read_meta(n).key is not None}
     assert d["a/linear#0"] == "fp16" and d["b/linear#0"] == "bf16"
     assert d["relu#0"] in ("fp16", "bf16")
     for n in r.graph_module.graph.nodes:
-        if n.meta.get("autoprec", {}).get("inserted_cast"):
-            assert n.meta["autoprec"]["decided_by"] == "insert_casts"
+        if read_meta(n).inserted_cast:
+            assert read_meta(n).decided_by == "insert_casts"
     torch.testing.assert_close(r.graph_module(x), m(x), rtol=3e-2, atol=3e-2)
 
 
@@ -273,7 +274,7 @@ def test_runner_checks_each_post_condition(which):
         def call(self, gm):
             r = super().call(gm)
             first = next(n for n in r.graph_module.graph.nodes if n.op == "call_function")
-            first.meta["autoprec"]["dtype"] = None
+            meta_of(first).dtype = None
             return r
 
     class NoAccumulate(AccumulateFp32):

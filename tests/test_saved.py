@@ -11,6 +11,7 @@ from torch import nn
 import autoprec
 from autoprec.errors import PassError
 from autoprec.metrics import grad_rel_l2
+from autoprec.nodemeta import meta_of
 from autoprec.passes import run_pipeline
 from autoprec.policy import Policy
 from autoprec.policy.rule import Rule
@@ -31,8 +32,8 @@ def _module(model, ids, compile: bool, saved: str | None) -> MixedPrecisionModul
     gm = autoprec.capture(model, ids)
     result = run_pipeline(gm, policy)
     for n in result.graph_module.graph.nodes:
-        if saved is not None and n.op == "call_function" and "autoprec" in n.meta:
-            n.meta["autoprec"]["saved"] = saved
+        if saved is not None and n.op == "call_function":
+            meta_of(n).saved = saved
     return MixedPrecisionModule(model, result.graph_module, policy, result.stats, compile)
 
 
@@ -113,8 +114,8 @@ def test_unmarked_graph_gets_null_context_and_bad_name_names_node(setup):
     gm = autoprec.capture(model, ids)
     assert not has_saved(gm)
     assert type(saved_activation_context(gm)).__name__ == "nullcontext"
-    node = next(n for n in gm.graph.nodes if n.op == "call_function" and "autoprec" in n.meta)
-    node.meta["autoprec"]["saved"] = "fp4"
+    node = next(n for n in gm.graph.nodes if n.op == "call_function")
+    meta_of(node).saved = "fp4"
     with pytest.raises(PassError, match=node.name):
         apply_saved(gm, compiled=False)
 

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 import autoprec
+from autoprec.nodemeta import read_meta
 from autoprec.search.groups import MAX_BLOCK_PARAMS, block_params, members
 from autoprec.search.space import SearchSpace, find_blocks
 
@@ -58,9 +59,9 @@ def test_a_run_parameter_lowers_exactly_its_blocks():
     params = dict.fromkeys(space.region_params(), "inherit") | {
         "matmul": "fp32", "sensitive": "fp32", "follow": "auto", "blocks:model.layers.2-3": "bf16"}
     lowered = autoprec.apply(model, space.to_policy(params), batch, compile=False, dynamic=False).graph_module
-    low = {n.meta["autoprec"]["module"].split(".")[2] for n in lowered.graph.nodes
-           if n.op == "call_function" and n.meta.get("autoprec", {}).get("op_class") == "matmul"
-           and n.meta["autoprec"].get("dtype") == "bf16"}
+    low = {read_meta(n).module.split(".")[2] for n in lowered.graph.nodes
+           if n.op == "call_function" and read_meta(n).op_class == "matmul"
+           and read_meta(n).dtype == "bf16"}
     assert low == {"2", "3"}
 
 

@@ -13,6 +13,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from autoprec._torch_compat import new_fake_mode
 from autoprec.capture import capture
 from autoprec.errors import PassError
+from autoprec.nodemeta import meta_of, read_meta
 from autoprec.passes import verify as verify_mod
 from autoprec.passes.pipeline import lowering_passes
 from autoprec.policy import Policy, Rule
@@ -66,9 +67,8 @@ def test_where_meta_propagation_fails_fake_tensors_verify_and_still_catch_a_wron
     monkeypatch.setattr(verify_mod, "FakeTensorProp", lambda *a, **k: calls.append(1) or real(*a, **k))
     passes = lowering_passes(qwen2_graph, Policy.autocast("bf16"))
     lowered = passes[:-1](qwen2_graph).graph_module
-    mm = next(n for n in lowered.graph.nodes if n.meta.get("autoprec", {}).get("dtype") == "bf16"
-              and "linear" in str(n.target))
-    mm.meta["autoprec"]["dtype"] = "fp32"  # a pass bug: assigned fp32, computes bf16
+    mm = next(n for n in lowered.graph.nodes if read_meta(n).dtype == "bf16" and "linear" in str(n.target))
+    meta_of(mm).dtype = "fp32"  # a pass bug: assigned fp32, computes bf16
     with pytest.raises(PassError, match="assigned fp32 but computes bf16"):
         passes[-1:].resume(verify_mod.PassResult(lowered, True, {}))
     assert calls and all(n.meta["val"].device.type == "cpu" for n in lowered.graph.nodes

@@ -9,7 +9,7 @@ model, so gradients land on the user's parameters and the optimizer, checkpoints
 ``state_dict`` keys are unchanged.
 
 Each ``call_function`` node gets a stable key ``<module path>/<op>#<k>`` in
-``node.meta["autoprec"]["key"]`` (k counts that op inside that module in graph order), which
+``NodeMeta.key`` (:mod:`autoprec.nodemeta`; k counts that op inside that module in graph order), which
 policies use to name nodes; keys do not depend on FX's generated node names.
 """
 
@@ -74,7 +74,7 @@ def capture(model: nn.Module, example_batch: Any, dynamic: bool = False,
     Returns:
         A ``GraphModule`` with the model's call signature and output structure whose parameters
         are the model's own ``Parameter`` objects. ``node.meta["val"]`` holds a fake tensor
-        (shape, dtype) per node and ``node.meta["autoprec"]["key"]`` a stable node key. Outputs
+        (shape, dtype) per node and ``NodeMeta.key`` a stable node key. Outputs
         follow :func:`autoprec.modelspec.prepare_output`: ``ModelOutput`` dataclasses, tuples,
         dicts and ``None`` fields keep their type and fields, other values without tensors are
         returned unchanged. When ``forward`` has a ``use_cache`` parameter the batch does not set,

@@ -22,8 +22,8 @@ it: the search runs ``assign_dtypes`` alone, then resumes with the rest), lintin
 and checking each post-condition after every pass; any failure raises
 :class:`autoprec.errors.PassError` naming the pass (and the node, where known), a non-``PassError``
 chained as its cause. :func:`run_pipeline` / :func:`lower` run the whole list. Every pass
-records its decision in ``node.meta["autoprec"]``. :func:`first_nonfinite_node` (not a pass)
-finds the node where a lowered graph overflows.
+records its decision in the node's :class:`~autoprec.nodemeta.NodeMeta`. :func:`first_nonfinite_node`
+(not a pass) finds the node where a lowered graph overflows.
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ import torch
 from torch import fx
 
 from autoprec.dtypes import LOW_DTYPES, to_torch
+from autoprec.nodemeta import NodeMeta, meta_of, read_meta, set_meta
 from autoprec.ops import REDUCTION_OPS, REDUCTIONS_WITH_DTYPE
 from autoprec.passes.base import PassBase, PassResult, clone_graph_module, pass_error
 from autoprec.passes.casts import CAST_OP
@@ -36,16 +37,16 @@ def _new_cast(graph: fx.Graph, src: fx.Node, dt: str, where: str, after: fx.Node
         c = graph.call_function(CAST_OP, (src,), {"dtype": to_torch(dt)})
     c.meta["val"] = src.meta.get("val")
     c.meta["nn_module_stack"] = src.meta.get("nn_module_stack", {})
-    key = src.meta.get("autoprec", {}).get("key", src.name)
-    c.meta["autoprec"] = {"dtype": dt, "inserted_cast": True, "op_class": "cast",
-                          "decided_by": PASS, "key": f"{where}({key})->{dt}"}
+    key = read_meta(src).key or src.name
+    set_meta(c, NodeMeta(dtype=dt, inserted_cast=True, op_class="cast", decided_by=PASS,
+                         key=f"{where}({key})->{dt}"))
     return c
 
 
 def _low_reduction(node: fx.Node) -> bool:
     """True for a reduction (:data:`autoprec.ops.REDUCTION_OPS`) assigned a low dtype."""
-    meta = node.meta.get("autoprec", {})
-    return node.op == "call_function" and meta.get("op") in REDUCTION_OPS and meta.get("dtype") in LOW_DTYPES
+    meta = read_meta(node)
+    return node.op == "call_function" and meta.op in REDUCTION_OPS and meta.dtype in LOW_DTYPES
 
 
 def accumulate_fp32(gm: fx.GraphModule, policy: Policy) -> PassResult:
@@ -70,15 +71,15 @@ def accumulate_fp32(gm: fx.GraphModule, policy: Policy) -> PassResult:
     for node in list(graph.nodes):
         if not _low_reduction(node):
             continue
-        meta = node.meta["autoprec"]
-        op, dt = meta["op"], meta["dtype"]
+        meta = meta_of(node)
+        op, dt = meta.op, meta.dtype
         if not isinstance(node.meta.get("val"), torch.Tensor):
             raise pass_error(PASS, node, "reduction with several outputs cannot accumulate in fp32")
         if op in REDUCTIONS_WITH_DTYPE:
             node.kwargs = {**node.kwargs, "dtype": torch.float32}
         else:
             def up(a, dt=dt):
-                if isinstance(a, fx.Node) and a.meta.get("autoprec", {}).get("dtype") == dt:
+                if isinstance(a, fx.Node) and read_meta(a).dtype == dt:
                     stats["accumulate_casts"] += 1
                     return _new_cast(graph, a, "fp32", "upcast", a)
                 return a
@@ -88,8 +89,8 @@ def accumulate_fp32(gm: fx.GraphModule, policy: Policy) -> PassResult:
         back = _new_cast(graph, node, dt, "accumulated", node)
         for u in users:
             u.replace_input_with(node, back)
-        meta.update(dtype="fp32", accumulate="fp32", lowered_to=dt,
-                    decided_by=f"{meta.get('decided_by')}; {PASS}")
+        meta.dtype, meta.accumulate, meta.lowered_to = "fp32", "fp32", dt
+        meta.decided_by = f"{meta.decided_by}; {PASS}"
         stats["accumulate_fp32"] += 1
         stats["accumulate_casts"] += 1
     gm.recompile()

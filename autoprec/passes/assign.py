@@ -14,11 +14,11 @@ Order of decisions for a ``call_function`` node with a floating output:
 5. Scalar constants out of the chosen low dtype's range (:mod:`autoprec.passes.constants`,
    case C03): keep the node fp32 or clamp a mask fill value to ``finfo(dtype).min``.
 
-The decision is stored in ``node.meta["autoprec"]``: ``op_class``, ``dtype`` (the storage dtype,
-what consumers read), ``decided_by`` and ``reason`` (the op table's numerical reason); where a rule
-sets them, ``compute`` (the dtype the op computes in, when not the storage dtype: ``insert_casts``
-rounds the inputs through the storage dtype and stores the output back) and ``saved`` (what the
-output is saved as for backward: ``autoprec.runtime.saved``).
+The decision is stored in the node's :class:`~autoprec.nodemeta.NodeMeta`: ``op_class``, ``dtype``
+(the storage dtype, what consumers read), ``decided_by`` and ``reason`` (the op table's numerical
+reason); where a rule sets them, ``compute`` (the dtype the op computes in, when not the storage
+dtype: ``insert_casts`` rounds the inputs through the storage dtype and stores the output back) and
+``saved`` (what the output is saved as for backward: ``autoprec.runtime.saved``).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from torch import fx
 
 from autoprec.dtypes import FP8_COMPUTE, LOW_DTYPES, to_torch
 from autoprec.graph import check_placement_mode, place_follow
+from autoprec.nodemeta import NodeMeta, meta_of, read_meta
 from autoprec.ops import (
     FIXED_DTYPE_OPS,
     REGION_OPS,
@@ -60,15 +61,15 @@ def unmatched_rules(policy: Policy, nodes: Iterable[fx.Node]) -> list[int]:
     rule: its key is not a node's; any other rule: :meth:`Rule.matches` is False for every node,
     op classes from :func:`autoprec.ops.classify`). The one rule for "matches nothing": the
     warnings here and the refusal of another model's policy (``runtime/policy_match.py``) use it."""
-    keyed = [(n.meta["autoprec"]["key"], classify(n), n.meta["autoprec"].get("module", ""))
-             for n in nodes if n.op == "call_function" and "key" in n.meta.get("autoprec", {})]
+    keyed = [(m.key, classify(n), m.module or "") for n in nodes
+             if n.op == "call_function" and (m := read_meta(n)).key is not None]
     keys = {k for k, _c, _m in keyed}
     return [i for i, rule in enumerate(policy.rules)
             if (rule.node not in keys if rule.node is not None else not any(rule.matches(*n) for n in keyed))]
 
 
 def _check_node_rules(policy: Policy, nodes: list[fx.Node]) -> None:
-    by_key = {n.meta["autoprec"]["key"]: n for n in nodes if "key" in n.meta.get("autoprec", {})}
+    by_key = {read_meta(n).key: n for n in nodes if read_meta(n).key is not None}
     inputs = {str(name) for n in nodes if n.op == "placeholder" for name in (n.name, n.target)}
     unmatched = set(unmatched_rules(policy, nodes))
     for i, rule in enumerate(policy.rules):
@@ -87,7 +88,7 @@ def _check_node_rules(policy: Policy, nodes: list[fx.Node]) -> None:
         elif n is None:
             warnings.warn(f"autoprec: policy rules[{i}] names node {rule.node!r}, which is not in the graph",
                           stacklevel=3)
-        elif n.meta["autoprec"]["op_class"] == "nonfloat":
+        elif read_meta(n).op_class == "nonfloat":
             raise pass_error(
                 PASS, n, f"policy rules[{i}] sets dtype {rule.dtype} on a non-float node "
                 "(integer/bool tensors, indices and masks are never cast)"
@@ -109,7 +110,7 @@ def assign_dtypes(
             constants outside a lowered node's dtype range (case C03).
 
     Returns:
-        ``PassResult`` whose graph's nodes carry ``meta["autoprec"]["dtype"]`` (and, on SDPA
+        ``PassResult`` whose graph's nodes carry a ``NodeMeta.dtype`` (and, on SDPA
         nodes under ``policy.attention="math"``, ``impl="math"``); stats
         ``placed`` (follow nodes placed), ``constants_fp32`` and ``constants_clamped``.
 
@@ -125,15 +126,15 @@ def assign_dtypes(
     nodes = list(gm.graph.nodes)
     for region in rmsnorm_regions(nodes):
         for n in region:
-            n.meta.setdefault("autoprec", {})["pattern"] = "rms_norm"
+            meta_of(n).pattern = "rms_norm"
     labels: dict[fx.Node, str | None] = {}
     casting: set[fx.Node] = set()
     for node in nodes:
-        meta = node.meta.setdefault("autoprec", {})
+        meta = meta_of(node)
         orig = captured_dtype(node)
         if node.op in ("placeholder", "get_attr"):
             labels[node] = orig
-            meta.update(dtype=orig, decided_by="input")
+            meta.dtype, meta.decided_by = orig, "input"
         elif node.op == "call_function":
             _decide(node, meta, orig, policy, labels, casting)
         elif node.op == "output":
@@ -145,13 +146,14 @@ def assign_dtypes(
     low_default = policy.default_dtype if policy.default_dtype != "fp32" else "bf16"
     placed = place_follow(nodes, labels, casting, mode=placement, low_default=low_default)
     for node, dt in placed.items():
-        node.meta["autoprec"].update(dtype=dt, decided_by=f"placement:{placement}")
+        meta = meta_of(node)
+        meta.dtype, meta.decided_by = dt, f"placement:{placement}"
     n_clamped = _constants_after(nodes, constants)
     n_saved = _assign_saved(nodes, policy)
     if policy.attention != "fused":  # run by the math_attention pass; part of the search's fingerprint
         for n in nodes:
             if n.target is SDPA:
-                n.meta["autoprec"]["impl"] = policy.attention
+                meta_of(n).impl = policy.attention
     stats = {"placed": len(placed), "constants_fp32": n_fp32, "constants_clamped": n_clamped,
              "saved_low": n_saved}
     return PassResult(gm, True, stats)
@@ -187,15 +189,15 @@ class AssignDtypes(PassBase):
             PassError: a node producing a float tensor has no dtype, or is still ``"auto"``.
         """
         for n in gm.graph.nodes:
-            meta = n.meta.get("autoprec", {})
-            if n.op != "call_function" or captured_dtype(n) is None or meta.get("op_class") == "nonfloat":
+            meta = read_meta(n)
+            if n.op != "call_function" or captured_dtype(n) is None or meta.op_class == "nonfloat":
                 continue
-            if meta.get("dtype") in (None, "auto"):
-                raise pass_error(PASS, n, f"float node left without a dtype ({meta.get('dtype')!r})")
+            if meta.dtype in (None, "auto"):
+                raise pass_error(PASS, n, f"float node left without a dtype ({meta.dtype!r})")
 
 
 def _assign_saved(nodes: list[fx.Node], policy: Policy) -> int:
-    """``meta["saved"]``: what each float node's output is saved as for backward, where a rule sets
+    """``NodeMeta.saved``: what each float node's output is saved as for backward, where a rule sets
     something other than the dtype the node stores it in (after placement: follow nodes included).
 
     Returns:
@@ -203,13 +205,12 @@ def _assign_saved(nodes: list[fx.Node], policy: Policy) -> int:
     """
     count = 0
     for n in nodes:
-        meta = n.meta.get("autoprec", {})
-        if (n.op != "call_function" or meta.get("dtype") in (None, "auto")
-                or meta.get("op_class") == "nonfloat"):
+        meta = read_meta(n)
+        if n.op != "call_function" or meta.dtype in (None, "auto") or meta.op_class == "nonfloat":
             continue
-        saved = policy.resolve_saved(meta.get("key", ""), meta.get("op_class", ""), meta.get("module", ""))
-        if saved is not None and saved != meta.get("compute", meta["dtype"]):
-            meta["saved"] = saved
+        saved = policy.resolve_saved(meta.key or "", meta.op_class or "", meta.module or "")
+        if saved is not None and saved != (meta.dtype if meta.compute is None else meta.compute):
+            meta_of(n).saved = saved
             count += 1
     return count
 
@@ -236,19 +237,17 @@ def _constants_before(nodes, labels, policy: Policy, mode: str) -> int:
         if bad:
             d, (_pos, value) = bad[0]
             labels[n] = "fp32"
-            n.meta["autoprec"].pop("compute", None)
-            n.meta["autoprec"].update(
-                dtype="fp32", decided_by="constant out of range",
-                reason=f"constant {value!r} is outside the {d} range "
-                f"(max {torch.finfo(to_torch(d)).max:g}); kept fp32",
-            )
+            meta = meta_of(n)
+            meta.compute, meta.dtype, meta.decided_by = None, "fp32", "constant out of range"
+            meta.reason = (f"constant {value!r} is outside the {d} range "
+                           f"(max {torch.finfo(to_torch(d)).max:g}); kept fp32")
             count += 1
     return count
 
 
 def _low_compute(n: fx.Node) -> str | None:
     """The node's compute dtype when it is a low float dtype other than its storage, else None."""
-    compute = n.meta.get("autoprec", {}).get("compute")
+    compute = read_meta(n).compute
     return compute if compute in LOW_DTYPES else None
 
 
@@ -256,10 +255,9 @@ def _constants_after(nodes, mode: str) -> int:
     """Clamp mask fill values to the node's dtype range, or raise in strict mode (C03)."""
     count = 0
     for n in nodes:
-        meta = n.meta.get("autoprec", {})
-        dt = _low_compute(n) or meta.get("dtype")  # the dtype the op computes in holds the constant
-        if (n.op != "call_function" or dt in (None, "fp32", "auto")
-                or meta.get("decided_by") == "fixed-dtype op"):
+        meta = read_meta(n)
+        dt = _low_compute(n) or meta.dtype  # the dtype the op computes in holds the constant
+        if n.op != "call_function" or dt in (None, "fp32", "auto") or meta.decided_by == "fixed-dtype op":
             continue
         bad = out_of_range_constants(n, dt)
         if not bad:
@@ -273,38 +271,38 @@ def _constants_after(nodes, mode: str) -> int:
             )
         if is_mask_fill(n):
             changed = clamp_to_range(n, dt)
-            meta["constants_clamped"] = [(str(p), old, new) for p, old, new in changed]
+            meta_of(n).constants_clamped = [(str(p), old, new) for p, old, new in changed]
             count += 1
     return count
 
 
-def _decide(node, meta, orig, policy: Policy, labels, casting) -> None:
-    cls = "sensitive" if meta.get("pattern") == "rms_norm" and classify(node) != "nonfloat" else None
-    op = meta.get("op", "")
+def _decide(node, meta: NodeMeta, orig, policy: Policy, labels, casting) -> None:
+    cls = "sensitive" if meta.pattern == "rms_norm" and classify(node) != "nonfloat" else None
+    op = meta.op or ""
     if op in REGION_OPS:
         cls = "region"
     elif cls is None:
         cls = classify(node)
-    meta["op_class"] = cls
-    meta["reason"] = RMSNORM_REASON if meta.get("pattern") == "rms_norm" else reason(op)
+    meta.op_class = cls
+    meta.reason = RMSNORM_REASON if meta.pattern == "rms_norm" else reason(op)
     if cls == "nonfloat" or (orig is None and cls != "region"):
         labels[node] = None
-        meta.update(dtype=None, decided_by="nonfloat")
+        meta.dtype, meta.decided_by = None, "nonfloat"
         return
     if cls == "region":
         what = "autocast" if op == "wrap_with_autocast" else "grad-mode"
         dt, by = "fp32", f"{what} region (kept whole, fp32)"
-        meta["autocast_disabled"] = True
+        meta.autocast_disabled = True
     elif op in FIXED_DTYPE_OPS:
         dt, by = orig, "fixed-dtype op"
     elif node.target is operator.getitem:
         dt, by = "auto", "getitem"
     elif orig != "fp32":
         dt, by = orig, "captured dtype"
-    elif meta.get("autocast_disabled"):
+    elif meta.autocast_disabled:
         dt, by = "fp32", "autocast(enabled=False) region"
     else:
-        rule = policy.resolve_rule(meta.get("key", ""), cls, meta.get("module", ""))
+        rule = policy.resolve_rule(meta.key or "", cls, meta.module or "")
         if rule is not None:
             dt, by = rule.storage, "rule"
             _set_compute(node, meta, rule)
@@ -313,17 +311,17 @@ def _decide(node, meta, orig, policy: Policy, labels, casting) -> None:
         else:
             dt, by = "auto", "follow"
     labels[node] = dt
-    meta.update(dtype=dt, decided_by=by)
+    meta.dtype, meta.decided_by = dt, by
     if op not in FIXED_DTYPE_OPS:
         casting.add(node)
 
 
-def _set_compute(node: fx.Node, meta: dict, rule: Rule) -> None:
-    """Record a rule's compute dtype when it differs from its storage dtype (``meta["compute"]``).
+def _set_compute(node: fx.Node, meta: NodeMeta, rule: Rule) -> None:
+    """Record a rule's compute dtype when it differs from its storage dtype (``meta.compute``).
 
     fp8 goes only to ops :func:`autoprec.passes.fp8.fp8_lowerable` can lower (``linear``, ``mm``,
     2-D ``matmul``): a node rule naming another op is a ``PassError``; an op-class rule leaves it
-    computing in its storage dtype and says why in ``meta["reason"]``.
+    computing in its storage dtype and says why in ``meta.reason``.
 
     Raises:
         PassError: a node rule asks fp8 of an op with no fp8 kernel.
@@ -334,8 +332,8 @@ def _set_compute(node: fx.Node, meta: dict, rule: Rule) -> None:
     if compute == FP8_COMPUTE and not fp8_lowerable(node):
         if rule.node is not None:
             raise pass_error(PASS, node, f"policy rule {rule.describe()} asks fp8 of "
-                             f"{meta.get('op')}, which has no fp8 kernel (fp8 lowers linear, mm "
+                             f"{meta.op}, which has no fp8 kernel (fp8 lowers linear, mm "
                              "and 2-D matmul)")
-        meta["reason"] = f"no fp8 kernel for {meta.get('op')}: computed in {rule.storage}"
+        meta.reason = f"no fp8 kernel for {meta.op}: computed in {rule.storage}"
         return
-    meta["compute"] = compute
+    meta.compute = compute

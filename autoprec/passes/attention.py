@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
+from autoprec.nodemeta import meta_of, read_meta
 from autoprec.passes.base import PassBase, PassResult, clone_graph_module, pass_error
 
 __all__ = ["SDPA", "MathAttention", "has_sdpa", "math_attention"]
@@ -36,7 +37,7 @@ def _math_op() -> object:
 
 
 def _marked(n: fx.Node) -> bool:
-    return n.target is SDPA and n.meta.get("autoprec", {}).get("impl") == "math"
+    return n.target is SDPA and read_meta(n).impl == "math"
 
 
 def math_attention(gm: fx.GraphModule) -> PassResult:
@@ -57,7 +58,8 @@ def math_attention(gm: fx.GraphModule) -> PassResult:
     for n in gm.graph.nodes:
         if _marked(n):
             n.target = op
-            n.meta["autoprec"]["decided_by"] = f"{n.meta['autoprec'].get('decided_by')}; {PASS}"
+            meta = meta_of(n)
+            meta.decided_by = f"{meta.decided_by}; {PASS}"
             stats["math_attention"] += 1
     gm.recompile()
     return PassResult(gm, True, stats)

@@ -11,6 +11,7 @@ from torch import fx
 
 from autoprec._torch_compat import lazy_graph_module
 from autoprec.errors import PassError
+from autoprec.nodemeta import read_meta, unshare_meta
 
 
 @dataclass
@@ -39,7 +40,7 @@ class PassBase(abc.ABC):
     post-condition of the pass before it, already checked by the runner.
     """
 
-    #: The pass's name in error messages and in ``node.meta["autoprec"]["decided_by"]``.
+    #: The pass's name in error messages and in a node's ``NodeMeta.decided_by`` (:mod:`autoprec.nodemeta`).
     name: str = ""
 
     @abc.abstractmethod
@@ -67,7 +68,7 @@ def pass_error(pass_name: str, node: fx.Node | None, msg: str) -> PassError:
     """Build a :class:`PassError` that names the pass, the node's key and ``node.format_node()``."""
     if node is None:
         return PassError(f"[{pass_name}] {msg}")
-    key = node.meta.get("autoprec", {}).get("key", node.name)
+    key = read_meta(node).key or node.name
     return PassError(f"[{pass_name}] node {key} ({node.format_node()}): {msg}")
 
 
@@ -75,17 +76,16 @@ def clone_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     """A new ``GraphModule`` with a deep copy of ``gm``'s graph and the *same* Parameters.
 
     ``copy.deepcopy(gm)`` would copy the Parameters (training would then update copies), and
-    ``copy.deepcopy(gm.graph)`` shares each node's ``meta`` values, so the ``autoprec`` meta
-    dicts are copied here explicitly. Pytree in/out specs (``_in_spec``/``_out_spec``) and
-    ``gm.meta`` (e.g. the ranges of dynamic dimensions, ``autoprec.capture.DIMS_META``) carry over.
-    Its Python code is generated lazily (:func:`autoprec._torch_compat.lazy_graph_module`): the
-    passes' ``recompile()`` calls only mark it stale, and :class:`~autoprec.passes.manager.PassManager`
-    generates it once for the graph it returns.
+    ``copy.deepcopy(gm.graph)`` shares each node's ``meta`` values, so each node's
+    :class:`~autoprec.nodemeta.NodeMeta` is copied here explicitly (:func:`autoprec.nodemeta.unshare_meta`).
+    Pytree in/out specs (``_in_spec``/``_out_spec``) and ``gm.meta`` (e.g. the ranges of dynamic
+    dimensions, ``autoprec.capture.DIMS_META``) carry over. Its Python code is generated lazily
+    (:func:`autoprec._torch_compat.lazy_graph_module`): the passes' ``recompile()`` calls only mark
+    it stale, and :class:`~autoprec.passes.manager.PassManager` generates it once for the graph it
+    returns.
     """
     graph = copy.deepcopy(gm.graph)
-    for node in graph.nodes:
-        if "autoprec" in node.meta:
-            node.meta["autoprec"] = dict(node.meta["autoprec"])
+    unshare_meta(graph)
     new = lazy_graph_module(gm, graph)  # code generated once, after the last pass (PassManager)
     for attr in ("_in_spec", "_out_spec"):
         if hasattr(gm, attr):

@@ -20,6 +20,7 @@ from torch import fx
 
 from autoprec.dtypes import DTYPES, to_torch
 from autoprec.graph import tensor_bytes
+from autoprec.nodemeta import NodeMeta, meta_of, read_meta, set_meta
 from autoprec.ops import captured_dtype, is_float_value
 from autoprec.passes.base import PassBase, PassResult, clone_graph_module, pass_error
 
@@ -40,20 +41,20 @@ def _constant_fill_source(u: fx.Node, dt: str) -> str | None:
         if not isinstance(n, fx.Node) or n.op != "call_function":
             return None
         if is_mask_fill(n) and out_of_range_constants(n, dt):
-            return n.meta.get("autoprec", {}).get("key", n.name)
-        if n.meta.get("autoprec", {}).get("op") not in _VIEW_OPS or not n.args:
+            return read_meta(n).key or n.name
+        if read_meta(n).op not in _VIEW_OPS or not n.args:
             return None
         n = n.args[0]
     return None
 
 
 def _dtype_of(node: fx.Node) -> str | None:
-    return node.meta.get("autoprec", {}).get("dtype")
+    return read_meta(node).dtype
 
 
 def is_inserted_cast(node: fx.Node) -> bool:
     """True for a cast node inserted by :func:`insert_casts`."""
-    return node.op == "call_function" and bool(node.meta.get("autoprec", {}).get("inserted_cast"))
+    return node.op == "call_function" and read_meta(node).inserted_cast
 
 
 def _read_dtype(consumer: fx.Node, a: object) -> str | None:
@@ -67,12 +68,12 @@ def _read_dtype(consumer: fx.Node, a: object) -> str | None:
         return None
     if consumer.op == "output":
         return captured_dtype(a)
-    meta = consumer.meta.get("autoprec", {})
-    if consumer.op != "call_function" or meta.get("inserted_cast"):
+    meta = read_meta(consumer)
+    if consumer.op != "call_function" or meta.inserted_cast:
         return None
-    if meta.get("decided_by") == "fixed-dtype op":
+    if meta.decided_by == "fixed-dtype op":
         return None
-    return meta.get("dtype")
+    return meta.dtype
 
 
 def insert_casts(gm: fx.GraphModule) -> PassResult:
@@ -108,17 +109,17 @@ def insert_casts(gm: fx.GraphModule) -> PassResult:
                 with graph.inserting_after(u):
                     src = graph.call_function(CLAMP_OP, (u, float(fi.min), float(fi.max)))
                 src.meta["val"] = u.meta.get("val")
-                src.meta["autoprec"] = {"dtype": du, "op_class": "cast", "saturating_cast": True,
-                                        "reason": f"constant fill of {fill} is outside {dt}'s range",
-                                        "key": f"saturate({u.meta.get('autoprec', {}).get('key', u.name)})"}
+                set_meta(src, NodeMeta(dtype=du, op_class="cast", saturating_cast=True,
+                                       reason=f"constant fill of {fill} is outside {dt}'s range",
+                                       key=f"saturate({read_meta(u).key or u.name})"))
             with graph.inserting_after(src):
                 c = graph.call_function(CAST_OP, (src,), {"dtype": to_torch(dt)})
             if "val" in u.meta:  # shape only; dtypes are re-derived by the verifier
                 c.meta["val"] = u.meta["val"]
             c.meta["nn_module_stack"] = u.meta.get("nn_module_stack", {})
-            c.meta["autoprec"] = {"dtype": dt, "inserted_cast": True, "op_class": "cast",
-                                  "decided_by": PASS, "reason": f"{du} producer read in {dt}",
-                                  "key": f"cast({u.meta.get('autoprec', {}).get('key', u.name)})->{dt}"}
+            set_meta(c, NodeMeta(dtype=dt, inserted_cast=True, op_class="cast", decided_by=PASS,
+                                 reason=f"{du} producer read in {dt}",
+                                 key=f"cast({read_meta(u).key or u.name})->{dt}"))
             cache[(u, dt)] = c
             stats["casts"] += 1
             stats["cast_bytes"] += tensor_bytes(u)
@@ -144,11 +145,11 @@ def insert_casts(gm: fx.GraphModule) -> PassResult:
 
 def _float_compute(node: fx.Node) -> str | None:
     """The float compute dtype of a node that computes in another dtype than it stores
-    (``meta["compute"]`` of ``assign_dtypes``), or None. fp8 compute is ``lower_fp8``'s: the
+    (``NodeMeta.compute`` of ``assign_dtypes``), or None. fp8 compute is ``lower_fp8``'s: the
     node reads and writes its storage dtype here."""
-    meta = node.meta.get("autoprec", {})
-    compute = meta.get("compute")
-    if node.op != "call_function" or compute is None or compute not in DTYPES or compute == meta.get("dtype"):
+    meta = read_meta(node)
+    compute = meta.compute
+    if node.op != "call_function" or compute is None or compute not in DTYPES or compute == meta.dtype:
         return None
     return compute
 
@@ -157,22 +158,22 @@ def _store(graph: fx.Graph, node: fx.Node, compute: str, stats: dict[str, int]) 
     """Make ``node`` output its compute dtype and store it back: one cast to the storage dtype
     right after it, read by all its consumers; the node's ``dtype`` becomes ``compute`` and
     ``storage`` records what its consumers read."""
-    meta = node.meta["autoprec"]
-    storage = meta["dtype"]
+    meta = meta_of(node)
+    storage = meta.dtype
     users = list(node.users)
     with graph.inserting_after(node):
         c = graph.call_function(CAST_OP, (node,), {"dtype": to_torch(storage)})
     c.meta["val"] = node.meta.get("val")
     c.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
-    c.meta["autoprec"] = {"dtype": storage, "inserted_cast": True, "op_class": "cast", "decided_by": PASS,
-                          "reason": f"computed in {compute}, stored {storage}",
-                          "key": f"store({meta.get('key', node.name)})->{storage}"}
+    cast_meta = set_meta(c, NodeMeta(dtype=storage, inserted_cast=True, op_class="cast", decided_by=PASS,
+                                     reason=f"computed in {compute}, stored {storage}",
+                                     key=f"store({meta.key or node.name})->{storage}"))
     for u in users:
         u.replace_input_with(node, c)
-    saved = meta.pop("saved", None)  # what backward keeps is the stored tensor: the cast's output
+    saved, meta.saved = meta.saved, None  # what backward keeps is the stored tensor: the cast's output
     if saved is not None and saved != storage:
-        c.meta["autoprec"]["saved"] = saved
-    meta.update(dtype=compute, storage=storage)
+        cast_meta.saved = saved
+    meta.dtype, meta.storage = compute, storage
     stats["casts"] += 1
     stats["cast_bytes"] += tensor_bytes(node)
 

@@ -25,6 +25,7 @@ import torch
 from torch import fx
 
 from autoprec.dtypes import to_torch
+from autoprec.nodemeta import read_meta
 from autoprec.ops import MASK_FILL_OPS
 
 __all__ = [
@@ -84,7 +85,7 @@ def out_of_range_constants(node: fx.Node, dtype: str) -> list[tuple[int | str, f
     Returns:
         ``[(argument position or keyword, value), ...]``; empty when all fit.
     """
-    if node.meta.get("autoprec", {}).get("op") not in VALUE_SCALAR_OPS:
+    if read_meta(node).op not in VALUE_SCALAR_OPS:
         return []
     limit = fill_limit(dtype)
     return [(i, v) for i, v in _scalars(node) if math.isfinite(v) and abs(v) > limit]
@@ -92,7 +93,7 @@ def out_of_range_constants(node: fx.Node, dtype: str) -> list[tuple[int | str, f
 
 def is_mask_fill(node: fx.Node) -> bool:
     """True for ops that write a scalar fill value (``masked_fill``, ``full``, ``where``...)."""
-    return node.meta.get("autoprec", {}).get("op") in MASK_FILL_OPS
+    return read_meta(node).op in MASK_FILL_OPS
 
 
 def clamp_to_range(node: fx.Node, dtype: str) -> list[tuple[int | str, float, float]]:

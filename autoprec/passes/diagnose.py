@@ -13,6 +13,7 @@ import torch
 from torch import fx
 
 from autoprec._torch_compat import pytree
+from autoprec.nodemeta import read_meta
 
 __all__ = ["first_nonfinite_node"]
 
@@ -33,7 +34,7 @@ class _Watch(fx.Interpreter):
                 if isinstance(t, torch.Tensor) and t.dtype.is_floating_point and not bool(
                     torch.isfinite(t).all()
                 ):
-                    raise _Found(n.meta.get("autoprec", {}).get("key", n.name))
+                    raise _Found(read_meta(n).key or n.name)
         return out
 
 
@@ -57,7 +58,7 @@ def first_nonfinite_node(gm: fx.GraphModule, *args: Any, **kwargs: Any) -> str |
         *args, **kwargs: Inputs, as for ``gm(*args, **kwargs)``.
 
     Returns:
-        ``node.meta["autoprec"]["key"]`` (FX name for nodes without one, e.g. placeholders),
+        the node's ``NodeMeta.key`` (FX name for nodes without one, e.g. placeholders),
         or ``None`` if every floating value is finite.
     """
     inputs = _flat(gm, args, kwargs) if kwargs else args

@@ -1,6 +1,6 @@
 """Pass: matmuls whose compute dtype is fp8 run as ``autoprec::fp8_linear`` (docs/architecture.md#passes).
 
-After ``insert_casts`` a node with ``meta["autoprec"]["compute"] == "fp8_e4m3"`` reads its inputs
+After ``insert_casts`` a node whose ``NodeMeta.compute`` is ``"fp8_e4m3"`` reads its inputs
 and writes its output in its storage dtype; this pass swaps its ATen target for the fp8 linear of
 :mod:`autoprec.kernels.fp8` (torchao.float8's ``matmul_with_hp_or_float8_args`` under the policy's
 ``fp8_scaling`` recipe: ``tensorwise``, ``rowwise`` or ``rowwise_with_gw_hp``, torchao's names),
@@ -22,6 +22,7 @@ import torch
 from torch import fx
 
 from autoprec.dtypes import FP8_COMPUTE
+from autoprec.nodemeta import meta_of, read_meta, set_meta
 from autoprec.passes.base import PassBase, PassResult, clone_graph_module, pass_error
 from autoprec.policy import Policy
 
@@ -84,7 +85,7 @@ def lower_fp8(gm: fx.GraphModule, policy: Policy) -> PassResult:
     """
     gm = clone_graph_module(gm)
     stats = {"fp8_matmuls": 0}
-    nodes = [n for n in gm.graph.nodes if n.meta.get("autoprec", {}).get("compute") == FP8_COMPUTE]
+    nodes = [n for n in gm.graph.nodes if read_meta(n).compute == FP8_COMPUTE]
     if not nodes:
         return PassResult(gm, False, stats)
     op = _fp8_op(policy.fp8_scaling)
@@ -99,11 +100,11 @@ def lower_fp8(gm: fx.GraphModule, policy: Policy) -> PassResult:
             with gm.graph.inserting_before(n):
                 w = gm.graph.call_function(_aten.t.default, (src,))
             w.meta["val"] = src.meta["val"].t()
-            key = f"t({n.meta['autoprec'].get('key')})"
-            w.meta["autoprec"] = {**src.meta.get("autoprec", {}), "key": key,
-                                  "inserted_cast": True, "op_class": "follow"}
+            set_meta(w, read_meta(src).copy(key=f"t({read_meta(n).key})", inserted_cast=True,
+                                            op_class="follow"))
         n.target, n.args, n.kwargs = op, (x, w, bias, policy.fp8_scaling), {}
-        n.meta["autoprec"]["decided_by"] = f"{n.meta['autoprec'].get('decided_by')}; {PASS}"
+        meta = meta_of(n)
+        meta.decided_by = f"{meta.decided_by}; {PASS}"
         stats["fp8_matmuls"] += 1
     gm.recompile()
     return PassResult(gm, True, stats)
@@ -132,6 +133,6 @@ class LowerFp8(PassBase):
             PassError: an fp8-compute node still runs its original op.
         """
         for n in gm.graph.nodes:
-            fp8 = n.meta.get("autoprec", {}).get("compute") == FP8_COMPUTE
+            fp8 = read_meta(n).compute == FP8_COMPUTE
             if fp8 and n.target in (_LINEAR, _MM, _MATMUL, _ADDMM):
                 raise pass_error(PASS, n, "marked fp8 but still runs the ATen matmul")

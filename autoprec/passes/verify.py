@@ -25,6 +25,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from autoprec._torch_compat import detect_fake_mode, new_fake_mode
 from autoprec.dtypes import NAMES
+from autoprec.nodemeta import read_meta
 from autoprec.passes.base import PassBase, PassResult, pass_error
 from autoprec.passes.casts import is_inserted_cast
 
@@ -164,18 +165,18 @@ class Verify(PassBase):
                 tensor was cast; an output changed dtype. The message names the node.
         """
         for node in gm.graph.nodes:
-            meta = node.meta.get("autoprec", {})
+            meta = read_meta(node)
             if is_inserted_cast(node):
                 src = node.args[0]
                 if not getattr(src.meta.get("val"), "dtype", torch.float32).is_floating_point:
                     raise pass_error(PASS, node, "an integer/bool tensor was cast")
-            want = meta.get("dtype")
+            want = meta.dtype
             val = node.meta.get("val")
             if node.op == "call_function" and want not in (None, "auto") and isinstance(val, torch.Tensor):
                 got = NAMES.get(val.dtype, str(val.dtype))
                 if got != want:
                     raise pass_error(PASS, node, f"assigned {want} but computes {got}")
-            storage = meta.get("storage")
+            storage = meta.storage
             if storage is not None and any(not is_inserted_cast(u) or NAMES.get(getattr(u.meta.get("val"),
                                                                                         "dtype", None))
                                            not in (storage, None) for u in node.users):

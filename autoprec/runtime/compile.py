@@ -68,8 +68,8 @@ def compile_graph(gm: nn.Module, activation_memory_budget: float = 1.0, dynamic:
             same bytes inside a region is not measured; the memory fit of ``tune --max-memory``
             relies on it).
 
-    A graph whose nodes carry ``meta["autoprec"]["saved"]`` (a policy's ``saved`` field) is
-    compiled with those activations saved low and every call runs inside
+    A graph whose nodes carry a ``NodeMeta.saved`` (a policy's ``saved`` field) is compiled
+    with those activations saved low and every call runs inside
     :func:`autoprec.runtime.saved.saved_activation_context` (a :class:`autoprec.runtime.saved.SavedCall`).
 
     Inductor's CPU code generator warns ``bf16 and fp16 are mixed in the scheduler node`` for every

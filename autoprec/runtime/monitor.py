@@ -9,7 +9,7 @@ every line is strict JSON (``json.loads`` with no ``NaN`` extension; RFC 8259 ha
 
 :func:`first_nonfinite_node` re-runs a forward pass through an instrumented
 :class:`torch.fx.Interpreter` (``autoprec.passes.diagnose``) and returns the stable key
-(``node.meta["autoprec"]["key"]``, docs/architecture.md#node-keys-and-op-classes) of the first node whose
+(``NodeMeta.key``, docs/architecture.md#node-keys-and-op-classes) of the first node whose
 floating output holds an inf or NaN. :meth:`Monitor.diagnoser` wraps it as the zero-argument ``diagnose``
 callable of :class:`~autoprec.runtime.scaler.DynamicLossScaler`, so a ``LossScaleError`` at the scale
 floor names that node.
@@ -48,7 +48,7 @@ def first_nonfinite_node(gm: fx.GraphModule, batch: Any) -> str | None:
             list (``gm(*batch)``), or a single tensor (``gm(batch)``).
 
     Returns:
-        ``node.meta["autoprec"]["key"]`` (e.g. ``"proj/linear#0"``; the FX name for nodes without a
+        ``NodeMeta.key`` (e.g. ``"proj/linear#0"``; the FX name for nodes without a
         key, such as inputs), or ``None`` when every floating value of the forward pass is finite
         (then the non-finite gradients, if any, arise in the backward pass).
 

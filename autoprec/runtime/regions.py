@@ -31,6 +31,7 @@ from torch import fx, nn
 from torch.fx.passes.utils.fuser_utils import fuse_by_partitions, validate_partition
 
 from autoprec.nodekeys import block_of
+from autoprec.nodemeta import read_meta
 
 __all__ = ["BlockRegion", "RegionPlan", "outline_blocks"]
 
@@ -102,7 +103,7 @@ def outline_blocks(gm: fx.GraphModule) -> tuple[fx.GraphModule, RegionPlan]:
     Args:
         gm: A lowered graph (``autoprec.passes.run_pipeline``'s, after the output flattening of
             :func:`autoprec.runtime.outputs.flat_output_graph`); its nodes carry
-            ``meta["autoprec"]["module"]``. It is not modified.
+            a ``NodeMeta.module`` (:mod:`autoprec.nodemeta`). It is not modified.
 
     Returns:
         ``(graph, plan)``: a new ``GraphModule`` computing the same values on the same Parameters
@@ -144,7 +145,7 @@ def outline_blocks(gm: fx.GraphModule) -> tuple[fx.GraphModule, RegionPlan]:
 
 def _block_of(node: fx.Node) -> tuple[str, int] | None:
     """``(container, index)`` of ``node``'s module path (:func:`autoprec.nodekeys.block_of`)."""
-    return block_of((node.meta.get("autoprec") or {}).get("module") or "")
+    return block_of(read_meta(node).module or "")
 
 
 def _block_partitions(gm: fx.GraphModule) -> dict[tuple[str, int], dict[fx.Node, None]]:
@@ -160,7 +161,7 @@ def _block_partitions(gm: fx.GraphModule) -> dict[tuple[str, int], dict[fx.Node,
         if block is not None:
             owner[node] = block
     for node in reversed(gm.graph.nodes):  # readers come later: one reverse pass settles chains
-        if node.op != "call_function" or node in owner or (node.meta.get("autoprec") or {}).get("module"):
+        if node.op != "call_function" or node in owner or read_meta(node).module:
             continue
         readers = {owner.get(user) for user in node.users}
         if len(readers) == 1 and None not in readers:

@@ -1,7 +1,7 @@
 """Saved activations in low precision: a policy's ``saved`` field at run time (docs/architecture.md#runtime).
 
-After the passes a node may carry ``node.meta["autoprec"]["saved"]`` in :data:`autoprec.dtypes.SAVED_DTYPES`
-(absent: saved as stored). The forward is unchanged, bit for bit; only the copy autograd keeps for
+After the passes a node's ``NodeMeta.saved`` may be one of :data:`autoprec.dtypes.SAVED_DTYPES`
+(None: saved as stored). The forward is unchanged, bit for bit; only the copy autograd keeps for
 backward is rounded (``bf16``/``fp16``) or scaled and quantised (``fp8_e5m2``, one fp32 scale per
 tensor), and backward reads it back in the stored dtype.
 
@@ -52,6 +52,7 @@ from autoprec._torch_compat import pytree, saved_tensor_hook_node, top_saved_ten
 from autoprec.dtypes import SAVED_DTYPES, to_torch
 from autoprec.errors import PassError
 from autoprec.kernels.fp8 import amax_scale
+from autoprec.nodemeta import read_meta
 
 __all__ = ["CUSTOM_KEY", "SavedCall", "apply_saved", "has_saved", "pack", "unpack", "report_saved",
            "saved_activation_context", "saved_eager"]
@@ -63,15 +64,16 @@ _state = threading.local()  # .marked: {StorageWeakRef: (ref, name)} in eager fo
 
 
 def _saved_name(node: fx.Node) -> str | None:
-    name = node.meta.get("autoprec", {}).get("saved")
+    meta = read_meta(node)
+    name = meta.saved
     if name is not None and name not in SAVED_DTYPES:
-        raise PassError(f"node {node.name} ({node.meta.get('autoprec', {}).get('key', node.target)}): "
-                        f"meta['autoprec']['saved'] = {name!r}; valid: {list(SAVED_DTYPES)}")
+        raise PassError(f"node {node.name} ({node.target if meta.key is None else meta.key}): "
+                        f"NodeMeta.saved = {name!r}; valid: {list(SAVED_DTYPES)}")
     return name
 
 
 def has_saved(gm: fx.GraphModule) -> bool:
-    """Whether any node of ``gm`` has a ``meta["autoprec"]["saved"]`` dtype (see the module docstring)."""
+    """Whether any node of ``gm`` has a ``NodeMeta.saved`` dtype (see the module docstring)."""
     return any(_saved_name(n) is not None for n in gm.graph.nodes)
 
 
@@ -94,7 +96,7 @@ def apply_saved(gm: fx.GraphModule, compiled: bool) -> fx.GraphModule:
     """Prepare ``gm`` for :func:`saved_activation_context`.
 
     Args:
-        gm: A lowered graph whose nodes may carry ``meta["autoprec"]["saved"]``.
+        gm: A lowered graph whose nodes may carry a ``NodeMeta.saved``.
         compiled: True for a graph that will be ``torch.compile``d: each marked node gets
             ``meta["custom"][CUSTOM_KEY]`` (in place), which Dynamo and AOTAutograd carry to the
             ATen nodes the inlined pack hook sees. False for eager: a ``_record`` node is inserted

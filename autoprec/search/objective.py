@@ -21,6 +21,7 @@ import time
 import optuna
 import torch
 
+from autoprec.nodemeta import read_meta
 from autoprec.passes import lowering_passes
 from autoprec.runtime.saved import saved_eager
 from autoprec.runtime.train import make_scaler
@@ -52,11 +53,11 @@ def policy_fingerprint(lowered: torch.fx.GraphModule) -> str:
     """
     h = hashlib.sha256()
     for n in lowered.graph.nodes:
-        meta = n.meta.get("autoprec", {})
-        if meta.get("dtype") is not None:  # compute and saved only where set: old fingerprints stay valid
-            extra = "".join(f"|{k}={meta[k]}" for k in ("compute", "saved", "impl")
-                            if meta.get(k) is not None)
-            h.update(f"{meta.get('key', n.name)}={meta['dtype']}{extra};".encode())
+        meta = read_meta(n)
+        if meta.dtype is not None:  # compute and saved only where set: old fingerprints stay valid
+            extra = "".join(f"|{k}={v}" for k, v in (("compute", meta.compute), ("saved", meta.saved),
+                                                     ("impl", meta.impl)) if v is not None)
+            h.update(f"{meta.key or n.name}={meta.dtype}{extra};".encode())
     return h.hexdigest()[:16]
 
 

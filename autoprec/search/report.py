@@ -15,6 +15,7 @@ import optuna
 from torch import fx
 
 from autoprec.dtypes import kernel_name
+from autoprec.nodemeta import NodeMeta, read_meta
 from autoprec.policy import Policy
 from autoprec.search import attrs
 from autoprec.search.bands import rate_text, ties_with_fastest, timing_of
@@ -130,12 +131,12 @@ def _markdown(rows, front, table, policy, timings, shapes=None, decision=None, r
     return "\n".join(lines) + "\n"
 
 
-def node_label(meta: dict) -> str:
+def node_label(meta: NodeMeta) -> str:
     """How a lowered node stores, computes and saves, e.g. ``"bf16"``, ``"bf16:fp32"`` (storage bf16,
     compute fp32), ``"bf16:fp8_e4m3"`` or ``"fp32 saved bf16"`` (docs/architecture.md#policy-file)."""
-    storage = meta.get("storage", meta["dtype"])
-    label = kernel_name(storage, meta.get("compute", storage))
-    return label + (f" saved {meta['saved']}" if meta.get("saved") else "")
+    storage = meta.dtype if meta.storage is None else meta.storage
+    label = kernel_name(storage, storage if meta.compute is None else meta.compute)
+    return label + (f" saved {meta.saved}" if meta.saved else "")
 
 
 def dtype_map(gm: fx.GraphModule, policy: Policy) -> dict[str, dict[str, str]]:
@@ -145,9 +146,9 @@ def dtype_map(gm: fx.GraphModule, policy: Policy) -> dict[str, dict[str, str]]:
     lowered = run_pipeline(gm, policy).graph_module
     counts: dict[str, dict[str, dict[str, int]]] = defaultdict(lambda: defaultdict(lambda: defaultdict(int)))
     for n in lowered.graph.nodes:
-        meta = n.meta.get("autoprec", {})
-        if n.op == "call_function" and meta.get("dtype") and not meta.get("inserted_cast"):
-            counts[meta.get("module", "")][meta.get("op_class", "?")][node_label(meta)] += 1
+        meta = read_meta(n)
+        if n.op == "call_function" and meta.dtype and not meta.inserted_cast:
+            counts[meta.module or ""][meta.op_class or "?"][node_label(meta)] += 1
     return {m: {c: max(d, key=d.get) for c, d in cl.items()} for m, cl in counts.items()}
 
 
@@ -245,8 +246,8 @@ def show_nodes(policy: Policy, model_path: str | os.PathLike) -> str:
     lines += ["", "rule -> matched nodes", "---"]
     nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
     for i, rule in enumerate(policy.rules):
-        hits = [n.meta["autoprec"]["key"] for n in nodes
-                if rule.matches(n.meta["autoprec"]["key"], classify(n), n.meta["autoprec"]["module"])]
+        hits = [read_meta(n).key for n in nodes
+                if rule.matches(read_meta(n).key, classify(n), read_meta(n).module)]
         shown = ", ".join(hits[:8]) + (f", … (+{len(hits) - 8})" if len(hits) > 8 else "")
         count = f"{len(hits)} node{'' if len(hits) == 1 else 's'}"
         lines.append(f"rules[{i}] {rule.describe()}: {count}"

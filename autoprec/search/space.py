@@ -17,6 +17,7 @@ import torch
 
 from autoprec.dtypes import FP8_COMPUTE
 from autoprec.nodekeys import block_of
+from autoprec.nodemeta import read_meta
 from autoprec.ops import classify
 from autoprec.passes.attention import has_sdpa
 from autoprec.policy import RULE_OP_CLASSES, Policy, Rule
@@ -60,7 +61,7 @@ def find_blocks(gm: torch.fx.GraphModule) -> list[str]:
     :func:`autoprec.nodekeys.block_of`)."""
     seen: dict[str, None] = {}
     for n in gm.graph.nodes:
-        block = block_of(n.meta.get("autoprec", {}).get("module", ""))
+        block = block_of(read_meta(n).module or "")
         if block is not None:
             seen.setdefault(f"{block[0]}.{block[1]}", None)
     return list(seen)
@@ -77,12 +78,12 @@ def outside_matmuls(gm: torch.fx.GraphModule, blocks: list[str]) -> list[str]:
     often the most sensitive nodes, so each gets its own search parameter."""
     out = []
     for n in gm.graph.nodes:
-        meta = n.meta.get("autoprec", {})
+        meta = read_meta(n)
         if n.op != "call_function" or classify(n) != "matmul":
             continue
-        mod = meta.get("module", "")
+        mod = meta.module or ""
         if not any(mod == b or mod.startswith(b + ".") for b in blocks):
-            out.append(meta["key"])
+            out.append(meta.key)
     return out
 
 

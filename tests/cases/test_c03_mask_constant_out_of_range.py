@@ -8,6 +8,7 @@ from torch import nn
 
 from autoprec.capture import capture
 from autoprec.errors import PassError
+from autoprec.nodemeta import read_meta
 from autoprec.passes import run_pipeline
 from autoprec.policy import Policy, Rule
 
@@ -58,7 +59,7 @@ FP16_ALL = Policy(default_dtype="fp16", rules=(Rule(op_class="follow", dtype="fp
 
 
 def _node(gm, op):
-    return next(n for n in gm.graph.nodes if n.meta.get("autoprec", {}).get("op") == op)
+    return next(n for n in gm.graph.nodes if read_meta(n).op == op)
 
 
 def test_c03_mask_constant_out_of_range():
@@ -67,7 +68,7 @@ def test_c03_mask_constant_out_of_range():
     gm = capture(model, (x, mask))
     r = run_pipeline(gm, FP16_ALL)
     mf = _node(r.graph_module, "masked_fill")
-    assert mf.meta["autoprec"]["dtype"] == "fp16"
+    assert read_meta(mf).dtype == "fp16"
     assert mf.args[2] == FP16_MIN  # -1e9 replaced by finfo(fp16).min
     assert r.stats["constants_clamped"] == 1
     out, ref = r.graph_module(x, mask), model(x, mask)
@@ -92,7 +93,7 @@ def test_c03_full_constant_saturates_when_cast():
     x, mask = _inputs()
     gm = capture(model, (x, mask))
     r = run_pipeline(gm, FP16_ALL)
-    sat = [n for n in r.graph_module.graph.nodes if n.meta.get("autoprec", {}).get("saturating_cast")]
+    sat = [n for n in r.graph_module.graph.nodes if read_meta(n).saturating_cast]
     assert len(sat) == 1
     out, ref = r.graph_module(x, mask), model(x, mask)
     assert torch.isfinite(out).all()
@@ -105,9 +106,9 @@ def test_c03_scalar_out_of_range_keeps_node_fp32():
     gm = capture(model, (x,))
     r = run_pipeline(gm, FP16_ALL)
     mul = _node(r.graph_module, "mul")
-    assert mul.meta["autoprec"]["dtype"] == "fp32"
-    assert mul.meta["autoprec"]["decided_by"] == "constant out of range"
-    assert "100000.0" in mul.meta["autoprec"]["reason"]
+    assert read_meta(mul).dtype == "fp32"
+    assert read_meta(mul).decided_by == "constant out of range"
+    assert "100000.0" in read_meta(mul).reason
     torch.testing.assert_close(r.graph_module(x), model(x), rtol=0, atol=2e-2)
     with pytest.raises(PassError, match=r"mul#0.*100000\.0"):
         run_pipeline(gm, FP16_ALL, constants="strict")

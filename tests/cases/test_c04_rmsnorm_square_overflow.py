@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from autoprec.capture import capture
+from autoprec.nodemeta import read_meta
 from autoprec.passes import lower, run_pipeline
 from autoprec.policy import Policy, Rule
 
@@ -55,8 +56,8 @@ REGION = {"norm/pow#0", "norm/mean#0", "norm/add#0", "norm/rsqrt#0", "norm/mul#0
 
 
 def _dtypes(gm):
-    return {n.meta["autoprec"]["key"]: n.meta["autoprec"].get("dtype") for n in gm.graph.nodes
-            if "key" in n.meta.get("autoprec", {})}
+    return {read_meta(n).key: read_meta(n).dtype for n in gm.graph.nodes
+            if read_meta(n).key is not None}
 
 
 @pytest.mark.parametrize("policy", [
@@ -73,10 +74,10 @@ def test_c04_rmsnorm_square_overflow(policy):
     d = _dtypes(r.graph_module)
     assert {k: d[k] for k in REGION} == dict.fromkeys(REGION, "fp32")
     for n in r.graph_module.graph.nodes:
-        if n.meta.get("autoprec", {}).get("key") in REGION:
-            assert n.meta["autoprec"]["op_class"] == "sensitive"
-            assert n.meta["autoprec"]["pattern"] == "rms_norm"
-            assert "C04" in n.meta["autoprec"]["reason"]
+        if read_meta(n).key in REGION:
+            assert read_meta(n).op_class == "sensitive"
+            assert read_meta(n).pattern == "rms_norm"
+            assert "C04" in read_meta(n).reason
     out = r.graph_module(x)
     torch.testing.assert_close(out, torch.ones(1, 8), rtol=1e-3, atol=0)  # true answer: all ones
     g_rel, l_rel = drift(model, r.graph_module, x)

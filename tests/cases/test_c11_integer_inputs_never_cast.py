@@ -8,6 +8,7 @@ from torch import nn
 
 from autoprec.capture import capture
 from autoprec.errors import PassError
+from autoprec.nodemeta import read_meta
 from autoprec.passes import run_pipeline
 from autoprec.policy import Policy, Rule
 
@@ -40,15 +41,14 @@ def test_c11_integer_inputs_never_cast(setup, low, follow):
     rules = (Rule(op_class="follow", dtype=low),) if follow else ()
     r = run_pipeline(gm, Policy(default_dtype=low, rules=rules))
     for n in r.graph_module.graph.nodes:
-        if n.meta.get("autoprec", {}).get("inserted_cast"):
+        if read_meta(n).inserted_cast:
             assert n.args[0].meta["val"].dtype.is_floating_point, n.format_node()
-    emb = next(n for n in r.graph_module.graph.nodes if n.meta.get("autoprec", {}).get("op") == "embedding")
+    emb = next(n for n in r.graph_module.graph.nodes if read_meta(n).op == "embedding")
     ids_arg = emb.args[1]
     assert ids_arg.op == "placeholder"  # the ids reach the embedding uncast
     # the right rows: compare the lowered embedding lookup with the fp32 rows rounded once
     rows = {}
-    h = emb.meta["autoprec"]
-    assert h["op_class"] == "follow"
+    assert read_meta(emb).op_class == "follow"
     from torch.fx import Interpreter
 
     class Grab(Interpreter):

@@ -8,6 +8,7 @@ from torch import nn
 
 from autoprec.capture import capture
 from autoprec.errors import CaptureError
+from autoprec.nodemeta import read_meta
 from autoprec.passes import run_pipeline
 from autoprec.policy import Policy, Rule
 
@@ -78,14 +79,14 @@ def test_c13_autocast_disabled_and_no_grad_regions_kept(policy):
     m = Contexts()
     x = torch.randn(2, 8)
     gm = capture(m, (x,))
-    regions = [n for n in gm.graph.nodes if "region" in n.meta.get("autoprec", {})]
-    assert [n.meta["autoprec"]["region"]["kind"] for n in regions] == ["autocast", "grad"]
-    assert regions[0].meta["autoprec"]["region"]["enabled"] is False
+    regions = [n for n in gm.graph.nodes if read_meta(n).region is not None]
+    assert [read_meta(n).region.kind for n in regions] == ["autocast", "grad"]
+    assert read_meta(regions[0]).region.enabled is False
     r = run_pipeline(gm, policy)
     for n in r.graph_module.graph.nodes:
-        meta = n.meta.get("autoprec", {})
-        if "region" in meta:
-            assert meta["dtype"] == "fp32" and "region" in meta["decided_by"]
+        meta = read_meta(n)
+        if meta.region is not None:
+            assert meta.dtype == "fp32" and "region" in meta.decided_by
             # every float input of the region reaches it in fp32
             for a in n.all_input_nodes:
                 v = a.meta.get("val")
