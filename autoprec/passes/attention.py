@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from autoprec.nodemeta import meta_of, read_meta
+from autoprec.nodemeta import NodeMeta, meta_of, read_meta, set_meta
 from autoprec.passes.base import PassBase, PassResult, clone_graph_module, pass_error
 
 __all__ = ["SDPA", "MathAttention", "has_sdpa", "math_attention"]
@@ -55,14 +55,51 @@ def math_attention(gm: fx.GraphModule) -> PassResult:
         return PassResult(gm, False, stats)
     gm = clone_graph_module(gm)
     op = _math_op()
-    for n in gm.graph.nodes:
+    for n in list(gm.graph.nodes):
         if _marked(n):
+            layout = n.meta.get("val")  # the fused kernel's output, as capture recorded it
             n.target = op
             meta = meta_of(n)
             meta.decided_by = f"{meta.decided_by}; {PASS}"
             stats["math_attention"] += 1
+            if isinstance(layout, torch.Tensor):
+                _keep_layout(gm, n, layout)
     gm.recompile()
     return PassResult(gm, True, stats)
+
+
+def _keep_layout(gm: fx.GraphModule, node: fx.Node, fused: torch.Tensor) -> None:
+    """Give ``node``'s readers its output in the fused kernel's memory layout.
+
+    The fused CPU and CUDA kernels write ``[B, H, L, E]`` as ``[B, L, H, E]`` in memory (strides
+    ``(L·H·E, E, H·E, 1)``), and a captured graph may rely on it: ``y.transpose(1, 2).contiguous()
+    .view(B, L, H·E)`` (nanoGPT) is exported as transpose + view, the ``contiguous()`` a no-op there.
+    :func:`~autoprec.kernels.attention.sdpa_math` returns a contiguous tensor, so a dense,
+    non-contiguous recorded layout is rebuilt after it as permute → contiguous clone → permute
+    (Inductor fuses the copy into its reader). Symbolic strides (a dynamic capture) are left as
+    they are. The nodes read the output after its store cast when the node has one.
+    """
+    stride = tuple(fused.stride())
+    if fused.is_contiguous() or not all(isinstance(d, int) for d in (*stride, *fused.shape)):
+        return
+    perm = sorted(range(fused.dim()), key=lambda d: -stride[d])
+    if torch.empty(fused.shape, device="meta").permute(perm).contiguous().permute(
+            [perm.index(d) for d in range(fused.dim())]).stride() != stride:
+        return  # not a permutation of a dense layout (e.g. expanded): nothing to rebuild
+    meta = read_meta(node)
+    src = node if meta.storage is None else next(iter(node.users))
+    src_meta = read_meta(src)
+    g = gm.graph
+    with g.inserting_after(src):
+        p = g.call_function(torch.ops.aten.permute.default, (src, perm))
+    with g.inserting_after(p):
+        c = g.call_function(torch.ops.aten.clone.default, (p,), {"memory_format": torch.contiguous_format})
+    with g.inserting_after(c):
+        q = g.call_function(torch.ops.aten.permute.default, (c, [perm.index(d) for d in range(fused.dim())]))
+    for k, new in enumerate((p, c, q)):
+        set_meta(new, NodeMeta(key=f"layout({src_meta.key or src.name})#{k}", dtype=src_meta.dtype,
+                               op_class="follow", decided_by=PASS, reason="the fused kernel's layout"))
+    src.replace_all_uses_with(q, delete_user_cb=lambda u: u is not p)
 
 
 class MathAttention(PassBase):

@@ -31,6 +31,8 @@ from autoprec.passes.casts import is_inserted_cast
 
 __all__ = ["MetaProp", "Verify", "output_dtypes"]
 
+_SDPA = torch.ops.aten.scaled_dot_product_attention.default
+
 PASS = "verify"
 
 
@@ -78,9 +80,9 @@ class MetaProp(fx.Interpreter):
     and every ``torch.device`` argument become ``meta`` ones, and each other node's result (the
     output node's too) is stored as its ``meta["val"]``: tensors on ``meta`` with the shapes and
     dtypes :class:`~torch.fx.passes.fake_tensor_prop.FakeTensorProp` gives (tests/test_verify_meta.py
-    compares the two node by node). Strides can differ where a composite op picks its kernel by
-    device (``scaled_dot_product_attention`` on ``meta`` is the math one); only the region keys of
-    :mod:`autoprec.runtime.regions` read strides, comparing the nodes of one graph.
+    compares the two node by node). ``scaled_dot_product_attention`` picks its kernel by device and
+    on ``meta`` runs the math one, whose output is contiguous; its node keeps the layout recorded
+    at capture (the device kernel's), so a reader that relies on it (a ``view``) propagates.
 
     Raises:
         Exception: whatever an op raises on ``meta`` (no meta kernel, a data-dependent size).
@@ -90,6 +92,11 @@ class MetaProp(fx.Interpreter):
         if n.op == "placeholder":
             return _meta(n.meta.get("val"))
         result = super().run_node(n)
+        recorded = n.meta.get("val")
+        if n.target is _SDPA and isinstance(recorded, torch.Tensor) and isinstance(result, torch.Tensor) \
+                and recorded.shape == result.shape:
+            # on meta this composite op runs its math decomposition: keep the device kernel's layout
+            result = torch.empty_strided(result.shape, recorded.stride(), dtype=result.dtype, device="meta")
         val = map_aggregate(result, lambda x: x if isinstance(x, (torch.Tensor, int, float, bool)) else None)
         if val is not None:
             n.meta["val"] = val
