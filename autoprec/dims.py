@@ -2,7 +2,7 @@
 
 One rule, used by ``capture(..., dynamic=True)`` (the ``torch.export`` ``dynamic_shapes``), by
 :class:`autoprec.shapes.InputShapes` (the ranges a call is checked against) and by the per-shape
-graph cache of ``autoprec.runtime.shape_cache`` (the same ranges when a model cannot be captured
+graph cache of ``autoprec.applied.shape_cache`` (the same ranges when a model cannot be captured
 dynamically); docs/architecture.md#runtime.
 
 The heuristic, on the example batch's tensors (flattened as torch's pytree, ``_torch_compat.pytree``,
@@ -196,7 +196,7 @@ def export_refined(export: Callable[[Any], Any], dynamic_shapes: Any) -> Any:
     fixes" ``torch.export.dynamic_shapes.refine_dynamic_shapes_from_suggested_fixes`` applies. Only
     narrowed ranges are taken; a fix that specialises a dimension to one size or ties it to another
     (``seq = 2*_seq`` for code that branches on the length's parity) re-raises the error (the
-    per-shape cache of ``autoprec.runtime.shape_cache`` serves such models).
+    per-shape cache of ``autoprec.applied.shape_cache`` serves such models).
 
     Args:
         export: ``export(dynamic_shapes) -> ExportedProgram``.

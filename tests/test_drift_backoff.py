@@ -7,8 +7,8 @@ import torch
 from autoprec.modelspec import load_model_spec
 from autoprec.passes import run_pipeline
 from autoprec.policy import Policy, Rule
-from autoprec.runtime.train import make_scaler
 from autoprec.search.measure import Harness
+from autoprec.training.train import make_scaler
 
 MODEL = '''
 import torch

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import torch
 
+from autoprec.applied.shape_cache import is_dynamic
 from autoprec.modelspec import load_model_spec
 from autoprec.nodekeys import graph_fingerprint
 from autoprec.policy import Policy
-from autoprec.runtime.shape_cache import is_dynamic
 from autoprec.search.measure import Harness
 
 VARLEN = Path(__file__).resolve().parent / "models" / "varlen_lm.py"
@@ -43,7 +43,7 @@ def test_tune_and_train_on_varying_batches(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert "was tuned on" not in r.stderr  # train captured the same (dynamic) graph as tune
     model = load_model_spec(VARLEN).build_model()
-    from autoprec.runtime.shape_cache import capture_for
+    from autoprec.applied.shape_cache import capture_for
 
     spec = load_model_spec(VARLEN)
     gm = capture_for(model, [spec.get_batch(i, torch.device("cpu")) for i in range(5)])
@@ -54,7 +54,7 @@ def test_one_capture_covers_the_largest_batch_and_the_longest_sequence_of_differ
     """The probe batches (4, 6) and (2, 14): the ranges reach batch 4 and length 14 although no
     single batch has both (the model has no config to bound the length)."""
     from autoprec import Policy, apply
-    from autoprec.runtime.shape_cache import capture_for
+    from autoprec.applied.shape_cache import capture_for
 
     spec = load_model_spec(Path(__file__).resolve().parent / "models" / "micro_lm.py")
     model = spec.build_model()

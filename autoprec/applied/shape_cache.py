@@ -23,10 +23,10 @@ from torch import fx, nn
 
 from autoprec._torch_compat import pytree
 from autoprec.capture import capture
+from autoprec.device import compile_count
 from autoprec.dims import DimPlan, largest_batch, maxima, plan_dims, shapes_vary, tensor_shapes
 from autoprec.errors import CaptureError
 from autoprec.modelspec import split_batch
-from autoprec.runtime.steps import compile_count
 from autoprec.shapes import DIMS_META, RANGE_ADVICE
 
 __all__ = ["MAX_SHAPES", "PROBE_BATCHES", "CompileLog", "ShapeCache", "capture_dynamic", "capture_for",
@@ -209,7 +209,7 @@ class ShapeCache:
         if len(self._fns) >= self.max_shapes:
             raise ValueError(
                 f"{self.what} already holds graphs for {len(self._fns)} input shapes, the most it keeps "
-                f"(autoprec.runtime.shape_cache.MAX_SHAPES); {shapes} would be one more.\n  What to do: pad "
+                f"(autoprec.applied.shape_cache.MAX_SHAPES); {shapes} would be one more.\n  What to do: pad "
                 "batches to a few fixed lengths (e.g. to multiples of 64: pad_to_multiple_of=64) and use "
                 "DataLoader(drop_last=True), or make the model exportable with dynamic shapes (the INFO "
                 "log line of autoprec.apply names why it is not).")

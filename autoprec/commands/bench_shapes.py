@@ -4,7 +4,7 @@ A model file whose ``get_batch`` pads to the longest sequence gives a new shape 
 step. Every bench row must run all of the harness's batches, and no compile may be timed:
 
 - the captured graphs (``fp32_*``, ``policy_*``, ``pure_low_compiled``'s own capture) follow the
-  rule of ``tune`` and ``train`` (:func:`autoprec.runtime.shape_cache.capture_for`): dynamic
+  rule of ``tune`` and ``train`` (:func:`autoprec.applied.shape_cache.capture_for`): dynamic
   batch/sequence dimensions when the shapes vary, ranges covering every batch the bench runs
   (:func:`cover_batches` captures the harness's graph again when ``--steps`` brings batches
   past the first ones'), so one compile serves every shape;
@@ -25,10 +25,10 @@ from typing import Any
 
 from torch import fx, nn
 
+from autoprec.applied.shape_cache import capture_for, is_dynamic
+from autoprec.device import compile_count
 from autoprec.dims import shapes_vary, tensor_shapes
 from autoprec.modelspec import split_batch
-from autoprec.runtime.shape_cache import capture_for, is_dynamic
-from autoprec.runtime.steps import compile_count
 from autoprec.search.timing import Timing
 from autoprec.shapes import InputShapes
 
@@ -97,7 +97,7 @@ def autocast_dynamic(batches: list[Any]) -> bool | None:
 class CompileWatch:
     """A configuration's function during timing: counts its calls and the calls that compiled.
 
-    A compile is a rise of Dynamo's graph count (:func:`autoprec.runtime.steps.compile_count`)
+    A compile is a rise of Dynamo's graph count (:func:`autoprec.device.compile_count`)
     across the call; the backward of a newly compiled forward compiles in the same step.
 
     Args:
