@@ -18,7 +18,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from autoprec._version import __version__
+from autoprec.applied.apply import MixedPrecisionModule, apply
 from autoprec.capture import capture
+from autoprec.distributed.wrap import ddp, shard
 from autoprec.errors import (
     AutoprecError,
     CaptureError,
@@ -29,12 +31,10 @@ from autoprec.errors import (
     SearchError,
 )
 from autoprec.policy import LossScalingConfig, Policy, Rule
-from autoprec.runtime.apply import MixedPrecisionModule, apply
-from autoprec.runtime.checkpoint import load_checkpoint, save_checkpoint
-from autoprec.runtime.distributed import ddp, shard
-from autoprec.runtime.monitor import Monitor
-from autoprec.runtime.scaler import DynamicLossScaler
-from autoprec.runtime.train import make_scaler
+from autoprec.training.checkpoint import load_checkpoint, save_checkpoint
+from autoprec.training.monitor import Monitor
+from autoprec.training.scaler import DynamicLossScaler
+from autoprec.training.train import make_scaler
 
 if TYPE_CHECKING:  # imported on first use (below); named here for type checkers and the API reference
     from autoprec.search.study import TuneResult, tune

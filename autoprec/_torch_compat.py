@@ -35,7 +35,7 @@ from torch import fx, nn
 
 #: ``torch.utils._python_dispatch.TorchDispatchMode``: the base class of a mode that sees every ATen
 #: op (``__torch_dispatch__``); subclass it and enter it as a context manager. Used by
-#: :mod:`autoprec.bench_dist` to read the C heap after every op. Checked on 2.13.0; in torch's source
+#: :mod:`autoprec.commands.bench_dist` to read the C heap after every op. Checked on 2.13.0; in torch's source
 #: since 1.13. No fallback: its absence fails at import.
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -87,7 +87,7 @@ def set_pytree_codegen(graph: fx.Graph, info: Any) -> None:
     them with ``info.in_spec``, and unflattens its outputs with ``info.out_spec`` (None: flat).
 
     Used to build a copy of a captured graph that returns flat outputs
-    (:func:`autoprec.runtime.outputs.flat_output_graph`). Checked on 2.13.0; in torch's source since
+    (:func:`autoprec.applied.outputs.flat_output_graph`). Checked on 2.13.0; in torch's source since
     1.13. Missing: a :class:`RuntimeError` naming it.
     """
     codegen = getattr(fx.graph, "_PyTreeCodeGen", None)

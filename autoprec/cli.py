@@ -118,7 +118,7 @@ def _cmd_tune(a: argparse.Namespace) -> int:
 
 def _tune(a: argparse.Namespace) -> int:
     from autoprec._torch_compat import compile_cache_counts
-    from autoprec.runtime.compile import cache_report
+    from autoprec.applied.compile import cache_report
     from autoprec.search.report import format_table
     from autoprec.search.study import tune
 
@@ -175,14 +175,14 @@ def _cmd_train(a: argparse.Namespace) -> int:
         if a.compare is not None:
             print("autoprec train: error: --compare runs in one process; drop --nproc", file=sys.stderr)
             return 2
-        from autoprec.runtime.distributed import launch
+        from autoprec.commands.launch import launch
 
         return launch(a.argv, a.nproc)
     if a.compare is not None:
         with _naming_policy(a.policy):
             return _cmd_compare(a)
-    from autoprec.runtime.distributed import ranks_from_env
-    from autoprec.runtime.loop import train
+    from autoprec.commands.train import train
+    from autoprec.distributed.ranks import ranks_from_env
 
     with _naming_policy(a.policy):
         res = train(a.model, a.policy, steps=a.steps, device=a.device, compile=not a.no_compile,
@@ -200,7 +200,7 @@ def _cmd_train(a: argparse.Namespace) -> int:
 
 def _cmd_compare(a: argparse.Namespace) -> int:
     """``autoprec train --compare fp32,autocast``: convergence check against the baselines."""
-    from autoprec.runtime.compare import BASELINES, compare
+    from autoprec.commands.compare import BASELINES, compare
 
     names = [n.strip() for n in a.compare.split(",") if n.strip()]
     bad = [n for n in names if n not in BASELINES]
@@ -257,10 +257,10 @@ def _cmd_show(a: argparse.Namespace) -> int:
 def _cmd_bench(a: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from autoprec.bench import format_bench_table, run_bench
+    from autoprec.commands.bench import format_bench_table, run_bench
 
     _validate_model(a.model, a.device)
-    from autoprec.runtime.distributed import ranks_from_env
+    from autoprec.distributed.ranks import ranks_from_env
 
     if a.nproc > 1 or ranks_from_env().world > 1:  # the launcher, or one of its ranks (torchrun)
         return _cmd_bench_dist(a)
@@ -281,7 +281,7 @@ def _cmd_bench(a: argparse.Namespace) -> int:
         Path(a.md).parent.mkdir(parents=True, exist_ok=True)
         Path(a.md).write_text(table + "\n")
         print(f"wrote {a.md}")
-    from autoprec.bench_table import failed_rows
+    from autoprec.commands.bench_table import failed_rows
 
     if failed := failed_rows(res):  # a configuration that could not be measured: exit 1
         print("autoprec bench: error: " + "; ".join(f"{n} failed ({e})" for n, e in failed.items()),
@@ -291,18 +291,19 @@ def _cmd_bench(a: argparse.Namespace) -> int:
 
 
 def _cmd_bench_dist(a: argparse.Namespace) -> int:
-    """``autoprec bench --nproc N``: start N ranks (torchrun); on each rank, measure (autoprec.bench_dist)."""
+    """``autoprec bench --nproc N``: start N ranks (torchrun); on each rank, measure
+    (autoprec.commands.bench_dist)."""
     if a.configs is not None:
         print("autoprec bench: error: --configs names one-process configurations; with --nproc the rows are "
               "DDP and FSDP2 with fp32 and bf16 gradient reduction (drop --configs)", file=sys.stderr)
         return 2
     if a.nproc > 1:
-        from autoprec.runtime.distributed import launch
+        from autoprec.commands.launch import launch
 
         return launch(a.argv, a.nproc)
     from pathlib import Path
 
-    from autoprec.bench_dist import format_dist_table, run_bench_dist
+    from autoprec.commands.bench_dist import format_dist_table, run_bench_dist
 
     for path in (a.json, a.md):
         if path:

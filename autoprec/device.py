@@ -1,8 +1,9 @@
 """Device facts: which device to run on, waiting for it, what it is, how fast its matmuls are, how
-many bytes the C heap holds.
+many graphs ``torch.compile`` has compiled, how many bytes the C heap holds.
 
 The one home of these rules for the whole package (docs/architecture.md, "Layers"): the search,
-the runtime, ``bench`` and the CLI all ask here. Nothing here knows about policies or models.
+applying a policy, training, the commands and the CLI all ask here. Nothing here knows about policies
+or models.
 """
 
 from __future__ import annotations
@@ -16,11 +17,12 @@ from typing import Any
 
 import torch
 
+from autoprec._torch_compat import dynamo_unique_graphs
 from autoprec.dtypes import NAMES, to_torch
 from autoprec.errors import AutoprecError
 
-__all__ = ["autocast_dtype", "heap_bytes", "describe_machine", "device_name", "resolve_device", "sync",
-           "time_call", "time_matmul"]
+__all__ = ["autocast_dtype", "compile_count", "heap_bytes", "describe_machine", "device_name",
+           "resolve_device", "sync", "time_call", "time_matmul"]
 
 
 def resolve_device(device: str = "auto") -> torch.device:
@@ -114,6 +116,14 @@ def time_call(fn: Callable[[], object], device: torch.device, reps: int, stop_af
         if time.perf_counter() - start > stop_after_s:
             break
     return times[1:] or times
+
+
+def compile_count() -> int:
+    """Graphs ``torch.compile`` (Dynamo) has compiled in this process so far
+    (Dynamo's ``unique_graphs`` counter, :func:`autoprec._torch_compat.dynamo_unique_graphs`): a rise
+    across a call means the call compiled. Process-wide, so a compile in another thread at the same
+    time counts too."""
+    return dynamo_unique_graphs()
 
 
 def device_name(device: torch.device) -> str:

@@ -39,7 +39,7 @@ def module_path(node: fx.Node) -> str:
 #: (``model.layers.3.mlp`` -> container ``model.layers``, index 3; T5's ``encoder.block.2.layer.0``
 #: -> ``encoder.block``, 2). The one rule for "which layer block a node is in": the search's block
 #: parameters (``autoprec.search.space.find_blocks``) and the compile regions
-#: (``autoprec.runtime.regions``) both read it.
+#: (``autoprec.applied.regions``) both read it.
 BLOCK_PATTERN = re.compile(r"^(?P<container>.+?)\.(?P<index>\d+)(?=\.|$)")
 
 

@@ -43,7 +43,7 @@ Fields, by who writes them (dtype names are ``autoprec.dtypes``'s: ``fp32``, ``b
   consumers through one store cast.
 - ``saved`` (str): what the output is saved as for backward (``fp32``, ``bf16``, ``fp16``,
   ``fp8_e5m2``), where it differs from the dtype it is computed in (``assign_dtypes``; moved to the
-  store cast by ``insert_casts``); read by ``runtime/saved.py``.
+  store cast by ``insert_casts``); read by ``applied/saved.py``.
 - ``impl`` (str): the attention implementation of an SDPA node under ``policy.attention`` other than
   ``fused`` (``"math"``: the ``math_attention`` pass).
 - ``inserted_cast`` (bool): a cast (or ``lower_fp8``'s weight transpose) the passes inserted.

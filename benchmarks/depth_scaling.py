@@ -56,10 +56,10 @@ import logging
 from model import build_model, get_batch
 import autoprec
 from autoprec.policy import Policy
-from autoprec.runtime.compile import compile_graph
-from autoprec.runtime.outputs import flat_output_graph
+from autoprec.applied.compile import compile_graph
+from autoprec.applied.outputs import flat_output_graph
 from autoprec.metrics import median
-from autoprec.runtime.regions import outline_blocks
+from autoprec.applied.regions import outline_blocks
 regional = sys.argv[2] == "regional"
 model, batch = build_model(), get_batch(0, "cpu")
 t0 = time.perf_counter()

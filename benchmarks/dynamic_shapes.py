@@ -5,7 +5,7 @@ Usage::
     python benchmarks/dynamic_shapes.py OUT_DIR [--batches 200] [--min-len 64] [--max-len 256]
 
 Both runs train a fresh copy of the example's model (same seed-0 weights) with the default bf16
-policy (``Policy.default("bf16")``), AdamW(lr=3e-4) and ``autoprec.runtime.train.TrainStep``, on
+policy (``Policy.default("bf16")``), AdamW(lr=3e-4) and ``autoprec.training.train.TrainStep``, on
 the same ``--batches`` batches of ``qwen2_tiny.BATCH_SIZE`` windows of the corpus whose lengths are
 drawn uniformly in ``--min-len..--max-len`` (seeded by the batch index), one after the other in one
 process:
@@ -45,7 +45,7 @@ import qwen2_tiny  # noqa: E402
 import autoprec  # noqa: E402
 from autoprec._io import write_json  # noqa: E402
 from autoprec.device import describe_machine  # noqa: E402
-from autoprec.runtime.train import TrainStep  # noqa: E402
+from autoprec.training.train import TrainStep  # noqa: E402
 
 
 def windows(step: int, lengths: tuple[int, int]) -> list[torch.Tensor]:

@@ -102,7 +102,7 @@ export PYTHONPATH="$REPO:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 step env "$T_ENV" "$PY" - "$OUT/env.json" "$DEVICE" <<'PY'
 import json, sys, torch
 import optuna, networkx, transformers, autoprec  # noqa: F401  (fail here, not mid-tune)
-from autoprec.bench import describe_machine
+from autoprec.commands.bench import describe_machine
 dev = torch.device(sys.argv[2])
 if dev.type == "cuda":
     assert torch.cuda.is_available(), "CUDA not available"

@@ -41,7 +41,7 @@ for size in "${SIZES[@]}"; do
   policy_var=POLICY_${size^^}
   "$PY" - "$out/machine.json" "$model" <<'PY'
 import datetime, json, sys, torch
-from autoprec.bench import describe_machine
+from autoprec.commands.bench import describe_machine
 m = describe_machine(torch.device("cpu"))
 m.update(torch=torch.__version__, model=sys.argv[2],
          date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))

@@ -11,7 +11,7 @@ step time (forward+backward, after warm-up) and ``grad_rel_l2`` against the eage
 Variants: (a) fp32 compiled; (b) bf16 storage / fp32 compute casts before each matmul, default
 partitioner and with the ``ban_recompute_*`` knobs off; (c) Inductor's
 ``activation_quantization_aten_pass``; (d) ``saved_tensors_hooks``: Python hooks around the
-compiled call, and ``autoprec.runtime.saved`` (inlined GraphModule hooks) compiled and eager.
+compiled call, and ``autoprec.applied.saved`` (inlined GraphModule hooks) compiled and eager.
 
 Run::
 
@@ -35,13 +35,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 import qwen2_tiny  # noqa: E402
 
 import autoprec  # noqa: E402
+from autoprec.applied.apply import MixedPrecisionModule
+from autoprec.applied.compile import INDUCTOR_OPTIONS  # noqa: E402
+from autoprec.applied.outputs import flat_output_graph, rebuild  # noqa: E402
 from autoprec.device import describe_machine, heap_bytes  # noqa: E402
 from autoprec.metrics import grad_rel_l2  # noqa: E402
 from autoprec.nodemeta import meta_of  # noqa: E402
 from autoprec.policy import Policy  # noqa: E402
-from autoprec.runtime.apply import MixedPrecisionModule
-from autoprec.runtime.compile import INDUCTOR_OPTIONS  # noqa: E402
-from autoprec.runtime.outputs import flat_output_graph, rebuild  # noqa: E402
 from autoprec.search.measure import SavedBytes  # noqa: E402
 
 MIB = 2**20
@@ -98,7 +98,7 @@ def python_hooks() -> Any:
 
 
 def marked(model, gm, saved: str, compile: bool) -> MixedPrecisionModule:
-    """(d2/d3): autoprec.runtime.saved with every float node's output marked ``saved``."""
+    """(d2/d3): autoprec.applied.saved with every float node's output marked ``saved``."""
     for n in gm.graph.nodes:
         if n.op == "call_function":
             meta_of(n).saved = saved
@@ -203,7 +203,7 @@ def main() -> None:
         for comp in (True, False):
             torch._dynamo.reset()
             mp = marked(model, base, saved, comp)
-            rows.append(measure(f"(d) autoprec.runtime.saved {saved}, {'compiled' if comp else 'eager'}",
+            rows.append(measure(f"(d) autoprec.applied.saved {saved}, {'compiled' if comp else 'eager'}",
                                 mp, params, batch, ref))
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "saved_activations.json"), "w") as f:

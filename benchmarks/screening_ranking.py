@@ -18,13 +18,13 @@ import time
 
 import torch
 
+from autoprec.applied.compile import compile_graph
 from autoprec.device import device_name
 from autoprec.modelspec import load_model_spec
 from autoprec.passes import run_pipeline
-from autoprec.runtime.compile import compile_graph
-from autoprec.runtime.train import make_scaler
 from autoprec.search.measure import Harness
 from autoprec.search.space import SearchSpace
+from autoprec.training.train import make_scaler
 
 
 def spearman(a: list[float], b: list[float]) -> float:

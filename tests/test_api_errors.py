@@ -11,11 +11,11 @@ import torch
 from torch import nn
 
 import autoprec
-import autoprec.runtime.monitor  # the module the LossScaleError message names
+import autoprec.training.monitor  # the module the LossScaleError message names
 from autoprec.errors import LossScaleError
-from autoprec.runtime.monitor import Monitor, first_nonfinite_node
-from autoprec.runtime.scaler import DynamicLossScaler
-from autoprec.runtime.train import TrainStep, make_scaler
+from autoprec.training.monitor import Monitor, first_nonfinite_node
+from autoprec.training.scaler import DynamicLossScaler
+from autoprec.training.train import TrainStep, make_scaler
 from tests.models.c01_ffn import FFN
 
 
@@ -132,15 +132,15 @@ def test_loss_scale_error_advice_followed_literally_names_the_node():
     err = _train_until_floor_error(mp, model, batch, scaler, monitor)
     assert "First node that produced a non-finite value: 'proj/linear#0'" in str(err)
 
-    # route 2: autoprec.runtime.monitor.first_nonfinite_node(mp.graph_module, batch)
-    call = re.search(r"(autoprec\.runtime\.monitor\.first_nonfinite_node\(mp\.graph_module, batch\))", msg)
+    # route 2: autoprec.training.monitor.first_nonfinite_node(mp.graph_module, batch)
+    call = re.search(r"(autoprec\.training\.monitor\.first_nonfinite_node\(mp\.graph_module, batch\))", msg)
     assert call
     assert eval(call.group(1), {"autoprec": autoprec, "mp": mp, "batch": batch}) == "proj/linear#0"  # noqa: S307
 
 
 def test_scaler_docstring_uses_real_names():
     doc = DynamicLossScaler.__doc__
-    assert "monitor.first_nonfinite_node" not in doc.replace("autoprec.runtime.monitor.first_nonfinite_node",
+    assert "monitor.first_nonfinite_node" not in doc.replace("autoprec.training.monitor.first_nonfinite_node",
                                                              "")
     assert "diagnose=monitor.diagnoser()" in doc and hasattr(Monitor, "diagnoser")
 
@@ -176,7 +176,7 @@ def test_capture_still_shows_the_models_own_warnings():
 # ------------------------------------------------------------------ 4. fp16 needs a loss scaler
 def test_apply_docstring_says_how_to_get_the_scaler():
     doc = autoprec.apply.__doc__
-    assert "policy.needs_loss_scaling" in doc and "from autoprec.runtime.train import make_scaler" in doc
+    assert "policy.needs_loss_scaling" in doc and "from autoprec.training.train import make_scaler" in doc
     assert "scaler = make_scaler(policy)" in doc
     assert "make_scaler(mp.policy)" in autoprec.MixedPrecisionModule.__doc__
     x = torch.full((1, 256), 1.0)

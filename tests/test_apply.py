@@ -10,7 +10,7 @@ import torch
 import autoprec
 from autoprec.metrics import grad_rel_l2
 from autoprec.passes.casts import is_inserted_cast
-from autoprec.runtime.train import TrainStep, make_scaler
+from autoprec.training.train import TrainStep, make_scaler
 from tests.nets import Block
 
 

@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from autoprec.bench import CONFIGS, format_bench_table, matmul_peak_flops, model_flops, run_bench
 from autoprec.cli import main
+from autoprec.commands.bench import CONFIGS, format_bench_table, matmul_peak_flops, model_flops, run_bench
 from autoprec.policy import Policy
 from tests.conftest import EXAMPLES
 
@@ -83,7 +83,7 @@ def test_rows_are_timed_interleaved_with_a_band(result):
 
 def test_vs_autocast_compiled_says_tie_within_the_noise():
     """The ``vs autocast+compile`` column: the ratio, and "(tie)" after it within the noise."""
-    from autoprec.bench_table import add_ratios, make_row
+    from autoprec.commands.bench_table import add_ratios, make_row
     from autoprec.search.measure import Measurement
     from autoprec.search.timing import Timing
 
@@ -164,7 +164,7 @@ def test_bench_json_is_written_atomically(tmp_path, monkeypatch):
     import math
     import os
 
-    from autoprec.bench import write_bench_json
+    from autoprec.commands.bench import write_bench_json
 
     out = tmp_path / "bench.json"
     write_bench_json({"configs": {"a": 1}}, out)
@@ -192,8 +192,9 @@ def test_bench_json_non_finite_rule_is_the_packages(tmp_path):
     import math
 
     from autoprec import _io
-    from autoprec.bench import write_bench_json
-    from autoprec.runtime import compare, monitor
+    from autoprec.commands import compare
+    from autoprec.commands.bench import write_bench_json
+    from autoprec.training import monitor
 
     assert monitor.json_safe is _io.json_safe and compare.json_safe is _io.json_safe
     out = tmp_path / "bench.json"
@@ -207,7 +208,7 @@ def test_bench_json_non_finite_rule_is_the_packages(tmp_path):
 def test_bench_autocast_dtype_is_the_packages_rule(monkeypatch, low):
     """bench's autocast (and pure-low) baseline dtype is autoprec.device.autocast_dtype, the rule tune
     and --compare use (it used to pick bf16 on its own, whatever torch's autocast default)."""
-    import autoprec.bench as bench
+    import autoprec.commands.bench as bench
     from autoprec.device import autocast_dtype
     from autoprec.dtypes import NAMES
 
@@ -224,7 +225,7 @@ def test_bench_autocast_dtype_is_the_packages_rule(monkeypatch, low):
 def test_an_error_from_the_harness_is_reported_as_is():
     """bench's branch for "older versions" of its own Harness is gone: an ``error`` is an error (it
     used to be hidden, and the row marked capped, when it began with "too slow")."""
-    from autoprec.bench_table import make_row
+    from autoprec.commands.bench_table import make_row
     from autoprec.search.measure import Measurement
 
     row = make_row(Measurement(error="too slow: 3 s"), "fp32", False, None, flops=1.0, peak=1.0, ratio=10.0)
@@ -232,7 +233,7 @@ def test_an_error_from_the_harness_is_reported_as_is():
 
 
 def test_a_config_the_slow_step_rule_stops_is_capped():
-    from autoprec.bench_table import make_row
+    from autoprec.commands.bench_table import make_row
     from autoprec.search.measure import Measurement
     from autoprec.search.timing import Timing
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from autoprec.bench_dist import DIST_ROWS, predicted_peak_bytes, run_bench_dist
 from autoprec.cli import main
+from autoprec.commands.bench_dist import DIST_ROWS, predicted_peak_bytes, run_bench_dist
 from autoprec.errors import AutoprecError
 from autoprec.policy import Policy
 

@@ -10,10 +10,10 @@ import torch
 from torch import nn
 
 from autoprec import AutoprecError, Policy
-from autoprec.runtime.apply import apply
-from autoprec.runtime.checkpoint import load_checkpoint, save_checkpoint
-from autoprec.runtime.loop import train
-from autoprec.runtime.train import TrainStep, make_scaler
+from autoprec.applied.apply import apply
+from autoprec.commands.train import train
+from autoprec.training.checkpoint import load_checkpoint, save_checkpoint
+from autoprec.training.train import TrainStep, make_scaler
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "examples" / "tiny_mlp.py"

@@ -10,9 +10,9 @@ import pytest
 
 from autoprec import Policy
 from autoprec.cli import main
+from autoprec.commands.compare import compare, median_step_seconds
 from autoprec.errors import AutoprecError
 from autoprec.metrics import traj_rel as max_rel_dev
-from autoprec.runtime.compare import compare, median_step_seconds
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "examples" / "tiny_mlp.py")
@@ -75,7 +75,7 @@ class _Crash(Exception):
 
 def _crash_after(monkeypatch, n_steps):
     """Make the n-th training step of the whole compare run raise (a killed process)."""
-    from autoprec.runtime import compare as cmp
+    from autoprec.commands import compare as cmp
 
     real, calls = cmp.TrainStep.timed, []
 

@@ -18,12 +18,12 @@ from autoprec.metrics import grad_rel_l2
 from autoprec.modelspec import call_model, load_model_spec
 from autoprec.passes import run_pipeline
 from autoprec.policy import Policy
-from autoprec.runtime.rng import same_rng
-from autoprec.runtime.train import make_scaler
 from autoprec.search import attrs
 from autoprec.search.decide import _T95, MARGIN, DriftBudget, t95
 from autoprec.search.drift import DRIFT_BATCHES
 from autoprec.search.measure import Harness, Measurement
+from autoprec.training.rng import same_rng
+from autoprec.training.train import make_scaler
 
 AC = [9.5e-3, 9.1e-3, 1.02e-2, 8.8e-3]  # torch.autocast's grad_rel_l2 on 4 drift batches
 

@@ -23,11 +23,12 @@ from torch import nn
 
 import autoprec
 from autoprec.cli import main
+from autoprec.commands.launch import strip_nproc
+from autoprec.commands.train import train
+from autoprec.distributed.wrap import ddp, shard
 from autoprec.errors import PolicyError
 from autoprec.policy import Policy
-from autoprec.runtime.distributed import ddp, shard, strip_nproc
-from autoprec.runtime.loop import train
-from autoprec.runtime.scaler import DynamicLossScaler, any_rank
+from autoprec.training.scaler import DynamicLossScaler, any_rank
 
 MODELS = Path(__file__).resolve().parent / "models"
 WORLD = 2
@@ -234,7 +235,7 @@ def _single_process_reference(steps: int = 6) -> torch.Tensor:
 
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
 def test_fsdp2_trains_like_one_process(tmp_path, compile):
-    """FSDP2 over the applied module (:func:`autoprec.runtime.distributed.shard`) on 2 gloo ranks
+    """FSDP2 over the applied module (:func:`autoprec.distributed.wrap.shard`) on 2 gloo ranks
     ends where one process ends on the same 8 rows (averaged half-batch gradients)."""
     r0, r1 = _run_ranks(_fsdp_worker, tmp_path, compile, "fp32")
     torch.testing.assert_close(r0["flat"], r1["flat"], rtol=0, atol=0)

@@ -9,10 +9,10 @@ import torch
 from autoprec.modelspec import load_model_spec
 from autoprec.passes import run_pipeline
 from autoprec.policy import Policy, Rule
-from autoprec.runtime.scaler import DynamicLossScaler
-from autoprec.runtime.train import make_scaler
 from autoprec.search.drift import measure_drift
 from autoprec.search.measure import Harness
+from autoprec.training.scaler import DynamicLossScaler
+from autoprec.training.train import make_scaler
 
 MODEL = '''
 import torch

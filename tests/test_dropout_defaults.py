@@ -35,11 +35,11 @@ import torch
 from autoprec.modelspec import load_model_spec
 from autoprec.passes import run_pipeline
 from autoprec.policy import Policy
-from autoprec.runtime.train import autocast_scaler, make_scaler
 from autoprec.search.decide import DriftBudget
 from autoprec.search.measure import Harness
 from autoprec.search.progress import Clock
 from autoprec.search.select import Selector
+from autoprec.training.train import autocast_scaler, make_scaler
 
 pytest.importorskip("transformers")
 

@@ -12,12 +12,12 @@ import torch
 from torch import nn
 
 import autoprec
+from autoprec.applied.shape_cache import ShapeCache
 from autoprec.capture import BATCH, DIMS_META, SEQ, capture, plan_dims
 from autoprec.graph import tensor_bytes
 from autoprec.metrics import grad_rel_l2
 from autoprec.nodemeta import read_meta
 from autoprec.passes import run_pipeline
-from autoprec.runtime.shape_cache import ShapeCache
 from tests.conftest import EXAMPLES, RTOL
 
 VOCAB = 64

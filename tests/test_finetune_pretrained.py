@@ -21,11 +21,11 @@ import pytest
 import torch
 
 from autoprec import Policy
+from autoprec.applied.apply import apply
+from autoprec.commands.train import train
 from autoprec.modelspec import load_model_spec, validate_spec
-from autoprec.runtime.apply import apply
-from autoprec.runtime.checkpoint import load_checkpoint
-from autoprec.runtime.loop import train
-from autoprec.runtime.monitor import read_jsonl
+from autoprec.training.checkpoint import load_checkpoint
+from autoprec.training.monitor import read_jsonl
 
 from .conftest import EXAMPLES, ROOT, RTOL
 

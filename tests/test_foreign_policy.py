@@ -11,8 +11,8 @@ import torch
 
 from autoprec import PolicyError, apply
 from autoprec.cli import main
+from autoprec.commands.train import train
 from autoprec.policy import Policy
-from autoprec.runtime.loop import train
 from tests.nets import Block
 
 MICRO = str(Path(__file__).resolve().parent / "models" / "micro_lm.py")

@@ -6,7 +6,7 @@ and dropout stay as the library sets them. Each is captured, ``Policy.default("b
 (``autoprec.apply``, eager), one training step runs, and the policy's gradient drift against FP32
 (``autoprec.metrics.grad_rel_l2``, docs/architecture.md#measurements) is at most 2x that of
 ``torch.autocast(bf16)`` on the same model, weights, batch and random draws (dropout masks:
-``autoprec.runtime.rng.same_rng(CPU, MEASURE_SEED)`` around every forward/backward).
+``autoprec.training.rng.same_rng(CPU, MEASURE_SEED)`` around every forward/backward).
 
 Qwen2, Llama, GPT-2 and BERT run in the default suite; the others are ``slow``.
 """
@@ -22,7 +22,7 @@ import torch
 
 import autoprec
 from autoprec.metrics import grad_rel_l2
-from autoprec.runtime.rng import MEASURE_SEED, same_rng
+from autoprec.training.rng import MEASURE_SEED, same_rng
 
 tf = pytest.importorskip("transformers")
 

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 import autoprec
-from autoprec.runtime.loop import train as autoprec_train
-from autoprec.runtime.train import TrainStep, make_scaler
+from autoprec.commands.train import train as autoprec_train
+from autoprec.training.train import TrainStep, make_scaler
 
 tf = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")

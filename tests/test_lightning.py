@@ -17,7 +17,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
 from autoprec import AutoprecError, LossScalingConfig, Policy  # noqa: E402
 from autoprec.integrations.lightning import AutoprecPrecision  # noqa: E402
-from autoprec.runtime.train import make_scaler  # noqa: E402
+from autoprec.training.train import make_scaler  # noqa: E402
 
 V, T, B, EPOCH = 128, 16, 2, 20  # vocab, sequence length, batch size, batches per epoch
 

@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 from autoprec import Policy
-from autoprec.runtime.apply import apply
-from autoprec.runtime.train import TrainStep, make_scaler
+from autoprec.applied.apply import apply
+from autoprec.training.train import TrainStep, make_scaler
 
 LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -19,8 +19,8 @@ from autoprec.metrics import traj_rel
 from autoprec.modelspec import load_model_spec
 from autoprec.passes import run_pipeline
 from autoprec.policy import Policy
-from autoprec.runtime.train import make_scaler
 from autoprec.search.measure import Harness, draws_random
+from autoprec.training.train import make_scaler
 
 from .conftest import RTOL
 
@@ -152,7 +152,7 @@ def test_compiled_candidates_compare_against_the_compiled_fp32_graph(harness):
     reference's, and a compiled bf16 policy drifts below bf16's rtol (1.6e-2) on batch 0 (below 0.1
     on every drift batch); measured against the eager reference instead, both were ~0.5 on this model
     (different masks)."""
-    from autoprec.runtime.compile import compile_graph
+    from autoprec.applied.compile import compile_graph
 
     c32 = compile_graph(harness.graph_module)
     ref_fn = harness.reference_fn(c32)
@@ -198,10 +198,10 @@ def test_compiled_finalists_on_a_dropout_model_are_judged_against_compiled_autoc
     """Issue 19.2: Inductor draws its own dropout masks, so with ``--max-drift auto`` the selector
     re-bases the budget on torch.autocast as compiled (measured against the compiled FP32 graph,
     the same masks); the compiled autocast twin is then within it."""
-    from autoprec.runtime.train import autocast_scaler
     from autoprec.search.decide import DriftBudget
     from autoprec.search.progress import Clock
     from autoprec.search.select import Selector
+    from autoprec.training.train import autocast_scaler
 
     eager = harness.drift(harness.model, None, torch.bfloat16)
     sel = Selector(harness, DriftBudget.auto(eager.grad_rel_l2_batches), True, torch.bfloat16, None, 0,

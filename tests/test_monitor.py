@@ -10,13 +10,13 @@ import torch
 from torch import nn
 
 from autoprec import LossScaleError, Monitor, Policy
+from autoprec.applied.apply import apply
 from autoprec.capture import capture
 from autoprec.metrics import median
 from autoprec.nodemeta import read_meta
-from autoprec.runtime.apply import apply
-from autoprec.runtime.monitor import first_nonfinite_node, json_safe, read_jsonl
-from autoprec.runtime.scaler import DynamicLossScaler
-from autoprec.runtime.train import StepStats, TrainStep
+from autoprec.training.monitor import first_nonfinite_node, json_safe, read_jsonl
+from autoprec.training.scaler import DynamicLossScaler
+from autoprec.training.train import StepStats, TrainStep
 from tests.conftest import ROOT
 from tests.models.c01_ffn import FFN
 

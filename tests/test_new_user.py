@@ -136,7 +136,7 @@ def test_compile_graph_filters_inductor_mixed_dtype_warning() -> None:
     once (no compile runs here: torch.compile is lazy), other UserWarnings still show."""
     import warnings
 
-    from autoprec.runtime.compile import compile_graph
+    from autoprec.applied.compile import compile_graph
 
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")

@@ -578,7 +578,7 @@ def test_loss_scaling_defaults_are_the_scalers():
     import inspect
 
     from autoprec.policy import loss_scaling as ls
-    from autoprec.runtime.scaler import DynamicLossScaler
+    from autoprec.training.scaler import DynamicLossScaler
 
     cfg = LossScalingConfig()
     params = inspect.signature(DynamicLossScaler).parameters
@@ -605,7 +605,7 @@ def torch_gradscaler_defaults() -> dict:
 def test_policy_refuses_what_the_scaler_refuses(tmp_path, kw, field):
     """A policy that loads always builds its loss scaler: the ranges are the scaler's (they used to
     differ, so such a policy loaded and then failed at train time with a ValueError)."""
-    from autoprec.runtime.scaler import DynamicLossScaler
+    from autoprec.training.scaler import DynamicLossScaler
 
     with pytest.raises(ValueError, match=field):
         DynamicLossScaler(**kw)
@@ -619,7 +619,7 @@ def test_policy_refuses_what_the_scaler_refuses(tmp_path, kw, field):
 def test_property_config_and_scaler_accept_the_same():
     hyp = pytest.importorskip("hypothesis")
     st = pytest.importorskip("hypothesis.strategies")
-    from autoprec.runtime.scaler import DynamicLossScaler
+    from autoprec.training.scaler import DynamicLossScaler
 
     nums = st.one_of(st.sampled_from([0.0, 0.1, 0.5, 1.0, 2.0, 3.0, 2.0**16, 2.0**24, 2.0**128, -1.0]),
                      st.floats(-10, 2.0**130, allow_nan=False))

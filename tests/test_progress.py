@@ -12,10 +12,10 @@ import optuna
 import pytest
 import torch
 
+from autoprec.applied.shape_cache import CompileLog
 from autoprec.errors import SearchError
 from autoprec.modelspec import load_model_spec
 from autoprec.policy import Policy
-from autoprec.runtime.shape_cache import CompileLog
 from autoprec.search import attrs
 from autoprec.search import select as select_mod
 from autoprec.search import study as study_mod

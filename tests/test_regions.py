@@ -1,4 +1,4 @@
-"""autoprec.runtime.regions: repeated blocks outlined into shared compile regions, compiled once,
+"""autoprec.applied.regions: repeated blocks outlined into shared compile regions, compiled once,
 with the gradients of the flat graph."""
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ import torch
 from torch import fx
 
 import autoprec
+from autoprec.applied.compile import compile_graph
+from autoprec.applied.outputs import flat_output_graph
+from autoprec.applied.regions import BlockRegion, outline_blocks
 from autoprec.metrics import grad_rel_l2
 from autoprec.policy import Policy
 from autoprec.policy.rule import Rule
-from autoprec.runtime.compile import compile_graph
-from autoprec.runtime.outputs import flat_output_graph
-from autoprec.runtime.regions import BlockRegion, outline_blocks
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 from qwen2_tiny import build_qwen2, make_batch  # noqa: E402
@@ -146,7 +146,7 @@ def test_a_graph_with_saved_dtypes_compiles_flat(qwen, caplog):
 
 
 def test_outlining_that_fails_falls_back_to_one_flat_graph(qwen, caplog, monkeypatch):
-    import autoprec.runtime.regions as regions
+    import autoprec.applied.regions as regions
 
     def broken(*_a, **_k):
         raise RuntimeError("cycle between blocks")

@@ -1,4 +1,4 @@
-"""autoprec.runtime.saved: activations saved for backward in bf16 / fp8_e5m2, eager and compiled."""
+"""autoprec.applied.saved: activations saved for backward in bf16 / fp8_e5m2, eager and compiled."""
 
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ import torch
 from torch import nn
 
 import autoprec
+from autoprec.applied.apply import MixedPrecisionModule
+from autoprec.applied.saved import apply_saved, has_saved, pack, saved_activation_context, unpack
 from autoprec.errors import PassError
 from autoprec.metrics import grad_rel_l2
 from autoprec.nodemeta import meta_of
 from autoprec.passes import run_pipeline
 from autoprec.policy import Policy
 from autoprec.policy.rule import Rule
-from autoprec.runtime.apply import MixedPrecisionModule
-from autoprec.runtime.saved import apply_saved, has_saved, pack, saved_activation_context, unpack
 from autoprec.search.measure import SavedBytes
 from tests.nets import Block
 
@@ -130,8 +130,8 @@ def test_fp8_keeps_infinities_and_stays_finite_elsewhere():
 
 def test_compile_graph_and_saved_eager_honour_marks(setup):
     """The search's paths: a lowered graph measured eagerly (saved_eager) or via compile_graph."""
-    from autoprec.runtime.compile import compile_graph
-    from autoprec.runtime.saved import saved_eager
+    from autoprec.applied.compile import compile_graph
+    from autoprec.applied.saved import saved_eager
 
     model, ids = setup
     policy = Policy(default_dtype="fp32", rules=(Rule(op_class="matmul", saved="bf16"),))
@@ -146,7 +146,7 @@ def test_compile_graph_and_saved_eager_honour_marks(setup):
 
 def test_fp16_saved_saturates_instead_of_overflowing():
     """C01: an activation of 66368 saved as fp16 is kept finite (saturated to 65504)."""
-    from autoprec.runtime.saved import pack
+    from autoprec.applied.saved import pack
 
     t = torch.tensor([66368.0, -1e6, 1.5, float("-inf")])
     q = pack(t, "fp16")
@@ -158,10 +158,10 @@ def test_eager_never_saves_a_parameter_view_low():
     """A follow node that views a Parameter (``t(w)``) is not packed eagerly (as compiled graphs
     never pack parameters): the input gradient, which reads only weights and the relu mask, stays
     that of fp32."""
+    from autoprec.applied.saved import saved_eager
     from autoprec.capture import capture
     from autoprec.passes import run_pipeline
     from autoprec.policy import Policy, Rule
-    from autoprec.runtime.saved import saved_eager
 
     class M(torch.nn.Module):
         def __init__(self) -> None:

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from autoprec.errors import LossScaleError
-from autoprec.runtime.scaler import DynamicLossScaler, unscaled_grad_norm
+from autoprec.training.scaler import DynamicLossScaler, unscaled_grad_norm
 
 GRADSCALER_KEYS = {"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"}
 FP32_MAX = float(torch.finfo(torch.float32).max)

@@ -1,4 +1,4 @@
-"""The one training-step loop (autoprec.runtime.steps) and the one RNG rule (autoprec.runtime.rng)."""
+"""The one training-step loop (autoprec.training.steps) and the one RNG rule (autoprec.training.rng)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from autoprec.modelspec import load_model_spec
-from autoprec.runtime.rng import MEASURE_SEED, StepRng, same_rng
-from autoprec.runtime.steps import StepsTooSlow, every, run_steps, slow_step_guard
-from autoprec.runtime.train import StepStats
 from autoprec.search.measure import Harness
+from autoprec.training.rng import MEASURE_SEED, StepRng, same_rng
+from autoprec.training.steps import StepsTooSlow, every, run_steps, slow_step_guard
+from autoprec.training.train import StepStats
 
 MODELS = Path(__file__).resolve().parent / "models"
 
@@ -106,7 +106,7 @@ def test_harness_note_says_the_slow_step_rule():
 def test_slow_step_guard_does_not_judge_a_step_that_compiled(monkeypatch):
     """A warm-up step of a dynamic graph that recompiles (e.g. the first batch of size 1) takes the
     compile's time: the guard skips it, and judges the next steps as usual."""
-    import autoprec.runtime.steps as steps_mod
+    import autoprec.training.steps as steps_mod
 
     counts = iter([0, 1, 1, 1])  # guard made at 0; the first step compiled; then none
     monkeypatch.setattr(steps_mod, "compile_count", lambda: next(counts))

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 import autoprec
-from autoprec.bench import CONFIGS, run_bench
-from autoprec.bench_shapes import CompileWatch, drop_compiled_steps, warmup_steps
 from autoprec.cli import main
+from autoprec.commands.bench import CONFIGS, run_bench
+from autoprec.commands.bench_shapes import CompileWatch, drop_compiled_steps, warmup_steps
 from autoprec.modelspec import load_model_spec
 from autoprec.search.timing import Timing
 from tests.conftest import EXAMPLES

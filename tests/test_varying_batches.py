@@ -9,10 +9,10 @@ from pathlib import Path
 
 import torch
 
+from autoprec.applied.shape_cache import is_dynamic
 from autoprec.modelspec import load_model_spec
 from autoprec.nodekeys import graph_fingerprint
 from autoprec.policy import Policy
-from autoprec.runtime.shape_cache import is_dynamic
 from autoprec.search.measure import Harness
 
 VARLEN = Path(__file__).resolve().parent / "models" / "varlen_lm.py"

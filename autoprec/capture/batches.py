@@ -6,7 +6,7 @@ first :data:`PROBE_BATCHES` batches: their :class:`~autoprec.capture.dims.DimPla
 from all of them, and passed down to the one export. :func:`capture_dynamic` is the same choice for
 one example batch (``autoprec.apply(..., dynamic=True)``). Where the model cannot be exported with
 dynamic dimensions the static capture is returned, with one INFO line on the ``autoprec`` logger:
-the caller then runs one graph per input shape (``autoprec.runtime.shape_cache.ShapeCache``, at most
+the caller then runs one graph per input shape (``autoprec.applied.shape_cache.ShapeCache``, at most
 :data:`MAX_SHAPES`).
 """
 
@@ -31,7 +31,7 @@ _log = logging.getLogger("autoprec")
 #: to decide between a dynamic and a one-shape capture (:func:`capture_for`).
 PROBE_BATCHES = 5
 
-#: Most per-shape graphs a ``ShapeCache`` (``autoprec.runtime.shape_cache``) holds. Each costs one
+#: Most per-shape graphs a ``ShapeCache`` (``autoprec.applied.shape_cache``) holds. Each costs one
 #: capture and lowering (seconds) plus one compile (10-90 s on a 2-core CPU for a small transformer)
 #: and its kernels' memory; 16 covers a bucketed loader (e.g. lengths padded to multiples of 64 up to
 #: 512, two batch sizes) while bounding the compile time of a loader that pads to the longest sequence.

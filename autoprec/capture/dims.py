@@ -3,7 +3,7 @@
 One rule, made once per capture as a :class:`DimPlan` and passed down: to the export
 (:func:`autoprec.capture.export.export_program`, the ``torch.export`` ``dynamic_shapes``), through
 the exported ranges to :class:`autoprec.capture.shapes.InputShapes` (the ranges a call is checked
-against), and to the per-shape graph cache of ``autoprec.runtime.shape_cache`` (the same ranges when
+against), and to the per-shape graph cache of ``autoprec.applied.shape_cache`` (the same ranges when
 a model cannot be captured dynamically); docs/architecture.md#runtime.
 
 The heuristic, on the example batch's tensors (flattened as torch's pytree, ``_torch_compat.pytree``,

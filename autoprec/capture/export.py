@@ -80,7 +80,7 @@ def export_program(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
     fixes" ``torch.export.dynamic_shapes.refine_dynamic_shapes_from_suggested_fixes`` applies, and
     the export is retried once with them. Only narrowed ranges are taken; a fix that specialises a
     dimension to one size or ties it to another (``seq = 2*_seq`` for code that branches on the
-    length's parity) re-raises the error (the per-shape graphs of ``autoprec.runtime.shape_cache``
+    length's parity) re-raises the error (the per-shape graphs of ``autoprec.applied.shape_cache``
     serve such models).
 
     Args:

@@ -50,13 +50,13 @@ except ImportError as e:  # pragma: no cover - the extra is installed in dev
     raise ImportError("autoprec.integrations.lightning needs Lightning (>= 2.2): "
                       "pip install 'autoprec[lightning]'") from e
 
+from autoprec.applied.apply import MixedPrecisionModule, apply
 from autoprec.errors import AutoprecError
 from autoprec.policy import Policy
-from autoprec.runtime.apply import MixedPrecisionModule, apply
-from autoprec.runtime.checkpoint import rng_state, set_rng_state
-from autoprec.runtime.monitor import first_nonfinite_node
-from autoprec.runtime.scaler import DynamicLossScaler
-from autoprec.runtime.train import make_scaler
+from autoprec.training.checkpoint import rng_state, set_rng_state
+from autoprec.training.monitor import first_nonfinite_node
+from autoprec.training.scaler import DynamicLossScaler
+from autoprec.training.train import make_scaler
 
 __all__ = ["AutoprecPrecision"]
 
@@ -254,7 +254,7 @@ class _PolicyForward:
 @contextlib.contextmanager
 def _own_forward(inner: nn.Module, orig: Callable[..., Any]) -> Iterator[None]:
     """The model's own ``forward`` in place of the plugin's while autoprec captures it (the first
-    capture, and a re-capture for a batch outside the captured ranges, ``autoprec.runtime.widen``):
+    capture, and a re-capture for a batch outside the captured ranges, ``autoprec.applied.widen``):
     torch.export must trace the model, not the policy's graph that the plugin's forward calls."""
     ours = inner.__dict__["forward"]
     inner.forward = orig

@@ -12,8 +12,8 @@ already has GradScaler's protocol (``Accelerator.backward`` calls ``scaler.scale
 a skipped step as ``optimizer_step_was_skipped``, which also holds the learning-rate schedule back;
 Trainer saves and resumes ``accelerator.scaler``'s ``state_dict`` as ``scaler.pt`` in its checkpoints).
 :class:`AutoprecTrainer` puts the policy's :class:`autoprec.DynamicLossScaler` there
-(``autoprec.runtime.train.make_scaler``) and unscales the gradients before Trainer clips them or
-measures their norm, so the order of a step is :class:`autoprec.runtime.train.TrainStep`'s.
+(``autoprec.training.train.make_scaler``) and unscales the gradients before Trainer clips them or
+measures their norm, so the order of a step is :class:`autoprec.training.train.TrainStep`'s.
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ except ImportError as e:  # pragma: no cover - the extra is installed in dev
     raise ImportError("autoprec.integrations.transformers needs transformers and accelerate: "
                       "pip install 'autoprec[transformers]'") from e
 
-from autoprec.runtime.apply import MixedPrecisionModule
-from autoprec.runtime.scaler import DynamicLossScaler
-from autoprec.runtime.train import make_scaler
+from autoprec.applied.apply import MixedPrecisionModule
+from autoprec.training.scaler import DynamicLossScaler
+from autoprec.training.train import make_scaler
 
 __all__ = ["AutoprecTrainer", "check_training_args"]
 

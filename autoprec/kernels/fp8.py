@@ -84,7 +84,7 @@ def amax_scale(t: torch.Tensor, dtype: torch.dtype, dim: int | None = None,
 
     Source: torchao.float8 ``float8_utils.amax_to_scale`` (float64 division, float32 result,
     ``EPS = 1e-12``; ``round_pow2``: ``_round_scale_down_to_power_of_2``, ``2^floor(log2 s)``).
-    Pure torch (``autoprec.runtime.saved`` uses it without torchao); a test checks it against
+    Pure torch (``autoprec.applied.saved`` uses it without torchao); a test checks it against
     torchao's ``tensor_to_scale``.
 
     Args:

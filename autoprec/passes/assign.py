@@ -18,7 +18,7 @@ The decision is stored in the node's :class:`~autoprec.nodemeta.NodeMeta`: ``op_
 (the storage dtype, what consumers read), ``decided_by`` and ``reason`` (the op table's numerical
 reason); where a rule sets them, ``compute`` (the dtype the op computes in, when not the storage
 dtype: ``insert_casts`` rounds the inputs through the storage dtype and stores the output back) and
-``saved`` (what the output is saved as for backward: ``autoprec.runtime.saved``).
+``saved`` (what the output is saved as for backward: ``autoprec.applied.saved``).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def unmatched_rules(policy: Policy, nodes: Iterable[fx.Node]) -> list[int]:
     """Indices of ``policy.rules`` that select no keyed ``call_function`` node of ``nodes`` (a node
     rule: its key is not a node's; any other rule: :meth:`Rule.matches` is False for every node,
     op classes from :func:`autoprec.ops.classify`). The one rule for "matches nothing": the
-    warnings here and the refusal of another model's policy (``runtime/policy_match.py``) use it."""
+    warnings here and the refusal of another model's policy (``applied/policy_match.py``) use it."""
     keyed = [(m.key, classify(n), m.module or "") for n in nodes
              if n.op == "call_function" and (m := read_meta(n)).key is not None]
     keys = {k for k, _c, _m in keyed}

@@ -15,7 +15,7 @@ Files are read with :mod:`json` only (never pickle, never eval) and written atom
 Modules: :mod:`~autoprec.policy.core` (:class:`Policy`, load and save),
 :mod:`~autoprec.policy.rule` (:class:`Rule`), :mod:`~autoprec.policy.loss_scaling`
 (:class:`LossScalingConfig` and the one home of the loss-scaling defaults and ranges, which
-``runtime.scaler`` uses too) and :mod:`~autoprec.policy.fields` (the field checks).
+``training.scaler`` uses too) and :mod:`~autoprec.policy.fields` (the field checks).
 """
 
 from __future__ import annotations

@@ -68,7 +68,7 @@ class Policy:
             eager execution ignores it. ``autoprec tune --max-memory`` sets it.
         grad_reduce_dtype: dtype gradients are communicated in across ranks: ``"fp32"`` (default)
             or ``"bf16"`` (DDP's ``bf16_compress_hook``, FSDP2's ``MixedPrecisionPolicy(reduce_dtype=
-            torch.bfloat16)``: :mod:`autoprec.runtime.distributed`); one process ignores it. The
+            torch.bfloat16)``: :mod:`autoprec.distributed.wrap`); one process ignores it. The
             ``.grad`` of the master weights stays fp32 either way.
         fp8_scaling: The torchao.float8 recipe of fp8 matmuls (compute ``fp8_e4m3``):
             ``"tensorwise"`` (default; one amax scale per tensor, e5m2 gradients), ``"rowwise"``

@@ -2,7 +2,7 @@
 
 The one home of these rules (``docs/architecture.md#policy-file``): the policy file's
 ``loss_scaling`` block is checked by :func:`check_loss_scaling`, and
-:class:`autoprec.runtime.scaler.DynamicLossScaler` takes its defaults from the constants below
+:class:`autoprec.training.scaler.DynamicLossScaler` takes its defaults from the constants below
 and checks its arguments with the same function, so a policy that loads always builds a scaler.
 
 Defaults: ``init_scale``, ``growth_factor``, ``backoff_factor`` and ``growth_interval`` are those of
@@ -136,7 +136,7 @@ def check_loss_scaling(values: Mapping[str, Any], scale_name: str = "init_scale"
 
 @dataclass(frozen=True)
 class LossScalingConfig:
-    """Dynamic loss-scaling settings (consumed by ``runtime.DynamicLossScaler``).
+    """Dynamic loss-scaling settings (consumed by ``training.scaler.DynamicLossScaler``).
 
     The defaults are those of ``torch.amp.GradScaler``
     (https://pytorch.org/docs/stable/amp.html#torch.amp.GradScaler): ``init_scale=2**16``,

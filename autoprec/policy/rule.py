@@ -41,7 +41,7 @@ class Rule:
             kernel speed); ``"fp8_e4m3"`` is an fp8 scaled matmul (matmuls only). Needs ``dtype``.
         saved: What the node's output is saved as for backward: ``fp32``, ``bf16``, ``fp16`` or
             ``fp8_e5m2`` (with a per-tensor scale); None keeps the storage dtype. The forward is
-            unchanged; backward reads the rounded copy (``autoprec.runtime.saved``).
+            unchanged; backward reads the rounded copy (``autoprec.applied.saved``).
         op_class: One of :data:`OP_CLASSES` except ``"nonfloat"`` (never cast), or None.
         module: An :func:`fnmatch.fnmatchcase` glob on the module path, e.g. ``"model.layers.0.*"``
             (which also matches ``"model.layers.0"`` itself) or ``"model.layers.0*"``. A glob

@@ -6,7 +6,7 @@ the loss-scale back-off of training's first steps.
 hands them to :func:`measure_drift`; this module only decides what is run on which batch and
 how the per-batch numbers are formed. One drift measurement is K = :data:`DRIFT_BATCHES`
 forward/backward passes of the candidate (plus back-offs), each on its own batch and each from
-the same RNG state as that batch's reference (:func:`autoprec.runtime.rng.same_rng`).
+the same RNG state as that batch's reference (:func:`autoprec.training.rng.same_rng`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from torch import nn
 
 from autoprec._torch_compat import is_dynamo_optimized, overload_schema
 from autoprec.metrics import grad_rel_l2, grad_sqnr_db_min
-from autoprec.runtime.scaler import DynamicLossScaler
+from autoprec.training.scaler import DynamicLossScaler
 
 __all__ = ["DRIFT_BATCHES", "MAX_BACKOFFS", "BatchDrift", "Drift", "References", "batch_drift",
            "draws_random", "is_compiled", "measure_drift"]

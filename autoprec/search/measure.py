@@ -19,12 +19,12 @@ from torch import nn
 from autoprec.capture import PROBE_BATCHES, capture_for, tensor_shapes
 from autoprec.metrics import median
 from autoprec.modelspec import ModelSpec, split_batch
-from autoprec.runtime.rng import MEASURE_SEED, StepRng, same_rng
-from autoprec.runtime.scaler import DynamicLossScaler
-from autoprec.runtime.steps import StepsTooSlow, run_steps, slow_step_guard
-from autoprec.runtime.train import TrainStep, training_state_bytes
 from autoprec.search.drift import DRIFT_BATCHES, Grads, References, draws_random, is_compiled, measure_drift
 from autoprec.search.measurement import Measurement, SavedBytes
+from autoprec.training.rng import MEASURE_SEED, StepRng, same_rng
+from autoprec.training.scaler import DynamicLossScaler
+from autoprec.training.steps import StepsTooSlow, run_steps, slow_step_guard
+from autoprec.training.train import TrainStep, training_state_bytes
 
 __all__ = ["MIN_TIMED_STEPS", "TIMED_BUDGET_S", "Measurement", "Harness", "describe_failure", "SavedBytes",
            "batch_shapes", "draws_random"]
@@ -43,11 +43,11 @@ class Harness:
 
     Every drift forward/backward (the reference's included, each batch's from the same state) and
     every trajectory step runs from
-    a fixed RNG state (:func:`autoprec.runtime.rng.same_rng`, seed ``MEASURE_SEED`` and
+    a fixed RNG state (:func:`autoprec.training.rng.same_rng`, seed ``MEASURE_SEED`` and
     ``MEASURE_SEED + k`` for trajectory step k: the fixed-per-step rule of
-    :mod:`autoprec.runtime.rng`), so random ops such as dropout see the same draws in the
+    :mod:`autoprec.training.rng`), so random ops such as dropout see the same draws in the
     reference and the candidates; the caller's RNG state is left as it was. Timing steps draw
-    from the global stream. All steps run through :func:`autoprec.runtime.steps.run_steps`.
+    from the global stream. All steps run through :func:`autoprec.training.steps.run_steps`.
 
     Compiled graphs draw random numbers from Inductor's own generator, not eager's
     (``torch._inductor.config.fallback_random`` is False, as in training), so with a random op in
@@ -83,7 +83,7 @@ class Harness:
         CaptureError: the model cannot be captured.
         ValueError: ``drift_batches`` < 1.
         Exception: whatever the model file's ``make_optimizer`` or its optimizer's first step
-            raises (:func:`autoprec.runtime.train.training_state_bytes`).
+            raises (:func:`autoprec.training.train.training_state_bytes`).
     """
 
     def __init__(self, spec: ModelSpec, device: torch.device, warmup: int = 2, steps: int = 5,
@@ -124,7 +124,7 @@ class Harness:
             return self.graph_module
         if self._compiled_fp32 is None:
             # imported on use, as before (Inductor is heavy)
-            from autoprec.runtime.compile import compile_graph
+            from autoprec.applied.compile import compile_graph
 
             self._compiled_fp32 = compile_graph(self.graph_module)
         return self._compiled_fp32
@@ -177,7 +177,7 @@ class Harness:
         """Drift of ``fn`` against the FP32 reference on each of the K drift batches (no timing).
 
         Per batch k (:func:`autoprec.search.drift.measure_drift`): ``grad_rel_l2`` against that
-        batch's FP32 gradients, both from RNG seed :data:`autoprec.runtime.rng.MEASURE_SEED`
+        batch's FP32 gradients, both from RNG seed :data:`autoprec.training.rng.MEASURE_SEED`
         (same dropout masks), the reference being :meth:`reference_fn`'s (the compiled FP32 graph
         for a compiled ``fn`` on a graph with random ops). The Measurement holds the per-batch
         values (``grad_rel_l2_batches``), their mean (``grad_rel_l2``, ``loss_rel``) and the
@@ -219,7 +219,7 @@ class Harness:
     @property
     def state_bytes(self) -> int:
         """Bytes of the parameters, their gradients and the state of the model file's optimizer
-        (:func:`autoprec.runtime.train.training_state_bytes`, counted once when the harness is
+        (:func:`autoprec.training.train.training_state_bytes`, counted once when the harness is
         built): what every policy needs whatever it computes in (fp32 master weights,
         docs/architecture.md#runtime)."""
         return self._state_bytes
@@ -237,7 +237,7 @@ class Harness:
             timing: Also time ``warmup + steps`` optimizer steps.
             max_step_s: Stop timing (warm-up steps included) after two consecutive steps longer
                 than this, or one step 4x longer (e.g. a dtype the device emulates slowly;
-                :func:`autoprec.runtime.steps.slow_step_guard`); the measurement is then timed on
+                :func:`autoprec.training.steps.slow_step_guard`); the measurement is then timed on
                 that last step only and ``note`` says why. Compilation happens in the drift pass,
                 before timing, so it never counts here.
 
@@ -308,7 +308,7 @@ class Harness:
         initial weights (the weights are restored afterwards). Non-finite losses are kept as-is.
 
         Step k runs from RNG seed ``MEASURE_SEED + k`` (``StepRng(MEASURE_SEED, per_step=True)``,
-        :mod:`autoprec.runtime.rng`), so every configuration sees the same dropout masks at step k
+        :mod:`autoprec.training.rng`), so every configuration sees the same dropout masks at step k
         whatever earlier steps drew; the caller's RNG state is left as it was."""
         while len(self.batches) < steps:
             self.batches.append(self.spec.get_batch(len(self.batches), self.device))

@@ -31,12 +31,12 @@ class Measurement:
             saved parameter allocates nothing and
             is not counted again) + :attr:`Harness.state_bytes`: parameter and gradient bytes
             plus the bytes of the tensors the model file's ``make_optimizer`` optimizer holds in
-            its state after one step (:func:`autoprec.runtime.train.training_state_bytes`; per
+            its state after one step (:func:`autoprec.training.train.training_state_bytes`; per
             fp32 parameter: 8 bytes with SGD, 12 with SGD momentum, 16 with AdamW, the default).
         step_times: All timed step durations (seconds).
         error: Why the measurement failed (non-finite values, compile error, out of memory).
         note: Remarks that do not invalidate it (e.g. timing stopped by the slow-step rule of
-            :func:`autoprec.runtime.steps.slow_step_guard`, timed on its last step only).
+            :func:`autoprec.training.steps.slow_step_guard`, timed on its last step only).
     """
 
     step_s: float = math.inf

@@ -12,13 +12,12 @@ from typing import Any
 import optuna
 
 from autoprec._interrupt import check as check_interrupt
+from autoprec.applied.compile import compile_graph
+from autoprec.applied.saved import saved_eager
 from autoprec.errors import SearchError
 from autoprec.metrics import traj_rel
 from autoprec.passes import run_pipeline
 from autoprec.policy import Policy
-from autoprec.runtime.compile import compile_graph
-from autoprec.runtime.saved import saved_eager
-from autoprec.runtime.train import autocast_scaler, make_scaler
 from autoprec.search import attrs
 from autoprec.search.budgets import format_bytes
 from autoprec.search.decide import DriftBudget
@@ -28,6 +27,7 @@ from autoprec.search.memory_fit import fit_memory, lever
 from autoprec.search.phases import PhaseBar, phase_bar
 from autoprec.search.progress import log
 from autoprec.search.timing import Config, Timing, format_rate, time_interleaved
+from autoprec.training.train import autocast_scaler, make_scaler
 
 #: The trajectory check passes a finalist whose ``traj_rel`` is at most this many times torch.autocast's
 #: over the same K steps. It catches policies that train differently (fp16 gradients flushed to zero,

@@ -34,7 +34,6 @@ from autoprec.errors import SearchError
 from autoprec.modelspec import ModelSpec, load_model_spec
 from autoprec.nodekeys import graph_fingerprint
 from autoprec.policy import Policy
-from autoprec.runtime.train import autocast_scaler
 from autoprec.search import attrs
 from autoprec.search.budgets import (
     check_memory_floor,
@@ -66,6 +65,7 @@ from autoprec.search.storage import (
     study_choices,
 )
 from autoprec.search.trials import enqueue_baselines, feasible, optimize, region_sensitivity
+from autoprec.training.train import autocast_scaler
 
 __all__ = ["TuneResult", "tune"]
 

@@ -26,10 +26,10 @@ from typing import Any
 import torch
 
 from autoprec.metrics import median
-from autoprec.runtime.scaler import DynamicLossScaler
-from autoprec.runtime.steps import StepsTooSlow, run_steps, slow_step_guard
-from autoprec.runtime.train import TrainStep
 from autoprec.search.measure import Harness, describe_failure
+from autoprec.training.scaler import DynamicLossScaler
+from autoprec.training.steps import StepsTooSlow, run_steps, slow_step_guard
+from autoprec.training.train import TrainStep
 
 __all__ = ["BOOTSTRAP_RESAMPLES", "Comparison", "Config", "Timing", "compare", "format_rate",
            "time_interleaved"]
@@ -46,7 +46,7 @@ class Config:
 
     Attributes:
         name: Its key in :func:`time_interleaved`'s result.
-        fn: The module a :class:`~autoprec.runtime.train.TrainStep` calls (model, lowered or
+        fn: The module a :class:`~autoprec.training.train.TrainStep` calls (model, lowered or
             compiled graph); pass the object the drift pass already ran, so compilation is done.
         scaler_factory: Makes its loss scaler (``None`` for bf16/fp32), called once.
         autocast_dtype: Run its forward under ``torch.autocast`` (the AMP baseline).
@@ -79,7 +79,7 @@ class Timing:
         error: Why its timing failed (the exception a step raised), else None.
         note: Remarks that do not invalidate it (dropped by the slow-step rule, time cap reached).
         too_slow: Its timing was stopped by the slow-step rule
-            (:func:`autoprec.runtime.steps.slow_step_guard`); ``note`` says when.
+            (:func:`autoprec.training.steps.slow_step_guard`); ``note`` says when.
         peak_bytes: On CUDA, estimated peak allocated bytes of its steps (memory resident before
             timing + its own optimizer state + the most any of its rounds allocated on top);
             None on CPU.
@@ -262,20 +262,20 @@ def time_interleaved(harness: Harness, configs: Sequence[Config], *, min_rounds:
                      time_cap_s: float = 120.0, max_step_s: float | None = None) -> dict[str, Timing]:
     """Time ``configs`` in interleaved rounds on ``harness``'s weights and batches.
 
-    Each configuration gets one :class:`~autoprec.runtime.train.TrainStep` with its own optimizer
+    Each configuration gets one :class:`~autoprec.training.train.TrainStep` with its own optimizer
     (the model file's ``make_optimizer``) and scaler, kept across rounds; before each of its turns
     the harness's initial weights are restored, so every configuration trains from the same
     weights. First each is warmed up in turn (``max(warmup, len(harness.shapes))`` untimed steps,
     one per distinct batch shape at least, as ``Harness.measure`` does), then rounds run: each
     round, ``steps_per_round`` steps of every configuration in order (A A B B C C, then again),
     batches cycling through ``harness.batches``, every step timed by
-    :meth:`~autoprec.runtime.train.TrainStep.timed` through :func:`~autoprec.runtime.steps.run_steps`.
+    :meth:`~autoprec.training.train.TrainStep.timed` through :func:`~autoprec.training.steps.run_steps`.
 
     Stop rule (torch.utils.benchmark ``adaptive_autorange``'s, module docstring): after at least
     ``min_rounds`` rounds, once every configuration still timed has a band of relative half-width
     ≤ ``rel_band``; or after ``max_rounds`` rounds; or once ``time_cap_s`` seconds have passed since
     the call began (the warm-up counts). A configuration whose steps trip
-    :func:`~autoprec.runtime.steps.slow_step_guard` (two in a row over ``max_step_s``, or one over
+    :func:`~autoprec.training.steps.slow_step_guard` (two in a row over ``max_step_s``, or one over
     4x; warm-up steps count) is dropped from later rounds with a ``note``; one whose step raises
     gets ``error`` and the others go on. The harness's weights are restored at the end.
 

@@ -12,12 +12,12 @@ import optuna
 
 from autoprec._interrupt import check as check_interrupt
 from autoprec.passes import run_pipeline
-from autoprec.runtime.train import make_scaler
 from autoprec.search import attrs
 from autoprec.search.measure import Harness
 from autoprec.search.objective import Objective, is_dead_worker, reap_dead_trials, retried_numbers, retry_of
 from autoprec.search.progress import failed_trial_logger, quiet_optuna_failures
 from autoprec.search.space import SearchSpace
+from autoprec.training.train import make_scaler
 
 __all__ = ["enqueue_baselines", "feasible", "finished", "optimize", "region_sensitivity"]
 

@@ -7,9 +7,9 @@ import torch
 from torch import nn
 
 from autoprec import Policy
-from autoprec.runtime.apply import apply
-from autoprec.runtime.scaler import DynamicLossScaler
-from autoprec.runtime.train import TrainStep, make_scaler
+from autoprec.applied.apply import apply
+from autoprec.training.scaler import DynamicLossScaler
+from autoprec.training.train import TrainStep, make_scaler
 
 MICRO, ROWS = 64, 4  # 64 micro-batches of 4 rows = one batch of 256 rows
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from autoprec.runtime.scaler import DynamicLossScaler
+from autoprec.training.scaler import DynamicLossScaler
 
 GRADS = [1e-8, 3e-8, 1e-5]
 

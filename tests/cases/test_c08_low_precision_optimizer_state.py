@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from autoprec.runtime.scaler import DynamicLossScaler
+from autoprec.training.scaler import DynamicLossScaler
 
 LR, STEPS = 1e-4, 100
 

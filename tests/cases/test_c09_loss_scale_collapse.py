@@ -9,7 +9,7 @@ import torch
 import torch.fx
 
 from autoprec.errors import LossScaleError
-from autoprec.runtime.scaler import DynamicLossScaler
+from autoprec.training.scaler import DynamicLossScaler
 
 
 class InfForward(torch.nn.Module):

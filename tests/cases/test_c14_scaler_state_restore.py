@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from autoprec.runtime.scaler import DynamicLossScaler
+from autoprec.training.scaler import DynamicLossScaler
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -35,7 +35,7 @@ def run_steps(scaler, p, kinds):
 
 RESUME_SRC = STEPS_SRC + '''
 import json, sys
-from autoprec.runtime.scaler import DynamicLossScaler
+from autoprec.training.scaler import DynamicLossScaler
 ckpt = json.loads(open(sys.argv[1]).read())
 scaler = DynamicLossScaler()
 scaler.load_state_dict(ckpt["scaler"])

@@ -44,16 +44,16 @@ from typing import Any
 import torch
 
 from autoprec._io import atomic_write, json_safe
+from autoprec.applied.apply import apply
 from autoprec.device import autocast_dtype, describe_machine, resolve_device
 from autoprec.errors import AutoprecError
 from autoprec.metrics import median, traj_rel
 from autoprec.modelspec import ModelSpec, call_model, load_model_spec
 from autoprec.policy import Policy
-from autoprec.runtime.apply import apply
-from autoprec.runtime.checkpoint import load_checkpoint, save_checkpoint
-from autoprec.runtime.rng import StepRng
-from autoprec.runtime.steps import every, run_steps
-from autoprec.runtime.train import StepStats, TrainStep, autocast_scaler, make_scaler
+from autoprec.training.checkpoint import load_checkpoint, save_checkpoint
+from autoprec.training.rng import StepRng
+from autoprec.training.steps import every, run_steps
+from autoprec.training.train import StepStats, TrainStep, autocast_scaler, make_scaler
 
 __all__ = ["BASELINES", "CompareResult", "compare", "plot_curves"]
 
@@ -165,8 +165,8 @@ def _run(name: str, spec: ModelSpec, init: dict[str, torch.Tensor], policy: Poli
          checkpoint_every: int = 0) -> dict[str, Any]:
     """Train one configuration; returns its losses, held-out loss, median s/step and skipped steps.
 
-    The steps run through :func:`autoprec.runtime.steps.run_steps` with the seeded-stream RNG rule
-    (``StepRng(seed)``, :mod:`autoprec.runtime.rng`): the global generators are seeded with
+    The steps run through :func:`autoprec.training.steps.run_steps` with the seeded-stream RNG rule
+    (``StepRng(seed)``, :mod:`autoprec.training.rng`): the global generators are seeded with
     ``seed`` before step 0, so every configuration starts from the same RNG state. With ``state``,
     resumes from ``state.checkpoint(name)`` if it exists (weights, optimizer, scaler, RNG state,
     losses so far) and saves it every ``checkpoint_every`` steps (0: never).

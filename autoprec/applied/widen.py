@@ -14,7 +14,7 @@ strict_shapes=True)``, the module then serves it instead of raising (:class:`Rec
 - a size **below** its range (``torch.export`` narrowed the lower bound, e.g. a target length of
   2 when the code needs 3), or a model that cannot be exported with the wider ranges: that shape
   gets a graph of its own from the per-shape cache
-  (:class:`autoprec.runtime.shape_cache.ShapeCache`, at most ``MAX_SHAPES``, each logged), and
+  (:class:`autoprec.applied.shape_cache.ShapeCache`, at most ``MAX_SHAPES``, each logged), and
   the batches in the ranges keep running the dynamic graph.
 
 Inputs that were captured as one dimension but disagree in a call (``input_ids`` of length 30 with
@@ -28,9 +28,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from autoprec.applied.shape_cache import ShapeCache, is_dynamic
 from autoprec.capture import capture_dynamic, maxima, plan_dims, tensor_shapes
 from autoprec.errors import CaptureError
-from autoprec.runtime.shape_cache import ShapeCache, is_dynamic
 
 __all__ = ["Recapture", "Routed"]
 
@@ -70,7 +70,7 @@ class Routed:
 
 
 class Recapture:
-    """What a non-strict :class:`~autoprec.runtime.apply.MixedPrecisionModule` does with a call its
+    """What a non-strict :class:`~autoprec.applied.apply.MixedPrecisionModule` does with a call its
     input check refuses (module docstring): re-capture with wider ranges, or route the shape to the
     per-shape cache, or re-raise.
 

@@ -11,17 +11,17 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from autoprec.applied.compile import compile_graph
+from autoprec.applied.model_facade import check_no_autocast, model_attr, signed_class
+from autoprec.applied.outputs import flat_output_graph, rebuild
+from autoprec.applied.policy_match import check_policy_matches
+from autoprec.applied.saved import apply_saved, saved_activation_context
+from autoprec.applied.shape_cache import CompileLog, ShapeCache, is_dynamic
+from autoprec.applied.widen import Recapture, Routed
 from autoprec.capture import CALL_KWARGS_META, InputShapes, capture, capture_dynamic, quiet_pytree_deprecation
 from autoprec.modelspec import drop_fixed_kwargs
 from autoprec.passes import run_pipeline
 from autoprec.policy import Policy
-from autoprec.runtime.compile import compile_graph
-from autoprec.runtime.model_facade import check_no_autocast, model_attr, signed_class
-from autoprec.runtime.outputs import flat_output_graph, rebuild
-from autoprec.runtime.policy_match import check_policy_matches
-from autoprec.runtime.saved import apply_saved, saved_activation_context
-from autoprec.runtime.shape_cache import CompileLog, ShapeCache, is_dynamic
-from autoprec.runtime.widen import Recapture, Routed
 
 __all__ = ["MixedPrecisionModule", "apply"]
 
@@ -41,13 +41,13 @@ class MixedPrecisionModule(nn.Module):
     call whose input tensors have other shapes raises ``ValueError`` naming the input and both
     shapes (see :class:`autoprec.capture.InputShapes`). From ``apply(..., dynamic=True)`` it takes
     any batch size and sequence length in the ranges of :mod:`autoprec.capture.dims` (one dynamic graph,
-    or one graph per shape: :mod:`autoprec.runtime.shape_cache`); a later batch outside those
+    or one graph per shape: :mod:`autoprec.applied.shape_cache`); a later batch outside those
     ranges is served too, by a re-capture with wider ranges or a graph of its own (logged;
-    :mod:`autoprec.runtime.widen`), unless ``apply(..., strict_shapes=True)``, which raises
+    :mod:`autoprec.applied.widen`), unless ``apply(..., strict_shapes=True)``, which raises
     ``ValueError`` for it; :attr:`shape_stats` counts its captures and compiles.
 
     When ``policy.needs_loss_scaling`` is True (the policy computes something in fp16), train it
-    with the scaler ``autoprec.runtime.train.make_scaler(mp.policy)`` returns (a
+    with the scaler ``autoprec.training.train.make_scaler(mp.policy)`` returns (a
     :class:`autoprec.DynamicLossScaler`); see :func:`apply`.
 
     Hugging Face ``Trainer`` (docs/architecture.md#runtime): ``inspect.signature(mp.forward)`` (and of
@@ -92,7 +92,7 @@ class MixedPrecisionModule(nn.Module):
                           "compile every activation is kept, so peak memory exceeds what tune measured",
                           stacklevel=3)
         flat, self._out_spec = flat_output_graph(graph_module)  # the output is rebuilt outside compile
-        if not compile:  # nodes' ``saved`` dtypes (autoprec.runtime.saved; compile_graph handles compiled)
+        if not compile:  # nodes' ``saved`` dtypes (autoprec.applied.saved; compile_graph handles compiled)
             apply_saved(flat, compiled=False)
         object.__setattr__(self, "_saved", saved_activation_context(flat) if not compile else nullcontext())
         object.__setattr__(self, "_fn",
@@ -113,7 +113,7 @@ class MixedPrecisionModule(nn.Module):
         Returns:
             The model's output type and fields (e.g. a ``CausalLMOutputWithPast`` with ``.loss``
             and ``.logits``), floating outputs in their original dtype, compiled or not
-            (:func:`autoprec.runtime.outputs.rebuild`).
+            (:func:`autoprec.applied.outputs.rebuild`).
 
         Raises:
             ValueError: an input tensor's shape differs from the captured one (e.g. a smaller last
@@ -140,9 +140,9 @@ class MixedPrecisionModule(nn.Module):
         """How the module serves batch shapes: ``{"mode": "static", "captures": 1}``, or (``apply(...,
         dynamic=True)``) ``{"mode": "dynamic", "captures": 1, "compiles", "compile_seconds"}`` /
         ``{"mode": "per_shape", "captures", "capture_seconds", "shapes"}`` (see
-        :mod:`autoprec.runtime.shape_cache`) / ``{"mode": "dynamic+per_shape", ...}`` (shapes below
-        a range, :class:`autoprec.runtime.widen.Routed`); ``"recaptures"``: times a batch outside
-        the ranges made it capture again with wider ones (:mod:`autoprec.runtime.widen`)."""
+        :mod:`autoprec.applied.shape_cache`) / ``{"mode": "dynamic+per_shape", ...}`` (shapes below
+        a range, :class:`autoprec.applied.widen.Routed`); ``"recaptures"``: times a batch outside
+        the ranges made it capture again with wider ones (:mod:`autoprec.applied.widen`)."""
         stats = (getattr(self._fn, "stats", None) if isinstance(self._fn, (CompileLog, ShapeCache, Routed))
                  else None)
         out = stats() if stats is not None else {
@@ -250,15 +250,15 @@ def apply(model: nn.Module, policy: Policy, example_batch: Any, compile: bool = 
             one capture with dynamic dimensions, in the ranges :mod:`autoprec.capture.dims` derives from
             ``example_batch`` (batch 1..its size; sequence 2..``config.max_position_embeddings``,
             else 2..its length), compiled once; where the model cannot be exported so, one graph
-            per input shape, built on first use (:class:`autoprec.runtime.shape_cache.ShapeCache`,
+            per input shape, built on first use (:class:`autoprec.applied.shape_cache.ShapeCache`,
             at most ``MAX_SHAPES``). New compiles and shapes are logged (``autoprec`` logger, INFO).
             A later batch outside the ranges (T5: longer than the example) is served by a capture
             with wider ranges (at least twice the old bound; a compiled module compiles again) or
-            by a graph of its own (:mod:`autoprec.runtime.widen`), logged.
+            by a graph of its own (:mod:`autoprec.applied.widen`), logged.
         strict_shapes: With ``dynamic=True``, raise ``ValueError`` (naming the input, its shape
             and the range) for a batch outside the ranges instead of capturing again.
         force: Apply a policy none of whose rules selects a node of this model (a policy of
-            another model, :func:`autoprec.runtime.policy_match.check_policy_matches`) anyway.
+            another model, :func:`autoprec.applied.policy_match.check_policy_matches`) anyway.
 
     Returns:
         A :class:`MixedPrecisionModule`, a drop-in for ``model`` in the training loop, for batches
@@ -276,7 +276,7 @@ def apply(model: nn.Module, policy: Policy, example_batch: Any, compile: bool = 
     create it (it does not see the training loop); build it from the policy's ``loss_scaling``
     settings with::
 
-        from autoprec.runtime.train import make_scaler
+        from autoprec.training.train import make_scaler
 
         scaler = make_scaler(policy)  # a DynamicLossScaler, or None when the policy has no fp16
         loss = loss_fn(mp(**batch), batch)
@@ -285,7 +285,7 @@ def apply(model: nn.Module, policy: Policy, example_batch: Any, compile: bool = 
         scaler.step(optimizer)        # skipped on inf/NaN gradients
         scaler.update()
 
-    (``autoprec.runtime.train.TrainStep(mp, params, optimizer, loss_fn, scaler=make_scaler(policy))``
+    (``autoprec.training.train.TrainStep(mp, params, optimizer, loss_fn, scaler=make_scaler(policy))``
     does all of this; ``autoprec train`` uses it.)
     """
     if graph_module is not None:
@@ -301,7 +301,7 @@ def apply(model: nn.Module, policy: Policy, example_batch: Any, compile: bool = 
     static = lambda batch: apply(model, policy, batch, compile, placement, dynamic=False, force=True)._fn  # noqa: E731
     if dynamic and not is_dynamic(gm):  # one graph per shape, the example's first
         _use_shape_cache(mp, example_batch, static, strict_shapes)
-    elif dynamic and not strict_shapes:  # a batch outside the ranges: capture again (autoprec.runtime.widen)
+    elif dynamic and not strict_shapes:  # a batch outside the ranges: capture again (autoprec.applied.widen)
         again = lambda g: apply(model, policy, example_batch, compile, placement, graph_module=g,  # noqa: E731
                                 force=True, strict_shapes=True)
         object.__setattr__(mp, "_recapture", Recapture(model, example_batch, again, static))

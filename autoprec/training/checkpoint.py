@@ -13,7 +13,7 @@ numbers only, so it loads with ``torch.load(weights_only=True)`` (no arbitrary u
   JSON-able dict of the caller's counters;
 * ``rng``: the CPU torch generator state, the CUDA generator states (if CUDA is initialised), and
   Python's ``random`` state, so dropout and any sampling continue as in the uninterrupted run
-  (the stream RNG rule of :mod:`autoprec.runtime.rng`, which ``train`` and ``train --compare``
+  (the stream RNG rule of :mod:`autoprec.training.rng`, which ``train`` and ``train --compare``
   follow).
 
 Writes are atomic (temp file in the same directory, ``fsync``, ``os.replace``, directory ``fsync``):
@@ -36,7 +36,7 @@ from torch import nn
 from autoprec._io import atomic_write
 from autoprec.errors import AutoprecError
 from autoprec.policy import Policy
-from autoprec.runtime.scaler import DynamicLossScaler
+from autoprec.training.scaler import DynamicLossScaler
 
 __all__ = ["CHECKPOINT_FORMAT", "Checkpoint", "load_checkpoint", "peek_checkpoint", "rng_state",
            "save_checkpoint", "set_rng_state"]

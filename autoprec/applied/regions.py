@@ -102,7 +102,7 @@ def outline_blocks(gm: fx.GraphModule) -> tuple[fx.GraphModule, RegionPlan]:
 
     Args:
         gm: A lowered graph (``autoprec.passes.run_pipeline``'s, after the output flattening of
-            :func:`autoprec.runtime.outputs.flat_output_graph`); its nodes carry
+            :func:`autoprec.applied.outputs.flat_output_graph`); its nodes carry
             a ``NodeMeta.module`` (:mod:`autoprec.nodemeta`). It is not modified.
 
     Returns:

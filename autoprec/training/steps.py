@@ -1,9 +1,9 @@
 """The one training-step loop: ``autoprec train``, ``train --compare``, the harness's timing and
 its trajectory check all run their steps through :func:`run_steps` (docs/architecture.md#runtime).
 
-The loop drives a :class:`~autoprec.runtime.train.TrainStep` over steps ``start..stop-1`` with the
+The loop drives a :class:`~autoprec.training.train.TrainStep` over steps ``start..stop-1`` with the
 batch of each step from a callable, times each step (:meth:`TrainStep.timed`: device synchronised
-before and after), runs it under the RNG rule of :mod:`autoprec.runtime.rng` and returns
+before and after), runs it under the RNG rule of :mod:`autoprec.training.rng` and returns
 ``(StepStats, seconds)`` per step. What differs between the callers is passed as per-step hooks:
 logging, monitor records, checkpoints (:func:`every`), the harness's early abort
 (:func:`slow_step_guard`).
@@ -16,11 +16,11 @@ from typing import Any
 
 import torch
 
-from autoprec._torch_compat import dynamo_unique_graphs
-from autoprec.runtime.rng import StepRng
-from autoprec.runtime.train import StepStats, TrainStep
+from autoprec.device import compile_count
+from autoprec.training.rng import StepRng
+from autoprec.training.train import StepStats, TrainStep
 
-__all__ = ["SLOW_FACTOR", "SLOW_IN_A_ROW", "StepHook", "StepsTooSlow", "compile_count", "every", "run_steps",
+__all__ = ["SLOW_FACTOR", "SLOW_IN_A_ROW", "StepHook", "StepsTooSlow", "every", "run_steps",
            "slow_step_guard"]
 
 #: A per-step hook: ``hook(step_index, batch, stats, seconds)``, called after each step (seconds:
@@ -45,7 +45,7 @@ def run_steps(step: TrainStep, batches: Callable[[int], Any], start: int, stop: 
         batches: ``batches(k)`` is step ``k``'s batch (e.g. ``get_batch(k, device)``).
         start: First step index (``> 0`` when resumed from a checkpoint).
         stop: One past the last step index.
-        rng: Which RNG state each step runs from (:class:`~autoprec.runtime.rng.StepRng`;
+        rng: Which RNG state each step runs from (:class:`~autoprec.training.rng.StepRng`;
             None: ``StepRng()``, the global stream).
         device: The device the steps run on, for the fixed-per-step RNG case
             (default ``torch.device(step.device_type)``).
@@ -109,14 +109,6 @@ class StepsTooSlow(Exception):
         self.step, self.seconds, self.limit = step, seconds, limit
 
 
-def compile_count() -> int:
-    """Graphs ``torch.compile`` (Dynamo) has compiled in this process so far
-    (Dynamo's ``unique_graphs`` counter, :func:`autoprec._torch_compat.dynamo_unique_graphs`): a rise
-    across a call means the call compiled. Process-wide, so a compile in another thread at the same
-    time counts too."""
-    return dynamo_unique_graphs()
-
-
 def slow_step_guard(max_step_s: float) -> StepHook:
     """A hook stopping a loop whose steps are too slow to be worth timing further.
 
@@ -125,7 +117,7 @@ def slow_step_guard(max_step_s: float) -> StepHook:
     floor belongs to the caller's limit (``autoprec tune``: ``max(3 x fp32 eager step, 0.25 s)``;
     ``autoprec bench``: ``max(max_step_ratio x fp32 eager step, 1 s)``).
 
-    A step during which ``torch.compile`` compiled (:func:`compile_count` rose: e.g. a dynamic
+    A step during which ``torch.compile`` compiled (:func:`autoprec.device.compile_count` rose: e.g. a dynamic
     graph recompiling for a size-1 batch in the warm-up) is not judged: its time is the compile's.
 
     Args:

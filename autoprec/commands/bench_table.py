@@ -26,11 +26,11 @@ def make_row(m: Measurement, dtype: str, compiled: bool, t: Timing | None = None
         dtype: Its low dtype's name (``"fp32"``, ``"bf16"``, ...).
         compiled: Whether it runs through ``torch.compile``.
         t: Its interleaved timing (None: not timed yet, or failed before timing).
-        flops: Model FLOPs per step (:func:`autoprec.bench.model_flops`).
+        flops: Model FLOPs per step (:func:`autoprec.commands.bench.model_flops`).
         peak: The matmul peak, FLOP/s, that MFU divides by (0: no MFU).
         ratio: ``max_step_ratio``, named in the note of a configuration the slow-step rule stopped.
         compiles_timed: Timed steps whose forward compiled (a shape the warm-up did not meet),
-            left out of ``t`` already (:func:`autoprec.bench_shapes.drop_compiled_steps`).
+            left out of ``t`` already (:func:`autoprec.commands.bench_shapes.drop_compiled_steps`).
 
     Returns:
         ``step_s`` (s, median), ``step_s_band`` (s), ``iqr_s`` (s), ``tokens_per_s``,
@@ -74,7 +74,7 @@ def skipped_row(dtype: str, compiled: bool, note: str) -> dict[str, Any]:
 
 
 def failed_rows(result: dict[str, Any]) -> dict[str, str]:
-    """``{name: error}`` of the configurations of a :func:`autoprec.bench.run_bench` result that
+    """``{name: error}`` of the configurations of a :func:`autoprec.commands.bench.run_bench` result that
     failed (an ``error``: capture, compile, a step raised, non-finite gradients); skipped and
     capped rows are not failures. ``autoprec bench`` exits 1 when this is not empty."""
     return {name: r["error"] for name, r in result["configs"].items() if r.get("error")}
@@ -119,7 +119,7 @@ def _vs_ac(name: str, r: dict[str, Any]) -> str:
 
 
 def format_bench_table(result: dict[str, Any]) -> str:
-    """Markdown table of a :func:`autoprec.bench.run_bench` result (one row per configuration):
+    """Markdown table of a :func:`autoprec.commands.bench.run_bench` result (one row per configuration):
     tokens/s with the relative half-width of its 95% band (``6947 ±2.1%``), and ``tie`` in the
     ``vs autocast+compile`` column where :func:`autoprec.search.timing.compare` finds no difference."""
     def num(x: float | None, fmt: str) -> str:

@@ -1,6 +1,6 @@
 """How ``autoprec bench`` builds each configuration (docs/architecture.md#measurements): the module it
 trains, its loss scaler, its autocast dtype and the harness whose weights it trains, so that every
-configuration runs every batch shape the model file gives (:mod:`autoprec.bench_shapes`)."""
+configuration runs every batch shape the model file gives (:mod:`autoprec.commands.bench_shapes`)."""
 
 from __future__ import annotations
 
@@ -12,15 +12,15 @@ from typing import Any
 
 import torch
 
-from autoprec import bench_shapes as shapes
+from autoprec.applied.compile import compile_graph
+from autoprec.commands import bench_shapes as shapes
 from autoprec.dtypes import NAMES
 from autoprec.nodemeta import read_meta
 from autoprec.passes import run_pipeline
 from autoprec.policy import Policy
-from autoprec.runtime.compile import compile_graph
-from autoprec.runtime.scaler import DynamicLossScaler
-from autoprec.runtime.train import autocast_scaler, make_scaler
 from autoprec.search.measure import Harness
+from autoprec.training.scaler import DynamicLossScaler
+from autoprec.training.train import autocast_scaler, make_scaler
 
 __all__ = ["BenchConfig", "build_configs", "main_dtype", "pure_low"]
 
@@ -60,10 +60,10 @@ def pure_low(h: Harness, dtype: torch.dtype) -> Harness:
 
 def build_configs(h: Harness, policy: Policy, low: torch.dtype,
                   names: Sequence[str]) -> dict[str, BenchConfig]:
-    """How to run each configuration in ``names`` (:data:`autoprec.bench.CONFIGS`) on ``h``'s model and
-    batches, in the low dtype ``low``; modules are built lazily (``BenchConfig.fn()``: compiling starts
-    at their first call). Widens ``h.graph_module``'s ranges first when a batch is outside them
-    (:func:`autoprec.bench_shapes.cover_batches`).
+    """How to run each configuration in ``names`` (:data:`autoprec.commands.bench.CONFIGS`) on ``h``'s
+    model and batches, in the low dtype ``low``; modules are built lazily (``BenchConfig.fn()``:
+    compiling starts at their first call). Widens ``h.graph_module``'s ranges first when a batch is
+    outside them (:func:`autoprec.commands.bench_shapes.cover_batches`).
 
     Raises:
         PassError: the policy cannot be applied to the graph.

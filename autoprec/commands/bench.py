@@ -17,7 +17,7 @@ steps (forward, loss, backward, optimizer step, loss scaler) through the one mea
 ``policy_compiled``    the policy-lowered graph compiled (what ``autoprec train`` runs)
 =====================  ===========================================================================
 
-Compiled configurations all use :data:`autoprec.runtime.compile.INDUCTOR_OPTIONS`, so compiled
+Compiled configurations all use :data:`autoprec.applied.compile.INDUCTOR_OPTIONS`, so compiled
 rows differ only in their dtypes. First each configuration's drift and memory are measured in turn
 (``Harness.measure(timing=False)``; compiling happens there), ``fp32_eager`` also timed back to
 back to set the slow-step limit ``max(max_step_ratio x fp32_eager's step, 1 s)``. Then every
@@ -26,10 +26,11 @@ call (rounds A B C ... A B C, :data:`STEPS_PER_ROUND` steps each), so every row'
 from the same rounds and carries a bootstrap 95% band of its median, and the ``vs
 autocast+compile`` column says ``tie`` where :func:`autoprec.search.timing.compare` finds the
 difference within the noise. A configuration whose steps are too slow against the limit (two
-steps in a row over it, or one step over 4x it: :func:`autoprec.runtime.steps.slow_step_guard`;
+steps in a row over it, or one step over 4x it: :func:`autoprec.training.steps.slow_step_guard`;
 e.g. bf16 on a CPU without native bf16 arithmetic) is dropped from later rounds, and its row
-says so (``capped``). Rows and table: :mod:`autoprec.bench_table`. Every row runs batches of every
-shape with no compile timed (:mod:`autoprec.bench_shapes`); ``autoprec bench`` exits 1 if a row failed.
+says so (``capped``). Rows and table: :mod:`autoprec.commands.bench_table`. Every row runs batches of
+every shape with no compile timed (:mod:`autoprec.commands.bench_shapes`); ``autoprec bench`` exits 1
+if a row failed.
 
 MFU counts model FLOPs per step as ``6 · N · tokens`` (N: trainable parameters except embedding
 tables, whose forward is a gather, not a matmul; Kaplan et al. 2020, PaLM appendix B) plus
@@ -52,11 +53,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoprec import bench_shapes as shapes
 from autoprec._io import write_json
 from autoprec._version import __version__
-from autoprec.bench_configs import BenchConfig, build_configs, main_dtype
-from autoprec.bench_table import add_ratios, format_bench_table, make_row, skipped_row
+from autoprec.commands import bench_shapes as shapes
+from autoprec.commands.bench_configs import BenchConfig, build_configs, main_dtype
+from autoprec.commands.bench_table import add_ratios, format_bench_table, make_row, skipped_row
 from autoprec.device import autocast_dtype, describe_machine, resolve_device, time_matmul
 from autoprec.dtypes import NAMES, to_torch
 from autoprec.modelspec import load_model_spec
@@ -188,7 +189,7 @@ def run_bench(model_path: str | os.PathLike, policy: Policy | str | os.PathLike,
         row holds ``step_s`` (s, median), ``step_s_band`` (s), ``iqr_s`` (s), ``tokens_per_s``,
         ``tokens_per_s_band`` (bootstrap 95% interval, tokens/s), ``rel_half_width``, ``rounds``,
         ``ratio_vs_fp32_eager``, ``ratio_vs_autocast_compiled`` (throughput ratios; > 1 is faster),
-        ``vs_autocast_compiled`` (:func:`autoprec.bench_table.add_ratios`: ratio, band, tie,
+        ``vs_autocast_compiled`` (:func:`autoprec.commands.bench_table.add_ratios`: ratio, band, tie,
         winner), ``grad_rel_l2``, ``peak_bytes`` (bytes), ``mfu`` (0..1), ``steps_timed``,
         ``capped``, ``note``, ``error``.
         ``None``: not measured (skipped, failed, no baseline); a measured non-finite number is

@@ -1,28 +1,17 @@
-"""Many processes: DDP and FSDP2 over an applied module, the rank's batches, ``train --nproc``
-(docs/architecture.md#runtime).
+"""Many processes: DDP and FSDP2 over an applied module (docs/architecture.md#runtime).
 
-* :func:`ddp` wraps a :class:`~autoprec.runtime.apply.MixedPrecisionModule` in
+* :func:`ddp` wraps a :class:`~autoprec.applied.apply.MixedPrecisionModule` in
   ``DistributedDataParallel`` (eager or compiled graph; gloo on CPU, NCCL on CUDA), with the
   policy's ``grad_reduce_dtype`` as its communication hook.
 * :func:`shard` puts it under FSDP2 (``torch.distributed.fsdp.fully_shard``) as one FSDP unit
   (the lowered graph is one call: there are no per-layer calls for per-layer units to hook).
-* :func:`rank_step_batch` is the data rule of ``autoprec train --nproc N``: rank ``r`` of ``N`` at
-  step ``k`` trains on ``get_batch(k * N + r)``, so N ranks x batch B see the batches one rank sees
-  in N x as many steps, and their averaged gradient is that of the N batches concatenated.
-* :func:`launch` starts ``autoprec train`` on N ranks with ``torch.distributed.run`` (torchrun);
-  each rank finds its place in the environment torchrun sets (:func:`ranks_from_env`).
 
-The loss scaler's agreement across ranks is :func:`autoprec.runtime.scaler.any_rank`.
+Each rank's place and batches are :mod:`autoprec.distributed.ranks`. The loss scaler's agreement
+across ranks is :func:`autoprec.training.scaler.any_rank`.
 """
 
 from __future__ import annotations
 
-import gc
-import os
-import subprocess
-import sys
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,93 +19,11 @@ import torch.distributed as dist
 from torch import fx, nn
 
 from autoprec._torch_compat import child_module
+from autoprec.applied.apply import MixedPrecisionModule
 from autoprec.errors import AutoprecError
 from autoprec.policy import Policy
-from autoprec.runtime.apply import MixedPrecisionModule
-from autoprec.runtime.train import StepStats
 
-__all__ = ["Ranks", "ShardedModule", "bf16_hook", "close_ranks", "ddp", "launch", "mean_loss_hook",
-           "ranks_from_env", "init_ranks", "rank_step_batch", "shard", "strip_nproc"]
-
-
-@dataclass(frozen=True)
-class Ranks:
-    """Where this process stands: ``rank`` of ``world`` ranks, ``local_rank`` on its machine."""
-
-    rank: int = 0
-    world: int = 1
-    local_rank: int = 0
-
-    @property
-    def lead(self) -> bool:
-        """True on rank 0, the one that prints, logs and writes checkpoints."""
-        return self.rank == 0
-
-
-def ranks_from_env() -> Ranks:
-    """The :class:`Ranks` torchrun sets (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``); one rank without.
-
-    Raises:
-        AutoprecError: a variable is not an integer or the rank is outside ``[0, WORLD_SIZE)``.
-    """
-    try:
-        r = Ranks(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)),
-                  int(os.environ.get("LOCAL_RANK", 0)))
-    except ValueError as e:
-        raise AutoprecError(f"RANK/WORLD_SIZE/LOCAL_RANK: not an integer ({e})") from None
-    if not 0 <= r.rank < r.world:
-        raise AutoprecError(f"RANK={r.rank} is outside [0, WORLD_SIZE={r.world})")
-    return r
-
-
-def init_ranks(device: torch.device, ranks: Ranks) -> torch.device:
-    """Join the default process group when ``ranks.world > 1`` (gloo on CPU, NCCL on CUDA, rendezvous
-    from torchrun's ``MASTER_ADDR``/``MASTER_PORT``); the device this rank trains on.
-
-    Returns:
-        ``device`` on CPU or with one rank; ``cuda:<local_rank>`` (made current) on CUDA.
-    """
-    if ranks.world <= 1:
-        return device
-    if device.type == "cuda":
-        device = torch.device("cuda", ranks.local_rank)
-        torch.cuda.set_device(device)
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=ranks.rank,
-                                world_size=ranks.world)
-    return device
-
-
-def close_ranks(ranks: Ranks) -> None:
-    """Leave the default process group :func:`init_ranks` joined (no-op with one rank), after a
-    barrier: a rank destroying gloo's group while another still talks to it can abort
-    (``terminate called without an active exception``). A ``DistributedDataParallel`` module
-    lives in a reference cycle and its C++ reducer holds the group: the cyclic GC runs first, so
-    no reducer keeps gloo's threads alive past the group's destruction into interpreter exit."""
-    if ranks.world > 1 and dist.is_initialized():
-        gc.collect()
-        dist.barrier()
-        dist.destroy_process_group()
-        gc.collect()
-
-
-def rank_step_batch(get_batch: Callable[[int, torch.device], Any], device: torch.device,
-                    ranks: Ranks) -> Callable[[int], Any]:
-    """Step ``k``'s batch of this rank: ``get_batch(k * world + rank, device)`` (module docstring)."""
-    return lambda k: get_batch(k * ranks.world + ranks.rank, device)
-
-
-def mean_loss_hook(ranks: Ranks) -> Callable[[int, Any, StepStats, float], None]:
-    """A step hook (:data:`autoprec.runtime.steps.StepHook`) replacing ``stats.loss`` by its mean
-    over the ranks (an all-reduce SUM / world), so every rank logs the loss of the whole global
-    batch; every rank must run it. A no-op with one rank."""
-    def hook(_k: int, _batch: Any, stats: StepStats, _seconds: float) -> None:
-        if ranks.world > 1:
-            t = torch.tensor(stats.loss, dtype=torch.float64)
-            dist.all_reduce(t)
-            stats.loss = float(t) / ranks.world
-
-    return hook
+__all__ = ["ShardedModule", "bf16_hook", "ddp", "shard"]
 
 
 def bf16_hook(state, bucket):  # no annotations: DDP compares them to the classes, and these are strings
@@ -166,7 +73,7 @@ class ShardedModule(nn.Module):
 
     Attributes:
         model: The wrapped model (``state_dict`` keys gain the prefix ``model.``).
-        applied: The :class:`~autoprec.runtime.apply.MixedPrecisionModule`.
+        applied: The :class:`~autoprec.applied.apply.MixedPrecisionModule`.
     """
 
     def __init__(self, mp: MixedPrecisionModule) -> None:
@@ -198,7 +105,7 @@ def shard(mp: MixedPrecisionModule, mesh: Any = None, policy: Policy | None = No
 
     Returns:
         The sharded root: train it with an optimizer over its ``parameters()`` (DTensor shards,
-        fp32) and a :class:`~autoprec.runtime.scaler.DynamicLossScaler` (it agrees across shards).
+        fp32) and a :class:`~autoprec.training.scaler.DynamicLossScaler` (it agrees across shards).
 
     Raises:
         AutoprecError: ``mp`` serves shapes by a per-shape cache, or the model has Parameters of
@@ -242,41 +149,3 @@ def _read_model_modules(gm: fx.GraphModule, model: nn.Module) -> None:
         sub = child_module(model, top)
         if sub is not None:
             setattr(gm, top, sub)
-
-
-def strip_nproc(argv: Sequence[str]) -> list[str]:
-    """``argv`` without its ``--nproc N`` / ``--nproc=N``."""
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a == "--nproc":
-            skip = True
-        elif not a.startswith("--nproc="):
-            out.append(a)
-    return out
-
-
-#: The launcher a rank group runs in: torchrun's own parser for its options, the ranks' arguments
-#: set after parsing (torchrun's argparse would otherwise take ``--log`` for an ambiguous
-#: abbreviation of ``--log-dir``, though it comes after the script).
-_TORCHRUN = ("import json, sys\n"
-             "from torch.distributed.run import get_args_parser, run\n"
-             "args = get_args_parser().parse_args(sys.argv[2:] + ['-m', 'autoprec.cli'])\n"
-             "args.training_script_args = json.loads(sys.argv[1])\n"
-             "run(args)\n")
-
-
-def launch(argv: Sequence[str], nproc: int) -> int:
-    """Run ``autoprec <argv>`` (``--nproc`` removed) on ``nproc`` ranks of this machine with
-    torchrun (``torch.distributed.run --standalone --nproc-per-node N -m autoprec.cli``: a free
-    port on localhost), and wait. Each rank finds its place with :func:`ranks_from_env`.
-
-    Returns:
-        torchrun's exit code (non-zero when any rank failed; torchrun then stops the others).
-    """
-    import json
-
-    cmd = [sys.executable, "-c", _TORCHRUN, json.dumps(strip_nproc(argv)), "--standalone",
-           f"--nproc-per-node={nproc}"]
-    return subprocess.call(cmd)

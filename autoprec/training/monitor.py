@@ -11,7 +11,7 @@ every line is strict JSON (``json.loads`` with no ``NaN`` extension; RFC 8259 ha
 :class:`torch.fx.Interpreter` (``autoprec.passes.diagnose``) and returns the stable key
 (``NodeMeta.key``, docs/architecture.md#node-keys-and-op-classes) of the first node whose
 floating output holds an inf or NaN. :meth:`Monitor.diagnoser` wraps it as the zero-argument ``diagnose``
-callable of :class:`~autoprec.runtime.scaler.DynamicLossScaler`, so a ``LossScaleError`` at the scale
+callable of :class:`~autoprec.training.scaler.DynamicLossScaler`, so a ``LossScaleError`` at the scale
 floor names that node.
 """
 
@@ -131,7 +131,7 @@ class Monitor:
 
         Args:
             step: Optimizer step index.
-            stats: A :class:`~autoprec.runtime.train.StepStats` (``loss``, ``skipped``, ``loss_scale``,
+            stats: A :class:`~autoprec.training.train.StepStats` (``loss``, ``skipped``, ``loss_scale``,
                 ``grad_norm``, ``nonfinite_grads``).
             tokens: Tokens (or samples) the step processed, for tokens/s.
             seconds: Wall-clock seconds the step took.
@@ -163,8 +163,8 @@ class Monitor:
 
         It re-runs :attr:`last_batch` through :func:`first_nonfinite_node` on :attr:`graph_module`.
         The scaler raises inside ``update()``, before the step is recorded, so a training loop sets
-        ``monitor.last_batch = batch`` before each step (``autoprec.runtime.loop`` does, through
-        :func:`~autoprec.runtime.steps.run_steps`'s ``before`` hook).
+        ``monitor.last_batch = batch`` before each step (``autoprec.commands.train`` does, through
+        :func:`~autoprec.training.steps.run_steps`'s ``before`` hook).
 
         Raises:
             ValueError: the monitor has no ``graph_module``.

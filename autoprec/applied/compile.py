@@ -11,9 +11,9 @@ import torch
 from torch import fx, nn
 
 from autoprec._torch_compat import compile_cache_counts
-from autoprec.runtime.regions import outline_blocks
-from autoprec.runtime.saved import SavedCall, apply_saved, has_saved, saved_activation_context
-from autoprec.runtime.shape_cache import CompileLog
+from autoprec.applied.regions import outline_blocks
+from autoprec.applied.saved import SavedCall, apply_saved, has_saved, saved_activation_context
+from autoprec.applied.shape_cache import CompileLog
 
 __all__ = ["compile_graph", "cache_report", "INDUCTOR_OPTIONS", "REGION_OPTIONS"]
 
@@ -43,7 +43,7 @@ def compile_graph(gm: nn.Module, activation_memory_budget: float = 1.0, dynamic:
     sizes, ``capture(..., dynamic=True)``) compiles with ``dynamic=True``: Dynamo re-traces it
     with symbolic sizes, so Inductor's kernels take the sizes as arguments and one compile serves
     every shape, plus one for size-1 batches (Dynamo specialises sizes 0 and 1); its compiles are
-    counted and logged (:class:`autoprec.runtime.shape_cache.CompileLog`). Any other graph
+    counted and logged (:class:`autoprec.applied.shape_cache.CompileLog`). Any other graph
     compiles with ``dynamic=False`` (one specialised compile).
 
     Args:
@@ -59,7 +59,7 @@ def compile_graph(gm: nn.Module, activation_memory_budget: float = 1.0, dynamic:
             file's batches vary in shape, so it compiles once, not once per shape.
         regional: For a graph, compile its repeated blocks (transformer layers of one structure)
             once, as one ``torch.compiler.nested_compile_region`` each
-            (:func:`autoprec.runtime.regions.outline_blocks`; logged at INFO); False: one flat
+            (:func:`autoprec.applied.regions.outline_blocks`; logged at INFO); False: one flat
             graph. A module (not a graph) is always compiled as it is, and so is a graph with
             saved-activation dtypes: the pack hook does not see a region's nodes' marks (a
             4-layer Qwen2 with fp8_e5m2-saved matmuls saved 770 kB regional against 528 kB flat),
@@ -70,7 +70,7 @@ def compile_graph(gm: nn.Module, activation_memory_budget: float = 1.0, dynamic:
 
     A graph whose nodes carry a ``NodeMeta.saved`` (a policy's ``saved`` field) is compiled
     with those activations saved low and every call runs inside
-    :func:`autoprec.runtime.saved.saved_activation_context` (a :class:`autoprec.runtime.saved.SavedCall`).
+    :func:`autoprec.applied.saved.saved_activation_context` (a :class:`autoprec.applied.saved.SavedCall`).
 
     Inductor's CPU code generator warns ``bf16 and fp16 are mixed in the scheduler node`` for every
     kernel that fuses both (a policy with both dtypes: many times per tune); that one message is
@@ -82,7 +82,7 @@ def compile_graph(gm: nn.Module, activation_memory_budget: float = 1.0, dynamic:
     _quiet_mixed_dtype_warning()
     if dynamic is None:
         dynamic = isinstance(gm, fx.GraphModule) and _symbolic_inputs(gm)
-    # nodes' ``saved`` dtypes: autoprec.runtime.saved
+    # nodes' ``saved`` dtypes: autoprec.applied.saved
     saved = isinstance(gm, fx.GraphModule) and has_saved(gm)
     target = apply_saved(gm, compiled=True) if saved else gm
     options = dict(INDUCTOR_OPTIONS)

@@ -23,8 +23,8 @@ from torch import fx, nn
 
 from autoprec._torch_compat import pytree
 from autoprec.capture import DIMS_META, MAX_SHAPES, RANGE_ADVICE, DimPlan, plan_dims, tensor_shapes
+from autoprec.device import compile_count
 from autoprec.modelspec import split_batch
-from autoprec.runtime.steps import compile_count
 
 __all__ = ["MAX_SHAPES", "CompileLog", "ShapeCache", "is_dynamic"]
 
@@ -147,7 +147,7 @@ class ShapeCache:
         if len(self._fns) >= self.max_shapes:
             raise ValueError(
                 f"{self.what} already holds graphs for {len(self._fns)} input shapes, the most it keeps "
-                f"(autoprec.runtime.shape_cache.MAX_SHAPES); {shapes} would be one more.\n  What to do: pad "
+                f"(autoprec.applied.shape_cache.MAX_SHAPES); {shapes} would be one more.\n  What to do: pad "
                 "batches to a few fixed lengths (e.g. to multiples of 64: pad_to_multiple_of=64) and use "
                 "DataLoader(drop_last=True), or make the model exportable with dynamic shapes (the INFO "
                 "log line of autoprec.apply names why it is not).")

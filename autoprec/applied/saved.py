@@ -26,7 +26,7 @@ The mechanism is PyTorch's ``torch.autograd.graph.saved_tensors_hooks``, measure
 
 Dynamo guards compiled code on the identity of inlinable hooks on top of the stack, so every call
 of a compiled graph with ``saved`` marks must run inside :func:`saved_activation_context` (as
-:class:`autoprec.runtime.apply.MixedPrecisionModule` does); a graph without marks gets a null
+:class:`autoprec.applied.apply.MixedPrecisionModule` does); a graph without marks gets a null
 context and is unaffected. An outer Python ``saved_tensors_hooks`` pair (e.g. the harness's saved
 byte counter, ``autoprec.search.measure``) still sees every saved tensor, packed: eager packs chain
 into it, and for a compiled call (where AOTAutograd disables hooks while its forward runs) the

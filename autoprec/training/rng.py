@@ -1,6 +1,6 @@
 """The one RNG rule of training steps: what random-number state each step runs from.
 
-Every loop over training steps (:func:`autoprec.runtime.steps.run_steps`: ``autoprec train``,
+Every loop over training steps (:func:`autoprec.training.steps.run_steps`: ``autoprec train``,
 ``train --compare``, the harness's timing and trajectory steps) takes a :class:`StepRng`, and the
 harness's drift pass runs its single forward/backward under :func:`same_rng` with
 :data:`MEASURE_SEED` (step 0 of the fixed-seed rule). There are three cases

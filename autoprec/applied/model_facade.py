@@ -1,4 +1,4 @@
-"""How a :class:`~autoprec.runtime.apply.MixedPrecisionModule` presents its model to trainers that
+"""How a :class:`~autoprec.applied.apply.MixedPrecisionModule` presents its model to trainers that
 introspect it, Hugging Face ``Trainer`` first (docs/architecture.md#runtime): the model's forward
 signature, attributes read through, and the refusal of ``torch.autocast`` around a policy."""
 

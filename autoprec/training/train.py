@@ -28,7 +28,7 @@ from torch import nn
 
 from autoprec.modelspec import call_model
 from autoprec.policy import Policy
-from autoprec.runtime.scaler import DynamicLossScaler, unscaled_grad_norm
+from autoprec.training.scaler import DynamicLossScaler, unscaled_grad_norm
 
 __all__ = ["StepStats", "TrainStep", "autocast_scaler", "make_scaler", "training_state_bytes"]
 

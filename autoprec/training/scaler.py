@@ -43,7 +43,7 @@ from autoprec.policy.loss_scaling import (
     check_loss_scaling,
     to_fp32,
 )
-from autoprec.runtime._amp import amp_update_scale, unscale_grads_, unscaled_grad_norm
+from autoprec.training._amp import amp_update_scale, unscale_grads_, unscaled_grad_norm
 
 __all__ = ["DynamicLossScaler", "any_rank", "unscaled_grad_norm"]
 
@@ -92,7 +92,7 @@ class DynamicLossScaler:
         scaler.update()
 
     To have the floor error name the node that produced the first inf/NaN, wire a
-    :class:`~autoprec.runtime.monitor.Monitor` in (``mp`` is what ``autoprec.apply`` returned)::
+    :class:`~autoprec.training.monitor.Monitor` in (``mp`` is what ``autoprec.apply`` returned)::
 
         monitor = autoprec.Monitor(graph_module=mp.graph_module)
         scaler = DynamicLossScaler(diagnose=monitor.diagnoser())
@@ -124,7 +124,7 @@ class DynamicLossScaler:
         diagnose: Optional zero-argument callable returning the key of the first graph node that
             produced a non-finite value, or None: typically ``Monitor(graph_module=...).diagnoser()``
             (re-runs ``monitor.last_batch`` through the graph), or e.g.
-            ``lambda: autoprec.runtime.monitor.first_nonfinite_node(mp.graph_module, batch)``.
+            ``lambda: autoprec.training.monitor.first_nonfinite_node(mp.graph_module, batch)``.
             Called only when the error above is raised; if it raises, the error says so instead.
         process_group: The ``torch.distributed`` group whose ranks must agree: None (default) is the
             default group whenever ``torch.distributed`` is initialised at ``unscale_`` time (no
@@ -259,7 +259,7 @@ class DynamicLossScaler:
                 "monitor = autoprec.Monitor(graph_module=mp.graph_module) (mp: the module autoprec.apply "
                 "returned), pass diagnose=monitor.diagnoser() to DynamicLossScaler and set "
                 "monitor.last_batch = batch before each step; or call "
-                "autoprec.runtime.monitor.first_nonfinite_node(mp.graph_module, batch) on a batch that "
+                "autoprec.training.monitor.first_nonfinite_node(mp.graph_module, batch) on a batch that "
                 "overflows (it returns the node's key).")
         if self._diagnose is None:
             return f"{head} {hint}"

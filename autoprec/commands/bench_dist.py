@@ -2,15 +2,15 @@
 (docs/architecture.md#runtime).
 
 ``autoprec bench MODEL --policy P --nproc N`` starts N ranks with torchrun
-(:func:`autoprec.runtime.distributed.launch`); every rank runs :func:`run_bench_dist`, which trains
+(:func:`autoprec.commands.launch.launch`); every rank runs :func:`run_bench_dist`, which trains
 the policy-applied model under four configurations, one after the other, from the same weights
 (rank 0's, broadcast) on the rank's batches of ``autoprec train --nproc N`` (rank r at step k:
-``get_batch(k * N + r)``), through the one training loop (:func:`autoprec.runtime.steps.run_steps`):
+``get_batch(k * N + r)``), through the one training loop (:func:`autoprec.training.steps.run_steps`):
 
 =====================  ==============================================================================
-``ddp_fp32_reduce``    :func:`~autoprec.runtime.distributed.ddp`, gradients all-reduced in fp32
+``ddp_fp32_reduce``    :func:`~autoprec.distributed.wrap.ddp`, gradients all-reduced in fp32
 ``ddp_bf16_reduce``    the same with ``grad_reduce_dtype: bf16`` (``bf16_compress_hook``)
-``fsdp2_fp32_reduce``  :func:`~autoprec.runtime.distributed.shard` (FSDP2), reduce-scattered in fp32
+``fsdp2_fp32_reduce``  :func:`~autoprec.distributed.wrap.shard` (FSDP2), reduce-scattered in fp32
 ``fsdp2_bf16_reduce``  the same with ``MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)``
 =====================  ==============================================================================
 
@@ -47,22 +47,15 @@ import torch.distributed as dist
 
 from autoprec._io import write_json
 from autoprec._torch_compat import TorchDispatchMode
+from autoprec.applied.apply import apply
 from autoprec.device import describe_machine, heap_bytes, resolve_device
+from autoprec.distributed.ranks import Ranks, close_ranks, init_ranks, rank_step_batch, ranks_from_env
+from autoprec.distributed.wrap import ddp, shard
 from autoprec.metrics import grad_rel_l2, median
 from autoprec.modelspec import load_model_spec
 from autoprec.policy import Policy
-from autoprec.runtime.apply import apply
-from autoprec.runtime.distributed import (
-    Ranks,
-    close_ranks,
-    ddp,
-    init_ranks,
-    rank_step_batch,
-    ranks_from_env,
-    shard,
-)
-from autoprec.runtime.steps import run_steps
-from autoprec.runtime.train import TrainStep, make_scaler
+from autoprec.training.steps import run_steps
+from autoprec.training.train import TrainStep, make_scaler
 
 __all__ = ["DIST_ROWS", "format_dist_table", "predicted_peak_bytes", "run_bench_dist"]
 
@@ -80,11 +73,11 @@ def predicted_peak_bytes(n_params: int, largest: int, wrapper: str, world: int, 
 
     Per parameter (bytes): weights 4, gradients 4, AdamW's two moments ``moments`` (8). DDP also
     keeps its gradient buckets (4, ``gradient_as_bucket_view=False``), and its peak comes when
-    :class:`~autoprec.runtime.train.TrainStep` counts non-finite gradients: ``isfinite`` (1) and
+    :class:`~autoprec.training.train.TrainStep` counts non-finite gradients: ``isfinite`` (1) and
     its ``sum``'s int64 copy (8) of the largest gradient (9 x ``largest`` bytes; more than AdamW's
     per-tensor ``sqrt``/``div`` temporaries, 8 x ``largest``, torch/optim/adamw.py on CPU), or,
     with bf16 reduction, ``bf16_compress_hook``'s bf16 bucket (2). FSDP2
-    (:func:`~autoprec.runtime.distributed.shard`, one unit) holds 1/N of weights, gradients and
+    (:func:`~autoprec.distributed.wrap.shard`, one unit) holds 1/N of weights, gradients and
     moments, and at the end of backward the all-gathered fp32 weights (4), their unsharded
     gradients (4) and the reduce-scatter's input (4: fp32; bf16: the gradients cast, 2, and the
     input, 2). The low-precision weight copy (2 per bf16 weight) is freed in backward as the

@@ -25,10 +25,10 @@ from typing import Any
 
 from torch import fx, nn
 
+from autoprec.applied.shape_cache import is_dynamic
 from autoprec.capture import InputShapes, capture_for, shapes_vary, tensor_shapes
+from autoprec.device import compile_count
 from autoprec.modelspec import split_batch
-from autoprec.runtime.shape_cache import is_dynamic
-from autoprec.runtime.steps import compile_count
 from autoprec.search.timing import Timing
 
 __all__ = ["CompileWatch", "autocast_dynamic", "capture_rows", "cover_batches", "drop_compiled_steps",
@@ -96,7 +96,7 @@ def autocast_dynamic(batches: list[Any]) -> bool | None:
 class CompileWatch:
     """A configuration's function during timing: counts its calls and the calls that compiled.
 
-    A compile is a rise of Dynamo's graph count (:func:`autoprec.runtime.steps.compile_count`)
+    A compile is a rise of Dynamo's graph count (:func:`autoprec.device.compile_count`)
     across the call; the backward of a newly compiled forward compiles in the same step.
 
     Args:

@@ -1,6 +1,6 @@
 """GradScaler's kernels in Python: the scale update rule, the fused unscale, the gradient norm.
 
-Helpers of :class:`autoprec.runtime.scaler.DynamicLossScaler` (``docs/architecture.md#runtime``).
+Helpers of :class:`autoprec.training.scaler.DynamicLossScaler` (``docs/architecture.md#runtime``).
 
 Sources:
     * ``torch.amp.GradScaler`` (torch/amp/grad_scaler.py) and its ATen kernels

@@ -2,11 +2,11 @@
 
 Batches are ``get_batch(step, device)`` for step = 0..steps-1, so a run resumed from a checkpoint at
 step k sees exactly the batches the uninterrupted run sees from k on. The steps run through
-:func:`autoprec.runtime.steps.run_steps` with the stream RNG rule (:mod:`autoprec.runtime.rng`):
+:func:`autoprec.training.steps.run_steps` with the stream RNG rule (:mod:`autoprec.training.rng`):
 each step draws from the global generators as the previous one left them, and a checkpoint saves
 and restores that state, so a resumed run continues the same random stream.
 
-Under torchrun (``autoprec train --nproc N``, :mod:`autoprec.runtime.distributed`) each rank trains
+Under torchrun (``autoprec train --nproc N``, :mod:`autoprec.distributed`) each rank trains
 the applied module under DDP on its own batches (rank r at step k: ``get_batch(k * N + r)``), with
 the same RNG stream on every rank; the loss logged is the mean over the ranks, and only rank 0
 prints, writes the monitor log and saves checkpoints (every rank loads one on ``--resume``).
@@ -23,26 +23,26 @@ from pathlib import Path
 from typing import Any
 
 from autoprec._torch_compat import compile_cache_counts
+from autoprec.applied.apply import apply
+from autoprec.applied.compile import cache_report
+from autoprec.applied.policy_match import check_policy_matches
 from autoprec.capture import PROBE_BATCHES, capture_for
 from autoprec.device import resolve_device
-from autoprec.errors import AutoprecError
-from autoprec.modelspec import load_model_spec
-from autoprec.policy import Policy
-from autoprec.runtime.apply import apply
-from autoprec.runtime.checkpoint import load_checkpoint, peek_checkpoint, save_checkpoint
-from autoprec.runtime.compile import cache_report
-from autoprec.runtime.distributed import (
+from autoprec.distributed.ranks import (
     close_ranks,
-    ddp,
     init_ranks,
     mean_loss_hook,
     rank_step_batch,
     ranks_from_env,
 )
-from autoprec.runtime.monitor import Monitor
-from autoprec.runtime.policy_match import check_policy_matches
-from autoprec.runtime.steps import StepHook, every, run_steps
-from autoprec.runtime.train import StepStats, TrainStep, make_scaler
+from autoprec.distributed.wrap import ddp
+from autoprec.errors import AutoprecError
+from autoprec.modelspec import load_model_spec
+from autoprec.policy import Policy
+from autoprec.training.checkpoint import load_checkpoint, peek_checkpoint, save_checkpoint
+from autoprec.training.monitor import Monitor
+from autoprec.training.steps import StepHook, every, run_steps
+from autoprec.training.train import StepStats, TrainStep, make_scaler
 
 _log = logging.getLogger("autoprec")
 
@@ -57,7 +57,7 @@ class TrainResult:
         losses: Loss per step run in this call (fp32 floats; a skipped step's loss is still recorded).
         final_loss: Mean loss of the last ``min(5, len(losses))`` steps (NaN if no step ran).
         tokens_per_s: Tokens/s over the steps after the first (which compiles): mean tokens per
-            step / median step seconds (:func:`autoprec.runtime.monitor.tokens_per_s`).
+            step / median step seconds (:func:`autoprec.training.monitor.tokens_per_s`).
         skipped: Steps skipped for non-finite gradients (in this call).
         loss_scale: Final loss scale (1.0 without a scaler).
         start_step: First step run (``> 0`` when resumed from a checkpoint).
@@ -111,7 +111,7 @@ def train(model_path: str | os.PathLike, policy_path: str | os.PathLike, steps: 
         log_path: JSONL file for the monitor (appended to).
         max_grad_norm: Clip unscaled gradients to this L2 norm.
         force: Train with a policy none of whose rules selects a node of this model (a policy of
-            another model) instead of refusing it (:mod:`autoprec.runtime.policy_match`).
+            another model) instead of refusing it (:mod:`autoprec.applied.policy_match`).
 
     Raises:
         ModelSpecError: invalid model file. PolicyError: invalid policy file, or (without
@@ -248,7 +248,7 @@ def _recorder(monitor: Monitor, tokens_per_batch: Any) -> StepHook:
 
 def _first_step_cache(start: int, before: dict[str, int]) -> StepHook:
     """Hook logging, after the first step run, how long it took and what Inductor's caches served
-    it (:func:`autoprec.runtime.compile.cache_report`): a ``train`` after ``tune`` reuses the
+    it (:func:`autoprec.applied.compile.cache_report`): a ``train`` after ``tune`` reuses the
     compiled graph instead of compiling it again."""
     def hook(k: int, _batch: Any, _st: StepStats, seconds: float) -> None:
         if k == start:

@@ -1,0 +1,108 @@
+"""Where this process stands among the ranks, and the rank's batches (docs/architecture.md#runtime).
+
+* :class:`Ranks` and :func:`ranks_from_env`: the rank, world size and local rank torchrun sets.
+* :func:`init_ranks` / :func:`close_ranks` join and leave the default process group.
+* :func:`rank_step_batch` is the data rule of ``autoprec train --nproc N``: rank ``r`` of ``N`` at
+  step ``k`` trains on ``get_batch(k * N + r)``, so N ranks x batch B see the batches one rank sees
+  in N x as many steps, and their averaged gradient is that of the N batches concatenated.
+* :func:`mean_loss_hook` averages the logged loss over the ranks.
+
+The wrappers over an applied module are :mod:`autoprec.distributed.wrap`; the launch of N ranks
+(``--nproc``) is :func:`autoprec.commands.launch.launch`.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from autoprec.errors import AutoprecError
+from autoprec.training.train import StepStats
+
+__all__ = ["Ranks", "close_ranks", "init_ranks", "mean_loss_hook", "rank_step_batch", "ranks_from_env"]
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """Where this process stands: ``rank`` of ``world`` ranks, ``local_rank`` on its machine."""
+
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+
+    @property
+    def lead(self) -> bool:
+        """True on rank 0, the one that prints, logs and writes checkpoints."""
+        return self.rank == 0
+
+
+def ranks_from_env() -> Ranks:
+    """The :class:`Ranks` torchrun sets (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``); one rank without.
+
+    Raises:
+        AutoprecError: a variable is not an integer or the rank is outside ``[0, WORLD_SIZE)``.
+    """
+    try:
+        r = Ranks(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)),
+                  int(os.environ.get("LOCAL_RANK", 0)))
+    except ValueError as e:
+        raise AutoprecError(f"RANK/WORLD_SIZE/LOCAL_RANK: not an integer ({e})") from None
+    if not 0 <= r.rank < r.world:
+        raise AutoprecError(f"RANK={r.rank} is outside [0, WORLD_SIZE={r.world})")
+    return r
+
+
+def init_ranks(device: torch.device, ranks: Ranks) -> torch.device:
+    """Join the default process group when ``ranks.world > 1`` (gloo on CPU, NCCL on CUDA, rendezvous
+    from torchrun's ``MASTER_ADDR``/``MASTER_PORT``); the device this rank trains on.
+
+    Returns:
+        ``device`` on CPU or with one rank; ``cuda:<local_rank>`` (made current) on CUDA.
+    """
+    if ranks.world <= 1:
+        return device
+    if device.type == "cuda":
+        device = torch.device("cuda", ranks.local_rank)
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=ranks.rank,
+                                world_size=ranks.world)
+    return device
+
+
+def close_ranks(ranks: Ranks) -> None:
+    """Leave the default process group :func:`init_ranks` joined (no-op with one rank), after a
+    barrier: a rank destroying gloo's group while another still talks to it can abort
+    (``terminate called without an active exception``). A ``DistributedDataParallel`` module
+    lives in a reference cycle and its C++ reducer holds the group: the cyclic GC runs first, so
+    no reducer keeps gloo's threads alive past the group's destruction into interpreter exit."""
+    if ranks.world > 1 and dist.is_initialized():
+        gc.collect()
+        dist.barrier()
+        dist.destroy_process_group()
+        gc.collect()
+
+
+def rank_step_batch(get_batch: Callable[[int, torch.device], Any], device: torch.device,
+                    ranks: Ranks) -> Callable[[int], Any]:
+    """Step ``k``'s batch of this rank: ``get_batch(k * world + rank, device)`` (module docstring)."""
+    return lambda k: get_batch(k * ranks.world + ranks.rank, device)
+
+
+def mean_loss_hook(ranks: Ranks) -> Callable[[int, Any, StepStats, float], None]:
+    """A step hook (:data:`autoprec.training.steps.StepHook`) replacing ``stats.loss`` by its mean
+    over the ranks (an all-reduce SUM / world), so every rank logs the loss of the whole global
+    batch; every rank must run it. A no-op with one rank."""
+    def hook(_k: int, _batch: Any, stats: StepStats, _seconds: float) -> None:
+        if ranks.world > 1:
+            t = torch.tensor(stats.loss, dtype=torch.float64)
+            dist.all_reduce(t)
+            stats.loss = float(t) / ranks.world
+
+    return hook
