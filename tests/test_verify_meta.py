@@ -42,7 +42,7 @@ FOLLOW_FP32 = Policy(default_dtype="bf16", rules=(Rule(op_class="follow", dtype=
 
 @pytest.mark.parametrize("policy", [Policy.autocast("bf16"), Policy.default("fp16"), Policy.fp32(),
                                     FOLLOW_FP32])
-def test_meta_propagation_gives_fake_propagations_shapes_and_dtypes(qwen2_graph, policy, monkeypatch):
+def test_meta_propagation_gives_fake_propagations_shapes_and_dtypes(qwen2_graph, policy):
     lowered = lowering_passes(qwen2_graph, policy)(qwen2_graph).graph_module  # verified on meta
     got = {n.name: _shapes_dtypes(n.meta.get("val")) for n in lowered.graph.nodes}
     metas = [n.meta["val"] for n in lowered.graph.nodes if n.op == "call_function"]

@@ -83,8 +83,8 @@ def _keep_layout(gm: fx.GraphModule, node: fx.Node, fused: torch.Tensor) -> None
     if fused.is_contiguous() or not all(isinstance(d, int) for d in (*stride, *fused.shape)):
         return
     perm = sorted(range(fused.dim()), key=lambda d: -stride[d])
-    if torch.empty(fused.shape, device="meta").permute(perm).contiguous().permute(
-            [perm.index(d) for d in range(fused.dim())]).stride() != stride:
+    inverse = [perm.index(d) for d in range(fused.dim())]
+    if torch.empty(fused.shape, device="meta").permute(perm).contiguous().permute(inverse).stride() != stride:
         return  # not a permutation of a dense layout (e.g. expanded): nothing to rebuild
     meta = read_meta(node)
     src = node if meta.storage is None else next(iter(node.users))
@@ -95,7 +95,7 @@ def _keep_layout(gm: fx.GraphModule, node: fx.Node, fused: torch.Tensor) -> None
     with g.inserting_after(p):
         c = g.call_function(torch.ops.aten.clone.default, (p,), {"memory_format": torch.contiguous_format})
     with g.inserting_after(c):
-        q = g.call_function(torch.ops.aten.permute.default, (c, [perm.index(d) for d in range(fused.dim())]))
+        q = g.call_function(torch.ops.aten.permute.default, (c, inverse))
     for k, new in enumerate((p, c, q)):
         set_meta(new, NodeMeta(key=f"layout({src_meta.key or src.name})#{k}", dtype=src_meta.dtype,
                                op_class="follow", decided_by=PASS, reason="the fused kernel's layout"))

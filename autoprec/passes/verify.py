@@ -26,12 +26,11 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from autoprec._torch_compat import detect_fake_mode, new_fake_mode
 from autoprec.dtypes import NAMES
 from autoprec.nodemeta import read_meta
+from autoprec.passes.attention import SDPA
 from autoprec.passes.base import PassBase, PassResult, pass_error
 from autoprec.passes.casts import is_inserted_cast
 
 __all__ = ["MetaProp", "Verify", "output_dtypes"]
-
-_SDPA = torch.ops.aten.scaled_dot_product_attention.default
 
 PASS = "verify"
 
@@ -47,7 +46,7 @@ def _fake_inputs(gm: fx.GraphModule) -> tuple[Any, list]:
         RuntimeError: the shapes are symbolic but the placeholders carry no fake mode.
     """
     vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
-    if any(isinstance(v, torch.Tensor) and not all(isinstance(d, int) for d in v.shape) for v in vals):
+    if _symbolic(gm):
         mode = detect_fake_mode(vals)
         if mode is None:
             raise RuntimeError("placeholders have symbolic shapes but carry no FakeTensorMode")
@@ -93,7 +92,7 @@ class MetaProp(fx.Interpreter):
             return _meta(n.meta.get("val"))
         result = super().run_node(n)
         recorded = n.meta.get("val")
-        if n.target is _SDPA and isinstance(recorded, torch.Tensor) and isinstance(result, torch.Tensor) \
+        if n.target is SDPA and isinstance(recorded, torch.Tensor) and isinstance(result, torch.Tensor) \
                 and recorded.shape == result.shape:
             # on meta this composite op runs its math decomposition: keep the device kernel's layout
             result = torch.empty_strided(result.shape, recorded.stride(), dtype=result.dtype, device="meta")

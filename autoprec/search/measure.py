@@ -105,8 +105,7 @@ class Harness:
         self.shapes = batch_shapes(self.batches)
         # warm-up: one step per distinct shape at least, so compiled graphs meet each before timing
         self._warm = max(warmup, len(self.shapes))
-        timed = [self.batches[k % len(self.batches)] for k in range(self._warm, self._warm + steps)]
-        self.tokens = sum(spec.tokens_per_batch(b) for b in timed) / max(len(timed), 1)  # mean per timed step
+        self.tokens = self._timed_tokens(steps)  # mean per timed step
         self.random = draws_random(self.graph_module)
         self._compiled_fp32: Callable[..., Any] | None = None
         # eager references now, with this harness's parameters (bench's low-precision copies share them)
@@ -298,8 +297,8 @@ class Harness:
 
     def _timed_tokens(self, n: int) -> float:
         """Mean tokens per step of the first ``n`` timed steps (the batches they cycled through)."""
-        timed = [self.batches[k % len(self.batches)] for k in range(self._warm, self._warm + max(n, 1))]
-        return sum(self.spec.tokens_per_batch(b) for b in timed) / len(timed)
+        timed = [self.batches[k % len(self.batches)] for k in range(self._warm, self._warm + n)]
+        return sum(self.spec.tokens_per_batch(b) for b in timed) / max(len(timed), 1)
 
     def trajectory(self, fn: Callable[..., Any],
                    scaler_factory: Callable[[], DynamicLossScaler | None] = lambda: None,
