@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from autoprec.applied import shape_cache
 from autoprec.capture import (
     DIMS_META,
     PROBE_BATCHES,
@@ -46,7 +47,7 @@ def planned(monkeypatch) -> list[str]:
         seen.append("DimPlan")
         init(self, *args, **kwargs)
 
-    for module in (dims, trace, capture_batches):
+    for module in (dims, trace, capture_batches, shape_cache):
         if hasattr(module, "plan_dims"):
             monkeypatch.setattr(module, "plan_dims", spy)
     monkeypatch.setattr(dims.DimPlan, "__init__", counted_init)
@@ -99,3 +100,17 @@ def test_a_model_that_specialises_is_planned_once_and_falls_back_to_static(plann
     planned.clear()
     gm = capture_dynamic(model, lm_batch(4, 32, 0))  # apply(..., dynamic=True)'s capture: one plan too
     assert planned == ["plan_dims", "DimPlan"] and DIMS_META not in gm.meta
+
+
+def test_apply_dynamic_static_fallback_reuses_the_capture_plan(planned):
+    """``apply(..., dynamic=True)`` on a model that specialises: the per-shape cache checks calls
+    against the plan the capture made; the example batch is planned once, not twice."""
+    from autoprec import Policy, apply
+
+    torch.manual_seed(0)
+    model = ParityLM()
+    mp = apply(model, Policy.default("fp32"), lm_batch(4, 32, 0), compile=False, dynamic=True,
+               strict_shapes=True)
+    assert planned == ["plan_dims", "DimPlan"]
+    with pytest.raises(ValueError, match="batch"):
+        mp(**lm_batch(8, 32, 1))  # batch 8 is outside the plan's range of 1..4

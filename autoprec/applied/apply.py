@@ -18,7 +18,15 @@ from autoprec.applied.policy_match import check_policy_matches
 from autoprec.applied.saved import apply_saved, saved_activation_context
 from autoprec.applied.shape_cache import CompileLog, ShapeCache, is_dynamic
 from autoprec.applied.widen import Recapture, Routed
-from autoprec.capture import CALL_KWARGS_META, InputShapes, capture, capture_dynamic, quiet_pytree_deprecation
+from autoprec.capture import (
+    CALL_KWARGS_META,
+    PLAN_META,
+    DimPlan,
+    InputShapes,
+    capture,
+    capture_dynamic,
+    quiet_pytree_deprecation,
+)
 from autoprec.modelspec import drop_fixed_kwargs
 from autoprec.passes import run_pipeline
 from autoprec.policy import Policy
@@ -300,7 +308,7 @@ def apply(model: nn.Module, policy: Policy, example_batch: Any, compile: bool = 
     mp = MixedPrecisionModule(model, result.graph_module, policy, result.stats, compile)
     static = lambda batch: apply(model, policy, batch, compile, placement, dynamic=False, force=True)._fn  # noqa: E731
     if dynamic and not is_dynamic(gm):  # one graph per shape, the example's first
-        _use_shape_cache(mp, example_batch, static, strict_shapes)
+        _use_shape_cache(mp, example_batch, static, strict_shapes, gm.meta.get(PLAN_META))
     elif dynamic and not strict_shapes:  # a batch outside the ranges: capture again (autoprec.applied.widen)
         again = lambda g: apply(model, policy, example_batch, compile, placement, graph_module=g,  # noqa: E731
                                 force=True, strict_shapes=True)
@@ -308,9 +316,11 @@ def apply(model: nn.Module, policy: Policy, example_batch: Any, compile: bool = 
     return mp
 
 
-def _use_shape_cache(mp: MixedPrecisionModule, example_batch: Any, build: Any, strict: bool) -> None:
-    """Route ``mp``'s calls through a :class:`ShapeCache` seeded with its example-shape graph."""
+def _use_shape_cache(mp: MixedPrecisionModule, example_batch: Any, build: Any, strict: bool,
+                     plan: DimPlan | None) -> None:
+    """Route ``mp``'s calls through a :class:`ShapeCache` seeded with its example-shape graph (its
+    ranges: ``plan``, the capture's, else planned from ``example_batch``)."""
     what = f"{type(mp).__name__} of {type(mp.model).__name__}"
-    cache = ShapeCache.seeded(mp.model, example_batch, mp._fn, build, what, strict=strict)
+    cache = ShapeCache.seeded(mp.model, example_batch, mp._fn, build, what, strict=strict, plan=plan)
     object.__setattr__(mp, "_fn", cache)
     object.__setattr__(mp, "_inputs", cache)  # its check is the range check of autoprec.capture.dims

@@ -109,10 +109,13 @@ class ShapeCache:
 
     @classmethod
     def seeded(cls, model: nn.Module, example_batch: Any, fn: Callable[..., Any],
-               build: Callable[[Any], Callable[..., Any]], what: str, strict: bool = True) -> ShapeCache:
-        """A cache whose ranges come from ``example_batch`` and whose first graph is ``fn`` (for it)."""
+               build: Callable[[Any], Callable[..., Any]], what: str, strict: bool = True,
+               plan: DimPlan | None = None) -> ShapeCache:
+        """A cache whose first graph is ``fn`` (for ``example_batch``'s shapes) and whose ranges are
+        ``plan``'s: the plan the capture was made under (``gm.meta[PLAN_META]`` of
+        :func:`autoprec.capture.capture_dynamic`'s static fallback), else planned from ``example_batch``."""
         args, kwargs = split_batch(example_batch)
-        cache = cls(build, plan_dims(model, args, kwargs), what, strict=strict)
+        cache = cls(build, plan or plan_dims(model, args, kwargs), what, strict=strict)
         cache.add(args, kwargs, fn, 0.0)
         return cache
 

@@ -19,6 +19,7 @@ from typing import Any
 from torch import fx, nn
 
 from autoprec.capture.dims import DimPlan, largest_batch, largest_sizes, plan_dims, shapes_vary
+from autoprec.capture.shapes import PLAN_META
 from autoprec.capture.trace import capture, capture_planned
 from autoprec.errors import CaptureError
 from autoprec.modelspec import split_batch
@@ -78,7 +79,8 @@ def capture_dynamic(model: nn.Module, example_batch: Any,
 
     Returns:
         A graph with symbolic dimensions (``gm.meta[DIMS_META]`` set), or the static capture when
-        the model has no dimension that can vary or cannot be exported with them.
+        the model has no dimension that can vary or cannot be exported with them; when the dynamic
+        export failed, the static capture's ``gm.meta[PLAN_META]`` holds the plan it was made under.
 
     Raises:
         CaptureError: the model cannot be captured even for the example's shape.
@@ -95,6 +97,7 @@ def _dynamic_or_static(model: nn.Module, example_batch: Any, plan: DimPlan) -> f
         return capture_planned(model, example_batch, plan)
     except CaptureError as e:
         gm = capture(model, example_batch)  # raises the model's own error if the static capture fails too
+        gm.meta[PLAN_META] = plan  # the per-shape cache's ranges: made here once, not planned again
         reason = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
         _log.info("%s cannot be captured with dynamic batch/sequence dimensions (%s); using one "
                   "graph per input shape instead (at most %d)", type(model).__name__, reason[:300],

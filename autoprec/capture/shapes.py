@@ -14,12 +14,18 @@ from torch import fx
 
 from autoprec._torch_compat import pytree, pytree_info, tree_flatten_spec
 
-__all__ = ["DIMS_META", "RANGE_ADVICE", "InputShapes"]
+__all__ = ["DIMS_META", "PLAN_META", "RANGE_ADVICE", "InputShapes"]
 
 #: ``gm.meta`` key of ``{symbol: (role, lo, hi)}``, the ranges of a graph's symbolic input
 #: dimensions (e.g. ``{"s0": ("batch", 1, 4)}``; a bound is None when unbounded). ``gm.meta``
 #: survives the passes' deep copies, so the lowered graph keeps it.
 DIMS_META = "autoprec_dims"
+
+#: ``gm.meta`` key of the :class:`~autoprec.capture.dims.DimPlan` a static capture was made under when
+#: the dynamic export it planned failed (:func:`autoprec.capture.batches.capture_dynamic`): the
+#: per-shape cache of ``autoprec.apply(..., dynamic=True)`` checks calls against that plan's ranges
+#: instead of planning the same batch again.
+PLAN_META = "autoprec_dim_plan"
 
 #: What to do about a batch outside the ranges of a dynamic capture (the rule is autoprec.capture.dims').
 RANGE_ADVICE = ("the ranges come from the example batch given to autoprec.apply (batch sizes up to its batch "
