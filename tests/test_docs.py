@@ -30,7 +30,8 @@ SHELL_LANGS = {"sh", "bash", "shell", "console"}
 NOT_RUN = {
     ("docs/architecture.md", "Public API"):
         "a listing of every signature with its defaults: apply(compile=True) and tune() with 20 compiled "
-        "trials take minutes on a CPU; the same calls run, cheaply, in docs/usage.md",
+        "trials take minutes on a CPU; tests/test_public_api.py checks every call against the signatures, "
+        "and the same calls run, cheaply, in docs/usage.md",
 }
 
 #: Pages whose examples need the optional integrations (transformers, lightning) run in a process of
