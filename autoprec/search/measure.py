@@ -103,9 +103,11 @@ class Harness:
         self.optimizer_name: str = type(optimizer).__name__
         self._state_bytes = training_state_bytes(self.params, optimizer)
         self.shapes = batch_shapes(self.batches)
-        # warm-up: one step per distinct shape at least, so compiled graphs meet each before timing
+        # warm-up: one step per distinct shape at least, so compiled graphs meet each before timing;
+        # an eager fn needs one (its first step creates the optimizer's state): _warmup_steps
         self._warm = max(warmup, len(self.shapes))
-        self.tokens = self._timed_tokens(steps)  # mean per timed step
+        self._warm_eager = max(min(warmup, 1), len(self.shapes))
+        self.tokens = self._timed_tokens(steps, self._warm)  # mean per timed step
         self.random = draws_random(self.graph_module)
         self._compiled_fp32: Callable[..., Any] | None = None
         # eager references now, with this harness's parameters (bench's low-precision copies share them)
@@ -260,7 +262,7 @@ class Harness:
         finally:
             self.restore()
         m.step_s = median(m.step_times)
-        m.tokens_per_s = self._timed_tokens(len(m.step_times)) / m.step_s
+        m.tokens_per_s = self._timed_tokens(len(m.step_times), self._warmup_steps(fn)) / m.step_s
         if self.device.type == "cuda":
             m.peak_bytes = int(torch.cuda.max_memory_allocated(self.device))
         return m
@@ -279,7 +281,8 @@ class Harness:
 
         The warm-up is ``warmup`` steps, or one per distinct batch shape when there are more
         (:attr:`shapes`), so a compiled graph meets every shape (and recompiles, if it must)
-        before timing starts. Timing stops after ``steps`` timed steps, or after
+        before timing starts; an eager ``fn`` (not compiled) gets one warm-up step per shape
+        (:meth:`_warmup_steps`). Timing stops after ``steps`` timed steps, or after
         :data:`MIN_TIMED_STEPS` once the timed steps have taken :data:`TIMED_BUDGET_S` in all."""
         guard = [slow_step_guard(max_step_s)] if max_step_s is not None else []
         step = self._step(fn, scaler, autocast_dtype)
@@ -289,15 +292,24 @@ class Harness:
                              device=self.device, after=guard)
             return [seconds for _stats, seconds in done]
 
-        first = self._warm + min(MIN_TIMED_STEPS, self.steps)
-        seconds = run(0, first)[self._warm:]
+        warm = self._warmup_steps(fn)
+        seconds = run(0, warm + min(MIN_TIMED_STEPS, self.steps))[warm:]
         while len(seconds) < self.steps and sum(seconds) < TIMED_BUDGET_S:
-            seconds += run(self._warm + len(seconds), self._warm + len(seconds) + 1)
+            seconds += run(warm + len(seconds), warm + len(seconds) + 1)
         return seconds
 
-    def _timed_tokens(self, n: int) -> float:
-        """Mean tokens per step of the first ``n`` timed steps (the batches they cycled through)."""
-        timed = [self.batches[k % len(self.batches)] for k in range(self._warm, self._warm + n)]
+    def _warmup_steps(self, fn: Callable[..., Any]) -> int:
+        """Untimed steps before timing ``fn``: ``warmup`` (and one per distinct batch shape at
+        least) for a compiled ``fn``, whose first calls per shape compile; one (per shape) for an
+        eager one, whose first step only creates the optimizer's state (AdamW's moments): a second
+        one cost 0.65 s per screening trial of a 24-layer Qwen2, and the finalists are timed again
+        head to head with warm-ups of their own (:func:`autoprec.search.timing.time_interleaved`)."""
+        return self._warm if is_compiled(fn) else self._warm_eager
+
+    def _timed_tokens(self, n: int, warm: int) -> float:
+        """Mean tokens per step of the first ``n`` timed steps after ``warm`` warm-up steps (the
+        batches they cycled through)."""
+        timed = [self.batches[k % len(self.batches)] for k in range(warm, warm + n)]
         return sum(self.spec.tokens_per_batch(b) for b in timed) / max(len(timed), 1)
 
     def trajectory(self, fn: Callable[..., Any],
