@@ -6,11 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from autoprec.measure import Harness, measure_drift
 from autoprec.modelspec import load_model_spec
 from autoprec.passes import run_pipeline
 from autoprec.policy import Policy, Rule
-from autoprec.search.drift import measure_drift
-from autoprec.search.measure import Harness
 from autoprec.training.scaler import DynamicLossScaler
 from autoprec.training.train import make_scaler
 

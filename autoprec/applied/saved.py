@@ -28,7 +28,7 @@ Dynamo guards compiled code on the identity of inlinable hooks on top of the sta
 of a compiled graph with ``saved`` marks must run inside :func:`saved_activation_context` (as
 :class:`autoprec.applied.apply.MixedPrecisionModule` does); a graph without marks gets a null
 context and is unaffected. An outer Python ``saved_tensors_hooks`` pair (e.g. the harness's saved
-byte counter, ``autoprec.search.measure``) still sees every saved tensor, packed: eager packs chain
+byte counter, ``autoprec.measure.harness``) still sees every saved tensor, packed: eager packs chain
 into it, and for a compiled call (where AOTAutograd disables hooks while its forward runs) the
 context hands it what the compiled forward saved after the call (:func:`report_saved`).
 

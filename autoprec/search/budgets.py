@@ -10,7 +10,7 @@ from typing import Any
 
 from autoprec.dtypes import FP8_COMPUTE, LOW_DTYPES
 from autoprec.errors import SearchError
-from autoprec.search.measure import Measurement
+from autoprec.measure import Measurement
 
 __all__ = ["check_memory_floor", "format_bytes", "memory_budget", "parse_dtypes", "parse_max_drift",
            "parse_max_memory"]

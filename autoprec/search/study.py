@@ -31,6 +31,7 @@ from autoprec._interrupt import check as check_interrupt
 from autoprec._version import __version__
 from autoprec.device import device_name, resolve_device
 from autoprec.errors import SearchError
+from autoprec.measure import Harness, Measurement
 from autoprec.modelspec import ModelSpec, load_model_spec
 from autoprec.nodekeys import graph_fingerprint
 from autoprec.policy import Policy
@@ -45,7 +46,6 @@ from autoprec.search.budgets import (
 from autoprec.search.decide import DriftBudget
 from autoprec.search.kernel_choice import adopt_study_kernels, probe_decision, probe_phase
 from autoprec.search.load import LoadClock, LoadMonitor
-from autoprec.search.measure import Harness, Measurement
 from autoprec.search.objective import Objective
 from autoprec.search.phases import accounted, phase_bar
 from autoprec.search.progress import Clock, log

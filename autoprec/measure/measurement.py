@@ -1,5 +1,5 @@
 """What one measurement holds (:class:`Measurement`) and the saved-for-backward byte counter
-(:class:`SavedBytes`) of docs/architecture.md#measurements; :mod:`autoprec.search.measure` fills them."""
+(:class:`SavedBytes`) of docs/architecture.md#measurements; :mod:`autoprec.measure.harness` fills them."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 gradients cached per batch, one candidate's per-batch ``grad_rel_l2`` / ``loss_rel`` / SQNR, and
 the loss-scale back-off of training's first steps.
 
-:class:`autoprec.search.measure.Harness` runs the forward/backward passes (its ``_grads``) and
+:class:`autoprec.measure.harness.Harness` runs the forward/backward passes (its ``_grads``) and
 hands them to :func:`measure_drift`; this module only decides what is run on which batch and
 how the per-batch numbers are formed. One drift measurement is K = :data:`DRIFT_BATCHES`
 forward/backward passes of the candidate (plus back-offs), each on its own batch and each from
