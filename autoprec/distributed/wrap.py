@@ -7,7 +7,7 @@
   (the lowered graph is one call: there are no per-layer calls for per-layer units to hook).
 
 Each rank's place and batches are :mod:`autoprec.distributed.ranks`. The loss scaler's agreement
-across ranks is :func:`autoprec.training.scaler.any_rank`.
+across ranks is :func:`autoprec.training.rank_flag.any_rank`.
 """
 
 from __future__ import annotations

@@ -130,9 +130,10 @@ def measure_drift(step: Callable[[int, bool], tuple[float, list[torch.Tensor], i
     With a dynamic loss scaler, scaled gradients that overflow are what training's first steps skip
     while the scale backs off (``torch.amp.GradScaler``'s rule): the batch is measured at the scale
     where that back-off stops (at most :data:`MAX_BACKOFFS` back-offs, found by bisection:
-    :func:`_back_off_search`); only gradients non-finite at the scaler's floor count as a failure,
-    and measuring stops at that batch. A non-finite loss is a failure at once: the scale multiplies
-    the loss after the forward, so no back-off can change it.
+    :meth:`autoprec.training.scaler.DynamicLossScaler.search_back_off`); only gradients non-finite
+    at the scaler's floor count as a failure, and measuring stops at that batch. A non-finite loss
+    is a failure at once: the scale multiplies the loss after the forward, so no back-off can
+    change it.
 
     Raises:
         Exception: whatever ``step`` raises (compile errors, out of memory).
@@ -140,9 +141,10 @@ def measure_drift(step: Callable[[int, bool], tuple[float, list[torch.Tensor], i
     out = Drift()
     for k, (ref_loss, ref_grads) in enumerate(refs):
         loss, grads, nbytes = step(k, k == 0)
-        if not _finite(loss, grads) and math.isfinite(loss):
-            (loss, grads, nbytes), tries = _back_off_search(lambda k=k: step(k, k == 0), scaler,
-                                                            (loss, grads, nbytes))
+        if not _finite(loss, grads) and math.isfinite(loss) and scaler is not None:
+            (loss, grads, nbytes), tries = scaler.search_back_off(
+                lambda k=k: step(k, k == 0), lambda r: _finite(r[0], r[1]), (loss, grads, nbytes),
+                MAX_BACKOFFS)
             out.backoffs += tries
         if k == 0:
             out.saved_bytes = nbytes
@@ -151,60 +153,6 @@ def measure_drift(step: Callable[[int, bool], tuple[float, list[torch.Tensor], i
         if not out.batches[-1].finite:
             break
     return out
-
-
-Run = tuple[float, list[torch.Tensor], int]
-
-
-def _back_off_search(run: Callable[[], Run], scaler: DynamicLossScaler | None,
-                     first: Run) -> tuple[Run, int]:
-    """The run at the scale where training's back-off stops, found by bisection.
-
-    Training halves the scale after each overflowing step (``torch.amp.GradScaler``'s rule) and
-    keeps the first scale whose gradients are finite: scale ``s_j`` after ``j`` back-offs, with
-    ``s_0`` the scaler's scale, ``s_{j+1} = max(s_j · backoff_factor, min_scale)``, ``j`` at most
-    :data:`MAX_BACKOFFS`. Overflow grows with the scale, so finite gradients at ``s_j`` mean
-    finite ones at every smaller scale, and the first finite ``s_j`` is found by bisection over
-    ``j``: the floor first (non-finite there is a failure at once), then ``log2`` of the number of
-    scales, instead of one forward/backward per back-off (16 from 2^16 to 1).
-
-    Args:
-        run: One forward/backward at the scaler's current scale: ``(loss, grads, saved bytes)``.
-        scaler: The dynamic loss scaler (``None`` or disabled: nothing to back off).
-        first: The run at ``s_0``, whose gradients were not finite.
-
-    Returns:
-        ``(run, j)``: the run at the first finite scale (or at the last scale tried, non-finite,
-        when even the floor overflows) and the number of back-offs ``j`` training would make.
-        The scaler is left at that scale.
-    """
-    state = scaler.state_dict() if scaler is not None else {}
-    if not state:
-        return first, 0
-    scales = [state["scale"]]
-    while scales[-1] > state["min_scale"] and len(scales) <= MAX_BACKOFFS:
-        scales.append(max(scales[-1] * state["backoff_factor"], state["min_scale"]))
-
-    def at(j: int) -> Run:
-        scaler.load_state_dict({**state, "scale": scales[j]})
-        return run()
-
-    last = len(scales) - 1
-    if last == 0:
-        return first, 0
-    best = at(last)
-    if not _finite(best[0], best[1]):
-        return best, last
-    lo, hi = 0, last  # s_lo overflows, s_hi is finite
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        r = at(mid)
-        if _finite(r[0], r[1]):
-            hi, best = mid, r
-        else:
-            lo = mid
-    scaler.load_state_dict({**state, "scale": scales[hi]})
-    return best, hi
 
 
 def draws_random(gm: nn.Module) -> bool:
