@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from autoprec._torch_compat import is_dynamo_optimized, overload_schema
+from autoprec.applied.compile import CompiledGraph
 from autoprec.metrics import grad_rel_l2, grad_sqnr_db_min
 from autoprec.training.scaler import DynamicLossScaler
 
@@ -191,16 +192,11 @@ def draws_random(gm: nn.Module) -> bool:
 
 
 def is_compiled(fn: Callable[..., Any]) -> bool:
-    """Whether ``fn`` runs through ``torch.compile``: what ``compile_graph`` returns (an
-    ``OptimizedModule``, or the wrappers around one — the activation-memory-budget wrapper, the
-    saved-activation call, ``CompileLog`` — each holding the next as ``.fn``)."""
-    for _ in range(4):
-        if fn is None:
-            return False
-        if is_dynamo_optimized(fn):
-            return True
-        fn = getattr(fn, "fn", None)
-    return False
+    """Whether ``fn`` runs through ``torch.compile``: a
+    :class:`~autoprec.applied.compile.CompiledGraph` (what ``compile_graph`` returns), or what
+    ``torch.compile`` itself returned (an ``OptimizedModule``:
+    :func:`autoprec._torch_compat.is_dynamo_optimized`)."""
+    return isinstance(fn, CompiledGraph) or is_dynamo_optimized(fn)
 
 
 def _finite(loss: float, grads: list[torch.Tensor]) -> bool:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from autoprec.applied.compile import CompiledGraph, compile_graph
 from autoprec.capture import PROBE_BATCHES, capture_for, tensor_shapes
 from autoprec.measure.drift import DRIFT_BATCHES, Grads, References, draws_random, is_compiled, measure_drift
 from autoprec.measure.measurement import Measurement, SavedBytes
@@ -106,7 +107,7 @@ class Harness:
         self._warm = max(warmup, len(self.shapes))
         self.tokens = self._timed_tokens(steps)  # mean per timed step
         self.random = draws_random(self.graph_module)
-        self._compiled_fp32: Callable[..., Any] | None = None
+        self._compiled_fp32: CompiledGraph | None = None
         # eager references now, with this harness's parameters (bench's low-precision copies share them)
         self._refs = References()
         for k in range(self.drift_batches):
@@ -121,9 +122,6 @@ class Harness:
         if not (self.random and is_compiled(fn)):
             return self.graph_module
         if self._compiled_fp32 is None:
-            # imported on use, as before (Inductor is heavy)
-            from autoprec.applied.compile import compile_graph
-
             self._compiled_fp32 = compile_graph(self.graph_module)
         return self._compiled_fp32
 
