@@ -48,7 +48,7 @@ MIB = 2**20
 
 
 class Counter(SavedBytes):
-    """The harness's rule (:class:`autoprec.measure.harness.SavedBytes`), with the bytes per dtype and
+    """The harness's rule (:class:`autoprec.measure.memory.SavedBytes`), with the bytes per dtype and
     the count of saved tensors holding ±inf/NaN (e.g. attention masks)."""
 
     def __init__(self, params) -> None:

@@ -1,7 +1,8 @@
 """Measurements (docs/architecture.md#measurements): the :class:`Harness` (throughput, drift against
 FP32 and memory of training steps on one set of weights and batches), drift over K batches
-(:mod:`autoprec.measure.drift`), what one measurement holds (:mod:`autoprec.measure.measurement`)
-and interleaved timing with a noise band (:mod:`autoprec.measure.timing`).
+(:mod:`autoprec.measure.drift`), what one measurement holds (:mod:`autoprec.measure.measurement`),
+the memory rule (:mod:`autoprec.measure.memory`) and interleaved timing with a noise band
+(:mod:`autoprec.measure.timing`).
 
 The layer below the search (``autoprec tune``) and the bench commands: both measure through it, and
 it imports neither (docs/architecture.md#layers).
@@ -19,7 +20,8 @@ from autoprec.measure.drift import (
     measure_drift,
 )
 from autoprec.measure.harness import MIN_TIMED_STEPS, TIMED_BUDGET_S, Harness, batch_shapes, describe_failure
-from autoprec.measure.measurement import Measurement, SavedBytes
+from autoprec.measure.measurement import Measurement
+from autoprec.measure.memory import PeakBytes, SavedBytes, optimizer_state_bytes, training_state_bytes
 from autoprec.measure.timing import (
     BOOTSTRAP_RESAMPLES,
     Comparison,
@@ -32,7 +34,7 @@ from autoprec.measure.timing import (
 
 __all__ = [
     "BOOTSTRAP_RESAMPLES", "DRIFT_BATCHES", "MAX_BACKOFFS", "MIN_TIMED_STEPS", "TIMED_BUDGET_S", "BatchDrift",
-    "Comparison", "Config", "Drift", "Harness", "Measurement", "References", "SavedBytes", "Timing",
-    "batch_drift", "batch_shapes", "compare", "describe_failure", "draws_random", "format_rate",
-    "is_compiled", "measure_drift", "time_interleaved",
+    "Comparison", "Config", "Drift", "Harness", "Measurement", "PeakBytes", "References", "SavedBytes",
+    "Timing", "batch_drift", "batch_shapes", "compare", "describe_failure", "draws_random", "format_rate",
+    "is_compiled", "measure_drift", "optimizer_state_bytes", "time_interleaved", "training_state_bytes",
 ]

@@ -19,13 +19,14 @@ from torch import nn
 from autoprec.applied.compile import CompiledGraph, compile_graph
 from autoprec.capture import PROBE_BATCHES, capture_for, tensor_shapes
 from autoprec.measure.drift import DRIFT_BATCHES, Grads, References, draws_random, is_compiled, measure_drift
-from autoprec.measure.measurement import Measurement, SavedBytes
+from autoprec.measure.measurement import Measurement
+from autoprec.measure.memory import SavedBytes, training_state_bytes
 from autoprec.metrics import median
 from autoprec.modelspec import ModelSpec, split_batch
 from autoprec.training.rng import MEASURE_SEED, StepRng, same_rng
 from autoprec.training.scaler import DynamicLossScaler
 from autoprec.training.steps import StepsTooSlow, run_steps, slow_step_guard
-from autoprec.training.train import TrainStep, training_state_bytes
+from autoprec.training.train import TrainStep
 
 __all__ = ["MIN_TIMED_STEPS", "TIMED_BUDGET_S", "Harness", "batch_shapes", "describe_failure"]
 
@@ -83,7 +84,7 @@ class Harness:
         CaptureError: the model cannot be captured.
         ValueError: ``drift_batches`` < 1.
         Exception: whatever the model file's ``make_optimizer`` or its optimizer's first step
-            raises (:func:`autoprec.training.train.training_state_bytes`).
+            raises (:func:`autoprec.measure.memory.training_state_bytes`).
     """
 
     def __init__(self, spec: ModelSpec, device: torch.device, warmup: int = 2, steps: int = 5,
@@ -215,7 +216,7 @@ class Harness:
     @property
     def state_bytes(self) -> int:
         """Bytes of the parameters, their gradients and the state of the model file's optimizer
-        (:func:`autoprec.training.train.training_state_bytes`, counted once when the harness is
+        (:func:`autoprec.measure.memory.training_state_bytes`, counted once when the harness is
         built): what every policy needs whatever it computes in (fp32 master weights,
         docs/architecture.md#runtime)."""
         return self._state_bytes

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from autoprec.measure.harness import Harness, describe_failure
+from autoprec.measure.memory import optimizer_state_bytes
 from autoprec.metrics import median
 from autoprec.training.scaler import DynamicLossScaler
 from autoprec.training.steps import StepsTooSlow, run_steps, slow_step_guard
@@ -250,11 +251,9 @@ class _Run:
             self.recording = False
 
     def state_bytes(self) -> int:
-        """Bytes of this configuration's own optimizer state tensors (0-dim counters left out)."""
-        if self.step is None:
-            return 0
-        return sum(t.numel() * t.element_size() for st in self.step.optimizer.state.values()
-                   for t in st.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
+        """Bytes of this configuration's own optimizer state tensors
+        (:func:`autoprec.measure.memory.optimizer_state_bytes`: 0-dim counters left out)."""
+        return optimizer_state_bytes(self.step.optimizer) if self.step is not None else 0
 
 
 def time_interleaved(harness: Harness, configs: Sequence[Config], *, min_rounds: int = 3,
