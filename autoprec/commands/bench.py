@@ -61,10 +61,10 @@ from autoprec.commands.bench_table import add_ratios, format_bench_table, make_r
 from autoprec.device import autocast_dtype, describe_machine, resolve_device, time_matmul
 from autoprec.dtypes import NAMES, to_torch
 from autoprec.measure import Config, Harness, Measurement, format_rate, time_interleaved
+from autoprec.measure.load import LoadMonitor
 from autoprec.modelspec import load_model_spec
 from autoprec.passes import run_pipeline
 from autoprec.policy import Policy
-from autoprec.search.load import LoadMonitor
 
 __all__ = [
     "CONFIGS",
@@ -179,7 +179,7 @@ def run_bench(model_path: str | os.PathLike, policy: Policy | str | os.PathLike,
         rel_band: Timing stops (after the minimum rounds) once every band's relative half-width
             is at most this (0.03: ±3%).
         time_cap_s: No timing round starts after this many seconds of timing.
-        strict_timing: Raise ``BusyMachineError`` (exit 2) on a busy machine (:mod:`autoprec.search.load`).
+        strict_timing: Raise ``BusyMachineError`` (exit 2) on a busy machine (:mod:`autoprec.measure.load`).
 
     Returns:
         ``{"device", "machine", "torch", "autoprec", "date", "model", "policy", "steps", "warmup",
