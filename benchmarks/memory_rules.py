@@ -7,9 +7,12 @@ Linear(4d, d), batch ``--batch`` × ``--seq`` tokens), trained eagerly and compi
 - ``saved``: :class:`autoprec.measure.memory.SavedBytes` of one forward (the harness's rule),
   ``grads``: the gradient bytes, ``state``: AdamW's state bytes (``optimizer_state_bytes``);
 - ``heap``: :class:`autoprec.measure.memory.PeakBytes`' CPU span (bench --nproc's rule) over one
-  forward + backward from ``grad = None``, and ``ops``: the ATen ops its dispatch mode saw;
-- ``compiled_under_span``: a fresh ``compile_graph`` whose first call runs inside the span: the
-  compiles Dynamo made there (``autoprec.device.compile_count``) and the ops the mode saw.
+  forward + backward from ``grad = None``, ``ops``: the ATen ops its dispatch mode saw, and
+  ``grad_fn_under_span``: the output's ``grad_fn`` there (``CompiledFunctionBackward`` only when the
+  compiled graph ran; outside the span: ``grad_fn``);
+- ``compiled_under_span``: a fresh ``compile_graph`` (after ``torch._dynamo.reset()``) whose first
+  call runs inside the span: the compiles Dynamo made there (``autoprec.device.compile_count``), the
+  ops the mode saw, and ``grad_fn_after_span``/``compiles_after_span`` of its next call, outside.
 
 Run::
 
@@ -53,10 +56,14 @@ class CountingHeapPeak(HeapPeak):
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 
-def forward_backward(fn, params, x) -> None:
+def forward_backward(fn, params, x) -> str:
+    """One forward + backward from ``grad = None``; returns the output's ``grad_fn`` class name
+    (``CompiledFunctionBackward`` when the compiled graph ran, an eager op's otherwise)."""
     for p in params:
         p.grad = None
-    fn(x).pow(2).mean().backward()
+    y = fn(x)
+    y.pow(2).mean().backward()
+    return type(y.grad_fn).__name__
 
 
 def heap_span(fn, params, x) -> dict[str, float]:
@@ -65,9 +72,10 @@ def heap_span(fn, params, x) -> dict[str, float]:
     mode = CountingHeapPeak()
     before = compile_count()
     with mode:  # what PeakBytes.span does on CPU, with the op count kept
-        forward_backward(fn, params, x)
+        ran = forward_backward(fn, params, x)
     meter.peak = max(mode.peak - mode.base, 0)
-    return {"heap_mib": meter.peak / MIB, "ops": mode.ops, "compiles": compile_count() - before}
+    return {"heap_mib": meter.peak / MIB, "ops": mode.ops, "compiles": compile_count() - before,
+            "grad_fn_under_span": ran}
 
 
 def saved_bytes(fn, params, x) -> int:
@@ -100,17 +108,17 @@ def main() -> None:
            "grads_mib": grads / MIB, "adamw_state_mib": optimizer_state_bytes(opt) / MIB, "variants": {}}
     compiled = compile_graph(model)
     for name, fn in (("eager", model), ("compiled", compiled)):
-        forward_backward(fn, params, x)  # the compiled one compiles here, outside any span
-        row = {"saved_mib": saved_bytes(fn, params, x) / MIB, **heap_span(fn, params, x)}
+        ran = forward_backward(fn, params, x)  # the compiled one compiles here, outside any span
+        row = {"grad_fn": ran, "saved_mib": saved_bytes(fn, params, x) / MIB, **heap_span(fn, params, x)}
         row["counted_mib"] = row["saved_mib"] + grads / MIB
         out["variants"][name] = row
         print(name, json.dumps(row), flush=True)
     torch._dynamo.reset()
     fresh = compile_graph(model)
     out["compiled_under_span"] = heap_span(fresh, params, x)
-    out["compiled_under_span"]["compiles_after_span"] = -compile_count()
-    forward_backward(fresh, params, x)
-    out["compiled_under_span"]["compiles_after_span"] += compile_count()
+    before = compile_count()
+    out["compiled_under_span"]["grad_fn_after_span"] = forward_backward(fresh, params, x)
+    out["compiled_under_span"]["compiles_after_span"] = compile_count() - before
     print("compiled_under_span", json.dumps(out["compiled_under_span"]), flush=True)
     if a.out:
         write_json(a.out, out, indent=2)

@@ -17,14 +17,18 @@ passes and timed steps, ``bench --nproc`` over a row's build and warm-up). On CP
 allocator statistics, the single-process :class:`~autoprec.measure.harness.Harness` (``tune``,
 ``bench``) counts ``SavedBytes`` of batch 0's drift pass + ``training_state_bytes``, and
 ``bench --nproc`` (:mod:`autoprec.commands.bench_dist`, eager DDP/FSDP2 steps) measures the
-``PeakBytes`` span. They are not one rule because the harness measures compiled graphs, and
-the heap span cannot: a ``TorchDispatchMode`` sees the ATen ops of eager code only, and Dynamo
-does not trace under an active dispatch mode, so a compiled graph entered under the span either
-runs eagerly or, compiled before, runs Inductor's kernels, whose buffers (allocated by the
-generated code, not through the dispatcher) only the sampler thread might catch. The counted rule
-is also exact and deterministic (the same graph gives the same bytes, so two policies compare to
-the byte: ``tune --max-memory``), where the heap peak includes the allocator's temporaries and
-varies with timing. The measured numbers behind this are in docs/architecture.md#measurements.
+``PeakBytes`` span. They are not one rule because the harness measures compiled graphs and the
+span cannot: Dynamo does not run compiled code while a (non-infra) ``TorchDispatchMode`` is on the
+stack (torch/_dynamo/convert_frame.py: "non-infra torch dispatch mode present, this is not
+supported today in torch.compile"). Measured (``benchmarks/memory_rules.py``, torch 2.13 CPU): a
+``compile_graph`` compiled before the span ran eagerly inside it (its output's ``grad_fn`` an
+eager op's, the mode seeing eager's 87 ATen ops), so the span measured the eager graph; and one
+first called inside the span never compiled afterwards either (eager outside it too), which would
+leave every later step of a compiled candidate eager. On eager code the two rules agree within
+about 1 MiB (a 2-block MLP: 47.07 and 45.07 MiB of heap in two runs against 46.04 MiB of saved
+tensors and gradients), and the counted rule is exact and deterministic (the same graph gives the
+same bytes, so two policies compare to the byte: ``tune --max-memory``), where the heap peak includes
+the allocator's temporaries and varies from run to run.
 """
 
 from __future__ import annotations
@@ -121,8 +125,8 @@ def training_state_bytes(params: list[nn.Parameter], optimizer: torch.optim.Opti
 class PeakBytes:
     """Peak bytes allocated over a ``with`` span on this process (module docstring): CUDA's
     allocator peak, or on CPU the most heap bytes in use (:class:`HeapPeak`), over their value
-    when the span began. For eager code only on CPU (module docstring: compiled kernels bypass
-    the dispatch mode).
+    when the span began. On CPU for eager code only: under the span's dispatch mode a compiled
+    graph runs eagerly, and one first called there is never compiled (module docstring).
 
     Args:
         device: Where the span's tensors live (``cuda``: that device's allocator; else the C heap).
