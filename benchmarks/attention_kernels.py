@@ -3,7 +3,7 @@ time per attention call at a model's shape, fp32 and bf16, eager and compiled (i
 
 The configurations are timed in interleaved rounds (A B C D ... A B C D ...), so load that comes
 and goes spreads over all of them; each reports the median milliseconds of its calls and the
-bootstrap 95% band of that median (``autoprec.search.timing.Timing.from_steps``), plus its
+bootstrap 95% band of that median (``autoprec.measure.timing.Timing.from_steps``), plus its
 output's relative L2 error against float64 fused SDPA on the same inputs. The machine's CPU flags
 go into ``machine.json`` beside the results.
 
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from autoprec.device import describe_machine
 from autoprec.kernels.attention import sdpa_math
-from autoprec.search.timing import Timing
+from autoprec.measure import Timing
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

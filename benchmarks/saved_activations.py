@@ -39,16 +39,16 @@ from autoprec.applied.apply import MixedPrecisionModule
 from autoprec.applied.compile import INDUCTOR_OPTIONS  # noqa: E402
 from autoprec.applied.outputs import flat_output_graph, rebuild  # noqa: E402
 from autoprec.device import describe_machine, heap_bytes  # noqa: E402
+from autoprec.measure import SavedBytes  # noqa: E402
 from autoprec.metrics import grad_rel_l2  # noqa: E402
 from autoprec.nodemeta import meta_of  # noqa: E402
 from autoprec.policy import Policy  # noqa: E402
-from autoprec.search.measure import SavedBytes  # noqa: E402
 
 MIB = 2**20
 
 
 class Counter(SavedBytes):
-    """The harness's rule (:class:`autoprec.search.measure.SavedBytes`), with the bytes per dtype and
+    """The harness's rule (:class:`autoprec.measure.memory.SavedBytes`), with the bytes per dtype and
     the count of saved tensors holding ±inf/NaN (e.g. attention masks)."""
 
     def __init__(self, params) -> None:

@@ -20,9 +20,9 @@ import torch
 
 from autoprec.applied.compile import compile_graph
 from autoprec.device import device_name
+from autoprec.measure import Harness
 from autoprec.modelspec import load_model_spec
 from autoprec.passes import run_pipeline
-from autoprec.search.measure import Harness
 from autoprec.search.space import SearchSpace
 from autoprec.training.train import make_scaler
 

@@ -140,7 +140,7 @@ def test_modules_import_cleanly_in_a_fresh_interpreter(name):
 @pytest.mark.parametrize("module, name", [
     ("autoprec.graph", "float_inputs"), ("autoprec.passes.diagnose", "nonfinite_nodes"),
     ("autoprec.dtypes", "to_name"), ("autoprec.modelspec", "ModelSpec.check"),
-    ("autoprec.search.measure", "Measurement.to_dict"), ("autoprec.passes", "finish_pipeline"),
+    ("autoprec.measure.measurement", "Measurement.to_dict"), ("autoprec.passes", "finish_pipeline"),
 ])
 def test_dead_code_stays_removed(module, name):
     """Code that nothing called (issue 11's review) is gone rather than kept unused."""
@@ -154,5 +154,5 @@ def test_dead_code_stays_removed(module, name):
 
 def test_harness_keeps_no_capture_seconds():
     """``Harness.capture_s`` was set and never read: tune times capture in its own clock."""
-    src = (PACKAGE / "search" / "measure.py").read_text(encoding="utf-8")
+    src = (PACKAGE / "measure" / "harness.py").read_text(encoding="utf-8")
     assert "capture_s" not in src

@@ -84,8 +84,7 @@ def test_rows_are_timed_interleaved_with_a_band(result):
 def test_vs_autocast_compiled_says_tie_within_the_noise():
     """The ``vs autocast+compile`` column: the ratio, and "(tie)" after it within the noise."""
     from autoprec.commands.bench_table import add_ratios, make_row
-    from autoprec.search.measure import Measurement
-    from autoprec.search.timing import Timing
+    from autoprec.measure import Measurement, Timing
 
     base = [0.10, 0.11, 0.09, 0.10, 0.12, 0.10, 0.095, 0.105]
     timings = {"fp32_eager": Timing.from_steps([3 * t for t in base], 256.0),
@@ -226,7 +225,7 @@ def test_an_error_from_the_harness_is_reported_as_is():
     """bench's branch for "older versions" of its own Harness is gone: an ``error`` is an error (it
     used to be hidden, and the row marked capped, when it began with "too slow")."""
     from autoprec.commands.bench_table import make_row
-    from autoprec.search.measure import Measurement
+    from autoprec.measure import Measurement
 
     row = make_row(Measurement(error="too slow: 3 s"), "fp32", False, None, flops=1.0, peak=1.0, ratio=10.0)
     assert row["error"] == "too slow: 3 s" and row["capped"] is False and row["note"] is None
@@ -234,8 +233,7 @@ def test_an_error_from_the_harness_is_reported_as_is():
 
 def test_a_config_the_slow_step_rule_stops_is_capped():
     from autoprec.commands.bench_table import make_row
-    from autoprec.search.measure import Measurement
-    from autoprec.search.timing import Timing
+    from autoprec.measure import Measurement, Timing
 
     t = Timing.from_steps([2.5], 100.0)
     t.too_slow, t.note = True, "timing stopped: 2 steps in a row took over the 1.00 s limit"

@@ -18,11 +18,11 @@ from autoprec import Policy, cli
 from autoprec._interrupt import catch_sigint, check, interrupted
 from autoprec.cli import main
 from autoprec.errors import LossScaleError, SearchError
+from autoprec.measure import Measurement
 from autoprec.search import attrs
 from autoprec.search import select as select_mod
 from autoprec.search import storage as storage_mod
 from autoprec.search.decide import DriftBudget
-from autoprec.search.measure import Measurement
 from autoprec.search.space import SearchSpace
 
 MICRO = str(Path(__file__).resolve().parent / "models" / "micro_lm.py")

@@ -28,7 +28,8 @@ from autoprec.commands.train import train
 from autoprec.distributed.wrap import ddp, shard
 from autoprec.errors import PolicyError
 from autoprec.policy import Policy
-from autoprec.training.scaler import DynamicLossScaler, any_rank
+from autoprec.training.rank_flag import any_rank
+from autoprec.training.scaler import DynamicLossScaler
 
 MODELS = Path(__file__).resolve().parent / "models"
 WORLD = 2

@@ -6,11 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from autoprec.measure import Harness, measure_drift
 from autoprec.modelspec import load_model_spec
 from autoprec.passes import run_pipeline
 from autoprec.policy import Policy, Rule
-from autoprec.search.drift import measure_drift
-from autoprec.search.measure import Harness
 from autoprec.training.scaler import DynamicLossScaler
 from autoprec.training.train import make_scaler
 
@@ -87,3 +86,19 @@ def test_backoff_fails_after_one_run_at_the_floor_and_at_once_on_a_nonfinite_los
     d = measure_drift(nan_loss, [(1.0, [torch.ones(3)])], scaler)
     assert calls == [2.0 ** 16] and d.backoffs == 0 and not d.batches[0].finite  # a forward the scale
     # multiplies only afterwards: no back-off can fix it
+
+
+def test_back_off_scales_are_updates_rule_and_the_search_changes_only_the_scale():
+    """``back_off_scales`` rounds each back-off to float32 as ``update`` does (0.3 is not a power of 2),
+    stops at the floor, and ``search_back_off`` leaves every other state entry as it was."""
+    from autoprec.policy.loss_scaling import to_fp32
+
+    scaler = DynamicLossScaler(init_scale=2.0 ** 10, backoff_factor=0.3, min_scale=1.0)
+    scales = scaler.back_off_scales(24)
+    assert scales[0] == 2.0 ** 10 and scales[-1] == 1.0 and all(to_fp32(s) == s for s in scales)
+    assert all(b == max(to_fp32(a * 0.3), 1.0) for a, b in zip(scales, scales[1:]))
+    assert len(scaler.back_off_scales(2)) == 3 and DynamicLossScaler(enabled=False).back_off_scales(5) == []
+    before = scaler.state_dict()
+    run, j = scaler.search_back_off(lambda: scaler.get_scale(), lambda s: s <= 5.0, 2.0 ** 10, 24)
+    assert run == scales[j] == scaler.get_scale() and scales[j - 1] > 5.0 >= scales[j]
+    assert {**scaler.state_dict(), "scale": before["scale"]} == before

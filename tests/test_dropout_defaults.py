@@ -6,7 +6,7 @@ than the compiled FP32 reference: torch.autocast + torch.compile measured ``grad
 against eager torch.autocast's 5.41e-3 on the GPT-2 below (ratio 1.95, 95% lower bound 1.46), and
 the budget no longer meant "as accurate as torch.autocast". The Harness now runs compiled drift
 passes on graphs with random ops under ``torch._inductor.config.fallback_random`` (eager's random
-ops, eager's masks for every dtype; ``autoprec/search/measure.py``, ``Harness._grads``).
+ops, eager's masks for every dtype; ``autoprec/measure/harness.py``, ``Harness._grads``).
 
 Checked with the project's own rule (:class:`autoprec.search.decide.DriftBudget`, the paired
 one-sided t-test over the K = 4 drift batches, 2% margin) and the selector's own path for compiled
@@ -32,11 +32,11 @@ import warnings
 import pytest
 import torch
 
+from autoprec.measure import Harness
 from autoprec.modelspec import load_model_spec
 from autoprec.passes import run_pipeline
 from autoprec.policy import Policy
 from autoprec.search.decide import DriftBudget
-from autoprec.search.measure import Harness
 from autoprec.search.progress import Clock
 from autoprec.search.select import Selector
 from autoprec.training.train import autocast_scaler, make_scaler

@@ -9,9 +9,9 @@ import random
 import pytest
 
 from autoprec import Policy
+from autoprec.measure import Timing
 from autoprec.policy import Rule
 from autoprec.search.final import Contender, decide
-from autoprec.search.timing import Timing
 from tests.conftest import ROOT
 
 TOKENS = 1024.0

@@ -1,4 +1,4 @@
-"""Load detection (autoprec/search/load.py, docs/architecture.md#measurements) with a real burner:
+"""Load detection (autoprec/measure/load.py, docs/architecture.md#measurements) with a real burner:
 a second process doing 1-thread fp32 matmuls on the same cores, as another user's job would."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from autoprec.search.load import BusyMachineError, LoadMonitor
+from autoprec.measure.load import BusyMachineError, LoadMonitor
 
 ROOT = Path(__file__).resolve().parent.parent
 BURNER = ("import time, torch\ntorch.set_num_threads(1)\na = torch.randn(512, 512)\n"

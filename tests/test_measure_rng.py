@@ -15,11 +15,11 @@ import math
 import pytest
 import torch
 
+from autoprec.measure import Harness, draws_random
 from autoprec.metrics import traj_rel
 from autoprec.modelspec import load_model_spec
 from autoprec.passes import run_pipeline
 from autoprec.policy import Policy
-from autoprec.search.measure import Harness, draws_random
 from autoprec.training.train import make_scaler
 
 from .conftest import RTOL

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from autoprec.measure import Harness
+from autoprec.measure import harness as measure
 from autoprec.modelspec import load_model_spec
-from autoprec.search import measure
-from autoprec.search.measure import Harness
 
 MODEL = '''
 import torch

@@ -12,9 +12,9 @@ import torch
 from autoprec import Policy, apply
 from autoprec.cli import main
 from autoprec.errors import SearchError
+from autoprec.measure import Harness
 from autoprec.modelspec import load_model_spec
 from autoprec.search.budgets import parse_max_memory
-from autoprec.search.measure import Harness
 from autoprec.search.study import tune
 
 MODELS = Path(__file__).resolve().parent / "models"

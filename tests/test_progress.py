@@ -14,17 +14,16 @@ import torch
 
 from autoprec.applied.shape_cache import CompileLog
 from autoprec.errors import SearchError
+from autoprec.measure import Harness, Measurement, Timing
 from autoprec.modelspec import load_model_spec
 from autoprec.policy import Policy
 from autoprec.search import attrs
 from autoprec.search import select as select_mod
 from autoprec.search import study as study_mod
 from autoprec.search.decide import DriftBudget
-from autoprec.search.measure import Harness, Measurement
 from autoprec.search.objective import DIRECTIONS
 from autoprec.search.progress import Clock
 from autoprec.search.select import FP32_EAGER, Selector
-from autoprec.search.timing import Timing
 
 MICRO = Path(__file__).resolve().parent / "models" / "micro_lm.py"
 

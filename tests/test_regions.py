@@ -169,3 +169,23 @@ def test_a_graph_under_a_memory_budget_compiles_flat(qwen, caplog):
         compile_graph(_flat(model, Policy.default("bf16"), batch), activation_memory_budget=0.5)
     (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("compile:")]
     assert line.startswith("compile: one flat graph (AOTAutograd's activation memory budget is not measured")
+
+
+def test_compile_graph_returns_a_handle_that_says_what_it_compiled(qwen):
+    """``compile_graph`` returns a CompiledGraph (lazy: nothing compiles here): the graph given, the
+    outlined copy torch.compile got, the plan, and the settings; the harness tells it by isinstance."""
+    from autoprec.applied.compile import CompiledGraph
+    from autoprec.measure import is_compiled
+
+    model, batch = qwen
+    flat = _flat(model, Policy.default("bf16"), batch)
+    fn = compile_graph(flat)
+    assert isinstance(fn, CompiledGraph) and is_compiled(fn) and not is_compiled(flat)
+    assert fn.source is flat and fn.target is not flat and fn._orig_mod is fn.target
+    assert fn.regions is not None and fn.regions.blocks == 3 and fn.layout == fn.regions.describe()
+    assert (fn.dynamic, fn.activation_memory_budget, fn.saved, fn.compile_log) == (False, 1.0, False, None)
+    low = compile_graph(flat, activation_memory_budget=0.5)
+    assert low.target is flat and low.regions is None and low.activation_memory_budget == 0.5
+    assert low.layout.startswith("one flat graph (AOTAutograd's activation memory budget")
+    module = compile_graph(model, dynamic=True)
+    assert module.source is model and module.regions is None and module.compile_log is not None

@@ -6,10 +6,10 @@ from __future__ import annotations
 import optuna
 import pytest
 
+from autoprec.measure import Measurement
 from autoprec.policy import Policy
 from autoprec.search import attrs
 from autoprec.search.decide import DriftBudget
-from autoprec.search.measure import Measurement
 from autoprec.search.objective import DIRECTIONS, _record
 from autoprec.search.report import format_table, lever_section, write_report
 from autoprec.search.results import _row
@@ -101,8 +101,8 @@ def test_lever_table_bands_and_ties():
 
 @pytest.mark.parametrize("times", [FAST])
 def test_format_of_the_band_is_the_timing_helpers(times):
+    from autoprec.measure import format_rate
     from autoprec.search.bands import rate_text, timing_of
-    from autoprec.search.timing import format_rate
 
     m = _measurement(times)
     t = timing_of(m.step_times, m.tokens_per_s)

@@ -9,13 +9,13 @@ from pathlib import Path
 import optuna
 import torch
 
+from autoprec.measure import Harness
 from autoprec.modelspec import load_model_spec
 from autoprec.policy import Policy
 from autoprec.search import attrs
 from autoprec.search import report as report_mod
 from autoprec.search import select as select_mod
 from autoprec.search.decide import DriftBudget
-from autoprec.search.measure import Harness
 from autoprec.search.objective import DIRECTIONS
 from autoprec.search.plots import NO_NODES, dtype_map_figure
 from autoprec.search.progress import Clock

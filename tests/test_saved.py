@@ -12,12 +12,12 @@ import autoprec
 from autoprec.applied.apply import MixedPrecisionModule
 from autoprec.applied.saved import apply_saved, has_saved, pack, saved_activation_context, unpack
 from autoprec.errors import PassError
+from autoprec.measure import SavedBytes
 from autoprec.metrics import grad_rel_l2
 from autoprec.nodemeta import meta_of
 from autoprec.passes import run_pipeline
 from autoprec.policy import Policy
 from autoprec.policy.rule import Rule
-from autoprec.search.measure import SavedBytes
 from tests.nets import Block
 
 #: Stated tolerances of grad_rel_l2 with every activation saved low. Round-to-nearest leaves a

@@ -13,11 +13,11 @@ import optuna
 import pytest
 import torch
 
+from autoprec.measure import Harness
 from autoprec.modelspec import load_model_spec
 from autoprec.policy import Policy
 from autoprec.search.attrs import ATTR
 from autoprec.search.decide import DriftBudget
-from autoprec.search.measure import Harness
 from autoprec.search.objective import Objective
 from autoprec.search.space import SearchSpace, find_blocks, outside_matmuls
 from autoprec.search.storage import open_study

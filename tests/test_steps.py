@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from autoprec.measure import Harness
 from autoprec.modelspec import load_model_spec
-from autoprec.search.measure import Harness
 from autoprec.training.rng import MEASURE_SEED, StepRng, same_rng
 from autoprec.training.steps import StepsTooSlow, every, run_steps, slow_step_guard
 from autoprec.training.train import StepStats

@@ -18,8 +18,8 @@ import autoprec
 from autoprec.cli import main
 from autoprec.commands.bench import CONFIGS, run_bench
 from autoprec.commands.bench_shapes import CompileWatch, drop_compiled_steps, warmup_steps
+from autoprec.measure import Timing
 from autoprec.modelspec import load_model_spec
-from autoprec.search.timing import Timing
 from tests.conftest import EXAMPLES
 
 T5 = str(EXAMPLES / "t5_seq2seq.py")

@@ -1,4 +1,4 @@
-"""Interleaved timing with a noise band (autoprec.search.timing; issues 18 and 19)."""
+"""Interleaved timing with a noise band (autoprec.measure.timing; issues 18 and 19)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from autoprec.measure import Config, Harness, Timing, compare, format_rate, time_interleaved
 from autoprec.modelspec import load_model_spec
-from autoprec.search.measure import Harness
-from autoprec.search.timing import Config, Timing, compare, format_rate, time_interleaved
 
 SGD = str(Path(__file__).parent / "models" / "sgd_mlp.py")
 

@@ -10,10 +10,10 @@ from pathlib import Path
 import torch
 
 from autoprec.applied.shape_cache import is_dynamic
+from autoprec.measure import Harness
 from autoprec.modelspec import load_model_spec
 from autoprec.nodekeys import graph_fingerprint
 from autoprec.policy import Policy
-from autoprec.search.measure import Harness
 
 VARLEN = Path(__file__).resolve().parent / "models" / "varlen_lm.py"
 

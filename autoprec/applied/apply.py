@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from autoprec.applied.compile import compile_graph
+from autoprec.applied.compile import CompiledGraph, compile_graph
 from autoprec.applied.model_facade import check_no_autocast, model_attr, signed_class
 from autoprec.applied.outputs import flat_output_graph, rebuild
 from autoprec.applied.policy_match import check_policy_matches
@@ -151,8 +151,8 @@ class MixedPrecisionModule(nn.Module):
         :mod:`autoprec.applied.shape_cache`) / ``{"mode": "dynamic+per_shape", ...}`` (shapes below
         a range, :class:`autoprec.applied.widen.Routed`); ``"recaptures"``: times a batch outside
         the ranges made it capture again with wider ones (:mod:`autoprec.applied.widen`)."""
-        stats = (getattr(self._fn, "stats", None) if isinstance(self._fn, (CompileLog, ShapeCache, Routed))
-                 else None)
+        fn = self._fn.compile_log if isinstance(self._fn, CompiledGraph) else self._fn
+        stats = fn.stats if isinstance(fn, (CompileLog, ShapeCache, Routed)) else None
         out = stats() if stats is not None else {
             "mode": "dynamic" if is_dynamic(self.graph_module) else "static", "captures": 1}
         if self._recapture is not None and self._recapture.recaptures:

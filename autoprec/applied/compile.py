@@ -3,19 +3,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import fx, nn
 
 from autoprec._torch_compat import compile_cache_counts
-from autoprec.applied.regions import outline_blocks
-from autoprec.applied.saved import SavedCall, apply_saved, has_saved, saved_activation_context
+from autoprec.applied.regions import RegionPlan, outline_blocks
+from autoprec.applied.saved import apply_saved, has_saved, report_saved, saved_activation_context
 from autoprec.applied.shape_cache import CompileLog
 
-__all__ = ["compile_graph", "cache_report", "INDUCTOR_OPTIONS", "REGION_OPTIONS"]
+__all__ = ["CompiledGraph", "compile_graph", "cache_report", "INDUCTOR_OPTIONS", "REGION_OPTIONS"]
 
 _log = logging.getLogger("autoprec")
 
@@ -35,7 +37,7 @@ REGION_OPTIONS: dict[str, Any] = {"allow_buffer_reuse": False, "inplace_buffers"
 
 
 def compile_graph(gm: nn.Module, activation_memory_budget: float = 1.0, dynamic: bool | None = None,
-                  regional: bool = True) -> Any:
+                  regional: bool = True) -> CompiledGraph:
     """``torch.compile`` a lowered graph (or a module) with Inductor and :data:`INDUCTOR_OPTIONS`.
 
     Compilation is lazy: the first call (typically 10–90 s on a 2-core CPU for a small
@@ -70,44 +72,115 @@ def compile_graph(gm: nn.Module, activation_memory_budget: float = 1.0, dynamic:
 
     A graph whose nodes carry a ``NodeMeta.saved`` (a policy's ``saved`` field) is compiled
     with those activations saved low and every call runs inside
-    :func:`autoprec.applied.saved.saved_activation_context` (a :class:`autoprec.applied.saved.SavedCall`).
+    :func:`autoprec.applied.saved.saved_activation_context`.
 
     Inductor's CPU code generator warns ``bf16 and fp16 are mixed in the scheduler node`` for every
     kernel that fuses both (a policy with both dtypes: many times per tune); that one message is
     filtered (:func:`_quiet_mixed_dtype_warning`), other warnings still show.
 
     Returns:
-        A callable with ``gm``'s signature.
+        A :class:`CompiledGraph`: callable with ``gm``'s signature, and what was compiled how.
     """
     _quiet_mixed_dtype_warning()
+    graph = isinstance(gm, fx.GraphModule)
     if dynamic is None:
-        dynamic = isinstance(gm, fx.GraphModule) and _symbolic_inputs(gm)
+        dynamic = graph and _symbolic_inputs(gm)
     # nodes' ``saved`` dtypes: autoprec.applied.saved
-    saved = isinstance(gm, fx.GraphModule) and has_saved(gm)
+    saved = graph and has_saved(gm)
     target = apply_saved(gm, compiled=True) if saved else gm
-    options = dict(INDUCTOR_OPTIONS)
-    if regional and isinstance(gm, fx.GraphModule) and saved:
-        _log.info("compile: one flat graph (the policy's saved-activation dtypes do not reach the pack "
-                  "hook inside a compiled region: measured 1.46x the saved bytes)")
-    elif regional and isinstance(gm, fx.GraphModule) and activation_memory_budget < 1.0:
-        _log.info("compile: one flat graph (AOTAutograd's activation memory budget is not measured "
-                  "inside compiled regions: the memory fit relies on the flat graph's peaks)")
-    elif regional and isinstance(gm, fx.GraphModule):
+    target, plan, layout = _layout(target, regional and graph, saved, activation_memory_budget)
+    options = {**INDUCTOR_OPTIONS, **(REGION_OPTIONS if plan is not None and plan.blocks else {})}
+    compiled = torch.compile(target, backend="inductor", options=options, dynamic=dynamic)
+    return CompiledGraph(gm, target, compiled, plan, layout, bool(dynamic), activation_memory_budget,
+                         saved_activation_context(gm) if saved else None,
+                         "the dynamic-shape graph" if graph else type(gm).__name__)
+
+
+def _layout(gm: nn.Module, regional: bool, saved: bool,
+            budget: float) -> tuple[nn.Module, RegionPlan | None, str]:
+    """What ``torch.compile`` compiles: ``(target, plan, layout)``, ``target`` the graph with its
+    repeated blocks outlined (:func:`autoprec.applied.regions.outline_blocks`) when ``regional``
+    and neither saved-activation dtypes nor a memory budget below 1.0 keep it flat, else ``gm``;
+    ``plan`` the outlining's plan (None when not outlined); ``layout`` the line logged at INFO
+    (WARNING when outlining failed) after ``compile:``."""
+    if not regional:
+        return gm, None, "one flat graph (regional=False)" if isinstance(gm, fx.GraphModule) else "one module"
+    if saved:
+        layout = ("one flat graph (the policy's saved-activation dtypes do not reach the pack hook inside a "
+                  "compiled region: measured 1.46x the saved bytes)")
+    elif budget < 1.0:
+        layout = ("one flat graph (AOTAutograd's activation memory budget is not measured inside compiled "
+                  "regions: the memory fit relies on the flat graph's peaks)")
+    else:
         try:
-            target, plan = outline_blocks(target)
+            target, plan = outline_blocks(gm)
         except Exception as e:  # noqa: BLE001 - regions only save compile time: never fail a compile
-            _log.warning("compile: one flat graph (outlining the repeated blocks failed: %s: %s)",
-                         type(e).__name__, e)
-        else:
-            _log.info("compile: %s", plan.describe())
-            if plan.blocks:
-                options.update(REGION_OPTIONS)
-    fn = torch.compile(target, backend="inductor", options=options, dynamic=dynamic)
-    fn = fn if activation_memory_budget >= 1.0 else _WithMemoryBudget(fn, activation_memory_budget)
-    fn = SavedCall(fn, saved_activation_context(gm), compiled=True) if saved else fn
-    if not dynamic:
-        return fn
-    return CompileLog(fn, "the dynamic-shape graph" if isinstance(gm, fx.GraphModule) else type(gm).__name__)
+            layout = f"one flat graph (outlining the repeated blocks failed: {type(e).__name__}: {e})"
+            _log.warning("compile: %s", layout)
+            return gm, None, layout
+        _log.info("compile: %s", plan.describe())
+        return target, plan, plan.describe()
+    _log.info("compile: %s", layout)
+    return gm, None, layout
+
+
+class CompiledGraph:
+    """What :func:`compile_graph` returns: a graph (or module) compiled with Inductor, callable
+    with the graph's signature and returning its outputs.
+
+    A call runs the compiled function under the partitioner's activation memory budget (when
+    below 1.0: ``torch._functorch.config.patch(activation_memory_budget=...)``), inside
+    :func:`autoprec.applied.saved.saved_activation_context` for a graph with saved-activation dtypes
+    (and reports the saved tensors, :func:`autoprec.applied.saved.report_saved`), and, compiled
+    with ``dynamic=True``, through :attr:`compile_log`, which counts and logs each compile.
+
+    Attributes:
+        source: What :func:`compile_graph` was given: the lowered graph, or a module.
+        target: What ``torch.compile`` compiled: ``source``, or a copy of it whose repeated blocks
+            call shared regions (:attr:`regions`).
+        compiled: The ``torch.compile`` result (an ``OptimizedModule``).
+        regions: The outlining's plan (:class:`autoprec.applied.regions.RegionPlan`), None when the
+            graph was compiled flat (:attr:`layout` says why).
+        layout: One line: how it was compiled (the ``compile:`` log line), e.g. ``3 of 4 blocks of
+            model.layers in 1 region``.
+        dynamic: ``torch.compile``'s ``dynamic``.
+        activation_memory_budget: The partitioner's budget, a fraction in (0, 1] (1.0: no budget).
+        saved: Whether the graph has saved-activation dtypes (``NodeMeta.saved``).
+        compile_log: The :class:`autoprec.applied.shape_cache.CompileLog` of a ``dynamic`` graph,
+            else None.
+    """
+
+    def __init__(self, source: nn.Module, target: nn.Module, compiled: Callable[..., Any],
+                 regions: RegionPlan | None, layout: str, dynamic: bool, activation_memory_budget: float,
+                 saved_context: contextlib.AbstractContextManager[None] | None, what: str) -> None:
+        self.source, self.target, self.compiled = source, target, compiled
+        self.regions, self.layout, self.dynamic = regions, layout, dynamic
+        self.activation_memory_budget = float(activation_memory_budget)
+        self.saved, self._saved_context = saved_context is not None, saved_context
+        self.compile_log = CompileLog(self._run, what) if dynamic else None
+
+    @property
+    def _orig_mod(self) -> nn.Module:
+        """``torch.compile``'s name for the module compiled (``OptimizedModule._orig_mod``):
+        :attr:`target`, whose ``forward`` :func:`autoprec.modelspec.call_model` inspects for the
+        keyword arguments a training capture fixes."""
+        return self.target
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the compiled graph on ``args``/``kwargs`` (compiling it on the first call)."""
+        if self.compile_log is not None:
+            return self.compile_log(*args, **kwargs)
+        return self._run(*args, **kwargs)
+
+    def _run(self, *args: Any, **kwargs: Any) -> Any:
+        budget = (torch._functorch.config.patch(activation_memory_budget=self.activation_memory_budget)
+                  if self.activation_memory_budget < 1.0 else contextlib.nullcontext())
+        with self._saved_context or contextlib.nullcontext():
+            with budget:
+                out = self.compiled(*args, **kwargs)
+            if self.saved:
+                report_saved(out)
+        return out
 
 
 #: The message of Inductor's warning (torch/_inductor/codegen/cpp.py) that compile_graph filters.
@@ -127,17 +200,6 @@ def _quiet_mixed_dtype_warning() -> None:
 def _symbolic_inputs(gm: fx.GraphModule) -> bool:
     vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
     return any(isinstance(v, torch.Tensor) and not all(isinstance(d, int) for d in v.shape) for v in vals)
-
-
-class _WithMemoryBudget:
-    """Calls a compiled function with the partitioner's activation memory budget set."""
-
-    def __init__(self, fn: Any, budget: float) -> None:
-        self.fn, self.budget = fn, float(budget)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with torch._functorch.config.patch(activation_memory_budget=self.budget):
-            return self.fn(*args, **kwargs)
 
 
 def cache_report(before: dict[str, int]) -> str:

@@ -28,9 +28,10 @@ Dynamo guards compiled code on the identity of inlinable hooks on top of the sta
 of a compiled graph with ``saved`` marks must run inside :func:`saved_activation_context` (as
 :class:`autoprec.applied.apply.MixedPrecisionModule` does); a graph without marks gets a null
 context and is unaffected. An outer Python ``saved_tensors_hooks`` pair (e.g. the harness's saved
-byte counter, ``autoprec.search.measure``) still sees every saved tensor, packed: eager packs chain
-into it, and for a compiled call (where AOTAutograd disables hooks while its forward runs) the
-context hands it what the compiled forward saved after the call (:func:`report_saved`).
+byte counter, :class:`autoprec.measure.memory.SavedBytes`) still sees every saved tensor, packed:
+eager packs chain into it, and for a compiled call (where AOTAutograd disables hooks while its
+forward runs) the context hands it what the compiled forward saved after the call
+(:func:`report_saved`).
 
 Why not the others (measured, same benchmark): casts inserted in the graph change what the forward
 computes and the partitioner saves the fp32 upcast (``ban_recompute_materialized_backward``);
@@ -279,21 +280,19 @@ def saved_activation_context(gm: fx.GraphModule) -> contextlib.AbstractContextMa
 
 
 class SavedCall:
-    """``fn`` called inside :func:`saved_activation_context` (and, compiled, :func:`report_saved`).
+    """``fn`` called eagerly inside :func:`saved_activation_context` (:func:`saved_eager`; a compiled
+    graph's calls are :class:`autoprec.applied.compile.CompiledGraph`'s).
 
     Attributes:
-        fn: The wrapped callable (a GraphModule, or what ``torch.compile`` returned).
+        fn: The wrapped callable (a GraphModule prepared by ``apply_saved(gm, compiled=False)``).
     """
 
-    def __init__(self, fn: Any, context: contextlib.AbstractContextManager[None], compiled: bool) -> None:
-        self.fn, self._context, self._compiled = fn, context, compiled
+    def __init__(self, fn: Any, context: contextlib.AbstractContextManager[None]) -> None:
+        self.fn, self._context = fn, context
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         with self._context:
-            out = self.fn(*args, **kwargs)
-            if self._compiled:
-                report_saved(out)
-        return out
+            return self.fn(*args, **kwargs)
 
 
 def saved_eager(gm: fx.GraphModule) -> Any:
@@ -307,4 +306,4 @@ def saved_eager(gm: fx.GraphModule) -> Any:
     """
     if not has_saved(gm):
         return gm
-    return SavedCall(apply_saved(gm, compiled=False), saved_activation_context(gm), compiled=False)
+    return SavedCall(apply_saved(gm, compiled=False), saved_activation_context(gm))

@@ -2,7 +2,7 @@
 
 In one process, on the same weights and batches, every configuration below runs full training
 steps (forward, loss, backward, optimizer step, loss scaler) through the one measurement
-:class:`~autoprec.search.measure.Harness` that ``autoprec tune`` uses:
+:class:`~autoprec.measure.harness.Harness` that ``autoprec tune`` uses:
 
 =====================  ===========================================================================
 ``fp32_eager``         the user's ``nn.Module`` in fp32
@@ -21,10 +21,10 @@ Compiled configurations all use :data:`autoprec.applied.compile.INDUCTOR_OPTIONS
 rows differ only in their dtypes. First each configuration's drift and memory are measured in turn
 (``Harness.measure(timing=False)``; compiling happens there), ``fp32_eager`` also timed back to
 back to set the slow-step limit ``max(max_step_ratio x fp32_eager's step, 1 s)``. Then every
-configuration that did not fail is timed in one :func:`autoprec.search.timing.time_interleaved`
+configuration that did not fail is timed in one :func:`autoprec.measure.timing.time_interleaved`
 call (rounds A B C ... A B C, :data:`STEPS_PER_ROUND` steps each), so every row's tokens/s comes
 from the same rounds and carries a bootstrap 95% band of its median, and the ``vs
-autocast+compile`` column says ``tie`` where :func:`autoprec.search.timing.compare` finds the
+autocast+compile`` column says ``tie`` where :func:`autoprec.measure.timing.compare` finds the
 difference within the noise. A configuration whose steps are too slow against the limit (two
 steps in a row over it, or one step over 4x it: :func:`autoprec.training.steps.slow_step_guard`;
 e.g. bf16 on a CPU without native bf16 arithmetic) is dropped from later rounds, and its row
@@ -60,12 +60,11 @@ from autoprec.commands.bench_configs import BenchConfig, build_configs, main_dty
 from autoprec.commands.bench_table import add_ratios, format_bench_table, make_row, skipped_row
 from autoprec.device import autocast_dtype, describe_machine, resolve_device, time_matmul
 from autoprec.dtypes import NAMES, to_torch
+from autoprec.measure import Config, Harness, Measurement, format_rate, time_interleaved
+from autoprec.measure.load import LoadMonitor
 from autoprec.modelspec import load_model_spec
 from autoprec.passes import run_pipeline
 from autoprec.policy import Policy
-from autoprec.search.load import LoadMonitor
-from autoprec.search.measure import Harness, Measurement
-from autoprec.search.timing import Config, format_rate, time_interleaved
 
 __all__ = [
     "CONFIGS",
@@ -80,7 +79,7 @@ __all__ = [
     "write_bench_json",
 ]
 
-#: Interleaved timing (:func:`autoprec.search.timing.time_interleaved`): timed steps of each
+#: Interleaved timing (:func:`autoprec.measure.timing.time_interleaved`): timed steps of each
 #: configuration per round, and the rounds at least (raised to cover ``--steps``) and at most.
 STEPS_PER_ROUND, MIN_ROUNDS, MAX_ROUNDS = 2, 3, 12
 
@@ -180,7 +179,7 @@ def run_bench(model_path: str | os.PathLike, policy: Policy | str | os.PathLike,
         rel_band: Timing stops (after the minimum rounds) once every band's relative half-width
             is at most this (0.03: ±3%).
         time_cap_s: No timing round starts after this many seconds of timing.
-        strict_timing: Raise ``BusyMachineError`` (exit 2) on a busy machine (:mod:`autoprec.search.load`).
+        strict_timing: Raise ``BusyMachineError`` (exit 2) on a busy machine (:mod:`autoprec.measure.load`).
 
     Returns:
         ``{"device", "machine", "torch", "autoprec", "date", "model", "policy", "steps", "warmup",

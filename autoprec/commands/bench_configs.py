@@ -15,10 +15,10 @@ import torch
 from autoprec.applied.compile import compile_graph
 from autoprec.commands import bench_shapes as shapes
 from autoprec.dtypes import NAMES
+from autoprec.measure import Harness
 from autoprec.nodemeta import read_meta
 from autoprec.passes import run_pipeline
 from autoprec.policy import Policy
-from autoprec.search.measure import Harness
 from autoprec.training.scaler import DynamicLossScaler
 from autoprec.training.train import autocast_scaler, make_scaler
 

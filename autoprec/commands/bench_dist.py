@@ -22,35 +22,34 @@ against ``ddp_fp32_reduce``'s on the same batches and weights, and the per-rank 
 beside the prediction of :func:`predicted_peak_bytes`.
 
 Peak bytes per rank, over the span of building the row's model, wrapping it and the warm-up
-steps (the first creates the optimizer state, the second starts with it): on CUDA
-``torch.cuda.max_memory_allocated`` (the rule of docs/architecture.md#measurements); on CPU,
-which keeps no allocator statistics, the C heap's bytes in use (glibc ``mallinfo2``: torch's
-tensors and gloo's buffers, on every thread) read after every ATen op of the span by a
-``TorchDispatchMode``, less their value when the span began. (torch's profiler
-``profile_memory`` was tried first and is not used: it misses a free made on one of gloo's
-threads, so a buffer freed there counts as alive to the end.) The reduced gradients of step 0
-come from a separate build of the row, so gathering them counts in no peak.
+steps (the first creates the optimizer state, the second starts with it):
+:class:`autoprec.measure.memory.PeakBytes` (the memory rule's home, docs/architecture.md#measurements):
+on CUDA ``torch.cuda.max_memory_allocated``; on CPU, which keeps no allocator statistics, the C
+heap's bytes in use (glibc ``mallinfo2``: torch's tensors and gloo's buffers, on every thread) read
+after every ATen op of the span by a ``TorchDispatchMode`` and by a sampling thread, less their
+value when the span began. (torch's profiler ``profile_memory`` was tried first and is not used:
+it misses a free made on one of gloo's threads, so a buffer freed there counts as alive to the
+end.) The rows are eager (``apply(..., compile=False)``), which the dispatch mode sees whole. The
+reduced gradients of step 0 come from a separate build of the row, so gathering them counts in no peak.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import datetime
 import gc
 import os
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from autoprec._io import write_json
-from autoprec._torch_compat import TorchDispatchMode
 from autoprec.applied.apply import apply
-from autoprec.device import describe_machine, heap_bytes, resolve_device
+from autoprec.device import describe_machine, resolve_device
 from autoprec.distributed.ranks import Ranks, close_ranks, init_ranks, rank_step_batch, ranks_from_env
 from autoprec.distributed.wrap import ddp, shard
+from autoprec.measure.memory import PeakBytes
 from autoprec.metrics import grad_rel_l2, median
 from autoprec.modelspec import load_model_spec
 from autoprec.policy import Policy
@@ -116,64 +115,6 @@ def predicted_peak_bytes(n_params: int, largest: int, wrapper: str, world: int, 
             "formula": formula}
 
 
-class _PeakBytes:
-    """Peak bytes allocated over a ``with`` span on this rank (module docstring): CUDA's
-    allocator peak, or on CPU the most heap bytes in use (:func:`autoprec.device.heap_bytes`) seen after any
-    ATen op of the span, over their value when it began."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device, self.peak = device, 0
-
-    @contextlib.contextmanager
-    def span(self) -> Iterator[None]:
-        """Measure the ``with`` body; ``self.peak`` holds the bytes after it."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            base = torch.cuda.memory_allocated(self.device)
-            yield
-            torch.cuda.synchronize(self.device)
-            self.peak = int(torch.cuda.max_memory_allocated(self.device)) - base
-            return
-        with _HeapPeak() as mode:
-            yield
-        self.peak = max(mode.peak - mode.base, 0)
-
-
-class _HeapPeak(TorchDispatchMode):
-    """A dispatch mode reading :func:`autoprec.device.heap_bytes` after every ATen op (backward's included: on
-    the CPU autograd runs them on this thread), and a thread reading it every
-    :data:`SAMPLE_S` meanwhile (gloo's threads allocate while this one waits on a collective);
-    ``peak`` and ``base`` (at entry) in bytes."""
-
-    def __enter__(self) -> _HeapPeak:
-        import threading
-
-        self.base = self.peak = heap_bytes()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return super().__enter__()
-
-    def __exit__(self, *exc: Any) -> None:
-        super().__exit__(*exc)
-        self._stop.set()
-        self._thread.join()
-
-    def _sample(self) -> None:
-        while not self._stop.wait(SAMPLE_S):
-            self.peak = max(self.peak, heap_bytes())
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105 - torch's protocol
-        out = func(*args, **(kwargs or {}))
-        self.peak = max(self.peak, heap_bytes())
-        return out
-
-
-#: Seconds between two readings of the heap by :class:`_HeapPeak`'s thread.
-SAMPLE_S = 2e-4
-
-
 def _broadcast_weights(model: torch.nn.Module) -> None:
     """Every rank takes rank 0's weights (FSDP2 shards each rank's copy: they must agree)."""
     with torch.no_grad():
@@ -215,7 +156,7 @@ def _reduced_grads(spec: Any, policy: Policy, wrapper: str, dev: torch.device,
 def _row(spec: Any, policy: Policy, wrapper: str, dev: torch.device, ranks: Ranks, steps: int,
          warmup: int) -> dict[str, Any]:
     """One configuration on this rank: peak over build and warm-up, then the timed steps."""
-    meter = _PeakBytes(dev)
+    meter = PeakBytes(dev)
     batches = rank_step_batch(spec.get_batch, dev, ranks)
     # the rows before: DDP/FSDP2 modules hold reference cycles (hooks); free them outside the span
     gc.collect()
@@ -310,15 +251,10 @@ def run_bench_dist(model_path: str | os.PathLike, policy: Policy | str | os.Path
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "model": str(spec.path), "policy": pol.to_dict(), "world": ranks.world, "steps": steps,
               "warmup": warmup, "backend": "nccl" if dev.type == "cuda" else "gloo",
-              "peak_rule": _PEAK_RULE[dev.type == "cuda"], "configs": rows}
+              "peak_rule": PeakBytes(dev).rule(), "configs": rows}
     if json_path is not None:
         write_json(json_path, result, indent=2)
     return result
-
-
-_PEAK_RULE = {True: "torch.cuda.max_memory_allocated over build + warm-up, minus memory_allocated before",
-              False: "C heap bytes in use (glibc mallinfo2, after every ATen op and every 0.2 ms) over build "
-                     "+ warm-up, minus before"}
 
 
 def format_dist_table(result: dict[str, Any]) -> str:

@@ -28,8 +28,8 @@ from torch import fx, nn
 from autoprec.applied.shape_cache import is_dynamic
 from autoprec.capture import InputShapes, capture_for, shapes_vary, tensor_shapes
 from autoprec.device import compile_count
+from autoprec.measure import Timing
 from autoprec.modelspec import split_batch
-from autoprec.search.timing import Timing
 
 __all__ = ["CompileWatch", "autocast_dynamic", "capture_rows", "cover_batches", "drop_compiled_steps",
            "warmup_steps"]
@@ -71,7 +71,7 @@ def cover_batches(h: Any) -> bool:
     its dynamic ranges (the harness captured on its first batches only); returns whether it did.
 
     Args:
-        h: The :class:`~autoprec.search.measure.Harness`; ``h.graph_module`` is replaced (its
+        h: The :class:`~autoprec.measure.harness.Harness`; ``h.graph_module`` is replaced (its
             FP32 references, already computed on the first batches, are unchanged by the wider ranges).
     """
     gm = h.graph_module

@@ -7,7 +7,7 @@
   (the lowered graph is one call: there are no per-layer calls for per-layer units to hook).
 
 Each rank's place and batches are :mod:`autoprec.distributed.ranks`. The loss scaler's agreement
-across ranks is :func:`autoprec.training.scaler.any_rank`.
+across ranks is :func:`autoprec.training.rank_flag.any_rank`.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from torch import fx, nn
 
 from autoprec._torch_compat import child_module
 from autoprec.applied.apply import MixedPrecisionModule
+from autoprec.applied.compile import CompiledGraph
+from autoprec.applied.widen import Routed
 from autoprec.errors import AutoprecError
 from autoprec.policy import Policy
 
@@ -127,15 +129,14 @@ def shard(mp: MixedPrecisionModule, mesh: Any = None, policy: Policy | None = No
 
 
 def _graphs_of(mp: MixedPrecisionModule) -> list[fx.GraphModule]:
-    """The graph ``mp`` runs, through its compile wrappers (``fn``, ``_orig_mod``)."""
+    """The graph ``mp`` runs: its lowered graph, the graph its :class:`CompiledGraph` compiled
+    (``target``), or the dynamic graph of a :class:`Routed` (its per-shape graphs are not sharded)."""
     fn = mp._fn
-    while not isinstance(fn, fx.GraphModule):
-        inner = getattr(fn, "_orig_mod", None)
-        inner = inner if inner is not None else getattr(fn, "fn", None)
-        if inner is None:
-            raise AutoprecError(f"shard: {type(mp.model).__name__} is served by one graph per input shape "
-                                f"({type(fn).__name__}); FSDP2 needs one graph: apply(..., dynamic=False)")
-        fn = inner
+    fn = fn.fn if isinstance(fn, Routed) else fn
+    fn = fn.target if isinstance(fn, CompiledGraph) else fn
+    if not isinstance(fn, fx.GraphModule):
+        raise AutoprecError(f"shard: {type(mp.model).__name__} is served by one graph per input shape "
+                            f"({type(fn).__name__}); FSDP2 needs one graph: apply(..., dynamic=False)")
     return [fn]
 
 

@@ -83,7 +83,7 @@ def call_model(model: Callable[..., Any], batch: Any) -> Any:
         Whatever the model returns.
     """
     args, kwargs = split_batch(batch)
-    inner = getattr(model, "_orig_mod", model)  # torch.compile's OptimizedModule keeps the module here
+    inner = getattr(model, "_orig_mod", model)  # torch.compile and compile_graph keep the module here
     if isinstance(inner, nn.Module):
         kwargs = {**training_kwargs(inner, args, kwargs), **kwargs}
     return model(*args, **kwargs)

@@ -32,7 +32,7 @@ CASTS = ATTR + "casts"  #: casts the placement inserted
 TOKENS_PER_S = ATTR + "tokens_per_s"
 STEP_S = ATTR + "step_s"
 STEP_TIMES = ATTR + "step_times"  #: every timed step's seconds (a list), the band's sample
-#: ``[lo, hi]`` tokens/s, the bootstrap 95% band of the median step (search/timing.py, Timing.from_steps)
+#: ``[lo, hi]`` tokens/s, the bootstrap 95% band of the median step (measure/timing.py, Timing.from_steps)
 TOKENS_PER_S_BAND = ATTR + "tokens_per_s_band"
 GRAD_REL_L2 = ATTR + "grad_rel_l2"  #: mean over the drift batches
 GRAD_REL_L2_BATCHES = ATTR + "grad_rel_l2_batches"  #: per drift batch (a list; non-finite values as None)

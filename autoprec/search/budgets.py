@@ -10,7 +10,7 @@ from typing import Any
 
 from autoprec.dtypes import FP8_COMPUTE, LOW_DTYPES
 from autoprec.errors import SearchError
-from autoprec.search.measure import Measurement
+from autoprec.measure import Measurement
 
 __all__ = ["check_memory_floor", "format_bytes", "memory_budget", "parse_dtypes", "parse_max_drift",
            "parse_max_memory"]
@@ -86,7 +86,7 @@ def check_memory_floor(arg: tuple[str, float] | None, model: Any, make_optimizer
                        option: str = "--max-memory") -> None:
     """Refuse, right after the model is built and before any capture or measurement, a byte budget
     no policy can meet: one not above the fp32 parameters, their gradients and the optimizer's state
-    (:func:`autoprec.training.train.training_state_bytes` with a fresh ``make_optimizer(params)``:
+    (:func:`autoprec.measure.memory.training_state_bytes` with a fresh ``make_optimizer(params)``:
     16 bytes per fp32 parameter for Adam and AdamW), which every policy keeps (master weights).
 
     Args:
@@ -102,7 +102,7 @@ def check_memory_floor(arg: tuple[str, float] | None, model: Any, make_optimizer
     """
     if arg is None or arg[0] != "bytes":
         return
-    from autoprec.training.train import training_state_bytes
+    from autoprec.measure.memory import training_state_bytes
 
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(params)

@@ -64,7 +64,7 @@ class DriftBudget:
     """The drift budget and its decision rule.
 
     Build it with :meth:`auto` or :meth:`fixed`. ``m`` in the methods is a
-    :class:`autoprec.search.measure.Measurement` (its ``grad_rel_l2_batches``) or a list of
+    :class:`autoprec.measure.measurement.Measurement` (its ``grad_rel_l2_batches``) or a list of
     per-batch ``grad_rel_l2`` values (dimensionless), in the reference's batch order.
 
     **Rule for auto.** With g_k the candidate's and a_k torch.autocast's ``grad_rel_l2`` on drift

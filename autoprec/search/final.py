@@ -6,7 +6,7 @@ The contenders are the compiled finalists that passed the drift, memory and traj
 (the autocast twin and all-fp32 among them) and the baselines: torch.autocast + torch.compile,
 fp32 + torch.compile (the all-fp32 policy compiled) and fp32 eager. :func:`decide` takes the
 fastest; every contender whose throughput ties with it (the bootstrap band of the ratio contains
-1.0: :func:`autoprec.search.timing.compare`) is as fast within the noise, and among those the one
+1.0: :func:`autoprec.measure.timing.compare`) is as fast within the noise, and among those the one
 with the lowest drift, then the fewest rules, is written: a tie goes to the lower-drift, simpler
 policy. torch.autocast is not a policy; when it is the fastest, the policy that ties with it (the
 twin, normally) is written, and when none does the fastest policy is written and the decision
@@ -18,8 +18,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from autoprec.measure import Comparison, Timing, compare
 from autoprec.policy import Policy
-from autoprec.search.timing import Comparison, Timing, compare
 
 __all__ = ["Contender", "Decision", "decide"]
 
@@ -32,7 +32,7 @@ class Contender:
         name: For the log and the report (``"trial 7"``, ``"autocast twin"``,
             ``"torch.autocast + torch.compile"``).
         policy: The policy to write if it wins; None for torch.autocast (not a policy).
-        timing: Its interleaved timing (:func:`autoprec.search.timing.time_interleaved`).
+        timing: Its interleaved timing (:func:`autoprec.measure.timing.time_interleaved`).
         grad_rel_l2: Its drift (mean over the drift batches; 0.0 for fp32).
         baseline: What a user gets without autoprec (torch.autocast + torch.compile, fp32 +
             torch.compile, fp32 eager): the bar the written policy must not fall below.

@@ -13,9 +13,9 @@ import math
 from typing import Any
 
 from autoprec._interrupt import check as check_interrupt
+from autoprec.measure import Measurement
 from autoprec.passes import run_pipeline
 from autoprec.policy import Policy
-from autoprec.search.measure import Measurement
 from autoprec.search.progress import log
 from autoprec.search.space import SAVED_LEVERS, with_saved
 from autoprec.training.train import make_scaler

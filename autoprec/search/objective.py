@@ -22,13 +22,12 @@ import optuna
 import torch
 
 from autoprec.applied.saved import saved_eager
+from autoprec.measure import Harness, Measurement, Timing
 from autoprec.nodemeta import read_meta
 from autoprec.passes import lowering_passes
 from autoprec.search import attrs
 from autoprec.search.decide import DriftBudget
-from autoprec.search.measure import Harness, Measurement
 from autoprec.search.space import SearchSpace
-from autoprec.search.timing import Timing
 from autoprec.training.train import make_scaler
 
 __all__ = ["Objective", "policy_fingerprint", "DIRECTIONS", "MAX_RETRIES", "is_dead_worker",

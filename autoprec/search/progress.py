@@ -9,9 +9,12 @@ import re
 import sys
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["Clock", "failed_trial_logger", "log", "quiet_optuna_failures"]
+if TYPE_CHECKING:
+    from autoprec.measure.load import LoadMonitor
+
+__all__ = ["Clock", "LoadClock", "failed_trial_logger", "log", "quiet_optuna_failures"]
 
 # Optuna's two warnings per failed trial (optuna/study/_optimize.py, _log_failed_trial).
 _OPTUNA_FAILED = re.compile(r"Trial \d+ failed with (parameters: .* because of the following error: |value )")
@@ -42,6 +45,27 @@ class Clock:
     def done(self) -> dict[str, float]:
         """Seconds per phase, plus ``total_s`` since the clock was made."""
         return {**self.times, "total_s": time.perf_counter() - self.t0}
+
+
+class LoadClock(Clock):
+    """A :class:`Clock` that also checks the machine's load when a phase named in ``phases`` begins
+    (``{"finalists_s": "after trials"}``: before the finalists' head-to-head;
+    :class:`autoprec.measure.load.LoadMonitor`).
+
+    Raises:
+        BusyMachineError: as :meth:`autoprec.measure.load.LoadMonitor.check` (a busy machine under
+            ``strict``), when a checked phase begins.
+    """
+
+    def __init__(self, monitor: LoadMonitor, phases: dict[str, str]) -> None:
+        super().__init__()
+        self.monitor, self.phases = monitor, dict(phases)
+
+    def __call__(self, name: str):
+        """Check the load if ``name`` is a checked phase (once per name), then time the phase."""
+        if name in self.phases:
+            self.monitor.check(self.phases.pop(name))  # once per phase name
+        return super().__call__(name)
 
 
 class _DropOptunaFailures(logging.Filter):

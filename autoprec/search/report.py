@@ -160,7 +160,7 @@ def write_report(study: optuna.Study, stem: str | os.PathLike, table: list[dict[
     ``<stem>.dtype_map.png``; returns the paths written.
 
     ``shapes`` lists the distinct batch shapes the measurements ran on
-    (:func:`autoprec.search.measure.batch_shapes`); the report names them. ``levers`` are the
+    (:func:`autoprec.measure.harness.batch_shapes`); the report names them. ``levers`` are the
     compiled finalist measurements (``Selector.points``), memory-lever tries included: the report
     lists them with the lever each used and marks their speed/memory Pareto front; a finalist's
     ``rejected`` reason is also the note of the trial it came from. The Pareto plot marks the

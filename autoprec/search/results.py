@@ -13,13 +13,12 @@ import math
 from typing import Any
 
 from autoprec.dtypes import NAMES
+from autoprec.measure import Measurement, Timing, compare
 from autoprec.metrics import median
 from autoprec.policy import Policy
 from autoprec.search.bands import timing_of
-from autoprec.search.measure import Measurement
 from autoprec.search.progress import log
 from autoprec.search.select import AUTOCAST_COMPILED, FP32_EAGER
-from autoprec.search.timing import Timing, compare
 
 __all__ = ["measured_block", "note_if_eager_was_faster", "pooled", "side_by_side"]
 

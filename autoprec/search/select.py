@@ -15,6 +15,7 @@ from autoprec._interrupt import check as check_interrupt
 from autoprec.applied.compile import compile_graph
 from autoprec.applied.saved import saved_eager
 from autoprec.errors import SearchError
+from autoprec.measure import Config, Measurement, Timing, format_rate, time_interleaved
 from autoprec.metrics import traj_rel
 from autoprec.passes import run_pipeline
 from autoprec.policy import Policy
@@ -22,11 +23,9 @@ from autoprec.search import attrs
 from autoprec.search.budgets import format_bytes
 from autoprec.search.decide import DriftBudget
 from autoprec.search.final import Contender, Decision, decide
-from autoprec.search.measure import Measurement
 from autoprec.search.memory_fit import fit_memory, lever
 from autoprec.search.phases import PhaseBar, phase_bar
 from autoprec.search.progress import log
-from autoprec.search.timing import Config, Timing, format_rate, time_interleaved
 from autoprec.training.train import autocast_scaler, make_scaler
 
 #: The trajectory check passes a finalist whose ``traj_rel`` is at most this many times torch.autocast's
@@ -71,7 +70,7 @@ class Selector:
             fit (:func:`autoprec.search.phases.phase_bar`).
 
     Attributes:
-        timings: The final head-to-head's :class:`~autoprec.search.timing.Timing` per contender.
+        timings: The final head-to-head's :class:`~autoprec.measure.timing.Timing` per contender.
         decision: The :class:`~autoprec.search.final.Decision` (None before :meth:`choose`, or
             without compile).
     """

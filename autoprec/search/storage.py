@@ -32,10 +32,10 @@ __all__ = ["GRACE_BEATS", "HEARTBEAT_S", "MEASURE_VERSION", "check_sqlite_file",
            "load_existing_study", "open_study", "precheck_study", "rdb_storage", "sqlite_path",
            "study_choices", "study_space"]
 
-#: Version of what a trial measures and how (search/measure.py). Bump it when a change makes old
+#: Version of what a trial measures and how (measure/harness.py). Bump it when a change makes old
 #: trials' numbers incomparable with new ones; a study holding trials of another version is not
 #: resumed. 2: a parameter saved for backward counts once in the CPU peak bytes. 3: drift is the
-#: mean over K = 4 drift batches (search/drift.py), and the constraint the DriftBudget rule
+#: mean over K = 4 drift batches (measure/drift.py), and the constraint the DriftBudget rule
 #: (search/decide.py).
 MEASURE_VERSION = 3
 

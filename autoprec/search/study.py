@@ -31,6 +31,8 @@ from autoprec._interrupt import check as check_interrupt
 from autoprec._version import __version__
 from autoprec.device import device_name, resolve_device
 from autoprec.errors import SearchError
+from autoprec.measure import Harness, Measurement
+from autoprec.measure.load import LoadMonitor
 from autoprec.modelspec import ModelSpec, load_model_spec
 from autoprec.nodekeys import graph_fingerprint
 from autoprec.policy import Policy
@@ -44,11 +46,9 @@ from autoprec.search.budgets import (
 )
 from autoprec.search.decide import DriftBudget
 from autoprec.search.kernel_choice import adopt_study_kernels, probe_decision, probe_phase
-from autoprec.search.load import LoadClock, LoadMonitor
-from autoprec.search.measure import Harness, Measurement
 from autoprec.search.objective import Objective
 from autoprec.search.phases import accounted, phase_bar
-from autoprec.search.progress import Clock, log
+from autoprec.search.progress import Clock, LoadClock, log
 from autoprec.search.results import measured_block, note_if_eager_was_faster, pooled, side_by_side
 from autoprec.search.select import FP32_EAGER, Selector
 from autoprec.search.space import (
@@ -170,10 +170,10 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
             recomputes the rest of the activations in backward; see ``fit_memory`` in
             autoprec/search/memory_fit.py); without compile, trials whose measured peak is over
             it are not selected.
-        strict_timing: Raise :class:`~autoprec.search.load.BusyMachineError` when the machine is
+        strict_timing: Raise :class:`~autoprec.measure.load.BusyMachineError` when the machine is
             busy instead of warning: other processes use over half a core, or the calibration
             matmul runs 1.5x slower than at its fastest (checked at the start, after the baselines
-            and after the trials: :mod:`autoprec.search.load`).
+            and after the trials: :mod:`autoprec.measure.load`).
 
     Returns:
         :class:`TuneResult`.
@@ -206,7 +206,7 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
 
 def _capture(spec: ModelSpec, device: str, quiet: bool, strict_timing: bool = False,
              progress: bool = False) -> _Run:
-    """Phase 1: check the machine's load (:mod:`autoprec.search.load`; again after the baselines and,
+    """Phase 1: check the machine's load (:mod:`autoprec.measure.load`; again after the baselines and,
     through the clock, when the finalists begin), capture the loaded model file and compute the
     FP32 reference (``Harness``).
 

@@ -11,9 +11,9 @@ from collections.abc import Callable
 import optuna
 
 from autoprec._interrupt import check as check_interrupt
+from autoprec.measure import Harness
 from autoprec.passes import run_pipeline
 from autoprec.search import attrs
-from autoprec.search.measure import Harness
 from autoprec.search.objective import Objective, is_dead_worker, reap_dead_trials, retried_numbers, retry_of
 from autoprec.search.progress import failed_trial_logger, quiet_optuna_failures
 from autoprec.search.space import SearchSpace

@@ -15,7 +15,11 @@ fp16 ``DynamicLossScaler`` (``min_loss_scale``) and from failures seen in practi
 * under ``torch.distributed`` (DDP, FSDP2) every rank makes the same decision: the inf/NaN flag of each
   ``unscale_`` is all-reduced (MAX) over the process group, so one rank's non-finite gradient (or
   gradient shard) makes every rank skip and back off together, as torch's ``ShardedGradScaler``
-  (torch/distributed/fsdp/sharded_grad_scaler.py, ``unscale_``) does.
+  (torch/distributed/fsdp/sharded_grad_scaler.py, ``unscale_``) does (:mod:`autoprec.training.rank_flag`).
+
+:meth:`DynamicLossScaler.search_back_off` finds, by bisection, the scale where training's first steps
+stop backing off: what a drift measurement runs at (:func:`autoprec.measure.drift.measure_drift`). The
+checks of the configuration and of a loaded state dict are :mod:`autoprec.training._scaler_state`.
 
 Sources:
     * ``torch.amp.GradScaler`` (torch/amp/grad_scaler.py) and its ATen kernels
@@ -27,7 +31,7 @@ Sources:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -39,13 +43,15 @@ from autoprec.policy.loss_scaling import (
     INIT_SCALE,
     MAX_SCALE,
     MIN_SCALE,
-    check_fp32_exact,
-    check_loss_scaling,
     to_fp32,
 )
 from autoprec.training._amp import amp_update_scale, unscale_grads_, unscaled_grad_norm
+from autoprec.training._scaler_state import check_config, check_state
+from autoprec.training.rank_flag import any_rank, grad_device
 
-__all__ = ["DynamicLossScaler", "any_rank", "unscaled_grad_norm"]
+__all__ = ["DynamicLossScaler", "unscaled_grad_norm"]
+
+R = TypeVar("R")  # what a back-off search's run returns
 
 #: Default ``max_skips_at_floor``: consecutive skipped steps at ``min_scale`` before ``update``
 #: raises (autoprec's choice; GradScaler has no floor).
@@ -53,33 +59,6 @@ MAX_SKIPS_AT_FLOOR = 8
 
 # Per-optimizer stage within one iteration (GradScaler's OptState).
 _READY, _UNSCALED, _STEPPED = "ready", "unscaled", "stepped"
-
-# Keys GradScaler.state_dict() writes (required on load) and the ones autoprec adds (optional on load).
-_GRADSCALER_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
-_AUTOPREC_KEYS = ("min_scale", "max_scale", "max_skips_at_floor", "skipped_steps", "consecutive_skips",
-                  "skips_at_floor")
-
-
-def _as_int(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an int, got {value!r}")  # noqa: TRY004 (bad value)
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value!r}")
-    return value
-
-
-def _check_config(scale_name: str, scale: Any, growth_factor: Any, backoff_factor: Any,
-                  growth_interval: Any, min_scale: Any, max_scale: Any,
-                  max_skips_at_floor: Any) -> tuple[float, float, float, int, float, float, int]:
-    """Validates the scaler's configuration with the policy's loss-scaling ranges
-    (:func:`autoprec.policy.loss_scaling.check_loss_scaling`); raises ``ValueError`` naming the argument."""
-    v = check_loss_scaling({scale_name: scale, "growth_factor": growth_factor,
-                            "backoff_factor": backoff_factor, "growth_interval": growth_interval,
-                            "min_scale": min_scale, "max_scale": max_scale}, scale_name=scale_name)
-    max_skips_at_floor = _as_int("max_skips_at_floor", max_skips_at_floor, 1)
-    return (v[scale_name], v["growth_factor"], v["backoff_factor"], v["growth_interval"], v["min_scale"],
-            v["max_scale"], max_skips_at_floor)
-
 
 class DynamicLossScaler:
     """Dynamic loss scaler with ``torch.amp.GradScaler`` semantics plus a floor, a cap and a diagnosis.
@@ -144,7 +123,7 @@ class DynamicLossScaler:
                  max_skips_at_floor: int = MAX_SKIPS_AT_FLOOR, enabled: bool = True,
                  diagnose: Callable[[], str | None] | None = None, process_group: Any = None) -> None:
         (scale, self._growth_factor, self._backoff_factor, self._growth_interval, self._min_scale,
-         self._max_scale, self._max_skips_at_floor) = _check_config(
+         self._max_scale, self._max_skips_at_floor) = check_config(
             "init_scale", init_scale, growth_factor, backoff_factor, growth_interval, min_scale,
             max_scale, max_skips_at_floor)
         if diagnose is not None and not callable(diagnose):
@@ -190,7 +169,7 @@ class DynamicLossScaler:
         if state["stage"] == _STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
         found_inf = unscale_grads_(optimizer, 1.0 / self._scale)
-        state["found_inf"] = any_rank(found_inf, self._process_group, _grad_device(optimizer))
+        state["found_inf"] = any_rank(found_inf, self._process_group, grad_device(optimizer))
         state["stage"] = _UNSCALED
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> bool:
@@ -303,6 +282,76 @@ class DynamicLossScaler:
         """Number of consecutive skipped iterations that ran with the scale at ``min_scale``."""
         return self._skips_at_floor
 
+    # ----------------------------------------------------------------- back-off
+    def back_off_scales(self, max_backoffs: int) -> list[float]:
+        """The scales training's first steps would try from here while every step overflows.
+
+        ``s_0`` is the current scale and ``s_{j+1}`` the scale after one more skipped step:
+        ``update``'s rule (``torch.amp.GradScaler``'s halving, ``s_j · backoff_factor`` rounded to
+        float32, then clamped to ``min_scale``), until ``min_scale`` or ``max_backoffs`` back-offs.
+
+        Args:
+            max_backoffs: The most back-offs (≥ 0).
+
+        Returns:
+            ``[s_0, ..., s_J]``, J ≤ ``max_backoffs``, strictly decreasing; ``[]`` if disabled.
+        """
+        if not self._enabled:
+            return []
+        scales = [self._scale]
+        while scales[-1] > self._min_scale and len(scales) <= max_backoffs:
+            s, _tracker = amp_update_scale(scales[-1], 0, True, self._growth_factor, self._backoff_factor,
+                                           self._growth_interval)
+            scales.append(max(s, self._min_scale))
+        return scales
+
+    def search_back_off(self, run: Callable[[], R], finite: Callable[[R], bool], first: R,
+                        max_backoffs: int) -> tuple[R, int]:
+        """The run at the scale where training's back-off stops, found by bisection.
+
+        Training halves the scale after each overflowing step (``torch.amp.GradScaler``'s rule) and
+        keeps the first scale whose gradients are finite: ``s_j`` of :meth:`back_off_scales`, ``j``
+        at most ``max_backoffs``. Overflow grows with the scale, so finite gradients at ``s_j`` mean
+        finite ones at every smaller scale, and the first finite ``s_j`` is found by bisection over
+        ``j``: the floor first (non-finite there is a failure at once), then ``log2`` of the number
+        of scales, instead of one forward/backward per back-off (16 from 2^16 to 1). Only the scale
+        changes: the rest of the state (growth tracker, skip counters) is as it was.
+
+        Args:
+            run: One forward/backward at this scaler's current scale.
+            finite: Whether a run's loss and gradients are finite.
+            first: The run at ``s_0`` (the current scale), whose gradients were not finite.
+            max_backoffs: The most back-offs training would make (≥ 0).
+
+        Returns:
+            ``(run, j)``: the run at the first finite scale (or at the last scale tried, non-finite,
+            when even the floor overflows) and the number of back-offs ``j`` training would make.
+            The scaler is left at that scale; disabled, or already at the floor: ``(first, 0)``.
+        """
+        scales = self.back_off_scales(max_backoffs)
+        if len(scales) < 2:
+            return first, 0
+        state = self.state_dict()
+
+        def at(j: int) -> R:
+            self.load_state_dict({**state, "scale": scales[j]})
+            return run()
+
+        last = len(scales) - 1
+        best = at(last)
+        if not finite(best):
+            return best, last
+        lo, hi = 0, last  # s_lo overflows, s_hi is finite
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            r = at(mid)
+            if finite(r):
+                hi, best = mid, r
+            else:
+                lo = mid
+        self.load_state_dict({**state, "scale": scales[hi]})
+        return best, hi
+
     # ----------------------------------------------------------------- checkpointing
     def state_dict(self) -> dict[str, Any]:
         """The scaler state as plain JSON-able Python floats/ints ({} if disabled, like GradScaler).
@@ -335,62 +384,9 @@ class DynamicLossScaler:
         """
         if not self._enabled:
             return
-        if not state_dict:
-            raise ValueError("the scaler state dict is empty, possibly because it was saved from a "
-                             "disabled scaler")
-        unknown = sorted(set(state_dict) - set(_GRADSCALER_KEYS) - set(_AUTOPREC_KEYS))
-        if unknown:
-            raise ValueError(f"unknown key {unknown[0]!r} in scaler state dict; valid keys: "
-                             f"{list(_GRADSCALER_KEYS + _AUTOPREC_KEYS)}")
-        missing = [k for k in _GRADSCALER_KEYS if k not in state_dict]
-        if missing:
-            raise ValueError(f"missing key {missing[0]!r} in scaler state dict")
-        d = {"min_scale": self._min_scale, "max_scale": self._max_scale,
-             "max_skips_at_floor": self._max_skips_at_floor, "skipped_steps": 0, "consecutive_skips": 0,
-             "skips_at_floor": 0, **state_dict}
-        config = _check_config("scale", d["scale"], d["growth_factor"], d["backoff_factor"],
-                               d["growth_interval"], d["min_scale"], d["max_scale"], d["max_skips_at_floor"])
-        check_fp32_exact("scale", config[0])
-        counters = _check_counters(d, growth_interval=config[3])
+        own = {"min_scale": self._min_scale, "max_scale": self._max_scale,
+               "max_skips_at_floor": self._max_skips_at_floor}
+        config, counters = check_state(state_dict, own)
         (self._scale, self._growth_factor, self._backoff_factor, self._growth_interval, self._min_scale,
          self._max_scale, self._max_skips_at_floor) = config
         self._growth_tracker, self._skipped_steps, self._consecutive_skips, self._skips_at_floor = counters
-
-
-def any_rank(flag: bool, group: Any = None, device: torch.device | None = None) -> bool:
-    """Whether ``flag`` is True on any rank of ``group`` (None: the default group), by an all-reduce
-    MAX of a 0-dim fp32 tensor on ``device`` (default CPU; the current CUDA device under NCCL); just
-    ``flag`` without an initialised ``torch.distributed`` or in a group of one rank. Every rank gets
-    the same answer. Raises: RuntimeError: from the collective (a peer died, a timeout)."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) <= 1:
-        return bool(flag)
-    if "nccl" in str(dist.get_backend(group)):
-        device = torch.device("cuda", torch.cuda.current_device())
-    t = torch.tensor(1.0 if flag else 0.0, dtype=torch.float32, device=device or "cpu")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return bool(t.item() > 0)
-
-
-def _grad_device(optimizer: torch.optim.Optimizer) -> torch.device | None:
-    """The device of the optimizer's first parameter (None if it has none)."""
-    return next((p.device for g in optimizer.param_groups for p in g["params"]), None)
-
-
-def _check_counters(d: dict[str, Any], growth_interval: int) -> tuple[int, int, int, int]:
-    """Validates the tracker and skip counters of a state dict against each other."""
-    tracker = _as_int("_growth_tracker", d["_growth_tracker"], 0)
-    if tracker >= growth_interval:
-        raise ValueError(f"_growth_tracker must be < growth_interval ({growth_interval}), got {tracker}")
-    skipped = _as_int("skipped_steps", d["skipped_steps"], 0)
-    consecutive = _as_int("consecutive_skips", d["consecutive_skips"], 0)
-    if consecutive > skipped:
-        raise ValueError(f"consecutive_skips ({consecutive}) must be <= skipped_steps ({skipped})")
-    if consecutive and tracker:
-        raise ValueError(f"_growth_tracker must be 0 after a skipped step (consecutive_skips={consecutive}), "
-                         f"got {tracker}")
-    at_floor = _as_int("skips_at_floor", d["skips_at_floor"], 0)
-    if at_floor > consecutive:
-        raise ValueError(f"skips_at_floor ({at_floor}) must be <= consecutive_skips ({consecutive})")
-    return tracker, skipped, consecutive, at_floor

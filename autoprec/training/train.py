@@ -30,7 +30,7 @@ from autoprec.modelspec import call_model
 from autoprec.policy import Policy
 from autoprec.training.scaler import DynamicLossScaler, unscaled_grad_norm
 
-__all__ = ["StepStats", "TrainStep", "autocast_scaler", "make_scaler", "training_state_bytes"]
+__all__ = ["StepStats", "TrainStep", "autocast_scaler", "make_scaler"]
 
 
 def make_scaler(policy: Policy, diagnose: Callable[[], str | None] | None = None) -> DynamicLossScaler | None:
@@ -162,43 +162,6 @@ class TrainStep:
     def _sync(self) -> None:
         if self.device_type == "cuda":
             torch.cuda.synchronize()
-
-
-def training_state_bytes(params: list[nn.Parameter], optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of the training state no policy changes: parameters, their gradients and the state
-    of ``optimizer`` (fp32 master weights, docs/architecture.md#measurements).
-
-    An optimizer's state exists only after its first step, so ``optimizer`` (a fresh one, e.g. the
-    model file's ``make_optimizer(params)``) takes one step on zero gradients (``step(closure)``
-    with a closure returning a zero loss, so closure-driven optimizers work too) and the bytes of
-    the tensors in its ``state`` are counted; scalar (0-dim) tensors, i.e. step counters such as
-    Adam's ``step``, are left out. The weights are put back bit for bit and the gradients dropped
-    afterwards; the optimizer's state is left as the step made it (discard it). For fp32
-    parameters of P bytes: SGD without momentum 2P, SGD with momentum 3P, Adam and AdamW 4P.
-
-    Args:
-        params: The trainable parameters ``optimizer`` updates (their bytes: ``numel * element_size``).
-        optimizer: A fresh optimizer over ``params``.
-
-    Returns:
-        The byte count (int).
-
-    Raises:
-        Whatever the optimizer's step raises.
-    """
-    weights = [p.detach().clone() for p in params]
-    try:
-        for p in params:
-            p.grad = torch.zeros_like(p)
-        optimizer.step(lambda: torch.zeros(()))
-        state = sum(t.numel() * t.element_size() for st in optimizer.state.values() for t in st.values()
-                    if isinstance(t, torch.Tensor) and t.dim() > 0)
-    finally:
-        with torch.no_grad():
-            for p, w in zip(params, weights, strict=True):
-                p.copy_(w)
-                p.grad = None
-    return 2 * sum(p.numel() * p.element_size() for p in params) + state
 
 
 def _count_nonfinite(params: list[nn.Parameter]) -> int:

@@ -2,7 +2,7 @@
 
 Timing each configuration back to back lets a busy moment of a shared machine flatter or punish
 whichever configuration runs then. :func:`time_interleaved` times several configurations in rounds
-A B C A B C ... on one :class:`~autoprec.search.measure.Harness` (same initial weights, same
+A B C A B C ... on one :class:`~autoprec.measure.harness.Harness` (same initial weights, same
 batches), so load that comes and goes spreads over all of them, and it gives each a noise band: a
 bootstrap 95% percentile interval of the median step time (Efron & Tibshirani 1993, *An
 Introduction to the Bootstrap*, ch. 13) and the interquartile range. It stops once every band is
@@ -25,8 +25,9 @@ from typing import Any
 
 import torch
 
+from autoprec.measure.harness import Harness, describe_failure
+from autoprec.measure.memory import optimizer_state_bytes
 from autoprec.metrics import median
-from autoprec.search.measure import Harness, describe_failure
 from autoprec.training.scaler import DynamicLossScaler
 from autoprec.training.steps import StepsTooSlow, run_steps, slow_step_guard
 from autoprec.training.train import TrainStep
@@ -250,11 +251,9 @@ class _Run:
             self.recording = False
 
     def state_bytes(self) -> int:
-        """Bytes of this configuration's own optimizer state tensors (0-dim counters left out)."""
-        if self.step is None:
-            return 0
-        return sum(t.numel() * t.element_size() for st in self.step.optimizer.state.values()
-                   for t in st.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
+        """Bytes of this configuration's own optimizer state tensors
+        (:func:`autoprec.measure.memory.optimizer_state_bytes`: 0-dim counters left out)."""
+        return optimizer_state_bytes(self.step.optimizer) if self.step is not None else 0
 
 
 def time_interleaved(harness: Harness, configs: Sequence[Config], *, min_rounds: int = 3,

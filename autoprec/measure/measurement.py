@@ -1,14 +1,12 @@
-"""What one measurement holds (:class:`Measurement`) and the saved-for-backward byte counter
-(:class:`SavedBytes`) of docs/architecture.md#measurements; :mod:`autoprec.search.measure` fills them."""
+"""What one measurement holds (:class:`Measurement`, docs/architecture.md#measurements);
+:mod:`autoprec.measure.harness` fills it, its memory by the rule of :mod:`autoprec.measure.memory`."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
 
-import torch
-
-__all__ = ["Measurement", "SavedBytes"]
+__all__ = ["Measurement"]
 
 
 @dataclass
@@ -26,12 +24,12 @@ class Measurement:
             non-finite (the last value, inf). :class:`autoprec.search.decide.DriftBudget` judges these.
         loss_rel: |L − L₃₂| / |L₃₂|, the mean over the K drift batches.
         grad_sqnr_db_min: Minimum per-parameter gradient SQNR in dB, the min over the K drift batches.
-        peak_bytes: CUDA peak allocated bytes; on CPU (docs/architecture.md#measurements) bytes of the
-            distinct tensors saved for backward in batch 0's drift pass (``saved_tensors_hooks``; a
-            saved parameter allocates nothing and
+        peak_bytes: CUDA peak allocated bytes; on CPU (the rule of :mod:`autoprec.measure.memory`)
+            bytes of the distinct tensors saved for backward in batch 0's drift pass
+            (:class:`~autoprec.measure.memory.SavedBytes`; a saved parameter allocates nothing and
             is not counted again) + :attr:`Harness.state_bytes`: parameter and gradient bytes
             plus the bytes of the tensors the model file's ``make_optimizer`` optimizer holds in
-            its state after one step (:func:`autoprec.training.train.training_state_bytes`; per
+            its state after one step (:func:`autoprec.measure.memory.training_state_bytes`; per
             fp32 parameter: 8 bytes with SGD, 12 with SGD momentum, 16 with AdamW, the default).
         step_times: All timed step durations (seconds).
         error: Why the measurement failed (non-finite values, compile error, out of memory).
@@ -49,25 +47,3 @@ class Measurement:
     step_times: list[float] = field(default_factory=list)
     error: str | None = None
     note: str | None = None
-
-
-class SavedBytes:
-    """Counts bytes of distinct tensors saved for backward (``saved_tensors_hooks``).
-
-    A saved tensor that shares storage with a parameter (e.g. a weight a matmul keeps for its
-    input gradient) allocates nothing: it is counted once, with the parameters, not here.
-    """
-
-    def __init__(self, params: list[torch.Tensor] = ()) -> None:
-        self.seen: set[int] = {p.untyped_storage().data_ptr() for p in params}
-        self.total = 0
-
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
-        try:
-            key = t.untyped_storage().data_ptr()
-        except Exception:  # tensors without storage (fake/meta)
-            key = id(t)
-        if key not in self.seen:
-            self.seen.add(key)
-            self.total += t.numel() * t.element_size()
-        return t

@@ -2,7 +2,7 @@
 gradients cached per batch, one candidate's per-batch ``grad_rel_l2`` / ``loss_rel`` / SQNR, and
 the loss-scale back-off of training's first steps.
 
-:class:`autoprec.search.measure.Harness` runs the forward/backward passes (its ``_grads``) and
+:class:`autoprec.measure.harness.Harness` runs the forward/backward passes (its ``_grads``) and
 hands them to :func:`measure_drift`; this module only decides what is run on which batch and
 how the per-batch numbers are formed. One drift measurement is K = :data:`DRIFT_BATCHES`
 forward/backward passes of the candidate (plus back-offs), each on its own batch and each from
@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from autoprec._torch_compat import is_dynamo_optimized, overload_schema
+from autoprec.applied.compile import CompiledGraph
 from autoprec.metrics import grad_rel_l2, grad_sqnr_db_min
 from autoprec.training.scaler import DynamicLossScaler
 
@@ -130,9 +131,10 @@ def measure_drift(step: Callable[[int, bool], tuple[float, list[torch.Tensor], i
     With a dynamic loss scaler, scaled gradients that overflow are what training's first steps skip
     while the scale backs off (``torch.amp.GradScaler``'s rule): the batch is measured at the scale
     where that back-off stops (at most :data:`MAX_BACKOFFS` back-offs, found by bisection:
-    :func:`_back_off_search`); only gradients non-finite at the scaler's floor count as a failure,
-    and measuring stops at that batch. A non-finite loss is a failure at once: the scale multiplies
-    the loss after the forward, so no back-off can change it.
+    :meth:`autoprec.training.scaler.DynamicLossScaler.search_back_off`); only gradients non-finite
+    at the scaler's floor count as a failure, and measuring stops at that batch. A non-finite loss
+    is a failure at once: the scale multiplies the loss after the forward, so no back-off can
+    change it.
 
     Raises:
         Exception: whatever ``step`` raises (compile errors, out of memory).
@@ -140,9 +142,10 @@ def measure_drift(step: Callable[[int, bool], tuple[float, list[torch.Tensor], i
     out = Drift()
     for k, (ref_loss, ref_grads) in enumerate(refs):
         loss, grads, nbytes = step(k, k == 0)
-        if not _finite(loss, grads) and math.isfinite(loss):
-            (loss, grads, nbytes), tries = _back_off_search(lambda k=k: step(k, k == 0), scaler,
-                                                            (loss, grads, nbytes))
+        if not _finite(loss, grads) and math.isfinite(loss) and scaler is not None:
+            (loss, grads, nbytes), tries = scaler.search_back_off(
+                lambda k=k: step(k, k == 0), lambda r: _finite(r[0], r[1]), (loss, grads, nbytes),
+                MAX_BACKOFFS)
             out.backoffs += tries
         if k == 0:
             out.saved_bytes = nbytes
@@ -151,60 +154,6 @@ def measure_drift(step: Callable[[int, bool], tuple[float, list[torch.Tensor], i
         if not out.batches[-1].finite:
             break
     return out
-
-
-Run = tuple[float, list[torch.Tensor], int]
-
-
-def _back_off_search(run: Callable[[], Run], scaler: DynamicLossScaler | None,
-                     first: Run) -> tuple[Run, int]:
-    """The run at the scale where training's back-off stops, found by bisection.
-
-    Training halves the scale after each overflowing step (``torch.amp.GradScaler``'s rule) and
-    keeps the first scale whose gradients are finite: scale ``s_j`` after ``j`` back-offs, with
-    ``s_0`` the scaler's scale, ``s_{j+1} = max(s_j · backoff_factor, min_scale)``, ``j`` at most
-    :data:`MAX_BACKOFFS`. Overflow grows with the scale, so finite gradients at ``s_j`` mean
-    finite ones at every smaller scale, and the first finite ``s_j`` is found by bisection over
-    ``j``: the floor first (non-finite there is a failure at once), then ``log2`` of the number of
-    scales, instead of one forward/backward per back-off (16 from 2^16 to 1).
-
-    Args:
-        run: One forward/backward at the scaler's current scale: ``(loss, grads, saved bytes)``.
-        scaler: The dynamic loss scaler (``None`` or disabled: nothing to back off).
-        first: The run at ``s_0``, whose gradients were not finite.
-
-    Returns:
-        ``(run, j)``: the run at the first finite scale (or at the last scale tried, non-finite,
-        when even the floor overflows) and the number of back-offs ``j`` training would make.
-        The scaler is left at that scale.
-    """
-    state = scaler.state_dict() if scaler is not None else {}
-    if not state:
-        return first, 0
-    scales = [state["scale"]]
-    while scales[-1] > state["min_scale"] and len(scales) <= MAX_BACKOFFS:
-        scales.append(max(scales[-1] * state["backoff_factor"], state["min_scale"]))
-
-    def at(j: int) -> Run:
-        scaler.load_state_dict({**state, "scale": scales[j]})
-        return run()
-
-    last = len(scales) - 1
-    if last == 0:
-        return first, 0
-    best = at(last)
-    if not _finite(best[0], best[1]):
-        return best, last
-    lo, hi = 0, last  # s_lo overflows, s_hi is finite
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        r = at(mid)
-        if _finite(r[0], r[1]):
-            hi, best = mid, r
-        else:
-            lo = mid
-    scaler.load_state_dict({**state, "scale": scales[hi]})
-    return best, hi
 
 
 def draws_random(gm: nn.Module) -> bool:
@@ -243,16 +192,11 @@ def draws_random(gm: nn.Module) -> bool:
 
 
 def is_compiled(fn: Callable[..., Any]) -> bool:
-    """Whether ``fn`` runs through ``torch.compile``: what ``compile_graph`` returns (an
-    ``OptimizedModule``, or the wrappers around one — the activation-memory-budget wrapper, the
-    saved-activation call, ``CompileLog`` — each holding the next as ``.fn``)."""
-    for _ in range(4):
-        if fn is None:
-            return False
-        if is_dynamo_optimized(fn):
-            return True
-        fn = getattr(fn, "fn", None)
-    return False
+    """Whether ``fn`` runs through ``torch.compile``: a
+    :class:`~autoprec.applied.compile.CompiledGraph` (what ``compile_graph`` returns), or what
+    ``torch.compile`` itself returned (an ``OptimizedModule``:
+    :func:`autoprec._torch_compat.is_dynamo_optimized`)."""
+    return isinstance(fn, CompiledGraph) or is_dynamo_optimized(fn)
 
 
 def _finite(loss: float, grads: list[torch.Tensor]) -> bool:

@@ -16,22 +16,23 @@ from typing import Any
 import torch
 from torch import nn
 
+from autoprec.applied.compile import CompiledGraph, compile_graph
 from autoprec.capture import PROBE_BATCHES, capture_for, tensor_shapes
+from autoprec.measure.drift import DRIFT_BATCHES, Grads, References, draws_random, is_compiled, measure_drift
+from autoprec.measure.measurement import Measurement
+from autoprec.measure.memory import SavedBytes, training_state_bytes
 from autoprec.metrics import median
 from autoprec.modelspec import ModelSpec, split_batch
-from autoprec.search.drift import DRIFT_BATCHES, Grads, References, draws_random, is_compiled, measure_drift
-from autoprec.search.measurement import Measurement, SavedBytes
 from autoprec.training.rng import MEASURE_SEED, StepRng, same_rng
 from autoprec.training.scaler import DynamicLossScaler
 from autoprec.training.steps import StepsTooSlow, run_steps, slow_step_guard
-from autoprec.training.train import TrainStep, training_state_bytes
+from autoprec.training.train import TrainStep
 
-__all__ = ["MIN_TIMED_STEPS", "TIMED_BUDGET_S", "Measurement", "Harness", "describe_failure", "SavedBytes",
-           "batch_shapes", "draws_random"]
+__all__ = ["MIN_TIMED_STEPS", "TIMED_BUDGET_S", "Harness", "batch_shapes", "describe_failure"]
 
 #: Timed steps a measurement always runs (their median is the step time), and the seconds of timed
 #: steps after which it runs no more of its ``steps``: screening ranks policies, and the finalists
-#: are timed again head to head (:mod:`autoprec.search.timing`), so a deep model's 0.5-1 s steps
+#: are timed again head to head (:mod:`autoprec.measure.timing`), so a deep model's 0.5-1 s steps
 #: need not be timed 5 times each. With 0.1 s steps all 5 run, as before.
 MIN_TIMED_STEPS = 3
 TIMED_BUDGET_S = 2.0
@@ -39,7 +40,7 @@ TIMED_BUDGET_S = 2.0
 
 class Harness:
     """The model, its captured FP32 graph, initial weights and the FP32 reference gradients on
-    each drift batch ``get_batch(0..K-1)`` (:mod:`autoprec.search.drift`, computed once and cached).
+    each drift batch ``get_batch(0..K-1)`` (:mod:`autoprec.measure.drift`, computed once and cached).
 
     Every drift forward/backward (the reference's included, each batch's from the same state) and
     every trajectory step runs from
@@ -69,7 +70,7 @@ class Harness:
         warmup: Untimed steps before timing (the first compiles, when compiled).
         steps: Timed steps; the median is reported (docs/architecture.md#measurements: ≥ 5).
         drift_batches: K, the batches each drift measurement runs on (default
-            :data:`autoprec.search.drift.DRIFT_BATCHES`, 4; ≥ 1). The FP32 reference of each is
+            :data:`autoprec.measure.drift.DRIFT_BATCHES`, 4; ≥ 1). The FP32 reference of each is
             computed here: K forward/backward passes and K fp32 gradient sets kept (4·K bytes per
             parameter).
 
@@ -83,7 +84,7 @@ class Harness:
         CaptureError: the model cannot be captured.
         ValueError: ``drift_batches`` < 1.
         Exception: whatever the model file's ``make_optimizer`` or its optimizer's first step
-            raises (:func:`autoprec.training.train.training_state_bytes`).
+            raises (:func:`autoprec.measure.memory.training_state_bytes`).
     """
 
     def __init__(self, spec: ModelSpec, device: torch.device, warmup: int = 2, steps: int = 5,
@@ -109,7 +110,7 @@ class Harness:
         self._warm_eager = max(min(warmup, 1), len(self.shapes))
         self.tokens = self._timed_tokens(steps, self._warm)  # mean per timed step
         self.random = draws_random(self.graph_module)
-        self._compiled_fp32: Callable[..., Any] | None = None
+        self._compiled_fp32: CompiledGraph | None = None
         # eager references now, with this harness's parameters (bench's low-precision copies share them)
         self._refs = References()
         for k in range(self.drift_batches):
@@ -124,9 +125,6 @@ class Harness:
         if not (self.random and is_compiled(fn)):
             return self.graph_module
         if self._compiled_fp32 is None:
-            # imported on use, as before (Inductor is heavy)
-            from autoprec.applied.compile import compile_graph
-
             self._compiled_fp32 = compile_graph(self.graph_module)
         return self._compiled_fp32
 
@@ -177,7 +175,7 @@ class Harness:
               autocast_dtype: torch.dtype | None = None) -> Measurement:
         """Drift of ``fn`` against the FP32 reference on each of the K drift batches (no timing).
 
-        Per batch k (:func:`autoprec.search.drift.measure_drift`): ``grad_rel_l2`` against that
+        Per batch k (:func:`autoprec.measure.drift.measure_drift`): ``grad_rel_l2`` against that
         batch's FP32 gradients, both from RNG seed :data:`autoprec.training.rng.MEASURE_SEED`
         (same dropout masks), the reference being :meth:`reference_fn`'s (the compiled FP32 graph
         for a compiled ``fn`` on a graph with random ops). The Measurement holds the per-batch
@@ -185,7 +183,7 @@ class Harness:
         min SQNR; ``peak_bytes`` counts batch 0's pass.
 
         With a dynamic loss scaler, overflowing scaled gradients back off as training's first
-        steps do (per batch, at most :data:`autoprec.search.drift.MAX_BACKOFFS` times); the count
+        steps do (per batch, at most :data:`autoprec.measure.drift.MAX_BACKOFFS` times); the count
         goes in ``note``; only gradients non-finite at the scaler's floor count as a failure
         (``error`` set, ``grad_rel_l2`` inf).
 
@@ -220,7 +218,7 @@ class Harness:
     @property
     def state_bytes(self) -> int:
         """Bytes of the parameters, their gradients and the state of the model file's optimizer
-        (:func:`autoprec.training.train.training_state_bytes`, counted once when the harness is
+        (:func:`autoprec.measure.memory.training_state_bytes`, counted once when the harness is
         built): what every policy needs whatever it computes in (fp32 master weights,
         docs/architecture.md#runtime)."""
         return self._state_bytes

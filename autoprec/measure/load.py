@@ -34,9 +34,8 @@ import torch
 from autoprec.device import time_matmul
 from autoprec.errors import AutoprecError
 from autoprec.metrics import median
-from autoprec.search.progress import Clock
 
-__all__ = ["BUSY_CORES", "BUSY_SLOWDOWN", "BusyMachineError", "LoadCheck", "LoadClock", "LoadMonitor"]
+__all__ = ["BUSY_CORES", "BUSY_SLOWDOWN", "BusyMachineError", "LoadCheck", "LoadMonitor"]
 
 #: Other processes using more than this many cores (of those this process may use) make the machine busy.
 BUSY_CORES = 0.5
@@ -160,21 +159,6 @@ class LoadMonitor:
 
 def _replace_busy(c: LoadCheck, busy: bool) -> LoadCheck:
     return LoadCheck(**{**asdict(c), "busy": busy})
-
-
-class LoadClock(Clock):
-    """A :class:`~autoprec.search.progress.Clock` that also checks the load when a phase named in
-    ``phases`` begins (``{"finalists_s": "after trials"}``: before the finalists' head-to-head).
-    Raises as :meth:`LoadMonitor.check`."""
-
-    def __init__(self, monitor: LoadMonitor, phases: dict[str, str]) -> None:
-        super().__init__()
-        self.monitor, self.phases = monitor, dict(phases)
-
-    def __call__(self, name: str):
-        if name in self.phases:
-            self.monitor.check(self.phases.pop(name))  # once per phase name
-        return super().__call__(name)
 
 
 @dataclass

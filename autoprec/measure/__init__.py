@@ -1,0 +1,42 @@
+"""Measurements (docs/architecture.md#measurements): the :class:`Harness` (throughput, drift against
+FP32 and memory of training steps on one set of weights and batches), drift over K batches
+(:mod:`autoprec.measure.drift`), what one measurement holds (:mod:`autoprec.measure.measurement`),
+the memory rule (:mod:`autoprec.measure.memory`), interleaved timing with a noise band
+(:mod:`autoprec.measure.timing`) and the busy-machine check (:mod:`autoprec.measure.load`).
+
+The layer below the search (``autoprec tune``) and the bench commands: both measure through it, and
+it imports neither (docs/architecture.md#layers).
+"""
+
+from autoprec.measure.drift import (
+    DRIFT_BATCHES,
+    MAX_BACKOFFS,
+    BatchDrift,
+    Drift,
+    References,
+    batch_drift,
+    draws_random,
+    is_compiled,
+    measure_drift,
+)
+from autoprec.measure.harness import MIN_TIMED_STEPS, TIMED_BUDGET_S, Harness, batch_shapes, describe_failure
+from autoprec.measure.load import BusyMachineError, LoadCheck, LoadMonitor
+from autoprec.measure.measurement import Measurement
+from autoprec.measure.memory import PeakBytes, SavedBytes, optimizer_state_bytes, training_state_bytes
+from autoprec.measure.timing import (
+    BOOTSTRAP_RESAMPLES,
+    Comparison,
+    Config,
+    Timing,
+    compare,
+    format_rate,
+    time_interleaved,
+)
+
+__all__ = [
+    "BOOTSTRAP_RESAMPLES", "DRIFT_BATCHES", "MAX_BACKOFFS", "MIN_TIMED_STEPS", "TIMED_BUDGET_S", "BatchDrift",
+    "BusyMachineError", "Comparison", "Config", "Drift", "Harness", "LoadCheck", "LoadMonitor", "Measurement",
+    "PeakBytes", "References", "SavedBytes", "Timing", "batch_drift", "batch_shapes", "compare",
+    "describe_failure", "draws_random", "format_rate", "is_compiled", "measure_drift",
+    "optimizer_state_bytes", "time_interleaved", "training_state_bytes",
+]
