@@ -13,12 +13,13 @@ import json
 import os
 
 import pytest
+import torch
 
 from autoprec.cli import main
 from autoprec.commands.bench_dist import DIST_ROWS, predicted_peak_bytes, run_bench_dist
 from autoprec.errors import AutoprecError
 from autoprec.policy import Policy
-from tests.conftest import ROOT
+from tests.conftest import DRIFT, ROOT
 
 RESULTS = ROOT / "benchmarks" / "results" / "bench_nproc2_2026-12-01"
 MODEL = RESULTS / "model.py"
@@ -46,7 +47,7 @@ def _check_rows(res: dict, tolerance: float = TOLERANCE) -> None:
     assert rows["ddp_fp32_reduce"]["grad_rel_l2"] == 0.0  # the reference itself
     assert rows["fsdp2_fp32_reduce"]["grad_rel_l2"] < 1e-6  # the same fp32 mean, reduce-scattered
     for name in ("ddp_bf16_reduce", "fsdp2_bf16_reduce"):
-        assert 1e-5 < rows[name]["grad_rel_l2"] < 1e-2, name  # about bf16's rounding (2^-9)
+        assert 1e-5 < rows[name]["grad_rel_l2"] < DRIFT[torch.bfloat16], name  # about bf16's rounding (2^-9)
     assert rows["fsdp2_fp32_reduce"]["at_rest_bytes_per_param"] == 8  # 16 / 2 ranks
     assert rows["ddp_fp32_reduce"]["at_rest_bytes_per_param"] == 20
 

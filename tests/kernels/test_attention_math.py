@@ -18,6 +18,7 @@ from autoprec.kernels.attention import sdpa_math
 from autoprec.metrics import grad_rel_l2
 from autoprec.nodemeta import read_meta
 from autoprec.passes import run_pipeline
+from tests.conftest import CLOSE, DRIFT, EXAMPLES
 
 tf = pytest.importorskip("transformers")
 SDPA = torch.ops.aten.scaled_dot_product_attention.default
@@ -74,7 +75,7 @@ def test_compiled_equals_eager():
     compiled = torch.compile(lambda a, b, c: MATH(a, b, c, is_causal=True, enable_gqa=True),
                              backend="inductor")
     torch.testing.assert_close(compiled(q, k, v), MATH(q, k, v, is_causal=True, enable_gqa=True), rtol=2e-2,
-                               atol=2e-2)
+                               atol=2e-2)  # bf16 outputs: Inductor keeps the softmax in fp32 between ops
 
 
 def _qwen2_and_batch():
@@ -116,7 +117,8 @@ def test_pass_retargets_every_sdpa_node_and_keeps_dtypes_and_keys():
     ref_loss, ref_g = _loss_and_grads(run_pipeline(gm, Policy.fp32()).graph_module, batch)
     m32_loss, m32_g = _loss_and_grads(
         run_pipeline(gm, dataclasses.replace(Policy.fp32(), attention="math")).graph_module, batch)
-    torch.testing.assert_close(m32_loss, ref_loss, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(m32_loss, ref_loss, rtol=DRIFT[torch.float32], atol=CLOSE[torch.float32].atol)
+    # this test's own bound: the math kernel reorders the softmax and both matmuls of every head
     assert grad_rel_l2(m32_g, ref_g) < 1e-4
     lo_loss, lo_g = _loss_and_grads(math.graph_module, batch)
     tw_loss, tw_g = _loss_and_grads(fused.graph_module, batch)
@@ -177,7 +179,6 @@ def test_a_graph_relying_on_the_fused_layout_lowers_and_trains_as_fused(monkeypa
     import sys
 
     from autoprec.passes import verify as verify_mod
-    from tests.conftest import EXAMPLES
 
     sys.path.insert(0, str(EXAMPLES))
     import nanogpt
@@ -205,5 +206,5 @@ def test_a_graph_relying_on_the_fused_layout_lowers_and_trains_as_fused(monkeypa
     l_fused, g_fused = loss_and_grads(fused)
     torch.manual_seed(0)
     l_math, g_math = loss_and_grads(math)
-    torch.testing.assert_close(l_math, l_fused, rtol=1e-5, atol=1e-6)
-    assert grad_rel_l2(g_math, g_fused) < 1e-4
+    torch.testing.assert_close(l_math, l_fused, rtol=DRIFT[torch.float32], atol=1e-6)
+    assert grad_rel_l2(g_math, g_fused) < 1e-4  # as in the Qwen2 test above

@@ -40,6 +40,7 @@ from autoprec.search.measure import Harness
 from autoprec.search.progress import Clock
 from autoprec.search.select import Selector
 from autoprec.training.train import autocast_scaler, make_scaler
+from tests.conftest import DRIFT
 
 pytest.importorskip("transformers")
 
@@ -129,7 +130,8 @@ def test_compiled_and_eager_autocast_drift_agree_within_the_noise(measured):
     from autoprec.metrics import grad_rel_l2
 
     _loss, g = h._reference(measured["twin_fn"], 0)  # the compiled FP32 reference
-    assert grad_rel_l2(g, h.ref_grads) < 1e-5  # measured 2.3e-7 (GPT-2); different masks: ~0.5
+    # measured 2.3e-7 (GPT-2); different masks: ~0.5
+    assert grad_rel_l2(g, h.ref_grads) < DRIFT[torch.float32]
 
 
 def test_compiled_twin_is_feasible_under_auto_as_the_selector_judges_it(measured):

@@ -15,7 +15,7 @@ from autoprec.modelspec import load_model_spec
 from autoprec.search.budgets import parse_max_memory
 from autoprec.search.measure import Harness
 from autoprec.search.study import tune
-from tests.conftest import MODELS
+from tests.conftest import DRIFT, MODELS
 
 WIDE = str(MODELS / "wide_mlp.py")
 
@@ -78,7 +78,7 @@ def test_activation_memory_budget_recomputes_and_keeps_gradients(wide_compiled):
     than 1.0 (Inductor's default) and the gradients stay those of FP32."""
     ms, state = wide_compiled
     for m in ms.values():
-        assert m.grad_rel_l2 < 1e-5  # fp32 compiled vs fp32 eager, recomputation included
+        assert m.grad_rel_l2 < DRIFT[torch.float32]  # fp32 compiled vs fp32 eager, recomputation included
     assert ms[0.0].peak_bytes - state < 0.5 * (ms[1.0].peak_bytes - state)
 
 
