@@ -66,7 +66,7 @@ class Selector:
         also: More always-compiled finalists, ``(policy, label)``: variants of the twin whose gain
             only compiling shows, so eager screening cannot rank them (the twin with math
             attention: slower than the fused kernel eagerly, faster compiled where low-precision
-            GEMMs are; ``benchmarks/results/attention_math_2026-12-01``).
+            GEMMs are; ``benchmarks/results/attention_math_2026-12-02``).
         progress: Show a bar over the finalists (and the head-to-head) and one over each memory
             fit (:func:`autoprec.search.phases.phase_bar`).
 

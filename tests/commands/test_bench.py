@@ -223,8 +223,8 @@ def test_bench_autocast_dtype_is_the_packages_rule(monkeypatch, low):
 
 
 def test_an_error_from_the_harness_is_reported_as_is():
-    """bench's branch for "older versions" of its own Harness is gone: an ``error`` is an error (it
-    used to be hidden, and the row marked capped, when it began with "too slow")."""
+    """A measurement's ``error`` is the row's error as it is, even one that begins with "too slow":
+    only the slow-step rule (``Timing.too_slow``, the test below) marks a row capped."""
     from autoprec.commands.bench_table import make_row
     from autoprec.search.measure import Measurement
 

@@ -1,4 +1,4 @@
-"""``autoprec bench --nproc 2`` (autoprec/bench_dist.py): DDP and FSDP2 with fp32 and bf16 gradient
+"""``autoprec bench --nproc 2`` (autoprec/commands/bench_dist.py): DDP and FSDP2 with fp32 and bf16 gradient
 reduction on two gloo ranks; drift against fp32 reduction, step time, and per-rank peak bytes
 against the formula of docs/architecture.md#runtime ("Memory under sharding").
 

@@ -301,15 +301,24 @@ def test_default_optimizer() -> None:
     opt = default_make_optimizer([torch.nn.Parameter(torch.zeros(2))])
     assert isinstance(opt, torch.optim.AdamW)
     assert opt.defaults["lr"] == 3e-4 and opt.defaults["weight_decay"] == 0.0
-    assert "why" in (default_make_optimizer.__doc__ or "").lower()
 
 
-def test_modelspec_has_no_check_shorthand():
-    """``ModelSpec.check`` (an unused alias of ``validate_spec``) is gone: one way to validate."""
+def test_validate_spec_returns_model_and_batch_and_restores_the_rng(tmp_path: Path) -> None:
+    """``validate_spec`` runs the entry points once and returns ``(model, get_batch(0))``, the model
+    in train mode; the global RNG is as before, so a later ``build_model()`` draws the same weights.
+    A ``build_model`` returning no module is named in a ModelSpecError."""
     from autoprec.modelspec import validate_spec
 
-    assert not hasattr(ModelSpec, "check")
-    assert callable(validate_spec)
+    spec = load_model_spec(write(tmp_path, GOOD))
+    torch.manual_seed(3)
+    state = torch.get_rng_state()
+    model, batch = validate_spec(spec)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert isinstance(model, torch.nn.Linear) and model.training
+    assert torch.equal(batch[0], spec.get_batch(0, CPU)[0])
+    bad = load_model_spec(write(tmp_path, GOOD.replace("return torch.nn.Linear(4, 1)", "return 3"), "bad.py"))
+    with pytest.raises(ModelSpecError, match=r"bad\.py: build_model returned .*torch\.nn\.Module"):
+        validate_spec(bad)
 
 
 def test_public_names_stay_importable_from_the_package():

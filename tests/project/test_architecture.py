@@ -1,5 +1,6 @@
 """The house rules of docs/architecture.md, checked: layers (import-linter), no import cycle,
-module and function sizes, and design references that resolve inside the repository."""
+module and function sizes, no dead code, and references (paths, design anchors) that resolve
+inside the repository."""
 
 from __future__ import annotations
 
@@ -102,16 +103,23 @@ def _anchors(markdown: str) -> set[str]:
     return out
 
 
-_OLD_REF = "DESIGN " + chr(0xA7)  # spelt so that this file holds no such reference itself
+#: A repository path named in a text file: tests/..., docs/..., autoprec/..., examples/...,
+#: benchmarks/... or .ci/...; ``*`` and ``<placeholder>`` stand for any text (a glob).
+_PATH_REF = re.compile(r"(?<![\w./-])((?:tests|docs|autoprec|examples|benchmarks|\.ci)/[\w./*<>-]*[\w*>])")
 
 
-def test_no_reference_to_the_old_design_note():
-    """The design lives in docs/architecture.md: no reference to the old design note's sections
-    (the word DESIGN followed by a section sign and a number) is left."""
-    stale = [f"{p.relative_to(ROOT)}:{i}" for p in _tracked_text_files()
-             for i, line in enumerate(p.read_text(encoding="utf-8", errors="replace").splitlines(), 1)
-             if _OLD_REF in line]
-    assert not stale, stale[:20]
+def test_paths_named_in_the_repository_exist():
+    """Every repository path a file names (a docstring's ``tests/applied/test_regions.py``, a
+    page's ``docs/usage.md``, a results folder) exists, or matches a file where it is a pattern
+    (``tests/cases/test_cNN_*``): moving or renaming a file breaks no reference to it."""
+    bad = []
+    for p in _tracked_text_files():
+        for i, line in enumerate(p.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+            for ref in _PATH_REF.findall(line):
+                pattern = re.sub(r"<[^>]*>|NN", "*", ref)
+                if not (any(ROOT.glob(pattern)) if "*" in pattern else (ROOT / ref).exists()):
+                    bad.append(f"{p.relative_to(ROOT)}:{i}: {ref}")
+    assert not bad, bad[:20]
 
 
 def test_design_references_resolve():
@@ -138,22 +146,43 @@ def test_modules_import_cleanly_in_a_fresh_interpreter(name):
     assert r.returncode == 0, r.stderr[-2000:]
 
 
-@pytest.mark.parametrize("module, name", [
-    ("autoprec.graph", "float_inputs"), ("autoprec.passes.diagnose", "nonfinite_nodes"),
-    ("autoprec.dtypes", "to_name"), ("autoprec.modelspec", "ModelSpec.check"),
-    ("autoprec.search.measure", "Measurement.to_dict"), ("autoprec.passes", "finish_pipeline"),
-])
-def test_dead_code_stays_removed(module, name):
-    """Code that nothing called (issue 11's review) is gone rather than kept unused."""
-    import importlib
-
-    obj = importlib.import_module(module)
-    for part in name.split("."):
-        obj = getattr(obj, part, None)
-    assert obj is None, f"{module}.{name} is back; nothing calls it"
+def _python_files() -> list[Path]:
+    """The Python files that may use the package's names: autoprec/, tests/, examples/, benchmarks/."""
+    return [p for d in ("autoprec", "tests", "examples", "benchmarks")
+            for p in sorted((ROOT / d).rglob("*.py"))]
 
 
-def test_harness_keeps_no_capture_seconds():
-    """``Harness.capture_s`` was set and never read: tune times capture in its own clock."""
-    src = (PACKAGE / "search" / "measure.py").read_text(encoding="utf-8")
-    assert "capture_s" not in src
+def test_every_function_and_class_is_used():
+    """No dead code: each function, method and class defined in autoprec/ is named somewhere besides
+    its own definition (a call, a test, an example, a page of docs/, a registry entry); dunder
+    methods aside. Something nothing names is removed rather than kept."""
+    texts = [p.read_text(encoding="utf-8") for p in _python_files()]
+    texts += [p.read_text(encoding="utf-8") for p in (*(ROOT / "docs").glob("*.md"), ROOT / "README.md")]
+    words: dict[str, int] = {}
+    for text in texts:
+        for w in re.findall(r"\w+", text):
+            words[w] = words.get(w, 0) + 1
+    unused = [f"{p.relative_to(ROOT)}:{n.lineno} {n.name}" for p in sorted(PACKAGE.rglob("*.py"))
+              for n in ast.walk(ast.parse(p.read_text(encoding="utf-8")))
+              if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+              and not n.name.startswith("__") and words.get(n.name, 0) <= 1]
+    assert not unused, unused
+
+
+def test_every_attribute_set_is_read():
+    """Each attribute autoprec/ sets on ``self`` is read somewhere (by autoprec, a test, an example
+    or a benchmark; by name or by ``getattr``'s string): an attribute set and never read is dead."""
+    trees = {p: ast.parse(p.read_text(encoding="utf-8")) for p in _python_files()}
+    read = set()
+    for tree in trees.values():
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Attribute) and not isinstance(n.ctx, ast.Store):
+                read.add(n.attr)
+            elif isinstance(n, ast.Constant) and isinstance(n.value, str):
+                read.add(n.value)
+    unread = [f"{p.relative_to(ROOT)}:{n.lineno} self.{n.attr}" for p, tree in trees.items()
+              if p.is_relative_to(PACKAGE) for n in ast.walk(tree)
+              if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store)
+              and isinstance(n.value, ast.Name) and n.value.id == "self"
+              and not n.attr.startswith("__") and n.attr not in read]
+    assert not unread, unread

@@ -132,6 +132,38 @@ def test_examples_import_only_the_public_api():
     assert not bad and not prose, bad + prose
 
 
+def _resolves(dotted: str) -> bool:
+    """``autoprec.a.b.C.d`` names an importable module and, below it, attributes that exist."""
+    import importlib
+
+    parts = dotted.split(".")
+    for k in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:k]))
+        except ImportError:
+            continue
+        for attr in parts[k:]:
+            if not hasattr(obj, attr):
+                return False
+            obj = getattr(obj, attr)
+        return True
+    return False
+
+
+def test_dotted_names_resolve():
+    """Every ``autoprec.X.Y`` the pages, the package's docstrings and comments name (a module, a
+    function, an attribute) exists: a renamed or moved name leaves no reference to its old home."""
+    sources = [*PAGES, *sorted((ROOT / "autoprec").rglob("*.py"))]
+    named: dict[str, str] = {}
+    for p in sources:
+        for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+            for m in re.finditer(r"(?<![\w.])autoprec(?:\.\w+)+", line):
+                named.setdefault(m.group(0), f"{p.relative_to(ROOT)}:{i}")
+    assert len(named) > 100
+    bad = [f"{where}: {name}" for name, where in sorted(named.items()) if not _resolves(name)]
+    assert not bad, bad[:20]
+
+
 def test_not_run_list_is_current():
     """Each entry of NOT_RUN names exactly one Python block (no stale exception), and few are kept."""
     for (page, heading), reason in NOT_RUN.items():

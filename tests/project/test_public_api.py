@@ -98,8 +98,11 @@ def test_listed_methods_exist():
     """The scaler methods the comment lines list, and the names of 'Also exported', are real."""
     text = _listing()
     comments = [line for line in text.splitlines() if line.startswith(("# scale(", "# state_dict"))]
-    methods = re.findall(r"(\w+)\(", " ".join(comments))
-    assert methods and all(callable(getattr(autoprec.DynamicLossScaler, m)) for m in methods), methods
+    methods = re.findall(r"(\w+)\(([\w, ]*)\)", " ".join(comments))
+    assert methods
+    for name, args in methods:  # each takes the arguments it is shown with, no more, no fewer
+        params = [a.strip() for a in args.split(",") if a.strip()]
+        inspect.signature(getattr(autoprec.DynamicLossScaler, name)).bind("self", *params)
     also = re.search(r"Also exported: (.*?)\. The CLI", ARCH.read_text(encoding="utf-8"), re.S).group(1)
     names = re.findall(r"`(\w+)`", also)
     assert names and all(n in autoprec.__all__ for n in names), names

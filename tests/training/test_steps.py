@@ -45,7 +45,7 @@ def test_slow_step_guard_two_in_a_row_or_one_four_times_over():
     assert len(_run([1.5, 0.5, 1.5, 0.5, 1.5], 1.0)) == 5
     with pytest.raises(StepsTooSlow, match=r"2 steps in a row took over the 1\.00 s limit") as e:
         _run([0.5, 1.5, 1.2, 0.5], 1.0)
-    assert (e.value.step, e.value.seconds) == (2, 1.2)
+    assert (e.value.step, e.value.seconds, e.value.limit) == (2, 1.2, 1.0)
     with pytest.raises(StepsTooSlow, match=r"a step took 4\.50 s, over 4 x the 1\.00 s limit") as e:
         _run([0.5, 4.5, 0.5], 1.0)
     assert e.value.step == 1 and "timed on that last step only" in str(e.value)
