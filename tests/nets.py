@@ -1,5 +1,6 @@
-"""Small models shared by several test files: a pre-norm MLP block, and a one-block causal LM
-with its batches (and a variant torch.export cannot keep dynamic) for the dynamic-shape tests."""
+"""Small models shared by several test files: a pre-norm MLP block, a one-block causal LM with its
+batches (and a variant torch.export cannot keep dynamic) for the dynamic-shape tests, and a
+two-layer Hugging Face Qwen2 with its batches (transformers needed, imported on use)."""
 
 from __future__ import annotations
 
@@ -65,3 +66,21 @@ class ParityLM(CausalLM):
                 labels: torch.Tensor) -> torch.Tensor:
         loss = super().forward(input_ids, labels)
         return loss * 2 if input_ids.shape[1] % 2 == 0 else loss
+
+
+def tiny_qwen2() -> nn.Module:
+    """A 2-layer Qwen2ForCausalLM (hidden 64, 4 heads, 2 KV heads, SDPA attention, untied head), fp32,
+    train mode, weights from seed 0."""
+    import transformers as tf
+
+    cfg = tf.Qwen2Config(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=128, max_position_embeddings=64,
+                         use_cache=False, attn_implementation="sdpa", tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return tf.Qwen2ForCausalLM(cfg).float().train()
+
+
+def qwen2_batch(seed: int = 0) -> dict[str, torch.Tensor]:
+    """A batch for :func:`tiny_qwen2`: ids [2, 32] (int64, < 128) drawn from ``seed``, labels = ids."""
+    ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(seed))
+    return {"input_ids": ids, "labels": ids}

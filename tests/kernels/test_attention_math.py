@@ -19,8 +19,9 @@ from autoprec.metrics import grad_rel_l2
 from autoprec.nodemeta import read_meta
 from autoprec.passes import run_pipeline
 from tests.conftest import CLOSE, DRIFT, EXAMPLES
+from tests.nets import qwen2_batch, tiny_qwen2
 
-tf = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
 SDPA = torch.ops.aten.scaled_dot_product_attention.default
 MATH = torch.ops.autoprec.sdpa_math.default
 
@@ -79,13 +80,7 @@ def test_compiled_equals_eager():
 
 
 def _qwen2_and_batch():
-    cfg = tf.Qwen2Config(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, intermediate_size=128, max_position_embeddings=64,
-                         use_cache=False, attn_implementation="sdpa", tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = tf.Qwen2ForCausalLM(cfg).float().train()
-    ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0))
-    return model, {"input_ids": ids, "labels": ids}
+    return tiny_qwen2(), qwen2_batch(0)
 
 
 def _loss_and_grads(gm, batch):

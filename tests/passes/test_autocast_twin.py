@@ -16,22 +16,11 @@ from autoprec.nodemeta import read_meta
 from autoprec.passes import lower
 from autoprec.passes.assign import assign_dtypes
 from autoprec.search.space import SearchSpace
+from tests.nets import qwen2_batch, tiny_qwen2
 
-tf = pytest.importorskip("transformers")
-
-
-def _qwen2() -> nn.Module:
-    cfg = tf.Qwen2Config(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, intermediate_size=128, max_position_embeddings=64,
-                         use_cache=False, attn_implementation="sdpa", tie_word_embeddings=False)
-    torch.manual_seed(0)
-    return tf.Qwen2ForCausalLM(cfg).float().train()
+pytest.importorskip("transformers")
 
 
-def _batch(seed: int = 0) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, 128, (2, 32), generator=g)
-    return {"input_ids": ids, "labels": ids}
 
 
 def _autocast_dtypes(gm: torch.fx.GraphModule, batch: dict) -> dict[str, str]:
@@ -64,13 +53,13 @@ def _differing(gm: torch.fx.GraphModule, policy: Policy, seen: dict[str, str]) -
 
 @pytest.fixture(scope="module")
 def qwen2():
-    model = _qwen2()
-    return model, capture(model, _batch())
+    model = tiny_qwen2()
+    return model, capture(model, qwen2_batch())
 
 
 def test_twin_stores_every_node_in_the_dtype_autocast_computes_it_in(qwen2):
     _model, gm = qwen2
-    seen = _autocast_dtypes(gm, _batch())
+    seen = _autocast_dtypes(gm, qwen2_batch())
     assert _differing(gm, Policy.autocast("bf16"), seen) == []
     # the older "autocast-like" default stores the residual stream low: the twin is not it
     wrong = _differing(gm, Policy.default("bf16"), seen)
@@ -96,7 +85,7 @@ def test_twin_drift_equals_autocast_drift(qwen2):
     twin = lower(gm, Policy.autocast("bf16"))
     ac, tw = [], []
     for seed in range(4):
-        batch = _batch(seed)
+        batch = qwen2_batch(seed)
         ref = grads(gm, False, batch)
         ac.append(grad_rel_l2(grads(model, True, batch), ref))
         tw.append(grad_rel_l2(grads(twin, False, batch), ref))
