@@ -309,14 +309,16 @@ def test_validate_spec_returns_model_and_batch_and_restores_the_rng(tmp_path: Pa
     A ``build_model`` returning no module is named in a ModelSpecError."""
     from autoprec.modelspec import validate_spec
 
-    spec = load_model_spec(write(tmp_path, GOOD))
+    source = GOOD + "def loss_fn(out, batch):\n    return out.pow(2).mean()\n"
+    spec = load_model_spec(write(tmp_path, source))
     torch.manual_seed(3)
     state = torch.get_rng_state()
     model, batch = validate_spec(spec)
     assert torch.equal(torch.get_rng_state(), state)
     assert isinstance(model, torch.nn.Linear) and model.training
     assert torch.equal(batch[0], spec.get_batch(0, CPU)[0])
-    bad = load_model_spec(write(tmp_path, GOOD.replace("return torch.nn.Linear(4, 1)", "return 3"), "bad.py"))
+    no_module = source.replace("return torch.nn.Linear(4, 1)", "return 3")
+    bad = load_model_spec(write(tmp_path, no_module, "bad.py"))
     with pytest.raises(ModelSpecError, match=r"bad\.py: build_model returned .*torch\.nn\.Module"):
         validate_spec(bad)
 
