@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A throwaway PostgreSQL server for the tests of tuning workers that share one study
-# (tests/test_postgres.py). It listens on 127.0.0.1 only, on a free port, with its cluster,
+# (tests/search/test_postgres.py). It listens on 127.0.0.1 only, on a free port, with its cluster,
 # socket and log in one temporary folder.
 #
 #   bash .ci/postgres.sh start [DIR]   start a cluster in DIR (default: a new mktemp folder) and

@@ -3,11 +3,11 @@
 Every name autoprec uses from under ``torch._*``, or a ``_``-prefixed name of a public torch module
 (``torch.utils._pytree``, ``torch.fx.graph._PyTreeCodeGen``, ``Graph._codegen``, ...), is reached
 through one entry here, so a torch upgrade that moves or drops one breaks this file and its tests
-(``tests/test_torch_compat.py``, one test per entry), not unknown places. Each entry says what it is
+(``tests/base/test_torch_compat.py``, one test per entry), not unknown places. Each entry says what it is
 for, the torch versions it was checked on, and what happens where the API is missing: a fallback
 with the same meaning, or an error naming the API and the torch version.
 
-"Checked" means run by ``tests/test_torch_compat.py``; the versions named besides 2.13.0 come from
+"Checked" means run by ``tests/base/test_torch_compat.py``; the versions named besides 2.13.0 come from
 reading torch's source and were not run here. Heavy modules (Dynamo, AOTAutograd, fake tensors) are
 imported inside the entries, when first used, as the callers did before. This module imports only
 torch (layer 1 of docs/architecture.md#layers).

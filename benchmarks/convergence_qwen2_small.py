@@ -5,7 +5,7 @@ corpus and held-out split (imported from ``examples/qwen2_tiny.py``), but hidden
 (2 KV heads), sequence 128, batch 4: ~0.43M parameters, about 1/60 of qwen2_tiny's FLOPs per step, so
 that a bf16 ``torch.autocast`` curve fits in minutes on a CPU without AVX512-BF16 (where bf16 matmuls
 run 10-100x slower than fp32). The full 300-step run on qwen2_tiny itself is a slow job
-(``pytest -m slow tests/test_compare.py``).
+(``pytest -m slow tests/commands/test_compare.py``).
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ INDUCTOR_OPTIONS: dict[str, Any] = {"emulate_precision_casts": True}
 #: and by in-place buffers: a region with an activation-by-activation matmul (attention) got
 #: gradients 50-80% off (relative L2), a LayerNorm-Linear-GELU-Linear block (tests/models/wide_mlp.py)
 #: 12% off, while ``aot_eager`` and the flat graph are exact. With both off they are exact
-#: (tests/test_regions.py, tests/test_memory.py check the gradients).
+#: (tests/applied/test_regions.py, tests/search/test_memory.py check the gradients).
 REGION_OPTIONS: dict[str, Any] = {"allow_buffer_reuse": False, "inplace_buffers": False}
 
 

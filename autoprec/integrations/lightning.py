@@ -23,7 +23,7 @@
   states (torch CPU and CUDA, Python ``random``), which Lightning's checkpoints do not carry;
   loading it restores all three, so with the same batches and eager execution on the CPU a run
   resumed with ``Trainer.fit(..., ckpt_path=...)`` is bit-identical to an uninterrupted one
-  (``tests/test_lightning.py``).
+  (``tests/integrations/test_lightning.py``).
 
 Requires the ``lightning`` extra (``pip install 'autoprec[lightning]'``); nothing else in autoprec
 imports Lightning.

@@ -22,7 +22,7 @@ with an fp32 or fp16 output is computed to bf16 by torch's ``_scaled_mm`` and ca
 (``torchao/float8/float8_ops.py``, ``addmm_float8_unwrapped``), so its results carry bf16 rounding
 (2^-9 relative); tensorwise fp32 outputs are fp32.
 
-Measured (CPU, torch 2.13, torchao 0.18, ``tests/test_fp8_torchao.py``): ``fp8_linear`` is
+Measured (CPU, torch 2.13, torchao 0.18, ``tests/kernels/test_fp8_torchao.py``): ``fp8_linear`` is
 bit-identical to torchao's ``Float8Linear`` in the output, grad_x and grad_W for all three recipes
 at 64x128x96 and 256x512x1376; against an fp32 ``nn.Linear`` the output's relative L2 error is
 3.6e-2 (tensorwise), 3.8e-2 (rowwise, rowwise_with_gw_hp). autoprec's earlier ``rowwise`` (e5m2

@@ -301,7 +301,7 @@ class Harness:
         least) for a compiled ``fn``, whose first calls per shape compile; one (per shape) for an
         eager one, whose first step only creates the optimizer's state (AdamW's moments): a second
         one cost 0.65 s per screening trial of a 24-layer Qwen2, and the finalists are timed again
-        head to head with warm-ups of their own (:func:`autoprec.search.timing.time_interleaved`)."""
+        head to head with warm-ups of their own (:func:`autoprec.measure.timing.time_interleaved`)."""
         return self._warm if is_compiled(fn) else self._warm_eager
 
     def _timed_tokens(self, n: int, warm: int) -> float:

@@ -78,7 +78,7 @@ class MetaProp(fx.Interpreter):
     Placeholders read their recorded ``meta["val"]`` (left as they are), ``get_attr`` tensors
     and every ``torch.device`` argument become ``meta`` ones, and each other node's result (the
     output node's too) is stored as its ``meta["val"]``: tensors on ``meta`` with the shapes and
-    dtypes :class:`~torch.fx.passes.fake_tensor_prop.FakeTensorProp` gives (tests/test_verify_meta.py
+    dtypes :class:`~torch.fx.passes.fake_tensor_prop.FakeTensorProp` gives (tests/passes/test_verify_meta.py
     compares the two node by node). ``scaled_dot_product_attention`` picks its kernel by device and
     on ``meta`` runs the math one, whose output is contiguous; its node keeps the layout recorded
     at capture (the device kernel's), so a reader that relies on it (a ``view``) propagates.

@@ -34,7 +34,7 @@ from autoprec.training.train import autocast_scaler, make_scaler
 #: the paired drift rule over the drift batches ranks (autoprec.search.decide). A trajectory is one
 #: run with no noise band of its own: on the 24-layer examples/qwen2_deep.py the autocast twin, which
 #: computes torch.autocast's dtypes, measured 1.34x autocast's traj_rel (1.37e-3 vs 1.02e-3) from
-#: summation order alone (tests/test_autocast_twin.py), compounded over 20 steps.
+#: summation order alone (tests/passes/test_autocast_twin.py), compounded over 20 steps.
 TRAJ_FACTOR = 2.0
 #: Names of the baselines in the final head-to-head (and its log lines).
 AUTOCAST_COMPILED = "torch.autocast + torch.compile"
@@ -65,7 +65,7 @@ class Selector:
         also: More always-compiled finalists, ``(policy, label)``: variants of the twin whose gain
             only compiling shows, so eager screening cannot rank them (the twin with math
             attention: slower than the fused kernel eagerly, faster compiled where low-precision
-            GEMMs are; ``benchmarks/results/attention_math_2026-12-01``).
+            GEMMs are; ``benchmarks/results/attention_math_2026-12-02``).
         progress: Show a bar over the finalists (and the head-to-head) and one over each memory
             fit (:func:`autoprec.search.phases.phase_bar`).
 

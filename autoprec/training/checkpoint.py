@@ -19,7 +19,7 @@ numbers only, so it loads with ``torch.load(weights_only=True)`` (no arbitrary u
 Writes are atomic (temp file in the same directory, ``fsync``, ``os.replace``, directory ``fsync``):
 a crash leaves either the old checkpoint or the new one, never a torn file. With the same batches
 (``get_batch(step)``) and eager execution on the CPU, a resumed run is bit-identical to an
-uninterrupted one (``tests/test_checkpoint.py``).
+uninterrupted one (``tests/training/test_checkpoint.py``).
 """
 
 from __future__ import annotations

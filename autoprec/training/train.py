@@ -6,8 +6,9 @@ The same :class:`TrainStep` runs in ``autoprec train``, in every search trial an
 Master weights (docs/architecture.md#runtime): parameters, their ``.grad`` and the optimizer state are fp32
 whatever the policy computes in; the lowered graph casts each weight to its compute dtype inside the graph
 (``aten._to_copy``), and the cast's backward returns an fp32 gradient, so accumulation across
-micro-batches happens in fp32 (case C06; ``tests/cases/test_c06_*``, ``tests/test_master_weights.py``).
-Caching the low-precision copies once per optimizer step instead was measured and is not faster
+micro-batches happens in fp32 (case C06; ``tests/cases/test_c06_*``,
+``tests/training/test_master_weights.py``). Caching the low-precision copies once per optimizer step
+instead was measured and is not faster
 (tiny_mlp, bf16 policy, eager, 2-core AMD EPYC, 2026-11-30: 1 micro-batch 375 ms/step in-graph vs
 383 ms cached; 4 micro-batches 1112 vs 1279 ms, the cache still needing one fp32 gradient
 accumulation per micro-batch; casting all 12.6M weights of qwen2_tiny costs ~0.4 s against a

@@ -56,7 +56,7 @@ def test_c02_attention_score_overflow():
     safe = lower(gm, Policy.default("bf16"))
     out = safe(k)
     assert torch.isfinite(out).all()
-    torch.testing.assert_close(out, model(k), rtol=0, atol=0.1)
+    torch.testing.assert_close(out, model(k), rtol=0, atol=0.1)  # finite and near: this test's bound
 
 
 def test_c02_scaling_q_before_the_matmul_is_fine_in_fp16():

@@ -10,6 +10,7 @@ from autoprec import Policy
 from autoprec.applied.apply import apply
 from autoprec.training.scaler import DynamicLossScaler
 from autoprec.training.train import TrainStep, make_scaler
+from tests.conftest import RTOL
 
 MICRO, ROWS = 64, 4  # 64 micro-batches of 4 rows = one batch of 256 rows
 
@@ -71,9 +72,9 @@ def test_c06_64_micro_batches_match_one_big_batch_fp32():
     g_acc = [p.grad.clone() for p in params]
     acc.finish()
     for a, b in zip(g_acc, g_big):
-        torch.testing.assert_close(a, b, rtol=1.3e-6, atol=1e-6)  # fp32 tolerance
+        torch.testing.assert_close(a, b, rtol=RTOL[torch.float32], atol=1e-6)
     for p, w in zip(params, w_big):
-        torch.testing.assert_close(p.detach(), w, rtol=1.3e-6, atol=1e-6)
+        torch.testing.assert_close(p.detach(), w, rtol=RTOL[torch.float32], atol=1e-6)
 
 
 @pytest.mark.parametrize("low", ["bf16", "fp16"])
@@ -100,7 +101,7 @@ def test_c06_accumulation_is_fp32_under_low_precision_compute(low):
         for j, g in enumerate(s):
             low_sum[j] += (g / scale).to(dt) if low == "fp16" else g.to(dt)
     for j, p in enumerate(params):
-        torch.testing.assert_close(p.grad.double(), ref[j], rtol=1.3e-6, atol=1e-6 * scale)
+        torch.testing.assert_close(p.grad.double(), ref[j], rtol=RTOL[torch.float32], atol=1e-6 * scale)
     low_err = max(float(((ls.double() * (scale if low == "fp16" else 1.0)) - r).norm() / r.norm())
                   for ls, r in zip(low_sum, ref))
     assert low_err > 1e-3  # what a low-precision accumulator would have cost

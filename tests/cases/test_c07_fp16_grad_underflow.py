@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from autoprec.training.scaler import DynamicLossScaler
+from tests.conftest import RTOL
 
 GRADS = [1e-8, 3e-8, 1e-5]
 
@@ -20,7 +21,7 @@ def test_c07_scaled_fp16_cast_then_fp32_unscale_recovers_them():
     true = torch.tensor(GRADS, dtype=torch.float32)
     recovered = (true * 2.0**16).half().float() / 2.0**16
     assert torch.all(recovered != 0)
-    torch.testing.assert_close(recovered, true, rtol=1e-3, atol=0.0)
+    torch.testing.assert_close(recovered, true, rtol=RTOL[torch.float16], atol=0.0)
 
 
 def test_c07_scaler_recovers_gradients_flowing_through_an_fp16_node():
@@ -41,4 +42,4 @@ def test_c07_scaler_recovers_gradients_flowing_through_an_fp16_node():
     assert unscaled[0].item() == 0.0  # the fault: silently lost
     scaled = grad_of_p(DynamicLossScaler(init_scale=2.0**16))
     assert scaled.dtype == torch.float32
-    torch.testing.assert_close(scaled, true, rtol=1e-3, atol=0.0)
+    torch.testing.assert_close(scaled, true, rtol=RTOL[torch.float16], atol=0.0)

@@ -61,7 +61,7 @@ def test_c11_integer_inputs_never_cast(setup, low, follow):
     Grab(r.graph_module).run(ids)
     expect = m.emb.weight[ids].detach().to(rows["emb"].dtype)
     assert torch.equal(rows["emb"], expect)
-    torch.testing.assert_close(r.graph_module(ids), m(ids), rtol=5e-2, atol=5e-2)
+    torch.testing.assert_close(r.graph_module(ids), m(ids), rtol=5e-2, atol=5e-2)  # low-precision floats
 
 
 def test_c11_rule_on_non_float_node_rejected(setup):

@@ -11,8 +11,7 @@ from pathlib import Path
 import torch
 
 from autoprec.training.scaler import DynamicLossScaler
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.conftest import ROOT
 
 # Shared by the uninterrupted run (exec'd here) and the resumed run (in a fresh interpreter).
 STEPS_SRC = '''
@@ -66,8 +65,8 @@ def test_c14_scaler_state_survives_json_and_a_fresh_process(tmp_path: Path):
 
     ckpt = tmp_path / "ckpt.json"
     ckpt.write_text(json.dumps({"scaler": state, "p": [x.hex() for x in p.tolist()], "kinds": NEXT}))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-c", RESUME_SRC, str(ckpt)], cwd=REPO, env=env, check=False,
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", RESUME_SRC, str(ckpt)], cwd=ROOT, env=env, check=False,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     resumed = json.loads(proc.stdout.strip().splitlines()[-1])

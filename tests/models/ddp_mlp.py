@@ -1,4 +1,4 @@
-"""A three-layer MLP regression for the distributed tests (tests/test_distributed.py): batch B = 4
+"""A three-layer MLP regression for the distributed tests (tests/distributed/test_distributed.py): batch B = 4
 rows of ``(x, y = x @ TEACHER)``, x drawn from ``step``. ``autoprec train --nproc N`` gives rank r at step k
 the batch ``get_batch(k * N + r)``; ``ddp_mlp_2b.py`` concatenates those of N = 2 into one batch."""
 

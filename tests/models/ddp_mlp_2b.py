@@ -1,5 +1,6 @@
 """``ddp_mlp.py`` at batch 2B: step k's batch is the concatenation of ``ddp_mlp``'s batches 2k and
-2k + 1, which ranks 0 and 1 of ``autoprec train --nproc 2`` train on at step k (tests/test_distributed.py)."""
+2k + 1, which ranks 0 and 1 of ``autoprec train --nproc 2`` train on at step k
+(tests/distributed/test_distributed.py)."""
 
 import torch
 from ddp_mlp import build_model, loss_fn, make_optimizer  # a neighbour: on sys.path while this file loads

@@ -1,0 +1,116 @@
+"""autoprec.apply: drop-in module on the same Parameters; numerics of lowered graphs vs FP32."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import autoprec
+from autoprec.metrics import grad_rel_l2
+from autoprec.passes.casts import is_inserted_cast
+from autoprec.training.train import TrainStep, make_scaler
+from tests.conftest import RTOL
+from tests.nets import Block
+
+
+def _grads(fn, model, ids):
+    for p in model.parameters():
+        p.grad = None
+    loss = fn(ids)
+    loss.backward()
+    g = [p.grad.detach().clone() for p in model.parameters()]
+    for p in model.parameters():
+        p.grad = None
+    return loss.detach(), g
+
+
+@pytest.fixture
+def model_and_batch():
+    torch.manual_seed(0)
+    return Block(), torch.randint(0, 100, (4, 16))
+
+
+def test_apply_shares_parameters_and_state_dict(model_and_batch):
+    model, ids = model_and_batch
+    mp = autoprec.apply(model, autoprec.Policy.default(), ids, compile=False)
+    assert [id(p) for p in mp.parameters()] == [id(p) for p in model.parameters()]
+    assert list(mp.state_dict()) == list(model.state_dict())
+    assert all(p.dtype == torch.float32 for p in mp.parameters())  # master weights stay fp32
+
+
+def test_bf16_policy_drift_within_bf16_tolerance(model_and_batch):
+    model, ids = model_and_batch
+    ref_loss, ref = _grads(model, model, ids)
+    mp = autoprec.apply(model, autoprec.Policy.default("bf16"), ids, compile=False)
+    loss, g = _grads(mp, model, ids)
+    assert loss.dtype == torch.float32
+    drift = grad_rel_l2(g, ref)
+    # bf16 keeps 8 mantissa bits (eps 2^-8 = 3.9e-3): lowered matmuls give errors of that order,
+    # above fp32 round-off yet within torch.testing's bf16 rtol (RTOL[bfloat16], 1.6e-2).
+    assert 1e-5 < drift < RTOL[torch.bfloat16]
+    assert abs(loss - ref_loss) / ref_loss < RTOL[torch.bfloat16]
+    assert all(p.grad is None or p.grad.dtype == torch.float32 for p in model.parameters())
+
+
+def test_fp32_policy_is_exact(model_and_batch):
+    model, ids = model_and_batch
+    ref_loss, ref = _grads(model, model, ids)
+    mp = autoprec.apply(model, autoprec.Policy.fp32(), ids, compile=False)
+    assert mp.stats["casts"] == 0
+    loss, g = _grads(mp, model, ids)
+    assert grad_rel_l2(g, ref) < 1e-6
+    assert not any(is_inserted_cast(n) for n in mp.graph_module.graph.nodes)
+
+
+def test_compiled_graph_honours_policy(model_and_batch):
+    """Inductor must not drop the casts: compiled output matches eager lowered output closely,
+    and differs from FP32 by bf16-sized error."""
+    model, ids = model_and_batch
+    policy = autoprec.Policy(default_dtype="bf16", rules=(autoprec.Rule(op_class="sensitive", dtype="fp32"),
+                                                         autoprec.Rule(op_class="follow", dtype="bf16")))
+    with torch.no_grad():
+        ref = model(ids)
+        eager = autoprec.apply(model, policy, ids, compile=False)(ids)
+        compiled = autoprec.apply(model, policy, ids, compile=True)(ids)
+    bf16_err = abs(float(eager) - float(ref))
+    assert bf16_err > 1e-5  # the policy visibly changes the numerics
+    assert abs(float(compiled) - float(eager)) < 0.25 * bf16_err + 1e-6
+
+
+def test_scaler_skips_inf_step_params_bitwise_unchanged(model_and_batch):
+    model, ids = model_and_batch
+    policy = autoprec.Policy.default("fp16")
+    mp = autoprec.apply(model, policy, ids, compile=False)
+    params = list(model.parameters())
+    scaler = make_scaler(policy)
+    assert scaler is not None  # any fp16 node brings a dynamic loss scaler
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    step = TrainStep(mp, params, opt, lambda out, batch: out, scaler=scaler)
+    before = [p.detach().clone() for p in params]
+
+    def poison(grad):
+        return grad + math.inf
+
+    h = model.fc1.weight.register_hook(poison)
+    st = step(ids)
+    h.remove()
+    assert st.skipped and st.nonfinite_grads > 0
+    assert all(torch.equal(a, b) for a, b in zip(before, params))
+    assert scaler.get_scale() == policy.loss_scaling.init_scale * policy.loss_scaling.backoff_factor
+    st = step(ids)  # a clean step is applied
+    assert not st.skipped
+    assert any(not torch.equal(a, b) for a, b in zip(before, params))
+
+
+def test_step_without_scaler_never_writes_nan(model_and_batch):
+    model, ids = model_and_batch
+    params = list(model.parameters())
+    step = TrainStep(model, params, torch.optim.SGD(params, lr=0.1), lambda out, batch: out)
+    before = [p.detach().clone() for p in params]
+    h = model.head.weight.register_hook(lambda g: g * math.nan)
+    st = step(ids)
+    h.remove()
+    assert st.skipped
+    assert all(torch.equal(a, b) for a, b in zip(before, params))

@@ -1,0 +1,76 @@
+"""Issue 20, item 9: a policy none of whose rules matches a node of the model (the policy of another
+model) is refused by ``train`` and ``apply`` unless forced (docs/architecture.md#runtime)."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from autoprec import PolicyError, apply
+from autoprec.cli import main
+from autoprec.commands.train import train
+from autoprec.policy import Policy
+from tests.conftest import MODELS
+from tests.nets import Block
+
+MICRO = str(MODELS / "micro_lm.py")
+
+#: What ``tune`` wrote for another model: module rules of a Qwen2 graph and its provenance.
+_OTHER = {**Policy.fp32().to_dict(),
+          "rules": [{"module": "model.layers.0.*", "op_class": "matmul", "dtype": "bf16"},
+                    {"module": "model.layers.1.mlp", "dtype": "bf16"}],
+          "provenance": {"model": "examples/qwen2_tiny.py", "graph_fingerprint": "0123456789abcdef"}}
+
+
+def _policy_file(tmp_path: Path) -> Path:
+    p = tmp_path / "qwen_policy.json"
+    Policy.from_dict(_OTHER).save(p)
+    return p
+
+
+def test_train_refuses_a_policy_of_another_model(tmp_path):
+    p = _policy_file(tmp_path)
+    with pytest.raises(PolicyError) as e:
+        train(MICRO, p, steps=1, compile=False, quiet=True)
+    msg = str(e.value)
+    assert str(p) in msg and "rules[0] model.layers.0.*:matmul->bf16" in msg and "rules[1]" in msg, msg
+    assert "0123456789abcdef" in msg and "examples/qwen2_tiny.py" in msg and "--force" in msg, msg
+
+
+def test_train_force_trains_with_it(tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the per-rule "matches no node" warnings
+        res = train(MICRO, _policy_file(tmp_path), steps=1, compile=False, quiet=True, force=True)
+    assert len(res.losses) == 1
+
+
+def test_cli_train_exits_2_unless_force(tmp_path, capsys):
+    p = _policy_file(tmp_path)
+    assert main(["train", MICRO, "--policy", str(p), "--steps", "1", "--no-compile"]) == 2
+    err = capsys.readouterr().err
+    assert "none of its 2 module/node rules matches a node" in err and "--force" in err, err
+    assert main(["train", MICRO, "--policy", str(p), "--steps", "1", "--no-compile", "--force"]) == 0
+
+
+def test_apply_refuses_unless_force_and_a_matching_rule_passes():
+    torch.manual_seed(0)
+    model, batch = Block(), (torch.randint(0, 100, (2, 8)),)
+    with pytest.raises(PolicyError, match="none of its 2 module/node rules matches a node"):
+        apply(model, Policy.from_dict(_OTHER), batch, compile=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        apply(model, Policy.from_dict(_OTHER), batch, compile=False, force=True)
+        # one rule that matches (fc1) is enough: the others only warn
+        partly = {**_OTHER, "rules": [*_OTHER["rules"], {"module": "fc1", "dtype": "bf16"}]}
+        apply(model, Policy.from_dict(partly), batch, compile=False)
+    apply(model, Policy.fp32(), batch, compile=False)  # no rules: nothing to match
+
+
+def test_op_class_rules_alone_never_make_a_policy_foreign():
+    """``Policy.default("fp16")`` (``sensitive->fp32``) on a model with no sensitive node is a generic
+    policy, not another model's (tests/cases C06 apply it to a bare Linear)."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    apply(model, Policy.default("bf16"), torch.randn(2, 8), compile=False)

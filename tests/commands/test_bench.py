@@ -1,0 +1,242 @@
+"""``autoprec bench``: JSON schema, ratio consistency, drift of fp32/low configs, MFU range."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from autoprec.cli import main
+from autoprec.commands.bench import CONFIGS, format_bench_table, matmul_peak_flops, model_flops, run_bench
+from autoprec.policy import Policy
+from tests.conftest import EXAMPLES
+
+TINY = str(EXAMPLES / "tiny_mlp.py")
+EAGER = ["fp32_eager", "autocast_eager", "pure_low_eager", "policy_eager"]
+ROW_KEYS = {"step_s", "tokens_per_s", "grad_rel_l2", "peak_bytes", "mfu", "ratio_vs_fp32_eager",
+            "ratio_vs_autocast_compiled", "steps_timed", "dtype", "compiled", "note", "error",
+            "tokens_per_s_band", "step_s_band", "iqr_s", "rel_half_width", "rounds", "vs_autocast_compiled"}
+
+
+@pytest.fixture(scope="module")
+def result():
+    return run_bench(TINY, Policy.fp32(), steps=2, warmup=1, device="cpu", configs=EAGER, quiet=True)
+
+
+def test_schema(result):
+    assert {"device", "torch", "date", "configs", "flops", "matmul_peak", "tokens_per_batch",
+            "timing"} <= set(result)
+    assert result["timing"]["interleaved"] and result["timing"]["max_step_s"] >= 1.0
+    assert list(result["configs"]) == EAGER
+    for row in result["configs"].values():
+        assert ROW_KEYS <= set(row)
+    json.dumps(result, allow_nan=False)  # no inf/NaN leaks into the JSON
+
+
+def test_ratios_consistent(result):
+    rows = result["configs"]
+    assert rows["fp32_eager"]["ratio_vs_fp32_eager"] == pytest.approx(1.0)
+    for r in rows.values():
+        assert r["error"] is None
+        assert r["ratio_vs_fp32_eager"] == pytest.approx(
+            r["tokens_per_s"] / rows["fp32_eager"]["tokens_per_s"])
+        assert r["tokens_per_s"] == pytest.approx(result["tokens_per_batch"] / r["step_s"])
+        assert r["ratio_vs_autocast_compiled"] is None  # autocast_compiled not run
+
+
+def test_drift(result):
+    rows = result["configs"]
+    assert rows["fp32_eager"]["grad_rel_l2"] == pytest.approx(0.0, abs=1e-6)
+    assert rows["policy_eager"]["grad_rel_l2"] == pytest.approx(0.0, abs=1e-5)  # fp32 policy, lowered graph
+    assert rows["pure_low_eager"]["grad_rel_l2"] > 1e-4
+    assert rows["autocast_eager"]["grad_rel_l2"] > 1e-4
+    # pure low precision keeps no fp32 master weights: less state than fp32
+    assert rows["pure_low_eager"]["peak_bytes"] < rows["fp32_eager"]["peak_bytes"]
+
+
+def test_mfu_in_range(result):
+    for r in result["configs"].values():
+        assert 0.0 < r["mfu"] <= 1.0
+    assert result["matmul_peak"]["dtype"] == "fp32"
+
+
+def test_table_lists_every_config(result):
+    table = format_bench_table(result)
+    for name in EAGER:
+        assert f"| {name} |" in table
+        r = result["configs"][name]
+        assert f"| {r['tokens_per_s']:.0f} ±{100 * r['rel_half_width']:.1f}% |" in table  # the noise band
+
+
+def test_rows_are_timed_interleaved_with_a_band(result):
+    """Every row's tokens/s comes from the same interleaved rounds (issues 18, 19) and has a band."""
+    rows = result["configs"]
+    rounds = {r["rounds"] for r in rows.values()}
+    assert len(rounds) == 1 and rounds.pop() >= 3  # steps=2: the minimum of 3 rounds of 2 steps
+    for r in rows.values():
+        lo, hi = r["tokens_per_s_band"]
+        assert lo <= r["tokens_per_s"] <= hi
+        assert r["step_s_band"][0] <= r["step_s"] <= r["step_s_band"][1]
+        assert r["steps_timed"] == 2 * r["rounds"] and r["vs_autocast_compiled"] is None
+
+
+def test_vs_autocast_compiled_says_tie_within_the_noise():
+    """The ``vs autocast+compile`` column: the ratio, and "(tie)" after it within the noise."""
+    from autoprec.commands.bench_table import add_ratios, make_row
+    from autoprec.measure import Measurement, Timing
+
+    base = [0.10, 0.11, 0.09, 0.10, 0.12, 0.10, 0.095, 0.105]
+    timings = {"fp32_eager": Timing.from_steps([3 * t for t in base], 256.0),
+               "autocast_compiled": Timing.from_steps(base, 256.0),
+               "policy_eager": Timing.from_steps([t * 1.01 for t in base], 256.0),
+               "policy_compiled": Timing.from_steps([t / 2 for t in base], 256.0)}
+    rows = {n: make_row(Measurement(grad_rel_l2=0.0, loss_rel=0.0), "bf16", False, t, 1.0, 1.0)
+            for n, t in timings.items()}
+    add_ratios(rows, timings)
+    assert rows["policy_eager"]["vs_autocast_compiled"]["tie"]
+    assert rows["policy_compiled"]["vs_autocast_compiled"]["winner"] == "row"
+    assert rows["fp32_eager"]["vs_autocast_compiled"]["winner"] == "autocast_compiled"
+    result = {"configs": rows, "device": "cpu", "torch": "x", "date": "d", "tokens_per_batch": 256.0,
+              "flops": {"flops_per_step": 1.0}, "matmul_peak": {"dtype": "bf16", "flops_per_s": 1.0}}
+    table = format_bench_table(result)
+    line = {n: next(x for x in table.splitlines() if x.startswith(f"| {n} |")) for n in rows}
+    assert line["policy_eager"].split(" | ")[5].endswith(" (tie)")
+    assert line["policy_compiled"].split(" | ")[5] == "2.00"
+    assert line["autocast_compiled"].split(" | ")[5] == "1.00"
+    assert line["fp32_eager"].split(" | ")[5] == "0.33"
+
+
+def test_model_flops_counts_attention():
+    import sys
+
+    sys.path.insert(0, str(EXAMPLES))
+    import qwen2_05b
+
+    model = qwen2_05b.build_model()  # 0.5B shape: read from model.config
+    batch = {"input_ids": torch.zeros(2, 16, dtype=torch.long)}
+    f = model_flops(model, batch, tokens=32)
+    assert (f["layers"], f["hidden"], f["seq"]) == (24, 896, 16)
+    assert f["params_embedding"] == 256 * 896
+    assert f["flops_per_step"] == 6 * f["params_matmul"] * 32 + 12 * 24 * 16 * 896 * 32
+
+
+def test_matmul_peak_positive():
+    flops, n = matmul_peak_flops(torch.float32, torch.device("cpu"), max_n=512)
+    assert flops > 0 and n == 512
+
+
+def test_cli_bench_writes_json(tmp_path, capsys):
+    pol = tmp_path / "p.json"
+    Policy.fp32().save(pol)
+    out = tmp_path / "bench.json"
+    code = main(["bench", TINY, "--policy", str(pol), "--steps", "1", "--warmup", "0", "--device", "cpu",
+                 "--configs", "fp32_eager", "policy_eager", "--json", str(out)])
+    assert code == 0
+    data = json.loads(out.read_text())
+    assert set(data["configs"]) == {"fp32_eager", "policy_eager"}
+    assert "| policy_eager |" in capsys.readouterr().out
+
+
+def test_cli_bench_unknown_config(tmp_path, capsys):
+    pol = tmp_path / "p.json"
+    Policy.fp32().save(pol)
+    assert main(["bench", TINY, "--policy", str(pol), "--configs", "nope"]) == 2
+    assert "nope" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_all_configs_including_compiled():
+    res = run_bench(TINY, Policy.default("bf16"), steps=2, warmup=1, device="cpu", quiet=True)
+    assert list(res["configs"]) == list(CONFIGS)
+    rows = res["configs"]
+    assert rows["autocast_compiled"]["ratio_vs_autocast_compiled"] == pytest.approx(1.0)
+    assert all(r["error"] is None for r in rows.values())
+
+
+# ------------------------------------------------------------------------------------- issue 11
+
+
+def test_bench_json_is_written_atomically(tmp_path, monkeypatch):
+    """bench.json goes through the package's atomic writer: a failed write leaves the old file
+    whole, no temporary file behind, and the file's permission bits kept."""
+    import math
+    import os
+
+    from autoprec.commands.bench import write_bench_json
+
+    out = tmp_path / "bench.json"
+    write_bench_json({"configs": {"a": 1}}, out)
+    old = out.read_bytes()
+    with pytest.raises(TypeError):
+        write_bench_json({"configs": {"a": object()}}, out)  # not JSON: fails before anything is written
+    assert out.read_bytes() == old and [p.name for p in tmp_path.iterdir()] == ["bench.json"]
+
+    def boom(*a, **k):
+        raise OSError("disk on fire")
+
+    monkeypatch.setattr(os, "replace", boom)
+    with pytest.raises(OSError, match="disk on fire"):
+        write_bench_json({"configs": {"a": 2}}, out)
+    monkeypatch.undo()
+    assert out.read_bytes() == old and [p.name for p in tmp_path.iterdir()] == ["bench.json"]
+    out.chmod(0o600)
+    write_bench_json({"configs": {"a": math.inf}}, out)
+    assert out.stat().st_mode & 0o777 == 0o600
+
+
+def test_bench_json_non_finite_rule_is_the_packages(tmp_path):
+    """One rule for non-finite numbers in every JSON file autoprec writes (autoprec._io.json_safe):
+    bench.json used to write null where the monitor and --compare write "inf"/"nan"."""
+    import math
+
+    from autoprec import _io
+    from autoprec.commands import compare
+    from autoprec.commands.bench import write_bench_json
+    from autoprec.training import monitor
+
+    assert monitor.json_safe is _io.json_safe and compare.json_safe is _io.json_safe
+    out = tmp_path / "bench.json"
+    data = {"x": math.inf, "y": [-math.inf, math.nan, 1.5], "z": None}
+    write_bench_json(data, out)
+    assert json.loads(out.read_text()) == _io.json_safe(data) == {"x": "inf", "y": ["-inf", "nan", 1.5],
+                                                                  "z": None}
+
+
+@pytest.mark.parametrize("low", [torch.float16, torch.bfloat16])
+def test_bench_autocast_dtype_is_the_packages_rule(monkeypatch, low):
+    """bench's autocast (and pure-low) baseline dtype is autoprec.device.autocast_dtype, the rule tune
+    and --compare use (it used to pick bf16 on its own, whatever torch's autocast default)."""
+    import autoprec.commands.bench as bench
+    from autoprec.device import autocast_dtype
+    from autoprec.dtypes import NAMES
+
+    real = torch.get_autocast_dtype
+    monkeypatch.setattr(torch, "get_autocast_dtype", lambda t: low if t == "cpu" else real(t))
+    monkeypatch.setattr(bench, "matmul_peak_flops", lambda dtype, device, **k: (1e9, 512))
+    res = run_bench(TINY, Policy.fp32(), steps=1, warmup=0, device="cpu", configs=["autocast_eager"],
+                    quiet=True)
+    assert res["low_dtype"] == NAMES[autocast_dtype(torch.device("cpu"))] == NAMES[low]
+    assert res["configs"]["autocast_eager"]["dtype"] == NAMES[low]
+    assert res["configs"]["autocast_eager"]["error"] is None
+
+
+def test_an_error_from_the_harness_is_reported_as_is():
+    """A measurement's ``error`` is the row's error as it is, even one that begins with "too slow":
+    only the slow-step rule (``Timing.too_slow``, the test below) marks a row capped."""
+    from autoprec.commands.bench_table import make_row
+    from autoprec.measure import Measurement
+
+    row = make_row(Measurement(error="too slow: 3 s"), "fp32", False, None, flops=1.0, peak=1.0, ratio=10.0)
+    assert row["error"] == "too slow: 3 s" and row["capped"] is False and row["note"] is None
+
+
+def test_a_config_the_slow_step_rule_stops_is_capped():
+    from autoprec.commands.bench_table import make_row
+    from autoprec.measure import Measurement, Timing
+
+    t = Timing.from_steps([2.5], 100.0)
+    t.too_slow, t.note = True, "timing stopped: 2 steps in a row took over the 1.00 s limit"
+    row = make_row(Measurement(grad_rel_l2=0.0, loss_rel=0.0), "bf16", False, t, flops=1.0, peak=1.0,
+                   ratio=10.0)
+    assert row["capped"] and "10x fp32 eager's step" in row["note"] and row["steps_timed"] == 1

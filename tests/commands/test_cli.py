@@ -1,0 +1,134 @@
+"""CLI: bad model files exit with code 2, name the file and what is missing, write nothing;
+``tune`` writes a valid policy and resumes its study; ``train`` trains with it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from autoprec.cli import main
+from autoprec.policy import Policy
+from tests.conftest import EXAMPLES, ROOT
+
+BAD_FILES = {
+    "no_build_model.py": ("def get_batch(step, device):\n    return None\n", "build_model"),
+    "no_get_batch.py": ("import torch\ndef build_model():\n    return torch.nn.Linear(2, 2)\n", "get_batch"),
+    "syntax_error.py": ("def build_model(:\n    pass\n", "syntax error"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_FILES))
+def test_bad_model_file_exits_2_and_writes_nothing(tmp_path, capsys, name):
+    text, expected = BAD_FILES[name]
+    model = tmp_path / name
+    model.write_text(text)
+    out = tmp_path / "out" / "policy.json"
+    code = main(["tune", str(model), "--out", str(out), "--trials", "1"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert str(model) in err and expected in err
+    assert not out.parent.exists() or not any(out.parent.iterdir())
+    assert sorted(p.name for p in tmp_path.iterdir()) == [name]
+
+
+def test_console_script_exit_code(tmp_path):
+    model = tmp_path / "m.py"
+    model.write_text("def get_batch(step, device):\n    return None\n")
+    r = subprocess.run([sys.executable, "-m", "autoprec.cli", "tune", str(model), "--out",
+                        str(tmp_path / "p.json")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert "build_model" in r.stderr and str(model) in r.stderr
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_bad_policy_file_exits_2(tmp_path, capsys):
+    pol = tmp_path / "p.json"
+    pol.write_text(json.dumps({"schema_version": 1, "default_dtype": "fp64"}))
+    code = main(["train", str(EXAMPLES / "tiny_mlp.py"), "--policy", str(pol), "--steps", "1"])
+    err = capsys.readouterr().err
+    assert code == 2 and "default_dtype" in err and str(pol) in err
+
+
+def test_bad_max_drift_exits_2(tmp_path, capsys):
+    code = main(["tune", str(EXAMPLES / "tiny_mlp.py"), "--max-drift", "-1", "--out",
+                 str(tmp_path / "p.json")])
+    assert code == 2 and "--max-drift" in capsys.readouterr().err
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_tune_writes_policy_resumes_and_trains(tmp_path, capsys):
+    """Forced bf16 search on a small model, eager (fast): the policy validates, carries its
+    measured block, the study resumes without re-measuring, and train uses the policy."""
+    out = tmp_path / "p.json"
+    args = ["tune", str(EXAMPLES / "tiny_mlp.py"), "--out", str(out), "--trials", "6", "--no-compile",
+            "--dtypes", "bf16"]
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert "fp32 eager" in text and "autocast" in text and "autoprec policy" in text
+    pol = Policy.load(out)
+    m = pol.measured
+    assert m["drift_budget"] > 0  # torch.autocast's mean grad_rel_l2 (the rule: search/decide.py)
+    assert m["tokens_per_s"] > 0 and pol.provenance["model"].endswith("tiny_mlp.py")
+    db = tmp_path / "p.optuna.db"
+    assert db.exists()
+
+    import optuna
+
+    study = optuna.load_study(study_name=pol.provenance["study"], storage=f"sqlite:///{db}")
+    n = len(study.trials)
+    # 6 finished; queued local moves from the autocast twin not reached by then stay WAITING
+    assert sum(t.state.is_finished() for t in study.trials) == 6
+    # within the drift budget by its rule (a paired test, not m["grad_rel_l2"] <= the mean): the
+    # policy is all-fp32 or a trial's whose constraint (DriftBudget.excess) was <= 0
+    def form(d):
+        return json.dumps({k: v for k, v in d.items() if k not in ("measured", "provenance")}, sort_keys=True)
+
+    feasible = {form(t.user_attrs["autoprec:policy"]) for t in study.trials
+                if t.user_attrs.get("autoprec:constraint", 1.0) <= 0}
+    assert pol.dtypes_used() == {"fp32"} or form(pol.to_dict()) in feasible
+    # Baselines ran first, in order.
+    def cls_params(t):
+        return {k: t.params[k] for k in ("matmul", "sensitive", "follow")}
+
+    assert cls_params(study.trials[0]) == {"matmul": "fp32", "sensitive": "fp32", "follow": "fp32"}
+    # the autocast twin (Policy.autocast) second
+    assert cls_params(study.trials[1]) == {"matmul": "bf16", "sensitive": "fp32", "follow": "promote"}
+    assert {v for k, v in study.trials[1].params.items() if ":" in k} == {"inherit"}
+    # Re-running the same command resumes: no new trials needed.
+    assert main(args) == 0
+    capsys.readouterr()
+    assert len(optuna.load_study(study_name=pol.provenance["study"], storage=f"sqlite:///{db}").trials) == n
+
+    assert main(["train", str(EXAMPLES / "tiny_mlp.py"), "--policy", str(out), "--steps", "20",
+                 "--no-compile"]) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("step")]
+    first, last = float(lines[0].split()[3]), float(lines[-1].split()[3])
+    assert last < first
+
+
+def test_show_prints_policy(tmp_path, capsys):
+    p = tmp_path / "p.json"
+    Policy.default().save(p)
+    assert main(["show", str(p), "--json"]) == 0
+    assert '"schema_version": 1' in capsys.readouterr().out
+
+
+def test_show_without_model_summarises(capsys):
+    """Issue 20, item 8: ``show`` without ``--model`` prints the summary ``--model`` gives (less
+    the node matches), not the raw JSON."""
+    path = ROOT / "benchmarks" / "results" / "tune_4x_2026-11-30" / "qwen2_tiny.policy.json"
+    pol = Policy.load(path)
+    assert main(["show", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert '"schema_version"' not in out
+    assert out.startswith(f"{path}: {pol.summary()}\n")
+    assert "tuned: model examples/qwen2_tiny.py, graph_fingerprint f62b0d9951a236e6" in out
+    assert "measured: 1241 tokens/s, 1.01x fp32 eager, 27.74x torch.autocast, peak 360.6 MiB" in out
+    for i, rule in enumerate(pol.rules):
+        assert f"rules[{i}] {rule.describe()}\n" in out
+    assert "matched nodes" not in out
+

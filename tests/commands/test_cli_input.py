@@ -1,0 +1,292 @@
+"""Bad command-line input fails before any work, naming the option; Ctrl-C is never lost;
+studies are not resumed across search spaces; eager selection re-measures all-fp32."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import weakref
+
+import optuna
+import pytest
+
+from autoprec import Policy, cli
+from autoprec._interrupt import catch_sigint, check, interrupted
+from autoprec.cli import main
+from autoprec.errors import LossScaleError, SearchError
+from autoprec.measure import Measurement
+from autoprec.search import attrs
+from autoprec.search import select as select_mod
+from autoprec.search import storage as storage_mod
+from autoprec.search.decide import DriftBudget
+from autoprec.search.space import SearchSpace
+from tests.conftest import MODELS
+
+MICRO = str(MODELS / "micro_lm.py")
+
+
+@pytest.mark.parametrize("argv, option", [
+    (["tune", MICRO, "--trials", "0"], "--trials"),
+    (["tune", MICRO, "--trials", "-1"], "--trials"),
+    (["tune", MICRO, "--timeout", "0"], "--timeout"),
+    (["tune", MICRO, "--timeout", "nan"], "--timeout"),
+    (["tune", MICRO, "--finalists", "0"], "--finalists"),
+    (["tune", MICRO, "--traj-steps", "-5"], "--traj-steps"),
+    (["train", MICRO, "--policy", "p.json", "--steps", "0"], "--steps"),
+    (["train", MICRO, "--policy", "p.json", "--max-grad-norm", "-1"], "--max-grad-norm"),
+    (["bench", MICRO, "--policy", "p.json", "--steps", "0"], "--steps"),
+    (["bench", MICRO, "--policy", "p.json", "--warmup", "x"], "--warmup"),
+])
+def test_bad_numbers_exit_2_naming_the_option(argv, option, capsys, tmp_path, monkeypatch):
+    """Counts and durations out of range are rejected by the parser (exit 2) before anything runs."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert f"argument {option}" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def _tune_rc(argv, capsys):
+    rc = main(["tune", MICRO, "--trials", "1", "--no-compile", *argv])
+    return rc, capsys.readouterr().err
+
+
+def test_out_is_a_directory(tmp_path, capsys):
+    """--out naming a directory fails before the search (it used to fail at the final rename)."""
+    rc, err = _tune_rc(["--out", str(tmp_path)], capsys)
+    assert rc == 2 and f"--out {tmp_path}: is a directory" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_out_under_a_file(tmp_path, capsys):
+    """--out below a regular file: the message names the path, nothing is created."""
+    f = tmp_path / "model.py"
+    f.write_text("")
+    rc, err = _tune_rc(["--out", str(f / "p.json")], capsys)
+    assert rc == 2 and f"--out {f / 'p.json'}: cannot write there" in err
+    assert [p.name for p in tmp_path.iterdir()] == ["model.py"]
+
+
+def test_out_in_an_uncreatable_directory(tmp_path, capsys):
+    """A parent that cannot be created (a file in the way) is named; nothing is left behind."""
+    (tmp_path / "f").write_text("")
+    rc, err = _tune_rc(["--out", str(tmp_path / "a" / "b" / "p.json"), "--storage",
+                        f"sqlite:///{tmp_path / 'f' / 'x' / 's.db'}"], capsys)
+    assert rc == 2 and "cannot create the directory" in err and str(tmp_path / "f" / "x") in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f"]
+
+
+def test_bad_storage_url(tmp_path, capsys):
+    """An unknown database dialect fails before the model is built, naming the URL."""
+    rc, err = _tune_rc(["--out", str(tmp_path / "p.json"), "--storage", "bogus://x"], capsys)
+    assert rc == 2 and "--storage 'bogus://x': not a usable database URL" in err
+    rc, err = _tune_rc(["--out", str(tmp_path / "p.json"), "--storage", "study.db"], capsys)
+    assert rc == 2 and "use sqlite:///study.db" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the swallowed one
+def test_swallowed_ctrl_c_is_raised_again():
+    """SIGINT that lands in a weakref callback is printed and ignored by Python; check() raises it
+    again at the next safe point."""
+    class Obj:
+        pass
+
+    hits = []
+
+    def callback(_ref):
+        hits.append(1)
+        os.kill(os.getpid(), signal.SIGINT)  # the handler runs here; Python ignores its exception
+
+    with catch_sigint():
+        o = Obj()
+        ref = weakref.ref(o, callback)
+        del o
+        assert hits == [1] and ref() is None  # still running: the KeyboardInterrupt was swallowed
+        assert interrupted()
+        with pytest.raises(KeyboardInterrupt):
+            check()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_error_after_ctrl_c_is_reported_as_the_interrupt(monkeypatch, capsys):
+    """An exception raised on the way out of an interrupt (Optuna has turned one into an
+    UnboundLocalError) exits 130 with the interrupt message, not a traceback."""
+    def cmd(_args):
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+        except KeyboardInterrupt:
+            raise UnboundLocalError("cannot access local variable 'updated_state'") from None
+        return 0
+
+    monkeypatch.setitem(cli._COMMANDS, "show", cmd)
+    assert main(["show", "p.json"]) == 130
+    assert "autoprec show: interrupted after" in capsys.readouterr().err
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the swallowed one
+def test_command_that_ran_on_after_a_swallowed_ctrl_c_exits_130(monkeypatch, capsys):
+    """A Ctrl-C that Python swallowed (weakref callback) and the command then finishing: the user
+    asked it to stop, so the exit code says so (its files are complete: written atomically)."""
+    class Obj:
+        pass
+
+    def cmd(_args):
+        o = Obj()
+        ref = weakref.ref(o, lambda _r: os.kill(os.getpid(), signal.SIGINT))
+        del o
+        assert ref() is None
+        return 0
+
+    monkeypatch.setitem(cli._COMMANDS, "show", cmd)
+    assert main(["show", "p.json"]) == 130
+    assert "autoprec show: interrupted after" in capsys.readouterr().err
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_loss_scale_error_exits_1(monkeypatch, capsys):
+    """A run that stops because the loss scale collapsed is a failure (1), not bad input (2)."""
+    def cmd(_args):
+        raise LossScaleError("forward produced non-finite values at node up/linear#0")
+
+    monkeypatch.setitem(cli._COMMANDS, "show", cmd)
+    assert main(["show", "p.json"]) == 1
+    assert "non-finite values at node up/linear#0" in capsys.readouterr().err
+
+
+def test_dtype_choices_are_in_a_fixed_order():
+    """Two probes that order bf16/fp16 differently by speed give the same categorical choices,
+    so a re-run resumes the study instead of failing in Optuna."""
+    assert (SearchSpace(["fp16", "bf16"]).dtypes == SearchSpace(["bf16", "fp16"]).dtypes
+            == ["fp32", "bf16", "fp16"])
+    assert SearchSpace(["fp16", "bf16"]).low_dtypes[0] == "fp16"  # fastest first is kept where it matters
+
+
+def test_study_of_another_search_space_is_not_resumed(tmp_path):
+    """A study sampled with other dtypes (e.g. other --dtypes) is refused with a message naming it
+    and both dtype lists, already before the baselines (read-only precheck); an unstamped old
+    study is read off its trials' distributions."""
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    storage_mod.precheck_study(url, "s", SearchSpace(["bf16"]))  # no database yet: passes, creates nothing
+    assert list(tmp_path.iterdir()) == []
+    st = storage_mod.open_study(url, "s")
+    storage_mod.check_study(st, "mem", SearchSpace([]))
+    st.optimize(lambda t: (SearchSpace([]).suggest(t), (1.0, 0.0, 0.0))[1], n_trials=1)
+    storage_mod.check_study(st, "mem", SearchSpace([]))  # same space: resumes
+    with pytest.raises(SearchError, match=r"study 's' in mem searched the dtypes fp32; this run searches "
+                                          r"fp32, bf16 .*another --study-name"):
+        storage_mod.check_study(st, "mem", SearchSpace(["bf16"]))
+    with pytest.raises(SearchError, match=f"study 's' in {url} searched the dtypes fp32;"):
+        storage_mod.precheck_study(url, "s", SearchSpace(["bf16"]))
+    storage_mod.precheck_study(url, "other", SearchSpace(["bf16"]))  # another study name: passes
+    st.set_user_attr(attrs.SPACE, None)  # as a study from before the stamp
+    with pytest.raises(SearchError, match="searched the dtypes fp32;"):
+        storage_mod.check_study(st, "mem", SearchSpace(["bf16"]))
+
+
+class _FakeHarness:
+    """Answers measure() with scripted throughputs (tokens/s) for the all-fp32 re-measurement."""
+
+    def __init__(self, fp32_tokens_per_s):
+        self.graph_module, self.fp32 = None, fp32_tokens_per_s
+
+    def measure(self, fn, scaler_factory=None, max_step_s=None):
+        return Measurement(step_s=1.0, tokens_per_s=self.fp32, grad_rel_l2=0.0, loss_rel=0.0)
+
+
+@pytest.mark.parametrize("fp32_tps, chosen", [(200.0, "fp32"), (50.0, "bf16")])
+def test_eager_selection_must_beat_fp32_measured_beside_it(monkeypatch, fp32_tps, chosen):
+    """Without compile, the trial picked on its screening number is re-measured, and all-fp32 with
+    it: a lowered policy slower than all-fp32 (a flattering screening run) is not written."""
+    monkeypatch.setattr(select_mod, "run_pipeline", lambda gm, pol: type("R", (), {"graph_module": None}))
+    sel = select_mod.Selector(_FakeHarness(fp32_tps), DriftBudget.fixed(1e-2), False, None, None, 0, None,
+                              True)
+    bf16 = Policy.default("bf16")
+    pol, m = sel._or_fp32(3, bf16, Measurement(step_s=1.0, tokens_per_s=100.0, grad_rel_l2=1e-3))
+    assert pol.dtypes_used() == ({"fp32"} if chosen == "fp32" else bf16.dtypes_used())
+    assert m.tokens_per_s == (fp32_tps if chosen == "fp32" else 100.0)
+
+
+
+
+def test_autocast_overflow_with_max_drift_still_writes_a_policy(tmp_path):
+    """C01 with fp16 searched: torch.autocast's own drift is infinite, so --max-drift is required;
+    given it, the tune writes a valid policy (fp32 matmul) whose measured block leaves the infinite
+    autocast drift out instead of failing at the very end."""
+    model = MODELS / "c01_overflow.py"
+    out = tmp_path / "p.json"
+    cmd = [sys.executable, "-m", "autoprec.cli", "tune", str(model), "--out", str(out), "--trials", "4",
+           "--no-compile", "--dtypes", "fp16", "--traj-steps", "0"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 2 and "drift budget is not finite" in r.stderr and "--max-drift" in r.stderr
+    assert not out.exists() and not (tmp_path / "p.optuna.db").exists()
+    r = subprocess.run(cmd + ["--max-drift", "0.01"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    pol = Policy.load(out)
+    assert "autocast_grad_rel_l2" not in pol.measured and pol.measured["grad_rel_l2"] <= 0.01
+    study = optuna.load_study(study_name=pol.provenance["study"],
+                              storage=f"sqlite:///{tmp_path / 'p.optuna.db'}")
+    lowered = [t for t in study.trials if "fp16" in json.dumps(t.user_attrs.get(attrs.POLICY))]
+    assert any(t.values is None or not t.values[1] <= 0.01 for t in lowered)  # the overflow was caught
+
+
+def test_train_reports_a_module_rule_that_matches_no_node(tmp_path):
+    """docs/architecture.md#policy-file: a rule that matches no node is reported; the CLI prints it as its own
+    warning (no Python source line), and training goes on."""
+    pol = Policy.from_dict({**Policy.fp32().to_dict(),
+                            "rules": [{"module": "model.layers.*", "op_class": "matmul", "dtype": "bf16"}]})
+    pol.save(tmp_path / "p.json")
+    r = subprocess.run([sys.executable, "-m", "autoprec.cli", "train", MICRO, "--policy",
+                        str(tmp_path / "p.json"), "--steps", "1", "--no-compile", "--force"],
+                       capture_output=True, text=True, timeout=300)
+    # --force: a policy none of whose rules matches is refused otherwise
+    # (tests/applied/test_foreign_policy.py)
+    err = r.stderr
+    assert r.returncode == 0, err[-2000:]
+    assert ("autoprec train: warning: policy rules[0] model.layers.*:matmul->bf16 matches no node "
+            "of this graph"
+            in err), err
+    assert "warnings.warn" not in err
+
+
+def test_bench_error_names_the_policy_file(tmp_path, capsys):
+    """A policy that does not fit the model fails bench with the policy file named, as in train/show."""
+    p = tmp_path / "int_node.json"  # a node rule on an integer node (ids.roll): the assign pass refuses it
+    Policy.from_dict({**Policy.fp32().to_dict(), "rules": [{"node": "roll#0", "dtype": "fp16"}]}).save(p)
+    rc = main(["bench", MICRO, "--policy", str(p), "--configs", "policy_eager", "--steps", "1", "--warmup",
+               "0"])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"autoprec bench: error: {p}: [assign_dtypes]" in err and "roll#0" in err, err
+
+
+def test_storage_that_is_not_a_database(tmp_path, capsys):
+    """An existing file that is not SQLite (as --storage, or the default database beside --out),
+    a directory as the database, and a server URL whose driver is missing or server unreachable
+    all fail before the model is measured, naming the file or URL; nothing is overwritten."""
+    junk = tmp_path / "notdb.db"
+    junk.write_text("junk")
+    rc, err = _tune_rc(["--out", str(tmp_path / "p.json"), "--storage", f"sqlite:///{junk}"], capsys)
+    assert rc == 2 and f"--storage: {junk} exists and is not a SQLite database" in err
+    (tmp_path / "q.optuna.db").write_text("junk")
+    rc, err = _tune_rc(["--out", str(tmp_path / "q.json")], capsys)
+    assert rc == 2 and f"--out: {tmp_path / 'q.optuna.db'} exists and is not a SQLite database" in err
+    (tmp_path / "sdir").mkdir()
+    rc, err = _tune_rc(["--out", str(tmp_path / "r.json"), "--storage", f"sqlite:///{tmp_path / 'sdir'}"],
+                       capsys)
+    assert rc == 2 and "is a directory, not a SQLite study database" in err
+    rc, err = _tune_rc(["--out", str(tmp_path / "s.json"), "--storage", "postgresql://u@nohost.invalid/db"],
+                       capsys)
+    assert rc == 2 and "--storage 'postgresql://u@nohost.invalid/db': cannot connect" in err
+    assert junk.read_text() == "junk" and (tmp_path / "q.optuna.db").read_text() == "junk"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notdb.db", "q.optuna.db", "sdir"]
+
+
+def test_out_with_a_trailing_slash_names_a_directory(tmp_path, capsys):
+    """`--out new/` means a directory: refused, instead of writing a policy file called `new`."""
+    rc, err = _tune_rc(["--out", str(tmp_path / "new") + "/"], capsys)
+    assert rc == 2 and "is a directory; give a file path" in err
+    assert list(tmp_path.iterdir()) == []

@@ -1,0 +1,73 @@
+"""Load detection (autoprec/measure/load.py, docs/architecture.md#measurements) with a real burner:
+a second process doing 1-thread fp32 matmuls on the same cores, as another user's job would."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+from autoprec.measure.load import BusyMachineError, LoadMonitor
+from tests.conftest import MODELS
+
+BURNER = ("import time, torch\ntorch.set_num_threads(1)\na = torch.randn(512, 512)\n"
+          "end = time.time() + {s}\nwhile time.time() < end:\n    a @ a\n")
+
+pytestmark = pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="reads Linux /proc")
+
+
+@contextmanager
+def burner(seconds: float = 20.0):
+    """A matmul loop in another process (not a child: a launcher that exits at once leaves it
+    orphaned, so this process does not count it as its own), killed on the way out."""
+    code = ("import subprocess, sys; p = subprocess.Popen([sys.executable, '-c', "
+            f"{BURNER.format(s=seconds)!r}], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); "
+            "print(p.pid)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    pid = int(out.stdout.strip())
+    try:
+        time.sleep(2.0)  # torch imported, looping
+        yield pid
+    finally:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def test_a_burner_makes_the_machine_busy_and_its_end_settles_the_calibration():
+    mon = LoadMonitor(torch.device("cpu"))
+    with burner():
+        busy = mon.check("with burner")
+    assert busy.busy, busy.describe()
+    assert busy.others() > 0.5, busy.describe()  # the burner's core, read during the sleep
+    time.sleep(1.0)
+    idle = mon.check("after burner")
+    # the load average lags by a minute: judge the quiet machine by the calibration alone
+    assert idle.slowdown < 3.0, idle.describe()
+
+
+def test_strict_busy_check_raises_naming_the_load():
+    mon = LoadMonitor(torch.device("cpu"), strict=True)
+    with burner(), pytest.raises(BusyMachineError, match="load average .* cores"):
+        mon.check("start")
+
+
+def test_strict_timing_tune_exits_2_naming_the_load(tmp_path):
+    out = tmp_path / "p.json"
+    with burner():
+        r = subprocess.run([sys.executable, "-m", "autoprec.cli", "tune",
+                            str(MODELS / "micro_lm.py"), "--out", str(out), "--trials", "2",
+                            "--no-compile", "--traj-steps", "0", "--strict-timing"], capture_output=True,
+                           text=True, cwd=tmp_path, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "busy" in r.stderr and "load average" in r.stderr and "--strict-timing" in r.stderr, \
+        r.stderr[-2000:]
+    assert not out.exists()

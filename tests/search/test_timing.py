@@ -1,0 +1,165 @@
+"""Interleaved timing with a noise band (autoprec.measure.timing; issues 18 and 19)."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+import torch
+
+from autoprec.measure import Config, Harness, Timing, compare, format_rate, time_interleaved
+from autoprec.modelspec import load_model_spec
+from tests.conftest import MODELS
+
+SGD = str(MODELS / "sgd_mlp.py")
+
+
+@pytest.fixture(scope="module")
+def harness():
+    return Harness(load_model_spec(SGD), torch.device("cpu"), warmup=1, steps=2)
+
+
+def _fake(h: Harness, name: str, calls: list[str], sleep_s: float = 0.0, fail: bool = False):
+    """The harness's model, recording ``name`` in ``calls`` and sleeping ``sleep_s`` per call."""
+    def fn(*args):
+        calls.append(name)
+        if fail:
+            raise RuntimeError(f"{name} broke")
+        if sleep_s:
+            time.sleep(sleep_s)
+        return h.model(*args)
+
+    return fn
+
+
+def test_rounds_alternate(harness):
+    calls: list[str] = []
+    cfgs = [Config(n, _fake(harness, n, calls)) for n in "ABC"]
+    res = time_interleaved(harness, cfgs, min_rounds=3, max_rounds=3, steps_per_round=2, warmup=1)
+    assert list(res) == ["A", "B", "C"]
+    warm = ["A", "B", "C"]  # one warm-up step each (one batch shape), in turn
+    assert calls == warm + ["A", "A", "B", "B", "C", "C"] * 3
+    for t in res.values():
+        assert t.rounds == 3 and len(t.step_times) == 6 and t.error is None
+
+
+def test_weights_restored_and_same_start(harness):
+    """Every turn starts from the initial weights; the harness's weights are the initial ones after."""
+    seen: list[torch.Tensor] = []
+
+    def fn(*args):
+        seen.append(harness.params[0].detach().clone())
+        return harness.model(*args)
+
+    time_interleaved(harness, [Config("A", fn), Config("B", lambda *a: harness.model(*a))],
+                     min_rounds=2, max_rounds=2, steps_per_round=2, warmup=1)
+    for p, p0 in zip(harness.params, harness.initial):
+        assert torch.equal(p, p0) and p.grad is None
+    assert len(seen) == 1 + 2 * 2  # A: one warm-up step, then 2 rounds of 2
+    for k in (0, 1, 3):  # warm-up turn, round 1, round 2: each turn starts from the initial weights
+        assert torch.equal(seen[k], harness.initial[0])
+    assert not torch.equal(seen[2], harness.initial[0])  # the second step of a turn has trained
+
+
+def test_band_contains_median_and_rates(harness):
+    res = time_interleaved(harness, [Config("A", _fake(harness, "A", [], 0.002))], min_rounds=3, max_rounds=3)
+    t = res["A"]
+    lo, hi = t.band_s
+    assert lo <= t.step_s <= hi and t.iqr_s >= 0
+    assert t.tokens_per_s == pytest.approx(harness.tokens / t.step_s)
+    assert t.tokens_per_s_band[0] <= t.tokens_per_s <= t.tokens_per_s_band[1]
+    assert format_rate(t).startswith(f"{t.tokens_per_s:.0f} ±") and format_rate(t).endswith("%")
+
+
+def test_a_failing_config_gets_an_error_others_are_timed(harness):
+    calls: list[str] = []
+    cfgs = [Config("A", _fake(harness, "A", calls)), Config("bad", _fake(harness, "bad", calls, fail=True)),
+            Config("C", _fake(harness, "C", calls))]
+    res = time_interleaved(harness, cfgs, min_rounds=2, max_rounds=2, warmup=1)
+    assert res["bad"].error.startswith("RuntimeError: bad broke") and not res["bad"].step_times
+    assert calls.count("bad") == 1  # failed in its warm-up, dropped from the rounds
+    assert res["A"].error is None and len(res["A"].step_times) == 4
+    assert res["C"].error is None and len(res["C"].step_times) == 4
+    assert format_rate(res["bad"]) == "—"
+
+
+def test_slow_config_is_dropped_with_a_note(harness):
+    calls: list[str] = []
+    cfgs = [Config("fast", _fake(harness, "fast", calls)),
+            Config("slow", _fake(harness, "slow", calls, 0.03))]
+    res = time_interleaved(harness, cfgs, min_rounds=3, max_rounds=3, warmup=2, max_step_s=0.02)
+    assert "dropped" not in (res["slow"].note or "") and "timing stopped" in res["slow"].note
+    assert len(res["slow"].step_times) == 1  # stopped in its warm-up: timed on that step only
+    assert res["fast"].note is None and len(res["fast"].step_times) == 6
+    assert calls.count("slow") == 2
+
+
+def test_stop_rule_stops_early_when_bands_are_narrow(harness):
+    cfgs = [Config(n, _fake(harness, n, [], 0.004)) for n in "AB"]
+    res = time_interleaved(harness, cfgs, min_rounds=3, max_rounds=12, rel_band=10.0)
+    assert all(t.rounds == 3 for t in res.values())
+    res = time_interleaved(harness, cfgs, min_rounds=1, max_rounds=4, rel_band=0.0)  # never narrow enough
+    assert all(t.rounds == 4 for t in res.values())
+    res = time_interleaved(harness, cfgs, min_rounds=5, max_rounds=12, rel_band=10.0, time_cap_s=0.0)
+    assert all(t.rounds == 0 and not t.step_times for t in res.values())  # the cap stops before round 1
+
+
+def test_bad_arguments(harness):
+    with pytest.raises(ValueError, match="distinct"):
+        time_interleaved(harness, [Config("A", harness.model), Config("A", harness.model)])
+    with pytest.raises(ValueError, match="at least 1"):
+        time_interleaved(harness, [Config("A", harness.model)], min_rounds=0)
+
+
+def test_from_steps_band_is_seeded_and_sane():
+    times = [0.10, 0.11, 0.09, 0.10, 0.12, 0.10, 0.095, 0.105]
+    a, b = Timing.from_steps(times, 100.0), Timing.from_steps(times, 100.0)
+    assert a.band_s == b.band_s  # seeded
+    assert a.band_s[0] <= a.step_s <= a.band_s[1] and a.step_s == 0.10
+    assert a.rel_half_width() == pytest.approx((a.band_s[1] - a.band_s[0]) / 2 / a.step_s)
+    assert a.iqr_s == pytest.approx(0.10625 - 0.09875)
+    assert Timing().rel_half_width() == math.inf and Timing.from_steps([], 1.0).step_s == math.inf
+    one = Timing.from_steps([0.2], 10.0)
+    assert one.band_s == (0.2, 0.2) and one.iqr_s == 0.0 and one.tokens_per_s == pytest.approx(50.0)
+
+
+def test_compare_tie_and_winner():
+    times = [0.10, 0.11, 0.09, 0.10, 0.12, 0.10, 0.095, 0.105]
+    a = Timing.from_steps(times, 100.0)
+    same = compare(a, Timing.from_steps(list(times), 100.0))
+    assert same.tie and same.winner is None and same.ratio == pytest.approx(1.0)
+    assert same.band[0] <= 1.0 <= same.band[1]
+    slow = Timing.from_steps([2 * t for t in times], 100.0)
+    c = compare(a, slow)
+    assert c.ratio == pytest.approx(2.0) and not c.tie and c.winner == "a" and c.band[0] > 1.0
+    assert compare(slow, a).winner == "b"
+    with pytest.raises(ValueError):
+        compare(a, Timing())
+
+
+def test_compare_sleep_based_fakes(harness):
+    """Interleaved sleep-based fakes: a 2x slower step loses beyond the noise."""
+    cfgs = [Config("fast", _fake(harness, "fast", [], 0.01)),
+            Config("slow", _fake(harness, "slow", [], 0.03))]
+    res = time_interleaved(harness, cfgs, min_rounds=3, max_rounds=3)
+    c = compare(res["fast"], res["slow"])
+    assert c.winner == "a" and c.ratio > 1.5
+
+
+def test_config_slowing_down_in_the_rounds_is_dropped_from_later_rounds(harness):
+    calls: list[str] = []
+
+    def slowing(*args):
+        calls.append("s")
+        if len(calls) >= 3:  # warm-up and round 1's first step are fast, then every step is slow
+            time.sleep(0.03)
+        return harness.model(*args)
+
+    res = time_interleaved(harness, [Config("s", slowing), Config("f", _fake(harness, "f", []))],
+                           min_rounds=4, max_rounds=4, warmup=1, max_step_s=0.02, rel_band=10.0)
+    s = res["s"]
+    assert "dropped from later rounds" in s.note and len(calls) == 4
+    assert s.too_slow and not res["f"].too_slow
+    assert len(s.step_times) == 3 and s.rounds == 2  # round 1's two steps and round 2's first
+    assert res["f"].rounds == 4 and res["f"].note is None
