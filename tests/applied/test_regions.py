@@ -119,6 +119,7 @@ def test_regional_compile_has_the_gradients_of_eager_fp32(qwen):
     assert grad_rel_l2(grads, ref_grads) < DRIFT[torch.float32]
 
 
+@pytest.mark.slow  # two dynamic compiles (31 s)
 def test_regional_compile_with_dynamic_shapes_serves_two_lengths():
     model = _qwen()
     batches = [make_batch(0, "cpu", batch_size=2, seq_len=16), make_batch(1, "cpu", batch_size=2, seq_len=12)]

@@ -152,6 +152,7 @@ VARYING = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # compiles per shape (25 s)
 def test_bench_compiled_rows_run_every_shape_untimed_compiles(tmp_path: Path):
     """pure_low_compiled was compiled for batch 0's shape only (Guard failed on the next) and
     autocast_compiled recompiled per shape; now every row is measured, none compiles in its timed
@@ -183,6 +184,7 @@ def test_warmup_meets_every_shape_and_compiled_steps_are_dropped():
     assert n == 2 and kept.step_times == [0.1, 0.1, 0.1] and kept.rounds == 2
 
 
+@pytest.mark.slow  # 32 s; tests/applied/test_dynamic_shapes.py trains on 20 shapes
 def test_python_api_loop_over_batches_of_other_shapes(spec, caplog):
     """A plain loop after apply(model, policy, get_batch(0)): T5 has no max_position_embeddings, so
     the ranges stop at batch 0's lengths; a longer batch is captured again (logged), no error."""

@@ -7,9 +7,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import ROOT
 
 
+@pytest.mark.slow  # the whole script on the CPU (46 s); test_gpu_check_usage stays
 def test_gpu_check_dry_run(tmp_path):
     # ~60 s on an idle 2-core CPU (imports, capture, probes, tune, bench); the script's own
     # step limits allow a loaded machine up to 420 s.

@@ -84,7 +84,8 @@ BF16 = torch.bfloat16
 _cache: dict[str, dict] = {}
 
 
-@pytest.fixture(params=["gpt2", pytest.param("t5", marks=pytest.mark.slow)])
+# both slow (gpt2: 80 s of compiles); tests/search/test_measure_rng.py checks a compiled dropout finalist
+@pytest.fixture(params=[pytest.param(name, marks=pytest.mark.slow) for name in ("gpt2", "t5")])
 def measured(request, tmp_path_factory):
     """Per model (measured once per session): the harness, eager torch.autocast's drift, the
     selector after its compiled torch.autocast baseline (budget re-based by

@@ -82,6 +82,7 @@ def test_activation_memory_budget_recomputes_and_keeps_gradients(wide_compiled):
     assert ms[0.0].peak_bytes - state < 0.5 * (ms[1.0].peak_bytes - state)
 
 
+@pytest.mark.slow  # a full tune (62 s); test_tune_max_memory_tries_both_levers_and_reports_them runs the fit
 def test_tune_max_memory_fits_by_recomputation(tmp_path, capsys, wide_compiled):
     """With a memory budget between full recomputation and Inductor's default, the compiled
     policy gets an activation memory budget below 1 and its measured peak fits."""

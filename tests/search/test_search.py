@@ -173,6 +173,7 @@ def test_region_sensitivity_ranks_the_overflowing_matmul_first(overflow_spec):
     assert region_sensitivity(h, SearchSpace([])) == {}
 
 
+@pytest.mark.slow  # two tunes (15 s)
 def test_study_of_another_measurement_version_is_not_resumed(tmp_path):
     """Trials measured by an older autoprec (no measurement-version stamp) are not mixed with
     new ones: naming that study is refused and leaves it as it was; the default study name
