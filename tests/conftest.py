@@ -3,11 +3,19 @@
 
 from __future__ import annotations
 
+import os
 import pathlib
 from dataclasses import dataclass
 
-import pytest
-import torch
+# Under pytest-xdist (make test: two workers on two cores) each worker and the processes its tests
+# start use one OpenMP thread, so that the workers do not spin against each other (two processes
+# each spinning on every core slow each other 10-70x). Set before torch is imported, as OpenMP
+# reads it once.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 #: The repository, its examples, and the model files the tests load (tests/models/); every test
 #: file takes its paths from here, whatever folder it sits in.
@@ -55,6 +63,10 @@ DRIFT = {
     # roundings (unit round-off 2^-9 = 2.0e-3), under CLOSE[bfloat16].rtol.
     torch.bfloat16: 1e-2,
 }
+
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)  # in case a plugin imported torch before this file
 
 
 @pytest.fixture(autouse=True)

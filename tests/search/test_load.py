@@ -19,7 +19,8 @@ from tests.conftest import MODELS
 BURNER = ("import time, torch\ntorch.set_num_threads(1)\na = torch.randn(512, 512)\n"
           "end = time.time() + {s}\nwhile time.time() < end:\n    a @ a\n")
 
-pytestmark = pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="reads Linux /proc")
+pytestmark = [pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="reads Linux /proc"),
+              pytest.mark.serial]  # reads the load: run alone (make test)
 
 
 @contextmanager
