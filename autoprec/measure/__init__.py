@@ -27,6 +27,7 @@ from autoprec.measure.timing import (
     BOOTSTRAP_RESAMPLES,
     Comparison,
     Config,
+    Retire,
     Timing,
     compare,
     format_rate,
@@ -36,7 +37,7 @@ from autoprec.measure.timing import (
 __all__ = [
     "BOOTSTRAP_RESAMPLES", "DRIFT_BATCHES", "MAX_BACKOFFS", "MIN_TIMED_STEPS", "TIMED_BUDGET_S", "BatchDrift",
     "BusyMachineError", "Comparison", "Config", "Drift", "Harness", "LoadCheck", "LoadMonitor", "Measurement",
-    "PeakBytes", "References", "SavedBytes", "Timing", "batch_drift", "batch_shapes", "compare",
+    "PeakBytes", "References", "Retire", "SavedBytes", "Timing", "batch_drift", "batch_shapes", "compare",
     "describe_failure", "draws_random", "format_rate", "is_compiled", "measure_drift",
     "optimizer_state_bytes", "time_interleaved", "training_state_bytes",
 ]

@@ -32,7 +32,7 @@ from autoprec.training.scaler import DynamicLossScaler
 from autoprec.training.steps import StepsTooSlow, run_steps, slow_step_guard
 from autoprec.training.train import TrainStep
 
-__all__ = ["BOOTSTRAP_RESAMPLES", "Comparison", "Config", "Timing", "compare", "format_rate",
+__all__ = ["BOOTSTRAP_RESAMPLES", "Comparison", "Config", "Retire", "Timing", "compare", "format_rate",
            "time_interleaved"]
 
 #: Bootstrap resamples for every band (Efron & Tibshirani 1993 suggest >= 1000 for percentile intervals).
@@ -256,9 +256,15 @@ class _Run:
         return optimizer_state_bytes(self.step.optimizer) if self.step is not None else 0
 
 
+#: ``time_interleaved``'s ``retire``: the Timings so far of the configurations still timed ->
+#: ``{name: reason}`` of those to time no further.
+Retire = Callable[[dict[str, Timing]], dict[str, str]]
+
+
 def time_interleaved(harness: Harness, configs: Sequence[Config], *, min_rounds: int = 3,
                      max_rounds: int = 12, steps_per_round: int = 2, warmup: int = 2, rel_band: float = 0.03,
-                     time_cap_s: float = 120.0, max_step_s: float | None = None) -> dict[str, Timing]:
+                     time_cap_s: float = 120.0, max_step_s: float | None = None,
+                     retire: Retire | None = None) -> dict[str, Timing]:
     """Time ``configs`` in interleaved rounds on ``harness``'s weights and batches.
 
     Each configuration gets one :class:`~autoprec.training.train.TrainStep` with its own optimizer
@@ -273,7 +279,12 @@ def time_interleaved(harness: Harness, configs: Sequence[Config], *, min_rounds:
     Stop rule (torch.utils.benchmark ``adaptive_autorange``'s, module docstring): after at least
     ``min_rounds`` rounds, once every configuration still timed has a band of relative half-width
     ≤ ``rel_band``; or after ``max_rounds`` rounds; or once ``time_cap_s`` seconds have passed since
-    the call began (the warm-up counts). A configuration whose steps trip
+    the call began (the warm-up counts). From ``min_rounds`` rounds on, ``retire`` (when given)
+    sees every configuration still timed, as a :class:`Timing` so far, after each round and names
+    those that can no longer change the caller's decision, with the reason: they are timed no
+    further, keep their step times, and the reason becomes their ``note`` (the final choice
+    retires contenders slower than the fastest beyond the noise,
+    :func:`autoprec.search.final.out_of_the_running`). A configuration whose steps trip
     :func:`~autoprec.training.steps.slow_step_guard` (two in a row over ``max_step_s``, or one over
     4x; warm-up steps count) is dropped from later rounds with a ``note``; one whose step raises
     gets ``error`` and the others go on. The harness's weights are restored at the end.
@@ -288,6 +299,8 @@ def time_interleaved(harness: Harness, configs: Sequence[Config], *, min_rounds:
         rel_band: Relative half-width of the 95% band that is narrow enough (0.03: ±3%).
         time_cap_s: Seconds after which no further round starts.
         max_step_s: The slow-step limit in seconds (None: no limit).
+        retire: ``{name: Timing}`` of the configurations still timed -> ``{name: reason}`` of
+            those to stop timing (None: every configuration is timed to the end).
 
     Returns:
         ``{name: Timing}`` in ``configs`` order; tokens per step are the harness's ``tokens``.
@@ -317,6 +330,11 @@ def time_interleaved(harness: Harness, configs: Sequence[Config], *, min_rounds:
                 if r.active:
                     r.run(steps_per_round, record=True)
             done += 1
+            if done >= min_rounds and retire is not None:
+                live = {r.cfg.name: r for r in runs if r.active}
+                for name, why in retire({n: _timing(r, rel_band, False, 0.0, None)
+                                         for n, r in live.items()}).items():
+                    live[name].note = why
             if done >= min_rounds and all(_narrow(r, rel_band) for r in runs if r.active):
                 break
     finally:

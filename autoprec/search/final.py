@@ -18,10 +18,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from autoprec.measure import Comparison, Timing, compare
+from autoprec.measure import Comparison, Retire, Timing, compare
 from autoprec.policy import Policy
 
-__all__ = ["Contender", "Decision", "decide"]
+__all__ = ["Contender", "Decision", "decide", "out_of_the_running"]
 
 
 @dataclass
@@ -123,3 +123,35 @@ def decide(contenders: list[Contender]) -> Decision:
     vs = compare(chosen.timing, best.timing)
     verdict = "tie" if vs.tie else ("beats" if vs.winner == "a" else "slower")
     return Decision(chosen, fastest, best, vs, [c.name for c in tied], verdict)
+
+
+def out_of_the_running(baselines: set[str]) -> Retire:
+    """The head-to-head's retire rule (:func:`autoprec.measure.timing.time_interleaved`): a
+    contender slower than the fastest beyond the noise (:func:`autoprec.measure.timing.compare`:
+    the ratio's 95% band excludes 1.0) cannot be chosen, nor tie with the chosen one
+    (:func:`autoprec.search.final.decide`), so it is timed no further, unless it is the fastest of
+    ``baselines``, the bar the chosen policy is judged against. Its tokens/s keeps the rounds it
+    was timed in, with their (wider) band. On the 24-layer Qwen2 of benchmarks/depth_scaling.py
+    this halves the rounds' steps (three of six contenders retired after three rounds).
+
+    Args:
+        baselines: Names of the contenders that are baselines (``Contender.baseline``).
+
+    Returns:
+        ``{name: Timing}`` -> ``{name: reason}`` (the reason: the ratio, its band and the rounds).
+    """
+    def retire(timings: dict[str, Timing]) -> dict[str, str]:
+        timed = {n: t for n, t in timings.items() if t.step_times}
+        if not timed:
+            return {}
+        fastest = max(timed, key=lambda n: timed[n].tokens_per_s)
+        bars = [n for n in timed if n in baselines]
+        keep = {fastest} | ({max(bars, key=lambda n: timed[n].tokens_per_s)} if bars else set())
+        out = {}
+        for n, t in timed.items():
+            c = compare(t, timed[fastest])
+            if n not in keep and not c.tie:
+                out[n] = (f"{c.ratio:.2f}x {fastest} (band {c.band[0]:.2f}-{c.band[1]:.2f}) after "
+                          f"{t.rounds} rounds: out of the running, timed no further")
+        return out
+    return retire

@@ -22,7 +22,7 @@ from autoprec.policy import Policy
 from autoprec.search import attrs
 from autoprec.search.budgets import format_bytes
 from autoprec.search.decide import DriftBudget
-from autoprec.search.final import Contender, Decision, decide
+from autoprec.search.final import Contender, Decision, decide, out_of_the_running
 from autoprec.search.memory_fit import fit_memory, lever
 from autoprec.search.phases import PhaseBar, phase_bar
 from autoprec.search.progress import log
@@ -189,7 +189,10 @@ class Selector:
                                   self.ac_dtype))
         configs.append(Config(FP32_EAGER, self.h.model))
         log(f"final head-to-head, interleaved: {', '.join(c.name for c in configs)}", self.quiet)
-        self.timings = time_interleaved(self.h, configs, max_step_s=self.slow)
+        baselines = {label for label, pol, _fn, _m in survivors if _all_fp32(pol)}
+        baselines |= {FP32_EAGER} | ({AUTOCAST_COMPILED} if ac_ok else set())
+        self.timings = time_interleaved(self.h, configs, max_step_s=self.slow,
+                                        retire=out_of_the_running(baselines))
         contenders = []
         for label, pol, _fn, m in survivors:
             _take_timing(m, self.timings[label])

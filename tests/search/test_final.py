@@ -11,7 +11,7 @@ import pytest
 from autoprec import Policy
 from autoprec.measure import Timing
 from autoprec.policy import Rule
-from autoprec.search.final import Contender, decide
+from autoprec.search.final import Contender, decide, out_of_the_running
 from tests.conftest import ROOT
 
 TOKENS = 1024.0
@@ -131,3 +131,19 @@ def test_committed_native_bf16_runs_replayed_the_written_policy_beats_autocast_c
     assert d.best_baseline.name == "torch.autocast + torch.compile"
     assert d.vs_baseline.ratio == pytest.approx(ratio, abs=0.01) and d.vs_baseline.band[0] > 1.0
     assert cfg["policy_compiled"]["grad_rel_l2"] <= 1.02 * cfg["autocast_compiled"]["grad_rel_l2"]
+
+
+def test_out_of_the_running_retires_the_clearly_slower_but_keeps_ties_and_the_best_baseline():
+    timings = {c.name: c.timing for c in _field(searched_s=0.100, twin_s=0.100)}
+    retire = out_of_the_running({"torch.autocast + torch.compile", "fp32 + torch.compile", "fp32 eager"})
+    out = retire(timings)
+    # trial 7 is the fastest, the twin ties with it (the same step time), torch.autocast + torch.compile is the
+    # fastest baseline (the bar): kept. fp32 compiled and eager are 4x slower beyond the noise.
+    assert set(out) == {"fp32 + torch.compile", "fp32 eager"}
+    assert out["fp32 eager"].startswith("0.24x trial 7 (band 0.2") and "after 6 rounds" in out["fp32 eager"]
+    # without baselines named, torch.autocast is only a slower contender
+    assert "torch.autocast + torch.compile" in out_of_the_running(set())(timings)
+    # what it keeps, decide() still chooses from: the written policy is the same
+    kept = [c for c in _field(searched_s=0.100, twin_s=0.100) if c.name not in out]
+    assert decide(kept).chosen.name == decide(_field(searched_s=0.100, twin_s=0.100)).chosen.name
+    assert out_of_the_running(set())({"A": Timing()}) == {}

@@ -105,6 +105,26 @@ def test_stop_rule_stops_early_when_bands_are_narrow(harness):
     assert all(t.rounds == 0 and not t.step_times for t in res.values())  # the cap stops before round 1
 
 
+def test_retired_configs_keep_their_times_and_are_timed_no_further(harness):
+    """From min_rounds on, retire sees the Timings of the configurations still timed after each
+    round; those it names stop, keep their step times and carry its reason as their note."""
+    calls: list[str] = []
+    seen: list[set[str]] = []
+
+    def retire(timings):
+        seen.append(set(timings))
+        assert all(t.step_times and t.tokens_per_s > 0 for t in timings.values())
+        return {"B": "out of the running"} if "B" in timings else {}
+
+    cfgs = [Config(n, _fake(harness, n, calls)) for n in "ABC"]
+    res = time_interleaved(harness, cfgs, min_rounds=2, max_rounds=4, steps_per_round=1, warmup=1,
+                           rel_band=0.0, retire=retire)
+    assert seen == [{"A", "B", "C"}, {"A", "C"}, {"A", "C"}]  # after rounds 2, 3 and 4
+    assert res["B"].note == "out of the running" and res["B"].rounds == 2 and len(res["B"].step_times) == 2
+    assert res["A"].rounds == res["C"].rounds == 4 and res["A"].note is None
+    assert calls == ["A", "B", "C"] + ["A", "B", "C"] * 2 + ["A", "C"] * 2
+
+
 def test_bad_arguments(harness):
     with pytest.raises(ValueError, match="distinct"):
         time_interleaved(harness, [Config("A", harness.model), Config("A", harness.model)])
