@@ -331,10 +331,7 @@ def time_interleaved(harness: Harness, configs: Sequence[Config], *, min_rounds:
                     r.run(steps_per_round, record=True)
             done += 1
             if done >= min_rounds and retire is not None:
-                live = {r.cfg.name: r for r in runs if r.active}
-                for name, why in retire({n: _timing(r, rel_band, False, 0.0, None)
-                                         for n, r in live.items()}).items():
-                    live[name].note = why
+                _retire(runs, retire, rel_band)
             if done >= min_rounds and all(_narrow(r, rel_band) for r in runs if r.active):
                 break
     finally:
@@ -342,6 +339,13 @@ def time_interleaved(harness: Harness, configs: Sequence[Config], *, min_rounds:
             h.restore()
         harness.restore()
     return {r.cfg.name: _timing(r, rel_band, capped, time_cap_s, base if cuda else None) for r in runs}
+
+
+def _retire(runs: list[_Run], retire: Retire, rel_band: float) -> None:
+    """Stop timing the runs ``retire`` names (shown the Timings so far of those still timed)."""
+    live = {r.cfg.name: r for r in runs if r.active}
+    for name, why in retire({n: _timing(r, rel_band, False, 0.0, None) for n, r in live.items()}).items():
+        live[name].note = why
 
 
 def _narrow(r: _Run, rel_band: float) -> bool:

@@ -137,8 +137,9 @@ def test_out_of_the_running_retires_the_clearly_slower_but_keeps_ties_and_the_be
     timings = {c.name: c.timing for c in _field(searched_s=0.100, twin_s=0.100)}
     retire = out_of_the_running({"torch.autocast + torch.compile", "fp32 + torch.compile", "fp32 eager"})
     out = retire(timings)
-    # trial 7 is the fastest, the twin ties with it (the same step time), torch.autocast + torch.compile is the
-    # fastest baseline (the bar): kept. fp32 compiled and eager are 4x slower beyond the noise.
+    # trial 7 is the fastest, the twin ties with it (the same step time), torch.autocast +
+    # torch.compile is the fastest baseline (the bar): kept. fp32 compiled and eager are 4x
+    # slower, beyond the noise.
     assert set(out) == {"fp32 + torch.compile", "fp32 eager"}
     assert out["fp32 eager"].startswith("0.24x trial 7 (band 0.2") and "after 6 rounds" in out["fp32 eager"]
     # without baselines named, torch.autocast is only a slower contender
