@@ -29,7 +29,7 @@ train: install
 # Two pytest workers with one OpenMP thread each (tests/conftest.py), then the tests that read the
 # machine's load or time steps alone, so that no other test process runs beside them.
 test: install
-	$(BIN)/python -m pytest -q -n 2 -m "not slow and not serial"
+	$(BIN)/python -m pytest -q -n 2 --dist worksteal -m "not slow and not serial"
 	$(BIN)/python -m pytest -q -m "serial and not slow"
 
 test-slow: install

@@ -12,39 +12,62 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["grad_rel_l2", "grad_sqnr_db_min", "median", "traj_rel"]
+__all__ = ["grad_errors", "grad_rel_l2", "grad_sqnr_db_min", "median", "traj_rel"]
 
 
-def grad_rel_l2(grads: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
+def grad_errors(grads: list[torch.Tensor], ref: list[torch.Tensor]) -> tuple[list[float], list[float]]:
+    """Per parameter, ‖g − g₃₂‖₂² and ‖g₃₂‖₂², computed in fp64 with one device sync.
+
+    Args:
+        grads: Gradients (any float dtype), same shapes as ``ref``.
+        ref: FP32 reference gradients.
+
+    Returns:
+        ``(errors, signals)``: two lists of floats, one entry per parameter (non-finite where
+        ``g`` is).
+    """
+    err: list[torch.Tensor] = []
+    sig: list[torch.Tensor] = []
+    for g, r in zip(grads, ref, strict=True):
+        rd = r.double()
+        d = g.double() - rd
+        err.append((d * d).sum())
+        sig.append((rd * rd).sum())
+    if not err:
+        return [], []
+    both = torch.stack(err + sig).tolist()
+    return both[:len(err)], both[len(err):]
+
+
+def grad_rel_l2(grads: list[torch.Tensor], ref: list[torch.Tensor],
+                errors: tuple[list[float], list[float]] | None = None) -> float:
     """‖g − g₃₂‖₂ / ‖g₃₂‖₂ over all gradients concatenated (docs/architecture.md#measurements); inf if
     non-finite.
 
     Args:
         grads: Gradients (any float dtype; compared in fp64), same shapes as ``ref``.
         ref: FP32 reference gradients.
+        errors: :func:`grad_errors` of the two, when already computed.
     """
-    num = 0.0
-    den = 0.0
-    for g, r in zip(grads, ref, strict=True):
-        d = g.double() - r.double()
-        num += float((d * d).sum())
-        den += float((r.double() ** 2).sum())
+    err, sig = errors if errors is not None else grad_errors(grads, ref)
+    num = math.fsum(err)
     if not math.isfinite(num):
         return math.inf
-    return math.sqrt(num) / max(math.sqrt(den), 1e-300)
+    return math.sqrt(num) / max(math.sqrt(math.fsum(sig)), 1e-300)
 
 
-def grad_sqnr_db_min(grads: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
-    """min over parameters of 20·log₁₀(‖g₃₂‖/‖g − g₃₂‖) in dB (torchao's SQNR); −inf if non-finite."""
+def grad_sqnr_db_min(grads: list[torch.Tensor], ref: list[torch.Tensor],
+                     errors: tuple[list[float], list[float]] | None = None) -> float:
+    """min over parameters of 20·log₁₀(‖g₃₂‖/‖g − g₃₂‖) in dB (torchao's SQNR); −inf if non-finite.
+    ``errors``: :func:`grad_errors` of the two, when already computed."""
+    err, sig = errors if errors is not None else grad_errors(grads, ref)
     worst = math.inf
-    for g, r in zip(grads, ref, strict=True):
-        err = float((g.double() - r.double()).norm())
-        sig = float(r.double().norm())
-        if not math.isfinite(err):
+    for e, s in zip(err, sig, strict=True):
+        if not math.isfinite(e):
             return -math.inf
-        if err == 0.0 or sig == 0.0:
+        if e == 0.0 or s == 0.0:
             continue
-        worst = min(worst, 20.0 * math.log10(sig / err))
+        worst = min(worst, 10.0 * math.log10(s / e))  # 20·log10 of the norms' ratio
     return worst
 
 

@@ -11,8 +11,12 @@ from dataclasses import dataclass
 # start use one OpenMP thread, so that the workers do not spin against each other (two processes
 # each spinning on every core slow each other 10-70x). Set before torch is imported, as OpenMP
 # reads it once.
+# Inductor compiles in this process too, not in a pool of compile workers (two per process on two
+# cores, each importing torch): with two test workers and the tune and train processes the tests
+# start, pools cost more CPU than they save. The compiled kernels are the same.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

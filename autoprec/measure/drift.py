@@ -21,7 +21,7 @@ from torch import nn
 
 from autoprec._torch_compat import is_dynamo_optimized, overload_schema
 from autoprec.applied.compile import CompiledGraph
-from autoprec.metrics import grad_rel_l2, grad_sqnr_db_min
+from autoprec.metrics import grad_errors, grad_rel_l2, grad_sqnr_db_min
 from autoprec.training.scaler import DynamicLossScaler
 
 __all__ = ["DRIFT_BATCHES", "MAX_BACKOFFS", "BatchDrift", "Drift", "References", "batch_drift",
@@ -112,9 +112,10 @@ def batch_drift(loss: float, grads: list[torch.Tensor], ref_loss: float,
         grads: Its unscaled gradients, any float dtype, same shapes as ``ref_grads``.
         ref_loss, ref_grads: The FP32 reference on the same batch, weights and RNG state.
     """
-    g = grad_rel_l2(grads, ref_grads)
+    errors = grad_errors(grads, ref_grads)  # one fp64 pass and one sync for both metrics
+    g = grad_rel_l2(grads, ref_grads, errors)
     loss_rel = abs(loss - ref_loss) / max(abs(ref_loss), 1e-30) if math.isfinite(loss) else math.inf
-    sqnr = grad_sqnr_db_min(grads, ref_grads)
+    sqnr = grad_sqnr_db_min(grads, ref_grads, errors)
     return BatchDrift(g if math.isfinite(loss_rel) else math.inf, loss_rel, sqnr)
 
 
