@@ -131,8 +131,9 @@ def out_of_the_running(baselines: set[str]) -> Retire:
     the ratio's 95% band excludes 1.0) cannot be chosen, nor tie with the chosen one
     (:func:`autoprec.search.final.decide`), so it is timed no further, unless it is the fastest of
     ``baselines``, the bar the chosen policy is judged against. Its tokens/s keeps the rounds it
-    was timed in, with their (wider) band. On the 24-layer Qwen2 of benchmarks/depth_scaling.py
-    this halves the rounds' steps (three of six contenders retired after three rounds).
+    was timed in, with their (wider) band. On the Qwen2s of benchmarks/depth_scaling.py three of
+    five contenders were retired after three rounds, and the head-to-head took 58 s against 87 s
+    (24 layers) and 10 s against 23 s (4 layers; benchmarks/results/depth_2026-12-03_retire).
 
     Args:
         baselines: Names of the contenders that are baselines (``Contender.baseline``).
@@ -151,7 +152,7 @@ def out_of_the_running(baselines: set[str]) -> Retire:
         for n, t in timed.items():
             c = compare(t, timed[fastest])
             if n not in keep and not c.tie:
-                out[n] = (f"{c.ratio:.2f}x {fastest} (band {c.band[0]:.2f}-{c.band[1]:.2f}) after "
+                out[n] = (f"{c.ratio:.2f}x {fastest}, band {c.band[0]:.2f}-{c.band[1]:.2f}, after "
                           f"{t.rounds} rounds: out of the running, timed no further")
         return out
     return retire

@@ -141,7 +141,7 @@ def test_out_of_the_running_retires_the_clearly_slower_but_keeps_ties_and_the_be
     # torch.compile is the fastest baseline (the bar): kept. fp32 compiled and eager are 4x
     # slower, beyond the noise.
     assert set(out) == {"fp32 + torch.compile", "fp32 eager"}
-    assert out["fp32 eager"].startswith("0.24x trial 7 (band 0.2") and "after 6 rounds" in out["fp32 eager"]
+    assert out["fp32 eager"].startswith("0.24x trial 7, band 0.2") and "after 6 rounds" in out["fp32 eager"]
     # without baselines named, torch.autocast is only a slower contender
     assert "torch.autocast + torch.compile" in out_of_the_running(set())(timings)
     # what it keeps, decide() still chooses from: the written policy is the same
