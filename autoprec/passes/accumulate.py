@@ -54,7 +54,7 @@ def accumulate_fp32(gm: fx.GraphModule, policy: Policy) -> PassResult:
 
     Args:
         gm: Output of :func:`autoprec.passes.casts.insert_casts`; not modified.
-        policy: Its ``accumulate`` field: ``"fp32"`` rewrites, ``"none"`` returns a copy unchanged.
+        policy: Its ``accumulate`` field: ``"fp32"`` rewrites, ``"none"`` returns ``gm`` itself.
 
     Returns:
         ``PassResult`` with stats ``accumulate_fp32`` (reductions rewritten) and
@@ -63,10 +63,10 @@ def accumulate_fp32(gm: fx.GraphModule, policy: Policy) -> PassResult:
     Raises:
         PassError: a reduction's output is not a single tensor (cannot be cast back).
     """
-    gm = clone_graph_module(gm)
     stats = {"accumulate_fp32": 0, "accumulate_casts": 0}
     if policy.accumulate != "fp32":
-        return PassResult(gm, False, stats)
+        return PassResult(gm, False, stats)  # nothing to rewrite: no copy (as math_attention)
+    gm = clone_graph_module(gm)
     graph = gm.graph
     for node in list(graph.nodes):
         if not _low_reduction(node):

@@ -19,7 +19,8 @@ class PassResult:
     """What a pass returns (mirrors ``torch.fx.passes.infra.pass_base.PassResult``).
 
     Attributes:
-        graph_module: The transformed ``GraphModule`` (a new object; the input is not modified).
+        graph_module: The transformed ``GraphModule``: a new object, or the input itself when the
+            pass has nothing to do (``modified`` False); the input is never modified.
         modified: Whether the pass changed the graph.
         stats: Pass-specific numbers (e.g. ``{"casts": 12, "cast_bytes": 1048576}``).
     """

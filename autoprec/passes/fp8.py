@@ -83,11 +83,11 @@ def lower_fp8(gm: fx.GraphModule, policy: Policy) -> PassResult:
         ImportError: fp8 nodes but no torchao (a ``PassManager`` reports it as a PassError of
             this pass, the message kept).
     """
-    gm = clone_graph_module(gm)
     stats = {"fp8_matmuls": 0}
+    if not any(read_meta(n).compute == FP8_COMPUTE for n in gm.graph.nodes):
+        return PassResult(gm, False, stats)  # nothing to lower: no copy (as math_attention)
+    gm = clone_graph_module(gm)
     nodes = [n for n in gm.graph.nodes if read_meta(n).compute == FP8_COMPUTE]
-    if not nodes:
-        return PassResult(gm, False, stats)
     op = _fp8_op(policy.fp8_scaling)
     for n in nodes:
         if not fp8_lowerable(n):
