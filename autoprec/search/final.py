@@ -125,33 +125,42 @@ def decide(contenders: list[Contender]) -> Decision:
     return Decision(chosen, fastest, best, vs, [c.name for c in tied], verdict)
 
 
-def out_of_the_running(baselines: set[str]) -> Retire:
-    """The head-to-head's retire rule (:func:`autoprec.measure.timing.time_interleaved`): a
-    contender slower than the fastest beyond the noise (:func:`autoprec.measure.timing.compare`:
-    the ratio's 95% band excludes 1.0) cannot be chosen, nor tie with the chosen one
-    (:func:`autoprec.search.final.decide`), so it is timed no further, unless it is the fastest of
-    ``baselines``, the bar the chosen policy is judged against. Its tokens/s keeps the rounds it
-    was timed in, with their (wider) band. On the Qwen2s of benchmarks/depth_scaling.py three of
-    five contenders were retired after three rounds, and the head-to-head took 58 s against 87 s
-    (24 layers) and 10 s against 23 s (4 layers; benchmarks/results/depth_2026-12-03_retire).
+def out_of_the_running(baselines: set[str], policies: set[str]) -> Retire:
+    """The head-to-head's retire rule (:func:`autoprec.measure.timing.time_interleaved`), from
+    :func:`decide`'s: the policy written is one that ties with the fastest contender, or, when none
+    does, the fastest policy, and it is judged against the fastest baseline. So a contender slower
+    than the fastest beyond the noise (:func:`autoprec.measure.timing.compare`: the ratio's 95% band
+    excludes 1.0) is timed no further, unless it is the fastest baseline or the fastest policy. Its
+    tokens/s keeps the rounds it was timed in, with their (wider) band. A configuration timed beside
+    the contenders but not one of them (torch.autocast + torch.compile over the drift budget: a row
+    of the report's table) is retired the same way, but is never the fastest the others are judged
+    against. On the Qwen2s of benchmarks/depth_scaling.py three of five contenders were retired
+    after three rounds, and the head-to-head took 58 s against 87 s (24 layers) and 10 s against
+    23 s (4 layers; benchmarks/results/depth_2026-12-03_retire).
 
     Args:
         baselines: Names of the contenders that are baselines (``Contender.baseline``).
+        policies: Names of the contenders with a policy to write (``Contender.policy``); the
+            contenders are ``baselines | policies``.
 
     Returns:
         ``{name: Timing}`` -> ``{name: reason}`` (the reason: the ratio, its band and the rounds).
     """
     def retire(timings: dict[str, Timing]) -> dict[str, str]:
         timed = {n: t for n, t in timings.items() if t.step_times}
-        if not timed:
+
+        def fastest_of(names: set[str]) -> set[str]:
+            named = [n for n in timed if n in names]
+            return {max(named, key=lambda n: timed[n].tokens_per_s)} if named else set()
+
+        if not (top := fastest_of(baselines | policies)):
             return {}
-        fastest = max(timed, key=lambda n: timed[n].tokens_per_s)
-        bars = [n for n in timed if n in baselines]
-        keep = {fastest} | ({max(bars, key=lambda n: timed[n].tokens_per_s)} if bars else set())
+        fastest = next(iter(top))
+        keep = top | fastest_of(baselines) | fastest_of(policies)
         out = {}
         for n, t in timed.items():
             c = compare(t, timed[fastest])
-            if n not in keep and not c.tie:
+            if n not in keep and c.winner == "b":
                 out[n] = (f"{c.ratio:.2f}x {fastest}, band {c.band[0]:.2f}-{c.band[1]:.2f}, after "
                           f"{t.rounds} rounds: out of the running, timed no further")
         return out

@@ -189,10 +189,12 @@ class Selector:
                                   self.ac_dtype))
         configs.append(Config(FP32_EAGER, self.h.model))
         log(f"final head-to-head, interleaved: {', '.join(c.name for c in configs)}", self.quiet)
+        # the contenders decide() chooses among: the baselines, and the policies it may write
         baselines = {label for label, pol, _fn, _m in survivors if _all_fp32(pol)}
-        baselines |= {FP32_EAGER} | ({AUTOCAST_COMPILED} if ac_ok else set())
+        baselines |= ({AUTOCAST_COMPILED} if ac_ok else set()) | {FP32_EAGER}
+        policies = {label for label, _pol, _fn, _m in survivors}
         self.timings = time_interleaved(self.h, configs, max_step_s=self.slow,
-                                        retire=out_of_the_running(baselines))
+                                        retire=out_of_the_running(baselines, policies))
         contenders = []
         for label, pol, _fn, m in survivors:
             _take_timing(m, self.timings[label])
@@ -202,7 +204,7 @@ class Selector:
             else:
                 self.points[i] = self._point_of(pol, m)
             contenders.append(Contender(label, pol, self.timings[label], m.grad_rel_l2,
-                                        baseline=_all_fp32(pol)))
+                                        baseline=label in baselines))
         if ac_timed:
             _take_timing(ac, self.timings[AUTOCAST_COMPILED])
         if ac_ok:
