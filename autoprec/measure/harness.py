@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -18,6 +19,8 @@ from torch import nn
 
 from autoprec.applied.compile import CompiledGraph, compile_graph
 from autoprec.capture import PROBE_BATCHES, capture_for, tensor_shapes
+from autoprec.device import sync
+from autoprec.measure import screening
 from autoprec.measure.drift import DRIFT_BATCHES, Grads, References, draws_random, is_compiled, measure_drift
 from autoprec.measure.measurement import Measurement
 from autoprec.measure.memory import SavedBytes, training_state_bytes
@@ -111,6 +114,7 @@ class Harness:
         self.tokens = self._timed_tokens(steps, self._warm)  # mean per timed step
         self.random = draws_random(self.graph_module)
         self._compiled_fp32: CompiledGraph | None = None
+        self.update_s: dict[bool, float] = {}  # screening.update_seconds, by "a loss scaler unscales"
         # eager references now, with this harness's parameters (bench's low-precision copies share them)
         self._refs = References()
         for k in range(self.drift_batches):
@@ -156,16 +160,22 @@ class Harness:
 
     def _grads(self, fn: Callable[..., Any], scaler: DynamicLossScaler | None,
                autocast_dtype: torch.dtype | None, counter: SavedBytes | None = None,
-               batch: int = 0) -> Grads:
+               batch: int = 0, seconds: dict[int, float] | None = None) -> Grads:
         """Loss and unscaled fp32 gradients of one forward/backward of ``fn`` on ``batch`` from the
-        initial weights and RNG seed ``MEASURE_SEED`` (``counter`` counts what it saves for backward)."""
+        initial weights and RNG seed ``MEASURE_SEED`` (``counter`` counts what it saves for backward;
+        ``seconds[batch]`` gets the forward/backward's wall-clock seconds, device synchronised)."""
         self.restore()
         step = TrainStep(fn, self.params, _NoOpt(), self.spec.loss_fn, scaler=scaler,
                          autocast_dtype=autocast_dtype, device_type=self.device.type)
         hooks = (torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t) if counter is not None
                  else contextlib.nullcontext())
         with same_rng(self.device), hooks, self._eager_random(fn):
+            sync(self.device)
+            t0 = time.perf_counter()
             loss = step.forward_backward(self.batches[batch])
+            if seconds is not None:
+                sync(self.device)
+                seconds[batch] = time.perf_counter() - t0
         inv = 1.0 / scaler.get_scale() if scaler is not None else 1.0
         grads = [(p.grad.float() * inv) if p.grad is not None else torch.zeros_like(p) for p in self.params]
         self.restore()
@@ -195,13 +205,15 @@ class Harness:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
 
+        seconds: dict[int, float] = {}
+
         def step(k: int, count: bool) -> tuple[float, list[torch.Tensor], int]:
             counter = SavedBytes(self.params) if count else None
-            loss, grads = self._grads(fn, scaler, autocast_dtype, counter, batch=k)
+            loss, grads = self._grads(fn, scaler, autocast_dtype, counter, batch=k, seconds=seconds)
             return loss, grads, counter.total if counter is not None else 0
 
         d = measure_drift(step, refs, scaler)
-        m = Measurement()
+        m = Measurement(pass_times=[seconds[k] for k in sorted(seconds)])
         if d.backoffs:
             m.note = (f"{d.backoffs} loss-scale backoff{'s' if d.backoffs > 1 else ''} before finite "
                       f"gradients (scale {scaler.get_scale():g}), as training skips its first steps")
@@ -226,7 +238,7 @@ class Harness:
     def measure(self, fn: Callable[..., Any],
                 scaler_factory: Callable[[], DynamicLossScaler | None] = lambda: None,
                 autocast_dtype: torch.dtype | None = None, timing: bool = True,
-                max_step_s: float | None = None) -> Measurement:
+                max_step_s: float | None = None, screen: bool = False) -> Measurement:
         """Drift, memory and (optionally) median step time of full training steps of ``fn``.
 
         Args:
@@ -239,17 +251,26 @@ class Harness:
                 :func:`autoprec.training.steps.slow_step_guard`); the measurement is then timed on
                 that last step only and ``note`` says why. Compilation happens in the drift pass,
                 before timing, so it never counts here.
+            screen: A screening measurement (a search trial): for an eager ``fn`` on the CPU with
+                two or more drift batches, the step times are the drift passes' own
+                forward+backward seconds (batches 1..K-1; batch 0 warms up and counts memory) plus
+                the optimizer update's, so no step runs twice
+                (:func:`autoprec.measure.screening.from_drift_passes`); elsewhere it times steps as
+                ``timing`` does.
 
         Returns:
             A :class:`Measurement`; on failure ``error`` says why (never raises for numerics).
         """
+        scaler = scaler_factory()
         try:
-            m = self.drift(fn, scaler_factory(), autocast_dtype)
+            m = self.drift(fn, scaler, autocast_dtype)
         except Exception as e:  # compile errors, OOM, kernels missing for a dtype
             self.restore()
             return Measurement(error=describe_failure(e))
         if m.error is not None or not timing:
             return m
+        if screen and screening.applies(self, fn, m):
+            return screening.from_drift_passes(self, m, scaled=scaler is not None)
         try:
             m.step_times = self._time(fn, scaler_factory(), autocast_dtype, max_step_s)
         except StepsTooSlow as e:
@@ -265,9 +286,10 @@ class Harness:
             m.peak_bytes = int(torch.cuda.max_memory_allocated(self.device))
         return m
 
-    def _step(self, fn: Callable[..., Any], scaler: DynamicLossScaler | None,
-              autocast_dtype: torch.dtype | None) -> TrainStep:
-        """A training step of ``fn`` from the initial weights with the model file's optimizer."""
+    def train_step(self, fn: Callable[..., Any], scaler: DynamicLossScaler | None,
+                   autocast_dtype: torch.dtype | None) -> TrainStep:
+        """A training step of ``fn`` from the initial weights (restored now) with a fresh optimizer
+        of the model file's, ``scaler`` and ``autocast_dtype``, computing no per-step statistics."""
         self.restore()
         return TrainStep(fn, self.params, self.spec.make_optimizer(self.params), self.spec.loss_fn,
                          scaler=scaler, autocast_dtype=autocast_dtype, device_type=self.device.type,
@@ -283,7 +305,7 @@ class Harness:
         (:meth:`_warmup_steps`). Timing stops after ``steps`` timed steps, or after
         :data:`MIN_TIMED_STEPS` once the timed steps have taken :data:`TIMED_BUDGET_S` in all."""
         guard = [slow_step_guard(max_step_s)] if max_step_s is not None else []
-        step = self._step(fn, scaler, autocast_dtype)
+        step = self.train_step(fn, scaler, autocast_dtype)
 
         def run(start: int, stop: int) -> list[float]:
             done = run_steps(step, lambda k: self.batches[k % len(self.batches)], start, stop,
@@ -322,7 +344,7 @@ class Harness:
         while len(self.batches) < steps:
             self.batches.append(self.spec.get_batch(len(self.batches), self.device))
         try:
-            step = self._step(fn, scaler_factory(), autocast_dtype)
+            step = self.train_step(fn, scaler_factory(), autocast_dtype)
             with self._eager_random(fn):  # a first call compiles here too: eager's masks, as drift's
                 done = run_steps(step, self.batches.__getitem__, 0, steps,
                                  rng=StepRng(MEASURE_SEED, per_step=True), device=self.device)

@@ -31,7 +31,13 @@ class Measurement:
             plus the bytes of the tensors the model file's ``make_optimizer`` optimizer holds in
             its state after one step (:func:`autoprec.measure.memory.training_state_bytes`; per
             fp32 parameter: 8 bytes with SGD, 12 with SGD momentum, 16 with AdamW, the default).
-        step_times: All timed step durations (seconds).
+        step_times: All timed step durations (seconds). A screening measurement
+            (``Harness.measure(..., screen=True)``) on the CPU takes them from the drift passes:
+            batch k's forward+backward (``pass_times[k]``, k ≥ 1) plus the optimizer update's median
+            seconds, measured once per harness.
+        pass_times: Wall-clock seconds of each drift batch's forward+backward (the last pass run on
+            it, back-offs included), in batch order; batch 0's pass also counts the tensors saved
+            for backward (memory hooks), so it is never timed.
         error: Why the measurement failed (non-finite values, compile error, out of memory).
         note: Remarks that do not invalidate it (e.g. timing stopped by the slow-step rule of
             :func:`autoprec.training.steps.slow_step_guard`, timed on its last step only).
@@ -45,5 +51,6 @@ class Measurement:
     grad_sqnr_db_min: float = -math.inf
     peak_bytes: int = 0
     step_times: list[float] = field(default_factory=list)
+    pass_times: list[float] = field(default_factory=list)
     error: str | None = None
     note: str | None = None

@@ -61,7 +61,9 @@ def policy_fingerprint(lowered: torch.fx.GraphModule) -> str:
 
 
 class Objective:
-    """Optuna objective: params -> policy -> lowered graph -> eager measurement.
+    """Optuna objective: params -> policy -> lowered graph -> eager screening measurement
+    (``Harness.measure(..., screen=True)``: on the CPU the step times come from the drift passes
+    plus the optimizer update, :mod:`autoprec.measure.screening`).
 
     Returns ``(tokens/s, grad_rel_l2, peak bytes)`` (see :data:`DIRECTIONS`), or NaN on failure.
 
@@ -112,7 +114,7 @@ class Objective:
             return math.nan
         trial.set_user_attr(attrs.CASTS, lowered.stats.get("casts", 0))
         fn = saved_eager(lowered.graph_module)  # the policy's saved dtypes (the memory lever), eagerly
-        m = self.harness.measure(fn, lambda: make_scaler(policy), max_step_s=self.max_step_s)
+        m = self.harness.measure(fn, lambda: make_scaler(policy), max_step_s=self.max_step_s, screen=True)
         _record(trial, m, self.budget)
         if m.error is not None:
             return math.nan
