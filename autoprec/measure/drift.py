@@ -120,7 +120,7 @@ def batch_drift(loss: float, grads: list[torch.Tensor], ref_loss: float,
 
 
 def measure_drift(step: Callable[[int, bool], tuple[float, list[torch.Tensor], int]], refs: list[Grads],
-                  scaler: DynamicLossScaler | None) -> Drift:
+                  scaler: DynamicLossScaler | None, backoff_hint: int = 1) -> Drift:
     """A candidate's drift on batches ``0..len(refs)-1`` against the per-batch FP32 references.
 
     ``step(k, count)`` runs the candidate's forward/backward on batch k from the weights the
@@ -131,7 +131,8 @@ def measure_drift(step: Callable[[int, bool], tuple[float, list[torch.Tensor], i
 
     With a dynamic loss scaler, scaled gradients that overflow are what training's first steps skip
     while the scale backs off (``torch.amp.GradScaler``'s rule): the batch is measured at the scale
-    where that back-off stops (at most :data:`MAX_BACKOFFS` back-offs, found by bisection:
+    where that back-off stops (at most :data:`MAX_BACKOFFS` back-offs, found by an exponential
+    search from ``backoff_hint`` back-offs, e.g. the previous measurement's:
     :meth:`autoprec.training.scaler.DynamicLossScaler.search_back_off`); only gradients non-finite
     at the scaler's floor count as a failure, and measuring stops at that batch. A non-finite loss
     is a failure at once: the scale multiplies the loss after the forward, so no back-off can
@@ -146,7 +147,7 @@ def measure_drift(step: Callable[[int, bool], tuple[float, list[torch.Tensor], i
         if not _finite(loss, grads) and math.isfinite(loss) and scaler is not None:
             (loss, grads, nbytes), tries = scaler.search_back_off(
                 lambda k=k: step(k, k == 0), lambda r: _finite(r[0], r[1]), (loss, grads, nbytes),
-                MAX_BACKOFFS)
+                MAX_BACKOFFS, hint=backoff_hint)
             out.backoffs += tries
         if k == 0:
             out.saved_bytes = nbytes

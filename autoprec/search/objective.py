@@ -71,7 +71,8 @@ class Objective:
         harness: Shared model/graph/reference.
         space: The search space.
         budget: The drift budget; a trial's constraint is ``budget.excess(m)`` (feasible ≤ 0).
-        max_step_s: A trial step slower than this is aborted (several times the FP32 step).
+        max_step_s: A timed trial step slower than this is aborted (several times the FP32
+            step); a screened trial times its drift passes, which run in full either way.
     """
 
     def __init__(self, harness: Harness, space: SearchSpace, budget: DriftBudget, max_step_s: float) -> None:

@@ -46,6 +46,7 @@ from autoprec.policy.loss_scaling import (
     to_fp32,
 )
 from autoprec.training._amp import amp_update_scale, unscale_grads_, unscaled_grad_norm
+from autoprec.training._gallop import first_true
 from autoprec.training._scaler_state import check_config, check_state
 from autoprec.training.rank_flag import any_rank, grad_device
 
@@ -306,15 +307,16 @@ class DynamicLossScaler:
         return scales
 
     def search_back_off(self, run: Callable[[], R], finite: Callable[[R], bool], first: R,
-                        max_backoffs: int) -> tuple[R, int]:
-        """The run at the scale where training's back-off stops, found by bisection.
+                        max_backoffs: int, hint: int = 1) -> tuple[R, int]:
+        """The run at the scale where training's back-off stops, found by exponential search.
 
         Training halves the scale after each overflowing step (``torch.amp.GradScaler``'s rule) and
         keeps the first scale whose gradients are finite: ``s_j`` of :meth:`back_off_scales`, ``j``
-        at most ``max_backoffs``. Overflow grows with the scale, so finite gradients at ``s_j`` mean
-        finite ones at every smaller scale, and the first finite ``s_j`` is found by bisection over
-        ``j``: the floor first (non-finite there is a failure at once), then ``log2`` of the number
-        of scales, instead of one forward/backward per back-off (16 from 2^16 to 1). Only the scale
+        at most ``max_backoffs``. Overflow grows with the scale (finite at ``s_j``, finite below),
+        so instead of one forward/backward per back-off: the floor first (non-finite there is a
+        failure at once), then an exponential search from ``j = hint``
+        (:func:`autoprec.training._gallop.first_true`): about ``2·log2(|j - hint| + 1)`` runs, 2
+        when the hint is right (a search passes its previous policy's back-offs). Only the scale
         changes: the rest of the state (growth tracker, skip counters) is as it was.
 
         Args:
@@ -322,6 +324,8 @@ class DynamicLossScaler:
             finite: Whether a run's loss and gradients are finite.
             first: The run at ``s_0`` (the current scale), whose gradients were not finite.
             max_backoffs: The most back-offs training would make (≥ 0).
+            hint: The ``j`` tried first (clamped to the scales there are; the result does not
+                depend on it, only the number of runs).
 
         Returns:
             ``(run, j)``: the run at the first finite scale (or at the last scale tried, non-finite,
@@ -341,16 +345,19 @@ class DynamicLossScaler:
         best = at(last)
         if not finite(best):
             return best, last
-        lo, hi = 0, last  # s_lo overflows, s_hi is finite
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            r = at(mid)
-            if finite(r):
-                hi, best = mid, r
-            else:
-                lo = mid
-        self.load_state_dict({**state, "scale": scales[hi]})
-        return best, hi
+        kept = {last: best}  # the finite run at the smallest j so far (one gradient set alive)
+
+        def finite_at(j: int) -> bool:
+            r = at(j)
+            if not finite(r):
+                return False
+            kept.clear()
+            kept[j] = r  # probes that hold come at ever smaller j
+            return True
+
+        j = first_true(finite_at, 0, last, hint)  # s_0 overflows (``first``), s_last is finite
+        self.load_state_dict({**state, "scale": scales[j]})
+        return kept[j], j
 
     # ----------------------------------------------------------------- checkpointing
     def state_dict(self) -> dict[str, Any]:

@@ -1,7 +1,9 @@
 """A drift measurement with a dynamic loss scaler backs off as training's first steps do, in
-log2 forward/backward passes rather than one per back-off."""
+log2 forward/backward passes rather than one per back-off (an exponential search from a hint)."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -41,6 +43,7 @@ def test_fp16_storage_drift_backs_off_instead_of_failing(tmp_path):
     m = h.drift(gm, scaler)
     assert m.error is None and 0 < m.grad_rel_l2 < 1e-2, (m.grad_rel_l2, m.error)
     assert "loss-scale backoff" in (m.note or "") and scaler.get_scale() < 2.0 ** 16
+    assert h.backoff_hint == int(m.note.split()[0])  # where the next measurement's search starts
     fp32 = h.drift(run_pipeline(h.graph_module, Policy.fp32()).graph_module, None)
     assert not fp32.note
 
@@ -62,17 +65,38 @@ def _fake_step(scaler, threshold: float, calls: list[float], loss: float = 1.0):
     return step
 
 
+@pytest.mark.parametrize("hint", [1, 7, 16])
 @pytest.mark.parametrize("threshold", [2.0 ** 16, 2.0 ** 15, 2.0 ** 9, 3.0, 1.0])
-def test_backoff_bisection_lands_where_halving_does_in_log_steps(threshold):
+def test_backoff_search_lands_where_halving_does_in_log_steps(threshold, hint):
     scaler = DynamicLossScaler(init_scale=2.0 ** 16, min_scale=1.0)
     calls: list[float] = []
     refs = [(1.0, [torch.ones(3)])] * 2
-    d = measure_drift(_fake_step(scaler, threshold, calls), refs, scaler)
+    d = measure_drift(_fake_step(scaler, threshold, calls), refs, scaler, backoff_hint=hint)
     want_scale, want_j = _sequential_backoffs(2.0 ** 16, threshold, 0.5, 1.0)
-    assert scaler.get_scale() == want_scale and d.backoffs == want_j
+    assert scaler.get_scale() == want_scale and d.backoffs == want_j  # whatever the hint
     assert all(b.finite for b in d.batches) and len(d.batches) == 2
-    # batch 0: one run at 2^16, then at most 1 + ceil(log2(16)) = 5 runs; batch 1 starts at the found scale
-    assert len(calls) - 1 <= (1 + 1 + 4 if want_j else 1)
+    # batch 0: one run at 2^16, the floor, then about 2 log2(|j - hint| + 1) runs of the search;
+    # batch 1 starts at the found scale
+    search = len(calls) - 1 - 1 - (1 if want_j else 0)
+    assert search <= (2 * math.ceil(math.log2(abs(want_j - hint) + 1)) + 2 if want_j else 0)
+    if want_j and want_j == hint:
+        assert search == (1 if want_j in (1, 16) else 2)  # the hint, and the scale above it
+
+
+@pytest.mark.parametrize("start", [1, 2, 5, 9, 15, 40, -3])
+@pytest.mark.parametrize("answer", [1, 2, 6, 11, 16])
+def test_first_true_finds_the_first_index_without_probing_twice(answer, start):
+    from autoprec.training._gallop import first_true
+
+    probes: list[int] = []
+
+    def holds(j: int) -> bool:
+        probes.append(j)
+        return j >= answer
+
+    assert first_true(holds, 0, 16, start) == answer
+    assert len(set(probes)) == len(probes) and all(0 < j < 16 for j in probes)
+    assert len(probes) <= 2 * math.ceil(math.log2(abs(answer - min(max(start, 1), 15)) + 1)) + 2
 
 
 def test_backoff_fails_after_one_run_at_the_floor_and_at_once_on_a_nonfinite_loss():
