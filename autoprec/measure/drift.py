@@ -90,11 +90,14 @@ class Drift:
         batches: One :class:`BatchDrift` per batch measured, in batch order: K of them, or fewer
             when a batch stayed non-finite (measuring stops there; it is the last one).
         backoffs: Loss-scale backoffs over all batches (the scale carries over from batch to batch).
+        first_backoffs: Those of batch 0, from the scaler's initial scale (the next measurement's
+            ``backoff_hint``: later batches start from batch 0's scale and back off little or not).
         saved_bytes: Bytes saved for backward in batch 0's (last) pass, as ``step`` counted them.
     """
 
     batches: list[BatchDrift] = field(default_factory=list)
     backoffs: int = 0
+    first_backoffs: int = 0
     saved_bytes: int = 0
 
     @property
@@ -132,7 +135,8 @@ def measure_drift(step: Callable[[int, bool], tuple[float, list[torch.Tensor], i
     With a dynamic loss scaler, scaled gradients that overflow are what training's first steps skip
     while the scale backs off (``torch.amp.GradScaler``'s rule): the batch is measured at the scale
     where that back-off stops (at most :data:`MAX_BACKOFFS` back-offs, found by an exponential
-    search from ``backoff_hint`` back-offs, e.g. the previous measurement's:
+    search, on batch 0 from ``backoff_hint`` back-offs (the previous measurement's
+    ``first_backoffs``), on later batches from one:
     :meth:`autoprec.training.scaler.DynamicLossScaler.search_back_off`); only gradients non-finite
     at the scaler's floor count as a failure, and measuring stops at that batch. A non-finite loss
     is a failure at once: the scale multiplies the loss after the forward, so no back-off can
@@ -147,8 +151,10 @@ def measure_drift(step: Callable[[int, bool], tuple[float, list[torch.Tensor], i
         if not _finite(loss, grads) and math.isfinite(loss) and scaler is not None:
             (loss, grads, nbytes), tries = scaler.search_back_off(
                 lambda k=k: step(k, k == 0), lambda r: _finite(r[0], r[1]), (loss, grads, nbytes),
-                MAX_BACKOFFS, hint=backoff_hint)
+                MAX_BACKOFFS, hint=backoff_hint if k == 0 else 1)  # later: from batch 0's scale
             out.backoffs += tries
+            if k == 0:
+                out.first_backoffs = tries
         if k == 0:
             out.saved_bytes = nbytes
         out.batches.append(batch_drift(loss, grads, ref_loss, ref_grads))

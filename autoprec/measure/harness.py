@@ -82,8 +82,9 @@ class Harness:
         ref_loss, ref_grads: The eager FP32 reference loss and gradients on batch 0.
         optimizer_name: Class name of the model file's optimizer (e.g. ``"AdamW"``), whose state
             :attr:`state_bytes` counts.
-        backoff_hint: Loss-scale back-offs of the last drift measurement that made any (1 before):
-            where the next one's back-off search starts (only its number of passes depends on it).
+        backoff_hint: Batch 0's loss-scale back-offs in the last drift measurement that made any (1
+            before any did): where the next one's back-off search starts (only its number of passes
+            depends on it).
         update_s: :func:`autoprec.measure.screening.update_seconds`'s cache, by ``scaled``.
 
     Raises:
@@ -117,7 +118,7 @@ class Harness:
         self.tokens = self._timed_tokens(steps, self._warm)  # mean per timed step
         self.random = draws_random(self.graph_module)
         self._compiled_fp32: CompiledGraph | None = None
-        self.backoff_hint = 1  # loss-scale back-offs the last drift measurement made (measure_drift)
+        self.backoff_hint = 1  # batch 0's back-offs in the last drift that made any (measure_drift)
         self.update_s: dict[bool, float] = {}  # screening.update_seconds, by "a loss scaler unscales"
         # eager references now, with this harness's parameters (bench's low-precision copies share them)
         self._refs = References()
@@ -217,8 +218,8 @@ class Harness:
             return loss, grads, counter.total if counter is not None else 0
 
         d = measure_drift(step, refs, scaler, self.backoff_hint)
-        if d.backoffs:  # the next policy likely backs off about as far
-            self.backoff_hint = d.backoffs
+        if d.first_backoffs:  # the next policy likely backs off about as far
+            self.backoff_hint = d.first_backoffs
         m = Measurement(pass_times=[seconds[k] for k in sorted(seconds)])
         if d.backoffs:
             m.note = (f"{d.backoffs} loss-scale backoff{'s' if d.backoffs > 1 else ''} before finite "

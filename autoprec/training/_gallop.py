@@ -1,13 +1,17 @@
 """Exponential ("galloping") search for the first index where a monotone predicate holds
-(Bentley & Yao 1976, "An almost optimal algorithm for unbounded searching"), started from a guess:
-the loss scaler's back-off search (:meth:`autoprec.training.scaler.DynamicLossScaler.search_back_off`)
-runs a forward/backward per probe, so the probes are what it counts."""
+(Bentley & Yao 1976, "An almost optimal algorithm for unbounded searching"), started from a guess,
+and the first finite run over a range of loss scales built on it: the loss scaler's back-off search
+(:meth:`autoprec.training.scaler.DynamicLossScaler.search_back_off`) runs a forward/backward per
+probe, so the probes are what it counts."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TypeVar
 
-__all__ = ["first_true"]
+__all__ = ["first_finite_run", "first_true"]
+
+R = TypeVar("R")
 
 
 def first_true(holds: Callable[[int], bool], lo: int, hi: int, start: int) -> int:
@@ -36,3 +40,36 @@ def first_true(holds: Callable[[int], bool], lo: int, hi: int, start: int) -> in
         direction = turn
         j, step = j + turn * step, step * 2
     return hi
+
+
+def first_finite_run(run_at: Callable[[int], R], finite: Callable[[R], bool], last: int,
+                     start: int) -> tuple[R, int]:
+    """``(run_at(j), j)`` for the least ``j`` in ``1..last`` whose run is finite, ``run_at(0)`` being
+    known non-finite and finiteness monotone in ``j``; ``(run_at(last), last)`` when even
+    ``run_at(last)`` is not finite.
+
+    ``run_at(start)`` first (``start`` clamped to ``1..last``); when it is not finite,
+    ``run_at(last)`` next, so a range that never turns finite costs two runs; then
+    :func:`first_true` from ``start``. Only the finite run at the smallest ``j`` so far is kept
+    (one result alive besides the one being made: a run may hold a whole set of gradients).
+    """
+    kept: dict[int, R] = {}
+
+    def holds(j: int) -> bool:
+        r = run_at(j)
+        if not finite(r):
+            kept[-1] = r  # the last one's, should it overflow too
+            return False
+        kept.clear()
+        kept[j] = r  # runs that hold come at ever smaller j
+        return True
+
+    start = min(max(start, 1), last)
+    if holds(start):
+        lo, hi = 0, start
+    elif start == last or not holds(last):
+        return kept[-1], last
+    else:
+        lo, hi = start, last
+    j = first_true(holds, lo, hi, start)
+    return kept[j], j

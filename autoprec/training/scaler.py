@@ -17,9 +17,10 @@ fp16 ``DynamicLossScaler`` (``min_loss_scale``) and from failures seen in practi
   gradient shard) makes every rank skip and back off together, as torch's ``ShardedGradScaler``
   (torch/distributed/fsdp/sharded_grad_scaler.py, ``unscale_``) does (:mod:`autoprec.training.rank_flag`).
 
-:meth:`DynamicLossScaler.search_back_off` finds, by bisection, the scale where training's first steps
-stop backing off: what a drift measurement runs at (:func:`autoprec.measure.drift.measure_drift`). The
-checks of the configuration and of a loaded state dict are :mod:`autoprec.training._scaler_state`.
+:meth:`DynamicLossScaler.search_back_off` finds, by an exponential search, the scale where training's
+first steps stop backing off: what a drift measurement runs at
+(:func:`autoprec.measure.drift.measure_drift`). The checks of the configuration and of a loaded state
+dict are :mod:`autoprec.training._scaler_state`.
 
 Sources:
     * ``torch.amp.GradScaler`` (torch/amp/grad_scaler.py) and its ATen kernels
@@ -46,7 +47,7 @@ from autoprec.policy.loss_scaling import (
     to_fp32,
 )
 from autoprec.training._amp import amp_update_scale, unscale_grads_, unscaled_grad_norm
-from autoprec.training._gallop import first_true
+from autoprec.training._gallop import first_finite_run
 from autoprec.training._scaler_state import check_config, check_state
 from autoprec.training.rank_flag import any_rank, grad_device
 
@@ -313,11 +314,11 @@ class DynamicLossScaler:
         Training halves the scale after each overflowing step (``torch.amp.GradScaler``'s rule) and
         keeps the first scale whose gradients are finite: ``s_j`` of :meth:`back_off_scales`, ``j``
         at most ``max_backoffs``. Overflow grows with the scale (finite at ``s_j``, finite below),
-        so instead of one forward/backward per back-off: the floor first (non-finite there is a
-        failure at once), then an exponential search from ``j = hint``
-        (:func:`autoprec.training._gallop.first_true`): about ``2·log2(|j - hint| + 1)`` runs, 2
-        when the hint is right (a search passes its previous policy's back-offs). Only the scale
-        changes: the rest of the state (growth tracker, skip counters) is as it was.
+        so instead of one forward/backward per back-off: ``j = hint`` first (non-finite there, the
+        floor next, and non-finite at the floor is a failure at once), then an exponential search
+        from it (:func:`autoprec.training._gallop.first_finite_run`): about ``2·log2(|j - hint| + 1)``
+        runs, 2 when the hint is right (a search passes its previous policy's back-offs). Only the
+        scale changes: the rest of the state (growth tracker, skip counters) is as it was.
 
         Args:
             run: One forward/backward at this scaler's current scale.
@@ -341,23 +342,9 @@ class DynamicLossScaler:
             self.load_state_dict({**state, "scale": scales[j]})
             return run()
 
-        last = len(scales) - 1
-        best = at(last)
-        if not finite(best):
-            return best, last
-        kept = {last: best}  # the finite run at the smallest j so far (one gradient set alive)
-
-        def finite_at(j: int) -> bool:
-            r = at(j)
-            if not finite(r):
-                return False
-            kept.clear()
-            kept[j] = r  # probes that hold come at ever smaller j
-            return True
-
-        j = first_true(finite_at, 0, last, hint)  # s_0 overflows (``first``), s_last is finite
+        r, j = first_finite_run(at, finite, len(scales) - 1, hint)
         self.load_state_dict({**state, "scale": scales[j]})
-        return kept[j], j
+        return r, j
 
     # ----------------------------------------------------------------- checkpointing
     def state_dict(self) -> dict[str, Any]:
