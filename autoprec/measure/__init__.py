@@ -19,9 +19,9 @@ from autoprec.measure.drift import (
     is_compiled,
     measure_drift,
 )
-from autoprec.measure.harness import MIN_TIMED_STEPS, TIMED_BUDGET_S, Harness, batch_shapes, describe_failure
+from autoprec.measure.harness import MIN_TIMED_STEPS, TIMED_BUDGET_S, Harness, batch_shapes
 from autoprec.measure.load import BusyMachineError, LoadCheck, LoadMonitor
-from autoprec.measure.measurement import Measurement
+from autoprec.measure.measurement import Measurement, describe_failure
 from autoprec.measure.memory import PeakBytes, SavedBytes, optimizer_state_bytes, training_state_bytes
 from autoprec.measure.timing import (
     BOOTSTRAP_RESAMPLES,

@@ -22,7 +22,7 @@ from autoprec.capture import PROBE_BATCHES, capture_for, tensor_shapes
 from autoprec.device import sync
 from autoprec.measure import screening
 from autoprec.measure.drift import DRIFT_BATCHES, Grads, References, draws_random, is_compiled, measure_drift
-from autoprec.measure.measurement import Measurement
+from autoprec.measure.measurement import Measurement, describe_failure
 from autoprec.measure.memory import SavedBytes, training_state_bytes
 from autoprec.metrics import median
 from autoprec.modelspec import ModelSpec, split_batch
@@ -31,7 +31,7 @@ from autoprec.training.scaler import DynamicLossScaler
 from autoprec.training.steps import StepsTooSlow, run_steps, slow_step_guard
 from autoprec.training.train import TrainStep
 
-__all__ = ["MIN_TIMED_STEPS", "TIMED_BUDGET_S", "Harness", "batch_shapes", "describe_failure"]
+__all__ = ["MIN_TIMED_STEPS", "TIMED_BUDGET_S", "Harness", "batch_shapes"]
 
 #: Timed steps a measurement always runs (their median is the step time), and the seconds of timed
 #: steps after which it runs no more of its ``steps``: screening ranks policies, and the finalists
@@ -85,7 +85,7 @@ class Harness:
         backoff_hint: Batch 0's loss-scale back-offs in the last drift measurement that made any (1
             before any did): where the next one's back-off search starts (only its number of passes
             depends on it).
-        update_s: :func:`autoprec.measure.screening.update_seconds`'s cache, by ``scaled``.
+        update_s: :meth:`update_seconds`'s cache, by ``scaled``.
 
     Raises:
         CaptureError: the model cannot be captured.
@@ -119,7 +119,7 @@ class Harness:
         self.random = draws_random(self.graph_module)
         self._compiled_fp32: CompiledGraph | None = None
         self.backoff_hint = 1  # batch 0's back-offs in the last drift that made any (measure_drift)
-        self.update_s: dict[bool, float] = {}  # screening.update_seconds, by "a loss scaler unscales"
+        self.update_s: dict[bool, float] = {}  # update_seconds, by "a loss scaler unscales"
         # eager references now, with this harness's parameters (bench's low-precision copies share them)
         self._refs = References()
         for k in range(self.drift_batches):
@@ -276,8 +276,9 @@ class Harness:
             return Measurement(error=describe_failure(e))
         if m.error is not None or not timing:
             return m
-        if screen and screening.applies(self, fn, m):
-            return screening.from_drift_passes(self, m, scaled=scaler is not None)
+        if screen and screening.applies(self.device, fn, m):
+            return screening.from_drift_passes(m, self.batches, self.spec.tokens_per_batch,
+                                               self.update_seconds(scaled=scaler is not None))
         try:
             m.step_times = self._time(fn, scaler_factory(), autocast_dtype, max_step_s)
         except StepsTooSlow as e:
@@ -292,6 +293,19 @@ class Harness:
         if self.device.type == "cuda":
             m.peak_bytes = int(torch.cuda.max_memory_allocated(self.device))
         return m
+
+    def update_seconds(self, scaled: bool) -> float:
+        """Seconds of a training step's update on these parameters, with (``scaled``) or without a
+        default :class:`DynamicLossScaler`: :func:`autoprec.measure.screening.time_update` on batch
+        0's FP32 reference gradients with the model file's optimizer; measured on first use per
+        ``scaled``, then cached (:attr:`update_s`); the weights are restored afterwards."""
+        if scaled not in self.update_s:
+            step = self.train_step(self.graph_module, DynamicLossScaler() if scaled else None, None)
+            try:
+                self.update_s[scaled] = screening.time_update(step, self.ref_grads, self.device)
+            finally:
+                self.restore()
+        return self.update_s[scaled]
 
     def train_step(self, fn: Callable[..., Any], scaler: DynamicLossScaler | None,
                    autocast_dtype: torch.dtype | None) -> TrainStep:
@@ -370,14 +384,6 @@ def batch_shapes(batches: list[Any]) -> list[str]:
         if text not in out:
             out.append(text)
     return out
-
-
-def describe_failure(e: BaseException) -> str:
-    """One line for a failed measurement: ``"<kind>: <first line of the message, ≤ 300 chars>"``,
-    the kind ``out of memory`` when the message says so, else the exception's class name."""
-    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    kind = "out of memory" if "out of memory" in str(e).lower() else type(e).__name__
-    return f"{kind}: {text[:300]}"
 
 
 class _NoOpt:

@@ -1,12 +1,13 @@
-"""What one measurement holds (:class:`Measurement`, docs/architecture.md#measurements);
-:mod:`autoprec.measure.harness` fills it, its memory by the rule of :mod:`autoprec.measure.memory`."""
+"""What one measurement holds (:class:`Measurement`, docs/architecture.md#measurements) and the line
+its ``error`` gives for a failure (:func:`describe_failure`); :mod:`autoprec.measure.harness` fills
+it, its memory by the rule of :mod:`autoprec.measure.memory`."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
 
-__all__ = ["Measurement"]
+__all__ = ["Measurement", "describe_failure"]
 
 
 @dataclass
@@ -54,3 +55,11 @@ class Measurement:
     pass_times: list[float] = field(default_factory=list)
     error: str | None = None
     note: str | None = None
+
+
+def describe_failure(e: BaseException) -> str:
+    """One line for a failed measurement: ``"<kind>: <first line of the message, ≤ 300 chars>"``,
+    the kind ``out of memory`` when the message says so, else the exception's class name."""
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    kind = "out of memory" if "out of memory" in str(e).lower() else type(e).__name__
+    return f"{kind}: {text[:300]}"

@@ -14,69 +14,62 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import torch
 
 from autoprec.device import sync
 from autoprec.measure.drift import is_compiled
 from autoprec.measure.measurement import Measurement
 from autoprec.metrics import median
-from autoprec.training.scaler import DynamicLossScaler
+from autoprec.training.train import TrainStep
 
-if TYPE_CHECKING:
-    from autoprec.measure.harness import Harness
-
-__all__ = ["UPDATE_RUNS", "applies", "from_drift_passes", "update_seconds"]
+__all__ = ["UPDATE_RUNS", "applies", "from_drift_passes", "time_update"]
 
 #: Timed runs of the update (after one untimed run, whose optimizer step creates its state, e.g.
-#: AdamW's moments); their median is :func:`update_seconds`.
+#: AdamW's moments); their median is what :func:`time_update` returns.
 UPDATE_RUNS = 3
 
 
-def applies(h: Harness, fn: Callable[..., Any], m: Measurement) -> bool:
+def applies(device: torch.device, fn: Callable[..., Any], m: Measurement) -> bool:
     """Whether a screening measurement ``m`` of ``fn`` takes its step times from its drift passes:
     ``fn`` is eager (a compiled one's first pass compiles), the device is the CPU (CUDA's peak
     bytes are read after real steps, whose optimizer state a drift pass lacks), and a pass beside
     batch 0's was timed (two or more drift batches, all finite)."""
-    return h.device.type == "cpu" and not is_compiled(fn) and len(m.pass_times) > 1
+    return device.type == "cpu" and not is_compiled(fn) and len(m.pass_times) > 1
 
 
-def from_drift_passes(h: Harness, m: Measurement, scaled: bool) -> Measurement:
-    """Fill ``m``'s ``step_times`` (seconds: batch k's forward+backward, k ≥ 1, plus
-    :func:`update_seconds`), ``step_s`` (their median) and ``tokens_per_s`` (the mean tokens of
-    batches ``1..K-1`` per ``step_s``); returns ``m``.
+def from_drift_passes(m: Measurement, batches: list[Any], tokens_per_batch: Callable[[Any], int],
+                      update_s: float) -> Measurement:
+    """Fill ``m``'s ``step_times`` (seconds: drift batch k's forward+backward, k ≥ 1, plus
+    ``update_s``), ``step_s`` (their median) and ``tokens_per_s`` (the mean tokens of
+    ``batches[1:K]`` per ``step_s``); returns ``m``.
 
     Args:
-        h: The harness ``m`` was measured on.
-        m: A drift measurement with ``pass_times`` (:meth:`Harness.drift`).
-        scaled: The trial trains with a loss scaler (its update unscales first).
+        m: A drift measurement with ``pass_times`` (``Harness.drift``).
+        batches: The harness's batches (drift batch k is ``batches[k]``).
+        tokens_per_batch: The model file's ``tokens_per_batch``.
+        update_s: Seconds of the update (``Harness.update_seconds``).
     """
-    update = update_seconds(h, scaled)
-    m.step_times = [s + update for s in m.pass_times[1:]]
+    m.step_times = [s + update_s for s in m.pass_times[1:]]
     m.step_s = median(m.step_times)
-    timed = h.batches[1:len(m.pass_times)]
-    m.tokens_per_s = sum(h.spec.tokens_per_batch(b) for b in timed) / len(timed) / m.step_s
+    timed = batches[1:len(m.pass_times)]
+    m.tokens_per_s = sum(tokens_per_batch(b) for b in timed) / len(timed) / m.step_s
     return m
 
 
-def update_seconds(h: Harness, scaled: bool) -> float:
-    """Median wall-clock seconds (device synchronised) of a training step's update on ``h``'s
-    parameters: ``TrainStep.finish`` with the model file's optimizer, a default
-    :class:`DynamicLossScaler` when ``scaled``, on batch 0's FP32 reference gradients, over
-    :data:`UPDATE_RUNS` runs after an untimed one. Measured on first use per ``scaled`` and cached
-    in ``h.update_s``; the weights are restored afterwards."""
-    if scaled not in h.update_s:
-        step = h.train_step(h.graph_module, DynamicLossScaler() if scaled else None, None)
-        times = []
-        try:
-            for _ in range(1 + UPDATE_RUNS):
-                for p, g in zip(h.params, h.ref_grads, strict=True):
-                    p.grad = g.clone()
-                sync(h.device)
-                t0 = time.perf_counter()
-                step.finish()
-                sync(h.device)
-                times.append(time.perf_counter() - t0)
-        finally:
-            h.restore()
-        h.update_s[scaled] = median(times[1:])
-    return h.update_s[scaled]
+def time_update(step: TrainStep, grads: list[torch.Tensor], device: torch.device) -> float:
+    """Median wall-clock seconds (device synchronised) of ``step.finish()`` (unscale when ``step``
+    has a scaler, the optimizer step, the scaler's update, zero grad) over :data:`UPDATE_RUNS` runs
+    after an untimed one, each with ``step.params``' gradients set to copies of ``grads`` (fp32,
+    one per parameter). The parameters are updated: the caller restores them."""
+    times = []
+    for _ in range(1 + UPDATE_RUNS):
+        for p, g in zip(step.params, grads, strict=True):
+            p.grad = g.clone()
+        sync(device)
+        t0 = time.perf_counter()
+        step.finish()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return median(times[1:])

@@ -25,7 +25,8 @@ from typing import Any
 
 import torch
 
-from autoprec.measure.harness import Harness, describe_failure
+from autoprec.measure.harness import Harness
+from autoprec.measure.measurement import describe_failure
 from autoprec.measure.memory import optimizer_state_bytes
 from autoprec.metrics import median
 from autoprec.training.scaler import DynamicLossScaler

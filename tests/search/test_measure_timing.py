@@ -78,7 +78,7 @@ def test_a_screening_trial_runs_each_drift_batch_once_and_times_those_passes(har
     m = harness.measure(fn, screen=True)
     assert m.error is None
     assert fn.calls == harness.drift_batches  # no warm-up or timed steps beside the drift passes
-    update = screening.update_seconds(harness, scaled=False)
+    update = harness.update_seconds(scaled=False)
     assert len(m.pass_times) == harness.drift_batches
     assert m.step_times == [s + update for s in m.pass_times[1:]]  # batch 0 (memory hooks) untimed
     assert min(m.pass_times) >= SLEEP_S  # each pass timed around its forward
@@ -100,9 +100,9 @@ def test_the_update_is_timed_once_per_scaler_kind_and_leaves_the_weights(harness
         return torch.optim.AdamW(params)
 
     monkeypatch.setattr(harness, "spec", dataclasses.replace(harness.spec, make_optimizer=make_optimizer))
-    unscaled = screening.update_seconds(harness, scaled=False)
-    assert screening.update_seconds(harness, scaled=False) == unscaled and len(made) == 1  # cached
-    scaled = screening.update_seconds(harness, scaled=True)
+    unscaled = harness.update_seconds(scaled=False)
+    assert harness.update_seconds(scaled=False) == unscaled and len(made) == 1  # cached
+    scaled = harness.update_seconds(scaled=True)
     assert len(made) == 2 and unscaled > 0 and scaled > 0
     assert all(torch.equal(p, q) and p.grad is None for p, q in zip(harness.params, before, strict=True))
 
@@ -113,5 +113,5 @@ def test_one_drift_batch_times_real_steps(tmp_path):
     h = Harness(load_model_spec(f), torch.device("cpu"), warmup=1, steps=3, drift_batches=1)
     fn = Counting(h.graph_module)
     m = h.measure(fn, screen=True)
-    assert not screening.applies(h, fn, m)  # batch 0's pass alone counts memory: nothing to time
+    assert not screening.applies(h.device, fn, m)  # batch 0's pass alone counts memory: nothing to time
     assert fn.calls == 1 + 1 + 3 and len(m.step_times) == 3  # the drift pass, a warm-up, timed steps
