@@ -86,6 +86,7 @@ class Objective:
             raise
 
     def _measure(self, trial: optuna.Trial) -> tuple[float, float, float] | float:
+        _beat(trial)
         trial.set_user_attr(attrs.WORKER, f"{socket.gethostname()}:{os.getpid()}")  # see is_dead_worker
         params = self.space.suggest(trial)
         policy = self.space.to_policy(params)
@@ -120,6 +121,17 @@ class Objective:
         if m.error is not None:
             return math.nan
         return m.tokens_per_s, m.grad_rel_l2, float(m.peak_bytes)
+
+
+def _beat(trial: optuna.Trial) -> None:
+    """On a storage with heartbeats, record this trial's heartbeat now, before the trial names its
+    worker. Optuna's heartbeat thread records its first one concurrently with the objective, and
+    ``fail_stale_trials`` passes over a RUNNING trial that has none: a worker on another machine
+    killed in between left a named trial that no rule could give up (:func:`reap_dead_trials`; the
+    orphan rule covers unnamed ones). So a named trial always has a heartbeat."""
+    storage = trial.study._storage
+    if getattr(storage, "get_heartbeat_interval", lambda: None)() is not None:
+        storage.record_heartbeat(trial._trial_id)
 
 
 def _record(trial: optuna.Trial, m: Measurement, budget: DriftBudget) -> None:

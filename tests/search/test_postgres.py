@@ -238,3 +238,28 @@ def test_plain_postgresql_url_opens_a_study_with_heartbeats(monkeypatch, study_n
         assert study._storage._backend.grace_period == 2 * GRACE_BEATS
     finally:
         study._storage._backend.engine.dispose()
+
+
+@needs_server
+def test_a_named_trial_has_a_heartbeat_so_a_lost_worker_is_found(monkeypatch, study_name):
+    """The objective records a heartbeat before it names its worker: Optuna's ``fail_stale_trials``
+    passes over a RUNNING trial without one, so a worker on another machine killed between starting
+    a trial and its heartbeat thread's first beat left a trial nobody could give up."""
+    from autoprec.search.objective import _beat, reap_dead_trials
+    from autoprec.search.storage import GRACE_BEATS, open_study
+
+    monkeypatch.setenv("AUTOPREC_HEARTBEAT_S", "1")
+    study = open_study(URL, study_name)
+    try:
+        beaten, silent = study.ask(), study.ask()  # ask() starts no heartbeat thread
+        _beat(beaten)
+        for t in (beaten, silent):
+            study._storage.set_trial_user_attr(t._trial_id, WORKER, "a-machine-that-is-gone:1")
+        time.sleep(GRACE_BEATS + 1.5)
+        reap_dead_trials(study)
+        states = {t.number: t.state for t in study.get_trials(deepcopy=False)}
+        assert states[beaten.number] == optuna.trial.TrialState.FAIL  # given up, and queued again:
+        assert optuna.trial.TrialState.WAITING in states.values()
+        assert states[silent.number] == optuna.trial.TrialState.RUNNING  # the hole _beat closes
+    finally:
+        study._storage._backend.engine.dispose()
