@@ -277,7 +277,8 @@ class Harness:
         if m.error is not None or not timing:
             return m
         if screen and screening.applies(self.device, fn, m):
-            return screening.from_drift_passes(m, self.batches, self.spec.tokens_per_batch,
+            timed = len(m.pass_times) - 1  # drift batches 1..K-1, as though after one warm-up step
+            return screening.from_drift_passes(m, self._timed_tokens(timed, 1),
                                                self.update_seconds(scaled=scaler is not None))
         try:
             m.step_times = self._time(fn, scaler_factory(), autocast_dtype, max_step_s)

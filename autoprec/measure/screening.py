@@ -39,22 +39,20 @@ def applies(device: torch.device, fn: Callable[..., Any], m: Measurement) -> boo
     return device.type == "cpu" and not is_compiled(fn) and len(m.pass_times) > 1
 
 
-def from_drift_passes(m: Measurement, batches: list[Any], tokens_per_batch: Callable[[Any], int],
-                      update_s: float) -> Measurement:
+def from_drift_passes(m: Measurement, tokens_per_step: float, update_s: float) -> Measurement:
     """Fill ``m``'s ``step_times`` (seconds: drift batch k's forward+backward, k ≥ 1, plus
-    ``update_s``), ``step_s`` (their median) and ``tokens_per_s`` (the mean tokens of
-    ``batches[1:K]`` per ``step_s``); returns ``m``.
+    ``update_s``), ``step_s`` (their median) and ``tokens_per_s`` (``tokens_per_step / step_s``);
+    returns ``m``.
 
     Args:
         m: A drift measurement with ``pass_times`` (``Harness.drift``).
-        batches: The harness's batches (drift batch k is ``batches[k]``).
-        tokens_per_batch: The model file's ``tokens_per_batch``.
+        tokens_per_step: Mean tokens of the timed drift batches ``1..K-1`` (the harness's
+            ``tokens_per_batch`` rule).
         update_s: Seconds of the update (``Harness.update_seconds``).
     """
     m.step_times = [s + update_s for s in m.pass_times[1:]]
     m.step_s = median(m.step_times)
-    timed = batches[1:len(m.pass_times)]
-    m.tokens_per_s = sum(tokens_per_batch(b) for b in timed) / len(timed) / m.step_s
+    m.tokens_per_s = tokens_per_step / m.step_s
     return m
 
 

@@ -130,8 +130,13 @@ def _beat(trial: optuna.Trial) -> None:
     killed in between left a named trial that no rule could give up (:func:`reap_dead_trials`; the
     orphan rule covers unnamed ones). So a named trial always has a heartbeat."""
     storage = trial.study._storage
-    if getattr(storage, "get_heartbeat_interval", lambda: None)() is not None:
+    if _has_heartbeats(storage):
         storage.record_heartbeat(trial._trial_id)
+
+
+def _has_heartbeats(storage: optuna.storages.BaseStorage) -> bool:
+    """Whether ``storage`` records Optuna heartbeats (a database server: ``storage.rdb_storage``)."""
+    return getattr(storage, "get_heartbeat_interval", lambda: None)() is not None
 
 
 def _record(trial: optuna.Trial, m: Measurement, budget: DriftBudget) -> None:
@@ -218,7 +223,7 @@ def reap_dead_trials(study: optuna.Study) -> None:
     workers reaping one trial at once is fine: only the one whose FAIL lands queues it again.
     """
     storage = study._storage
-    heartbeat = getattr(storage, "get_heartbeat_interval", lambda: None)() is not None
+    heartbeat = _has_heartbeats(storage)
     for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
         if not is_dead_worker(t):
             continue
