@@ -231,14 +231,18 @@ def captured_dtype(node: fx.Node) -> str | None:
 
 
 def classify(node: fx.Node) -> str:
-    """The op class of a ``call_function`` node: matmul / sensitive / follow / nonfloat.
+    """The op class of a ``call_function`` node: matmul / sensitive / follow / nonfloat / region.
 
-    A node whose output is not a floating tensor is ``nonfloat`` whatever its op. An op
-    missing from :data:`OP_TABLE` is ``follow``, with a one-time ``UserWarning`` naming it.
+    A region op (:data:`REGION_OPS`: a user's ``torch.autocast`` or ``torch.no_grad()`` block) is
+    ``region``, kept whole in fp32 by the assign pass. Any other node whose output is not a floating
+    tensor is ``nonfloat`` whatever its op. An op missing from :data:`OP_TABLE` is ``follow``, with
+    a one-time ``UserWarning`` naming it.
     """
+    name = op_name(node)
+    if name in REGION_OPS:
+        return "region"
     if not produces_float(node):
         return "nonfloat"
-    name = op_name(node)
     entry = OP_TABLE.get(name)
     if entry is None:
         if name not in _warned:

@@ -35,7 +35,6 @@ from autoprec.graph import check_placement_mode, place_follow
 from autoprec.nodemeta import NodeMeta, meta_of, read_meta
 from autoprec.ops import (
     FIXED_DTYPE_OPS,
-    REGION_OPS,
     RMSNORM_REASON,
     captured_dtype,
     classify,
@@ -277,12 +276,10 @@ def _constants_after(nodes, mode: str) -> int:
 
 
 def _decide(node, meta: NodeMeta, orig, policy: Policy, labels, casting) -> None:
-    cls = "sensitive" if meta.pattern == "rms_norm" and classify(node) != "nonfloat" else None
+    cls = classify(node)
     op = meta.op or ""
-    if op in REGION_OPS:
-        cls = "region"
-    elif cls is None:
-        cls = classify(node)
+    if meta.pattern == "rms_norm" and cls != "nonfloat":
+        cls = "sensitive"
     meta.op_class = cls
     meta.reason = RMSNORM_REASON if meta.pattern == "rms_norm" else reason(op)
     if cls == "nonfloat" or (orig is None and cls != "region"):

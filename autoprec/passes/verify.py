@@ -150,17 +150,21 @@ class Verify(PassBase):
         Raises:
             PassError: shape/dtype propagation failed.
         """
-        if not _symbolic(gm):
+        # torch's wrap_with_set_grad_enabled (a no_grad region) does not restore the grad mode when
+        # its body raises, as it does on the meta device: restore it here, whatever happens inside.
+        with torch.set_grad_enabled(torch.is_grad_enabled()):
+            if not _symbolic(gm):
+                try:
+                    MetaProp(gm).run(*[None for n in gm.graph.nodes if n.op == "placeholder"])
+                    return PassResult(gm, False)
+                except Exception:  # no meta kernel, data-dependent sizes: fake tensors handle these
+                    pass
             try:
-                MetaProp(gm).run(*[None for n in gm.graph.nodes if n.op == "placeholder"])
-                return PassResult(gm, False)
-            except Exception:  # no meta kernel, data-dependent sizes: fake tensors handle these
-                pass
-        try:
-            mode, inputs = _fake_inputs(gm)
-            FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*inputs)
-        except Exception as e:
-            raise pass_error(PASS, None, f"shape/dtype propagation failed: {type(e).__name__}: {e}") from e
+                mode, inputs = _fake_inputs(gm)
+                FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*inputs)
+            except Exception as e:
+                raise pass_error(PASS, None,
+                                 f"shape/dtype propagation failed: {type(e).__name__}: {e}") from e
         return PassResult(gm, False)
 
     def ensures(self, gm: fx.GraphModule) -> None:

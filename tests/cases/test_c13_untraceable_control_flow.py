@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -104,3 +106,38 @@ def test_c13_autocast_disabled_and_no_grad_regions_kept(policy):
     r.graph_module(x).sum().backward()
     rel = (m.a.weight.grad - g32).norm() / g32.norm()
     assert rel < 5e-2
+
+
+class DeviceCopyInNoGrad(nn.Module):
+    """A no_grad region whose body cannot run on the meta device (``.to(x.device)`` copies to the
+    CPU), as transformers' rotary embeddings (``@torch.no_grad()``, 5.17) are captured."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.register_buffer("freq", torch.arange(16.0))
+
+    def forward(self, x):
+        with torch.no_grad():
+            f = torch.cos(self.freq[None, :].float().expand(x.shape[0], -1).to(x.device))
+        return (self.fc(x) * f).square().mean()
+
+
+def test_c13_failed_region_propagation_leaves_grad_mode_on():
+    # torch's wrap_with_set_grad_enabled does not restore the grad mode when its body raises (here:
+    # on the meta device, before the verify pass falls back to fake tensors); a pass that leaked
+    # it would leave the caller's training step without gradients.
+    torch.manual_seed(0)
+    m, x = DeviceCopyInNoGrad(), torch.randn(4, 16)
+    gm = capture(m, (x,), dynamic=False)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*not in the op table")  # a region is a region
+        r = run_pipeline(gm, Policy.default("bf16"))
+    assert torch.is_grad_enabled()
+    loss = r.graph_module(x)
+    assert loss.requires_grad
+    loss.backward()
+    g = m.fc.weight.grad.clone()
+    m.zero_grad()
+    m(x).backward()
+    assert (g - m.fc.weight.grad).norm() / m.fc.weight.grad.norm() < 5e-2  # bf16 outside the region
