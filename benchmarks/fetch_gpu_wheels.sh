@@ -3,8 +3,8 @@
 #
 # Usage: benchmarks/fetch_gpu_wheels.sh [DEST]      (default DEST: .whl at the repo root)
 #
-# The GPU machine has Python 3.12, torch and Triton but no Optuna, networkx, transformers or matplotlib.
-# This takes optuna, networkx, transformers and matplotlib plus their runtime dependency closure, pinned to
+# The GPU machine has Python 3.12, torch and Triton but may lack Optuna, networkx, transformers,
+# matplotlib or torchao (fp8). This takes those five plus their runtime dependency closure, pinned to
 # the versions installed in this checkout's venv (PY, default .venv/bin/python, so what was
 # tested here is what runs there), and downloads cp312 manylinux / pure-python wheels, one
 # package at a time with --no-deps. gpu_check.sh installs only those not already installed there.
@@ -28,7 +28,7 @@ from packaging.requirements import Requirement
 env = default_environment() | {"python_version": "3.12", "python_full_version": "3.12.0",
                                "sys_platform": "linux", "platform_system": "Linux",
                                "platform_machine": "x86_64", "extra": ""}
-roots = ["optuna", "networkx", "transformers", "matplotlib"]  # matplotlib: tune's report plots
+roots = ["optuna", "networkx", "transformers", "matplotlib", "torchao"]  # plots; torchao: fp8
 skip = {"torch", "triton", *os.environ.get("EXCLUDE", "").split()}  # the GPU machine brings torch
 seen, todo = {}, list(roots)
 while todo:
@@ -51,6 +51,6 @@ echo "fetching ${#PINS[@]} packages into $DEST: ${PINS[*]}"
 for pin in "${PINS[@]}"; do
   "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-    -d "$DEST" "$pin"
+    --platform manylinux_2_24_x86_64 -d "$DEST" "$pin"
 done
 ls -1 "$DEST"

@@ -40,7 +40,8 @@ def _fake_inputs(gm: fx.GraphModule) -> tuple[Any, list]:
 
     With symbolic placeholder shapes: the export's own mode and fake values (its ``ShapeEnv`` holds
     the symbols and their ranges). Otherwise a fresh mode and fake copies of the recorded shapes.
-    Either mode accepts real tensors (the graph's parameters).
+    Either mode accepts real tensors (the graph's parameters). The fake copies keep the recorded
+    device (a graph captured on CUDA has CUDA inputs beside its CUDA parameters).
 
     Raises:
         RuntimeError: the shapes are symbolic but the placeholders carry no fake mode.
@@ -53,8 +54,9 @@ def _fake_inputs(gm: fx.GraphModule) -> tuple[Any, list]:
         mode.allow_non_fake_inputs = True  # export's mode already does; parameters are real tensors
         return mode, vals
     mode = new_fake_mode(allow_non_fake_inputs=True)
-    return mode, [mode.from_tensor(torch.empty(v.shape, dtype=v.dtype)) if isinstance(v, torch.Tensor)
-                  else v for v in vals]
+    with mode:  # factories in the mode make fake tensors: nothing allocated on the device
+        return mode, [torch.empty_strided(tuple(v.shape), tuple(v.stride()), dtype=v.dtype, device=v.device)
+                      if isinstance(v, torch.Tensor) else v for v in vals]
 
 
 def _symbolic(gm: fx.GraphModule) -> bool:

@@ -3,6 +3,7 @@ propagation at every node, and fake tensors where meta propagation cannot run.""
 
 from __future__ import annotations
 
+import copy
 import sys
 
 import pytest
@@ -73,3 +74,21 @@ def test_where_meta_propagation_fails_fake_tensors_verify_and_still_catch_a_wron
         passes[-1:].resume(verify_mod.PassResult(lowered, True, {}))
     assert calls and all(n.meta["val"].device.type == "cpu" for n in lowered.graph.nodes
                          if n.op == "call_function" and isinstance(n.meta.get("val"), torch.Tensor))
+
+
+def test_fake_inputs_keep_the_recorded_device(qwen2_graph):
+    # On a GPU the placeholders were recorded on cuda beside cuda parameters; fake copies made on the
+    # CPU made an embedding of cuda weights and cpu ids fail ("found two different devices").
+    gm = copy.deepcopy(qwen2_graph)
+    with new_fake_mode(allow_non_fake_inputs=True):
+        for n in gm.graph.nodes:
+            v = n.meta.get("val")
+            if n.op == "placeholder" and isinstance(v, torch.Tensor):
+                n.meta["val"] = torch.empty_strided(tuple(v.shape), tuple(v.stride()), dtype=v.dtype,
+                                                    device="cuda")  # fake: no GPU needed
+    want = [(tuple(n.meta["val"].shape), n.meta["val"].dtype) for n in gm.graph.nodes
+            if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)]
+    _mode, inputs = verify_mod._fake_inputs(gm)
+    tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
+    assert tensors and all(t.device.type == "cuda" for t in tensors)
+    assert [(tuple(t.shape), t.dtype) for t in tensors] == want
