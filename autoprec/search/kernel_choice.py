@@ -9,7 +9,7 @@ import math
 from typing import Any
 
 from autoprec.device import autocast_dtype
-from autoprec.dtypes import LOW_DTYPES
+from autoprec.dtypes import LOW_DTYPES, NAMES
 from autoprec.search.probe import kernel_fields, matmul_shape_counts, matmul_shapes, probe_kernels
 from autoprec.search.progress import log
 from autoprec.search.space import SearchSpace, find_blocks, has_attention, outside_matmuls
@@ -44,9 +44,9 @@ def probe_phase(run: Any, forced: list[str] | None, saved: tuple[str, ...] = ())
                                       if kernel_fields(k)[0] in LOW_DTYPES))
     blocks = find_blocks(run.gm)
     run.probes = probe.to_dict()
-    run.space = SearchSpace(kernels, blocks, outside_matmuls(run.gm, blocks), saved=saved,
-                            attention=has_attention(run.gm))
     run.ac_dtype = autocast_dtype(run.dev, storage_lows)
+    run.space = SearchSpace(kernels, blocks, outside_matmuls(run.gm, blocks), saved=saved,
+                            attention=has_attention(run.gm), twin_dtype=NAMES[run.ac_dtype])
 
 
 def adopt_study_kernels(run: Any, choices: list[str] | None) -> None:
@@ -66,10 +66,10 @@ def adopt_study_kernels(run: Any, choices: list[str] | None) -> None:
         f"{', '.join(run.space.dtypes)}: searching the study's kernels (its probe's decision)", run.quiet)
     blocks = run.space.blocks or find_blocks(run.gm)  # a space without low kernels holds no blocks
     nodes = run.space.nodes or outside_matmuls(run.gm, blocks)
-    run.space = SearchSpace(lows, blocks, nodes, saved=run.space.saved[1:],
-                            attention=bool(run.space.attention))
     storage_lows = list(dict.fromkeys(kernel_fields(k)[0] for k in lows if kernel_fields(k)[0] in LOW_DTYPES))
     run.ac_dtype = autocast_dtype(run.dev, storage_lows)
+    run.space = SearchSpace(lows, blocks, nodes, saved=run.space.saved[1:],
+                            attention=bool(run.space.attention), twin_dtype=NAMES[run.ac_dtype])
 
 
 def probe_decision(probes: dict[str, Any]) -> dict[str, Any]:

@@ -35,8 +35,9 @@ SAVED_LEVERS: tuple[str, ...] = ("bf16", "fp8_e5m2")
 #: Baseline parameter sets enqueued first (docs/architecture.md#data-flow): all fp32; the autocast
 #: twin (matmuls low, sensitive fp32, the rest by type promotion: ``Policy.autocast``) and its
 #: neighbours, one op class moved at a time: the rest placed by min-cut, all low except sensitive,
-#: all low. ``{low}`` is the fastest kept kernel, ``{lowf}`` the fastest kept kernel with
-#: low-precision storage (no fp8: it is for matmuls only).
+#: all low. ``{low}`` and ``{lowf}`` are the kernel of torch.autocast's dtype (``twin_dtype``, the
+#: drift budget's baseline), else the fastest kept kernel (``{lowf}``: with low-precision storage;
+#: no fp8, which is for matmuls only).
 BASELINES: tuple[tuple[str, Mapping[str, str]], ...] = (
     ("fp32", {"matmul": "fp32", "sensitive": "fp32", "follow": "fp32"}),
     ("autocast-twin", {"matmul": "{low}", "sensitive": "fp32", "follow": "promote"}),
@@ -114,6 +115,12 @@ class SearchSpace:
         nodes: Node keys with their own parameter (:func:`outside_matmuls`).
         saved: The memory lever's saved dtypes (:data:`SAVED_LEVERS`), or empty.
         attention: Whether to search ``attention`` (:func:`has_attention` on the graph).
+        twin_dtype: torch.autocast's low dtype name (``"fp16"``, ``"bf16"``;
+            :func:`autoprec.device.autocast_dtype`), or None. The baselines (:data:`BASELINES`) use
+            its kernel: the native one when kept, else the fastest kept one storing it, else the
+            fastest kept kernel. torch.autocast's drift sets the budget, so its twin must compute
+            as it does: a bf16 twin of an fp16 autocast (CUDA's default, where bf16 kernels are as
+            fast) has ~8x its drift and is never feasible.
 
     Attributes:
         low_kernels: As given, fastest first (``low_dtypes`` is the same list).
@@ -125,10 +132,11 @@ class SearchSpace:
     """
 
     def __init__(self, low_kernels: list[str], blocks: list[str] = (), nodes: list[str] = (),
-                 saved: Sequence[str] = (), attention: bool = False) -> None:
+                 saved: Sequence[str] = (), attention: bool = False, twin_dtype: str | None = None) -> None:
         for k in low_kernels:
             kernel_fields(k)
         self.low_kernels = list(low_kernels)
+        self.twin_dtype = twin_dtype
         # The choices in a fixed order, not by speed: a resumed study must offer the same choices
         # even when a re-run's probe orders two kernels the other way (Optuna refuses otherwise).
         self.dtypes = ["fp32", *sorted(set(self.low_kernels), key=KERNELS.index)]
@@ -187,7 +195,8 @@ class SearchSpace:
         if not self.low_kernels:
             return [(BASELINES[0][0], dict(BASELINES[0][1]) | ({"saved": "none"} if self.saved else {}))]
         floats = [k for k in self.low_kernels if k != FP8_COMPUTE]
-        fill = {"low": self.low_kernels[0], "lowf": floats[0] if floats else None,
+        low = self._twin_kernel()
+        fill = {"low": low or self.low_kernels[0], "lowf": low or (floats[0] if floats else None),
                 "c": next((k for k in floats if k.endswith(":fp32")), None)}
         out: list[tuple[str, dict[str, str]]] = []
         for name, p in (*BASELINES, FP32_COMPUTE_BASELINE):
@@ -201,9 +210,14 @@ class SearchSpace:
             out.append((ATTENTION_BASELINE[0], twin | ATTENTION_BASELINE[1]))
         return out
 
+    def _twin_kernel(self) -> str | None:
+        """The kept kernel of :attr:`twin_dtype` (native first, then by speed), or None."""
+        same = [k for k in self.low_kernels if self.twin_dtype and kernel_fields(k)[0] == self.twin_dtype]
+        return self.twin_dtype if self.twin_dtype in same else next(iter(same), None)
+
     def twin(self) -> dict[str, str] | None:
-        """The autocast twin's parameter set (``Policy.autocast`` at the fastest kept kernel), or
-        None when no low kernel is kept."""
+        """The autocast twin's parameter set (``Policy.autocast`` at torch.autocast's dtype's kernel,
+        else the fastest kept one), or None when no low kernel is kept."""
         return self._baseline("autocast-twin")
 
     def attention_twin(self) -> dict[str, str] | None:

@@ -251,6 +251,7 @@ def test_joining_worker_adopts_the_studys_kernels():
     assert run.space.low_kernels == ["bf16", "bf16:fp32"]
     assert run.space.blocks == ["b.0"] and run.space.nodes == ["head/linear#0"]
     assert run.ac_dtype == torch.bfloat16  # torch.autocast over the study's storage dtypes
+    assert run.space.twin_dtype == "bf16" and run.space.twin()["matmul"] == "bf16"
     forced = SimpleNamespace(forced=["bf16"], probes=probes, space=SearchSpace(["bf16"]), quiet=True)
     adopt_study_kernels(forced, ["fp32", "bf16", "bf16:fp32"])
     assert forced.space.dtypes == ["fp32", "bf16"]
@@ -279,3 +280,20 @@ def test_fp8_is_not_probed_where_fp8_supported_says_no(monkeypatch):
     assert _fp8_available(torch.device("cpu")) is False
     monkeypatch.setattr(fp8, "fp8_supported", lambda device: (True, "ok"))
     assert _fp8_available(torch.device("cpu")) is True
+
+
+def test_baselines_compute_in_torch_autocasts_dtype():
+    """On CUDA torch.autocast defaults to fp16 while bf16 kernels are as fast (an H200 probe:
+    bf16 10.6 ms, fp16 10.8 ms): the twin and its neighbours take fp16, whose drift the budget is,
+    not the marginally faster bf16 (~8x the drift, never feasible)."""
+    from autoprec.search.space import SearchSpace
+
+    lows = ["bf16", "fp16", "bf16:fp32", "fp16:fp32"]
+    base = dict(SearchSpace(lows, twin_dtype="fp16").baselines())
+    assert base["autocast-twin"]["matmul"] == "fp16"
+    assert base["all-low"]["sensitive"] == "fp16" and base["low-except-sensitive"]["follow"] == "fp16"
+    assert base["low-storage fp32-compute"]["matmul"] == "bf16:fp32"  # fastest fp32-compute, as before
+    assert SearchSpace(["bf16", "fp16:fp32"], twin_dtype="fp16").twin()["matmul"] == "fp16:fp32"
+    assert SearchSpace(lows).twin()["matmul"] == "bf16"  # no autocast dtype given: the fastest
+    assert SearchSpace(["bf16"], twin_dtype="fp16").twin()["matmul"] == "bf16"  # fp16 not kept
+    assert SearchSpace(["fp8_e4m3", "bf16"], twin_dtype="bf16").twin()["matmul"] == "bf16"
