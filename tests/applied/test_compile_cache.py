@@ -8,7 +8,7 @@ import re
 import subprocess
 import sys
 
-from tests.conftest import EXAMPLES
+from tests.conftest import MODELS
 
 CACHE_LINE = re.compile(r"Inductor caches: AOTAutograd (\d+) hits?, (\d+) miss(?:es)?")
 
@@ -23,7 +23,7 @@ def _run(args, env):
 def test_train_after_tune_hits_the_compile_caches(tmp_path):
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "OMP_NUM_THREADS": "1"}
     policy = tmp_path / "p.json"
-    model = str(EXAMPLES / "tiny_mlp.py")
+    model = str(MODELS / "sgd_mlp.py")  # two Linear layers: few kernels to compile, twice over
     tuned = _run(["tune", model, "--out", str(policy), "--trials", "3", "--finalists", "1", "--traj-steps",
                   "0"], env)
     hits, misses = map(int, CACHE_LINE.search(tuned).groups())
