@@ -73,6 +73,15 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)  # in case a plugin imported torch before this file
 
 
+def pytest_collection_modifyitems(config, items):
+    """Run the ``heavy`` tests first (a stable sort: the rest keep their order). pytest-xdist's
+    worksteal scheduler splits the list between the two workers and each steals from the other's
+    tail when idle, so the last tests to start are short ones and the workers finish together
+    (longest-first list scheduling, Graham 1969), instead of one worker running a minute-long
+    compile alone at the end. The markers are on the tests that took 15 s or more on a cold run."""
+    items.sort(key=lambda item: item.get_closest_marker("heavy") is None)
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

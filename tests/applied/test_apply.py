@@ -64,6 +64,7 @@ def test_fp32_policy_is_exact(model_and_batch):
     assert not any(is_inserted_cast(n) for n in mp.graph_module.graph.nodes)
 
 
+@pytest.mark.heavy
 def test_compiled_graph_honours_policy(model_and_batch):
     """Inductor must not drop the casts: compiled output matches eager lowered output closely,
     and differs from FP32 by bf16-sized error."""

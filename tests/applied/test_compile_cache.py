@@ -8,6 +8,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import MODELS
 
 CACHE_LINE = re.compile(r"Inductor caches: AOTAutograd (\d+) hits?, (\d+) miss(?:es)?")
@@ -20,6 +22,7 @@ def _run(args, env):
     return r.stdout + r.stderr
 
 
+@pytest.mark.heavy
 def test_train_after_tune_hits_the_compile_caches(tmp_path):
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "OMP_NUM_THREADS": "1"}
     policy = tmp_path / "p.json"

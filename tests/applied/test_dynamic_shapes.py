@@ -178,6 +178,7 @@ def _check_training(losses, drifts, autocast_drifts):
         assert 1e-6 < d < RTOL[torch.bfloat16] and d < 2 * ac, (shape, d, ac)
 
 
+@pytest.mark.heavy
 def test_trains_on_20_shapes_one_capture_bounded_logged_compiles(caplog):
     from torch._dynamo.utils import counters
 

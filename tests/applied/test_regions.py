@@ -105,6 +105,7 @@ def test_no_repeated_blocks_leaves_the_graph_as_it_is():
     assert out is gm and plan.blocks == 0 and plan.describe() == "no repeated blocks (one flat graph)"
 
 
+@pytest.mark.heavy
 def test_regional_compile_has_the_gradients_of_eager_fp32(qwen):
     """Tight: in fp32 the compiled regions must match eager to rounding. torch 2.13's Inductor
     reused buffers wrongly across the calls of one region (gradients 50-80% off) until

@@ -129,6 +129,7 @@ def test_fp8_keeps_infinities_and_stays_finite_elsewhere():
     assert torch.allclose(back[finite], t[finite], rtol=0.13)  # e5m2: 2 stored mantissa bits
 
 
+@pytest.mark.heavy
 def test_compile_graph_and_saved_eager_honour_marks(setup):
     """The search's paths: a lowered graph measured eagerly (saved_eager) or via compile_graph."""
     from autoprec.applied.compile import compile_graph

@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from autoprec.applied.shape_cache import is_dynamic
@@ -28,6 +29,7 @@ def test_harness_captures_once_with_dynamic_dims_and_times_every_shape():
     assert h.tokens == (36 + 16 + 48 + 10 + 24) / 5  # mean tokens of the timed steps, one per batch
 
 
+@pytest.mark.heavy
 def test_tune_and_train_on_varying_batches(tmp_path):
     out = tmp_path / "p.json"
     tune = [sys.executable, "-m", "autoprec.cli", "tune", str(VARLEN), "--out", str(out), "--trials", "2",

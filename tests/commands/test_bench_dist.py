@@ -52,6 +52,7 @@ def _check_rows(res: dict, tolerance: float = TOLERANCE) -> None:
     assert rows["ddp_fp32_reduce"]["at_rest_bytes_per_param"] == 20
 
 
+@pytest.mark.heavy
 def test_bench_nproc_2_measures_drift_time_and_peaks(tmp_path, capfd):
     """The whole command, two gloo ranks under torchrun: four rows, bf16 reduction drifting by
     about bf16's rounding and fp32 not at all, every rank's peak within the formula's tolerance."""

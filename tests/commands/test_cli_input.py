@@ -213,6 +213,7 @@ def test_eager_selection_must_beat_fp32_measured_beside_it(monkeypatch, fp32_tps
 
 
 
+@pytest.mark.heavy
 def test_autocast_overflow_with_max_drift_still_writes_a_policy(tmp_path):
     """C01 with fp16 searched: torch.autocast's own drift is infinite, so --max-drift is required;
     given it, the tune writes a valid policy (fp32 matmul) whose measured block leaves the infinite

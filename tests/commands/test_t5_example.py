@@ -50,6 +50,7 @@ def test_example_batches_pad_to_longest_with_masks_and_ignored_labels(spec):
     assert model.config.dropout_rate == 0.1 and not hasattr(model.config, "max_position_embeddings")
 
 
+@pytest.mark.heavy
 def test_tune_on_the_example(tmp_path: Path):
     out = tmp_path / "policy.json"
     code = main(["tune", T5, "--out", str(out), "--trials", "1", "--no-compile", "--traj-steps", "0",
@@ -71,6 +72,7 @@ def _bench_rows(path: Path) -> dict:
     return json.loads(path.read_text())
 
 
+@pytest.mark.heavy
 def test_bench_eager_rows_on_varying_shapes_exit_0(tmp_path: Path, policy_file: Path):
     out = tmp_path / "bench.json"
     code = main(["bench", T5, "--policy", str(policy_file), "--steps", "2", "--warmup", "1", "--device",
@@ -206,6 +208,7 @@ def test_python_api_loop_over_batches_of_other_shapes(spec, caplog):
     assert mp.shape_stats["recaptures"] == 1  # ranges doubled once: every later batch fits
 
 
+@pytest.mark.heavy
 def test_strict_shapes_raises_a_clear_error(spec):
     model = spec.build_model()
     mp = autoprec.apply(model, autoprec.Policy.default("bf16"), spec.get_batch(0, "cpu"), compile=False,

@@ -133,6 +133,7 @@ def _ddp_worker(rank: int, world: int, compile: bool, reduce: str) -> dict:
     return {"equal": all(torch.equal(flat, other) for other in _gathered(flat)), "flat": flat}
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
 def test_ddp_keeps_parameters_bitwise_equal_across_ranks(tmp_path, compile):
     res = _run_ranks(_ddp_worker, tmp_path, compile, "fp32")
@@ -140,6 +141,7 @@ def test_ddp_keeps_parameters_bitwise_equal_across_ranks(tmp_path, compile):
     assert torch.isfinite(res[0]["flat"]).all()
 
 
+@pytest.mark.heavy
 def test_ddp_bf16_gradient_reduction_drifts_little(tmp_path):
     """``grad_reduce_dtype: bf16`` registers the bf16 compress hook (under gloo: autoprec's
     ``bf16_hook``, torch refusing its own by name there); ranks stay bitwise equal and the weights
@@ -234,6 +236,7 @@ def _single_process_reference(steps: int = 6) -> torch.Tensor:
     return _flat_params(model)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
 def test_fsdp2_trains_like_one_process(tmp_path, compile):
     """FSDP2 over the applied module (:func:`autoprec.distributed.wrap.shard`) on 2 gloo ranks
@@ -244,6 +247,7 @@ def test_fsdp2_trains_like_one_process(tmp_path, compile):
     assert r0["losses"][-1] < r0["losses"][0]
 
 
+@pytest.mark.heavy
 def test_fsdp2_bf16_reduction_and_sharded_memory(tmp_path):
     """``grad_reduce_dtype: bf16`` is FSDP2's ``reduce_dtype`` (trains, drifts little from fp32
     reduction); each rank holds 1/2 of the fp32 weights, gradients and AdamW moments

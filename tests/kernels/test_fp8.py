@@ -179,6 +179,7 @@ def _step(x, w, b):
     return sum(fp8_linear(x, w, b, r) for r in RECIPES).square().sum()
 
 
+@pytest.mark.heavy
 def test_compiled_with_inductor_equals_eager():
     """fullgraph torch.compile (no graph break) of all three recipes, forward and backward."""
     torch._dynamo.reset()

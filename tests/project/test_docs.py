@@ -213,6 +213,7 @@ def _group_pages(group: str) -> list[str]:
     return [str(p.relative_to(ROOT)) for p in PAGES if str(p.relative_to(ROOT)) not in taken]
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("group", ["core", "integrations"])
 def test_python_examples_run(group, tmp_path):
     """Every Python block not in NOT_RUN runs without error, page by page in order."""

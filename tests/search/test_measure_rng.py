@@ -168,6 +168,7 @@ def test_compiled_candidates_compare_against_the_compiled_fp32_graph(harness):
     assert traj_rel(harness.trajectory(cbf, lambda: make_scaler(pol), steps=3), ref) < RTOL[torch.bfloat16]
 
 
+@pytest.mark.heavy
 def test_selector_checks_a_compiled_lowered_finalist_on_a_dropout_model(harness):
     """The finalist trajectory check of a compiled bf16 policy on a graph with dropout: the
     reference is the compiled FP32 graph and the budget torch.autocast as compiled for its

@@ -73,6 +73,7 @@ def wide_compiled():
     return ms, h.state_bytes
 
 
+@pytest.mark.heavy
 def test_activation_memory_budget_recomputes_and_keeps_gradients(wide_compiled):
     """A policy's activation_memory_budget reaches the partitioner: 0.0 saves far less for backward
     than 1.0 (Inductor's default) and the gradients stay those of FP32."""
@@ -166,6 +167,7 @@ def test_state_bytes_count_the_model_files_optimizer(model, optimizer, factor):
     assert all(torch.equal(p, q) and p.grad is None for p, q in zip(h.params, fresh, strict=True))
 
 
+@pytest.mark.heavy
 def test_tune_max_memory_tries_both_levers_and_reports_them(tmp_path, capsys, wide_compiled):
     """With drift room for low-precision saved activations, the fit tries saved bf16 beside
     recomputation, keeps the faster that fits, and the report lists each point with its lever."""

@@ -141,6 +141,7 @@ def _assert_rerun(name: str, killed: optuna.trial.FrozenTrial, before: dict, tar
     return trials
 
 
+@pytest.mark.heavy
 @needs_server
 def test_two_workers_measure_each_assignment_once(tmp_path, study_name):
     outs = [tmp_path / f"p{i}.json" for i in range(2)]
@@ -169,6 +170,7 @@ def test_two_workers_measure_each_assignment_once(tmp_path, study_name):
         assert pol.dtypes_used() == {"fp32"} or form(pol.to_dict()) in feasible
 
 
+@pytest.mark.heavy
 @needs_server
 def test_sigkilled_worker_trial_is_rerun_by_the_next(tmp_path, study_name):
     """A worker of this host killed mid-trial: the next worker finds its pid gone, fails the
@@ -189,6 +191,7 @@ def test_sigkilled_worker_trial_is_rerun_by_the_next(tmp_path, study_name):
     assert Policy.load(out).measured["tokens_per_s"] > 0
 
 
+@pytest.mark.heavy
 @needs_server
 def test_trial_of_a_worker_lost_on_another_machine_is_rerun(tmp_path, study_name):
     """A worker on another machine killed mid-trial (simulated: its trial's ``host:pid`` is

@@ -98,6 +98,7 @@ def _study_name(db):
     return names[0] if names else None
 
 
+@pytest.mark.heavy
 def test_sigkill_resume_keeps_finished_trials(tmp_path):
     model = str(MODELS / "micro_lm.py")
     out = tmp_path / "p.json"
@@ -132,6 +133,7 @@ def test_sigkill_resume_keeps_finished_trials(tmp_path):
     assert Policy.load(out).measured["tokens_per_s"] > 0
 
 
+@pytest.mark.heavy
 def test_two_workers_share_one_study(tmp_path):
     model = str(MODELS / "micro_lm.py")
     storage = f"sqlite:///{tmp_path}/shared.db"
