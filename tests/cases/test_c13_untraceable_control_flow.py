@@ -13,6 +13,7 @@ from autoprec.errors import CaptureError
 from autoprec.nodemeta import read_meta
 from autoprec.passes import run_pipeline
 from autoprec.policy import Policy, Rule
+from tests.conftest import DRIFT
 
 
 class Branchy(nn.Module):
@@ -140,4 +141,4 @@ def test_c13_failed_region_propagation_leaves_grad_mode_on():
     g = m.fc.weight.grad.clone()
     m.zero_grad()
     m(x).backward()
-    assert (g - m.fc.weight.grad).norm() / m.fc.weight.grad.norm() < 5e-2  # bf16 outside the region
+    assert (g - m.fc.weight.grad).norm() / m.fc.weight.grad.norm() < DRIFT[torch.bfloat16]  # bf16 matmul
