@@ -29,10 +29,12 @@ train: install
 	$(BIN)/autoprec train $(MODEL) --policy $(OUT) --steps 50
 
 # Two pytest workers with one OpenMP thread each (tests/conftest.py), then the tests that read the
-# machine's load or time steps alone, so that no other test process runs beside them.
+# machine's load or time steps alone, so that no other test process runs beside them. The second
+# run collects only the files that mark a test serial: collecting all of them imports transformers,
+# lightning and every test module (15 s) for three tests.
 test: install
 	$(BIN)/python -m pytest -q -n 2 --dist worksteal -m "not slow and not serial"
-	$(BIN)/python -m pytest -q -m "serial and not slow"
+	$(BIN)/python -m pytest -q -m "serial and not slow" $$(grep -rl --include='test_*.py' 'mark\.serial' tests)
 
 test-slow: install
 	$(BIN)/python -m pytest -q -m slow
