@@ -28,6 +28,7 @@ from autoprec.measure.timing import (
     Comparison,
     Config,
     Retire,
+    Settled,
     Timing,
     compare,
     format_rate,
@@ -37,7 +38,7 @@ from autoprec.measure.timing import (
 __all__ = [
     "BOOTSTRAP_RESAMPLES", "DRIFT_BATCHES", "MAX_BACKOFFS", "MIN_TIMED_STEPS", "TIMED_BUDGET_S", "BatchDrift",
     "BusyMachineError", "Comparison", "Config", "Drift", "Harness", "LoadCheck", "LoadMonitor", "Measurement",
-    "PeakBytes", "References", "Retire", "SavedBytes", "Timing", "batch_drift", "batch_shapes", "compare",
-    "describe_failure", "draws_random", "format_rate", "is_compiled", "measure_drift",
+    "PeakBytes", "References", "Retire", "SavedBytes", "Settled", "Timing", "batch_drift", "batch_shapes",
+    "compare", "describe_failure", "draws_random", "format_rate", "is_compiled", "measure_drift",
     "optimizer_state_bytes", "time_interleaved", "training_state_bytes",
 ]

@@ -33,8 +33,8 @@ from autoprec.training.scaler import DynamicLossScaler
 from autoprec.training.steps import StepsTooSlow, run_steps, slow_step_guard
 from autoprec.training.train import TrainStep
 
-__all__ = ["BOOTSTRAP_RESAMPLES", "Comparison", "Config", "Retire", "Timing", "compare", "format_rate",
-           "time_interleaved"]
+__all__ = ["BOOTSTRAP_RESAMPLES", "Comparison", "Config", "Retire", "Settled", "Timing", "compare",
+           "format_rate", "time_interleaved"]
 
 #: Bootstrap resamples for every band (Efron & Tibshirani 1993 suggest >= 1000 for percentile intervals).
 BOOTSTRAP_RESAMPLES = 1000
@@ -260,12 +260,15 @@ class _Run:
 #: ``time_interleaved``'s ``retire``: the Timings so far of the configurations still timed ->
 #: ``{name: reason}`` of those to time no further.
 Retire = Callable[[dict[str, Timing]], dict[str, str]]
+#: ``{name: Timing}`` of the configurations still timed -> whether more rounds can change nothing
+#: the caller decides (:func:`time_interleaved`'s ``settled``).
+Settled = Callable[[dict[str, Timing]], bool]
 
 
 def time_interleaved(harness: Harness, configs: Sequence[Config], *, min_rounds: int = 3,
                      max_rounds: int = 12, steps_per_round: int = 2, warmup: int = 2, rel_band: float = 0.03,
                      time_cap_s: float = 120.0, max_step_s: float | None = None,
-                     retire: Retire | None = None) -> dict[str, Timing]:
+                     retire: Retire | None = None, settled: Settled | None = None) -> dict[str, Timing]:
     """Time ``configs`` in interleaved rounds on ``harness``'s weights and batches.
 
     Each configuration gets one :class:`~autoprec.training.train.TrainStep` with its own optimizer
@@ -285,7 +288,9 @@ def time_interleaved(harness: Harness, configs: Sequence[Config], *, min_rounds:
     those that can no longer change the caller's decision, with the reason: they are timed no
     further, keep their step times, and the reason becomes their ``note`` (the final choice
     retires contenders slower than the fastest beyond the noise,
-    :func:`autoprec.search.final.out_of_the_running`). A configuration whose steps trip
+    :func:`autoprec.search.final.out_of_the_running`), and ``settled`` (when given) may stop the
+    rounds before the bands are narrow: once the caller's decision can no longer change
+    (:func:`autoprec.search.final.settled`). A configuration whose steps trip
     :func:`~autoprec.training.steps.slow_step_guard` (two in a row over ``max_step_s``, or one over
     4x; warm-up steps count) is dropped from later rounds with a ``note``; one whose step raises
     gets ``error`` and the others go on. The harness's weights are restored at the end.
@@ -302,6 +307,8 @@ def time_interleaved(harness: Harness, configs: Sequence[Config], *, min_rounds:
         max_step_s: The slow-step limit in seconds (None: no limit).
         retire: ``{name: Timing}`` of the configurations still timed -> ``{name: reason}`` of
             those to stop timing (None: every configuration is timed to the end).
+        settled: ``{name: Timing}`` of the configurations still timed (after ``retire``) -> True
+            to stop the rounds now (None: only the band, ``max_rounds`` and ``time_cap_s`` stop).
 
     Returns:
         ``{name: Timing}`` in ``configs`` order; tokens per step are the harness's ``tokens``.
@@ -333,6 +340,8 @@ def time_interleaved(harness: Harness, configs: Sequence[Config], *, min_rounds:
             done += 1
             if done >= min_rounds and retire is not None:
                 _retire(runs, retire, rel_band)
+            if done >= min_rounds and settled is not None and settled(_live(runs, rel_band)):
+                break
             if done >= min_rounds and all(_narrow(r, rel_band) for r in runs if r.active):
                 break
     finally:
@@ -345,8 +354,13 @@ def time_interleaved(harness: Harness, configs: Sequence[Config], *, min_rounds:
 def _retire(runs: list[_Run], retire: Retire, rel_band: float) -> None:
     """Stop timing the runs ``retire`` names (shown the Timings so far of those still timed)."""
     live = {r.cfg.name: r for r in runs if r.active}
-    for name, why in retire({n: _timing(r, rel_band, False, 0.0, None) for n, r in live.items()}).items():
+    for name, why in retire(_live(runs, rel_band)).items():
         live[name].note = why
+
+
+def _live(runs: list[_Run], rel_band: float) -> dict[str, Timing]:
+    """The Timings so far of the runs still timed."""
+    return {r.cfg.name: _timing(r, rel_band, False, 0.0, None) for r in runs if r.active}
 
 
 def _narrow(r: _Run, rel_band: float) -> bool:

@@ -2,7 +2,7 @@
 without autoprec, timed in the same interleaved rounds (docs/architecture.md#search, "Final
 choice").
 
-The contenders are the compiled finalists that passed the drift, memory and trajectory checks
+The contenders are the compiled finalists that passed the drift and memory checks
 (the autocast twin and all-fp32 among them) and the baselines: torch.autocast + torch.compile,
 fp32 + torch.compile (the all-fp32 policy compiled) and fp32 eager. :func:`decide` takes the
 fastest; every contender whose throughput ties with it (the bootstrap band of the ratio contains
@@ -18,10 +18,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from autoprec.measure import Comparison, Retire, Timing, compare
+from autoprec.measure import Comparison, Retire, Settled, Timing, compare
 from autoprec.policy import Policy
 
-__all__ = ["Contender", "Decision", "decide", "out_of_the_running"]
+__all__ = ["Contender", "Decision", "decide", "out_of_the_running", "settled"]
 
 
 @dataclass
@@ -99,8 +99,9 @@ def decide(contenders: list[Contender]) -> Decision:
     """Choose the policy to write from the timed contenders (the module docstring's rule).
 
     Args:
-        contenders: Finalists and baselines, each feasible (drift, memory and trajectory checked
-            by the caller); those without step times are ignored.
+        contenders: Finalists and baselines, each feasible (drift and memory checked by the
+            caller, which checks the trajectory of the choice); those without step times are
+            ignored.
 
     Returns:
         A :class:`Decision`.
@@ -165,3 +166,30 @@ def out_of_the_running(baselines: set[str], policies: set[str]) -> Retire:
                           f"{t.rounds} rounds: out of the running, timed no further")
         return out
     return retire
+
+
+def settled(baselines: set[str], policies: set[str]) -> Settled:
+    """The head-to-head's early stop (:func:`autoprec.measure.timing.time_interleaved`'s
+    ``settled``), from :func:`decide`'s rule: the decision is fixed once no contender still timed
+    ties with the fastest (:func:`autoprec.measure.timing.compare`: every ratio's 95% band
+    excludes 1.0). After :func:`out_of_the_running` those still timed are the fastest, the fastest
+    baseline, the fastest policy and the ties, so then the policy written and its verdict against
+    the fastest baseline ("beats" or "slower") are what more rounds would give too: they would
+    only narrow the bands. A configuration timed beside the contenders but not one of them is
+    ignored. On the 24-layer Qwen2 of benchmarks/depth_scaling.py the band rule alone kept the
+    two survivors timed to ``max_rounds`` (torch.autocast + torch.compile's band stayed at ±4.6%).
+
+    Args:
+        baselines: Names of the contenders that are baselines (``Contender.baseline``).
+        policies: Names of the contenders with a policy to write (``Contender.policy``).
+
+    Returns:
+        ``{name: Timing}`` of those still timed -> whether the decision is fixed.
+    """
+    def done(timings: dict[str, Timing]) -> bool:
+        timed = {n: t for n, t in timings.items() if t.step_times and n in baselines | policies}
+        if not timed:
+            return False
+        fastest = max(timed, key=lambda n: timed[n].tokens_per_s)
+        return not any(compare(t, timed[fastest]).tie for n, t in timed.items() if n != fastest)
+    return done

@@ -1,7 +1,8 @@
 """Finalist selection: the fastest feasible trials, the autocast twin and all-fp32 re-measured as
 training runs them (compiled with Inductor unless ``--no-compile``), fitted to the memory budget
-(:mod:`autoprec.search.memory_fit`), checked on ``traj_rel``, then timed head to head with the
-baselines and chosen by :func:`autoprec.search.final.decide` (docs/architecture.md#search)."""
+(:mod:`autoprec.search.memory_fit`), timed head to head with the baselines and chosen by
+:func:`autoprec.search.final.decide`; the choice is checked on ``traj_rel`` and, when it fails,
+the next choice is (docs/architecture.md#search)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from autoprec.policy import Policy
 from autoprec.search import attrs
 from autoprec.search.budgets import format_bytes
 from autoprec.search.decide import DriftBudget
-from autoprec.search.final import Contender, Decision, decide, out_of_the_running
+from autoprec.search.final import Contender, Decision, decide, out_of_the_running, settled
 from autoprec.search.memory_fit import fit_memory, lever
 from autoprec.search.phases import PhaseBar, phase_bar
 from autoprec.search.progress import log
@@ -114,9 +115,9 @@ class Selector:
     def choose(self, feasible: list[optuna.trial.FrozenTrial], k: int,
                memory_budget: Callable[[], float | None] = lambda: None) -> tuple[Policy, Measurement]:
         """The policy to write, with its measurement: compiled, the finalists within the drift
-        (and memory) budgets and the trajectory check, timed head to head with torch.autocast +
-        torch.compile and fp32 eager (:meth:`_head_to_head`); without compile, the fastest
-        feasible trial that passes the trajectory check (:meth:`_choose_eager`).
+        (and memory) budgets, timed head to head with torch.autocast + torch.compile and fp32
+        eager, the choice checked on ``traj_rel`` (:meth:`_head_to_head`); without compile, the
+        fastest feasible trial that passes the trajectory check (:meth:`_choose_eager`).
 
         ``memory_budget`` is called once the torch.autocast baselines are measured (``--max-memory
         auto`` refers to them) and gives the byte budget or None.
@@ -161,13 +162,13 @@ class Selector:
                         pol, fn, m = fit_memory(self, pol, m)
                     finally:
                         self._fit_bar = None
-            why = self._reject_reason(pol, fn, m)
-            log(f"  compiled: grad_rel_l2 {m.grad_rel_l2:.3g}, traj_rel {self.traj_of(pol):.3g}"
-                + (f" -> rejected: {why}" if why else ""), self.quiet)
+            why = self._reject_reason(m)
+            log(f"  compiled: grad_rel_l2 {m.grad_rel_l2:.3g}" + (f" -> rejected: {why}" if why else ""),
+                self.quiet)
             if why is None:
                 survivors.append((label, pol, fn, m))
-            elif why != m.error and (i := self._point_index.get(pol.training_key())) is not None:
-                self.points[i]["rejected"] = why  # the report's note (drift, memory, traj_rel)
+            elif why != m.error:
+                self._rejected(pol, why)
         if not survivors:
             raise SearchError("every finalist failed when re-measured, all-fp32 included (see the log)")
         bar.step("head-to-head")
@@ -179,7 +180,12 @@ class Selector:
         the drift budget) and fp32 eager in one interleaved run (:func:`time_interleaved`) and
         pick by :func:`autoprec.search.final.decide`; every measurement (the baselines' included)
         takes its speed from those rounds, so the ratios the report and the policy file give are
-        side by side in one process."""
+        side by side in one process. The rounds stop early once the decision is fixed
+        (:func:`autoprec.search.final.settled`). The choice must pass the trajectory check
+        (:meth:`_traj_ok`); one that fails is rejected and the decision taken again without it.
+
+        Raises:
+            SearchError: every policy contender failed the trajectory check."""
         configs = [Config(label, fn, lambda pol=pol: make_scaler(pol)) for label, pol, fn, _m in survivors]
         ac = self.autocast_compiled
         ac_timed = self._autocast_fn is not None and ac is not None and ac.error is None
@@ -194,7 +200,8 @@ class Selector:
         baselines |= ({AUTOCAST_COMPILED} if ac_ok else set()) | {FP32_EAGER}
         policies = {label for label, _pol, _fn, _m in survivors}
         self.timings = time_interleaved(self.h, configs, max_step_s=self.slow,
-                                        retire=out_of_the_running(baselines, policies))
+                                        retire=out_of_the_running(baselines, policies),
+                                        settled=settled(baselines, policies))
         contenders = []
         for label, pol, _fn, m in survivors:
             _take_timing(m, self.timings[label])
@@ -216,9 +223,25 @@ class Selector:
         for c in contenders:
             why = c.timing.error or c.timing.note
             log(f"  {c.name}: {format_rate(c.timing)} tok/s" + (f" ({why})" if why else ""), self.quiet)
-        self.decision = decide(contenders)
+        finalists = {label: (pol, fn, m) for label, pol, fn, m in survivors}
+        while True:  # the trajectory check, of the choice only: a rejected one gives way to the next
+            try:
+                self.decision = decide(contenders)
+            except ValueError:
+                raise SearchError("every compiled finalist failed the trajectory check, all-fp32 "
+                                  "included (see the log)") from None
+            pol, fn, m = finalists[self.decision.chosen.name]
+            if self._traj_ok(pol, fn):
+                break
+            why = self._traj_reason(pol)
+            log(f"  {self.decision.chosen.name} -> rejected: {why}", self.quiet)
+            self._rejected(pol, why)
+            contenders.remove(self.decision.chosen)
+        if pol.dtypes_used() - {"fp32"} and self.traj_steps > 0:
+            log(f"  {self.decision.chosen.name}: traj_rel {self.traj_of(pol):.3g} over {self.traj_steps} "
+                f"steps (torch.autocast's {self._traj_budget:.3g})", self.quiet)
         log(self.decision.describe(), self.quiet)
-        return next((pol, m) for label, pol, _fn, m in survivors if label == self.decision.chosen.name)
+        return pol, m
 
     def _judge_compiled_like_autocast(self) -> None:
         """On a graph that draws random numbers (dropout), judge compiled finalists against torch.autocast
@@ -256,8 +279,7 @@ class Selector:
                 bar.step(f"trial {t.number}")
             fn = run_pipeline(self.h.graph_module, pol).graph_module
             if not self._traj_ok(pol, fn):
-                log(f"trial {t.number} ({pol.summary()}) rejected: traj_rel {self.traj_of(pol):.3g} > "
-                     f"{TRAJ_FACTOR:g}x torch.autocast's {self._traj_budget:.3g}", self.quiet)
+                log(f"trial {t.number} ({pol.summary()}) rejected: {self._traj_reason(pol)}", self.quiet)
                 continue
             m = self.h.measure(fn, lambda pol=pol: make_scaler(pol), max_step_s=self.slow)
             if m.error is None and (self.memory_budget is None or m.peak_bytes <= self.memory_budget):
@@ -312,8 +334,14 @@ class Selector:
     def _fits(self, m: Measurement) -> bool:
         return m.error is None and m.peak_bytes <= self.memory_budget and self.budget.feasible(m)
 
-    def _reject_reason(self, pol: Policy, fn, m: Measurement) -> str | None:
-        """Why a compiled finalist is not chosen (None: it may be)."""
+    def _rejected(self, pol: Policy, why: str) -> None:
+        """Record why a compiled finalist was rejected (the report's note: drift, memory, traj_rel)."""
+        if (i := self._point_index.get(pol.training_key())) is not None:
+            self.points[i]["rejected"] = why
+
+    def _reject_reason(self, m: Measurement) -> str | None:
+        """Why a compiled finalist is not timed head to head (None: it is); its trajectory is
+        checked only if the head-to-head would write it (:meth:`_head_to_head`)."""
         if m.error is not None:
             return m.error
         if not self.budget.feasible(m):
@@ -322,10 +350,11 @@ class Selector:
             return (f"peak {m.peak_bytes / 2**20:.1f} MiB > memory budget "
                     f"{self.memory_budget / 2**20:.1f} MiB"
                     + " even with full recomputation")
-        if not self._traj_ok(pol, fn):
-            return (f"traj_rel {self.traj_of(pol):.3g} > {TRAJ_FACTOR:g}x torch.autocast's "
-                    f"{self._traj_budget:.3g}")
         return None
+
+    def _traj_reason(self, pol: Policy) -> str:
+        """Why ``pol`` failed :meth:`_traj_ok`."""
+        return f"traj_rel {self.traj_of(pol):.3g} > {TRAJ_FACTOR:g}x torch.autocast's {self._traj_budget:.3g}"
 
     def _traj_ok(self, pol: Policy, fn) -> bool:
         """``traj_rel`` ≤ :data:`TRAJ_FACTOR` x torch.autocast's over the same K steps; policies that

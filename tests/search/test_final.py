@@ -11,7 +11,7 @@ import pytest
 from autoprec import Policy
 from autoprec.measure import Timing
 from autoprec.policy import Rule
-from autoprec.search.final import Contender, decide, out_of_the_running
+from autoprec.search.final import Contender, decide, out_of_the_running, settled
 from tests.conftest import ROOT
 
 TOKENS = 1024.0
@@ -177,3 +177,17 @@ def test_a_configuration_timed_beside_the_contenders_is_never_the_fastest_they_a
     # trial 7, is neither retired nor the reference
     assert "trial 7" not in out and "torch.autocast + torch.compile" not in out
     assert out["autocast twin"].startswith("0.67x trial 7")
+
+
+def test_settled_once_no_contender_still_timed_ties_with_the_fastest():
+    """The head-to-head may stop before the bands are narrow once decide()'s choice cannot change:
+    trial 7 beats the twin and torch.autocast + torch.compile beyond the noise (settled); a twin
+    within the noise of trial 7 keeps it going; a configuration timed beside the contenders (not
+    one of them) is ignored, even when it ties."""
+    field = _field(searched_s=0.100, twin_s=0.130)
+    done = settled(*_roles(field))
+    assert done({c.name: c.timing for c in field})
+    tied = _field(searched_s=0.100, twin_s=0.1002)
+    assert not done({c.name: c.timing for c in tied})
+    assert settled(*_roles(tied, skip={"autocast twin"}))({c.name: c.timing for c in tied})
+    assert not done({})

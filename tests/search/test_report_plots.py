@@ -7,7 +7,7 @@ from __future__ import annotations
 import optuna
 import torch
 
-from autoprec.measure import Harness
+from autoprec.measure import Harness, Timing
 from autoprec.modelspec import load_model_spec
 from autoprec.policy import Policy
 from autoprec.search import attrs
@@ -60,9 +60,17 @@ def test_dtype_map_legend_names_the_white_cells():
 
 
 def test_finalist_rejected_on_traj_rel_has_the_reason_in_the_report(tmp_path, monkeypatch):
-    """Compiling is stubbed (the graphs run eagerly); the trajectory check rejects every lowered
-    finalist: its reason reaches the lever table's note and the trial's note."""
+    """Compiling is stubbed (the graphs run eagerly) and the head-to-head scripted (the bf16 trial
+    twice as fast as the rest, so it is the choice); the trajectory check rejects every lowered
+    finalist: the choice gives way to all-fp32, and its reason reaches the lever table's note and
+    the trial's note."""
     monkeypatch.setattr(select_mod, "compile_graph", lambda gm, budget=1.0: gm)
+
+    def scripted(harness, configs, **_kw):
+        return {c.name: Timing.from_steps([(0.05 if c.name.startswith("trial") else 0.1) * (1 + 0.01 * i)
+                                           for i in range(6)], 100.0) for c in configs}
+
+    monkeypatch.setattr(select_mod, "time_interleaved", scripted)
 
     def traj_fails(self, pol, fn):
         if not (pol.dtypes_used() - {"fp32"}):

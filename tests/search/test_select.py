@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from autoprec.measure import Measurement, Timing
 from autoprec.policy import Policy
 from autoprec.search import select as select_mod
 from autoprec.search.decide import DriftBudget
@@ -81,3 +82,32 @@ def test_candidates_always_include_twin_also_and_fp32_once():
         assert labels == [*expect, "fp32 + torch.compile"]
         keys = [p.training_key() for p, _l in sel._candidates(feasible, 2)]
         assert len(keys) == len(set(keys)) and Policy.fp32().training_key() in keys
+
+
+def test_only_the_choice_pays_its_trajectory_and_a_rejected_choice_gives_way(monkeypatch):
+    """The head-to-head (scripted: A fastest, B next, the twin C slower, then all-fp32) chooses A;
+    A's trajectory fails (traj_rel 0.5 > 2x torch.autocast's 0.01), so A is rejected with the
+    reason in its point and the decision is taken again: B, whose trajectory passes. C's trajectory
+    is never run, nor all-fp32's (it lowers nothing)."""
+    speeds = {"A": 0.050, "B": 0.060, "C": 0.080, "fp32 + torch.compile": 0.100, "fp32 eager": 0.200}
+    monkeypatch.setattr(select_mod, "time_interleaved", lambda h, configs, **kw: {
+        c.name: Timing.from_steps([speeds[c.name] * (1 + 0.01 * i) for i in range(6)], 100.0)
+        for c in configs})
+    h = _TrajHarness()
+    ran: list[object] = []
+    trajectory = h.trajectory
+    h.trajectory = lambda fn, *a, **kw: ran.append(fn) or trajectory(fn, *a, **kw)
+    sel = Selector(h, DriftBudget.fixed(1.0), True, torch.bfloat16, None, 3, Clock(), True)
+    a, b, c = Policy.default("bf16"), Policy.default("fp16"), Policy.autocast("bf16")
+    fns = {"A": _Fn(1.5), "B": _Fn(1.001), "C": _Fn(9.0)}
+    for pol in (a, b, c, Policy.fp32()):
+        sel._point(pol, Measurement(grad_rel_l2=1e-3))
+    survivors = [(name, pol, fns[name], Measurement(grad_rel_l2=1e-3))
+                 for name, pol in (("A", a), ("B", b), ("C", c))]
+    survivors.append(("fp32 + torch.compile", Policy.fp32(), _Fn(1.0), Measurement(grad_rel_l2=0.0)))
+    chosen, _m = sel._head_to_head(survivors)
+    assert chosen is b and sel.decision.chosen.name == "B"
+    assert ran == [h.graph_module, h.model, fns["A"], fns["B"]]  # reference, torch.autocast, A, B
+    assert sel.traj_of(c) == 0.0 and abs(sel.traj_of(b) - 1e-3) < 1e-12
+    point = next(p for p in sel.points if p["key"] == a.training_key())
+    assert point["rejected"] == "traj_rel 0.5 > 2x torch.autocast's 0.01"

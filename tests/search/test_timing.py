@@ -125,6 +125,21 @@ def test_retired_configs_keep_their_times_and_are_timed_no_further(harness):
     assert calls == ["A", "B", "C"] + ["A", "B", "C"] * 2 + ["A", "C"] * 2
 
 
+def test_settled_stops_the_rounds_before_the_band_does(harness):
+    """``settled`` sees the Timings of those still timed after each round from min_rounds on;
+    once it says True no further round starts, although no band is narrow (rel_band 0)."""
+    seen: list[int] = []
+
+    def settled(timings):
+        seen.append(min(t.rounds for t in timings.values()))
+        return len(seen) == 2
+
+    cfgs = [Config(n, _fake(harness, n, [])) for n in "AB"]
+    res = time_interleaved(harness, cfgs, min_rounds=2, max_rounds=8, steps_per_round=1, warmup=1,
+                           rel_band=0.0, settled=settled)
+    assert seen == [2, 3] and all(t.rounds == 3 and len(t.step_times) == 3 for t in res.values())
+
+
 def test_bad_arguments(harness):
     with pytest.raises(ValueError, match="distinct"):
         time_interleaved(harness, [Config("A", harness.model), Config("A", harness.model)])
