@@ -338,17 +338,23 @@ def time_interleaved(harness: Harness, configs: Sequence[Config], *, min_rounds:
                 if r.active:
                     r.run(steps_per_round, record=True)
             done += 1
-            if done >= min_rounds and retire is not None:
-                _retire(runs, retire, rel_band)
-            if done >= min_rounds and settled is not None and settled(_live(runs, rel_band)):
-                break
-            if done >= min_rounds and all(_narrow(r, rel_band) for r in runs if r.active):
+            if done >= min_rounds and _stop(runs, rel_band, retire, settled):
                 break
     finally:
         for h in {id(r.h): r.h for r in runs}.values():
             h.restore()
         harness.restore()
     return {r.cfg.name: _timing(r, rel_band, capped, time_cap_s, base if cuda else None) for r in runs}
+
+
+def _stop(runs: list[_Run], rel_band: float, retire: Retire | None, settled: Settled | None) -> bool:
+    """After a round from ``min_rounds`` on: retire what ``retire`` names, then whether to stop
+    (``settled`` says the decision is fixed, or every band of those still timed is narrow)."""
+    if retire is not None:
+        _retire(runs, retire, rel_band)
+    if settled is not None and settled(_live(runs, rel_band)):
+        return True
+    return all(_narrow(r, rel_band) for r in runs if r.active)
 
 
 def _retire(runs: list[_Run], retire: Retire, rel_band: float) -> None:
