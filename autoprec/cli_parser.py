@@ -105,7 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "or a list such as bf16,fp16")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--traj-steps", type=_int_at_least(0), default=20,
-                   help="optimizer steps of the traj_rel check on finalists that lower anything (0: off)")
+                   help="optimizer steps of the traj_rel check on the chosen policy, when it lowers "
+                        "anything (0: off)")
     t.add_argument("--finalists", type=_int_at_least(1), default=2,
                    help="fastest feasible trials re-measured compiled")
     _add_strict_timing(t)

@@ -258,8 +258,8 @@ class Harness:
                 :func:`autoprec.training.steps.slow_step_guard`); the measurement is then timed on
                 that last step only and ``note`` says why. Compilation happens in the drift pass,
                 before timing, so it never counts here.
-            screen: A screening measurement (search trials, eager baselines): for an eager ``fn``
-                on the CPU with two or more drift batches, the step times are the drift passes' own
+            screen: A screening measurement (a search trial): for an eager ``fn`` on the CPU with
+                two or more drift batches, the step times are the drift passes' own
                 forward+backward seconds (batches 1..K-1; batch 0 warms up and counts memory) plus
                 the optimizer update's, so no step runs twice
                 (:func:`autoprec.measure.screening.from_drift_passes`); elsewhere it times steps as

@@ -9,8 +9,9 @@ Introduction to the Bootstrap*, ch. 13) and the interquartile range. It stops on
 narrow enough, the stop rule of torch.utils.benchmark's ``Timer.adaptive_autorange``
 (torch/utils/benchmark/utils/timer.py, ``_threaded_measurement_loop``: keep measuring until
 ``stop_hook(times)`` says the spread is small, ``Measurement.iqr / median < threshold``, or a
-time limit is reached), with the bootstrap band instead of the IQR as the spread. :func:`compare`
-says whether one configuration's throughput beats another's beyond the noise.
+time limit is reached), with the bootstrap band instead of the IQR as the spread, or once the
+caller says its decision is settled. :func:`compare` says whether one configuration's throughput
+beats another's beyond the noise.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ says by how much it trails.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from autoprec.measure import Comparison, Retire, Settled, Timing, compare
 from autoprec.policy import Policy
@@ -62,6 +62,8 @@ class Decision:
         tied: Names of the contenders tied with ``fastest`` (``fastest`` included).
         verdict: ``"beats"``, ``"tie"`` or ``"slower"`` (against ``best_baseline``; ``"beats"``
             without a baseline).
+        rejected: Names of earlier choices rejected on their trajectory (set by the caller, which
+            timed the others again without them); :meth:`describe` names them.
     """
 
     chosen: Contender
@@ -70,10 +72,16 @@ class Decision:
     vs_baseline: Comparison | None
     tied: list[str]
     verdict: str
+    rejected: list[str] = field(default_factory=list)
 
     def describe(self) -> str:
         """One log line, e.g. ``"chosen: trial 7, 1.08x torch.autocast + torch.compile (band
-        1.03-1.12): beats it"``."""
+        1.03-1.12): beats it"``, with the rejected earlier choices after it."""
+        after = (f" (after {', '.join(self.rejected)} failed the trajectory check)" if self.rejected
+                 else "")
+        return self._describe() + after
+
+    def _describe(self) -> str:
         if self.best_baseline is None or self.vs_baseline is None:
             return f"chosen: {self.chosen.name} (no baseline timed)"
         c, b = self.vs_baseline, self.best_baseline.name
@@ -176,20 +184,26 @@ def settled(baselines: set[str], policies: set[str]) -> Settled:
     baseline, the fastest policy and the ties, so then the policy written and its verdict against
     the fastest baseline ("beats" or "slower") are what more rounds would give too: they would
     only narrow the bands. A configuration timed beside the contenders but not one of them is
-    ignored. On the 24-layer Qwen2 of benchmarks/depth_scaling.py the band rule alone kept the
-    two survivors timed to ``max_rounds`` (torch.autocast + torch.compile's band stayed at ±4.6%).
+    ignored. The rule must hold after two rounds in a row, so one lucky round of six steps does not
+    end the timing (each look at the bands is another chance of a separation by noise). On the
+    24-layer Qwen2 of benchmarks/depth_scaling.py the band rule alone kept the two survivors timed
+    to ``max_rounds`` (torch.autocast + torch.compile's band stayed at ±4.6%).
 
     Args:
         baselines: Names of the contenders that are baselines (``Contender.baseline``).
         policies: Names of the contenders with a policy to write (``Contender.policy``).
 
     Returns:
-        ``{name: Timing}`` of those still timed -> whether the decision is fixed.
+        ``{name: Timing}`` of those still timed, once per round -> whether the decision has been
+        fixed after this round and the one before (a fresh predicate per head-to-head).
     """
+    in_a_row = [0]
+
     def done(timings: dict[str, Timing]) -> bool:
         timed = {n: t for n, t in timings.items() if t.step_times and n in baselines | policies}
-        if not timed:
-            return False
-        fastest = max(timed, key=lambda n: timed[n].tokens_per_s)
-        return not any(compare(t, timed[fastest]).tie for n, t in timed.items() if n != fastest)
+        fastest = max(timed, key=lambda n: timed[n].tokens_per_s) if timed else None
+        fixed = fastest is not None and not any(compare(t, timed[fastest]).tie
+                                                for n, t in timed.items() if n != fastest)
+        in_a_row[0] = in_a_row[0] + 1 if fixed else 0
+        return in_a_row[0] >= 2
     return done

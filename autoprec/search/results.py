@@ -30,7 +30,7 @@ def measured_block(run: Any, sel: Any, chosen: Policy, m: Measurement) -> dict[s
         "tokens_per_s": m.tokens_per_s, "speedup_vs_fp32": m.tokens_per_s / run.fp32.tokens_per_s,
         "speedup_vs_autocast": m.tokens_per_s / ref.tokens_per_s if ref.tokens_per_s else 0.0,
         "grad_rel_l2": m.grad_rel_l2, "loss_rel": m.loss_rel,
-        "traj_rel": sel.traj_of(chosen), "peak_bytes": m.peak_bytes,
+        "traj_rel": sel.trajectory.of(chosen), "peak_bytes": m.peak_bytes,
         "drift_budget": run.budget.value,
         # left out when torch.autocast itself overflowed (a policy file holds finite numbers only)
         **({"autocast_grad_rel_l2": run.autocast.grad_rel_l2}

@@ -17,7 +17,6 @@ from autoprec.applied.compile import compile_graph
 from autoprec.applied.saved import saved_eager
 from autoprec.errors import SearchError
 from autoprec.measure import Config, Measurement, Timing, format_rate, time_interleaved
-from autoprec.metrics import traj_rel
 from autoprec.passes import run_pipeline
 from autoprec.policy import Policy
 from autoprec.search import attrs
@@ -27,16 +26,9 @@ from autoprec.search.final import Contender, Decision, decide, out_of_the_runnin
 from autoprec.search.memory_fit import fit_memory, lever
 from autoprec.search.phases import PhaseBar, phase_bar
 from autoprec.search.progress import log
+from autoprec.search.trajectory import TrajectoryCheck
 from autoprec.training.train import autocast_scaler, make_scaler
 
-#: The trajectory check passes a finalist whose ``traj_rel`` is at most this many times torch.autocast's
-#: over the same K steps. It catches policies that train differently (fp16 gradients flushed to zero,
-#: a stalled or diverging loss: orders of magnitude over autocast's), not precision differences, which
-#: the paired drift rule over the drift batches ranks (autoprec.search.decide). A trajectory is one
-#: run with no noise band of its own: on the 24-layer examples/qwen2_deep.py the autocast twin, which
-#: computes torch.autocast's dtypes, measured 1.34x autocast's traj_rel (1.37e-3 vs 1.02e-3) from
-#: summation order alone (tests/passes/test_autocast_twin.py), compounded over 20 steps.
-TRAJ_FACTOR = 2.0
 #: Names of the baselines in the final head-to-head (and its log lines).
 AUTOCAST_COMPILED = "torch.autocast + torch.compile"
 FP32_COMPILED = "fp32 + torch.compile"
@@ -74,6 +66,8 @@ class Selector:
         timings: The final head-to-head's :class:`~autoprec.measure.timing.Timing` per contender.
         decision: The :class:`~autoprec.search.final.Decision` (None before :meth:`choose`, or
             without compile).
+        trajectory: The :class:`~autoprec.search.trajectory.TrajectoryCheck` (``traj_rel`` per
+            policy checked).
     """
 
     def __init__(self, harness, budget, compile, ac_dtype, slow, traj_steps, clock, quiet, twin=None,
@@ -88,21 +82,15 @@ class Selector:
         self.decision: Decision | None = None
         self.autocast_compiled: Measurement | None = None
         self.memory_budget: float | None = None
-        self.traj: dict[str, float] = {}  # Policy.training_key() -> traj_rel
         self.eager_tokens_per_s: dict[str, float] = {}  # Policy.training_key() -> the trial's eager tokens/s
-        # id(reference fn) -> (losses, budget); the harness keeps each reference fn alive
-        self._ref_trajs: dict[int, tuple[list[float], float]] = {}
-        self._traj_budget: float | None = None  # of the last check (for messages)
         self._autocast_fn = None  # torch.autocast's module as compiled for its baseline
+        self.trajectory = TrajectoryCheck(harness, ac_dtype, traj_steps, lambda: (
+            self._autocast_fn if self._autocast_fn is not None else self._fn(self.h.model)))
+        self._notes: dict[str, str | None] = {}  # a contender's note before any head-to-head
         #: Every compiled finalist measurement, memory-lever tries included (the report's lever table;
         #: ``rejected``: why a finalist was not kept, when not its ``error``).
         self.points: list[dict[str, Any]] = []
         self._point_index: dict[str, int] = {}  # Policy.training_key() -> its last entry in points
-
-    def traj_of(self, policy: Policy) -> float:
-        """``traj_rel`` measured for ``policy`` (by content), 0.0 when it was not checked (it
-        lowers nothing, or ``traj_steps`` is 0)."""
-        return self.traj.get(policy.training_key(), 0.0)
 
     def _fn(self, gm, activation_memory_budget: float = 1.0):
         if self._fit_bar is not None:
@@ -176,18 +164,53 @@ class Selector:
 
     def _head_to_head(self, survivors: list[tuple[str, Policy, Any, Measurement]]
                       ) -> tuple[Policy, Measurement]:
-        """Time the surviving compiled finalists beside torch.autocast + torch.compile (when within
-        the drift budget) and fp32 eager in one interleaved run (:func:`time_interleaved`) and
-        pick by :func:`autoprec.search.final.decide`; every measurement (the baselines' included)
-        takes its speed from those rounds, so the ratios the report and the policy file give are
-        side by side in one process. The rounds stop early once the decision is fixed
-        (:func:`autoprec.search.final.settled`). The choice must pass the trajectory check
-        (:meth:`_traj_ok`); one that fails is rejected and the decision taken again without it.
+        """Time the surviving compiled finalists with the baselines (:meth:`_time_contenders`) and
+        pick by :func:`autoprec.search.final.decide`; the choice must pass the trajectory check
+        (:meth:`TrajectoryCheck.ok`). One that fails is rejected (the report's note) and the rest are timed
+        again without it, so the next decision rests on rounds whose retire and stop rules never
+        saw the rejected policy; only a rejection pays a second head-to-head.
 
         Raises:
-            SearchError: every policy contender failed the trajectory check."""
+            SearchError: no policy was timed, or every one timed failed the trajectory check."""
+        rejected: list[str] = []
+        while True:
+            contenders = self._time_contenders(survivors)
+            try:
+                decision = decide(contenders)
+            except ValueError:
+                self.decision = None
+                raise SearchError("no compiled finalist was timed in the final head-to-head" + (
+                    f" after {', '.join(rejected)} failed the trajectory check" if rejected else "")
+                    + " (see the log)") from None
+            label, pol, fn, m = next(s for s in survivors if s[0] == decision.chosen.name)
+            if self.trajectory.ok(pol, fn):
+                break
+            why = self.trajectory.reason(pol)
+            log(f"  {label} -> rejected: {why}; the others timed again without it", self.quiet)
+            self._rejected(pol, why)
+            rejected.append(label)
+            survivors = [s for s in survivors if s[0] != label]
+        if pol.dtypes_used() - {"fp32"} and self.traj_steps > 0:
+            log(f"  {label}: traj_rel {self.trajectory.of(pol):.3g} over {self.traj_steps} steps "
+                f"(torch.autocast's {self.trajectory.budget:.3g})", self.quiet)
+        decision.rejected = rejected
+        self.decision = decision
+        log(decision.describe(), self.quiet)
+        return pol, m
+
+    def _time_contenders(self, survivors: list[tuple[str, Policy, Any, Measurement]]) -> list[Contender]:
+        """Time ``survivors`` beside torch.autocast + torch.compile (when within the drift budget)
+        and fp32 eager in one interleaved run (:func:`time_interleaved`, with
+        :func:`autoprec.search.final.out_of_the_running` and
+        :func:`autoprec.search.final.settled`); every measurement (the baselines' included) takes
+        its speed from those rounds, so the ratios the report and the policy file give are side by
+        side in one process. Returns the contenders :func:`autoprec.search.final.decide` chooses
+        among."""
         configs = [Config(label, fn, lambda pol=pol: make_scaler(pol)) for label, pol, fn, _m in survivors]
         ac = self.autocast_compiled
+        for label, m in [(label, m) for label, _p, _f, m in survivors] + [(AUTOCAST_COMPILED, ac)]:
+            if m is not None:  # a timing again (after a rejection) drops the last one's note
+                m.note = self._notes.setdefault(label, m.note)
         ac_timed = self._autocast_fn is not None and ac is not None and ac.error is None
         ac_ok = ac_timed and self.budget.feasible(ac)  # a bar only within the drift budget
         if ac_timed:  # timed either way: the side-by-side table reports it
@@ -223,25 +246,7 @@ class Selector:
         for c in contenders:
             why = c.timing.error or c.timing.note
             log(f"  {c.name}: {format_rate(c.timing)} tok/s" + (f" ({why})" if why else ""), self.quiet)
-        finalists = {label: (pol, fn, m) for label, pol, fn, m in survivors}
-        while True:  # the trajectory check, of the choice only: a rejected one gives way to the next
-            try:
-                self.decision = decide(contenders)
-            except ValueError:
-                raise SearchError("every compiled finalist failed the trajectory check, all-fp32 "
-                                  "included (see the log)") from None
-            pol, fn, m = finalists[self.decision.chosen.name]
-            if self._traj_ok(pol, fn):
-                break
-            why = self._traj_reason(pol)
-            log(f"  {self.decision.chosen.name} -> rejected: {why}", self.quiet)
-            self._rejected(pol, why)
-            contenders.remove(self.decision.chosen)
-        if pol.dtypes_used() - {"fp32"} and self.traj_steps > 0:
-            log(f"  {self.decision.chosen.name}: traj_rel {self.traj_of(pol):.3g} over {self.traj_steps} "
-                f"steps (torch.autocast's {self._traj_budget:.3g})", self.quiet)
-        log(self.decision.describe(), self.quiet)
-        return pol, m
+        return contenders
 
     def _judge_compiled_like_autocast(self) -> None:
         """On a graph that draws random numbers (dropout), judge compiled finalists against torch.autocast
@@ -278,8 +283,9 @@ class Selector:
             if bar is not None:
                 bar.step(f"trial {t.number}")
             fn = run_pipeline(self.h.graph_module, pol).graph_module
-            if not self._traj_ok(pol, fn):
-                log(f"trial {t.number} ({pol.summary()}) rejected: {self._traj_reason(pol)}", self.quiet)
+            if not self.trajectory.ok(pol, fn):
+                log(f"trial {t.number} ({pol.summary()}) rejected: {self.trajectory.reason(pol)}",
+                    self.quiet)
                 continue
             m = self.h.measure(fn, lambda pol=pol: make_scaler(pol), max_step_s=self.slow)
             if m.error is None and (self.memory_budget is None or m.peak_bytes <= self.memory_budget):
@@ -352,33 +358,6 @@ class Selector:
                     + " even with full recomputation")
         return None
 
-    def _traj_reason(self, pol: Policy) -> str:
-        """Why ``pol`` failed :meth:`_traj_ok`."""
-        return f"traj_rel {self.traj_of(pol):.3g} > {TRAJ_FACTOR:g}x torch.autocast's {self._traj_budget:.3g}"
-
-    def _traj_ok(self, pol: Policy, fn) -> bool:
-        """``traj_rel`` ≤ :data:`TRAJ_FACTOR` x torch.autocast's over the same K steps; policies that
-        lower nothing compute what FP32 computes and skip the check.
-
-        The reference is :meth:`Harness.reference_fn`'s: the eager FP32 graph, or, for a compiled
-        ``fn`` on a graph that draws random numbers (dropout), the compiled FP32 graph, whose
-        masks are the compiled candidate's; torch.autocast's budget is then taken compiled too.
-        """
-        if not (pol.dtypes_used() - {"fp32"}) or self.traj_steps <= 0:
-            return True
-        ref_fn = self.h.reference_fn(fn)
-        if id(ref_fn) not in self._ref_trajs:
-            ref = self.h.trajectory(ref_fn, steps=self.traj_steps)
-            ac_fn = self.h.model
-            if ref_fn is not self.h.graph_module:  # compiled: torch.autocast as compiled for its baseline
-                ac_fn = self._autocast_fn if self._autocast_fn is not None else self._fn(self.h.model)
-            ac = self.h.trajectory(ac_fn, autocast_scaler(self.ac_dtype), autocast_dtype=self.ac_dtype,
-                                   steps=self.traj_steps)
-            self._ref_trajs[id(ref_fn)] = (ref, traj_rel(ac, ref))
-        ref, self._traj_budget = self._ref_trajs[id(ref_fn)]
-        tr = traj_rel(self.h.trajectory(fn, lambda: make_scaler(pol), steps=self.traj_steps), ref)
-        self.traj[pol.training_key()] = tr
-        return tr <= max(self._traj_budget * TRAJ_FACTOR, 1e-12)
 
 
 def _all_fp32(pol: Policy) -> bool:

@@ -6,8 +6,8 @@ low dtypes the device runs faster than fp32) -> baselines (FP32 and torch.autoca
 drift budget) -> search (Optuna trials, each lowering the graph and measuring eager training
 steps, ``grad_rel_l2`` and memory; a per-node dtype assignment already measured in the study is
 reused; :mod:`autoprec.search.trials`) -> finalists (the fastest feasible trials compiled with
-Inductor and measured again, drift included, checked on ``traj_rel`` over K optimizer steps and,
-with ``max_memory``, fitted to the memory budget by recomputation;
+Inductor and measured again, drift included, with ``max_memory`` fitted to the memory budget,
+timed head to head with the baselines, the choice checked on ``traj_rel`` over K optimizer steps;
 :mod:`autoprec.search.select`) -> write (report, then the policy file).
 
 Screening eagerly and compiling only finalists keeps a trial to a few eager steps instead of an
@@ -158,8 +158,8 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
             head-to-head, the memory fit (:mod:`autoprec.search.phases`).
         dtypes: Low dtypes to search: ``"auto"`` keeps those whose matmul the probe measured
             faster than fp32 on this device; a list (or comma-separated string) forces them.
-        traj_steps: K, the optimizer steps of the ``traj_rel`` check on finalists that lower
-            anything (budget: torch.autocast's ``traj_rel`` over the same steps).
+        traj_steps: K, the optimizer steps of the ``traj_rel`` check on the policy to be written
+            when it lowers anything (budget: torch.autocast's ``traj_rel`` over the same steps).
         report: Write the markdown report and plots beside ``out``.
         max_memory: Memory budget for the chosen policy's ``peak_bytes``
             (docs/architecture.md#measurements): ``None`` (none), ``"auto"`` (torch.autocast's
@@ -233,13 +233,11 @@ def _baselines(run: _Run, drift_arg: float | None, memory_arg: tuple[str, float]
     h = run.harness
     with run.clock("baselines_s"), phase_bar("baselines", 2, run.progress) as bar:
         bar.step("fp32 eager")
-        # screened as the trials are (on the CPU, step times from the drift passes): the same rule
-        # for the rows the trials are compared with; the head-to-head times fp32 eager again
-        run.fp32 = h.measure(h.model, screen=True)
+        run.fp32 = h.measure(h.model)
         run.slow = max(SLOW_RATIO * run.fp32.step_s, SLOW_FLOOR_S)
         bar.step(f"torch.autocast({run.ac_dtype}) eager")
         run.autocast = h.measure(h.model, autocast_scaler(run.ac_dtype), autocast_dtype=run.ac_dtype,
-                                 max_step_s=run.slow, screen=True)
+                                 max_step_s=run.slow)
     ac = run.autocast
     if drift_arg is None and not (math.isfinite(ac.grad_rel_l2) and ac.grad_rel_l2_batches):
         raise SearchError(f"drift budget is not finite (torch.autocast: {ac.error}); pass --max-drift X")

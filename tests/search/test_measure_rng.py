@@ -190,8 +190,8 @@ def test_selector_checks_a_compiled_lowered_finalist_on_a_dropout_model(harness)
     sel._autocast_fn = sel._fn(NoLen(harness.model))  # as choose() leaves it
     pol = Policy.default("bf16")
     fn = sel._fn(run_pipeline(harness.graph_module, pol).graph_module)
-    sel._traj_ok(pol, fn)
-    assert sel.traj[pol.training_key()] < RTOL[torch.bfloat16] and sel._traj_budget < RTOL[torch.bfloat16]
+    sel.trajectory.ok(pol, fn)
+    assert sel.trajectory.of(pol) < RTOL[torch.bfloat16] and sel.trajectory.budget < RTOL[torch.bfloat16]
 
 
 def test_compiled_finalists_on_a_dropout_model_are_judged_against_compiled_autocast(harness):

@@ -18,6 +18,7 @@ from autoprec.search.objective import DIRECTIONS
 from autoprec.search.plots import NO_NODES, dtype_map_figure
 from autoprec.search.progress import Clock
 from autoprec.search.select import Selector
+from autoprec.search.trajectory import TrajectoryCheck
 from tests.conftest import MODELS
 
 MICRO = MODELS / "micro_lm.py"
@@ -75,10 +76,10 @@ def test_finalist_rejected_on_traj_rel_has_the_reason_in_the_report(tmp_path, mo
     def traj_fails(self, pol, fn):
         if not (pol.dtypes_used() - {"fp32"}):
             return True
-        self.traj[pol.training_key()], self._traj_budget = 0.5, 0.01
+        self.traj[pol.training_key()], self.budget = 0.5, 0.01
         return False
 
-    monkeypatch.setattr(Selector, "_traj_ok", traj_fails)
+    monkeypatch.setattr(TrajectoryCheck, "ok", traj_fails)
     torch.manual_seed(0)
     harness = Harness(load_model_spec(MICRO), torch.device("cpu"), steps=2)
     bf16 = Policy.default("bf16")

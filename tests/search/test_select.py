@@ -3,14 +3,18 @@ the policy's content, never by object identity."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from autoprec.errors import SearchError
 from autoprec.measure import Measurement, Timing
 from autoprec.policy import Policy
 from autoprec.search import select as select_mod
+from autoprec.search import trajectory as trajectory_mod
 from autoprec.search.decide import DriftBudget
 from autoprec.search.progress import Clock
 from autoprec.search.select import Selector
+from autoprec.search.trajectory import TrajectoryCheck
 
 
 class _TrajHarness:
@@ -40,16 +44,17 @@ def test_traj_rel_is_kept_per_policy_content_even_when_ids_collide(monkeypatch):
     """Bookkeeping keyed by ``id(Policy)`` reported another trial's ``traj_rel`` when a rejected
     policy was freed and its id reused (e.g. by ``Policy.fp32()``). With every ``id()`` in the
     module made equal, each policy still gets its own number, and an equal-content copy finds it."""
-    monkeypatch.setattr(select_mod, "id", lambda _obj: 7, raising=False)  # every object "reuses" one id
-    sel = Selector(_TrajHarness(), DriftBudget.fixed(1.0), False, torch.bfloat16, None, 3, Clock(), True)
+    monkeypatch.setattr(trajectory_mod, "id", lambda _obj: 7, raising=False)  # every object "reuses" one id
+    check = TrajectoryCheck(_TrajHarness(), torch.bfloat16, 3, lambda: None)
     rejected = Policy.default("bf16")
-    assert not sel._traj_ok(rejected, _Fn(1.5))  # traj_rel 0.5 > torch.autocast's 0.01
-    assert abs(sel.traj_of(rejected) - 0.5) < 1e-12
+    assert not check.ok(rejected, _Fn(1.5))  # traj_rel 0.5 > torch.autocast's 0.01
+    assert abs(check.of(rejected) - 0.5) < 1e-12
+    assert check.reason(rejected) == "traj_rel 0.5 > 2x torch.autocast's 0.01"
     fp16 = Policy.default("fp16")
-    assert sel._traj_ok(fp16, _Fn(1.001))
-    assert abs(sel.traj_of(fp16) - 1e-3) < 1e-12
-    assert abs(sel.traj_of(Policy.default("bf16")) - 0.5) < 1e-12  # another object, same content
-    assert sel.traj_of(Policy.fp32()) == 0.0  # never checked: not the rejected policy's 0.5
+    assert check.ok(fp16, _Fn(1.001))
+    assert abs(check.of(fp16) - 1e-3) < 1e-12
+    assert abs(check.of(Policy.default("bf16")) - 0.5) < 1e-12  # another object, same content
+    assert check.of(Policy.fp32()) == 0.0  # never checked: not the rejected policy's 0.5
 
 
 def test_training_key_ignores_measurements_and_provenance():
@@ -87,12 +92,19 @@ def test_candidates_always_include_twin_also_and_fp32_once():
 def test_only_the_choice_pays_its_trajectory_and_a_rejected_choice_gives_way(monkeypatch):
     """The head-to-head (scripted: A fastest, B next, the twin C slower, then all-fp32) chooses A;
     A's trajectory fails (traj_rel 0.5 > 2x torch.autocast's 0.01), so A is rejected with the
-    reason in its point and the decision is taken again: B, whose trajectory passes. C's trajectory
-    is never run, nor all-fp32's (it lowers nothing)."""
+    reason in its point, and the others are timed again without A (retire and stop rules that
+    never saw A) and the decision taken again: B, whose trajectory passes. C's trajectory is never
+    run, nor all-fp32's (it lowers nothing)."""
     speeds = {"A": 0.050, "B": 0.060, "C": 0.080, "fp32 + torch.compile": 0.100, "fp32 eager": 0.200}
-    monkeypatch.setattr(select_mod, "time_interleaved", lambda h, configs, **kw: {
-        c.name: Timing.from_steps([speeds[c.name] * (1 + 0.01 * i) for i in range(6)], 100.0)
-        for c in configs})
+    timed: list[list[str]] = []
+
+    def scripted(h, configs, retire, settled, **kw):
+        timed.append([c.name for c in configs])
+        assert callable(retire) and callable(settled)
+        return {c.name: Timing.from_steps([speeds[c.name] * (1 + 0.01 * i) for i in range(6)], 100.0,
+                                          rounds=3) for c in configs}
+
+    monkeypatch.setattr(select_mod, "time_interleaved", scripted)
     h = _TrajHarness()
     ran: list[object] = []
     trajectory = h.trajectory
@@ -106,8 +118,23 @@ def test_only_the_choice_pays_its_trajectory_and_a_rejected_choice_gives_way(mon
                  for name, pol in (("A", a), ("B", b), ("C", c))]
     survivors.append(("fp32 + torch.compile", Policy.fp32(), _Fn(1.0), Measurement(grad_rel_l2=0.0)))
     chosen, _m = sel._head_to_head(survivors)
-    assert chosen is b and sel.decision.chosen.name == "B"
+    assert chosen is b and sel.decision.chosen.name == "B" and sel.decision.rejected == ["A"]
+    assert "after A failed the trajectory check" in sel.decision.describe()
+    assert timed == [["A", "B", "C", "fp32 + torch.compile", "fp32 eager"],
+                     ["B", "C", "fp32 + torch.compile", "fp32 eager"]]
     assert ran == [h.graph_module, h.model, fns["A"], fns["B"]]  # reference, torch.autocast, A, B
-    assert sel.traj_of(c) == 0.0 and abs(sel.traj_of(b) - 1e-3) < 1e-12
+    assert sel.trajectory.of(c) == 0.0 and abs(sel.trajectory.of(b) - 1e-3) < 1e-12
     point = next(p for p in sel.points if p["key"] == a.training_key())
     assert point["rejected"] == "traj_rel 0.5 > 2x torch.autocast's 0.01"
+
+
+def test_a_head_to_head_whose_every_policy_fails_the_trajectory_is_a_search_error(monkeypatch):
+    """Every lowered contender fails and the all-fp32 one errored: a SearchError that names the
+    rejected, and no decision is left behind."""
+    monkeypatch.setattr(select_mod, "time_interleaved", lambda h, configs, **kw: {
+        c.name: Timing.from_steps([0.1] * 6, 100.0) for c in configs})
+    sel = Selector(_TrajHarness(), DriftBudget.fixed(1.0), True, torch.bfloat16, None, 3, Clock(), True)
+    survivors = [("A", Policy.default("bf16"), _Fn(1.5), Measurement(grad_rel_l2=1e-3))]
+    with pytest.raises(SearchError, match="after A failed the trajectory check"):
+        sel._head_to_head(survivors)
+    assert sel.decision is None

@@ -1,0 +1,89 @@
+"""The finalists' trajectory check (docs/architecture.md#search): ``traj_rel`` of a policy's K
+training steps against FP32's, at most :data:`TRAJ_FACTOR` times torch.autocast's over the same
+steps. :class:`autoprec.search.select.Selector` runs it on the policy it would write."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from autoprec.measure import Harness
+from autoprec.metrics import traj_rel
+from autoprec.policy import Policy
+from autoprec.training.train import autocast_scaler, make_scaler
+
+__all__ = ["TRAJ_FACTOR", "TrajectoryCheck"]
+
+#: The trajectory check passes a policy whose ``traj_rel`` is at most this many times torch.autocast's
+#: over the same K steps. It catches policies that train differently (fp16 gradients flushed to zero,
+#: a stalled or diverging loss: orders of magnitude over autocast's), not precision differences, which
+#: the paired drift rule over the drift batches ranks (autoprec.search.decide). A trajectory is one
+#: run with no noise band of its own: on the 24-layer examples/qwen2_deep.py the autocast twin, which
+#: computes torch.autocast's dtypes, measured 1.34x autocast's traj_rel (1.37e-3 vs 1.02e-3) from
+#: summation order alone (tests/passes/test_autocast_twin.py), compounded over 20 steps.
+TRAJ_FACTOR = 2.0
+
+
+class TrajectoryCheck:
+    """``traj_rel`` (:func:`autoprec.metrics.traj_rel`: max over K optimizer steps of
+    \\|Lₖ − L₃₂,ₖ\\| / \\|L₃₂,ₖ\\|, from the harness's initial weights on ``get_batch(0..K-1)``)
+    of a policy's module against FP32's, judged against torch.autocast's over the same steps.
+
+    What it learns about a policy is keyed by the policy's content (:meth:`Policy.training_key`),
+    never by object identity: a rejected policy can be freed and its ``id`` reused by another.
+
+    Args:
+        harness: The run's :class:`Harness` (weights, batches, model file).
+        ac_dtype: torch.autocast's low dtype.
+        steps: K (0: every policy passes, nothing is run).
+        compiled_autocast: Gives torch.autocast's module as compiled for its baseline; called
+            only when the reference is compiled (a compiled module on a graph with random ops).
+
+    Attributes:
+        traj: ``Policy.training_key()`` -> its ``traj_rel``.
+        budget: torch.autocast's ``traj_rel`` of the last check (None before one).
+    """
+
+    def __init__(self, harness: Harness, ac_dtype: torch.dtype, steps: int,
+                 compiled_autocast: Callable[[], Any]) -> None:
+        self.h, self.ac_dtype, self.steps = harness, ac_dtype, steps
+        self._compiled_autocast = compiled_autocast
+        self.traj: dict[str, float] = {}
+        self.budget: float | None = None
+        # id(reference fn) -> (losses, budget); the harness keeps each reference fn alive
+        self._refs: dict[int, tuple[list[float], float]] = {}
+
+    def of(self, policy: Policy) -> float:
+        """``traj_rel`` measured for ``policy`` (by content), 0.0 when it was not checked (it
+        lowers nothing, ``steps`` is 0, or it was never the policy to write)."""
+        return self.traj.get(policy.training_key(), 0.0)
+
+    def ok(self, policy: Policy, fn: Callable[..., Any]) -> bool:
+        """Whether ``fn`` (``policy``'s lowered or compiled module) has ``traj_rel`` ≤
+        :data:`TRAJ_FACTOR` x torch.autocast's over the same K steps; policies that lower nothing
+        compute what FP32 computes and pass unrun.
+
+        The reference is :meth:`Harness.reference_fn`'s: the eager FP32 graph, or, for a compiled
+        ``fn`` on a graph that draws random numbers (dropout), the compiled FP32 graph, whose
+        masks are the compiled candidate's; torch.autocast's budget is then taken compiled too.
+        Each reference's trajectories are run once.
+        """
+        if not (policy.dtypes_used() - {"fp32"}) or self.steps <= 0:
+            return True
+        ref_fn = self.h.reference_fn(fn)
+        if id(ref_fn) not in self._refs:
+            ref = self.h.trajectory(ref_fn, steps=self.steps)
+            ac_fn = self.h.model if ref_fn is self.h.graph_module else self._compiled_autocast()
+            ac = self.h.trajectory(ac_fn, autocast_scaler(self.ac_dtype), autocast_dtype=self.ac_dtype,
+                                   steps=self.steps)
+            self._refs[id(ref_fn)] = (ref, traj_rel(ac, ref))
+        ref, self.budget = self._refs[id(ref_fn)]
+        tr = traj_rel(self.h.trajectory(fn, lambda: make_scaler(policy), steps=self.steps), ref)
+        self.traj[policy.training_key()] = tr
+        return tr <= max(self.budget * TRAJ_FACTOR, 1e-12)
+
+    def reason(self, policy: Policy) -> str:
+        """Why ``policy`` failed :meth:`ok` (the log's and the report's words)."""
+        return f"traj_rel {self.of(policy):.3g} > {TRAJ_FACTOR:g}x torch.autocast's {self.budget:.3g}"
