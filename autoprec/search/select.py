@@ -166,9 +166,9 @@ class Selector:
                       ) -> tuple[Policy, Measurement]:
         """Time the surviving compiled finalists with the baselines (:meth:`_time_contenders`) and
         pick by :func:`autoprec.search.final.decide`; the choice must pass the trajectory check
-        (:meth:`TrajectoryCheck.ok`). One that fails is rejected (the report's note) and the rest are timed
-        again without it, so the next decision rests on rounds whose retire and stop rules never
-        saw the rejected policy; only a rejection pays a second head-to-head.
+        (:meth:`TrajectoryCheck.ok`). One that fails is rejected (the report's note) and the rest
+        are timed again without it, so the next decision rests on rounds whose retire and stop
+        rules never saw the rejected policy; only a rejection pays a second head-to-head.
 
         Raises:
             SearchError: no policy was timed, or every one timed failed the trajectory check."""

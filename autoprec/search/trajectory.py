@@ -28,7 +28,7 @@ TRAJ_FACTOR = 2.0
 
 class TrajectoryCheck:
     """``traj_rel`` (:func:`autoprec.metrics.traj_rel`: max over K optimizer steps of
-    \\|Lₖ − L₃₂,ₖ\\| / \\|L₃₂,ₖ\\|, from the harness's initial weights on ``get_batch(0..K-1)``)
+    |Lₖ − L₃₂,ₖ| / |L₃₂,ₖ|, from the harness's initial weights on ``get_batch(0..K-1)``)
     of a policy's module against FP32's, judged against torch.autocast's over the same steps.
 
     What it learns about a policy is keyed by the policy's content (:meth:`Policy.training_key`),
