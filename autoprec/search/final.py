@@ -157,15 +157,9 @@ def out_of_the_running(baselines: set[str], policies: set[str]) -> Retire:
     """
     def retire(timings: dict[str, Timing]) -> dict[str, str]:
         timed = {n: t for n, t in timings.items() if t.step_times}
-
-        def fastest_of(names: set[str]) -> set[str]:
-            named = [n for n in timed if n in names]
-            return {max(named, key=lambda n: timed[n].tokens_per_s)} if named else set()
-
-        if not (top := fastest_of(baselines | policies)):
+        if (fastest := _fastest(timed, baselines | policies)) is None:
             return {}
-        fastest = next(iter(top))
-        keep = top | fastest_of(baselines) | fastest_of(policies)
+        keep = {fastest, _fastest(timed, baselines), _fastest(timed, policies)}
         out = {}
         for n, t in timed.items():
             c = compare(t, timed[fastest])
@@ -197,13 +191,20 @@ def settled(baselines: set[str], policies: set[str]) -> Settled:
         ``{name: Timing}`` of those still timed, once per round -> whether the decision has been
         fixed after this round and the one before (a fresh predicate per head-to-head).
     """
-    in_a_row = [0]
+    in_a_row = 0
 
     def done(timings: dict[str, Timing]) -> bool:
+        nonlocal in_a_row
         timed = {n: t for n, t in timings.items() if t.step_times and n in baselines | policies}
-        fastest = max(timed, key=lambda n: timed[n].tokens_per_s) if timed else None
+        fastest = _fastest(timed, baselines | policies)
         fixed = fastest is not None and not any(compare(t, timed[fastest]).tie
                                                 for n, t in timed.items() if n != fastest)
-        in_a_row[0] = in_a_row[0] + 1 if fixed else 0
-        return in_a_row[0] >= 2
+        in_a_row = in_a_row + 1 if fixed else 0
+        return in_a_row >= 2
     return done
+
+
+def _fastest(timed: dict[str, Timing], names: set[str]) -> str | None:
+    """The name in ``names`` with the highest tokens/s among ``timed`` (None: none timed)."""
+    named = [n for n in timed if n in names]
+    return max(named, key=lambda n: timed[n].tokens_per_s) if named else None

@@ -73,7 +73,7 @@ class Selector:
     def __init__(self, harness, budget, compile, ac_dtype, slow, traj_steps, clock, quiet, twin=None,
                  progress=False, also=()) -> None:
         self.h, self.budget, self.compile, self.ac_dtype = harness, budget, compile, ac_dtype
-        self.slow, self.traj_steps, self.clock, self.quiet = slow, traj_steps, clock, quiet
+        self.slow, self.clock, self.quiet = slow, clock, quiet
         self.twin: Policy | None = twin
         self.also: list[tuple[Policy, str]] = list(also)
         self.progress = progress
@@ -190,8 +190,8 @@ class Selector:
             self._rejected(pol, why)
             rejected.append(label)
             survivors = [s for s in survivors if s[0] != label]
-        if pol.dtypes_used() - {"fp32"} and self.traj_steps > 0:
-            log(f"  {label}: traj_rel {self.trajectory.of(pol):.3g} over {self.traj_steps} steps "
+        if pol.training_key() in self.trajectory.traj:  # measured: it lowers something, K > 0
+            log(f"  {label}: traj_rel {self.trajectory.of(pol):.3g} over {self.trajectory.steps} steps "
                 f"(torch.autocast's {self.trajectory.budget:.3g})", self.quiet)
         decision.rejected = rejected
         self.decision = decision
