@@ -42,9 +42,21 @@ from torch.utils._python_dispatch import TorchDispatchMode
 __all__ = [
     "TorchDispatchMode", "amp_unscale_", "child_module", "detect_fake_mode", "dynamo_compile_seconds",
     "dynamo_unique_graphs", "export_assert_ops", "fake_tensor_errors", "is_dynamo_optimized",
-    "new_fake_mode", "overload_schema", "pytree", "pytree_info", "safe_softmax", "saved_tensor_hook_node",
+    "new_fake_mode", "optimization_hint", "overload_schema", "pytree", "pytree_info", "safe_softmax",
+    "saved_tensor_hook_node",
     "set_pytree_codegen", "sparse_values", "top_saved_tensors_hooks", "tree_flatten_spec",
 ]
+
+try:
+    #: ``torch.fx.experimental.symbolic_shapes.optimization_hint``: a symbolic size's example value
+    #: (its hint) without adding a guard, meant for cost estimates. Public from torch 2.13 (checked
+    #: on 2.13.0); older torch: the fallback reads the size's recorded hint (``SymInt.node.hint``,
+    #: a ``_``-free but internal attribute), the same value.
+    from torch.fx.experimental.symbolic_shapes import optimization_hint
+except ImportError:  # pragma: no cover - torch < 2.13
+    def optimization_hint(a: torch.SymInt, fallback: int | None = None) -> int:  # noqa: D103
+        hint = a.node.hint
+        return fallback if hint is None else int(hint)
 
 
 def _missing(api: str, what: str) -> RuntimeError:

@@ -36,14 +36,9 @@ import torch
 from networkx.algorithms.flow import shortest_augmenting_path
 from torch import fx
 
+from autoprec._torch_compat import optimization_hint
 from autoprec.nodemeta import read_meta
 
-try:  # torch >= 2.13: a hint that adds no guard, meant for cost estimates
-    from torch.fx.experimental.symbolic_shapes import optimization_hint
-except ImportError:  # older torch: the node's recorded hint
-    def optimization_hint(a: torch.SymInt, fallback: int | None = None) -> int:  # noqa: D103
-        hint = a.node.hint
-        return fallback if hint is None else int(hint)
 
 __all__ = ["PLACEMENT_MODES", "check_placement_mode", "place_follow", "tensor_bytes", "to_networkx"]
 

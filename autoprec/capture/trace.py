@@ -25,6 +25,7 @@ from typing import Any
 from torch import fx, nn
 
 from autoprec._torch_compat import export_assert_ops
+from autoprec.capture.causal import causal_attention
 from autoprec.capture.diagnose import explain_failure
 from autoprec.capture.dims import DimPlan, plan_dims
 from autoprec.capture.export import (
@@ -132,6 +133,7 @@ def capture_planned(model: nn.Module, example_batch: Any, plan: DimPlan | None) 
         gm.meta[DIMS_META] = export_ranges(gm, ep, plan)
     gm.meta[CALL_KWARGS_META] = dict(fixed)
     _strip_asserts(gm)
+    causal_attention(gm)
     _check_shared_parameters(model, gm)
     assign_keys(gm)
     mark_regions(gm)

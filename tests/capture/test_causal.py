@@ -1,0 +1,105 @@
+"""Causal masks built from shapes become SDPA's ``is_causal`` at capture (autoprec/capture/causal.py);
+masks that read data, or are not causal, stay."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from autoprec.capture import capture
+from autoprec.capture.causal import causal_attention
+from tests.nets import qwen2_batch, tiny_qwen2
+
+SDPA = torch.ops.aten.scaled_dot_product_attention.default
+
+
+def _sdpa(gm):
+    return [n for n in gm.graph.nodes if n.target is SDPA]
+
+
+def _mask(n):
+    return n.args[3] if len(n.args) > 3 else n.kwargs.get("attn_mask")
+
+
+def _causal(n):
+    return n.args[5] if len(n.args) > 5 else n.kwargs.get("is_causal", False)
+
+
+def _loss_and_grads(fn, model, batch):
+    model.zero_grad()
+    loss = fn(**batch).loss
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_hugging_face_causal_mask_becomes_is_causal_with_the_same_numbers(dynamic):
+    torch.manual_seed(0)
+    model, batch = tiny_qwen2(), qwen2_batch()
+    gm = capture(model, batch, dynamic=dynamic)
+    nodes = _sdpa(gm)
+    assert len(nodes) == 2
+    assert all(_mask(n) is None and _causal(n) is True for n in nodes)
+    assert not any(n.target is torch.ops.aten.le.Tensor for n in gm.graph.nodes)  # the mask is gone
+    ref_loss, ref_grads = _loss_and_grads(model, model, batch)
+    loss, grads = _loss_and_grads(gm, model, batch)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    for g, r in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-6)
+
+
+def test_a_padding_mask_read_from_the_batch_stays():
+    torch.manual_seed(0)
+    model, batch = tiny_qwen2(), qwen2_batch()
+    mask = torch.ones_like(batch["input_ids"])
+    mask[0, -3:] = 0
+    gm = capture(model, {**batch, "attention_mask": mask})
+    assert all(_mask(n) is not None and not _causal(n) for n in _sdpa(gm))
+
+
+class _Attn(nn.Module):
+    """One attention over ``x`` [B, T, 8] with a mask built from T by ``kind``."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.qkv = nn.Linear(8, 24)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).unsqueeze(1).chunk(3, dim=-1)
+        t = x.shape[1]
+        ones = torch.ones(t, t, dtype=torch.bool, device=x.device)
+        if self.kind == "bool-causal":
+            mask = ones.tril()
+        elif self.kind == "float-causal":
+            mask = torch.zeros(t, t, device=x.device).masked_fill(~ones.tril(), float("-inf"))
+        elif self.kind == "window":  # causal, at most 2 back: not SDPA's causal mask
+            mask = ones.tril() & ~ones.tril(-3)
+        elif self.kind == "full":
+            mask = ones
+        else:  # "data": causal and the input's own padding (tokens equal to 0 are masked)
+            mask = ones.tril() & (x[:, None, None, :, 0] != 0)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).sum()
+
+
+@pytest.mark.parametrize("kind,rewritten", [("bool-causal", True), ("float-causal", True),
+                                            ("window", False), ("full", False), ("data", False)])
+def test_only_a_causal_mask_computed_from_shapes_is_replaced(kind, rewritten):
+    torch.manual_seed(0)
+    model, x = _Attn(kind), torch.randn(2, 6, 8)
+    gm = capture(model, x, dynamic=True)
+    (node,) = _sdpa(gm)
+    assert (_mask(node) is None and _causal(node) is True) == rewritten
+    torch.testing.assert_close(gm(x), model(x), rtol=1e-5, atol=1e-5)
+    x2 = torch.randn(1, 6, 8)  # another batch size of the dynamic capture
+    torch.testing.assert_close(gm(x2), model(x2), rtol=1e-5, atol=1e-5)
+
+
+def test_a_graph_without_masks_is_left_alone():
+    torch.manual_seed(0)
+    gm = capture(nn.Linear(4, 4), torch.randn(2, 4))
+    code = gm.code
+    assert causal_attention(gm) == 0
+    assert gm.code == code
