@@ -39,7 +39,6 @@ from torch import fx
 from autoprec._torch_compat import optimization_hint
 from autoprec.nodemeta import read_meta
 
-
 __all__ = ["PLACEMENT_MODES", "check_placement_mode", "place_follow", "tensor_bytes", "to_networkx"]
 
 PLACEMENT_MODES = ("mincut", "paint", "naive", "promote")

@@ -9,6 +9,7 @@ One capture, top to bottom:
   dimensions and their ranges);
 - :mod:`~autoprec.capture.trace`: :func:`capture` itself (training kwargs, node keys, regions);
 - :mod:`~autoprec.capture.export`: the one ``torch.export`` call, with its refinement retry;
+- :mod:`~autoprec.capture.causal`: causal masks built from shapes become SDPA's ``is_causal``;
 - :mod:`~autoprec.capture.diagnose`: the ``CaptureError`` message when the export fails;
 - :mod:`~autoprec.capture.shapes`: :class:`InputShapes`, a call checked against the captured
   shapes and ranges.

@@ -74,7 +74,9 @@ def capture(model: nn.Module, example_batch: Any, dynamic: bool = False,
 
     Returns:
         A ``GraphModule`` with the model's call signature and output structure whose parameters
-        are the model's own ``Parameter`` objects. ``node.meta["val"]`` holds a fake tensor
+        are the model's own ``Parameter`` objects; SDPA calls whose mask is a causal mask computed
+        from the input sizes pass ``is_causal=True`` instead (:mod:`autoprec.capture.causal`).
+        ``node.meta["val"]`` holds a fake tensor
         (shape, dtype) per node and ``NodeMeta.key`` a stable node key. Outputs
         follow :func:`autoprec.modelspec.prepare_output`: ``ModelOutput`` dataclasses, tuples,
         dicts and ``None`` fields keep their type and fields, other values without tensors are

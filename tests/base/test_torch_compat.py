@@ -261,7 +261,8 @@ def test_lazy_graph_module_generates_its_code_once_when_materialized(monkeypatch
 
 def test_optimization_hint_is_a_symbolic_sizes_example_value():
     batch = torch.export.Dim("batch", min=2, max=64)
-    ep = torch.export.export(nn.Linear(3, 2), (torch.randn(5, 3),), dynamic_shapes=({0: batch},), strict=False)
+    ep = torch.export.export(nn.Linear(3, 2), (torch.randn(5, 3),), dynamic_shapes=({0: batch},),
+                             strict=False)
     x = next(n for n in ep.graph.nodes if n.op == "placeholder" and n.name == "input")
     size = x.meta["val"].shape[0]
     assert isinstance(size, torch.SymInt)

@@ -18,7 +18,7 @@ def test_gpu_check_dry_run(tmp_path):
     # step limits allow a loaded machine up to 420 s.
     out = tmp_path / "gpu"
     env = os.environ | {"PY": sys.executable}
-    r = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), str(out), "--dry-run"],
+    r = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), str(out), "--dry-run", "--fp8"],
                        capture_output=True, text=True, env=env, timeout=560)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
