@@ -1,6 +1,8 @@
 """The autocast twin against torch.autocast, eager and compiled, one factor at a time, side by side.
 
-Times one forward + backward step (no optimizer) of ``examples/qwen2_05b.py`` on one device. Rows
+Times one forward + backward step (no optimizer) of ``examples/qwen2_05b.py`` (or ``--model``, a
+model file with ``build_model()`` and ``get_batch(step, device)`` returning ``input_ids`` and
+``labels`` for a Hugging Face causal LM) on one device. Rows
 (``--rows``, in this order of cost; each compiled row is one compile):
 
 - ``autocast_eager``: the model under ``torch.autocast`` (the model's own code skips its causal
@@ -20,12 +22,14 @@ each row's median step time over ``--steps`` rounds, with the min–max of its s
 ``AUTOPREC_QWEN2_05B_TINY=1`` shrinks the model for a CPU dry run.
 
 Usage: python benchmarks/twin_vs_autocast.py OUT [--device cuda] [--dtype fp16] [--rows ROW ...]
+       [--model FILE]
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
 import json
 import os
 import statistics
@@ -39,7 +43,6 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "examples"))
 sys.path.insert(0, str(REPO))
 
-import qwen2_05b as example  # noqa: E402
 
 from autoprec import Policy, apply  # noqa: E402
 from autoprec.applied.compile import compile_graph  # noqa: E402
@@ -123,9 +126,15 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None, help="fp16 or bf16 (default: torch.autocast's default)")
     ap.add_argument("--rows", nargs="+", choices=EAGER + COMPILED, default=list(EAGER + COMPILED[:2]))
+    ap.add_argument("--model", type=Path, default=REPO / "examples" / "qwen2_05b.py",
+                    help="a model file with build_model() and get_batch(step, device) "
+                         "(default: the GPU check's)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     a = ap.parse_args()
+    spec = importlib.util.spec_from_file_location("model_file", a.model)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
     dev = torch.device(a.device)
     low = a.dtype or ("fp16" if dev.type == "cuda" else "bf16")
     ac = (dev.type, to_torch(low))
