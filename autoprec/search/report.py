@@ -27,9 +27,10 @@ __all__ = ["format_table", "write_report", "trial_rows", "pareto_front", "show_n
 def format_table(rows: list[dict[str, Any]]) -> str:
     """Markdown table of result rows: config, tokens/s with ``±`` the 95% band's relative
     half-width (``(no band)`` / ``(1 step: no band)`` without one, ``—`` when not timed), speedup
-    vs fp32 eager and vs torch.autocast + torch.compile (each ``(tie)`` when within the noise),
-    grad_rel_l2, peak MiB, note."""
-    head = ("| config | tokens/s | speedup vs fp32 eager | vs autocast+compile | grad_rel_l2 | peak MiB "
+    vs fp32 eager and vs torch.autocast + torch.compile, or the rows' ``bar`` (``"autocast eager"``
+    for a tune without compile; each ``(tie)`` when within the noise), grad_rel_l2, peak MiB, note."""
+    bar = rows[0].get("bar", "autocast+compile") if rows else "autocast+compile"
+    head = (f"| config | tokens/s | speedup vs fp32 eager | vs {bar} | grad_rel_l2 | peak MiB "
             "| note |")
     lines = [head, "|---|---:|---:|---:|---:|---:|---|"]
     for r in rows:
@@ -43,7 +44,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             rate = f"{tps:.0f} (1 step: no band)"
         else:
             rate = f"{tps:.0f} ±{100 * r['band']:.1f}%"
-        vs = r.get("vs_autocast_compiled")
+        vs = r.get("vs_autocast")
         vs_text = "" if vs is None else f"{vs:.2f}x" + (" (tie)" if r.get("vs_autocast_tie") else "")
         speedup = f"{r['speedup_vs_fp32']:.2f}x" + (" (tie)" if r.get("vs_fp32_tie") else "")
         lines.append(

@@ -1,7 +1,7 @@
 """What ``tune`` reports about its choice (docs/architecture.md#policy-file, #measurements): the
 policy file's ``measured`` block, the side-by-side table (tokens/s with its noise band, vs fp32
-eager and vs torch.autocast + torch.compile), the note when an eager run was faster, and the
-pooling of two timings of one configuration.
+eager and vs torch.autocast + torch.compile, or torch.autocast eager without compile), the note
+when an eager run was faster, and the pooling of two timings of one configuration.
 
 ``run`` below is ``tune``'s phase state (``autoprec.search.study._Run``: ``fp32``, ``autocast``,
 ``ac_dtype``, ``budget``, ``quiet``); ``sel`` its :class:`~autoprec.search.select.Selector`.
@@ -18,14 +18,14 @@ from autoprec.metrics import median
 from autoprec.policy import Policy
 from autoprec.search.bands import timing_of
 from autoprec.search.progress import log
-from autoprec.search.select import AUTOCAST_COMPILED, FP32_EAGER
+from autoprec.search.select import AUTOCAST_EAGER, FP32_EAGER
 
 __all__ = ["measured_block", "note_if_eager_was_faster", "pooled", "side_by_side"]
 
 
 def measured_block(run: Any, sel: Any, chosen: Policy, m: Measurement) -> dict[str, float]:
     """The policy file's ``measured`` block (finite numbers only: docs/architecture.md#policy-file)."""
-    ref = sel.autocast_compiled or run.autocast
+    ref = sel.autocast_compiled or sel.autocast_eager or run.autocast
     return {
         "tokens_per_s": m.tokens_per_s, "speedup_vs_fp32": m.tokens_per_s / run.fp32.tokens_per_s,
         "speedup_vs_autocast": m.tokens_per_s / ref.tokens_per_s if ref.tokens_per_s else 0.0,
@@ -40,18 +40,22 @@ def measured_block(run: Any, sel: Any, chosen: Policy, m: Measurement) -> dict[s
 
 
 def side_by_side(run: Any, sel: Any, chosen_m: Measurement, compile: bool) -> list[dict[str, Any]]:
-    """Rows of the side-by-side table: FP32 eager, torch.autocast eager (and compiled), the policy."""
+    """Rows of the side-by-side table: FP32 eager, torch.autocast eager (and compiled), the policy.
+    Each row's ``bar`` names the column its ``vs_autocast`` ratio is against: torch.autocast +
+    torch.compile, or torch.autocast eager without compile (the head-to-head's ``sel.ac_label``)."""
     ac = NAMES.get(run.ac_dtype, str(run.ac_dtype))
-    t, ref = sel.timings, sel.timings.get(AUTOCAST_COMPILED)
+    t, ref = sel.timings, sel.timings.get(sel.ac_label)
     chosen_t = t.get(sel.decision.chosen.name) if sel.decision is not None else None
     fp32_t = t.get(FP32_EAGER)
     table = [_row("fp32 eager", run.fp32, run.fp32, fp32_t, ref),
-             _row(f"autocast {ac} eager", run.autocast, run.fp32, fp32=fp32_t)]
+             _row(f"autocast {ac} eager", sel.autocast_eager or run.autocast, run.fp32, t.get(AUTOCAST_EAGER),
+                  None if compile else ref, fp32_t)]
     if sel.autocast_compiled is not None:
         table.append(_row(f"autocast {ac} + compile", sel.autocast_compiled, run.fp32, ref, ref, fp32_t))
     name = "autoprec policy" + (" + compile" if compile else " (eager)")
     table.append(_row(name, chosen_m, run.fp32, chosen_t, ref, fp32_t))
-    return table
+    bar = "autocast+compile" if compile else "autocast eager"
+    return [r | {"bar": bar} for r in table]
 
 
 def note_if_eager_was_faster(run: Any, sel: Any, chosen: Policy, chosen_m: Measurement,
@@ -72,8 +76,8 @@ def _row(name: str, m: Measurement, fp32_m: Measurement, timing: Timing | None =
     comes from the final head-to-head's ``timing``, else from ``m``'s own step times
     (:func:`autoprec.search.bands.timing_of`): ``band`` (the 95% band's relative half-width, with
     ``timed_steps``), ``vs_fp32_tie`` (its ratio to fp32 eager's, ``fp32``'s timing or
-    ``fp32_m``'s steps, has a band containing 1). With torch.autocast + torch.compile's timing
-    (``autocast``) also ``vs_autocast_compiled`` (ratio, and ``tie`` when its band contains 1)."""
+    ``fp32_m``'s steps, has a band containing 1). With the bar's torch.autocast timing
+    (``autocast``) also ``vs_autocast`` (ratio) and ``vs_autocast_tie`` (its band contains 1)."""
     row = {"config": name, "tokens_per_s": m.tokens_per_s,
            "speedup_vs_fp32": m.tokens_per_s / fp32_m.tokens_per_s if fp32_m.tokens_per_s else 0.0,
            "grad_rel_l2": m.grad_rel_l2 if math.isfinite(m.grad_rel_l2) else None,
@@ -88,7 +92,7 @@ def _row(name: str, m: Measurement, fp32_m: Measurement, timing: Timing | None =
             row["vs_fp32_tie"] = compare(timing, fp32).tie
         if autocast is not None and autocast.step_times:
             c = compare(timing, autocast)
-            row["vs_autocast_compiled"] = c.ratio
+            row["vs_autocast"] = c.ratio
             row["vs_autocast_tie"] = c.tie and timing is not autocast
     return row
 

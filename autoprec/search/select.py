@@ -1,8 +1,9 @@
 """Finalist selection: the fastest feasible trials, the autocast twin and all-fp32 re-measured as
 training runs them (compiled with Inductor unless ``--no-compile``), fitted to the memory budget
-(:mod:`autoprec.search.memory_fit`), timed head to head with the baselines and chosen by
-:func:`autoprec.search.final.decide`; the choice is checked on ``traj_rel`` and, when it fails,
-the next choice is (docs/architecture.md#search)."""
+(:mod:`autoprec.search.memory_fit`, compiled only), timed head to head with the baselines and
+chosen by :func:`autoprec.search.final.decide`; the choice is checked on ``traj_rel`` and, when it
+fails, the next choice is (docs/architecture.md#search). Without compile the bar is what a user
+gets eagerly: torch.autocast eager and fp32 eager."""
 
 from __future__ import annotations
 
@@ -29,12 +30,15 @@ from autoprec.search.progress import log
 from autoprec.search.trajectory import TrajectoryCheck
 from autoprec.training.train import autocast_scaler, make_scaler
 
-#: Names of the baselines in the final head-to-head (and its log lines).
+#: Names of the baselines in the final head-to-head (and its log lines); without compile
+#: torch.autocast's is ``AUTOCAST_EAGER`` and the all-fp32 policy's ``FP32_GRAPH``.
 AUTOCAST_COMPILED = "torch.autocast + torch.compile"
+AUTOCAST_EAGER = "torch.autocast eager"
 FP32_COMPILED = "fp32 + torch.compile"
+FP32_GRAPH = "all-fp32"
 FP32_EAGER = "fp32 eager"
 
-__all__ = ["AUTOCAST_COMPILED", "FP32_COMPILED", "FP32_EAGER", "Selector"]
+__all__ = ["AUTOCAST_COMPILED", "AUTOCAST_EAGER", "FP32_COMPILED", "FP32_EAGER", "FP32_GRAPH", "Selector"]
 
 
 class Selector:
@@ -47,7 +51,8 @@ class Selector:
     Args:
         harness: The run's :class:`Harness`.
         budget: The drift budget (:class:`autoprec.search.decide.DriftBudget`).
-        compile: Compile finalists with Inductor (else the trials' eager numbers are used).
+        compile: Compile finalists with Inductor (else they run eagerly, and the bar is torch.autocast
+            eager).
         ac_dtype: torch.autocast's low dtype (the trajectory budget's baseline).
         slow: ``max_step_s`` for every timed measurement (seconds).
         traj_steps: K of the ``traj_rel`` check (0: off).
@@ -64,8 +69,11 @@ class Selector:
 
     Attributes:
         timings: The final head-to-head's :class:`~autoprec.measure.timing.Timing` per contender.
-        decision: The :class:`~autoprec.search.final.Decision` (None before :meth:`choose`, or
-            without compile).
+        decision: The :class:`~autoprec.search.final.Decision` (None before :meth:`choose`).
+        ac_label: torch.autocast's name in the head-to-head (:data:`AUTOCAST_COMPILED`, or
+            :data:`AUTOCAST_EAGER` without compile).
+        autocast_compiled, autocast_eager: torch.autocast's measurement as the bar (compiled, or
+            eager without compile; the other is None), with the head-to-head's speed.
         trajectory: The :class:`~autoprec.search.trajectory.TrajectoryCheck` (``traj_rel`` per
             policy checked).
     """
@@ -80,7 +88,9 @@ class Selector:
         self._fit_bar: PhaseBar | None = None  # the memory fit's bar while it runs: each compile is a try
         self.timings: dict[str, Timing] = {}
         self.decision: Decision | None = None
+        self.ac_label = AUTOCAST_COMPILED if compile else AUTOCAST_EAGER
         self.autocast_compiled: Measurement | None = None
+        self.autocast_eager: Measurement | None = None
         self.memory_budget: float | None = None
         self.eager_tokens_per_s: dict[str, float] = {}  # Policy.training_key() -> the trial's eager tokens/s
         self._autocast_fn = None  # torch.autocast's module as compiled for its baseline
@@ -104,8 +114,8 @@ class Selector:
                memory_budget: Callable[[], float | None] = lambda: None) -> tuple[Policy, Measurement]:
         """The policy to write, with its measurement: compiled, the finalists within the drift
         (and memory) budgets, timed head to head with torch.autocast + torch.compile and fp32
-        eager, the choice checked on ``traj_rel`` (:meth:`_head_to_head`); without compile, the
-        fastest feasible trial that passes the trajectory check (:meth:`_choose_eager`).
+        eager, the choice checked on ``traj_rel`` (:meth:`_head_to_head`); without compile the same,
+        eagerly, against torch.autocast eager and fp32 eager.
 
         ``memory_budget`` is called once the torch.autocast baselines are measured (``--max-memory
         auto`` refers to them) and gives the byte budget or None.
@@ -118,21 +128,24 @@ class Selector:
 
     def _choose(self, feasible, k, memory_budget, bar: PhaseBar) -> tuple[Policy, Measurement]:
         """:meth:`choose`, with its progress bar (a step per finalist, and the head-to-head)."""
-        if self.compile:  # the comparison users care about: torch.autocast + torch.compile, same run
+        # the comparison users care about: torch.autocast + torch.compile (eager without compile), same run
+        if self.compile:
             log("compiling the torch.autocast baseline with Inductor", self.quiet)
-            bar.step(AUTOCAST_COMPILED)
-            self._autocast_fn = self._fn(self.h.model)
-            # timed in the head-to-head's rounds (CUDA's peak is read after timed steps)
-            self.autocast_compiled = self.h.measure(self._autocast_fn, autocast_scaler(self.ac_dtype),
-                                                    autocast_dtype=self.ac_dtype,
-                                                    timing=self.h.device.type == "cuda", max_step_s=self.slow)
+        bar.step(self.ac_label)
+        self._autocast_fn = self._fn(self.h.model) if self.compile else self.h.model
+        # timed in the head-to-head's rounds (CUDA's peak is read after timed steps)
+        ac = self.h.measure(self._autocast_fn, autocast_scaler(self.ac_dtype), autocast_dtype=self.ac_dtype,
+                            timing=self.h.device.type == "cuda", max_step_s=self.slow)
+        if self.compile:
+            self.autocast_compiled = ac
             self._judge_compiled_like_autocast()
+        else:
+            self.autocast_eager = ac
         self.memory_budget = memory_budget()
         if self.memory_budget is not None:
             log(f"memory budget {format_bytes(self.memory_budget)}", self.quiet)
-        if not self.compile:
-            return self._choose_eager(feasible, bar)
         survivors: list[tuple[str, Policy, Any, Measurement]] = []
+        measured: list[Measurement] = []
         timed_now = self.h.device.type == "cuda"  # CUDA's peak is read after timed steps; the CPU's is not
         candidates = self._candidates(feasible, k)
         bar.set_total(len(candidates) + 2)  # torch.autocast's compile, the finalists, the head-to-head
@@ -143,22 +156,24 @@ class Selector:
             fn = self._fn(run_pipeline(self.h.graph_module, pol).graph_module)
             m = self.h.measure(fn, lambda pol=pol: make_scaler(pol), timing=timed_now, max_step_s=self.slow)
             self._point(pol, m, timed=bool(m.step_times))
-            if (self.memory_budget is not None and m.error is None and self.budget.feasible(m)
-                    and m.peak_bytes > self.memory_budget):
+            if (self.compile and self.memory_budget is not None and m.error is None
+                    and self.budget.feasible(m) and m.peak_bytes > self.memory_budget):
                 with phase_bar("memory fit", None, self.progress) as self._fit_bar:
                     try:
                         pol, fn, m = fit_memory(self, pol, m)
                     finally:
                         self._fit_bar = None
+            measured.append(m)
             why = self._reject_reason(m)
-            log(f"  compiled: grad_rel_l2 {m.grad_rel_l2:.3g}" + (f" -> rejected: {why}" if why else ""),
+            how = "compiled" if self.compile else "eager"
+            log(f"  {how}: grad_rel_l2 {m.grad_rel_l2:.3g}" + (f" -> rejected: {why}" if why else ""),
                 self.quiet)
             if why is None:
                 survivors.append((label, pol, fn, m))
             elif why != m.error:
                 self._rejected(pol, why)
         if not survivors:
-            raise SearchError("every finalist failed when re-measured, all-fp32 included (see the log)")
+            raise SearchError(self._none_survived(measured))
         bar.step("head-to-head")
         return self._head_to_head(survivors)
 
@@ -179,7 +194,7 @@ class Selector:
                 decision = decide(contenders)
             except ValueError:
                 self.decision = None
-                raise SearchError("no compiled finalist was timed in the final head-to-head" + (
+                raise SearchError("no finalist was timed in the final head-to-head" + (
                     f" after {', '.join(rejected)} failed the trajectory check" if rejected else "")
                     + " (see the log)") from None
             label, pol, fn, m = next(s for s in survivors if s[0] == decision.chosen.name)
@@ -207,20 +222,20 @@ class Selector:
         side in one process. Returns the contenders :func:`autoprec.search.final.decide` chooses
         among."""
         configs = [Config(label, fn, lambda pol=pol: make_scaler(pol)) for label, pol, fn, _m in survivors]
-        ac = self.autocast_compiled
-        for label, m in [(label, m) for label, _p, _f, m in survivors] + [(AUTOCAST_COMPILED, ac)]:
+        ac = self.autocast_compiled if self.compile else self.autocast_eager
+        for label, m in [(label, m) for label, _p, _f, m in survivors] + [(self.ac_label, ac)]:
             if m is not None:  # a timing again (after a rejection) drops the last one's note
                 m.note = self._notes.setdefault(label, m.note)
         ac_timed = self._autocast_fn is not None and ac is not None and ac.error is None
         ac_ok = ac_timed and self.budget.feasible(ac)  # a bar only within the drift budget
         if ac_timed:  # timed either way: the side-by-side table reports it
-            configs.append(Config(AUTOCAST_COMPILED, self._autocast_fn, autocast_scaler(self.ac_dtype),
+            configs.append(Config(self.ac_label, self._autocast_fn, autocast_scaler(self.ac_dtype),
                                   self.ac_dtype))
         configs.append(Config(FP32_EAGER, self.h.model))
         log(f"final head-to-head, interleaved: {', '.join(c.name for c in configs)}", self.quiet)
         # the contenders decide() chooses among: the baselines, and the policies it may write
         baselines = {label for label, pol, _fn, _m in survivors if _all_fp32(pol)}
-        baselines |= ({AUTOCAST_COMPILED} if ac_ok else set()) | {FP32_EAGER}
+        baselines |= ({self.ac_label} if ac_ok else set()) | {FP32_EAGER}
         policies = {label for label, _pol, _fn, _m in survivors}
         self.timings = time_interleaved(self.h, configs, max_step_s=self.slow,
                                         retire=out_of_the_running(baselines, policies),
@@ -236,12 +251,13 @@ class Selector:
             contenders.append(Contender(label, pol, self.timings[label], m.grad_rel_l2,
                                         baseline=label in baselines))
         if ac_timed:
-            _take_timing(ac, self.timings[AUTOCAST_COMPILED])
+            _take_timing(ac, self.timings[self.ac_label])
         if ac_ok:
-            contenders.append(Contender(AUTOCAST_COMPILED, None, self.timings[AUTOCAST_COMPILED],
+            contenders.append(Contender(self.ac_label, None, self.timings[self.ac_label],
                                         ac.grad_rel_l2, baseline=True))
-        # a bar, not a choice: the policy file is trained compiled (when fp32 eager is the fastest, the
-        # decision says "slower" and the log suggests --no-compile)
+        # a bar, not a choice: with compile the policy file is trained compiled (when fp32 eager is the
+        # fastest, the decision says "slower" and the log suggests --no-compile); without, the all-fp32
+        # policy computes what it computes and ties with it
         contenders.append(Contender(FP32_EAGER, None, self.timings[FP32_EAGER], 0.0, baseline=True))
         for c in contenders:
             why = c.timing.error or c.timing.note
@@ -263,67 +279,24 @@ class Selector:
         log(f"the graph draws random numbers: compiled finalists are judged against torch.autocast + "
             f"torch.compile's drift (mean {ac.grad_rel_l2:.3g}), measured the same way", self.quiet)
 
-    def _choose_eager(self, feasible: list[optuna.trial.FrozenTrial], bar: PhaseBar | None = None
-                      ) -> tuple[Policy, Measurement]:
-        """Without compile the trials' own measurements are what training runs: take the fastest
-        feasible trial that passes the trajectory check, then re-measure it for the policy's
-        ``measured`` block, beside all-fp32 when it lowers anything (:meth:`_or_fp32`). As with
-        compiled finalists, that last comparison is a fresh measurement, so workers sharing a
-        study can write different (each feasible) policies when the two are within noise."""
-        if self.memory_budget is not None:
-            fits = [t for t in feasible if t.values[2] <= self.memory_budget]
-            if not fits:
-                raise SearchError("no feasible trial fits the memory budget "
-                                  f"({format_bytes(self.memory_budget)}; the smallest peak was "
-                                  f"{min(t.values[2] for t in feasible) / 2**20:.1f} MiB); without "
-                                  "--no-compile, recomputation in backward can lower the peak")
-            feasible = fits
-        for t in feasible:
-            pol = Policy.from_dict(t.user_attrs[attrs.POLICY])
-            if bar is not None:
-                bar.step(f"trial {t.number}")
-            fn = run_pipeline(self.h.graph_module, pol).graph_module
-            if not self.trajectory.ok(pol, fn):
-                log(f"trial {t.number} ({pol.summary()}) rejected: {self.trajectory.reason(pol)}",
-                    self.quiet)
-                continue
-            m = self.h.measure(fn, lambda pol=pol: make_scaler(pol), max_step_s=self.slow)
-            if m.error is None and (self.memory_budget is None or m.peak_bytes <= self.memory_budget):
-                return self._or_fp32(t.number, pol, m)
-        raise SearchError("no feasible trial passed the trajectory check"
-                          + ("" if self.memory_budget is None else " and the memory budget"))
-
-    def _or_fp32(self, number: int, pol: Policy, m: Measurement) -> tuple[Policy, Measurement]:
-        """``pol`` unless all-fp32, re-measured beside it, is faster (and fits the memory budget):
-        one screening measurement can flatter a trial, so a lowered policy must beat FP32
-        measured the same way to be chosen, as the compiled finalists must."""
-        if not (pol.dtypes_used() - {"fp32"}):
-            return pol, m
-        fp32 = Policy.fp32()
-        f = self.h.measure(run_pipeline(self.h.graph_module, fp32).graph_module, max_step_s=self.slow)
-        if f.error is None and f.tokens_per_s > m.tokens_per_s and (
-                self.memory_budget is None or f.peak_bytes <= self.memory_budget):
-            log(f"trial {number} ({pol.summary()}) re-measured {m.tokens_per_s:.0f} tok/s, all-fp32 "
-                 f"{f.tokens_per_s:.0f} tok/s: all-fp32 chosen", self.quiet)
-            return fp32, f
-        return pol, m
-
     def _candidates(self, feasible: list[optuna.trial.FrozenTrial], k: int) -> list[tuple[Policy, str]]:
         """The k fastest feasible trials, plus the autocast twin (the fallback when nothing beats
-        torch.autocast + torch.compile), the ``also`` policies and all-fp32 (fp32 + torch.compile,
-        a baseline), each once: a lowered policy must beat both measured the same way to be chosen."""
+        torch.autocast + torch.compile), the ``also`` policies (compiled only) and all-fp32 (fp32 +
+        torch.compile, a baseline; :data:`FP32_GRAPH` without compile), each once: a lowered policy
+        must beat both measured the same way to be chosen."""
         out = []
         for t in feasible[:k]:
             pol = Policy.from_dict(t.user_attrs[attrs.POLICY])
             self.eager_tokens_per_s[pol.training_key()] = t.values[0]
             out.append((pol, f"trial {t.number} (eager {t.values[0]:.0f} tok/s)"))
         keys = {p.training_key() for p, _ in out}
-        for pol, label in ([(self.twin, "autocast twin")] if self.twin is not None else []) + self.also:
+        also = self.also if self.compile else []  # their gain only compiling shows
+        for pol, label in ([(self.twin, "autocast twin")] if self.twin is not None else []) + also:
             if pol.training_key() not in keys:
                 out.append((pol, label))
                 keys.add(pol.training_key())
         if not any(_all_fp32(p) for p, _ in out):
-            out.append((Policy.fp32(), FP32_COMPILED))
+            out.append((Policy.fp32(), FP32_COMPILED if self.compile else FP32_GRAPH))
         return out
 
     def _point(self, pol: Policy, m: Measurement, timed: bool = True) -> None:
@@ -345,6 +318,17 @@ class Selector:
         if (i := self._point_index.get(pol.training_key())) is not None:
             self.points[i]["rejected"] = why
 
+    def _none_survived(self, measured: list[Measurement]) -> str:
+        """Why no finalist is left for the head-to-head: the memory budget, with the smallest peak
+        of those within the drift budget, or every one failing."""
+        peaks = [m.peak_bytes for m in measured if m.error is None and self.budget.feasible(m)]
+        if self.memory_budget is not None and peaks:
+            return (f"no feasible finalist fits the memory budget ({format_bytes(self.memory_budget)}; "
+                    f"the smallest peak was {min(peaks) / 2**20:.1f} MiB"
+                    + (" even with full recomputation)" if self.compile else
+                       "); without --no-compile, recomputation in backward can lower the peak"))
+        return "every finalist failed when re-measured, all-fp32 included (see the log)"
+
     def _reject_reason(self, m: Measurement) -> str | None:
         """Why a compiled finalist is not timed head to head (None: it is); its trajectory is
         checked only if the head-to-head would write it (:meth:`_head_to_head`)."""
@@ -355,7 +339,8 @@ class Selector:
         if self.memory_budget is not None and m.peak_bytes > self.memory_budget:
             return (f"peak {m.peak_bytes / 2**20:.1f} MiB > memory budget "
                     f"{self.memory_budget / 2**20:.1f} MiB"
-                    + " even with full recomputation")
+                    + (" even with full recomputation" if self.compile else
+                       " (without --no-compile, recomputation in backward can lower the peak)"))
         return None
 
 

@@ -17,11 +17,8 @@ from autoprec import Policy, cli
 from autoprec._interrupt import catch_sigint, check, interrupted
 from autoprec.cli import main
 from autoprec.errors import LossScaleError, SearchError
-from autoprec.measure import Measurement
 from autoprec.search import attrs
-from autoprec.search import select as select_mod
 from autoprec.search import storage as storage_mod
-from autoprec.search.decide import DriftBudget
 from autoprec.search.space import SearchSpace
 from tests.conftest import MODELS
 
@@ -186,31 +183,6 @@ def test_study_of_another_search_space_is_not_resumed(tmp_path):
     st.set_user_attr(attrs.SPACE, None)  # as a study from before the stamp
     with pytest.raises(SearchError, match="searched the dtypes fp32;"):
         storage_mod.check_study(st, "mem", SearchSpace(["bf16"]))
-
-
-class _FakeHarness:
-    """Answers measure() with scripted throughputs (tokens/s) for the all-fp32 re-measurement."""
-
-    def __init__(self, fp32_tokens_per_s):
-        self.graph_module, self.fp32 = None, fp32_tokens_per_s
-
-    def measure(self, fn, scaler_factory=None, max_step_s=None):
-        return Measurement(step_s=1.0, tokens_per_s=self.fp32, grad_rel_l2=0.0, loss_rel=0.0)
-
-
-@pytest.mark.parametrize("fp32_tps, chosen", [(200.0, "fp32"), (50.0, "bf16")])
-def test_eager_selection_must_beat_fp32_measured_beside_it(monkeypatch, fp32_tps, chosen):
-    """Without compile, the trial picked on its screening number is re-measured, and all-fp32 with
-    it: a lowered policy slower than all-fp32 (a flattering screening run) is not written."""
-    monkeypatch.setattr(select_mod, "run_pipeline", lambda gm, pol: type("R", (), {"graph_module": None}))
-    sel = select_mod.Selector(_FakeHarness(fp32_tps), DriftBudget.fixed(1e-2), False, None, None, 0, None,
-                              True)
-    bf16 = Policy.default("bf16")
-    pol, m = sel._or_fp32(3, bf16, Measurement(step_s=1.0, tokens_per_s=100.0, grad_rel_l2=1e-3))
-    assert pol.dtypes_used() == ({"fp32"} if chosen == "fp32" else bf16.dtypes_used())
-    assert m.tokens_per_s == (fp32_tps if chosen == "fp32" else 100.0)
-
-
 
 
 @pytest.mark.heavy

@@ -101,11 +101,11 @@ def test_tune_max_memory_fits_by_recomputation(tmp_path, capsys, wide_compiled):
 
 
 def test_tune_memory_budget_nothing_fits_eager(tmp_path):
-    """Without compile the budget filters the measured trials: above the parameter state but
-    below every trial's peak, nothing fits, the error says so and no policy file is written."""
+    """Without compile the budget filters the eager finalists: above the parameter state but
+    below every finalist's peak, nothing fits, the error says so and no policy file is written."""
     out = tmp_path / "p.json"
-    with pytest.raises(SearchError, match=r"no feasible trial fits the memory budget \(2\.0 MiB; "
-                                          r"the smallest peak was \d+\.\d MiB\)"):
+    with pytest.raises(SearchError, match=r"no feasible finalist fits the memory budget \(2\.0 MiB; "
+                                          r"the smallest peak was \d+\.\d MiB\); without --no-compile"):
         tune(WIDE, trials=1, out=out, max_memory="2MiB", compile=False, progress=False, report=False,
              quiet=True)
     assert not out.exists()

@@ -76,7 +76,7 @@ def test_candidates_always_include_twin_also_and_fp32_once():
 
     twin = Policy.autocast("bf16")
     math = dataclasses.replace(twin, attention="math")
-    sel = Selector(_TrajHarness(), DriftBudget.fixed(1.0), False, torch.bfloat16, None, 0, Clock(), True,
+    sel = Selector(_TrajHarness(), DriftBudget.fixed(1.0), True, torch.bfloat16, None, 0, Clock(), True,
                    twin=twin, also=[(math, "autocast twin, math attention")])
     trial = optuna.trial.create_trial(values=[100.0, 1e-3, 1.0], user_attrs={attrs.POLICY: math.to_dict()},
                                       distributions={}, params={})
@@ -138,3 +138,49 @@ def test_a_head_to_head_whose_every_policy_fails_the_trajectory_is_a_search_erro
     with pytest.raises(SearchError, match="after A failed the trajectory check"):
         sel._head_to_head(survivors)
     assert sel.decision is None
+
+
+def test_without_compile_the_bar_is_torch_autocast_eager(monkeypatch):
+    """A --no-compile tune times its eager finalists against torch.autocast eager and fp32 eager
+    (an H200 wrote an fp16 twin at 0.83x torch.autocast eager and said nothing): scripted, torch.autocast
+    eager is fastest and no policy ties with it, so the fastest policy (the twin) is written and the
+    decision line says by how much it trails torch.autocast eager; the all-fp32 policy is
+    ``all-fp32``, not ``fp32 + torch.compile``."""
+    speeds = {"twin": 0.060, "all-fp32": 0.100, "torch.autocast eager": 0.050, "fp32 eager": 0.100}
+    timed: list[list[str]] = []
+
+    def scripted(h, configs, retire, settled, **kw):
+        timed.append([c.name for c in configs])
+        return {c.name: Timing.from_steps([speeds[c.name] * (1 + 0.01 * i) for i in range(6)], 100.0,
+                                          rounds=3) for c in configs}
+
+    monkeypatch.setattr(select_mod, "time_interleaved", scripted)
+    h = _TrajHarness()
+    sel = Selector(h, DriftBudget.fixed(1.0), False, torch.bfloat16, None, 0, Clock(), True)
+    assert sel.ac_label == "torch.autocast eager"
+    sel._autocast_fn, sel.autocast_eager = h.model, Measurement(grad_rel_l2=1e-3)
+    twin = Policy.autocast("bf16")
+    survivors = [("twin", twin, _Fn(1.0), Measurement(grad_rel_l2=1e-3)),
+                 ("all-fp32", Policy.fp32(), _Fn(1.0), Measurement(grad_rel_l2=0.0))]
+    chosen, _m = sel._head_to_head(survivors)
+    assert timed == [["twin", "all-fp32", "torch.autocast eager", "fp32 eager"]]
+    assert chosen is twin and sel.decision.verdict == "slower"
+    assert sel.decision.best_baseline.name == "torch.autocast eager"
+    line = sel.decision.describe()
+    assert line.startswith("chosen: twin, 0.83x torch.autocast eager (band 0.8")
+    assert line.endswith("no policy was as fast as torch.autocast eager within the noise")
+    assert sel.autocast_eager.tokens_per_s == sel.timings["torch.autocast eager"].tokens_per_s  # its speed
+    labels = [label for _p, label in sel._candidates([], 2)]
+    assert labels == ["all-fp32"]
+
+
+def test_without_compile_the_also_policies_are_left_out():
+    """The ``also`` policies (the twin with math attention) only pay compiled: an eager tune does
+    not re-measure them."""
+    import dataclasses
+
+    twin = Policy.autocast("bf16")
+    math = dataclasses.replace(twin, attention="math")
+    sel = Selector(_TrajHarness(), DriftBudget.fixed(1.0), False, torch.bfloat16, None, 0, Clock(), True,
+                   twin=twin, also=[(math, "autocast twin, math attention")])
+    assert [label for _p, label in sel._candidates([], 2)] == ["autocast twin", "all-fp32"]
