@@ -103,3 +103,34 @@ def test_a_graph_without_masks_is_left_alone():
     code = gm.code
     assert causal_attention(gm) == 0
     assert gm.code == code
+
+
+def _hf(arch: str) -> nn.Module:
+    import transformers as tf
+
+    small = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, use_cache=False, attn_implementation="sdpa")
+    if arch == "gpt2":
+        cfg = tf.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, use_cache=False,
+                            attn_implementation="sdpa", resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)
+        return tf.GPT2LMHeadModel(cfg)
+    if arch == "mistral, sliding window 8":
+        return tf.MistralForCausalLM(tf.MistralConfig(sliding_window=8, **small))
+    cfg = tf.BertConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=96, attn_implementation="sdpa", hidden_dropout_prob=0,
+                        attention_probs_dropout_prob=0)
+    return tf.BertForMaskedLM(cfg)
+
+
+@pytest.mark.parametrize("arch,causal", [("gpt2", 2), ("mistral, sliding window 8", 0), ("bert", 0)])
+def test_other_architectures_keep_their_logits(arch, causal):
+    """GPT-2's causal mask is replaced; Mistral's sliding window (8 of 24 positions) and BERT's
+    bidirectional attention are not causal masks and stay; the logits are the model's, exactly."""
+    torch.manual_seed(0)
+    model = _hf(arch).float().eval()
+    ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids}
+    gm = capture(model, batch)
+    assert sum(_causal(n) is True and _mask(n) is None for n in _sdpa(gm)) == causal
+    with torch.no_grad():
+        torch.testing.assert_close(gm(**batch).logits, model(**batch).logits, rtol=1e-5, atol=1e-5)
