@@ -10,12 +10,17 @@ computation through the captured graph on an H200; with the rewrite 1.15x
 (benchmarks/results/gpu_h200_2026-12-04b).
 
 :func:`causal_attention` finds SDPA nodes whose mask is a pure function of the input *shapes*
-(every input it reads, it reads through ``sym_size`` only: no token ids, no padding mask),
-evaluates that function at the captured sizes and, for a dynamic capture, at each size + 1
-(on ``meta`` inputs: no data is read), and where the mask equals SDPA's own causal mask
+(every input it reads, it reads through ``sym_size`` only: no token ids, no padding mask, no
+parameter; buffers are read by value, as the exported graph reads them), evaluates that function
+(on ``meta`` inputs: no data is read) and, where the mask equals SDPA's own causal mask
 (``ones(L, S).tril()``, top-left aligned, broadcast over batch and heads) at every size
-evaluated, passes ``is_causal=True`` instead. Masks that depend on data (a padding
-``attention_mask``), sliding windows and bidirectional masks are left as they are.
+evaluated, passes ``is_causal=True`` instead. A static capture runs at its captured sizes only, so
+they are the only ones evaluated. A dynamic capture is evaluated at its captured sizes, at each
+size + 1 alone (a bottom-right-aligned mask differs when the query and key lengths part), and
+at a sequence length past the largest integer in the mask's code (a sliding window or a chunk of
+4096 looks causal at every length up to 4096): where that length is within the capture's range
+but its mask would exceed :data:`MAX_CELLS`, the mask stays. Masks that depend on data (a
+padding ``attention_mask``), sliding windows, chunked and bidirectional masks stay.
 """
 
 from __future__ import annotations
@@ -26,13 +31,15 @@ from typing import Any
 import torch
 from torch import fx
 
-from autoprec._torch_compat import optimization_hint
+from autoprec._torch_compat import optimization_hint, pytree
 
-__all__ = ["causal_attention"]
+__all__ = ["MAX_CELLS", "causal_attention"]
 
 _SDPA = torch.ops.aten.scaled_dot_product_attention.default
 _SHAPE_OPS = {torch.ops.aten.sym_size.int}
 _MASK, _IS_CAUSAL = 3, 5  # positions in aten.scaled_dot_product_attention's schema
+#: Most query x key cells a mask is evaluated at past its largest integer (2**26: a 8192 x 8192 mask).
+MAX_CELLS = 1 << 26
 
 
 def causal_attention(gm: fx.GraphModule) -> int:
@@ -44,23 +51,41 @@ def causal_attention(gm: fx.GraphModule) -> int:
     Returns:
         The number of SDPA nodes rewritten (the mask nodes no longer read are erased).
     """
-    done = 0
+    done, judged = 0, {}  # mask node -> causal? (one mask is shared by every layer)
     for node in [n for n in gm.graph.nodes if n.target is _SDPA]:
-        mask = node.args[_MASK] if len(node.args) > _MASK else node.kwargs.get("attn_mask")
-        if isinstance(mask, fx.Node) and not _flag(node) and _is_causal_mask(gm, node, mask):
-            args = list(node.args[:_MASK]) + [None] + list(node.args[_MASK + 1:])
-            kwargs = dict(node.kwargs, attn_mask=None) if "attn_mask" in node.kwargs else dict(node.kwargs)
-            if len(args) > _IS_CAUSAL:
-                args[_IS_CAUSAL] = True
-            else:
-                kwargs["is_causal"] = True
-            node.args, node.kwargs = tuple(args), kwargs
-            done += 1
+        positional = len(node.args) > _MASK
+        mask = node.args[_MASK] if positional else node.kwargs.get("attn_mask")
+        if not isinstance(mask, fx.Node) or _flag(node):
+            continue
+        if mask not in judged:
+            judged[mask] = _is_causal_mask(gm, node, mask)
+        if not judged[mask]:
+            continue
+        args, kwargs = list(node.args), dict(node.kwargs)
+        if positional:
+            args[_MASK] = None
+        else:
+            kwargs.pop("attn_mask")
+        if len(args) > _IS_CAUSAL:
+            args[_IS_CAUSAL] = True
+        else:
+            kwargs["is_causal"] = True
+        node.args, node.kwargs = tuple(args), kwargs
+        done += 1
     if done:
-        gm.graph.eliminate_dead_code()
+        for mask in judged:
+            _erase_unused(gm, mask)
         gm.graph.lint()
         gm.recompile()
     return done
+
+
+def _erase_unused(gm: fx.GraphModule, mask: fx.Node) -> None:
+    """Erase ``mask`` and the nodes it was computed from that nothing reads any more (only those:
+    the rest of the graph is left as exported)."""
+    for n in reversed(_ancestors(mask, data=True) or []):
+        if n.op == "call_function" and not n.users:
+            gm.graph.erase_node(n)
 
 
 def _flag(node: fx.Node) -> bool:
@@ -69,9 +94,9 @@ def _flag(node: fx.Node) -> bool:
     return bool(v)
 
 
-def _ancestors(mask: fx.Node) -> list[fx.Node] | None:
+def _ancestors(mask: fx.Node, data: bool = False) -> list[fx.Node] | None:
     """The nodes ``mask`` is computed from, in graph order; None when it reads an input's values
-    (not only its sizes) or a parameter."""
+    (not only its sizes) and ``data`` is False."""
     seen: dict[fx.Node, None] = {}
     todo = [mask]
     while todo:
@@ -81,10 +106,10 @@ def _ancestors(mask: fx.Node) -> list[fx.Node] | None:
         seen[n] = None
         if n.op == "placeholder":
             continue
-        if n.op not in ("call_function", "get_attr"):
+        if n.op not in ("call_function", "get_attr") and not data:
             return None
         for a in n.all_input_nodes:
-            if a.op == "placeholder" and n.target not in _SHAPE_OPS:
+            if a.op == "placeholder" and n.target not in _SHAPE_OPS and not data:
                 return None  # reads an input's data
             todo.append(a)
     order = {n: i for i, n in enumerate(mask.graph.nodes)}
@@ -92,26 +117,61 @@ def _ancestors(mask: fx.Node) -> list[fx.Node] | None:
 
 
 def _is_causal_mask(gm: fx.GraphModule, sdpa: fx.Node, mask: fx.Node) -> bool:
-    """Whether ``mask``, computed from shapes only, equals SDPA's causal mask at the captured sizes
-    (and at each size + 1 for a dynamic capture)."""
+    """Whether ``mask``, computed from shapes only, equals SDPA's causal mask at every size the
+    module docstring names."""
     nodes = _ancestors(mask)
     if nodes is None or any(n.op == "get_attr" and isinstance(_attr(gm, n), torch.nn.Parameter)
                             for n in nodes):
         return False
     sub, inputs = _subgraph(gm, nodes, mask)
-    symbols = _symbols(inputs + [sdpa.args[0], sdpa.args[1]])
-    trials = [symbols] + ([{s: h + 1 for s, h in symbols.items()}] if symbols else [])
+    q, k = sdpa.args[0], sdpa.args[1]
+    symbols = _symbols(inputs + [q, k])
+    trials = _sizes(symbols, nodes, q, k) if symbols is not None else None
+    if trials is None:
+        return False
     for sizes in trials:
         try:
             shapes = [_concrete(p.meta["val"].shape, sizes) for p in inputs]
             value = sub(*[torch.empty(s, device="meta") for s in shapes])
-            q = _concrete(sdpa.args[0].meta["val"].shape, sizes)
-            k = _concrete(sdpa.args[1].meta["val"].shape, sizes)
+            q_len = _concrete(q.meta["val"].shape, sizes)[-2]
+            k_len = _concrete(k.meta["val"].shape, sizes)[-2]
         except Exception:  # noqa: BLE001 - code that fails at another size is not rewritten
             return False
-        if not _equals_causal(value, q[-2], k[-2]):
+        if not _equals_causal(value, q_len, k_len):
             return False
     return True
+
+
+def _sizes(symbols: dict[Any, tuple[int, int | None]], nodes: list[fx.Node], q: fx.Node,
+           k: fx.Node) -> list[dict[Any, int]] | None:
+    """The symbol values to evaluate a mask at (the module docstring's); None when one needed is
+    too large to evaluate."""
+    hints = {s: h for s, (h, _hi) in symbols.items()}
+    trials = [hints] + [hints | {s: h + 1} for s, (h, hi) in symbols.items() if hi is None or h < hi]
+    seq = _free(q) | _free(k)
+    past = max([x for x in _literals(nodes)], default=0) + 2
+    need = [s for s in seq if s in symbols and hints[s] < past <= (symbols[s][1] or past)]
+    if need:
+        if past * past > MAX_CELLS:
+            return None
+        trials.append(hints | {s: past for s in need})
+    return trials
+
+
+def _free(node: fx.Node) -> set[Any]:
+    """The size symbols of ``node``'s second-to-last dimension (a query's or key's length)."""
+    d = node.meta["val"].shape[-2]
+    return set(d.node.expr.free_symbols) if isinstance(d, torch.SymInt) else set()
+
+
+def _literals(nodes: list[fx.Node]) -> list[int]:
+    """The positive integers written in ``nodes``' arguments (a window's or a chunk's size)."""
+    found = []
+    for n in nodes:
+        for x in pytree.tree_leaves((n.args, n.kwargs)):
+            if isinstance(x, int) and not isinstance(x, bool) and x > 0:
+                found.append(x)
+    return found
 
 
 def _attr(gm: fx.GraphModule, n: fx.Node) -> Any:
@@ -132,15 +192,28 @@ def _subgraph(gm: fx.GraphModule, nodes: list[fx.Node], out: fx.Node) -> tuple[f
     return fx.GraphModule(gm, g), inputs
 
 
-def _symbols(nodes: list[fx.Node]) -> dict[Any, int]:
-    """The size symbols of ``nodes``' recorded shapes (dimensions that are a bare symbol), each
-    with its captured value; a shape of another symbolic form fails :func:`_concrete` later."""
-    found: dict[Any, int] = {}
+def _symbols(nodes: list[fx.Node]) -> dict[Any, tuple[int, int | None]] | None:
+    """The size symbols of ``nodes``' recorded shapes (dimensions that are a bare symbol), each with
+    its captured value and the capture's upper bound (None: unbounded or unknown); None when a size
+    has no captured value (unbacked). A shape of another symbolic form fails :func:`_concrete`."""
+    found: dict[Any, tuple[int, int | None]] = {}
     for n in nodes:
         for d in getattr(n.meta.get("val"), "shape", ()):
             if isinstance(d, torch.SymInt) and d.node.expr.is_Symbol:
-                found[d.node.expr] = int(optimization_hint(d))
+                hint = optimization_hint(d, fallback=None)
+                if hint is None:
+                    return None
+                ranges = getattr(d.node.shape_env, "var_to_range", {}).get(d.node.expr)
+                found[d.node.expr] = (int(hint), _finite(getattr(ranges, "upper", None)))
     return found
+
+
+def _finite(bound: Any) -> int | None:
+    """A range bound as an int; None for infinity or anything not a number."""
+    try:
+        return int(bound) if math.isfinite(float(bound)) else None
+    except (TypeError, ValueError, OverflowError):
+        return None
 
 
 def _concrete(shape: Any, sizes: dict[Any, int]) -> tuple[int, ...]:

@@ -134,3 +134,25 @@ def test_other_architectures_keep_their_logits(arch, causal):
     assert sum(_causal(n) is True and _mask(n) is None for n in _sdpa(gm)) == causal
     with torch.no_grad():
         torch.testing.assert_close(gm(**batch).logits, model(**batch).logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("window,causal", [(64, 0), (None, 2)])
+def test_a_dynamic_capture_shorter_than_a_sliding_window_keeps_the_window(window, causal):
+    """Captured at 24 tokens, a 64-token sliding window is causal at every size up to 64: the mask
+    is also evaluated past the largest integer in its code, so it stays, and at 80 tokens the
+    graph still attends within the window only (the model's logits); without a window the mask
+    becomes ``is_causal``, and 80 tokens match too."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.MistralConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, use_cache=False,
+                           attn_implementation="sdpa", sliding_window=window, max_position_embeddings=256)
+    model = tf.MistralForCausalLM(cfg).float().eval()
+    ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(0))
+    gm = capture(model, {"input_ids": ids, "labels": ids}, dynamic=True)
+    assert sum(_causal(n) is True and _mask(n) is None for n in _sdpa(gm)) == causal
+    long = torch.randint(0, 128, (2, 80), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(gm(input_ids=long, labels=long).logits,
+                                   model(input_ids=long, labels=long).logits, rtol=1e-5, atol=1e-5)
