@@ -19,7 +19,7 @@ DTYPE_COLOURS = {"fp32": "#4c72b0", "bf16": "#dd8452", "fp16": "#c44e52"}
 NO_NODES = "no nodes of that class"
 #: What the Pareto plot's speeds are, said in its title, axis and note.
 EAGER_NOTE = ("Speeds are eager screening (each trial's few eager steps); the written policy's numbers "
-              "are compiled (the head-to-head)")
+              "come from the head-to-head (compiled unless --no-compile)")
 
 
 def _pyplot() -> Any:

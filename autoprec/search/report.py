@@ -98,7 +98,7 @@ def _markdown(rows, front, table, policy, timings, shapes=None, decision=None, r
     if policy is not None:
         lines += [f"Chosen policy: `{policy.summary()}`", ""]
     if decision:
-        lines += ["Final choice (compiled finalists and baselines timed in interleaved rounds; a tie within "
+        lines += ["Final choice (finalists and baselines timed in interleaved rounds; a tie within "
                   f"the noise goes to the lower-drift, simpler policy): {decision}", ""]
     if shapes:
         lines += ["## Batches measured", "",
@@ -208,7 +208,7 @@ def lever_section(points: list[dict[str, Any]]) -> str:
     front = {id(q) for q in ok if not any(
         o["tokens_per_s"] >= q["tokens_per_s"] and o["peak_bytes"] <= q["peak_bytes"]
         and (o["tokens_per_s"], o["peak_bytes"]) != (q["tokens_per_s"], q["peak_bytes"]) for o in ok)}
-    lines = ["", "## Finalists compiled, with memory levers", "",
+    lines = ["", "## Finalists, with memory levers", "",
              "Tokens/s ± the 95% band of the median step (the head-to-head's rounds for the survivors); tie: "
              "within the noise of the fastest.", "",
              "| policy | lever | tokens/s | grad_rel_l2 | peak MiB | Pareto | note |",

@@ -144,6 +144,7 @@ class Selector:
         self.memory_budget = memory_budget()
         if self.memory_budget is not None:
             log(f"memory budget {format_bytes(self.memory_budget)}", self.quiet)
+            feasible = self._fitting(feasible)
         survivors: list[tuple[str, Policy, Any, Measurement]] = []
         measured: list[Measurement] = []
         timed_now = self.h.device.type == "cuda"  # CUDA's peak is read after timed steps; the CPU's is not
@@ -317,6 +318,22 @@ class Selector:
         """Record why a compiled finalist was rejected (the report's note: drift, memory, traj_rel)."""
         if (i := self._point_index.get(pol.training_key())) is not None:
             self.points[i]["rejected"] = why
+
+    def _fitting(self, feasible: list[optuna.trial.FrozenTrial]) -> list[optuna.trial.FrozenTrial]:
+        """Without compile (nothing can recompute), the feasible trials whose screening peak fits the
+        memory budget: a slower one that fits is a finalist before a faster one that cannot.
+
+        Raises:
+            SearchError: none fits; the message gives the smallest peak."""
+        if self.compile:
+            return feasible
+        fits = [t for t in feasible if t.values[2] <= self.memory_budget]
+        if not fits:
+            least, budget = min(t.values[2] for t in feasible) / 2**20, format_bytes(self.memory_budget)
+            raise SearchError(f"no feasible trial fits the memory budget ({budget}; "
+                              f"the smallest peak was {least:.1f} MiB); without --no-compile, "
+                              "recomputation in backward can lower the peak")
+        return fits
 
     def _none_survived(self, measured: list[Measurement]) -> str:
         """Why no finalist is left for the head-to-head: the memory budget, with the smallest peak

@@ -6,9 +6,9 @@ low dtypes the device runs faster than fp32) -> baselines (FP32 and torch.autoca
 drift budget) -> search (Optuna trials, each lowering the graph and measuring eager training
 steps, ``grad_rel_l2`` and memory; a per-node dtype assignment already measured in the study is
 reused; :mod:`autoprec.search.trials`) -> finalists (the fastest feasible trials compiled with
-Inductor and measured again, drift included, with ``max_memory`` fitted to the memory budget,
-timed head to head with the baselines, the choice checked on ``traj_rel`` over K optimizer steps;
-:mod:`autoprec.search.select`) -> write (report, then the policy file).
+Inductor, or eager with ``--no-compile``, and measured again, drift included, with ``max_memory``
+fitted to the memory budget, timed head to head with the baselines, the choice checked on
+``traj_rel`` over K optimizer steps; :mod:`autoprec.search.select`) -> write (report, then the policy file).
 
 Screening eagerly and compiling only finalists keeps a trial to a few eager steps instead of an
 Inductor compile per trial (docs/architecture.md#design-choices); the finalists' compiled numbers
@@ -152,7 +152,8 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
             ``False`` measures everything eagerly.
         out: Policy file to write (atomically); the report goes beside it.
         seed: Sampler seed (reproducible sampling).
-        finalists: How many of the fastest feasible trials are re-measured compiled.
+        finalists: How many of the fastest feasible trials are re-measured compiled (eagerly
+            without compile).
         quiet: No log lines. progress: Show a progress bar (stderr) over each long phase: the
             baselines, region sensitivity, the trials (Optuna's), the finalists and their
             head-to-head, the memory fit (:mod:`autoprec.search.phases`).
@@ -168,8 +169,8 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
             ``KiB``/``MiB``/``GiB`` suffix). With ``compile``, a finalist over it gets an
             ``activation_memory_budget`` that fits, aimed 10% under the memory budget (Inductor
             recomputes the rest of the activations in backward; see ``fit_memory`` in
-            autoprec/search/memory_fit.py); without compile, trials whose measured peak is over
-            it are not selected.
+            autoprec/search/memory_fit.py); without compile, trials whose screening peak is over it
+            are not finalists, nor finalists whose re-measured peak is.
         strict_timing: Raise :class:`~autoprec.measure.load.BusyMachineError` when the machine is
             busy instead of warning: other processes use over half a core, or the calibration
             matmul runs 1.5x slower than at its fastest (checked at the start, after the baselines
@@ -299,9 +300,10 @@ def _selector(run: _Run, compile: bool, traj_steps: int) -> Selector:
 def _finalists(run: _Run, sel: Selector, study: optuna.Study, k: int,
                memory_arg: tuple[str, float] | None) -> tuple[Policy, Measurement]:
     """Phase 5: the selector's pick among the ``k`` fastest feasible trials, the autocast twin and
-    all-fp32, timed head to head with torch.autocast + torch.compile and fp32 eager; fp32 eager's
-    speed is then the head-to-head's (without compile: measured again, pooled with the first run),
-    so every ratio rests on timings taken side by side."""
+    all-fp32, timed head to head with torch.autocast + torch.compile (torch.autocast eager without
+    compile) and fp32 eager; fp32 eager's speed is then the head-to-head's (measured again and
+    pooled with the first run only if the head-to-head did not time it), so every ratio rests on
+    timings taken side by side."""
     h = run.harness
 
     def budget() -> float | None:  # --max-memory auto refers to torch.autocast as compiled, if it was

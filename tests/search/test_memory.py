@@ -101,10 +101,11 @@ def test_tune_max_memory_fits_by_recomputation(tmp_path, capsys, wide_compiled):
 
 
 def test_tune_memory_budget_nothing_fits_eager(tmp_path):
-    """Without compile the budget filters the eager finalists: above the parameter state but
-    below every finalist's peak, nothing fits, the error says so and no policy file is written."""
+    """Without compile the budget filters the feasible trials by their screening peak: above the
+    parameter state but below every trial's peak, nothing fits, the error says so and no policy
+    file is written."""
     out = tmp_path / "p.json"
-    with pytest.raises(SearchError, match=r"no feasible finalist fits the memory budget \(2\.0 MiB; "
+    with pytest.raises(SearchError, match=r"no feasible trial fits the memory budget \(2\.0 MiB; "
                                           r"the smallest peak was \d+\.\d MiB\); without --no-compile"):
         tune(WIDE, trials=1, out=out, max_memory="2MiB", compile=False, progress=False, report=False,
              quiet=True)
@@ -181,7 +182,7 @@ def test_tune_max_memory_tries_both_levers_and_reports_them(tmp_path, capsys, wi
     pol = Policy.load(out)
     assert pol.measured["peak_bytes"] <= budget
     report = (tmp_path / "p.report.md").read_text()
-    section = report.split("## Finalists compiled, with memory levers")[1]
+    section = report.split("## Finalists, with memory levers")[1]
     rows = [r for r in section.splitlines() if r.startswith("| ") and "lever" not in r]
     levers = [r.split(" | ")[1] for r in rows]
     assert "none" in levers and "saved bf16" in levers and any(lv.startswith("recompute") for lv in levers)

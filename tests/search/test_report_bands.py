@@ -108,3 +108,33 @@ def test_format_of_the_band_is_the_timing_helpers(times):
     t = timing_of(m.step_times, m.tokens_per_s)
     assert rate_text(m.tokens_per_s, t) == format_rate(t)
     assert t.tokens_per_s == pytest.approx(m.tokens_per_s)
+
+
+def test_without_compile_the_side_by_side_is_against_torch_autocast_eager():
+    """A --no-compile tune's table: the bar column is ``vs autocast eager``, torch.autocast eager's
+    row and the policy's are taken from the head-to-head's timings (the policy 2x slower: 0.50x),
+    and the policy file's ``speedup_vs_autocast`` is against torch.autocast eager too."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from autoprec.measure import Timing
+    from autoprec.search.results import measured_block, side_by_side
+    from autoprec.search.trajectory import TrajectoryCheck
+
+    fp32, ac, pol = _measurement(SLOW), _measurement(FAST), _measurement(SLOW)
+    timings = {"torch.autocast eager": Timing.from_steps(FAST, TOKENS),
+               "fp32 eager": Timing.from_steps(SLOW, TOKENS), "twin": Timing.from_steps(SLOW, TOKENS)}
+    sel = SimpleNamespace(timings=timings, ac_label="torch.autocast eager", autocast_compiled=None,
+                          autocast_eager=ac, decision=SimpleNamespace(chosen=SimpleNamespace(name="twin")),
+                          memory_budget=None, trajectory=TrajectoryCheck(None, torch.bfloat16, 0, lambda: None))
+    run = SimpleNamespace(ac_dtype=torch.bfloat16, fp32=fp32, autocast=_measurement(SLOW),
+                          budget=DriftBudget.fixed(1.0))
+    rows = side_by_side(run, sel, pol, compile=False)
+    text = format_table(rows)
+    assert "| vs autocast eager |" in text.splitlines()[0] and "+ compile" not in text
+    policy_row = next(r for r in rows if r["config"] == "autoprec policy (eager)")
+    assert abs(policy_row["vs_autocast"] - 0.5) < 0.02 and not policy_row["vs_autocast_tie"]
+    assert next(r for r in rows if r["config"] == "autocast bf16 eager")["vs_autocast"] == 1.0
+    block = measured_block(run, sel, Policy.fp32(), pol)
+    assert abs(block["speedup_vs_autocast"] - 0.5) < 0.02

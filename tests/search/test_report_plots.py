@@ -91,7 +91,7 @@ def test_finalist_rejected_on_traj_rel_has_the_reason_in_the_report(tmp_path, mo
     point = next(q for q in sel.points if q["key"] == bf16.training_key())
     assert point["rejected"] == why
     md = report_mod.write_report(study, tmp_path / "r", policy=chosen, levers=sel.points)[0].read_text()
-    lever_line = next(line for line in md.split("## Finalists compiled")[1].splitlines()
+    lever_line = next(line for line in md.split("## Finalists, with memory levers")[1].splitlines()
                       if line.startswith(f"| {bf16.summary()} |"))
     assert f"rejected: {why}" in lever_line
     trial_line = next(line for line in md.split("## Trials")[1].splitlines() if line.startswith("| 0 |"))
