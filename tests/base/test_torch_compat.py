@@ -258,7 +258,6 @@ def test_lazy_graph_module_generates_its_code_once_when_materialized(monkeypatch
     assert tc.materialize(gm) is gm  # a plain GraphModule: nothing to do
 
 
-
 def test_optimization_hint_is_a_symbolic_sizes_example_value():
     batch = torch.export.Dim("batch", min=2, max=64)
     ep = torch.export.export(nn.Linear(3, 2), (torch.randn(5, 3),), dynamic_shapes=({0: batch},),

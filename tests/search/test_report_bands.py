@@ -127,7 +127,8 @@ def test_without_compile_the_side_by_side_is_against_torch_autocast_eager():
                "fp32 eager": Timing.from_steps(SLOW, TOKENS), "twin": Timing.from_steps(SLOW, TOKENS)}
     sel = SimpleNamespace(timings=timings, ac_label="torch.autocast eager", autocast_compiled=None,
                           autocast_eager=ac, decision=SimpleNamespace(chosen=SimpleNamespace(name="twin")),
-                          memory_budget=None, trajectory=TrajectoryCheck(None, torch.bfloat16, 0, lambda: None))
+                          memory_budget=None,
+                          trajectory=TrajectoryCheck(None, torch.bfloat16, 0, lambda: None))
     run = SimpleNamespace(ac_dtype=torch.bfloat16, fp32=fp32, autocast=_measurement(SLOW),
                           budget=DriftBudget.fixed(1.0))
     rows = side_by_side(run, sel, pol, compile=False)
