@@ -59,7 +59,7 @@ class Selector:
         clock: The run's :class:`Clock` (compile seconds are added to ``compile_s``).
         quiet: No log lines.
         twin: The autocast twin (``Policy.autocast`` at the search's fastest low kernel), always a
-            compiled finalist; None when no low kernel is searched.
+            finalist; None when no low kernel is searched.
         also: More always-compiled finalists, ``(policy, label)``: variants of the twin whose gain
             only compiling shows, so eager screening cannot rank them (the twin with math
             attention: slower than the fused kernel eagerly, faster compiled where low-precision
@@ -97,8 +97,8 @@ class Selector:
         self.trajectory = TrajectoryCheck(harness, ac_dtype, traj_steps, lambda: (
             self._autocast_fn if self._autocast_fn is not None else self._fn(self.h.model)))
         self._notes: dict[str, str | None] = {}  # a contender's note before any head-to-head
-        #: Every compiled finalist measurement, memory-lever tries included (the report's lever table;
-        #: ``rejected``: why a finalist was not kept, when not its ``error``).
+        #: Every finalist measurement (compiled unless --no-compile), memory-lever tries included (the
+        #: report's lever table; ``rejected``: why a finalist was not kept, when not its ``error``).
         self.points: list[dict[str, Any]] = []
         self._point_index: dict[str, int] = {}  # Policy.training_key() -> its last entry in points
 
@@ -180,7 +180,7 @@ class Selector:
 
     def _head_to_head(self, survivors: list[tuple[str, Policy, Any, Measurement]]
                       ) -> tuple[Policy, Measurement]:
-        """Time the surviving compiled finalists with the baselines (:meth:`_time_contenders`) and
+        """Time the surviving finalists with the baselines (:meth:`_time_contenders`) and
         pick by :func:`autoprec.search.final.decide`; the choice must pass the trajectory check
         (:meth:`TrajectoryCheck.ok`). One that fails is rejected (the report's note) and the rest
         are timed again without it, so the next decision rests on rounds whose retire and stop
@@ -315,7 +315,7 @@ class Selector:
         return m.error is None and m.peak_bytes <= self.memory_budget and self.budget.feasible(m)
 
     def _rejected(self, pol: Policy, why: str) -> None:
-        """Record why a compiled finalist was rejected (the report's note: drift, memory, traj_rel)."""
+        """Record why a finalist was rejected (the report's note: drift, memory, traj_rel)."""
         if (i := self._point_index.get(pol.training_key())) is not None:
             self.points[i]["rejected"] = why
 
@@ -347,7 +347,7 @@ class Selector:
         return "every finalist failed when re-measured, all-fp32 included (see the log)"
 
     def _reject_reason(self, m: Measurement) -> str | None:
-        """Why a compiled finalist is not timed head to head (None: it is); its trajectory is
+        """Why a finalist is not timed head to head (None: it is); its trajectory is
         checked only if the head-to-head would write it (:meth:`_head_to_head`)."""
         if m.error is not None:
             return m.error
