@@ -16,11 +16,14 @@ parameter; buffers are read by value, as the exported graph reads them), evaluat
 (``ones(L, S).tril()``, top-left aligned, broadcast over batch and heads) at every size
 evaluated, passes ``is_causal=True`` instead. A static capture runs at its captured sizes only, so
 they are the only ones evaluated. A dynamic capture is evaluated at its captured sizes, at each
-size + 1 alone (a bottom-right-aligned mask differs when the query and key lengths part), and
-at a sequence length past the largest integer in the mask's code (a sliding window or a chunk of
-4096 looks causal at every length up to 4096): where that length is within the capture's range
-but its mask would exceed :data:`MAX_CELLS`, the mask stays. Masks that depend on data (a
-padding ``attention_mask``), sliding windows, chunked and bidirectional masks stay.
+size + 1 alone (a bottom-right-aligned mask differs when the query and key lengths part), at a
+sequence length past the largest number in the mask's code and the tensors it reads (a sliding
+window or a chunk of 4096 looks causal at every length up to 4096; written ``triu(-4095)``,
+``j - i > -4096``, as a float or in a buffer), and at the top of the capture's sequence range:
+where the length past the largest number is within that range but its mask would exceed
+:data:`MAX_CELLS` cells, the mask stays (the range's top is skipped when too large). Masks that
+depend on data (a padding ``attention_mask``), sliding windows, chunked and bidirectional masks
+stay.
 """
 
 from __future__ import annotations
@@ -38,7 +41,8 @@ __all__ = ["MAX_CELLS", "causal_attention"]
 _SDPA = torch.ops.aten.scaled_dot_product_attention.default
 _SHAPE_OPS = {torch.ops.aten.sym_size.int}
 _MASK, _IS_CAUSAL = 3, 5  # positions in aten.scaled_dot_product_attention's schema
-#: Most query x key cells a mask is evaluated at past its largest integer (2**26: a 8192 x 8192 mask).
+#: Most cells (batch x heads x query x key, as the mask is shaped) a mask is evaluated at past the
+#: captured sizes (2**26: one 8192 x 8192 mask).
 MAX_CELLS = 1 << 26
 
 
@@ -126,7 +130,7 @@ def _is_causal_mask(gm: fx.GraphModule, sdpa: fx.Node, mask: fx.Node) -> bool:
     sub, inputs = _subgraph(gm, nodes, mask)
     q, k = sdpa.args[0], sdpa.args[1]
     symbols = _symbols(inputs + [q, k])
-    trials = _sizes(symbols, nodes, q, k) if symbols is not None else None
+    trials = _sizes(gm, symbols, nodes, mask, q, k) if symbols is not None else None
     if trials is None:
         return False
     for sizes in trials:
@@ -142,19 +146,28 @@ def _is_causal_mask(gm: fx.GraphModule, sdpa: fx.Node, mask: fx.Node) -> bool:
     return True
 
 
-def _sizes(symbols: dict[Any, tuple[int, int | None]], nodes: list[fx.Node], q: fx.Node,
-           k: fx.Node) -> list[dict[Any, int]] | None:
-    """The symbol values to evaluate a mask at (the module docstring's); None when one needed is
-    too large to evaluate."""
+def _sizes(gm: fx.GraphModule, symbols: dict[Any, tuple[int, int | None]], nodes: list[fx.Node],
+           mask: fx.Node, q: fx.Node, k: fx.Node) -> list[dict[Any, int]] | None:
+    """The symbol values to evaluate a mask at (the module docstring's); None when a length past
+    the mask's largest number is within the capture's range but too large to evaluate."""
     hints = {s: h for s, (h, _hi) in symbols.items()}
     trials = [hints] + [hints | {s: h + 1} for s, (h, hi) in symbols.items() if hi is None or h < hi]
-    seq = _free(q) | _free(k)
-    past = max([x for x in _literals(nodes)], default=0) + 2
-    need = [s for s in seq if s in symbols and hints[s] < past <= (symbols[s][1] or past)]
-    if need:
-        if past * past > MAX_CELLS:
+    seq = [s for s in _free(q) | _free(k) if s in symbols]
+    past = int(min(max(_numbers(gm, nodes), default=0.0), 2**31)) + 2
+    uppers = {hi for s in seq if (hi := symbols[s][1]) is not None}
+    for length, required in [(past, True)] + [(hi, False) for hi in sorted(uppers)]:
+        need = [s for s in seq if hints[s] < length <= (symbols[s][1] or length)]
+        if not need:
+            continue
+        sizes = hints | {s: length for s in need}
+        try:
+            cells = math.prod(_concrete(mask.meta["val"].shape, sizes))
+        except Exception:  # noqa: BLE001 - a shape that cannot be evaluated: do not rewrite
             return None
-        trials.append(hints | {s: past for s in need})
+        if cells <= MAX_CELLS:
+            trials.append(sizes)
+        elif required:
+            return None
     return trials
 
 
@@ -164,13 +177,20 @@ def _free(node: fx.Node) -> set[Any]:
     return set(d.node.expr.free_symbols) if isinstance(d, torch.SymInt) else set()
 
 
-def _literals(nodes: list[fx.Node]) -> list[int]:
-    """The positive integers written in ``nodes``' arguments (a window's or a chunk's size)."""
-    found = []
+def _numbers(gm: fx.GraphModule, nodes: list[fx.Node]) -> list[float]:
+    """Every magnitude a window or chunk size could hide in: the finite numbers written in
+    ``nodes``' arguments (``triu(-(W - 1))``, ``j - i > -W``, a float ``W``), and for the
+    tensors they read (a buffer, a lifted constant) their sizes and, when small, their values."""
+    found: list[float] = []
     for n in nodes:
         for x in pytree.tree_leaves((n.args, n.kwargs)):
-            if isinstance(x, int) and not isinstance(x, bool) and x > 0:
-                found.append(x)
+            if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x):
+                found.append(abs(float(x)))
+        if n.op == "get_attr" and isinstance(t := _attr(gm, n), torch.Tensor):
+            found.extend(float(d) for d in t.shape)
+            if 0 < t.numel() <= 64 and not t.is_complex():
+                values = t.detach().double().abs()
+                found.extend(float(v) for v in values[torch.isfinite(values)].flatten())
     return found
 
 

@@ -156,3 +156,49 @@ def test_a_dynamic_capture_shorter_than_a_sliding_window_keeps_the_window(window
     with torch.no_grad():
         torch.testing.assert_close(gm(input_ids=long, labels=long).logits,
                                    model(input_ids=long, labels=long).logits, rtol=1e-5, atol=1e-5)
+
+
+class _Window(nn.Module):
+    """Token ids -> logits through one attention whose 40-token sliding window is written as
+    ``kind`` says; ``config.max_position_embeddings`` 128 makes the sequence length dynamic."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        import types
+
+        self.kind, self.window = kind, 40
+        self.config = types.SimpleNamespace(max_position_embeddings=128)
+        self.emb, self.qkv, self.out = nn.Embedding(64, 32), nn.Linear(32, 96), nn.Linear(32, 64)
+        self.register_buffer("win", torch.tensor(40))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(input_ids)
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, 2, 16).permute(2, 0, 3, 1, 4)
+        i = torch.arange(t, device=x.device)
+        causal = i[:, None] >= i[None, :]
+        if self.kind == "triu":
+            mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril().triu(-(self.window - 1))
+        elif self.kind == "negative":
+            mask = causal & ((i[None, :] - i[:, None]) > -self.window)
+        elif self.kind == "float":
+            mask = causal & ((i[:, None] - i[None, :]) < float(self.window))
+        else:  # "buffer"
+            mask = causal & ((i[:, None] - i[None, :]) < self.win)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.out(y.transpose(1, 2).reshape(b, t, 32))
+
+
+@pytest.mark.parametrize("kind", ["triu", "negative", "float", "buffer"])
+def test_a_window_written_without_a_positive_integer_is_still_found(kind):
+    """A 40-token window looks causal at the captured 32 tokens; written as ``triu(-39)``, as
+    ``j - i > -40``, as a float or in a buffer, it is still found (the mask is also evaluated past
+    the largest magnitude it reads, and at the top of the capture's range), so at 60 tokens the
+    captured graph attends as the model does."""
+    torch.manual_seed(0)
+    model = _Window(kind)
+    gm = capture(model, torch.randint(0, 64, (2, 32)), dynamic=True)
+    assert not any(_causal(n) is True for n in _sdpa(gm))
+    x = torch.randint(0, 64, (2, 60))
+    with torch.no_grad():
+        torch.testing.assert_close(gm(x), model(x), rtol=1e-5, atol=1e-5)
