@@ -30,7 +30,9 @@ def measured_block(run: Any, sel: Any, chosen: Policy, m: Measurement) -> dict[s
         "tokens_per_s": m.tokens_per_s, "speedup_vs_fp32": m.tokens_per_s / run.fp32.tokens_per_s,
         "speedup_vs_autocast": m.tokens_per_s / ref.tokens_per_s if ref.tokens_per_s else 0.0,
         "grad_rel_l2": m.grad_rel_l2, "loss_rel": m.loss_rel,
-        "traj_rel": sel.trajectory.of(chosen), "peak_bytes": m.peak_bytes,
+        "peak_bytes": m.peak_bytes,
+        # only when measured: 0.0 would read as a perfect trajectory (--traj-steps 0, or all-fp32)
+        **({"traj_rel": sel.trajectory.of(chosen)} if chosen.training_key() in sel.trajectory.traj else {}),
         "drift_budget": run.budget.value,
         # left out when torch.autocast itself overflowed (a policy file holds finite numbers only)
         **({"autocast_grad_rel_l2": run.autocast.grad_rel_l2}

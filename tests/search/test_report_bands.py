@@ -139,3 +139,6 @@ def test_without_compile_the_side_by_side_is_against_torch_autocast_eager():
     assert next(r for r in rows if r["config"] == "autocast bf16 eager")["vs_autocast"] == 1.0
     block = measured_block(run, sel, Policy.fp32(), pol)
     assert abs(block["speedup_vs_autocast"] - 0.5) < 0.02
+    assert "traj_rel" not in block  # never measured: no 0.0 that reads as a perfect trajectory
+    sel.trajectory.traj[Policy.fp32().training_key()] = 1.5e-3
+    assert measured_block(run, sel, Policy.fp32(), pol)["traj_rel"] == 1.5e-3
