@@ -228,7 +228,9 @@ class Selector:
             if m is not None:  # a timing again (after a rejection) drops the last one's note
                 m.note = self._notes.setdefault(label, m.note)
         ac_timed = self._autocast_fn is not None and ac is not None and ac.error is None
-        ac_ok = ac_timed and self.budget.feasible(ac)  # a bar only within the drift budget
+        # a bar only within the drift and memory budgets, as the finalists (all-fp32 among them) are
+        ac_ok = ac_timed and self.budget.feasible(ac) and (
+            self.memory_budget is None or ac.peak_bytes <= self.memory_budget)
         if ac_timed:  # timed either way: the side-by-side table reports it
             configs.append(Config(self.ac_label, self._autocast_fn, autocast_scaler(self.ac_dtype),
                                   self.ac_dtype))

@@ -184,3 +184,22 @@ def test_without_compile_the_also_policies_are_left_out():
     sel = Selector(_TrajHarness(), DriftBudget.fixed(1.0), False, torch.bfloat16, None, 0, Clock(), True,
                    twin=twin, also=[(math, "autocast twin, math attention")])
     assert [label for _p, label in sel._candidates([], 2)] == ["autocast twin", "all-fp32"]
+
+
+def test_torch_autocast_over_the_memory_budget_is_no_bar(monkeypatch):
+    """Under --max-memory a baseline the budget excludes is not what the user could run: torch.autocast,
+    fastest but over the budget, is timed (the table reports it) but not decided against, so the
+    twin is written as beating the best admissible baseline (fp32 eager), not as a tie with it."""
+    speeds = {"twin": 0.060, "torch.autocast eager": 0.050, "fp32 eager": 0.100}
+    monkeypatch.setattr(select_mod, "time_interleaved", lambda h, configs, **kw: {
+        c.name: Timing.from_steps([speeds[c.name] * (1 + 0.01 * i) for i in range(6)], 100.0, rounds=3)
+        for c in configs})
+    h = _TrajHarness()
+    sel = Selector(h, DriftBudget.fixed(1.0), False, torch.bfloat16, None, 0, Clock(), True)
+    sel._autocast_fn = h.model
+    sel.autocast_eager = Measurement(grad_rel_l2=1e-3, peak_bytes=300 * 2**20)
+    sel.memory_budget = 200 * 2**20
+    twin = Policy.autocast("bf16")
+    chosen, _m = sel._head_to_head([("twin", twin, _Fn(1.0), Measurement(grad_rel_l2=1e-3))])
+    assert chosen is twin and "torch.autocast eager" in sel.timings
+    assert sel.decision.best_baseline.name == "fp32 eager" and sel.decision.verdict == "beats"
