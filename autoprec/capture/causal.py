@@ -55,15 +55,16 @@ def causal_attention(gm: fx.GraphModule) -> int:
     Returns:
         The number of SDPA nodes rewritten (the mask nodes no longer read are erased).
     """
-    done, judged = 0, {}  # mask node -> causal? (one mask is shared by every layer)
+    done, judged = 0, {}  # (mask node, query and key shapes) -> causal? (one mask serves every layer)
     for node in [n for n in gm.graph.nodes if n.target is _SDPA]:
         positional = len(node.args) > _MASK
         mask = node.args[_MASK] if positional else node.kwargs.get("attn_mask")
         if not isinstance(mask, fx.Node) or _flag(node):
             continue
-        if mask not in judged:
-            judged[mask] = _is_causal_mask(gm, node, mask)
-        if not judged[mask]:
+        key = (mask, *(str(a.meta["val"].shape) for a in node.args[:2]))  # the lengths it is judged at
+        if key not in judged:
+            judged[key] = _is_causal_mask(gm, node, mask)
+        if not judged[key]:
             continue
         args, kwargs = list(node.args), dict(node.kwargs)
         if positional:
@@ -77,7 +78,7 @@ def causal_attention(gm: fx.GraphModule) -> int:
         node.args, node.kwargs = tuple(args), kwargs
         done += 1
     if done:
-        for mask in judged:
+        for mask in {key[0] for key in judged}:
             _erase_unused(gm, mask)
         gm.graph.lint()
         gm.recompile()
