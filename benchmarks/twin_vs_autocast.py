@@ -32,7 +32,6 @@ import functools
 import importlib.util
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -47,7 +46,9 @@ sys.path.insert(0, str(REPO))
 from autoprec import Policy, apply  # noqa: E402
 from autoprec.applied.compile import compile_graph  # noqa: E402
 from autoprec.capture import trace  # noqa: E402
+from autoprec.device import describe_machine, sync  # noqa: E402
 from autoprec.dtypes import to_torch  # noqa: E402
+from autoprec.metrics import median  # noqa: E402
 
 EAGER = ("autocast_eager", "twin_eager", "twin_eager_mask")
 COMPILED = ("autocast_compiled", "twin_compiled", "twin_static", "twin_static_flat", "twin_static_mask")
@@ -93,27 +94,27 @@ def _row(name, model, low, batch, ac):
             }[name](), None
 
 
-def _time(rows, a, sync, tokens) -> dict[str, dict[str, float]]:
+def _time(rows, a, dev, tokens) -> dict[str, dict[str, float]]:
     """Time ``rows`` in interleaved rounds (first calls apart: they compile); print and return the table."""
     times: dict[str, list[float]] = {k: [] for k in rows}
     for name, fn in rows.items():
         t0 = time.perf_counter()
         fn()
-        sync()
+        sync(dev)
         print(f"{name}: first step {time.perf_counter() - t0:.1f} s", flush=True)
     for r in range(a.warmup + a.steps):
         for name, fn in rows.items():
-            sync()
+            sync(dev)
             t0 = time.perf_counter()
             fn()
-            sync()
+            sync(dev)
             if r >= a.warmup:
                 times[name].append(time.perf_counter() - t0)
-    base = statistics.median(next(iter(times.values())))
+    base = median(next(iter(times.values())))
     out = {}
     print("| row | median step ms | min-max ms | tokens/s | vs the first row |\n|---|---:|---:|---:|---:|")
     for name, ts in times.items():
-        med = statistics.median(ts)
+        med = median(ts)
         out[name] = {"median_s": med, "min_s": min(ts), "max_s": max(ts), "tokens_per_s": tokens / med}
         print(f"| {name} | {med * 1e3:.1f} | {min(ts) * 1e3:.1f}-{max(ts) * 1e3:.1f} | {tokens / med:.0f} "
               f"| {base / med:.2f}x |", flush=True)
@@ -142,8 +143,7 @@ def main() -> None:
     params = list(model.parameters())
     batch = example.get_batch(0, dev)
     tokens = batch["input_ids"].numel()
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    result = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+    result = {"machine": describe_machine(dev),  # device, CPU model and flags, load
               "torch": torch.__version__, "dtype": low, "tokens_per_step": tokens,
               "tiny": os.environ.get("AUTOPREC_QWEN2_05B_TINY", "")}
     rows = {}
@@ -153,7 +153,7 @@ def main() -> None:
         for name in group:
             fn, autocast = _row(name, model, low, batch, ac)
             rows[name] = functools.partial(_step, fn, batch, params, autocast)
-        result["eager" if group[0] in EAGER else "all"] = _time(rows, a, sync, tokens)
+        result["eager" if group[0] in EAGER else "all"] = _time(rows, a, dev, tokens)
         a.out.mkdir(parents=True, exist_ok=True)  # after each group: kept if a compile runs out of time
         (a.out / "twin_vs_autocast.json").write_text(json.dumps(result, indent=1))
 

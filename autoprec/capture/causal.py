@@ -250,8 +250,7 @@ def _equals_causal(value: Any, q_len: int, k_len: int) -> bool:
     if value.dtype == torch.bool:
         allowed = value
     elif value.is_floating_point():
-        low = value.float()
-        blocked = (low == -math.inf) | (value == torch.finfo(value.dtype).min)
+        blocked = (value == -math.inf) | (value == torch.finfo(value.dtype).min)
         if not bool(((value == 0) | blocked).all()):
             return False
         allowed = value == 0

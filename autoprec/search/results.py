@@ -25,7 +25,7 @@ __all__ = ["measured_block", "note_if_eager_was_faster", "pooled", "side_by_side
 
 def measured_block(run: Any, sel: Any, chosen: Policy, m: Measurement) -> dict[str, float]:
     """The policy file's ``measured`` block (finite numbers only: docs/architecture.md#policy-file)."""
-    ref = sel.autocast_compiled or sel.autocast_eager or run.autocast
+    ref = sel.autocast_bar or run.autocast
     return {
         "tokens_per_s": m.tokens_per_s, "speedup_vs_fp32": m.tokens_per_s / run.fp32.tokens_per_s,
         "speedup_vs_autocast": m.tokens_per_s / ref.tokens_per_s if ref.tokens_per_s else 0.0,

@@ -102,6 +102,12 @@ class Selector:
         self.points: list[dict[str, Any]] = []
         self._point_index: dict[str, int] = {}  # Policy.training_key() -> its last entry in points
 
+    @property
+    def autocast_bar(self) -> Measurement | None:
+        """torch.autocast's measurement as the head-to-head's bar: :attr:`autocast_compiled`, or
+        :attr:`autocast_eager` without compile (None before :meth:`choose`)."""
+        return self.autocast_compiled if self.compile else self.autocast_eager
+
     def _fn(self, gm, activation_memory_budget: float = 1.0):
         if self._fit_bar is not None:
             self._fit_bar.step(f"activation memory budget {activation_memory_budget:g}")
@@ -223,7 +229,7 @@ class Selector:
         side in one process. Returns the contenders :func:`autoprec.search.final.decide` chooses
         among."""
         configs = [Config(label, fn, lambda pol=pol: make_scaler(pol)) for label, pol, fn, _m in survivors]
-        ac = self.autocast_compiled if self.compile else self.autocast_eager
+        ac = self.autocast_bar
         for label, m in [(label, m) for label, _p, _f, m in survivors] + [(self.ac_label, ac)]:
             if m is not None:  # a timing again (after a rejection) drops the last one's note
                 m.note = self._notes.setdefault(label, m.note)

@@ -126,8 +126,8 @@ def test_without_compile_the_side_by_side_is_against_torch_autocast_eager():
     timings = {"torch.autocast eager": Timing.from_steps(FAST, TOKENS),
                "fp32 eager": Timing.from_steps(SLOW, TOKENS), "twin": Timing.from_steps(SLOW, TOKENS)}
     sel = SimpleNamespace(timings=timings, ac_label="torch.autocast eager", autocast_compiled=None,
-                          autocast_eager=ac, decision=SimpleNamespace(chosen=SimpleNamespace(name="twin")),
-                          memory_budget=None,
+                          autocast_eager=ac, autocast_bar=ac, memory_budget=None,
+                          decision=SimpleNamespace(chosen=SimpleNamespace(name="twin")),
                           trajectory=TrajectoryCheck(None, torch.bfloat16, 0, lambda: None))
     run = SimpleNamespace(ac_dtype=torch.bfloat16, fp32=fp32, autocast=_measurement(SLOW),
                           budget=DriftBudget.fixed(1.0))
