@@ -18,13 +18,13 @@ from typing import Any
 
 from torch import fx, nn
 
-from autoprec.capture.dims import DimPlan, largest_batch, largest_sizes, plan_dims, shapes_vary
+from autoprec.capture.dims import DimPlan, largest_batch, largest_sizes, plan_dims, shapes_vary, tensor_shapes
 from autoprec.capture.shapes import PLAN_META
 from autoprec.capture.trace import capture, capture_planned
 from autoprec.errors import CaptureError
 from autoprec.modelspec import split_batch
 
-__all__ = ["MAX_SHAPES", "PROBE_BATCHES", "capture_dynamic", "capture_for"]
+__all__ = ["MAX_SHAPES", "PROBE_BATCHES", "batch_shapes", "capture_dynamic", "capture_for"]
 
 _log = logging.getLogger("autoprec")
 
@@ -103,3 +103,15 @@ def _dynamic_or_static(model: nn.Module, example_batch: Any, plan: DimPlan) -> f
                   "graph per input shape instead (at most %d)", type(model).__name__, reason[:300],
                   MAX_SHAPES)
         return gm
+
+
+def batch_shapes(batches: list[Any]) -> list[str]:
+    """The distinct shapes of ``batches``, in order of first appearance, one line each:
+    ``"input_ids (4, 128), labels (4, 128)"`` (inputs named as :func:`autoprec.capture.tensor_shapes`
+    names them; the report lists them)."""
+    out: list[str] = []
+    for batch in batches:
+        text = ", ".join(f"{name} {shape}" for name, shape in tensor_shapes(*split_batch(batch)))
+        if text not in out:
+            out.append(text)
+    return out

@@ -8,6 +8,7 @@ The layer below the search (``autoprec tune``) and the bench commands: both meas
 it imports neither (docs/architecture.md#layers).
 """
 
+from autoprec.capture import batch_shapes
 from autoprec.measure.drift import (
     DRIFT_BATCHES,
     MAX_BACKOFFS,
@@ -19,7 +20,7 @@ from autoprec.measure.drift import (
     is_compiled,
     measure_drift,
 )
-from autoprec.measure.harness import MIN_TIMED_STEPS, TIMED_BUDGET_S, Harness, batch_shapes
+from autoprec.measure.harness import MIN_TIMED_STEPS, TIMED_BUDGET_S, Harness
 from autoprec.measure.load import BusyMachineError, LoadCheck, LoadMonitor
 from autoprec.measure.measurement import Measurement, describe_failure
 from autoprec.measure.memory import PeakBytes, SavedBytes, optimizer_state_bytes, training_state_bytes

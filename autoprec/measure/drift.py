@@ -21,11 +21,12 @@ from torch import nn
 
 from autoprec._torch_compat import is_dynamo_optimized, overload_schema
 from autoprec.applied.compile import CompiledGraph
+from autoprec.measure.measurement import Measurement
 from autoprec.metrics import grad_errors, grad_rel_l2, grad_sqnr_db_min
 from autoprec.training.scaler import DynamicLossScaler
 
-__all__ = ["DRIFT_BATCHES", "MAX_BACKOFFS", "BatchDrift", "Drift", "References", "batch_drift",
-           "draws_random", "is_compiled", "measure_drift"]
+__all__ = ["DRIFT_BATCHES", "MAX_BACKOFFS", "BatchDrift", "Drift", "References", "as_measurement",
+           "batch_drift", "draws_random", "is_compiled", "measure_drift"]
 
 #: K, the batches ``get_batch(0..K-1)`` every drift measurement runs on (``Harness(...,
 #: drift_batches=K)`` overrides it). Four gives the paired t-test of
@@ -93,12 +94,14 @@ class Drift:
         first_backoffs: Those of batch 0, from the scaler's initial scale (the next measurement's
             ``backoff_hint``: later batches start from batch 0's scale and back off little or not).
         saved_bytes: Bytes saved for backward in batch 0's (last) pass, as ``step`` counted them.
+        stopped: ``measure_drift``'s ``stop`` ended the measurement before the last batch.
     """
 
     batches: list[BatchDrift] = field(default_factory=list)
     backoffs: int = 0
     first_backoffs: int = 0
     saved_bytes: int = 0
+    stopped: bool = False
 
     @property
     def finite(self) -> bool:
@@ -123,7 +126,8 @@ def batch_drift(loss: float, grads: list[torch.Tensor], ref_loss: float,
 
 
 def measure_drift(step: Callable[[int, bool], tuple[float, list[torch.Tensor], int]], refs: list[Grads],
-                  scaler: DynamicLossScaler | None, backoff_hint: int = 1) -> Drift:
+                  scaler: DynamicLossScaler | None, backoff_hint: int = 1,
+                  stop: Callable[[Drift], bool] | None = None) -> Drift:
     """A candidate's drift on batches ``0..len(refs)-1`` against the per-batch FP32 references.
 
     ``step(k, count)`` runs the candidate's forward/backward on batch k from the weights the
@@ -141,6 +145,9 @@ def measure_drift(step: Callable[[int, bool], tuple[float, list[torch.Tensor], i
     at the scaler's floor count as a failure, and measuring stops at that batch. A non-finite loss
     is a failure at once: the scale multiplies the loss after the forward, so no back-off can
     change it.
+
+    ``stop(drift so far)``, when given, is asked after each finite batch but the last; True ends
+    the measurement there (``stopped``), as a search trial's screening cut does.
 
     Raises:
         Exception: whatever ``step`` raises (compile errors, out of memory).
@@ -161,7 +168,31 @@ def measure_drift(step: Callable[[int, bool], tuple[float, list[torch.Tensor], i
         del grads  # keep only the scalars
         if not out.batches[-1].finite:
             break
+        if stop is not None and k < len(refs) - 1 and stop(out):
+            out.stopped = True
+            break
     return out
+
+
+def as_measurement(d: Drift, seconds: dict[int, float], scaler: DynamicLossScaler | None,
+                   state_bytes: int) -> Measurement:
+    """The :class:`Measurement` of the batches ``d`` holds (all of them, or those run so far):
+    per-batch ``grad_rel_l2`` and their mean, mean ``loss_rel``, min SQNR, ``peak_bytes`` (batch
+    0's saved bytes + ``state_bytes``), ``pass_times`` from ``seconds`` (batch -> forward+backward
+    seconds), a ``note`` counting loss-scale back-offs, and ``error`` when a batch was non-finite."""
+    m = Measurement(pass_times=[seconds[k] for k in sorted(seconds)])
+    if d.backoffs:
+        m.note = (f"{d.backoffs} loss-scale backoff{'s' if d.backoffs > 1 else ''} before finite "
+                  f"gradients (scale {scaler.get_scale():g}), as training skips its first steps")
+    m.grad_rel_l2_batches = [b.grad_rel_l2 for b in d.batches]
+    m.grad_rel_l2 = sum(m.grad_rel_l2_batches) / len(d.batches)
+    m.loss_rel = sum(b.loss_rel for b in d.batches) / len(d.batches)
+    m.grad_sqnr_db_min = min(b.grad_sqnr_db_min for b in d.batches)
+    m.peak_bytes = d.saved_bytes + state_bytes
+    if not d.finite:
+        m.grad_rel_l2 = math.inf
+        m.error = f"non-finite loss or gradients (drift batch {len(d.batches) - 1})"
+    return m
 
 
 def draws_random(gm: nn.Module) -> bool:

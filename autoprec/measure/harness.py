@@ -9,7 +9,6 @@ compiled) is measured on the same weights and batches, and the weights are resto
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -18,20 +17,29 @@ import torch
 from torch import nn
 
 from autoprec.applied.compile import CompiledGraph, compile_graph
-from autoprec.capture import PROBE_BATCHES, capture_for, tensor_shapes
+from autoprec.capture import PROBE_BATCHES, batch_shapes, capture_for
 from autoprec.device import sync
 from autoprec.measure import screening
-from autoprec.measure.drift import DRIFT_BATCHES, Grads, References, draws_random, is_compiled, measure_drift
+from autoprec.measure.drift import (
+    DRIFT_BATCHES,
+    Drift,
+    Grads,
+    References,
+    as_measurement,
+    draws_random,
+    is_compiled,
+    measure_drift,
+)
 from autoprec.measure.measurement import Measurement, describe_failure
 from autoprec.measure.memory import SavedBytes, training_state_bytes
 from autoprec.metrics import median
-from autoprec.modelspec import ModelSpec, split_batch
+from autoprec.modelspec import ModelSpec
 from autoprec.training.rng import MEASURE_SEED, StepRng, same_rng
 from autoprec.training.scaler import DynamicLossScaler
 from autoprec.training.steps import StepsTooSlow, run_steps, slow_step_guard
 from autoprec.training.train import TrainStep
 
-__all__ = ["MIN_TIMED_STEPS", "TIMED_BUDGET_S", "Harness", "batch_shapes"]
+__all__ = ["MIN_TIMED_STEPS", "TIMED_BUDGET_S", "Harness"]
 
 #: Timed steps a measurement always runs (their median is the step time), and the seconds of timed
 #: steps after which it runs no more of its ``steps``: screening ranks policies, and the finalists
@@ -83,8 +91,7 @@ class Harness:
         optimizer_name: Class name of the model file's optimizer (e.g. ``"AdamW"``), whose state
             :attr:`state_bytes` counts.
         backoff_hint: Batch 0's loss-scale back-offs in the last drift measurement that made any (1
-            before any did): where the next one's back-off search starts (only its number of passes
-            depends on it).
+            before any did): where the next one's back-off search starts.
         update_s: :meth:`update_seconds`'s cache, by ``scaled``.
 
     Raises:
@@ -187,7 +194,8 @@ class Harness:
         return float(loss), grads
 
     def drift(self, fn: Callable[..., Any], scaler: DynamicLossScaler | None = None,
-              autocast_dtype: torch.dtype | None = None) -> Measurement:
+              autocast_dtype: torch.dtype | None = None,
+              stop: Callable[[Measurement], str | None] | None = None) -> Measurement:
         """Drift of ``fn`` against the FP32 reference on each of the K drift batches (no timing).
 
         Per batch k (:func:`autoprec.measure.drift.measure_drift`): ``grad_rel_l2`` against that
@@ -201,6 +209,9 @@ class Harness:
         steps do (per batch, at most :data:`autoprec.measure.drift.MAX_BACKOFFS` times); the count
         goes in ``note``; only gradients non-finite at the scaler's floor count as a failure
         (``error`` set, ``grad_rel_l2`` inf).
+
+        ``stop``, when given, sees the Measurement of the batches run so far after each finite
+        batch but the last; a reason (not None) ends the passes there and becomes ``cut``.
 
         Raises:
             Exception: whatever running ``fn`` raises (compile errors, out of memory).
@@ -217,21 +228,18 @@ class Harness:
             loss, grads = self._grads(fn, scaler, autocast_dtype, counter, batch=k, seconds=seconds)
             return loss, grads, counter.total if counter is not None else 0
 
-        d = measure_drift(step, refs, scaler, self.backoff_hint)
+        reason: list[str] = []
+
+        def stopped(d: Drift) -> bool:
+            why = stop(as_measurement(d, seconds, scaler, self.state_bytes))
+            reason.extend([why] if why is not None else [])
+            return why is not None
+
+        d = measure_drift(step, refs, scaler, self.backoff_hint, stopped if stop is not None else None)
         if d.first_backoffs:  # the next policy likely backs off about as far
             self.backoff_hint = d.first_backoffs
-        m = Measurement(pass_times=[seconds[k] for k in sorted(seconds)])
-        if d.backoffs:
-            m.note = (f"{d.backoffs} loss-scale backoff{'s' if d.backoffs > 1 else ''} before finite "
-                      f"gradients (scale {scaler.get_scale():g}), as training skips its first steps")
-        m.grad_rel_l2_batches = [b.grad_rel_l2 for b in d.batches]
-        m.grad_rel_l2 = sum(m.grad_rel_l2_batches) / len(d.batches)
-        m.loss_rel = sum(b.loss_rel for b in d.batches) / len(d.batches)
-        m.grad_sqnr_db_min = min(b.grad_sqnr_db_min for b in d.batches)
-        m.peak_bytes = d.saved_bytes + self.state_bytes
-        if not d.finite:
-            m.grad_rel_l2 = math.inf
-            m.error = f"non-finite loss or gradients (drift batch {len(d.batches) - 1})"
+        m = as_measurement(d, seconds, scaler, self.state_bytes)
+        m.cut = reason[-1] if d.stopped else None
         return m
 
     @property
@@ -245,7 +253,8 @@ class Harness:
     def measure(self, fn: Callable[..., Any],
                 scaler_factory: Callable[[], DynamicLossScaler | None] = lambda: None,
                 autocast_dtype: torch.dtype | None = None, timing: bool = True,
-                max_step_s: float | None = None, screen: bool = False) -> Measurement:
+                max_step_s: float | None = None, screen: bool = False,
+                cut: Callable[[Measurement], str | None] | None = None) -> Measurement:
         """Drift, memory and (optionally) median step time of full training steps of ``fn``.
 
         Args:
@@ -258,28 +267,32 @@ class Harness:
                 :func:`autoprec.training.steps.slow_step_guard`); the measurement is then timed on
                 that last step only and ``note`` says why. Compilation happens in the drift pass,
                 before timing, so it never counts here.
-            screen: A screening measurement (a search trial): for an eager ``fn`` on the CPU with
-                two or more drift batches, the step times are the drift passes' own
-                forward+backward seconds (batches 1..K-1; batch 0 warms up and counts memory) plus
-                the optimizer update's, so no step runs twice
-                (:func:`autoprec.measure.screening.from_drift_passes`); elsewhere it times steps as
-                ``timing`` does.
+            screen: A screening measurement (a search trial): for an eager ``fn`` on the CPU,
+                the step times are the timed drift passes' (batches 1..K-1) plus the update's, so
+                no step runs twice (:func:`autoprec.measure.screening.from_drift_passes`);
+                elsewhere it times steps as ``timing`` does.
+            cut: A screening cut: given the measurement so far (step times filled as ``screen``
+                fills them) after each drift batch but the last; a reason stops the passes there
+                and is the result's ``cut`` (:meth:`drift`'s ``stop``); nothing more is run.
 
         Returns:
             A :class:`Measurement`; on failure ``error`` says why (never raises for numerics).
         """
         scaler = scaler_factory()
+
+        def screened(m: Measurement) -> Measurement:  # batches 1..K-1 timed, as though after one warm-up
+            if screen and timing and m.error is None and screening.applies(self.device, fn, m):
+                screening.from_drift_passes(m, self._timed_tokens(len(m.pass_times) - 1, 1),
+                                            self.update_seconds(scaled=scaler is not None))
+            return m
+
         try:
-            m = self.drift(fn, scaler, autocast_dtype)
+            m = self.drift(fn, scaler, autocast_dtype, (lambda m: cut(screened(m))) if cut else None)
         except Exception as e:  # compile errors, OOM, kernels missing for a dtype
             self.restore()
             return Measurement(error=describe_failure(e))
-        if m.error is not None or not timing:
-            return m
-        if screen and screening.applies(self.device, fn, m):
-            timed = len(m.pass_times) - 1  # drift batches 1..K-1, as though after one warm-up step
-            return screening.from_drift_passes(m, self._timed_tokens(timed, 1),
-                                               self.update_seconds(scaled=scaler is not None))
+        if m.error is not None or not timing or screened(m).step_times or m.cut is not None:
+            return m  # screened(m) fills m's step times where the timed passes give them
         try:
             m.step_times = self._time(fn, scaler_factory(), autocast_dtype, max_step_s)
         except StepsTooSlow as e:
@@ -373,18 +386,6 @@ class Harness:
             return [stats.loss for stats, _seconds in done]
         finally:
             self.restore()
-
-
-def batch_shapes(batches: list[Any]) -> list[str]:
-    """The distinct shapes of ``batches``, in order of first appearance, one line each:
-    ``"input_ids (4, 128), labels (4, 128)"`` (inputs named as :func:`autoprec.capture.tensor_shapes`
-    names them; the report lists them)."""
-    out: list[str] = []
-    for batch in batches:
-        text = ", ".join(f"{name} {shape}" for name, shape in tensor_shapes(*split_batch(batch)))
-        if text not in out:
-            out.append(text)
-    return out
 
 
 class _NoOpt:

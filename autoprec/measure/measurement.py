@@ -42,6 +42,9 @@ class Measurement:
         error: Why the measurement failed (non-finite values, compile error, out of memory).
         note: Remarks that do not invalidate it (e.g. timing stopped by the slow-step rule of
             :func:`autoprec.training.steps.slow_step_guard`, timed on its last step only).
+        cut: Why the drift passes stopped before the K-th batch (a search trial's screening cut,
+            ``Harness.measure(..., cut=...)``); None when every batch ran. The other fields then
+            hold what the batches run so far measured.
     """
 
     step_s: float = math.inf
@@ -55,6 +58,7 @@ class Measurement:
     pass_times: list[float] = field(default_factory=list)
     error: str | None = None
     note: str | None = None
+    cut: str | None = None
 
 
 def describe_failure(e: BaseException) -> str:

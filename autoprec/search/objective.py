@@ -27,6 +27,7 @@ from autoprec.nodemeta import read_meta
 from autoprec.passes import lowering_passes
 from autoprec.search import attrs
 from autoprec.search.decide import DriftBudget
+from autoprec.search.screen_cut import screening_cut
 from autoprec.search.space import SearchSpace
 from autoprec.training.train import make_scaler
 
@@ -73,10 +74,16 @@ class Objective:
         budget: The drift budget; a trial's constraint is ``budget.excess(m)`` (feasible ≤ 0).
         max_step_s: A timed trial step slower than this is aborted (several times the FP32
             step); a screened trial times its drift passes, which run in full either way.
+        finalists: With the screening cut (:mod:`autoprec.search.screen_cut`), the k fastest
+            feasible trials that go on to the finalists: a trial's passes stop once it is clearly
+            slower than the k-th of those measured so far, or far over the drift budget. None:
+            every trial runs all its passes.
     """
 
-    def __init__(self, harness: Harness, space: SearchSpace, budget: DriftBudget, max_step_s: float) -> None:
+    def __init__(self, harness: Harness, space: SearchSpace, budget: DriftBudget, max_step_s: float,
+                 finalists: int | None = None) -> None:
         self.harness, self.space, self.budget, self.max_step_s = harness, space, budget, max_step_s
+        self.finalists = finalists
 
     def __call__(self, trial: optuna.Trial) -> tuple[float, float, float] | float:
         try:
@@ -116,7 +123,9 @@ class Objective:
             return math.nan
         trial.set_user_attr(attrs.CASTS, lowered.stats.get("casts", 0))
         fn = saved_eager(lowered.graph_module)  # the policy's saved dtypes (the memory lever), eagerly
-        m = self.harness.measure(fn, lambda: make_scaler(policy), max_step_s=self.max_step_s, screen=True)
+        cut = None if self.finalists is None else screening_cut(trial.study, self.finalists, self.budget)
+        m = self.harness.measure(fn, lambda: make_scaler(policy), max_step_s=self.max_step_s, screen=True,
+                                 cut=cut)
         _record(trial, m, self.budget)
         if m.error is not None:
             return math.nan
@@ -154,6 +163,8 @@ def _record(trial: optuna.Trial, m: Measurement, budget: DriftBudget) -> None:
         trial.set_user_attr(attrs.ERROR, m.error)
     if m.note is not None:
         trial.set_user_attr(attrs.NOTE, m.note)
+    if m.cut is not None:
+        trial.set_user_attr(attrs.CUT, m.cut)
 
 
 def _find_measured(study: optuna.Study, fp: str, number: int, wait_s: float = 900.0,

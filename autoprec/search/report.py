@@ -58,7 +58,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 def trial_rows(study: optuna.Study) -> list[dict[str, Any]]:
     """One row per finished trial: number, state, tokens/s, step_times (its timed steps, seconds;
     None in a study written before they were recorded), grad_rel_l2, peak bytes, feasible, policy
-    summary, key (:meth:`Policy.training_key`, None without a policy), error, reused_from."""
+    summary, key (:meth:`Policy.training_key`, None without a policy), error, reused_from, cut
+    (why the screening cut stopped it, None if it did not; such a trial is never feasible)."""
     rows = []
     for t in study.get_trials(deepcopy=False):
         if not t.state.is_finished():
@@ -71,10 +72,10 @@ def trial_rows(study: optuna.Study) -> list[dict[str, Any]]:
             "grad_rel_l2": ua.get(attrs.GRAD_REL_L2),
             "peak_bytes": ua.get(attrs.PEAK_BYTES),
             "feasible": (ua.get(attrs.CONSTRAINT, attrs.INFEASIBLE) <= 0
-                         and t.state == optuna.trial.TrialState.COMPLETE),
+                         and t.state == optuna.trial.TrialState.COMPLETE and attrs.CUT not in ua),
             "policy": Policy.from_dict(pol).summary() if pol else "", "error": ua.get(attrs.ERROR),
             "key": Policy.from_dict(pol).training_key() if pol else None,
-            "reused_from": ua.get(attrs.REUSED_FROM),
+            "reused_from": ua.get(attrs.REUSED_FROM), "cut": ua.get(attrs.CUT),
         })
     return rows
 
@@ -124,6 +125,8 @@ def _markdown(rows, front, table, policy, timings, shapes=None, decision=None, r
         g = f"{r['grad_rel_l2']:.2e}" if r["grad_rel_l2"] is not None else "inf"
         mem = f"{r['peak_bytes'] / 2**20:.1f}" if r["peak_bytes"] else ""
         note = r["error"] or (f"same graph as #{r['reused_from']}" if r["reused_from"] is not None else "")
+        if r.get("cut"):
+            note = "; ".join(x for x in (note, f"screening cut: {r['cut']}") if x)
         if (rejected or {}).get(r["key"]):
             note = "; ".join(x for x in (note, f"finalist rejected: {rejected[r['key']]}") if x)
         lines.append(f"| {r['number']} | {r['state']} | {tok} | {g} | {mem} | "
@@ -161,7 +164,7 @@ def write_report(study: optuna.Study, stem: str | os.PathLike, table: list[dict[
     ``<stem>.dtype_map.png``; returns the paths written.
 
     ``shapes`` lists the distinct batch shapes the measurements ran on
-    (:func:`autoprec.measure.harness.batch_shapes`); the report names them. ``levers`` are the
+    (:func:`autoprec.capture.batch_shapes`); the report names them. ``levers`` are the
     compiled finalist measurements (``Selector.points``), memory-lever tries included: the report
     lists them with the lever each used and marks their speed/memory Pareto front; a finalist's
     ``rejected`` reason is also the note of the trial it came from. The Pareto plot marks the

@@ -48,6 +48,7 @@ from autoprec.search.decide import DriftBudget
 from autoprec.search.kernel_choice import adopt_study_kernels, probe_decision, probe_phase
 from autoprec.search.objective import Objective
 from autoprec.search.phases import accounted, phase_bar
+from autoprec.search.pool import feasible
 from autoprec.search.progress import Clock, LoadClock, log
 from autoprec.search.results import measured_block, note_if_eager_was_faster, pooled, side_by_side
 from autoprec.search.select import FP32_EAGER, Selector
@@ -64,7 +65,7 @@ from autoprec.search.storage import (
     precheck_study,
     study_choices,
 )
-from autoprec.search.trials import enqueue_baselines, feasible, optimize, region_sensitivity
+from autoprec.search.trials import enqueue_baselines, optimize, region_sensitivity
 from autoprec.training.train import autocast_scaler
 
 __all__ = ["TuneResult", "tune"]
@@ -199,7 +200,9 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
     adopt_study_kernels(run, study_choices(storage, study_name))  # a shared study's kernels
     precheck_study(storage, study_name, run.space)  # a study this run cannot resume fails now
     _baselines(run, drift_arg, memory_arg)
-    study = _search(run, storage, study_name, seed, trials, timeout, run.progress)
+    # the screening cut keeps the k fastest feasible; a memory budget may pass over them (--no-compile)
+    study = _search(run, storage, study_name, seed, trials, timeout, run.progress,
+                    finalists if memory_arg is None else None)
     sel = _selector(run, compile, traj_steps)
     chosen, chosen_m = _finalists(run, sel, study, finalists, memory_arg)
     return _write(run, study, sel, chosen, chosen_m, compile, out, report)
@@ -256,8 +259,9 @@ def _baselines(run: _Run, drift_arg: float | None, memory_arg: tuple[str, float]
 
 
 def _search(run: _Run, storage: str, study_name: str, seed: int, trials: int | None, timeout: float | None,
-            progress: bool) -> optuna.Study:
-    """Phase 4: open (or resume) the study, queue the baselines in a new one, run the trials."""
+            progress: bool, cut_k: int | None) -> optuna.Study:
+    """Phase 4: open (or resume) the study, queue the baselines in a new one, run the trials (with
+    the screening cut for ``cut_k`` finalists unless None: :mod:`autoprec.search.screen_cut`)."""
     study = open_study(storage, study_name, seed)
     stamped = lambda: (study.user_attrs.get(attrs.SPACE) or {}).get("dtypes")  # noqa: E731
     adopt_study_kernels(run, stamped())  # another worker's
@@ -281,7 +285,7 @@ def _search(run: _Run, storage: str, study_name: str, seed: int, trials: int | N
         log(f"no low dtype is searched (none measured faster than fp32 here), so every policy is all-fp32: "
             f"1 trial instead of {target} (--dtypes bf16,fp16 searches them anyway)", run.quiet)
         target = 1
-    objective = Objective(run.harness, run.space, run.budget, max_step_s=run.slow)
+    objective = Objective(run.harness, run.space, run.budget, max_step_s=run.slow, finalists=cut_k)
     with run.clock("trials_s"):
         optimize(study, objective, target, timeout, progress)
     return study

@@ -1,6 +1,6 @@
 """The search phase of ``tune``: rank regions by sensitivity, queue the baselines, run Optuna
-trials until the (possibly shared) study holds enough, and list the feasible ones
-(docs/architecture.md#search)."""
+trials until the (possibly shared) study holds enough (docs/architecture.md#search); the feasible
+ones are listed by :func:`autoprec.search.pool.feasible`."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from autoprec.search.progress import failed_trial_logger, quiet_optuna_failures
 from autoprec.search.space import SearchSpace
 from autoprec.training.train import make_scaler
 
-__all__ = ["enqueue_baselines", "feasible", "finished", "optimize", "region_sensitivity"]
+__all__ = ["enqueue_baselines", "finished", "optimize", "region_sensitivity"]
 
 #: How long a worker waits, after its own trials, for other workers' running trials (seconds).
 WAIT_FOR_OTHERS_S = 600.0
@@ -149,17 +149,3 @@ def _wait_for_others(study: optuna.Study) -> None:
                    for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))):
             return
         time.sleep(1.0)
-
-
-def feasible(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
-    """Complete trials within the drift budget (constraint ≤ 0), fastest first (ties: lower
-    number), one per per-node dtype assignment (fingerprint)."""
-    done = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
-    ok = [t for t in done if t.user_attrs.get(attrs.CONSTRAINT, attrs.INFEASIBLE) <= 0]
-    seen, out = set(), []
-    for t in sorted(ok, key=lambda t: (-t.values[0], t.number)):
-        fp = t.user_attrs.get(attrs.FINGERPRINT)
-        if fp not in seen:
-            seen.add(fp)
-            out.append(t)
-    return out

@@ -59,7 +59,7 @@ def test_nan_candidate_recorded_failed_and_study_continues(tmp_path, overflow_sp
     assert all_low.state == optuna.trial.TrialState.FAIL
     assert "non-finite" in all_low.user_attrs[ATTR + "error"]
     # Never exported: no failed trial counts as feasible.
-    from autoprec.search.trials import feasible as _feasible
+    from autoprec.search.pool import feasible as _feasible
 
     feasible = {t.number: t for t in _feasible(study)}
     assert 0 in feasible and all_low.number not in feasible  # all-fp32 is within any budget; C01 is not
