@@ -236,12 +236,12 @@ def _baselines(run: _Run, drift_arg: float | None, memory_arg: tuple[str, float]
     """
     h = run.harness
     with run.clock("baselines_s"), phase_bar("baselines", 2, run.progress) as bar:
-        bar.step("fp32 eager")
-        run.fp32 = h.measure(h.model)
+        bar.step("fp32 eager")  # screened: timed on its drift passes (the CPU), as the trials are
+        run.fp32 = h.measure(h.model, screen=True)
         run.slow = max(SLOW_RATIO * run.fp32.step_s, SLOW_FLOOR_S)
         bar.step(f"torch.autocast({run.ac_dtype}) eager")
         run.autocast = h.measure(h.model, autocast_scaler(run.ac_dtype), autocast_dtype=run.ac_dtype,
-                                 max_step_s=run.slow)
+                                 max_step_s=run.slow, screen=True)
     ac = run.autocast
     if drift_arg is None and not (math.isfinite(ac.grad_rel_l2) and ac.grad_rel_l2_batches):
         raise SearchError(f"drift budget is not finite (torch.autocast: {ac.error}); pass --max-drift X")

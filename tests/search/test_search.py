@@ -174,6 +174,17 @@ def test_region_sensitivity_ranks_the_overflowing_matmul_first(overflow_spec):
     # Lowering `up` alone overflows fp16 (C01): non-finite drift, ranked most sensitive.
     assert sens["node:up/linear#0"] == 1e30
     assert sens["node:out/linear#0"] < 1e-2
+    # the mean over the first SENSITIVITY_BATCHES drift batches of that region's lowering, no more
+    from autoprec.passes import run_pipeline
+    from autoprec.search.trials import SENSITIVITY_BATCHES
+    from autoprec.training.train import make_scaler
+
+    base = {"matmul": "fp32", "sensitive": "fp32", "follow": "auto", "node:up/linear#0": "inherit"}
+    pol = space.to_policy(base | {"node:out/linear#0": "fp16"})
+    full = h.drift(run_pipeline(h.graph_module, pol).graph_module, make_scaler(pol))
+    assert SENSITIVITY_BATCHES < len(full.grad_rel_l2_batches)
+    first = full.grad_rel_l2_batches[:SENSITIVITY_BATCHES]
+    assert sens["node:out/linear#0"] == pytest.approx(sum(first) / len(first), rel=1e-12)
     assert region_sensitivity(h, SearchSpace([])) == {}
 
 
