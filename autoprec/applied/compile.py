@@ -38,7 +38,9 @@ REGION_OPTIONS: dict[str, Any] = {"allow_buffer_reuse": False, "inplace_buffers"
 
 def compile_graph(gm: nn.Module, activation_memory_budget: float = 1.0, dynamic: bool | None = None,
                   regional: bool = True) -> CompiledGraph:
-    """``torch.compile`` a lowered graph (or a module) with Inductor and :data:`INDUCTOR_OPTIONS`.
+    """``torch.compile`` a lowered graph with Inductor and :data:`INDUCTOR_OPTIONS`, or a module
+    (the ``torch.autocast`` + ``torch.compile`` baseline) with Inductor's defaults, as a user's
+    ``torch.compile(model)`` compiles it: the bar is what users get without autoprec.
 
     Compilation is lazy: the first call (typically 10–90 s on a 2-core CPU for a small
     transformer) pays for it. A graph captured with dynamic dimensions (symbolic placeholder
@@ -89,7 +91,8 @@ def compile_graph(gm: nn.Module, activation_memory_budget: float = 1.0, dynamic:
     saved = graph and has_saved(gm)
     target = apply_saved(gm, compiled=True) if saved else gm
     target, plan, layout = _layout(target, regional and graph, saved, activation_memory_budget)
-    options = {**INDUCTOR_OPTIONS, **(REGION_OPTIONS if plan is not None and plan.blocks else {})}
+    # a module is the torch.autocast + torch.compile baseline: Inductor's defaults, as users compile
+    options = {**INDUCTOR_OPTIONS, **(REGION_OPTIONS if plan is not None and plan.blocks else {})} if graph else {}
     compiled = torch.compile(target, backend="inductor", options=options, dynamic=dynamic)
     return CompiledGraph(gm, target, compiled, plan, layout, bool(dynamic), activation_memory_budget,
                          saved_activation_context(gm) if saved else None,
