@@ -94,8 +94,10 @@ class Selector:
         self.memory_budget: float | None = None
         self.eager_tokens_per_s: dict[str, float] = {}  # Policy.training_key() -> the trial's eager tokens/s
         self._autocast_fn = None  # torch.autocast's module as compiled for its baseline
+        self._fp32_fn = None  # the all-fp32 finalist as compiled (fp32 + torch.compile), once measured
         self.trajectory = TrajectoryCheck(harness, ac_dtype, traj_steps, lambda: (
-            self._autocast_fn if self._autocast_fn is not None else self._fn(self.h.model)))
+            self._autocast_fn if self._autocast_fn is not None else self._fn(self.h.model)),
+            lambda: self._fp32_fn)
         self._notes: dict[str, str | None] = {}  # a contender's note before any head-to-head
         #: Every finalist measurement (compiled unless --no-compile), memory-lever tries included (the
         #: report's lever table; ``rejected``: why a finalist was not kept, when not its ``error``).
@@ -171,6 +173,8 @@ class Selector:
                     finally:
                         self._fit_bar = None
             measured.append(m)
+            if self.compile and _all_fp32(pol) and m.error is None:
+                self._fp32_fn = fn  # the trajectory check's compiled reference
             why = self._reject_reason(m)
             how = "compiled" if self.compile else "eager"
             log(f"  {how}: grad_rel_l2 {m.grad_rel_l2:.3g}" + (f" -> rejected: {why}" if why else ""),

@@ -57,6 +57,38 @@ def test_traj_rel_is_kept_per_policy_content_even_when_ids_collide(monkeypatch):
     assert check.of(Policy.fp32()) == 0.0  # never checked: not the rejected policy's 0.5
 
 
+def test_a_compiled_policys_trajectory_is_judged_against_compiled_fp32_and_autocast(monkeypatch):
+    """A compiled candidate's reference trajectory runs on the fp32 + torch.compile graph and its
+    budget on torch.autocast + torch.compile (both compiled, as the candidate); an eager one, or a
+    compiled one with no compiled fp32 graph, on the eager FP32 graph and torch.autocast eager."""
+    monkeypatch.setattr(trajectory_mod, "is_compiled", lambda fn: getattr(fn, "compiled", False))
+    ran = []
+
+    class H(_TrajHarness):
+        def trajectory(self, fn, scaler_factory=None, autocast_dtype=None, steps=3):
+            ran.append(fn)
+            if fn is fp32_c:
+                return [1.0] * steps
+            if fn is ac_c:
+                return [1.02] * steps
+            return super().trajectory(fn, scaler_factory, autocast_dtype, steps)
+
+    h = H()
+    fp32_c, ac_c = _Fn(1.0), _Fn(1.0)
+    cand = _Fn(1.01)
+    cand.compiled = True
+    check = TrajectoryCheck(h, torch.bfloat16, 3, lambda: ac_c, lambda: fp32_c)
+    assert check.ok(Policy.default("bf16"), cand) and check.budget == pytest.approx(0.02)
+    assert ran == [fp32_c, ac_c, cand]
+    ran.clear()
+    eager = _Fn(1.01)
+    assert check.ok(Policy.default("fp16"), eager) and check.budget == pytest.approx(0.01)
+    assert ran == [h.graph_module, h.model, eager]
+    ran.clear()
+    none = TrajectoryCheck(h, torch.bfloat16, 3, lambda: ac_c)  # no compiled fp32 graph
+    assert none.ok(Policy.default("bf16"), cand) and ran == [h.graph_module, h.model, cand]
+
+
 def test_training_key_ignores_measurements_and_provenance():
     """Two policies that train identically share a key; another rule gives another key."""
     p = Policy.default("bf16")
