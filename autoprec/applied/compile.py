@@ -92,7 +92,8 @@ def compile_graph(gm: nn.Module, activation_memory_budget: float = 1.0, dynamic:
     target = apply_saved(gm, compiled=True) if saved else gm
     target, plan, layout = _layout(target, regional and graph, saved, activation_memory_budget)
     # a module is the torch.autocast + torch.compile baseline: Inductor's defaults, as users compile
-    options = {**INDUCTOR_OPTIONS, **(REGION_OPTIONS if plan is not None and plan.blocks else {})} if graph else {}
+    options = ({**INDUCTOR_OPTIONS, **(REGION_OPTIONS if plan is not None and plan.blocks else {})}
+               if graph else {})
     compiled = torch.compile(target, backend="inductor", options=options, dynamic=dynamic)
     return CompiledGraph(gm, target, compiled, plan, layout, bool(dynamic), activation_memory_budget,
                          saved_activation_context(gm) if saved else None,

@@ -50,7 +50,8 @@ class TrajectoryCheck:
     """
 
     def __init__(self, harness: Harness, ac_dtype: torch.dtype, steps: int,
-                 compiled_autocast: Callable[[], Any], compiled_fp32: Callable[[], Any] = lambda: None) -> None:
+                 compiled_autocast: Callable[[], Any],
+                 compiled_fp32: Callable[[], Any] = lambda: None) -> None:
         self.h, self.ac_dtype, self.steps = harness, ac_dtype, steps
         self._compiled_autocast, self._compiled_fp32 = compiled_autocast, compiled_fp32
         self.traj: dict[str, float] = {}
