@@ -23,10 +23,11 @@ from collections.abc import Callable
 import optuna
 
 from autoprec.measure import Measurement
+from autoprec.search import attrs
 from autoprec.search.decide import DriftBudget
 from autoprec.search.pool import feasible
 
-__all__ = ["DRIFT_FACTOR", "MIN_BATCHES", "SPEED_MARGIN", "finalist_floor", "screening_cut"]
+__all__ = ["DRIFT_FACTOR", "MIN_BATCHES", "SPEED_MARGIN", "finalist_floor", "screening_cut", "summary"]
 
 #: Drift batches a trial runs before it can be cut: batch 0 (untimed) and one timed pass.
 MIN_BATCHES = 2
@@ -77,6 +78,22 @@ def screening_cut(study: optuna.Study, k: int, budget: DriftBudget) -> Callable[
         return None
 
     return cut
+
+
+def summary(study: optuna.Study, k: int) -> str:
+    """One log line: how many of the study's complete trials the cut stopped, and after how many
+    drift batches (``"screening cut: 9 of 20 complete trials (drift batches run after 2: 7,
+    after 3: 2), slower than 0.85x the 2nd fastest feasible one or over 2x the drift budget"``)."""
+    done = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+    cut = [t for t in done if attrs.CUT in t.user_attrs]
+    after: dict[int, int] = {}
+    for t in cut:
+        n = len(t.user_attrs.get(attrs.GRAD_REL_L2_BATCHES) or [])
+        after[n] = after.get(n, 0) + 1
+    where = ", ".join(f"after {n}: {c}" for n, c in sorted(after.items()))
+    return (f"screening cut: {len(cut)} of {len(done)} complete trials" + (f" (drift batches run {where})"
+            if cut else "") + f", slower than {1 - SPEED_MARGIN:g}x the {_ordinal(k)} fastest feasible one "
+            f"or over {DRIFT_FACTOR:g}x the drift budget")
 
 
 def _ordinal(k: int) -> str:

@@ -36,7 +36,7 @@ from autoprec.measure.load import LoadMonitor
 from autoprec.modelspec import ModelSpec, load_model_spec
 from autoprec.nodekeys import graph_fingerprint
 from autoprec.policy import Policy
-from autoprec.search import attrs
+from autoprec.search import attrs, screen_cut
 from autoprec.search.budgets import (
     check_memory_floor,
     memory_budget,
@@ -288,6 +288,8 @@ def _search(run: _Run, storage: str, study_name: str, seed: int, trials: int | N
     objective = Objective(run.harness, run.space, run.budget, max_step_s=run.slow, finalists=cut_k)
     with run.clock("trials_s"):
         optimize(study, objective, target, timeout, progress)
+    if cut_k is not None:
+        log(screen_cut.summary(study, cut_k), run.quiet)
     return study
 
 

@@ -17,7 +17,14 @@ from autoprec.search import attrs
 from autoprec.search.decide import DriftBudget
 from autoprec.search.objective import Objective
 from autoprec.search.pool import feasible
-from autoprec.search.screen_cut import DRIFT_FACTOR, MIN_BATCHES, SPEED_MARGIN, finalist_floor, screening_cut
+from autoprec.search.screen_cut import (
+    DRIFT_FACTOR,
+    MIN_BATCHES,
+    SPEED_MARGIN,
+    finalist_floor,
+    screening_cut,
+    summary,
+)
 from autoprec.search.space import SearchSpace
 from autoprec.search.storage import open_study
 from autoprec.training.train import make_scaler
@@ -138,6 +145,8 @@ def test_cut_trial_is_complete_marked_measured_in_part_and_never_a_finalist(tmp_
         assert "over 2x the budget" in t.user_attrs[attrs.CUT]
         assert len(t.user_attrs[attrs.GRAD_REL_L2_BATCHES]) == MIN_BATCHES
     assert [t.number for t in feasible(study)] == [0]
+    assert summary(study, 2).startswith("screening cut: 2 of 3 complete trials (drift batches run "
+                                        "after 2: 2), slower than 0.85x the 2nd fastest feasible one")
     from autoprec.search.report import trial_rows
 
     rows = {r["number"]: r for r in trial_rows(study)}
