@@ -1,7 +1,7 @@
 """What ``tune`` reports about its choice (docs/architecture.md#policy-file, #measurements): the
 policy file's ``measured`` block, the side-by-side table (tokens/s with its noise band, vs fp32
-eager and vs torch.autocast + torch.compile, or torch.autocast eager without compile), the note
-when an eager run was faster, and the pooling of two timings of one configuration.
+eager and vs torch.autocast + torch.compile, or torch.autocast eager without compile) and the
+note when an eager run was faster.
 
 ``run`` below is ``tune``'s phase state (``autoprec.search.study._Run``: ``fp32``, ``autocast``,
 ``ac_dtype``, ``budget``, ``quiet``); ``sel`` its :class:`~autoprec.search.select.Selector`.
@@ -14,13 +14,12 @@ from typing import Any
 
 from autoprec.dtypes import NAMES
 from autoprec.measure import Measurement, Timing, compare
-from autoprec.metrics import median
 from autoprec.policy import Policy
 from autoprec.search.bands import timing_of
 from autoprec.search.progress import log
 from autoprec.search.select import AUTOCAST_EAGER, FP32_EAGER
 
-__all__ = ["measured_block", "note_if_eager_was_faster", "pooled", "side_by_side"]
+__all__ = ["measured_block", "note_if_eager_was_faster", "side_by_side"]
 
 
 def measured_block(run: Any, sel: Any, chosen: Policy, m: Measurement) -> dict[str, float]:
@@ -97,13 +96,3 @@ def _row(name: str, m: Measurement, fp32_m: Measurement, timing: Timing | None =
             row["vs_autocast"] = c.ratio
             row["vs_autocast_tie"] = c.tie and timing is not autocast
     return row
-
-
-def pooled(a: Measurement, b: Measurement, tokens: int) -> Measurement:
-    """``a`` with ``b``'s step times added (median over both runs): one noisy run moves it less."""
-    if b.error is not None or not b.step_times:
-        return a
-    a.step_times = a.step_times + b.step_times
-    a.step_s = median(a.step_times)
-    a.tokens_per_s = tokens / a.step_s
-    return a

@@ -50,7 +50,7 @@ from autoprec.search.objective import Objective
 from autoprec.search.phases import accounted, phase_bar
 from autoprec.search.pool import feasible
 from autoprec.search.progress import Clock, LoadClock, log
-from autoprec.search.results import measured_block, note_if_eager_was_faster, pooled, side_by_side
+from autoprec.search.results import measured_block, note_if_eager_was_faster, side_by_side
 from autoprec.search.select import FP32_EAGER, Selector
 from autoprec.search.space import (
     ATTENTION_BASELINE,
@@ -307,9 +307,9 @@ def _finalists(run: _Run, sel: Selector, study: optuna.Study, k: int,
                memory_arg: tuple[str, float] | None) -> tuple[Policy, Measurement]:
     """Phase 5: the selector's pick among the ``k`` fastest feasible trials, the autocast twin and
     all-fp32, timed head to head with torch.autocast + torch.compile (torch.autocast eager without
-    compile) and fp32 eager; fp32 eager's speed is then the head-to-head's (measured again and
-    pooled with the first run only if the head-to-head did not time it), so every ratio rests on
-    timings taken side by side."""
+    compile) and fp32 eager; fp32 eager's speed is then the head-to-head's (timed again with full
+    steps only if the head-to-head did not time it), so every ratio rests on timings taken side by
+    side and none on the baselines' screened passes."""
     h = run.harness
 
     def budget() -> float | None:  # --max-memory auto refers to torch.autocast as compiled, if it was
@@ -318,13 +318,13 @@ def _finalists(run: _Run, sel: Selector, study: optuna.Study, k: int,
 
     with accounted(run.clock, "finalists_s"):  # the finalists' lazy Inductor compiles go to compile_s
         chosen, chosen_m = sel.choose(feasible(study), k, budget)
-    if FP32_EAGER in sel.timings and sel.timings[FP32_EAGER].step_times:  # timed in the head-to-head's rounds
-        t = sel.timings[FP32_EAGER]
+    t = sel.timings.get(FP32_EAGER)  # timed in the head-to-head's rounds
+    if t is None or not t.step_times:  # full steps again: the baselines phase screened its passes
+        with run.clock("baselines_s"):
+            t = h.measure(h.model)
+    if t.step_times:
         run.fp32.step_times, run.fp32.step_s = list(t.step_times), t.step_s
         run.fp32.tokens_per_s = t.tokens_per_s
-    else:
-        with run.clock("baselines_s"):
-            run.fp32 = pooled(run.fp32, h.measure(h.model), h.tokens)
     return chosen, chosen_m
 
 
