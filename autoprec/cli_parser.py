@@ -108,7 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="optimizer steps of the traj_rel check on the chosen policy, when it lowers "
                         "anything (0: off)")
     t.add_argument("--finalists", type=_int_at_least(1), default=2,
-                   help="fastest feasible trials re-measured compiled")
+                   help="fastest feasible trials re-measured compiled (a trial clearly slower than "
+                        "the K-th so far stops its screening early)")
     _add_strict_timing(t)
 
     rp = sub.add_parser("report", help="write the report (Pareto front, trials table) of a study")

@@ -21,7 +21,8 @@ __all__ = ["CompiledGraph", "compile_graph", "cache_report", "INDUCTOR_OPTIONS",
 
 _log = logging.getLogger("autoprec")
 
-#: Inductor options used for every compile. ``emulate_precision_casts`` makes fused kernels
+#: Inductor options for every graph compile (a module, the torch.autocast + torch.compile
+#: baseline, gets Inductor's defaults, as users compile it). ``emulate_precision_casts`` makes fused kernels
 #: round at each explicit low-precision cast as eager does, instead of keeping fp32
 #: intermediates (torch/_inductor/config.py), so the compiled graph honours the policy and the
 #: drift the search measures is the drift training sees.

@@ -196,7 +196,7 @@ class Harness:
     def drift(self, fn: Callable[..., Any], scaler: DynamicLossScaler | None = None,
               autocast_dtype: torch.dtype | None = None,
               stop: Callable[[Measurement], str | None] | None = None) -> Measurement:
-        """Drift of ``fn`` against the FP32 reference on each of the K drift batches (no timing).
+        """Drift of ``fn`` against the FP32 reference on the K drift batches (fewer: ``stop``).
 
         Per batch k (:func:`autoprec.measure.drift.measure_drift`): ``grad_rel_l2`` against that
         batch's FP32 gradients, both from RNG seed :data:`autoprec.training.rng.MEASURE_SEED`

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from autoprec.search import attrs
@@ -124,6 +124,25 @@ class DriftBudget:
         """The budget as one number (the policy file's ``measured.drift_budget``): the mean of
         torch.autocast's per-batch ``grad_rel_l2`` for auto, X for fixed."""
         return statistics.fmean(self.reference) if self.rule == "auto" else self.max_drift
+
+    def on_batches(self, n: int) -> DriftBudget:
+        """This budget judged on the first ``n`` drift batches only (auto: torch.autocast's first
+        ``n`` values; fixed: unchanged): how a measurement that ran ``n`` batches (a screening
+        cut, :mod:`autoprec.search.screen_cut`) is compared batch for batch."""
+        if self.rule == "auto" and 0 < n < len(self.reference):
+            return replace(self, reference=self.reference[:n])
+        return self
+
+    def ratio(self, m: Any) -> float:
+        """The candidate's drift as a multiple of the budget: auto, the geometric mean of g_k / a_k
+        over the paired batches (the rule's statistic, ``exp`` of the mean log ratio); fixed,
+        mean(g) / X. inf when any value is non-finite or there is none."""
+        values = _values(m)
+        if not values or not all(math.isfinite(g) for g in values):
+            return math.inf
+        if self.rule == "fixed":
+            return statistics.fmean(values) / self.max_drift
+        return math.exp(self._stats(values)[0])
 
     def _stats(self, values: list[float]) -> tuple[float, float, int]:
         """(mean log ratio, its lower 95% bound, pairs) of ``values`` against the reference (auto)."""

@@ -73,7 +73,8 @@ class Objective:
         space: The search space.
         budget: The drift budget; a trial's constraint is ``budget.excess(m)`` (feasible ≤ 0).
         max_step_s: A timed trial step slower than this is aborted (several times the FP32
-            step); a screened trial times its drift passes, which run in full either way.
+            step); a screened trial times its drift passes (all K, unless the screening cut stops
+            them).
         finalists: With the screening cut (:mod:`autoprec.search.screen_cut`), the k fastest
             feasible trials that go on to the finalists: a trial's passes stop once it is clearly
             slower than the k-th of those measured so far, or far over the drift budget. None:
@@ -158,7 +159,8 @@ def _record(trial: optuna.Trial, m: Measurement, budget: DriftBudget) -> None:
     if m.step_times and m.step_s > 0 and math.isfinite(m.step_s):  # the noise band of its tokens/s
         band = Timing.from_steps(m.step_times, m.tokens_per_s * m.step_s).tokens_per_s_band
         trial.set_user_attr(attrs.TOKENS_PER_S_BAND, [finite(x) for x in band])
-    _constrain(trial, budget.excess(m))
+    # a cut measurement is judged on the batches it ran, against the budget on the same batches
+    _constrain(trial, budget.on_batches(len(m.grad_rel_l2_batches)).excess(m) if m.cut else budget.excess(m))
     if m.error is not None:
         trial.set_user_attr(attrs.ERROR, m.error)
     if m.note is not None:
@@ -189,9 +191,9 @@ def _find_measured(study: optuna.Study, fp: str, number: int, wait_s: float = 90
                 running = True  # measuring this graph, or not yet lowered: wait and look again
             if t.number == number or other != fp:
                 continue
-            if t.state == optuna.trial.TrialState.COMPLETE or (
-                    t.state == optuna.trial.TrialState.FAIL and attrs.ERROR in t.user_attrs):
-                return t
+            if t.state == optuna.trial.TrialState.FAIL and attrs.ERROR in t.user_attrs or (
+                    t.state == optuna.trial.TrialState.COMPLETE and attrs.CUT not in t.user_attrs):
+                return t  # a cut trial was measured in part: this run (its cut, its k) measures again
         if not running or time.monotonic() > deadline:
             return None
         time.sleep(poll_s)

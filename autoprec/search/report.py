@@ -81,8 +81,10 @@ def trial_rows(study: optuna.Study) -> list[dict[str, Any]]:
 
 
 def pareto_front(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Rows not dominated on (tokens/s ↑, grad_rel_l2 ↓, peak bytes ↓), completed trials only."""
-    ok = [r for r in rows if r["state"] == "COMPLETE" and r["tokens_per_s"] and r["grad_rel_l2"] is not None]
+    """Rows not dominated on (tokens/s ↑, grad_rel_l2 ↓, peak bytes ↓), completed trials only, not
+    those the screening cut measured in part."""
+    ok = [r for r in rows if r["state"] == "COMPLETE" and r["tokens_per_s"] and r["grad_rel_l2"] is not None
+          and not r.get("cut")]
 
     def dominates(a, b) -> bool:
         ge = (a["tokens_per_s"] >= b["tokens_per_s"] and a["grad_rel_l2"] <= b["grad_rel_l2"]

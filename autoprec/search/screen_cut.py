@@ -11,13 +11,15 @@ candidates that can still win; this is its one-rung form with a margin for the n
 On a deep model, where every pass is a full forward and backward, it is where trial time goes.
 
 A cut trial is recorded COMPLETE with what its passes measured (the sampler learns it is slow or
-drifts) and :data:`autoprec.search.attrs.CUT` saying why; it is never a finalist
-(:func:`autoprec.search.pool.feasible`).
+drifts), its constraint judged on the batches it ran (``DriftBudget.on_batches``), and
+:data:`autoprec.search.attrs.CUT` saying why; it is never a finalist
+(:func:`autoprec.search.pool.feasible`), and a later trial of the same graph measures it again
+rather than copying it (``objective._find_measured``). A study resumed with a larger
+``--finalists`` does not revisit the trials an earlier run cut.
 """
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Callable
 
 import optuna
@@ -31,50 +33,59 @@ __all__ = ["DRIFT_FACTOR", "MIN_BATCHES", "SPEED_MARGIN", "finalist_floor", "scr
 
 #: Drift batches a trial runs before it can be cut: batch 0 (untimed) and one timed pass.
 MIN_BATCHES = 2
-#: The speed rule: cut when the trial's fastest timed pass so far gives fewer tokens/s than
-#: (1 - SPEED_MARGIN) x the k-th fastest feasible trial's screening tokens/s. One eager pass of a
-#: 24-layer Qwen2 on a 2-core CPU varied by ±3-8% between the batches of one trial; 0.15 leaves
-#: twice that, so the trials cut are those no later pass could have lifted into the k fastest.
+#: The speed rule: cut when, on every drift batch it has timed, the trial's step took over
+#: 1 / (1 - SPEED_MARGIN) times the k-th fastest feasible trial's step on that same batch (batches
+#: of one model file may hold different token counts, so steps are compared batch for batch). One
+#: eager pass of a 24-layer Qwen2 on a 2-core CPU varied by ±3-8% between the batches of one
+#: trial; 0.15 leaves twice that, so the trials cut are those no later pass could have lifted
+#: into the k fastest.
 SPEED_MARGIN = 0.15
-#: The drift rule: cut when the mean ``grad_rel_l2`` over the batches so far exceeds this many
-#: times the budget over the same batches (torch.autocast's mean on them, or ``--max-drift``).
-#: The budget's own rule (a paired t-test over K batches at 2% margin) never passes such a trial.
+#: The drift rule: cut when the budget's own statistic on the batches so far, the geometric mean of
+#: the trial's grad_rel_l2 over torch.autocast's batch for batch (``DriftBudget.ratio``; mean over
+#: ``--max-drift`` for a fixed budget), exceeds this factor: the paired t-test at a 2% margin
+#: over all K batches practically never passes such a trial.
 DRIFT_FACTOR = 2.0
 
 
-def finalist_floor(study: optuna.Study, k: int) -> float | None:
-    """Screening tokens/s of the k-th fastest feasible, uncut trial of ``study`` (one per graph
-    fingerprint: the finalists' own rule), None while fewer than ``k`` are known."""
-    speeds = [t.values[0] for t in feasible(study)]
-    return speeds[k - 1] if k >= 1 and len(speeds) >= k else None
+def finalist_floor(study: optuna.Study, k: int) -> optuna.trial.FrozenTrial | None:
+    """The k-th fastest feasible, uncut trial of ``study`` by screening tokens/s (one per graph
+    fingerprint: the finalists' own rule, :func:`autoprec.search.pool.feasible`), None while fewer
+    than ``k`` are known."""
+    ranked = feasible(study)
+    return ranked[k - 1] if k >= 1 and len(ranked) >= k else None
 
 
 def screening_cut(study: optuna.Study, k: int, budget: DriftBudget) -> Callable[[Measurement], str | None]:
     """The cut for the next trial of ``study``: a function of the measurement so far (at least
-    :data:`MIN_BATCHES` drift batches; its step times, seconds, from the timed passes when the
-    device gives screening times) that returns why to stop, or None to go on.
+    :data:`MIN_BATCHES` drift batches; its ``step_times``, seconds, one per timed drift batch 1, 2,
+    ... when the device gives screening times) that returns why to stop, or None to go on.
+
+    The speed rule needs the k-th trial's screening step times (``autoprec:step_times``, batches
+    1..K-1 in order); where they are missing (a device that times separate steps, CUDA) only the
+    drift rule applies.
 
     Args:
         study: The study, read once now for the k-th fastest feasible trial (:func:`finalist_floor`).
         k: The finalists taken from the trials (``tune --finalists``).
         budget: The drift budget the trials are judged against.
     """
-    floor = finalist_floor(study, k)
+    kth = finalist_floor(study, k)
+    ref = list(kth.user_attrs.get(attrs.STEP_TIMES) or []) if kth is not None else []
 
     def cut(m: Measurement) -> str | None:
         n = len(m.grad_rel_l2_batches)
         if n < MIN_BATCHES:
             return None
-        limit = DRIFT_FACTOR * (statistics.fmean(budget.reference[:n]) if budget.rule == "auto"
-                                else budget.max_drift)
-        if m.grad_rel_l2 > limit:
-            return (f"grad_rel_l2 {m.grad_rel_l2:.3g} over its first {n} batches, over {DRIFT_FACTOR:g}x "
-                    f"the budget on them ({limit / DRIFT_FACTOR:.3g})")
-        if floor is not None and m.step_times and m.step_s > 0:
-            best = m.tokens_per_s * m.step_s / min(m.step_times)  # tokens per step / fastest step
-            if best < (1 - SPEED_MARGIN) * floor:
-                return (f"{best:.0f} tok/s at its fastest timed pass, under {1 - SPEED_MARGIN:g}x the "
-                        f"{_ordinal(k)} fastest feasible trial's {floor:.0f}")
+        ratio = budget.on_batches(n).ratio(m)
+        if ratio > DRIFT_FACTOR:
+            return (f"grad_rel_l2 {ratio:.3g}x the drift budget on its first {n} batches "
+                    f"(over {DRIFT_FACTOR:g}x)")
+        timed = m.step_times
+        if timed and len(ref) >= len(timed) and all(r is not None and r > 0 for r in ref[:len(timed)]):
+            best = min(t / r for t, r in zip(timed, ref, strict=False))  # its best batch against the k-th's
+            if best > 1 / (1 - SPEED_MARGIN):
+                return (f"{best:.2f}x the step time of trial {kth.number} (the {_ordinal(k)} fastest "
+                        f"feasible) on its best timed batch, over {1 / (1 - SPEED_MARGIN):.3g}x")
         return None
 
     return cut
@@ -83,7 +94,7 @@ def screening_cut(study: optuna.Study, k: int, budget: DriftBudget) -> Callable[
 def summary(study: optuna.Study, k: int) -> str:
     """One log line: how many of the study's complete trials the cut stopped, and after how many
     drift batches (``"screening cut: 9 of 20 complete trials (drift batches run after 2: 7,
-    after 3: 2), slower than 0.85x the 2nd fastest feasible one or over 2x the drift budget"``)."""
+    after 3: 2), steps over 1.18x the 2nd fastest feasible trial's or drift over 2x the budget"``)."""
     done = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
     cut = [t for t in done if attrs.CUT in t.user_attrs]
     after: dict[int, int] = {}
@@ -91,9 +102,10 @@ def summary(study: optuna.Study, k: int) -> str:
         n = len(t.user_attrs.get(attrs.GRAD_REL_L2_BATCHES) or [])
         after[n] = after.get(n, 0) + 1
     where = ", ".join(f"after {n}: {c}" for n, c in sorted(after.items()))
-    return (f"screening cut: {len(cut)} of {len(done)} complete trials" + (f" (drift batches run {where})"
-            if cut else "") + f", slower than {1 - SPEED_MARGIN:g}x the {_ordinal(k)} fastest feasible one "
-            f"or over {DRIFT_FACTOR:g}x the drift budget")
+    run = f" (drift batches run {where})" if cut else ""
+    return (f"screening cut: {len(cut)} of {len(done)} complete trials{run}, steps over "
+            f"{1 / (1 - SPEED_MARGIN):.3g}x the {_ordinal(k)} fastest feasible trial's or drift over "
+            f"{DRIFT_FACTOR:g}x the budget")
 
 
 def _ordinal(k: int) -> str:

@@ -282,15 +282,17 @@ class Selector:
         as compiled: Inductor draws its own masks (``fallback_random`` is off, as in training), so a
         compiled graph's drift includes mask noise that the eager budget lacks (T5, dropout 0.1:
         compiled autocast 7.0e-2 against eager autocast's 3.3e-2). Both sides are then measured
-        the same way, compiled against the compiled FP32 graph (:meth:`Harness.reference_fn`). A
-        ``--max-drift X`` budget stays the hard number."""
+        compiled against the compiled FP32 graph (:meth:`Harness.reference_fn`), torch.autocast with
+        Inductor's defaults as users compile it, the finalists with ``INDUCTOR_OPTIONS``
+        (``emulate_precision_casts``: their casts round as eager's do). A ``--max-drift X``
+        budget stays the hard number."""
         ac = self.autocast_compiled
         if not (self.h.random and self.budget.rule == "auto" and ac is not None and ac.error is None
                 and ac.grad_rel_l2_batches and all(math.isfinite(g) for g in ac.grad_rel_l2_batches)):
             return
         self.budget = DriftBudget.auto(ac.grad_rel_l2_batches, self.budget.margin)
         log(f"the graph draws random numbers: compiled finalists are judged against torch.autocast + "
-            f"torch.compile's drift (mean {ac.grad_rel_l2:.3g}), measured the same way", self.quiet)
+            f"torch.compile's drift (mean {ac.grad_rel_l2:.3g}), both compiled", self.quiet)
 
     def _candidates(self, feasible: list[optuna.trial.FrozenTrial], k: int) -> list[tuple[Policy, str]]:
         """The k fastest feasible trials, plus the autocast twin (the fallback when nothing beats

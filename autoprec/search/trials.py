@@ -40,8 +40,9 @@ def region_sensitivity(harness: Harness, space: SearchSpace,
     (a ranking: a trial's verdict needs all K, this does not), so a deep model measures as many
     regions as a 4-layer one (:mod:`autoprec.search.groups`). Empty when no low dtype is
     usable; a region that cannot be lowered or drifts to a non-finite value gets
-    :data:`attrs.INFEASIBLE`. ``on_region(name)`` is called as each region begins (a progress
-    bar's step)."""
+    :data:`attrs.INFEASIBLE` (one that overflows only on a later batch ranks by its first ones; the
+    trials measure all K). ``on_region(name)`` is called as each region begins (a progress bar's
+    step)."""
     if not space.low_dtypes:
         return {}
     low = space.low_dtypes[0]

@@ -18,7 +18,6 @@ from autoprec.search.decide import DriftBudget
 from autoprec.search.objective import Objective
 from autoprec.search.pool import feasible
 from autoprec.search.screen_cut import (
-    DRIFT_FACTOR,
     MIN_BATCHES,
     SPEED_MARGIN,
     finalist_floor,
@@ -81,50 +80,58 @@ def test_harness_cut_runs_no_more_passes_and_keeps_what_the_first_measured(harne
     assert part.peak_bytes == full.peak_bytes
 
 
-def _m(grads, step_times=(0.1,), tokens_per_step=100.0):
-    m = Measurement(grad_rel_l2_batches=list(grads), grad_rel_l2=sum(grads) / len(grads),
-                    step_times=list(step_times))
-    if step_times:
-        m.step_s = sorted(step_times)[len(step_times) // 2]
-        m.tokens_per_s = tokens_per_step / m.step_s
-    return m
+def _m(grads, step_times=(0.1,)):
+    return Measurement(grad_rel_l2_batches=list(grads), grad_rel_l2=sum(grads) / len(grads),
+                       step_times=list(step_times))
 
 
-def _study_with(tokens_per_s, cut=(), infeasible=()):
+def _study_with(tokens_per_s, cut=(), infeasible=(), step_times=None):
     study = optuna.create_study(directions=["maximize", "minimize", "minimize"])
     for i, tps in enumerate(tokens_per_s):
-        ua = {attrs.CONSTRAINT: 1.0 if i in infeasible else -1.0, attrs.FINGERPRINT: f"fp{i}"}
+        ua = {attrs.CONSTRAINT: 1.0 if i in infeasible else -1.0, attrs.FINGERPRINT: f"fp{i}",
+              attrs.STEP_TIMES: (step_times or {}).get(i, [100.0 / tps] * 3)}
         if i in cut:
             ua[attrs.CUT] = "slow"
         study.add_trial(optuna.trial.create_trial(values=[tps, 1e-3, 1.0], user_attrs=ua))
     return study
 
 
-def test_speed_rule_cuts_below_the_margin_under_the_kth_fastest_feasible_uncut_trial():
+def test_speed_rule_compares_steps_batch_for_batch_with_the_kth_fastest_feasible_uncut_trial():
     budget = DriftBudget.auto([1e-2] * 4)
-    # 2000 is cut (not counted), 1500 infeasible: the 2nd fastest feasible uncut trial is 800
-    study = _study_with([1000, 2000, 1500, 800], cut=(1,), infeasible=(2,))
-    assert finalist_floor(study, 1) == 1000 and finalist_floor(study, 2) == 800
+    # batches of unequal tokens: trial 3's steps on drift batches 1, 2, 3 are 0.1, 0.3, 0.05 s
+    kth = [0.1, 0.3, 0.05]
+    # 2000 is cut (not counted), 1500 infeasible: the 2nd fastest feasible uncut trial is #3 (800)
+    study = _study_with([1000, 2000, 1500, 800], cut=(1,), infeasible=(2,), step_times={3: kth})
+    assert finalist_floor(study, 1).number == 0 and finalist_floor(study, 2).number == 3
     assert finalist_floor(study, 3) is None
     cut = screening_cut(study, 2, budget)
-    floor = 800 * (1 - SPEED_MARGIN)
-    slow = _m([1e-3, 1e-3], step_times=[100.0 / (floor * 0.99)])
-    assert "under 0.85x the 2nd fastest feasible trial's 800" in cut(slow)
-    assert cut(_m([1e-3, 1e-3], step_times=[100.0 / (floor * 1.01)])) is None
-    # its fastest pass counts, not the median: one slow pass does not cut it
-    assert cut(_m([1e-3] * 3, step_times=[100.0 / (floor * 1.05), 100.0 / (floor * 0.5)])) is None
+    limit = 1 / (1 - SPEED_MARGIN)
+    slow = _m([1e-3, 1e-3], step_times=[0.1 * limit * 1.01])
+    assert "the step time of trial 3 (the 2nd fastest feasible)" in cut(slow)
+    assert cut(_m([1e-3, 1e-3], step_times=[0.1 * limit * 0.99])) is None
+    # batch 2 holds more tokens: its 0.33 s step is as fast as the k-th's 0.3 s, not 3.3x its batch 1
+    assert cut(_m([1e-3] * 3, step_times=[0.1 * limit * 1.5, 0.33])) is None
+    assert cut(_m([1e-3] * 3, step_times=[0.1 * limit * 1.5, 0.3 * limit * 1.1])) is not None
     assert cut(_m([1e-3], step_times=[1e9])) is None  # before MIN_BATCHES nothing is cut
     assert screening_cut(study, 3, budget)(slow) is None  # fewer than k feasible: no speed rule
+    assert cut(_m([1e-3, 1e-3], step_times=[])) is None  # no screening times (CUDA): no speed rule
+    no_times = _study_with([1000, 800], step_times={1: []})
+    assert screening_cut(no_times, 2, budget)(slow) is None  # nor without the k-th's
 
 
-def test_drift_rule_compares_the_same_batches_of_the_budget():
-    budget = DriftBudget.auto([1e-3, 3e-3, 1e-1, 1e-1])  # the first two batches' mean is 2e-3
+def test_drift_rule_is_the_budgets_paired_ratio_on_the_same_batches():
+    budget = DriftBudget.auto([1e-3, 1e-2, 1e-1, 1e-1])
     cut = screening_cut(_study_with([]), 2, budget)
-    over = _m([DRIFT_FACTOR * 2e-3 * 1.1] * 2)
-    assert "over 2x the budget on them (0.002)" in cut(over)
-    assert cut(_m([DRIFT_FACTOR * 2e-3 * 0.9] * 2)) is None
+    # the mean (1.2e-2) is over 2x the first two batches' mean (5.5e-3), but batch for batch the
+    # ratios are 1 and 2.3 (geometric mean 1.52): the budget's rule could still pass it
+    assert cut(_m([1e-3, 2.3e-2])) is None
+    assert budget.on_batches(2).ratio([1e-3, 2.3e-2]) == pytest.approx(math.sqrt(2.3))
+    over = _m([2.1e-3, 2.1e-2])  # 2.1x on both
+    assert "2.1x the drift budget on its first 2 batches (over 2x)" in cut(over)
+    assert budget.on_batches(2).reference == (1e-3, 1e-2) and budget.on_batches(9) is budget
     fixed = screening_cut(_study_with([]), 2, DriftBudget.fixed(1e-2))
     assert fixed(_m([0.03, 0.03])) is not None and fixed(_m([0.015, 0.015])) is None
+    assert DriftBudget.fixed(1e-2).on_batches(2) == DriftBudget.fixed(1e-2)
     assert cut(_m([math.inf, 1.0])) is not None
 
 
@@ -134,27 +141,48 @@ def test_cut_trial_is_complete_marked_measured_in_part_and_never_a_finalist(tmp_
     study.enqueue_trial({"matmul": "fp32", "sensitive": "fp32", "follow": "fp32"})
     study.enqueue_trial({"matmul": "bf16", "sensitive": "bf16", "follow": "bf16"})
     study.enqueue_trial({"matmul": "bf16", "sensitive": "bf16", "follow": "auto"})
+    study.enqueue_trial({"matmul": "bf16", "sensitive": "bf16", "follow": "bf16"})  # #1's graph again
     # a budget bf16 cannot meet: the all-fp32 trial (drift ~1e-7) runs in full, the bf16 ones are cut
-    study.optimize(Objective(harness, space, DriftBudget.fixed(1e-5), max_step_s=60.0, finalists=2),
-                   n_trials=3)
-    fp32, low, low2 = study.trials
+    budget = DriftBudget.fixed(1e-5)
+    study.optimize(Objective(harness, space, budget, max_step_s=60.0, finalists=2), n_trials=4)
+    fp32, low, low2, again = study.trials
     assert attrs.CUT not in fp32.user_attrs
     assert len(fp32.user_attrs[attrs.GRAD_REL_L2_BATCHES]) == DRIFT_BATCHES
-    for t in (low, low2):
+    for t in (low, low2, again):
         assert t.state == optuna.trial.TrialState.COMPLETE
-        assert "over 2x the budget" in t.user_attrs[attrs.CUT]
+        assert "x the drift budget on its first 2 batches (over 2x)" in t.user_attrs[attrs.CUT]
         assert len(t.user_attrs[attrs.GRAD_REL_L2_BATCHES]) == MIN_BATCHES
+        assert t.user_attrs[attrs.CONSTRAINT] > 0  # judged on the batches it ran: over the budget
+    # the same graph as a cut trial is measured again, not copied from it
+    assert again.user_attrs[attrs.FINGERPRINT] == low.user_attrs[attrs.FINGERPRINT]
+    assert attrs.REUSED_FROM not in again.user_attrs
     assert [t.number for t in feasible(study)] == [0]
-    assert summary(study, 2).startswith("screening cut: 2 of 3 complete trials (drift batches run "
-                                        "after 2: 2), slower than 0.85x the 2nd fastest feasible one")
-    from autoprec.search.report import trial_rows
+    assert summary(study, 2).startswith("screening cut: 3 of 4 complete trials (drift batches run "
+                                        "after 2: 3), steps over 1.18x the 2nd fastest feasible trial's")
+    from autoprec.search.report import pareto_front, trial_rows
 
     rows = {r["number"]: r for r in trial_rows(study)}
     assert rows[1]["cut"] and not rows[1]["feasible"] and rows[0]["cut"] is None
+    assert [r["number"] for r in pareto_front(list(rows.values()))] == [0]  # measured in part: off the front
     # without finalists (no cut) the same trial runs all its passes
     study2 = open_study(f"sqlite:///{tmp_path}/s.db", "nocut", seed=0)
     study2.enqueue_trial({"matmul": "bf16", "sensitive": "bf16", "follow": "bf16"})
-    study2.optimize(Objective(harness, space, DriftBudget.fixed(1e-5), max_step_s=60.0), n_trials=1)
+    study2.optimize(Objective(harness, space, budget, max_step_s=60.0), n_trials=1)
     t = study2.trials[0]
     assert attrs.CUT not in t.user_attrs and len(t.user_attrs[attrs.GRAD_REL_L2_BATCHES]) == DRIFT_BATCHES
     assert t.user_attrs[attrs.GRAD_REL_L2_BATCHES][:MIN_BATCHES] == low.user_attrs[attrs.GRAD_REL_L2_BATCHES]
+
+
+def test_a_cut_trials_constraint_is_judged_on_the_batches_it_ran():
+    """Against all K of torch.autocast's batches (the K = 1 rule on means) a trial cut on batches
+    that autocast found easy would look feasible; on the same batches it is not."""
+    from autoprec.search.objective import _record
+
+    budget = DriftBudget.auto([1e-3, 1e-3, 1e-1, 1e-1])
+    m = _m([3e-3, 3e-3])
+    m.cut = "drift"
+    assert budget.excess(m) < 0 < budget.on_batches(2).excess(m)
+    study = optuna.create_study(directions=["maximize", "minimize", "minimize"])
+    trial = study.ask()
+    _record(trial, m, budget)
+    assert trial.user_attrs[attrs.CONSTRAINT] > 0 and trial.user_attrs[attrs.CUT] == "drift"
