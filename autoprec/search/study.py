@@ -154,7 +154,8 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
         out: Policy file to write (atomically); the report goes beside it.
         seed: Sampler seed (reproducible sampling).
         finalists: How many of the fastest feasible trials are re-measured compiled (eagerly
-            without compile).
+            without compile); a trial's screening stops early once it cannot be one of them
+            (:mod:`autoprec.search.screen_cut`; not with ``max_memory`` and without ``compile``).
         quiet: No log lines. progress: Show a progress bar (stderr) over each long phase: the
             baselines, region sensitivity, the trials (Optuna's), the finalists and their
             head-to-head, the memory fit (:mod:`autoprec.search.phases`).
