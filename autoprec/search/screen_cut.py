@@ -29,7 +29,7 @@ from autoprec.search import attrs
 from autoprec.search.decide import DriftBudget
 from autoprec.search.pool import feasible
 
-__all__ = ["DRIFT_FACTOR", "MIN_BATCHES", "SPEED_MARGIN", "finalist_floor", "screening_cut", "summary"]
+__all__ = ["DRIFT_FACTOR", "MIN_BATCHES", "SPEED_MARGIN", "kth_feasible", "screening_cut", "summary"]
 
 #: Drift batches a trial runs before it can be cut: batch 0 (untimed) and one timed pass.
 MIN_BATCHES = 2
@@ -47,7 +47,7 @@ SPEED_MARGIN = 0.15
 DRIFT_FACTOR = 2.0
 
 
-def finalist_floor(study: optuna.Study, k: int) -> optuna.trial.FrozenTrial | None:
+def kth_feasible(study: optuna.Study, k: int) -> optuna.trial.FrozenTrial | None:
     """The k-th fastest feasible, uncut trial of ``study`` by screening tokens/s (one per graph
     fingerprint: the finalists' own rule, :func:`autoprec.search.pool.feasible`), None while fewer
     than ``k`` are known."""
@@ -65,11 +65,11 @@ def screening_cut(study: optuna.Study, k: int, budget: DriftBudget) -> Callable[
     drift rule applies.
 
     Args:
-        study: The study, read once now for the k-th fastest feasible trial (:func:`finalist_floor`).
+        study: The study, read once now for the k-th fastest feasible trial (:func:`kth_feasible`).
         k: The finalists taken from the trials (``tune --finalists``).
         budget: The drift budget the trials are judged against.
     """
-    kth = finalist_floor(study, k)
+    kth = kth_feasible(study, k)
     ref = list(kth.user_attrs.get(attrs.STEP_TIMES) or []) if kth is not None else []
 
     def cut(m: Measurement) -> str | None:

@@ -20,7 +20,7 @@ from autoprec.search.pool import feasible
 from autoprec.search.screen_cut import (
     MIN_BATCHES,
     SPEED_MARGIN,
-    finalist_floor,
+    kth_feasible,
     screening_cut,
     summary,
 )
@@ -102,8 +102,8 @@ def test_speed_rule_compares_steps_batch_for_batch_with_the_kth_fastest_feasible
     kth = [0.1, 0.3, 0.05]
     # 2000 is cut (not counted), 1500 infeasible: the 2nd fastest feasible uncut trial is #3 (800)
     study = _study_with([1000, 2000, 1500, 800], cut=(1,), infeasible=(2,), step_times={3: kth})
-    assert finalist_floor(study, 1).number == 0 and finalist_floor(study, 2).number == 3
-    assert finalist_floor(study, 3) is None
+    assert kth_feasible(study, 1).number == 0 and kth_feasible(study, 2).number == 3
+    assert kth_feasible(study, 3) is None
     cut = screening_cut(study, 2, budget)
     limit = 1 / (1 - SPEED_MARGIN)
     slow = _m([1e-3, 1e-3], step_times=[0.1 * limit * 1.01])
