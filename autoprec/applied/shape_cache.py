@@ -66,7 +66,7 @@ class CompileLog:
             self.compile_seconds += seconds
             CompileLog.process_compiles += 1
             _log.info("compiled %s for input shapes %s (compile %d, %s of this graph, %.1f s)", self.what,
-                      _shapes_text(args, kwargs), CompileLog.process_compiles, _ordinal(self.compiles),
+                      _shapes_text(args, kwargs), CompileLog.process_compiles, ordinal(self.compiles),
                       seconds)
         return out
 
@@ -76,7 +76,7 @@ class CompileLog:
                 "compile_seconds": self.compile_seconds}
 
 
-def _ordinal(n: int) -> str:
+def ordinal(n: int) -> str:
     """``1st``, ``2nd``, ``3rd``, ``4th``, ``11th``, ``21st``, ..."""
     suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
     return f"{n}{suffix}"

@@ -8,16 +8,21 @@ import optuna
 
 from autoprec.search import attrs
 
-__all__ = ["feasible"]
+__all__ = ["feasible", "is_feasible"]
+
+
+def is_feasible(t: optuna.trial.FrozenTrial) -> bool:
+    """Whether one trial counts as feasible: COMPLETE, within the drift budget (constraint ≤ 0),
+    and not stopped by the screening cut (:mod:`autoprec.search.screen_cut`: measured in part)."""
+    return (t.state == optuna.trial.TrialState.COMPLETE and attrs.CUT not in t.user_attrs
+            and t.user_attrs.get(attrs.CONSTRAINT, attrs.INFEASIBLE) <= 0)
 
 
 def feasible(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
-    """Complete trials within the drift budget (constraint ≤ 0), fastest first (ties: lower
-    number), one per per-node dtype assignment (fingerprint); not those the screening cut stopped
-    (:mod:`autoprec.search.screen_cut`), which were measured in part."""
+    """The trials :func:`is_feasible` accepts, fastest first (ties: lower number), one per per-node
+    dtype assignment (fingerprint)."""
     done = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
-    ok = [t for t in done if t.user_attrs.get(attrs.CONSTRAINT, attrs.INFEASIBLE) <= 0
-          and attrs.CUT not in t.user_attrs]
+    ok = [t for t in done if is_feasible(t)]
     seen, out = set(), []
     for t in sorted(ok, key=lambda t: (-t.values[0], t.number)):
         fp = t.user_attrs.get(attrs.FINGERPRINT)

@@ -20,6 +20,7 @@ from autoprec.policy import Policy
 from autoprec.search import attrs
 from autoprec.search.bands import rate_text, ties_with_fastest, timing_of
 from autoprec.search.plots import dtype_map_figure, pareto_figure, save_figure
+from autoprec.search.pool import is_feasible
 
 __all__ = ["format_table", "write_report", "trial_rows", "pareto_front", "show_nodes", "dtype_map",
            "node_label", "lever_section", "policy_summary"]
@@ -71,8 +72,7 @@ def trial_rows(study: optuna.Study) -> list[dict[str, Any]]:
             "tokens_per_s": ua.get(attrs.TOKENS_PER_S), "step_times": ua.get(attrs.STEP_TIMES),
             "grad_rel_l2": ua.get(attrs.GRAD_REL_L2),
             "peak_bytes": ua.get(attrs.PEAK_BYTES),
-            "feasible": (ua.get(attrs.CONSTRAINT, attrs.INFEASIBLE) <= 0
-                         and t.state == optuna.trial.TrialState.COMPLETE and attrs.CUT not in ua),
+            "feasible": is_feasible(t),
             "policy": Policy.from_dict(pol).summary() if pol else "", "error": ua.get(attrs.ERROR),
             "key": Policy.from_dict(pol).training_key() if pol else None,
             "reused_from": ua.get(attrs.REUSED_FROM), "cut": ua.get(attrs.CUT),

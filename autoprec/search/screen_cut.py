@@ -24,6 +24,7 @@ from collections.abc import Callable
 
 import optuna
 
+from autoprec.applied.shape_cache import ordinal
 from autoprec.measure import Measurement
 from autoprec.search import attrs
 from autoprec.search.decide import DriftBudget
@@ -84,7 +85,7 @@ def screening_cut(study: optuna.Study, k: int, budget: DriftBudget) -> Callable[
         if timed and len(ref) >= len(timed) and all(r is not None and r > 0 for r in ref[:len(timed)]):
             best = min(t / r for t, r in zip(timed, ref, strict=False))  # its best batch against the k-th's
             if best > 1 / (1 - SPEED_MARGIN):
-                return (f"{best:.2f}x the step time of trial {kth.number} (the {_ordinal(k)} fastest "
+                return (f"{best:.2f}x the step time of trial {kth.number} (the {ordinal(k)} fastest "
                         f"feasible) on its best timed batch, over {1 / (1 - SPEED_MARGIN):.3g}x")
         return None
 
@@ -104,9 +105,5 @@ def summary(study: optuna.Study, k: int) -> str:
     where = ", ".join(f"after {n}: {c}" for n, c in sorted(after.items()))
     run = f" (drift batches run {where})" if cut else ""
     return (f"screening cut: {len(cut)} of {len(done)} complete trials{run}, steps over "
-            f"{1 / (1 - SPEED_MARGIN):.3g}x the {_ordinal(k)} fastest feasible trial's or drift over "
+            f"{1 / (1 - SPEED_MARGIN):.3g}x the {ordinal(k)} fastest feasible trial's or drift over "
             f"{DRIFT_FACTOR:g}x the budget")
-
-
-def _ordinal(k: int) -> str:
-    return {1: "1st", 2: "2nd", 3: "3rd"}.get(k, f"{k}th")
