@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoprec._torch_compat import is_dynamo_optimized, overload_schema
+from autoprec._torch_compat import amp_unscale_, is_dynamo_optimized, overload_schema
 from autoprec.applied.compile import CompiledGraph
 from autoprec.measure.measurement import Measurement
 from autoprec.metrics import grad_errors, grad_rel_l2, grad_sqnr_db_min
@@ -140,7 +140,8 @@ def measure_drift(step: Callable[[int, bool], tuple[float, list[torch.Tensor], i
     while the scale backs off (``torch.amp.GradScaler``'s rule): the batch is measured at the scale
     where that back-off stops (at most :data:`MAX_BACKOFFS` back-offs, found by an exponential
     search, on batch 0 from ``backoff_hint`` back-offs (the previous measurement's
-    ``first_backoffs``), on later batches from one:
+    ``first_backoffs``; from 2 on, batch 0 is not run at the initial scale first, which the search
+    then tries only if it finds no overflow below it), on later batches from one:
     :meth:`autoprec.training.scaler.DynamicLossScaler.search_back_off`); only gradients non-finite
     at the scaler's floor count as a failure, and measuring stops at that batch. A non-finite loss
     is a failure at once: the scale multiplies the loss after the forward, so no back-off can
@@ -154,18 +155,22 @@ def measure_drift(step: Callable[[int, bool], tuple[float, list[torch.Tensor], i
     """
     out = Drift()
     for k, (ref_loss, ref_grads) in enumerate(refs):
-        loss, grads, nbytes = step(k, k == 0)
-        if not _finite(loss, grads) and math.isfinite(loss) and scaler is not None:
-            (loss, grads, nbytes), tries = scaler.search_back_off(
-                lambda k=k: step(k, k == 0), lambda r: _finite(r[0], r[1]), (loss, grads, nbytes),
+        # batch 0 at s_0 likely overflows when the last search backed off twice or more: the search
+        # starts at the hint and runs s_0 only if it must (the result is the same)
+        skip = k == 0 and scaler is not None and backoff_hint >= 2
+        first = None if skip else step(k, k == 0)
+        if skip or (scaler is not None and math.isfinite(first[0]) and not _finite(first[0], first[1])):
+            first, tries = scaler.search_back_off(
+                lambda k=k: step(k, k == 0), lambda r: _finite(r[0], r[1]), first,
                 MAX_BACKOFFS, hint=backoff_hint if k == 0 else 1)  # later: from batch 0's scale
             out.backoffs += tries
             if k == 0:
                 out.first_backoffs = tries
+        loss, grads, nbytes = first
         if k == 0:
             out.saved_bytes = nbytes
         out.batches.append(batch_drift(loss, grads, ref_loss, ref_grads))
-        del grads  # keep only the scalars
+        del grads, first  # keep only the scalars
         if not out.batches[-1].finite:
             break
         if stop is not None and k < len(refs) - 1 and stop(out):
@@ -239,4 +244,17 @@ def is_compiled(fn: Callable[..., Any]) -> bool:
 
 
 def _finite(loss: float, grads: list[torch.Tensor]) -> bool:
-    return math.isfinite(loss) and all(bool(torch.isfinite(g).all()) for g in grads)
+    """Whether ``loss`` and every one of ``grads`` (``Harness._grads``'s fresh tensors) is finite,
+    in one fused pass and one sync per device and dtype: GradScaler's check
+    (:func:`autoprec._torch_compat.amp_unscale_` with an unscale factor of 1.0, which leaves the
+    values as they are). A check per tensor cost 80 ms of a 24-layer Qwen2's 0.5 s pass on one core
+    (220 synchronising ``isfinite(g).all()``); the fused one 7 ms."""
+    if not math.isfinite(loss):
+        return False
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for g in grads:  # the fused check takes one device and dtype, as GradScaler groups them
+        groups.setdefault((g.device, g.dtype), []).append(g)
+    found = [torch.zeros(1, device=dev) for dev, _dtype in groups]
+    for f, ((dev, _dtype), group) in zip(found, groups.items(), strict=True):
+        amp_unscale_(group, f, torch.ones(1, device=dev))
+    return not any(bool(f.item()) for f in found)

@@ -25,7 +25,7 @@ from torch import fx
 from autoprec.dtypes import LOW_DTYPES, to_torch
 from autoprec.nodemeta import NodeMeta, meta_of, read_meta, set_meta
 from autoprec.ops import REDUCTION_OPS, REDUCTIONS_WITH_DTYPE
-from autoprec.passes.base import PassBase, PassResult, clone_graph_module, pass_error
+from autoprec.passes.base import PassBase, PassResult, pass_error, writable
 from autoprec.passes.casts import CAST_OP
 from autoprec.policy import Policy
 
@@ -53,7 +53,8 @@ def accumulate_fp32(gm: fx.GraphModule, policy: Policy) -> PassResult:
     """Make low-precision reductions of ``gm`` (a copy) accumulate in fp32.
 
     Args:
-        gm: Output of :func:`autoprec.passes.casts.insert_casts`; not modified.
+        gm: Output of :func:`autoprec.passes.casts.insert_casts`; not modified (unless the runner owns it:
+            :func:`autoprec.passes.base.writable`).
         policy: Its ``accumulate`` field: ``"fp32"`` rewrites, ``"none"`` returns ``gm`` itself.
 
     Returns:
@@ -66,7 +67,7 @@ def accumulate_fp32(gm: fx.GraphModule, policy: Policy) -> PassResult:
     stats = {"accumulate_fp32": 0, "accumulate_casts": 0}
     if policy.accumulate != "fp32":
         return PassResult(gm, False, stats)  # nothing to rewrite: no copy (as math_attention)
-    gm = clone_graph_module(gm)
+    gm = writable(gm)
     graph = gm.graph
     for node in list(graph.nodes):
         if not _low_reduction(node):
@@ -110,7 +111,8 @@ class AccumulateFp32(PassBase):
         self.policy = policy
 
     def call(self, gm: fx.GraphModule) -> PassResult:
-        """``accumulate_fp32(gm, policy)``; ``gm`` is not modified."""
+        """``accumulate_fp32(gm, policy)``; ``gm`` is not modified
+        (unless the runner owns it: ``writable``)."""
         return accumulate_fp32(gm, self.policy)
 
     def ensures(self, gm: fx.GraphModule) -> None:

@@ -42,7 +42,7 @@ from autoprec.ops import (
     rmsnorm_regions,
 )
 from autoprec.passes.attention import SDPA
-from autoprec.passes.base import PassBase, PassResult, clone_graph_module, pass_error
+from autoprec.passes.base import PassBase, PassResult, pass_error, writable
 from autoprec.passes.constants import (
     check_constants_mode,
     clamp_to_range,
@@ -100,7 +100,8 @@ def assign_dtypes(
     """Assign a dtype to every float node of a copy of ``gm``.
 
     Args:
-        gm: A captured graph (see :func:`autoprec.capture.capture`); not modified.
+        gm: A captured graph (see :func:`autoprec.capture.capture`); not modified (unless the runner owns it:
+            :func:`autoprec.passes.base.writable`).
         policy: The policy to apply.
         placement: Cast placement mode for ``follow`` nodes (:data:`autoprec.graph.PLACEMENT_MODES`);
             a policy with ``follow_placement="promote"`` (the autocast twin) is placed by promotion
@@ -121,7 +122,7 @@ def assign_dtypes(
     check_constants_mode(constants)
     check_placement_mode(placement)
     placement = "promote" if policy.follow_placement == "promote" else placement  # the policy's own rule wins
-    gm = clone_graph_module(gm)
+    gm = writable(gm)
     nodes = list(gm.graph.nodes)
     for region in rmsnorm_regions(nodes):
         for n in region:
@@ -178,7 +179,8 @@ class AssignDtypes(PassBase):
         self.policy, self.placement, self.constants = policy, placement, constants
 
     def call(self, gm: fx.GraphModule) -> PassResult:
-        """``assign_dtypes(gm, policy, placement, constants)``; ``gm`` is not modified."""
+        """``assign_dtypes(gm, policy, placement, constants)``; ``gm`` is not modified
+        (unless the runner owns it: ``writable``)."""
         return assign_dtypes(gm, self.policy, self.placement, self.constants)
 
     def ensures(self, gm: fx.GraphModule) -> None:

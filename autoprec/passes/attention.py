@@ -16,7 +16,7 @@ import torch
 from torch import fx
 
 from autoprec.nodemeta import NodeMeta, meta_of, read_meta, set_meta
-from autoprec.passes.base import PassBase, PassResult, clone_graph_module, pass_error
+from autoprec.passes.base import PassBase, PassResult, pass_error, writable
 
 __all__ = ["SDPA", "MathAttention", "has_sdpa", "math_attention"]
 
@@ -45,7 +45,8 @@ def math_attention(gm: fx.GraphModule) -> PassResult:
     ``impl="math"`` (all of them under ``policy.attention == "math"``) to ``autoprec::sdpa_math``.
 
     Args:
-        gm: Output of ``insert_casts`` (or later); not modified.
+        gm: Output of ``insert_casts`` (or later); not modified (unless the runner owns it:
+            :func:`autoprec.passes.base.writable`).
 
     Returns:
         ``PassResult`` with stats ``math_attention`` (nodes retargeted).
@@ -53,7 +54,7 @@ def math_attention(gm: fx.GraphModule) -> PassResult:
     stats = {"math_attention": 0}
     if not any(_marked(n) for n in gm.graph.nodes):
         return PassResult(gm, False, stats)
-    gm = clone_graph_module(gm)
+    gm = writable(gm)
     op = _math_op()
     for n in list(gm.graph.nodes):
         if _marked(n):
@@ -109,7 +110,8 @@ class MathAttention(PassBase):
     name = PASS
 
     def call(self, gm: fx.GraphModule) -> PassResult:
-        """``math_attention(gm)``; ``gm`` is not modified."""
+        """``math_attention(gm)``; ``gm`` is not modified
+        (unless the runner owns it: ``writable``)."""
         return math_attention(gm)
 
     def ensures(self, gm: fx.GraphModule) -> None:

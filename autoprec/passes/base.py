@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import abc
+import contextlib
 import copy
+from collections.abc import Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +23,8 @@ class PassResult:
 
     Attributes:
         graph_module: The transformed ``GraphModule``: a new object, or the input itself when the
-            pass has nothing to do (``modified`` False); the input is never modified.
+            pass has nothing to do (``modified`` False); the input is never modified, unless the
+            runner owns it (:func:`writable`), and then the result is the input, modified.
         modified: Whether the pass changed the graph.
         stats: Pass-specific numbers (e.g. ``{"casts": 12, "cast_bytes": 1048576}``).
     """
@@ -46,7 +50,7 @@ class PassBase(abc.ABC):
 
     @abc.abstractmethod
     def call(self, gm: fx.GraphModule) -> PassResult:
-        """Transform ``gm`` (normally a copy: see :func:`clone_graph_module`).
+        """Transform ``gm`` (normally a copy: see :func:`writable`).
 
         Raises:
             PassError: the graph cannot be transformed; the message names the pass and node.
@@ -93,3 +97,28 @@ def clone_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
             setattr(new, attr, getattr(gm, attr))
     new.meta.update(gm.meta)
     return new
+
+
+#: The graph module the running :class:`~autoprec.passes.manager.PassManager` owns (an intermediate
+#: of its own, or one its caller gave away), which a pass may write into: :func:`writable`.
+_OWNED: ContextVar[fx.GraphModule | None] = ContextVar("autoprec_owned_graph_module", default=None)
+
+
+@contextlib.contextmanager
+def owning(gm: fx.GraphModule | None) -> Iterator[None]:
+    """While the block runs, :func:`writable` gives ``gm`` itself (None: nothing is owned). The
+    pass runner wraps each pass in it, naming the graph no one else holds."""
+    token = _OWNED.set(gm)
+    try:
+        yield
+    finally:
+        _OWNED.reset(token)
+
+
+def writable(gm: fx.GraphModule) -> fx.GraphModule:
+    """The graph module a transforming pass writes into: ``gm`` itself when the pass runner owns it
+    (:func:`owning`: a graph an earlier pass of the same run made, which nothing else holds), else
+    :func:`clone_graph_module` of it, so the caller's graph is never modified. A deep copy of a
+    24-layer Qwen2's graph (1750 nodes) takes 0.2-0.3 s on one core; a search's lowering copies
+    once instead of once per pass."""
+    return gm if _OWNED.get() is gm else clone_graph_module(gm)

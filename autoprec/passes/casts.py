@@ -22,7 +22,7 @@ from autoprec.dtypes import DTYPES, to_torch
 from autoprec.graph import tensor_bytes
 from autoprec.nodemeta import NodeMeta, meta_of, read_meta, set_meta
 from autoprec.ops import captured_dtype, is_float_value
-from autoprec.passes.base import PassBase, PassResult, clone_graph_module, pass_error
+from autoprec.passes.base import PassBase, PassResult, pass_error, writable
 
 PASS = "insert_casts"
 CAST_OP = torch.ops.aten._to_copy.default
@@ -90,7 +90,7 @@ def insert_casts(gm: fx.GraphModule) -> PassResult:
     Raises:
         PassError: a node that must be cast has no dtype assigned.
     """
-    gm = clone_graph_module(gm)
+    gm = writable(gm)
     graph = gm.graph
     cache: dict[tuple[fx.Node, str], fx.Node] = {}
     stats = {"casts": 0, "cast_bytes": 0}
@@ -184,7 +184,8 @@ class InsertCasts(PassBase):
     name = PASS
 
     def call(self, gm: fx.GraphModule) -> PassResult:
-        """``insert_casts(gm)``; ``gm`` is not modified."""
+        """``insert_casts(gm)``; ``gm`` is not modified
+        (unless the runner owns it: ``writable``)."""
         return insert_casts(gm)
 
     def ensures(self, gm: fx.GraphModule) -> None:

@@ -23,7 +23,7 @@ from torch import fx
 
 from autoprec.dtypes import FP8_COMPUTE
 from autoprec.nodemeta import meta_of, read_meta, set_meta
-from autoprec.passes.base import PassBase, PassResult, clone_graph_module, pass_error
+from autoprec.passes.base import PassBase, PassResult, pass_error, writable
 from autoprec.policy import Policy
 
 __all__ = ["LowerFp8", "fp8_lowerable", "lower_fp8"]
@@ -71,7 +71,8 @@ def lower_fp8(gm: fx.GraphModule, policy: Policy) -> PassResult:
     """Swap every fp8-compute matmul of a copy of ``gm`` for ``autoprec::fp8_linear``.
 
     Args:
-        gm: Output of ``insert_casts``; not modified.
+        gm: Output of ``insert_casts``; not modified (unless the runner owns it:
+            :func:`autoprec.passes.base.writable`).
         policy: Its ``fp8_scaling``, a torchao.float8 recipe name (``"tensorwise"``, ``"rowwise"``
             or ``"rowwise_with_gw_hp"``), goes to every fp8 node.
 
@@ -86,7 +87,7 @@ def lower_fp8(gm: fx.GraphModule, policy: Policy) -> PassResult:
     stats = {"fp8_matmuls": 0}
     if not any(read_meta(n).compute == FP8_COMPUTE for n in gm.graph.nodes):
         return PassResult(gm, False, stats)  # nothing to lower: no copy (as math_attention)
-    gm = clone_graph_module(gm)
+    gm = writable(gm)
     nodes = [n for n in gm.graph.nodes if read_meta(n).compute == FP8_COMPUTE]
     op = _fp8_op(policy.fp8_scaling)
     for n in nodes:
@@ -123,7 +124,8 @@ class LowerFp8(PassBase):
         self.policy = policy
 
     def call(self, gm: fx.GraphModule) -> PassResult:
-        """``lower_fp8(gm, policy)``; ``gm`` is not modified."""
+        """``lower_fp8(gm, policy)``; ``gm`` is not modified
+        (unless the runner owns it: ``writable``)."""
         return lower_fp8(gm, self.policy)
 
     def ensures(self, gm: fx.GraphModule) -> None:

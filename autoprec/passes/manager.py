@@ -23,7 +23,7 @@ from torch import fx
 
 from autoprec._torch_compat import materialize
 from autoprec.errors import PassError
-from autoprec.passes.base import PassBase, PassResult, pass_error
+from autoprec.passes.base import PassBase, PassResult, owning, pass_error
 
 __all__ = ["PassManager"]
 
@@ -86,8 +86,8 @@ class PassManager:
         return PassManager(self.passes[index])
 
     def __call__(self, gm: fx.GraphModule) -> PassResult:
-        """Run every pass on ``gm`` (the transforming passes copy the graph, so ``gm``'s graph is
-        not modified; ``Verify`` only refreshes ``node.meta["val"]`` of the graph it is given).
+        """Run every pass on ``gm`` (the first transforming pass copies the graph, so ``gm``'s graph
+        is not modified; ``Verify`` only refreshes ``node.meta["val"]`` of the graph it is given).
 
         Returns:
             ``PassResult`` of the last pass's graph; ``modified`` if any pass modified the graph;
@@ -101,13 +101,17 @@ class PassManager:
         """
         return self.resume(PassResult(gm, False, {}))
 
-    def resume(self, done: PassResult) -> PassResult:
+    def resume(self, done: PassResult, owned: bool = False) -> PassResult:
         """Run the passes on ``done.graph_module``, carrying ``done``'s ``modified`` and ``stats``.
 
-        ``manager[k:].resume(manager[:k](gm))`` equals ``manager(gm)``.
+        ``manager[k:].resume(manager[:k](gm))`` equals ``manager(gm)``. The first pass that
+        transforms copies the graph; the passes after it write into that copy
+        (:func:`autoprec.passes.base.writable`), which no one else holds.
 
         Args:
             done: The result of the passes before these (e.g. ``manager[:1](gm)``).
+            owned: The caller gives ``done.graph_module`` away (it reads it no more), so even the
+                first pass may write into it.
 
         Returns:
             As :meth:`__call__`, with ``done.stats`` first in the union; the graph module's Python
@@ -117,8 +121,11 @@ class PassManager:
             PassError: as :meth:`__call__`.
         """
         gm, modified, stats = done.graph_module, done.modified, dict(done.stats)
+        mine = owned
         for p in self.passes:
-            result = _run_one(p, gm)
+            with owning(gm if mine else None):
+                result = _run_one(p, gm)
+            mine = mine or result.graph_module is not gm  # a new graph: this run's own copy
             gm, modified = result.graph_module, modified or result.modified
             stats.update(result.stats)
         return PassResult(materialize(gm), modified, stats)

@@ -118,7 +118,7 @@ class Objective:
             trial.set_user_attr(attrs.REUSED_FROM, prior.number)
             return tuple(prior.values) if prior.values else math.nan
         try:
-            lowered = lowering_passes(gm, policy)[1:].resume(assigned)
+            lowered = lowering_passes(gm, policy)[1:].resume(assigned, owned=True)  # read no more
         except Exception as e:
             trial.set_user_attr(attrs.ERROR, f"lowering failed: {e}")
             return math.nan

@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from autoprec._torch_compat import materialize
 from autoprec.capture import capture
 from autoprec.errors import PassError
 from autoprec.nodemeta import meta_of, read_meta
@@ -346,6 +347,37 @@ def test_prefix_then_rest_equals_whole_list(policy):
     assert set(whole.stats) == {"casts", "cast_bytes", "placed", "constants_fp32", "constants_clamped",
                                 "accumulate_fp32", "accumulate_casts", "fp8_matmuls", "math_attention",
                                 "saved_low"}
+
+
+@pytest.mark.parametrize("policy", [Policy(default_dtype="bf16"), Policy(default_dtype="fp16", accumulate="none")])
+def test_runner_copies_the_callers_graph_once_and_writes_its_own_copy(policy, monkeypatch):
+    """The first transforming pass copies; the later ones write into that copy (``writable``), and
+    with ``owned=True`` into the caller's graph itself. The graph is what passes that each copy
+    make, and a graph the caller keeps is left as it was."""
+    import autoprec.passes.base as base
+
+    gm = capture(Summer(), (torch.randn(3, 64),))
+    manager = lowering_passes(gm, policy)
+    each = gm  # every pass on its own copies its input, as called outside a runner
+    for p in manager.passes:
+        each = p.call(each).graph_module
+    clones = []
+    real = base.clone_graph_module
+    monkeypatch.setattr(base, "clone_graph_module", lambda g: clones.append(g) or real(g))
+    code, metas = gm.code, [repr(read_meta(n)) for n in gm.graph.nodes]
+    whole = manager(gm)
+    assert clones == [gm] and whole.graph_module is not gm
+    assert gm.code == code and [repr(read_meta(n)) for n in gm.graph.nodes] == metas
+    assert whole.graph_module.code == materialize(each).code
+    head = manager[:1](gm)
+    kept = head.graph_module.code
+    clones.clear()
+    assert manager[1:].resume(head).graph_module.code == whole.graph_module.code
+    assert len(clones) == 1 and head.graph_module.code == kept  # the caller's head: copied
+    clones.clear()
+    owned = manager[1:].resume(head, owned=True)
+    assert clones == [] and owned.graph_module is head.graph_module  # given away: written in place
+    assert owned.graph_module.code == whole.graph_module.code
 
 
 def test_bad_modes_rejected_when_the_list_is_built(net):
