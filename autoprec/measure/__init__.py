@@ -2,7 +2,8 @@
 FP32 and memory of training steps on one set of weights and batches), drift over K batches
 (:mod:`autoprec.measure.drift`), what one measurement holds (:mod:`autoprec.measure.measurement`),
 the memory rule (:mod:`autoprec.measure.memory`), interleaved timing with a noise band
-(:mod:`autoprec.measure.timing`) and the busy-machine check (:mod:`autoprec.measure.load`).
+(:mod:`autoprec.measure.timing`), a configuration's own training run taken in turns
+(:mod:`autoprec.measure.train_run`) and the busy-machine check (:mod:`autoprec.measure.load`).
 
 The layer below the search (``autoprec tune``) and the bench commands: both measure through it, and
 it imports neither (docs/architecture.md#layers).
@@ -35,11 +36,12 @@ from autoprec.measure.timing import (
     format_rate,
     time_interleaved,
 )
+from autoprec.measure.train_run import TrainRun, shareable
 
 __all__ = [
     "BOOTSTRAP_RESAMPLES", "DRIFT_BATCHES", "MAX_BACKOFFS", "MIN_TIMED_STEPS", "TIMED_BUDGET_S", "BatchDrift",
     "BusyMachineError", "Comparison", "Config", "Drift", "Harness", "LoadCheck", "LoadMonitor", "Measurement",
-    "PeakBytes", "References", "Retire", "SavedBytes", "Settled", "Timing", "batch_drift", "batch_shapes",
-    "compare", "describe_failure", "draws_random", "format_rate", "is_compiled", "measure_drift",
-    "optimizer_state_bytes", "time_interleaved", "training_state_bytes",
+    "PeakBytes", "References", "Retire", "SavedBytes", "Settled", "Timing", "TrainRun", "batch_drift",
+    "batch_shapes", "compare", "describe_failure", "draws_random", "format_rate", "is_compiled",
+    "measure_drift", "optimizer_state_bytes", "shareable", "time_interleaved", "training_state_bytes",
 ]

@@ -53,27 +53,25 @@ class Harness:
     """The model, its captured FP32 graph, initial weights and the FP32 reference gradients on
     each drift batch ``get_batch(0..K-1)`` (:mod:`autoprec.measure.drift`, computed once and cached).
 
-    Every drift forward/backward (the reference's included, each batch's from the same state) and
-    every trajectory step runs from
-    a fixed RNG state (:func:`autoprec.training.rng.same_rng`, seed ``MEASURE_SEED`` and
-    ``MEASURE_SEED + k`` for trajectory step k: the fixed-per-step rule of
-    :mod:`autoprec.training.rng`), so random ops such as dropout see the same draws in the
-    reference and the candidates; the caller's RNG state is left as it was. Timing steps draw
-    from the global stream. All steps run through :func:`autoprec.training.steps.run_steps`.
+    Every drift forward/backward (the reference's included, each batch's from the same state) and every
+    trajectory step runs from a fixed RNG state (:func:`autoprec.training.rng.same_rng`, seed
+    ``MEASURE_SEED`` and ``MEASURE_SEED + k`` for trajectory step k: the fixed-per-step rule of
+    :mod:`autoprec.training.rng`), so random ops such as dropout see the same draws in the reference
+    and the candidates; the caller's RNG state is left as it was. Timing steps draw from the global
+    stream. All steps run through :func:`autoprec.training.steps.run_steps`.
 
     Compiled graphs draw random numbers from Inductor's own generator, not eager's
-    (``torch._inductor.config.fallback_random`` is False, as in training), so with a random op in
-    the graph (:func:`draws_random`) a compiled ``fn`` is compared against the FP32 graph compiled
-    the same way (:meth:`reference_fn`; one extra compile, cached) instead of the eager FP32
-    reference. Its drift passes and trajectory steps also run under ``fallback_random=True`` (issue
-    19.2, :meth:`_eager_random`): Inductor's own dropout rounds ``rand_like(x)`` to x's dtype
-    before comparing it with p, so a bf16 graph drew other masks than the FP32 one (GPT-2, dropout
-    0.1: compiled torch.autocast 1.09e-2 against eager's 5.41e-3); with eager's random ops every
-    dtype, compiled or not, draws eager's masks. A compiled ``fn`` compiles on its first call, its
-    first drift pass wherever a measurement starts with drift (``measure``, bench, the selector),
-    and Dynamo does not recompile for a changed Inductor config: its later timed steps run the same
-    eager random ops. Without random ops every ``fn`` is compared against the eager reference, as
-    before.
+    (``torch._inductor.config.fallback_random`` is False, as in training), so with a random op in the
+    graph (:func:`draws_random`) a compiled ``fn`` is compared against the FP32 graph compiled the same
+    way (:meth:`reference_fn`; one extra compile, cached) instead of the eager FP32 reference. Its
+    drift passes and trajectory steps also run under ``fallback_random=True`` (issue 19.2,
+    :meth:`_eager_random`): Inductor's own dropout rounds ``rand_like(x)`` to x's dtype before
+    comparing it with p, so a bf16 graph drew other masks than the FP32 one (GPT-2, dropout 0.1:
+    compiled torch.autocast 1.09e-2 against eager's 5.41e-3); with eager's random ops every dtype,
+    compiled or not, draws eager's masks. A compiled ``fn`` compiles on its first call, its first drift
+    pass wherever a measurement starts with drift (``measure``, bench, the selector), and Dynamo does
+    not recompile for a changed Inductor config: its later timed steps run the same eager random ops.
+    Without random ops every ``fn`` is compared against the eager reference, as before.
 
     Args:
         spec: Loaded model file.
@@ -354,12 +352,15 @@ class Harness:
         return seconds
 
     def _warmup_steps(self, fn: Callable[..., Any]) -> int:
-        """Untimed steps before timing ``fn``: ``warmup`` (and one per distinct batch shape at
-        least) for a compiled ``fn``, whose first calls per shape compile; one (per shape) for an
-        eager one, whose first step only creates the optimizer's state (AdamW's moments): a second
-        one cost 0.65 s per screening trial of a 24-layer Qwen2, and the finalists are timed again
-        head to head with warm-ups of their own (:func:`autoprec.measure.timing.time_interleaved`)."""
+        """Untimed steps before timing ``fn``: ``warmup`` (one per batch shape at least) for a compiled
+        ``fn``, whose first calls per shape compile; one (per shape) for an eager one, whose first step
+        only creates the optimizer's state (a second cost 0.65 s per trial of a 24-layer Qwen2)."""
         return self._warm if is_compiled(fn) else self._warm_eager
+
+    def extend_batches(self, n: int) -> None:
+        """Make ``batches`` hold at least ``n``: ``get_batch(k)`` for each k missing."""
+        while len(self.batches) < n:
+            self.batches.append(self.spec.get_batch(len(self.batches), self.device))
 
     def _timed_tokens(self, n: int, warm: int) -> float:
         """Mean tokens per step of the first ``n`` timed steps after ``warm`` warm-up steps (the
@@ -376,8 +377,7 @@ class Harness:
         Step k runs from RNG seed ``MEASURE_SEED + k`` (``StepRng(MEASURE_SEED, per_step=True)``,
         :mod:`autoprec.training.rng`), so every configuration sees the same dropout masks at step k
         whatever earlier steps drew; the caller's RNG state is left as it was."""
-        while len(self.batches) < steps:
-            self.batches.append(self.spec.get_batch(len(self.batches), self.device))
+        self.extend_batches(steps)
         try:
             step = self.train_step(fn, scaler_factory(), autocast_dtype)
             with self._eager_random(fn):  # a first call compiles here too: eager's masks, as drift's

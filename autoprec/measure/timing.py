@@ -29,6 +29,7 @@ import torch
 from autoprec.measure.harness import Harness
 from autoprec.measure.measurement import describe_failure
 from autoprec.measure.memory import optimizer_state_bytes
+from autoprec.measure.train_run import TrainRun
 from autoprec.metrics import median
 from autoprec.training.scaler import DynamicLossScaler
 from autoprec.training.steps import StepsTooSlow, run_steps, slow_step_guard
@@ -55,6 +56,11 @@ class Config:
         autocast_dtype: Run its forward under ``torch.autocast`` (the AMP baseline).
         harness: The harness whose parameters, batches and initial weights it trains, when not the
             call's (e.g. ``autoprec bench``'s pure low-precision copy); None: the call's harness.
+        run: Its steps continue this :class:`~autoprec.measure.train_run.TrainRun` (made with the
+            same ``fn``, scaler and ``autocast_dtype``, on the call's harness) instead of starting
+            from the initial weights each turn: its warm-up and timed steps are then steps 0, 1, 2,
+            ... of one training run, whose losses the trajectory check reads. None: a fresh
+            :class:`~autoprec.training.train.TrainStep`, the initial weights restored each turn.
     """
 
     name: str
@@ -62,6 +68,7 @@ class Config:
     scaler_factory: Callable[[], DynamicLossScaler | None] = lambda: None
     autocast_dtype: torch.dtype | None = None
     harness: Harness | None = None
+    run: TrainRun | None = None
 
 
 @dataclass
@@ -221,22 +228,27 @@ class _Run:
             self.times.append(seconds)
 
     def run(self, n: int, record: bool) -> None:
-        """``n`` steps from the initial weights (restored first); failures end this run's timing."""
+        """``n`` steps from the initial weights (restored first), or the next ``n`` steps of the
+        configuration's ``run``; failures end this run's timing."""
         h = self.h
         self.recording = record
         cuda = h.device.type == "cuda"
         try:
             h.restore()
-            if self.step is None:
-                c = self.cfg
-                self.step = TrainStep(c.fn, h.params, h.spec.make_optimizer(h.params), h.spec.loss_fn,
-                                      scaler=c.scaler_factory(), autocast_dtype=c.autocast_dtype,
-                                      device_type=h.device.type, stats=False)
+            c = self.cfg
+            if self.step is None:  # a run's copy of the weights is made here, outside the steps' peak
+                self.step = c.run.prepare() if c.run is not None else TrainStep(
+                    c.fn, h.params, h.spec.make_optimizer(h.params), h.spec.loss_fn,
+                    scaler=c.scaler_factory(), autocast_dtype=c.autocast_dtype,
+                    device_type=h.device.type, stats=False)
             if cuda:
                 torch.cuda.reset_peak_memory_stats(h.device)
                 start = torch.cuda.memory_allocated(h.device)
-            run_steps(self.step, lambda k: h.batches[k % len(h.batches)], self.k, self.k + n,
-                      device=h.device, after=self.hooks)
+            if c.run is not None:
+                c.run.steps(n, after=self.hooks)
+            else:
+                run_steps(self.step, lambda k: h.batches[k % len(h.batches)], self.k, self.k + n,
+                          device=h.device, after=self.hooks)
             if cuda:
                 self.peak_extra = max(self.peak_extra, torch.cuda.max_memory_allocated(h.device) - start)
             self.rounds += record
@@ -272,14 +284,13 @@ def time_interleaved(harness: Harness, configs: Sequence[Config], *, min_rounds:
                      retire: Retire | None = None, settled: Settled | None = None) -> dict[str, Timing]:
     """Time ``configs`` in interleaved rounds on ``harness``'s weights and batches.
 
-    Each configuration gets one :class:`~autoprec.training.train.TrainStep` with its own optimizer
-    (the model file's ``make_optimizer``) and scaler, kept across rounds; before each of its turns
-    the harness's initial weights are restored, so every configuration trains from the same
-    weights. First each is warmed up in turn (``max(warmup, len(harness.shapes))`` untimed steps,
-    one per distinct batch shape at least, as ``Harness.measure`` does), then rounds run: each
-    round, ``steps_per_round`` steps of every configuration in order (A A B B C C, then again),
-    batches cycling through ``harness.batches``, every step timed by
-    :meth:`~autoprec.training.train.TrainStep.timed` through :func:`~autoprec.training.steps.run_steps`.
+    Each configuration gets one ``TrainStep`` with its own optimizer (the model file's) and scaler,
+    kept across rounds; before each of its turns the initial weights are restored (with a
+    :attr:`Config.run`, its own weights are loaded: one training run from the initial weights).
+    First each is warmed up in turn (``max(warmup, len(harness.shapes))`` untimed steps, one per
+    batch shape at least, as ``Harness.measure`` does), then rounds run: each round,
+    ``steps_per_round`` steps of every configuration in order (A A B B C C, then again), batches
+    cycling through ``harness.batches``, each timed by ``TrainStep.timed`` through ``run_steps``.
 
     Stop rule (torch.utils.benchmark ``adaptive_autorange``'s, module docstring): after at least
     ``min_rounds`` rounds, once every configuration still timed has a band of relative half-width

@@ -186,7 +186,10 @@ class Selector:
         if not survivors:
             raise SearchError(self._none_survived(measured))
         bar.step("head-to-head")
-        return self._head_to_head(survivors)
+        try:
+            return self._head_to_head(survivors)
+        finally:
+            self.trajectory.release()  # the head-to-head's training runs (TrajectoryCheck.share)
 
     def _head_to_head(self, survivors: list[tuple[str, Policy, Any, Measurement]]
                       ) -> tuple[Policy, Measurement]:
@@ -232,7 +235,7 @@ class Selector:
         its speed from those rounds, so the ratios the report and the policy file give are side by
         side in one process. Returns the contenders :func:`autoprec.search.final.decide` chooses
         among."""
-        configs = [Config(label, fn, lambda pol=pol: make_scaler(pol)) for label, pol, fn, _m in survivors]
+        configs = [self._config(label, fn, lambda p=pol: make_scaler(p)) for label, pol, fn, _m in survivors]
         ac = self.autocast_bar
         for label, m in [(label, m) for label, _p, _f, m in survivors] + [(self.ac_label, ac)]:
             if m is not None:  # a timing again (after a rejection) drops the last one's note
@@ -242,8 +245,8 @@ class Selector:
         ac_ok = ac_timed and self.budget.feasible(ac) and (
             self.memory_budget is None or ac.peak_bytes <= self.memory_budget)
         if ac_timed:  # timed either way: the side-by-side table reports it
-            configs.append(Config(self.ac_label, self._autocast_fn, autocast_scaler(self.ac_dtype),
-                                  self.ac_dtype))
+            configs.append(self._config(self.ac_label, self._autocast_fn, autocast_scaler(self.ac_dtype),
+                                        self.ac_dtype))
         configs.append(Config(FP32_EAGER, self.h.model))
         log(f"final head-to-head, interleaved: {', '.join(c.name for c in configs)}", self.quiet)
         # the contenders decide() chooses among: the baselines, and the policies it may write
@@ -276,6 +279,12 @@ class Selector:
             why = c.timing.error or c.timing.note
             log(f"  {c.name}: {format_rate(c.timing)} tok/s" + (f" ({why})" if why else ""), self.quiet)
         return contenders
+
+    def _config(self, label: str, fn: Any, scaler_factory: Any, autocast_dtype: Any = None) -> Config:
+        """A head-to-head configuration whose timed steps are one training run from the initial
+        weights, whose losses the trajectory check reads if it needs them (TrajectoryCheck.share)."""
+        run = self.trajectory.share(fn, scaler_factory, autocast_dtype)
+        return Config(label, fn, scaler_factory, autocast_dtype, run=run)
 
     def _judge_compiled_like_autocast(self) -> None:
         """On a graph that draws random numbers (dropout), judge compiled finalists against torch.autocast

@@ -10,8 +10,10 @@ from typing import Any
 import torch
 
 from autoprec.measure import Harness, is_compiled
+from autoprec.measure.train_run import TrainRun, shareable
 from autoprec.metrics import traj_rel
 from autoprec.policy import Policy
+from autoprec.training.scaler import DynamicLossScaler
 from autoprec.training.train import autocast_scaler, make_scaler
 
 __all__ = ["TRAJ_FACTOR", "TrajectoryCheck"]
@@ -44,9 +46,14 @@ class TrajectoryCheck:
             torch.compile), or None when there is none: a compiled policy's reference then (see
             :meth:`ok`).
 
+    The losses of a module that the final head-to-head timed as a training run of its own
+    (:meth:`share`) are read from that run, continued to K steps where it has fewer, instead of
+    running K steps again (:mod:`autoprec.measure.train_run`).
+
     Attributes:
         traj: ``Policy.training_key()`` -> its ``traj_rel``.
         budget: torch.autocast's ``traj_rel`` of the last check (None before one).
+        runs: ``(id(module), autocast dtype)`` -> its :class:`TrainRun` from :meth:`share`.
     """
 
     def __init__(self, harness: Harness, ac_dtype: torch.dtype, steps: int,
@@ -58,6 +65,40 @@ class TrajectoryCheck:
         self.budget: float | None = None
         # id(reference fn) -> (losses, budget); the harness keeps each reference fn alive
         self._refs: dict[int, tuple[list[float], float]] = {}
+        self.runs: dict[tuple[int, torch.dtype | None], TrainRun] = {}
+        self._shareable: bool | None = None
+
+    def share(self, fn: Callable[..., Any], scaler_factory: Callable[[], DynamicLossScaler | None],
+              autocast_dtype: torch.dtype | None = None) -> TrainRun | None:
+        """A :class:`TrainRun` of ``fn`` for the head-to-head to time (``Config.run``), whose
+        losses :meth:`ok` reads if it needs ``fn``'s trajectory; None when timed steps cannot be a
+        trajectory (:func:`autoprec.measure.train_run.shareable`: random ops, several batch
+        shapes) or K is 0. The run is kept until :meth:`release`.
+
+        ``fn`` must be the object :meth:`ok` is given (or its reference: the compiled fp32
+        finalist, torch.autocast's module); the run holds a copy of the weights and the
+        optimizer's state."""
+        if self._shareable is None:
+            self._shareable = shareable(self.h, self.steps)
+        if not self._shareable:
+            return None
+        run = TrainRun(self.h, fn, scaler_factory(), autocast_dtype, cycle=self.steps)
+        self.runs[(id(fn), autocast_dtype)] = run
+        return run
+
+    def release(self) -> None:
+        """Drop the runs of :meth:`share` (their weights and optimizer state)."""
+        self.runs.clear()
+
+    def _losses(self, fn: Callable[..., Any], scaler_factory: Callable[[], DynamicLossScaler | None],
+                autocast_dtype: torch.dtype | None = None) -> list[float]:
+        """``fn``'s K losses: from its shared run, or :meth:`Harness.trajectory` when it has none
+        (or its run broke)."""
+        run = self.runs.get((id(fn), autocast_dtype))
+        got = run.trajectory(self.steps) if run is not None else None
+        if got is not None:
+            return got
+        return self.h.trajectory(fn, scaler_factory, autocast_dtype=autocast_dtype, steps=self.steps)
 
     def of(self, policy: Policy) -> float:
         """``traj_rel`` measured for ``policy`` (by content), 0.0 when it was not checked (it
@@ -75,7 +116,8 @@ class TrajectoryCheck:
         the fp32 + torch.compile baseline's graph (``compiled_fp32``, when there is one): both
         sides are then compiled, and its steps cost what a compiled step costs (a 24-layer Qwen2
         on 2 cores: 0.53 s against 0.80 s eager). Against a compiled reference torch.autocast's
-        budget is taken compiled too. Each reference's trajectories are run once.
+        budget is taken compiled too. Each reference's trajectories are run once, or read from
+        the runs the head-to-head timed (:meth:`share`).
         """
         if not (policy.dtypes_used() - {"fp32"}) or self.steps <= 0:
             return True
@@ -83,13 +125,12 @@ class TrajectoryCheck:
         if ref_fn is self.h.graph_module and is_compiled(fn):
             ref_fn = self._compiled_fp32() or ref_fn
         if id(ref_fn) not in self._refs:
-            ref = self.h.trajectory(ref_fn, steps=self.steps)
+            ref = self._losses(ref_fn, lambda: None)
             ac_fn = self.h.model if ref_fn is self.h.graph_module else self._compiled_autocast()
-            ac = self.h.trajectory(ac_fn, autocast_scaler(self.ac_dtype), autocast_dtype=self.ac_dtype,
-                                   steps=self.steps)
+            ac = self._losses(ac_fn, autocast_scaler(self.ac_dtype), self.ac_dtype)
             self._refs[id(ref_fn)] = (ref, traj_rel(ac, ref))
         ref, self.budget = self._refs[id(ref_fn)]
-        tr = traj_rel(self.h.trajectory(fn, lambda: make_scaler(policy), steps=self.steps), ref)
+        tr = traj_rel(self._losses(fn, lambda: make_scaler(policy)), ref)
         self.traj[policy.training_key()] = tr
         return tr <= max(self.budget * TRAJ_FACTOR, 1e-12)
 

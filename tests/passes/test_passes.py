@@ -349,7 +349,8 @@ def test_prefix_then_rest_equals_whole_list(policy):
                                 "saved_low"}
 
 
-@pytest.mark.parametrize("policy", [Policy(default_dtype="bf16"), Policy(default_dtype="fp16", accumulate="none")])
+@pytest.mark.parametrize("policy", [Policy(default_dtype="bf16"),
+                                    Policy(default_dtype="fp16", accumulate="none")])
 def test_runner_copies_the_callers_graph_once_and_writes_its_own_copy(policy, monkeypatch):
     """The first transforming pass copies; the later ones write into that copy (``writable``), and
     with ``owned=True`` into the caller's graph itself. The graph is what passes that each copy

@@ -21,6 +21,8 @@ class _TrajHarness:
     """Scripted trajectories: FP32 reference 1.0, torch.autocast 1.01 (budget 0.01), and each
     candidate function the loss its ``loss`` attribute says."""
 
+    random = True  # timed steps are never a trajectory here (TrajectoryCheck.share gives no run)
+
     def __init__(self):
         self.graph_module, self.model = object(), object()
 
