@@ -140,8 +140,7 @@ def measure_drift(step: Callable[[int, bool], tuple[float, list[torch.Tensor], i
     while the scale backs off (``torch.amp.GradScaler``'s rule): the batch is measured at the scale
     where that back-off stops (at most :data:`MAX_BACKOFFS` back-offs, found by an exponential
     search, on batch 0 from ``backoff_hint`` back-offs (the previous measurement's
-    ``first_backoffs``; from 2 on, batch 0 is not run at the initial scale first, which the search
-    then tries only if it finds no overflow below it), on later batches from one:
+    ``first_backoffs``), on later batches from one:
     :meth:`autoprec.training.scaler.DynamicLossScaler.search_back_off`); only gradients non-finite
     at the scaler's floor count as a failure, and measuring stops at that batch. A non-finite loss
     is a failure at once: the scale multiplies the loss after the forward, so no back-off can
@@ -155,11 +154,8 @@ def measure_drift(step: Callable[[int, bool], tuple[float, list[torch.Tensor], i
     """
     out = Drift()
     for k, (ref_loss, ref_grads) in enumerate(refs):
-        # batch 0 at s_0 likely overflows when the last search backed off twice or more: the search
-        # starts at the hint and runs s_0 only if it must (the result is the same)
-        skip = k == 0 and scaler is not None and backoff_hint >= 2
-        first = None if skip else step(k, k == 0)
-        if skip or (scaler is not None and math.isfinite(first[0]) and not _finite(first[0], first[1])):
+        first = step(k, k == 0)
+        if scaler is not None and math.isfinite(first[0]) and not _finite(first[0], first[1]):
             first, tries = scaler.search_back_off(
                 lambda k=k: step(k, k == 0), lambda r: _finite(r[0], r[1]), first,
                 MAX_BACKOFFS, hint=backoff_hint if k == 0 else 1)  # later: from batch 0's scale

@@ -43,7 +43,7 @@ def first_true(holds: Callable[[int], bool], lo: int, hi: int, start: int) -> in
 
 
 def first_finite_run(run_at: Callable[[int], R], finite: Callable[[R], bool], last: int,
-                     start: int, zero_known: bool = True) -> tuple[R, int]:
+                     start: int) -> tuple[R, int]:
     """``(run_at(j), j)`` for the least ``j`` in ``1..last`` whose run is finite, ``run_at(0)`` being
     known non-finite and finiteness monotone in ``j``; ``(run_at(last), last)`` when even
     ``run_at(last)`` is not finite.
@@ -52,10 +52,6 @@ def first_finite_run(run_at: Callable[[int], R], finite: Callable[[R], bool], la
     ``run_at(last)`` next, so a range that never turns finite costs two runs; then
     :func:`first_true` from ``start``. Only the finite run at the smallest ``j`` so far is kept
     (one result alive besides the one being made: a run may hold a whole set of gradients).
-
-    With ``zero_known=False`` ``run_at(0)`` has not been run: the search is the same, and when it
-    ends at ``j = 1`` ``run_at(0)`` is run too, so the least ``j`` in ``0..last`` is returned
-    (one run fewer than running ``j = 0`` first whenever the answer is 2 or more).
     """
     kept: dict[int, R] = {}
 
@@ -76,6 +72,4 @@ def first_finite_run(run_at: Callable[[int], R], finite: Callable[[R], bool], la
     else:
         lo, hi = start, last
     j = first_true(holds, lo, hi, start)
-    if j == 1 and not zero_known and holds(0):
-        return kept[0], 0
     return kept[j], j

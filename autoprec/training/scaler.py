@@ -307,7 +307,7 @@ class DynamicLossScaler:
             scales.append(max(s, self._min_scale))
         return scales
 
-    def search_back_off(self, run: Callable[[], R], finite: Callable[[R], bool], first: R | None,
+    def search_back_off(self, run: Callable[[], R], finite: Callable[[R], bool], first: R,
                         max_backoffs: int, hint: int = 1) -> tuple[R, int]:
         """The run at the scale where training's back-off stops, found by exponential search.
 
@@ -323,10 +323,7 @@ class DynamicLossScaler:
         Args:
             run: One forward/backward at this scaler's current scale.
             finite: Whether a run's loss and gradients are finite.
-            first: The run at ``s_0`` (the current scale), whose gradients were not finite; or
-                None, not run yet: the search starts at ``hint`` all the same and runs ``s_0`` only
-                if every scale it tries is finite down to ``s_1``, which saves a run when an earlier
-                search says ``s_0`` overflows (``hint`` ≥ 2).
+            first: The run at ``s_0`` (the current scale), whose gradients were not finite.
             max_backoffs: The most back-offs training would make (≥ 0).
             hint: The ``j`` tried first (clamped to the scales there are; the result does not
                 depend on it, only the number of runs).
@@ -334,19 +331,18 @@ class DynamicLossScaler:
         Returns:
             ``(run, j)``: the run at the first finite scale (or at the last scale tried, non-finite,
             when even the floor overflows) and the number of back-offs ``j`` training would make.
-            The scaler is left at that scale; disabled, or already at the floor: ``(first, 0)``
-            (``first`` run now when None).
+            The scaler is left at that scale; disabled, or already at the floor: ``(first, 0)``.
         """
         scales = self.back_off_scales(max_backoffs)
         if len(scales) < 2:
-            return (first if first is not None else run()), 0
+            return first, 0
         state = self.state_dict()
 
         def at(j: int) -> R:
             self.load_state_dict({**state, "scale": scales[j]})
             return run()
 
-        r, j = first_finite_run(at, finite, len(scales) - 1, hint, zero_known=first is not None)
+        r, j = first_finite_run(at, finite, len(scales) - 1, hint)
         self.load_state_dict({**state, "scale": scales[j]})
         return r, j
 

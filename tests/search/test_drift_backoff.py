@@ -76,17 +76,9 @@ def test_backoff_search_lands_where_halving_does_in_log_steps(threshold, hint):
     assert scaler.get_scale() == want_scale and d.backoffs == want_j  # whatever the hint
     assert all(b.finite for b in d.batches) and len(d.batches) == 2
     # batch 0: one run at 2^16, then the hint (the floor too when the hint overflows) and about
-    # 2 log2(|j - hint| + 1) runs of the search; batch 1 starts at the found scale. A hint of 2 or
-    # more (an earlier search backed off that far) skips the run at 2^16 unless nothing below
-    # it overflows
-    skipped = hint >= 2
-    search = len(calls) - 1 - (0 if skipped else 1)
-    if skipped:
-        assert (2.0 ** 16 in calls) == (want_j <= 1)
-        assert search <= 2 * math.ceil(math.log2(abs(want_j - hint) + 1)) + 2 + (want_j <= 1)
-    else:
-        assert calls[0] == 2.0 ** 16
-        assert search <= (2 * math.ceil(math.log2(abs(want_j - hint) + 1)) + 2 if want_j else 0)
+    # 2 log2(|j - hint| + 1) runs of the search; batch 1 starts at the found scale
+    search = len(calls) - 2
+    assert search <= (2 * math.ceil(math.log2(abs(want_j - hint) + 1)) + 2 if want_j else 0)
     if want_j and want_j == hint:
         assert search == (1 if want_j == 1 else 2)  # the hint, and the scale above it
 
