@@ -29,6 +29,7 @@ from autoprec.measure.drift import (
     draws_random,
     is_compiled,
     measure_drift,
+    take_grads,
 )
 from autoprec.measure.measurement import Measurement, describe_failure
 from autoprec.measure.memory import SavedBytes, training_state_bytes
@@ -186,10 +187,7 @@ class Harness:
             if seconds is not None:
                 sync(self.device)
                 seconds[batch] = time.perf_counter() - t0
-        inv = 1.0 / scaler.get_scale() if scaler is not None else 1.0
-        grads = [(p.grad.float() * inv) if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        self.restore()
-        return float(loss), grads
+        return float(loss), take_grads(self.params, scaler.get_scale() if scaler is not None else 1.0)
 
     def drift(self, fn: Callable[..., Any], scaler: DynamicLossScaler | None = None,
               autocast_dtype: torch.dtype | None = None,
