@@ -5,12 +5,13 @@ turns: the final head-to-head times its steps, and the trajectory check reads it
 Every configuration a harness measures trains the harness's one set of parameters. A
 :class:`TrainRun` keeps its own copy of them between its turns, with its own optimizer and loss
 scaler, so the steps it is given in turns, however interleaved with other configurations', are the
-steps of one uninterrupted run from the initial weights on batches ``get_batch(0, 1, 2, ...)``:
-its first K losses are :meth:`Harness.trajectory`'s K losses, bit for bit, on a graph that draws no
-random numbers (:func:`shareable`). Timing the head-to-head's steps this way and reading the
-trajectory from them saves running the same steps twice: on a 24-layer Qwen2 on one core the
-separate trajectories of the choice, the compiled fp32 reference and torch.autocast + torch.compile
-took 34 s of a 341 s tune.
+steps of one uninterrupted run from the initial weights on batches ``get_batch(0, 1, ..., K-1)``
+(then again from 0): its first K losses are :meth:`Harness.trajectory`'s K losses, bit for bit, on
+a graph that draws no random numbers (:func:`shareable`). Timing the head-to-head's steps this way
+and reading the trajectory from them saves running the same steps twice: on a 24-layer Qwen2 on
+one core the head-to-head and the trajectories of the choice, the compiled fp32 reference and
+torch.autocast + torch.compile took 48 s against 65 s run apart
+(``benchmarks/results/depth_2026-12-05_shared``).
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ def shareable(harness: Harness, steps: int) -> bool:
     """Whether a :class:`TrainRun`'s first ``steps`` losses are ``harness``'s trajectory: the graph
     draws no random numbers (a trajectory runs each step from a fixed RNG seed and, compiled, with
     eager's masks, ``Harness.trajectory``; timed steps must not) and batches ``0..steps-1`` have one
-    shape (so the timed steps meet no shape their warm-up did not)."""
+    shape (so the timed steps meet no shape their warm-up did not). Makes ``harness.batches`` hold
+    ``steps`` batches at least (:meth:`Harness.extend_batches`), as a trajectory would."""
     if harness.random or steps <= 0:
         return False
     harness.extend_batches(steps)
