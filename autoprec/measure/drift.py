@@ -200,8 +200,8 @@ def take_grads(params: list[torch.Tensor], scale: float) -> list[torch.Tensor]:
     """The gradients of a forward/backward without an optimizer step, unscaled (``grad · (1/scale)``,
     in fp32), zeros where a parameter got none; each parameter's ``grad`` is dropped. An fp32
     gradient at scale 1 is taken as it is, not copied: the weights are not touched by such a pass,
-    so only the gradients need clearing (a 24-layer Qwen2 has 17M parameters: a copy of its
-    gradients and a restore of its weights cost about 25 ms of each 0.5 s pass on one core)."""
+    so only the gradients need clearing (a 24-layer Qwen2 has 17.6M parameters: a copy of its
+    gradients and a restore of its weights took 8 and 7 ms of each 0.5 s pass on one core)."""
     out = []
     for p in params:
         g = p.grad

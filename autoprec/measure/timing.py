@@ -234,8 +234,9 @@ class _Run:
         self.recording = record
         cuda = h.device.type == "cuda"
         try:
-            h.restore()
             c = self.cfg
+            if c.run is None:  # a run loads its own weights
+                h.restore()
             if self.step is None:  # a run's copy of the weights is made here, outside the steps' peak
                 self.step = c.run.prepare() if c.run is not None else TrainStep(
                     c.fn, h.params, h.spec.make_optimizer(h.params), h.spec.loss_fn,
