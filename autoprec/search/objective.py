@@ -101,7 +101,7 @@ class Objective:
         trial.set_user_attr(attrs.POLICY, policy.to_dict())
         gm = self.harness.graph_module
         try:
-            assigned = lowering_passes(gm, policy)[:1](gm)  # assign_dtypes only
+            assigned = lowering_passes(gm, policy)[:1](gm, code=False)  # assign_dtypes only
         except Exception as e:
             trial.set_user_attr(attrs.ERROR, f"lowering failed: {e}")
             return math.nan

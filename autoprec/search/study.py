@@ -241,9 +241,10 @@ def _baselines(run: _Run, drift_arg: float | None, memory_arg: tuple[str, float]
         run.fp32 = h.measure(h.model, screen=True)
         run.slow = max(SLOW_RATIO * run.fp32.step_s, SLOW_FLOOR_S)
         bar.step(f"torch.autocast({run.ac_dtype}) eager")
-        # full steps: its speed is the side-by-side table's "autocast eager" row
+        # screened too: without compile the head-to-head times it again; with compile its speed is
+        # only the table's "autocast eager" row, and its passes time what full steps would
         run.autocast = h.measure(h.model, autocast_scaler(run.ac_dtype), autocast_dtype=run.ac_dtype,
-                                 max_step_s=run.slow)
+                                 max_step_s=run.slow, screen=True)
     ac = run.autocast
     if drift_arg is None and not (math.isfinite(ac.grad_rel_l2) and ac.grad_rel_l2_batches):
         raise SearchError(f"drift budget is not finite (torch.autocast: {ac.error}); pass --max-drift X")

@@ -381,6 +381,27 @@ def test_runner_copies_the_callers_graph_once_and_writes_its_own_copy(policy, mo
     assert owned.graph_module.code == whole.graph_module.code
 
 
+def test_a_head_without_code_resumes_to_the_same_module(monkeypatch):
+    """``code=False`` (the search's fingerprint reads the assigned graph only) generates no Python
+    code; the rest of the passes, resumed from that head, generate it once and give the whole
+    list's module, which computes what the whole list's computes."""
+    import autoprec.passes.manager as manager_mod
+
+    x = torch.randn(3, 64)
+    gm = capture(Summer(), (x,))
+    policy = Policy(default_dtype="bf16")
+    whole = run_pipeline(gm, policy)
+    made = []
+    monkeypatch.setattr(manager_mod, "materialize", lambda g: made.append(g) or materialize(g))
+    manager = lowering_passes(gm, policy)
+    head = manager[:1](gm, code=False)
+    assert made == []
+    rest = manager[1:].resume(head, owned=True)
+    assert made == [rest.graph_module]
+    assert rest.graph_module.code == whole.graph_module.code
+    torch.testing.assert_close(rest.graph_module(x), whole.graph_module(x), rtol=0, atol=0)
+
+
 def test_bad_modes_rejected_when_the_list_is_built(net):
     """Mode errors stay ValueError (not wrapped): they are raised building the pass, before any runs."""
     _m, _ids, gm = net

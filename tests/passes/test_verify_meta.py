@@ -57,6 +57,45 @@ def test_meta_propagation_gives_fake_propagations_shapes_and_dtypes(qwen2_graph,
     assert got == want
 
 
+def _layouts(gm):
+    return {n.name: (tuple(v.shape), v.stride(), v.storage_offset(), v.dtype) for n in gm.graph.nodes
+            if isinstance(v := n.meta.get("val"), torch.Tensor)}
+
+
+@pytest.mark.parametrize("policy", [Policy.autocast("bf16"), Policy.default("fp16")])
+def test_repeated_calls_reuse_their_first_result_and_give_every_node_what_a_fresh_call_gives(
+        qwen2_graph, policy):
+    lowered = lowering_passes(qwen2_graph, policy)(qwen2_graph).graph_module
+    placeholders = [None for n in lowered.graph.nodes if n.op == "placeholder"]
+    fresh = verify_mod.MetaProp(lowered)
+    fresh._memo = None  # every call run
+    fresh.run(*placeholders)
+    want = _layouts(lowered)
+    memo = verify_mod.MetaProp(lowered)
+    memo.run(*placeholders)
+    calls = sum(n.op == "call_function" for n in lowered.graph.nodes)
+    assert fresh.hits == 0 and calls / 3 < memo.hits < calls  # layer 1 repeats layer 0
+    assert _layouts(lowered) == want
+
+
+def test_a_graph_that_mutates_an_argument_reuses_nothing():
+    class Transposes(torch.nn.Module):
+        def forward(self, x):
+            y = x * 2
+            y.t_()  # a metadata-changing in-place op: a shared result would change under the others
+            return y + x.t() * 2
+
+    gm = capture(Transposes(), (torch.randn(3, 4),))
+    assert any(getattr(n.target, "_schema", None) is not None and n.target._schema.is_mutable
+               for n in gm.graph.nodes if n.op == "call_function")
+    prop = verify_mod.MetaProp(gm)
+    prop.run(*[None for n in gm.graph.nodes if n.op == "placeholder"])
+    assert prop.hits == 0
+    out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    val = (out[0] if isinstance(out, (list, tuple)) else out).meta["val"]
+    assert tuple(val.shape) == (4, 3)
+
+
 def test_where_meta_propagation_fails_fake_tensors_verify_and_still_catch_a_wrong_dtype(qwen2_graph,
                                                                                      monkeypatch):
     def no_meta_kernel(self, *args):
