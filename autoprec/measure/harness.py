@@ -263,9 +263,9 @@ class Harness:
                 :func:`autoprec.training.steps.slow_step_guard`); the measurement is then timed on
                 that last step only and ``note`` says why. Compilation happens in the drift pass,
                 before timing, so it never counts here.
-            screen: A screening measurement (a search trial): for an eager ``fn`` on the CPU,
-                the step times are the timed drift passes' (batches 1..K-1) plus the update's, so
-                no step runs twice (:func:`autoprec.measure.screening.from_drift_passes`);
+            screen: A screening measurement (a search trial): for an eager ``fn`` on the CPU
+                with K ≥ 2, the step times are the drift passes' (batches 0..K-1) plus the
+                update's, so no step runs twice (:func:`autoprec.measure.screening.from_drift_passes`);
                 elsewhere it times steps as ``timing`` does.
             cut: A screening cut: given the measurement so far (step times filled as ``screen``
                 fills them) after each drift batch but the last; a reason stops the passes there
@@ -276,9 +276,10 @@ class Harness:
         """
         scaler = scaler_factory()
 
-        def screened(m: Measurement) -> Measurement:  # batches 1..K-1 timed, as though after one warm-up
-            if screen and timing and m.error is None and screening.applies(self.device, fn, m):
-                screening.from_drift_passes(m, self._timed_tokens(len(m.pass_times) - 1, 1),
+        def screened(m: Measurement) -> Measurement:  # every drift pass timed, batch 0's too
+            if screen and timing and m.error is None and m.pass_times and \
+                    screening.applies(self.device, fn, self.drift_batches):
+                screening.from_drift_passes(m, self._timed_tokens(len(m.pass_times), 0),
                                             self.update_seconds(scaled=scaler is not None))
             return m
 

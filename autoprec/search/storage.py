@@ -36,8 +36,9 @@ __all__ = ["GRACE_BEATS", "HEARTBEAT_S", "MEASURE_VERSION", "check_sqlite_file",
 #: trials' numbers incomparable with new ones; a study holding trials of another version is not
 #: resumed. 2: a parameter saved for backward counts once in the CPU peak bytes. 3: drift is the
 #: mean over K = 4 drift batches (measure/drift.py), and the constraint the DriftBudget rule
-#: (search/decide.py).
-MEASURE_VERSION = 3
+#: (search/decide.py). 4: a screening trial's step times are all K drift passes', batch 0's too
+#: (measure/screening.py), which the screening cut compares batch for batch.
+MEASURE_VERSION = 4
 
 #: Seconds between the heartbeats of a running trial on a database server (Optuna's
 #: ``RDBStorage(heartbeat_interval=...)``); the environment variable ``AUTOPREC_HEARTBEAT_S``

@@ -72,9 +72,10 @@ def test_harness_cut_runs_no_more_passes_and_keeps_what_the_first_measured(harne
     part = harness.measure(low, lambda: make_scaler(pol), screen=True, cut=cut)
     assert full.cut is None and len(full.grad_rel_l2_batches) == DRIFT_BATCHES
     assert part.cut == "enough" and len(part.grad_rel_l2_batches) == MIN_BATCHES
-    # the cut saw a screening measurement: batch 0 untimed, batch 1's pass plus the update
-    assert seen[0] == (1, []) and len(seen[1][1]) == 1 and seen[1][1][0] > part.pass_times[1]
-    assert len(part.pass_times) == MIN_BATCHES and len(part.step_times) == 1 and part.tokens_per_s > 0
+    # the cut saw a screening measurement: each batch's pass plus the update, batch 0's from the first
+    assert [n for n, _ in seen] == [1, 2] and len(seen[0][1]) == 1 and len(seen[1][1]) == 2
+    assert seen[1][1][0] > part.pass_times[0] and seen[1][1][1] > part.pass_times[1]
+    assert len(part.pass_times) == MIN_BATCHES and len(part.step_times) == 2 and part.tokens_per_s > 0
     # same weights, batches and RNG: the batches run are the full measurement's, bit for bit
     assert part.grad_rel_l2_batches == full.grad_rel_l2_batches[:MIN_BATCHES]
     assert part.peak_bytes == full.peak_bytes
@@ -98,7 +99,7 @@ def _study_with(tokens_per_s, cut=(), infeasible=(), step_times=None):
 
 def test_speed_rule_compares_steps_batch_for_batch_with_the_kth_fastest_feasible_uncut_trial():
     budget = DriftBudget.auto([1e-2] * 4)
-    # batches of unequal tokens: trial 3's steps on drift batches 1, 2, 3 are 0.1, 0.3, 0.05 s
+    # batches of unequal tokens: trial 3's steps on drift batches 0, 1, 2 are 0.1, 0.3, 0.05 s
     kth = [0.1, 0.3, 0.05]
     # 2000 is cut (not counted), 1500 infeasible: the 2nd fastest feasible uncut trial is #3 (800)
     study = _study_with([1000, 2000, 1500, 800], cut=(1,), infeasible=(2,), step_times={3: kth})
@@ -112,7 +113,9 @@ def test_speed_rule_compares_steps_batch_for_batch_with_the_kth_fastest_feasible
     # batch 2 holds more tokens: its 0.33 s step is as fast as the k-th's 0.3 s, not 3.3x its batch 1
     assert cut(_m([1e-3] * 3, step_times=[0.1 * limit * 1.5, 0.33])) is None
     assert cut(_m([1e-3] * 3, step_times=[0.1 * limit * 1.5, 0.3 * limit * 1.1])) is not None
-    assert cut(_m([1e-3], step_times=[1e9])) is None  # before MIN_BATCHES nothing is cut
+    # from batch 0 on, the first pass of both: a trial 1.3x slower learns nothing from a second
+    assert "the step time of trial 3" in cut(_m([1e-3], step_times=[0.1 * limit * 1.01]))
+    assert cut(_m([1e-3], step_times=[0.1 * limit * 0.99])) is None
     assert screening_cut(study, 3, budget)(slow) is None  # fewer than k feasible: no speed rule
     assert cut(_m([1e-3, 1e-3], step_times=[])) is None  # no screening times (CUDA): no speed rule
     no_times = _study_with([1000, 800], step_times={1: []})

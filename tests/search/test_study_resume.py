@@ -12,7 +12,7 @@ import torch
 from autoprec.search import attrs, kernel_choice
 from autoprec.search import study as study_mod
 from autoprec.search.probe import probe_kernels as real_probe
-from autoprec.search.storage import default_study_name
+from autoprec.search.storage import MEASURE_VERSION, default_study_name
 from tests.conftest import EXAMPLES
 
 #: First run: fp16:fp32 at 1.05x fp32 (kept); second run: 1.30x (excluded). bf16:fp32 at 1.0x both.
@@ -37,9 +37,9 @@ def test_study_name_is_the_commands_not_the_probes():
 
     gm = capture(torch.nn.Linear(4, 4), torch.randn(2, 4))
     auto = default_study_name("m/model.py", gm, torch.device("cpu"))
-    assert auto.startswith("autoprec-model-") and auto.endswith("-cpu-m3")
+    assert auto.startswith("autoprec-model-") and auto.endswith(f"-cpu-m{MEASURE_VERSION}")
     forced = default_study_name("m/model.py", gm, torch.device("cpu"), ["fp16", "bf16"])
-    assert forced == auto[:-3] + "-bf16-fp16-m3"
+    assert forced == auto[:-3] + f"-bf16-fp16-m{MEASURE_VERSION}"
 
 
 def test_same_command_twice_resumes_the_study_when_the_probe_flips(tmp_path, monkeypatch, capsys):
