@@ -24,7 +24,7 @@ from torch import fx
 from torch.fx.node import map_aggregate
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from autoprec._torch_compat import detect_fake_mode, new_fake_mode
+from autoprec._torch_compat import detect_fake_mode, new_fake_mode, overload_schema
 from autoprec.dtypes import NAMES
 from autoprec.nodemeta import read_meta
 from autoprec.passes.attention import SDPA
@@ -90,9 +90,8 @@ class MetaProp(fx.Interpreter):
     and sizes, dtypes; equal other values) gives the result of its first call (:attr:`hits`
     counts them): a meta kernel's output depends on nothing else, and the layers of a transformer
     repeat every call (a 24-layer Qwen2's lowered graph: 1851 of its 2232 calls reused, 0.18 s ->
-    0.04 s). Off for
-    a graph with an op that mutates its arguments (``schema.is_mutable``: a metadata-changing
-    ``transpose_`` on a shared result would change the others).
+    0.04 s). Off for a graph with an op that mutates its arguments (``schema.is_mutable``: a
+    metadata-changing ``transpose_`` on a shared result would change the others).
 
     Raises:
         Exception: whatever an op raises on ``meta`` (no meta kernel, a data-dependent size).
@@ -100,8 +99,8 @@ class MetaProp(fx.Interpreter):
 
     def __init__(self, gm: fx.GraphModule) -> None:
         super().__init__(gm)
-        mutating = any(n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
-                       and n.target._schema.is_mutable for n in gm.graph.nodes)
+        schemas = [overload_schema(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+        mutating = any(s is not None and s.is_mutable for s in schemas)
         self._memo: dict[tuple, Any] | None = None if mutating else {}
         self.hits = 0
 
@@ -124,8 +123,7 @@ class MetaProp(fx.Interpreter):
 
     def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
         args, kwargs = map_aggregate((args, kwargs), lambda x: _meta(x) if isinstance(x, torch.device) else x)
-        memo = self._memo is not None and (isinstance(target, torch._ops.OpOverload)
-                                           or target is operator.getitem)
+        memo = self._memo is not None and (target is operator.getitem or overload_schema(target) is not None)
         key = _signature(target, args, kwargs) if memo else None
         if key is not None and key in self._memo:
             self.hits += 1
@@ -138,10 +136,10 @@ class MetaProp(fx.Interpreter):
 
 def _signature(target: Any, args: Any, kwargs: Any) -> tuple | None:
     """A call's key for :class:`MetaProp`'s memo: the target, each tensor argument's metadata and
-    every other argument's value; None when an argument is neither (an object compared by identity
-    could be mutated between two calls)."""
+    every other argument's value, and the grad mode; None when an argument is neither (an object
+    compared by identity could be mutated between two calls)."""
     try:
-        return (target, _arg_key(args), _arg_key(kwargs))
+        return (target, _arg_key(args), _arg_key(kwargs), torch.is_grad_enabled())
     except _Unkeyed:
         return None
 
