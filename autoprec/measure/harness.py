@@ -118,7 +118,7 @@ class Harness:
         self._state_bytes = training_state_bytes(self.params, optimizer)
         self.shapes = batch_shapes(self.batches)
         # warm-up: one step per distinct shape at least, so compiled graphs meet each before timing;
-        # an eager fn needs one (its first step creates the optimizer's state): _warmup_steps
+        # an eager fn needs one (its first step creates the optimizer's state): warmup_steps
         self._warm = max(warmup, len(self.shapes))
         self._warm_eager = max(min(warmup, 1), len(self.shapes))
         self.tokens = self._timed_tokens(steps, self._warm)  # mean per timed step
@@ -300,7 +300,7 @@ class Harness:
         finally:
             self.restore()
         m.step_s = median(m.step_times)
-        m.tokens_per_s = self._timed_tokens(len(m.step_times), self._warmup_steps(fn)) / m.step_s
+        m.tokens_per_s = self._timed_tokens(len(m.step_times), self.warmup_steps(fn)) / m.step_s
         if self.device.type == "cuda":
             m.peak_bytes = int(torch.cuda.max_memory_allocated(self.device))
         return m
@@ -334,7 +334,7 @@ class Harness:
         The warm-up is ``warmup`` steps, or one per distinct batch shape when there are more
         (:attr:`shapes`), so a compiled graph meets every shape (and recompiles, if it must)
         before timing starts; an eager ``fn`` (not compiled) gets one warm-up step per shape
-        (:meth:`_warmup_steps`). Timing stops after ``steps`` timed steps, or after
+        (:meth:`warmup_steps`). Timing stops after ``steps`` timed steps, or after
         :data:`MIN_TIMED_STEPS` once the timed steps have taken :data:`TIMED_BUDGET_S` in all."""
         guard = [slow_step_guard(max_step_s)] if max_step_s is not None else []
         step = self.train_step(fn, scaler, autocast_dtype)
@@ -344,13 +344,13 @@ class Harness:
                              device=self.device, after=guard)
             return [seconds for _stats, seconds in done]
 
-        warm = self._warmup_steps(fn)
+        warm = self.warmup_steps(fn)
         seconds = run(0, warm + min(MIN_TIMED_STEPS, self.steps))[warm:]
         while len(seconds) < self.steps and sum(seconds) < TIMED_BUDGET_S:
             seconds += run(warm + len(seconds), warm + len(seconds) + 1)
         return seconds
 
-    def _warmup_steps(self, fn: Callable[..., Any]) -> int:
+    def warmup_steps(self, fn: Callable[..., Any]) -> int:
         """Untimed steps before timing ``fn``: ``warmup`` (one per batch shape at least) for a compiled
         ``fn``, whose first calls per shape compile; one (per shape) for an eager one, whose first step
         only creates the optimizer's state (a second cost 0.65 s per trial of a 24-layer Qwen2)."""

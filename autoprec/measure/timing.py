@@ -280,16 +280,16 @@ Settled = Callable[[dict[str, Timing]], bool]
 
 
 def time_interleaved(harness: Harness, configs: Sequence[Config], *, min_rounds: int = 3,
-                     max_rounds: int = 12, steps_per_round: int = 2, warmup: int = 2, rel_band: float = 0.03,
-                     time_cap_s: float = 120.0, max_step_s: float | None = None,
+                     max_rounds: int = 12, steps_per_round: int = 2, warmup: int | None = None,
+                     rel_band: float = 0.03, time_cap_s: float = 120.0, max_step_s: float | None = None,
                      retire: Retire | None = None, settled: Settled | None = None) -> dict[str, Timing]:
     """Time ``configs`` in interleaved rounds on ``harness``'s weights and batches.
 
     Each configuration gets one ``TrainStep`` with its own optimizer (the model file's) and scaler,
     kept across rounds; before each of its turns the initial weights are restored (with a
     :attr:`Config.run`, its own weights are loaded: one training run from the initial weights).
-    First each is warmed up in turn (``max(warmup, len(harness.shapes))`` untimed steps, one per
-    batch shape at least, as ``Harness.measure`` does), then rounds run: each round,
+    First each is warmed up in turn (``warmup`` untimed steps, one per batch shape at least; by
+    default ``Harness.measure``'s rule, ``Harness.warmup_steps``), then rounds run: each round,
     ``steps_per_round`` steps of every configuration in order (A A B B C C, then again), batches
     cycling through ``harness.batches``, each timed by ``TrainStep.timed`` through ``run_steps``.
 
@@ -314,7 +314,7 @@ def time_interleaved(harness: Harness, configs: Sequence[Config], *, min_rounds:
         min_rounds: Rounds before the band may stop the timing (≥ 1).
         max_rounds: Rounds at most (raised to ``min_rounds`` if lower).
         steps_per_round: Timed steps of each configuration per round (≥ 1).
-        warmup: Untimed steps per configuration before the rounds.
+        warmup: Untimed steps per configuration before the rounds (None: ``Harness.warmup_steps``).
         rel_band: Relative half-width of the 95% band that is narrow enough (0.03: ±3%).
         time_cap_s: Seconds after which no further round starts.
         max_step_s: The slow-step limit in seconds (None: no limit).
@@ -341,7 +341,8 @@ def time_interleaved(harness: Harness, configs: Sequence[Config], *, min_rounds:
     capped = False
     try:
         for r in runs:
-            r.run(max(warmup, len(r.h.shapes)), record=False)
+            r.run(max(warmup, len(r.h.shapes)) if warmup is not None else r.h.warmup_steps(r.cfg.fn),
+                  record=False)
         done = 0
         while done < max(max_rounds, min_rounds) and any(r.active for r in runs):
             if time.perf_counter() - t0 >= time_cap_s:

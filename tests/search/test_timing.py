@@ -198,3 +198,26 @@ def test_config_slowing_down_in_the_rounds_is_dropped_from_later_rounds(harness)
     assert s.too_slow and not res["f"].too_slow
     assert len(s.step_times) == 3 and s.rounds == 2  # round 1's two steps and round 2's first
     assert res["f"].rounds == 4 and res["f"].note is None
+
+
+def test_warm_up_is_the_harness_rule_unless_given(monkeypatch):
+    """By default each configuration warms up as ``Harness.measure`` would time it: the harness's
+    warm-up for a compiled function, one step for an eager one (its first step only creates the
+    optimizer's state); an explicit ``warmup`` applies to all."""
+    from autoprec.measure import timing as timing_mod
+
+    h = Harness(load_model_spec(SGD), torch.device("cpu"), warmup=3, steps=2)
+    warm: dict[str, int] = {}
+    real = timing_mod._Run.run
+
+    def run(self, n, record):
+        if not record:
+            warm[self.cfg.name] = n
+        return real(self, n, record)
+
+    monkeypatch.setattr(timing_mod._Run, "run", run)
+    cfgs = [Config("eager", h.model), Config("compiled", torch.compile(h.model, backend="eager"))]
+    time_interleaved(h, cfgs, min_rounds=1, max_rounds=1)
+    assert warm == {"eager": 1, "compiled": 3} and len(h.shapes) == 1
+    time_interleaved(h, cfgs, min_rounds=1, max_rounds=1, warmup=2)
+    assert warm == {"eager": 2, "compiled": 2}
