@@ -54,7 +54,9 @@ import torch
 from torch import nn
 
 from autoprec._io import write_json
+from autoprec._torch_compat import compile_cache_counts
 from autoprec._version import __version__
+from autoprec.applied.compile import cache_report
 from autoprec.commands import bench_shapes as shapes
 from autoprec.commands.bench_configs import BenchConfig, build_configs, main_dtype
 from autoprec.commands.bench_table import add_ratios, format_bench_table, make_row, skipped_row
@@ -183,14 +185,17 @@ def run_bench(model_path: str | os.PathLike, policy: Policy | str | os.PathLike,
 
     Returns:
         ``{"device", "machine", "torch", "autoprec", "date", "model", "policy", "steps", "warmup",
-        "tokens_per_batch", "flops", "matmul_peak", "low_dtype", "timing", "configs": {name: row}}``
-        (``timing``: the interleaving's settings, ``max_step_s`` and ``wall_s`` in seconds) where a
+        "tokens_per_batch", "flops", "matmul_peak", "low_dtype", "timing", "compile_cache",
+        "configs": {name: row}}`` (``timing``: the interleaving's settings, ``max_step_s`` and
+        ``wall_s`` in seconds; ``compile_cache``: what Inductor's on-disk caches served all the
+        compiles, :func:`autoprec.applied.compile.cache_report`) where a
         row holds ``step_s`` (s, median), ``step_s_band`` (s), ``iqr_s`` (s), ``tokens_per_s``,
         ``tokens_per_s_band`` (bootstrap 95% interval, tokens/s), ``rel_half_width``, ``rounds``,
         ``ratio_vs_fp32_eager``, ``ratio_vs_autocast_compiled`` (throughput ratios; > 1 is faster),
         ``vs_autocast_compiled`` (:func:`autoprec.commands.bench_table.add_ratios`: ratio, band, tie,
         winner), ``grad_rel_l2``, ``peak_bytes`` (bytes), ``mfu`` (0..1), ``steps_timed``,
-        ``capped``, ``note``, ``error``.
+        ``capped``, ``note``, ``error``, ``compile_cache`` (a compiled row's compile: after
+        ``tune`` on the same model and policy, ``policy_compiled`` is an AOTAutograd cache hit).
         ``None``: not measured (skipped, failed, no baseline); a measured non-finite number is
         ``"inf"``/``"-inf"``/``"nan"`` (``autoprec._io.json_safe``), here as in ``bench.json``.
 
@@ -202,6 +207,7 @@ def run_bench(model_path: str | os.PathLike, policy: Policy | str | os.PathLike,
     if bad := [n for n in names if n not in CONFIGS]:
         raise ValueError(f"unknown bench config(s) {', '.join(bad)}; valid: {', '.join(CONFIGS)}")
     names = ["fp32_eager"] + [n for n in dict.fromkeys(names) if n != "fp32_eager"]
+    caches = compile_cache_counts()
     pol = policy if isinstance(policy, Policy) else Policy.load(policy)
     spec = load_model_spec(model_path)
     dev = resolve_device(device)
@@ -226,6 +232,8 @@ def run_bench(model_path: str | os.PathLike, policy: Policy | str | os.PathLike,
         "partial": True, "configs": rows, "load": load.records,
     }
     drift = _drift_all(names, cfgs, result, NAMES[low] if skip_slow and slow_low else None, json_path, quiet)
+    result["compile_cache"] = cache_report(caches)  # the drift passes compiled every compiled row
+    _log(result["compile_cache"], quiet)
     _time_all(h, cfgs, drift, result, min_rounds=max(MIN_ROUNDS, math.ceil(steps / STEPS_PER_ROUND)),
               rel_band=rel_band, time_cap_s=time_cap_s, quiet=quiet, load=load)
     _checkpoint(result, json_path)
@@ -250,6 +258,8 @@ def _drift_all(names: Sequence[str], cfgs: dict[str, BenchConfig], result: dict[
     """Drift and memory of each configuration in turn (``fp32_eager`` timed too, back to back, for
     the slow-step limit ``result["timing"]["max_step_s"]``); rows without timing, checkpointed.
 
+    A compiled configuration's row says what Inductor's caches served its compile
+    (``compile_cache``, :func:`autoprec.applied.compile.cache_report`; None for an eager one).
     Configurations in ``skip_dtype`` (except the policy's) get a skipped row. Returns
     ``{name: (drift measurement, the module it ran)}`` of those run (failed ones included).
     """
@@ -262,7 +272,7 @@ def _drift_all(names: Sequence[str], cfgs: dict[str, BenchConfig], result: dict[
             _log(f"{name}: {rows[name]['note']}", quiet)
         else:
             _log(f"{name}: measuring drift ({cfg.dtype}{', compiling' if cfg.compiled else ''})", quiet)
-            t0, fn = time.perf_counter(), None
+            t0, fn, caches = time.perf_counter(), None, compile_cache_counts()
             try:
                 fn = cfg.fn()
                 m = cfg.harness.measure(fn, cfg.scaler, cfg.autocast, timing=name == "fp32_eager")
@@ -271,8 +281,10 @@ def _drift_all(names: Sequence[str], cfgs: dict[str, BenchConfig], result: dict[
             finally:
                 cfg.harness.restore()
             out[name] = (m, fn)
-            rows[name] = {**make_row(m, cfg.dtype, cfg.compiled), "wall_s": time.perf_counter() - t0}
+            rows[name] = {**make_row(m, cfg.dtype, cfg.compiled), "wall_s": time.perf_counter() - t0,
+                          "compile_cache": cache_report(caches) if cfg.compiled else None}
             _log(f"{name}: grad_rel_l2 {rows[name]['grad_rel_l2']}, {rows[name]['wall_s']:.0f} s"
+                 + (f"; {rows[name]['compile_cache']}" if cfg.compiled else "")
                  + (f" ({rows[name]['error']})" if rows[name]["error"] else ""), quiet)
             if name == "fp32_eager" and m.step_times:
                 result["timing"]["max_step_s"] = max(result["max_step_ratio"] * m.step_s, 1.0)
@@ -307,7 +319,8 @@ def _time_all(h: Harness, cfgs: dict[str, BenchConfig], drift: dict[str, tuple[M
         t, late = shapes.drop_compiled_steps(timings[n], watch[n], tm["warmup_steps"], cfgs[n].harness.tokens)
         timings[n] = t
         rows[n] = {**make_row(drift[n][0], cfgs[n].dtype, cfgs[n].compiled, t, flops, peak,
-                              result["max_step_ratio"], late), "wall_s": rows[n]["wall_s"]}
+                              result["max_step_ratio"], late),
+                   "wall_s": rows[n]["wall_s"], "compile_cache": rows[n]["compile_cache"]}
         why = rows[n]["note"] or rows[n]["error"]
         _log(f"{n}: {format_rate(t)} tok/s over {t.rounds} rounds" + (f" ({why})" if why else ""), quiet)
     add_ratios(rows, timings)

@@ -1,8 +1,10 @@
-"""``autoprec train`` right after ``tune`` reuses the compiled graph from Inductor's caches (the
-AOTAutograd and FX graph caches), and both commands say what the caches served."""
+"""``autoprec train`` and ``autoprec bench`` right after ``tune`` reuse the compiled graph from
+Inductor's caches (the AOTAutograd and FX graph caches), and the commands say what the caches
+served."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -23,7 +25,7 @@ def _run(args, env):
 
 
 @pytest.mark.heavy
-def test_train_after_tune_hits_the_compile_caches(tmp_path):
+def test_train_and_bench_after_tune_hit_the_compile_caches(tmp_path):
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "OMP_NUM_THREADS": "1"}
     policy = tmp_path / "p.json"
     # two repeated blocks: the tuned graph is compiled in regions, whose graphs must come out the
@@ -36,6 +38,14 @@ def test_train_after_tune_hits_the_compile_caches(tmp_path):
     trained = _run(["train", model, "--policy", str(policy), "--steps", "2"], env)
     line = next(ln for ln in trained.splitlines() if "first step" in ln)
     assert CACHE_LINE.search(line).groups() == ("1", "0"), line  # the tuned graph, reused
+    out = tmp_path / "bench.json"
+    benched = _run(["bench", model, "--policy", str(policy), "--configs", "policy_compiled", "--steps", "1",
+                    "--json", str(out)], env)
+    line = next(ln for ln in benched.splitlines() if "policy_compiled: grad_rel_l2" in ln)
+    assert CACHE_LINE.search(line).groups() == ("1", "0"), line
+    rows = json.loads(out.read_text())["configs"]
+    assert CACHE_LINE.search(rows["policy_compiled"]["compile_cache"]).groups() == ("1", "0")
+    assert rows["fp32_eager"]["compile_cache"] is None  # an eager row compiles nothing
     again = tmp_path / "cold"
     cold = _run(["train", model, "--policy", str(policy), "--steps", "2"],
                 {**env, "TORCHINDUCTOR_CACHE_DIR": str(again)})
