@@ -176,10 +176,9 @@ def run_bench(model_path: str | os.PathLike, policy: Policy | str | os.PathLike,
             over this multiple of ``fp32_eager``'s step (floor 1 s), or one over 4x that: ``capped``.
         skip_slow: Skip (not run) low-precision baselines when the low dtype's measured matmul
             peak is more than ``max_step_ratio`` times below fp32's; for CPUs that emulate bf16.
-        json_path: Also write the result here after every configuration's drift pass and after
-            the timing (``"partial": true`` until the end), so a run cut short keeps what it measured.
-        rel_band: Timing stops (after the minimum rounds) once every band's relative half-width
-            is at most this (0.03: ±3%).
+        json_path: Also write the result here after every configuration's drift pass and the
+            timing (``"partial": true`` until the end): a run cut short keeps what it measured.
+        rel_band: Timing stops (after the minimum rounds) once every band's relative half-width is ≤ this.
         time_cap_s: No timing round starts after this many seconds of timing.
         strict_timing: Raise ``BusyMachineError`` (exit 2) on a busy machine (:mod:`autoprec.measure.load`).
 
@@ -187,15 +186,13 @@ def run_bench(model_path: str | os.PathLike, policy: Policy | str | os.PathLike,
         ``{"device", "machine", "torch", "autoprec", "date", "model", "policy", "steps", "warmup",
         "tokens_per_batch", "flops", "matmul_peak", "low_dtype", "timing", "compile_cache",
         "configs": {name: row}}`` (``timing``: the interleaving's settings, ``max_step_s`` and
-        ``wall_s`` in seconds; ``compile_cache``: what Inductor's on-disk caches served all the
-        compiles, :func:`autoprec.applied.compile.cache_report`) where a
-        row holds ``step_s`` (s, median), ``step_s_band`` (s), ``iqr_s`` (s), ``tokens_per_s``,
-        ``tokens_per_s_band`` (bootstrap 95% interval, tokens/s), ``rel_half_width``, ``rounds``,
+        ``wall_s`` in seconds; ``compile_cache``: :func:`_drift_all`) where a row holds ``step_s``
+        (s, median), ``step_s_band`` (s), ``iqr_s`` (s), ``tokens_per_s``, ``tokens_per_s_band``
+        (bootstrap 95% interval, tokens/s), ``rel_half_width``, ``rounds``,
         ``ratio_vs_fp32_eager``, ``ratio_vs_autocast_compiled`` (throughput ratios; > 1 is faster),
         ``vs_autocast_compiled`` (:func:`autoprec.commands.bench_table.add_ratios`: ratio, band, tie,
         winner), ``grad_rel_l2``, ``peak_bytes`` (bytes), ``mfu`` (0..1), ``steps_timed``,
-        ``capped``, ``note``, ``error``, ``compile_cache`` (a compiled row's compile: after
-        ``tune`` on the same model and policy, ``policy_compiled`` is an AOTAutograd cache hit).
+        ``capped``, ``note``, ``error``, ``compile_cache`` (:func:`_drift_all`).
         ``None``: not measured (skipped, failed, no baseline); a measured non-finite number is
         ``"inf"``/``"-inf"``/``"nan"`` (``autoprec._io.json_safe``), here as in ``bench.json``.
 
@@ -207,7 +204,6 @@ def run_bench(model_path: str | os.PathLike, policy: Policy | str | os.PathLike,
     if bad := [n for n in names if n not in CONFIGS]:
         raise ValueError(f"unknown bench config(s) {', '.join(bad)}; valid: {', '.join(CONFIGS)}")
     names = ["fp32_eager"] + [n for n in dict.fromkeys(names) if n != "fp32_eager"]
-    caches = compile_cache_counts()
     pol = policy if isinstance(policy, Policy) else Policy.load(policy)
     spec = load_model_spec(model_path)
     dev = resolve_device(device)
@@ -232,8 +228,6 @@ def run_bench(model_path: str | os.PathLike, policy: Policy | str | os.PathLike,
         "partial": True, "configs": rows, "load": load.records,
     }
     drift = _drift_all(names, cfgs, result, NAMES[low] if skip_slow and slow_low else None, json_path, quiet)
-    result["compile_cache"] = cache_report(caches)  # the drift passes compiled every compiled row
-    _log(result["compile_cache"], quiet)
     _time_all(h, cfgs, drift, result, min_rounds=max(MIN_ROUNDS, math.ceil(steps / STEPS_PER_ROUND)),
               rel_band=rel_band, time_cap_s=time_cap_s, quiet=quiet, load=load)
     _checkpoint(result, json_path)
@@ -259,11 +253,13 @@ def _drift_all(names: Sequence[str], cfgs: dict[str, BenchConfig], result: dict[
     the slow-step limit ``result["timing"]["max_step_s"]``); rows without timing, checkpointed.
 
     A compiled configuration's row says what Inductor's caches served its compile
-    (``compile_cache``, :func:`autoprec.applied.compile.cache_report`; None for an eager one).
+    (``compile_cache``, :func:`autoprec.applied.compile.cache_report`; None for an eager one;
+    after ``tune`` on the same model and policy, ``policy_compiled`` is an AOTAutograd hit), and
+    ``result["compile_cache"]`` what they served all of them.
     Configurations in ``skip_dtype`` (except the policy's) get a skipped row. Returns
     ``{name: (drift measurement, the module it ran)}`` of those run (failed ones included).
     """
-    rows, peaks, out = result["configs"], result["matmul_peak"]["by_dtype"], {}
+    rows, peaks, out, start = result["configs"], result["matmul_peak"]["by_dtype"], {}, compile_cache_counts()
     for name in names:
         cfg = cfgs[name]
         if cfg.dtype == skip_dtype and not name.startswith("policy"):
@@ -289,6 +285,8 @@ def _drift_all(names: Sequence[str], cfgs: dict[str, BenchConfig], result: dict[
             if name == "fp32_eager" and m.step_times:
                 result["timing"]["max_step_s"] = max(result["max_step_ratio"] * m.step_s, 1.0)
         _checkpoint(result, json_path)
+    result["compile_cache"] = cache_report(start)  # the drift passes compiled every compiled row
+    _log(result["compile_cache"], quiet)
     return out
 
 

@@ -95,6 +95,9 @@ class Drift:
             ``backoff_hint``: later batches start from batch 0's scale and back off little or not).
         saved_bytes: Bytes saved for backward in batch 0's (last) pass, as ``step`` counted them.
         stopped: ``measure_drift``'s ``stop`` ended the measurement before the last batch.
+        unmeasured: The batch whose gradients overflowed at the current loss scale when ``stop``
+            ended the measurement before its back-off search (its pass was run and timed, its
+            drift is not in ``batches``); None otherwise.
     """
 
     batches: list[BatchDrift] = field(default_factory=list)
@@ -102,6 +105,7 @@ class Drift:
     first_backoffs: int = 0
     saved_bytes: int = 0
     stopped: bool = False
+    unmeasured: int | None = None
 
     @property
     def finite(self) -> bool:
@@ -146,8 +150,11 @@ def measure_drift(step: Callable[[int, bool], tuple[float, list[torch.Tensor], i
     is a failure at once: the scale multiplies the loss after the forward, so no back-off can
     change it.
 
-    ``stop(drift so far)``, when given, is asked after each finite batch but the last; True ends
-    the measurement there (``stopped``), as a search trial's screening cut does.
+    ``stop(drift so far)``, when given, is asked after each finite batch but the last, and before
+    each back-off search (with ``unmeasured`` set to the overflowing batch, whose pass is timed:
+    the search costs about ``2·log2(back-offs + 1)`` forward/backward passes, which a trial cut
+    for its speed need not run); True ends the measurement there (``stopped``), as a search
+    trial's screening cut does.
 
     Raises:
         Exception: whatever ``step`` raises (compile errors, out of memory).
@@ -155,7 +162,14 @@ def measure_drift(step: Callable[[int, bool], tuple[float, list[torch.Tensor], i
     out = Drift()
     for k, (ref_loss, ref_grads) in enumerate(refs):
         first = step(k, k == 0)
+        if k == 0:
+            out.saved_bytes = first[2]
         if scaler is not None and math.isfinite(first[0]) and not _finite(first[0], first[1]):
+            out.unmeasured = k
+            if stop is not None and stop(out):
+                out.stopped = True
+                break
+            out.unmeasured = None
             first, tries = scaler.search_back_off(
                 lambda k=k: step(k, k == 0), lambda r: _finite(r[0], r[1]), first,
                 MAX_BACKOFFS, hint=backoff_hint if k == 0 else 1)  # later: from batch 0's scale
@@ -164,7 +178,7 @@ def measure_drift(step: Callable[[int, bool], tuple[float, list[torch.Tensor], i
                 out.first_backoffs = tries
         loss, grads, nbytes = first
         if k == 0:
-            out.saved_bytes = nbytes
+            out.saved_bytes = nbytes  # the pass at the scale the back-off stopped at
         out.batches.append(batch_drift(loss, grads, ref_loss, ref_grads))
         del grads, first  # keep only the scalars
         if not out.batches[-1].finite:
@@ -180,17 +194,28 @@ def as_measurement(d: Drift, seconds: dict[int, float], scaler: DynamicLossScale
     """The :class:`Measurement` of the batches ``d`` holds (all of them, or those run so far):
     per-batch ``grad_rel_l2`` and their mean, mean ``loss_rel``, min SQNR, ``peak_bytes`` (batch
     0's saved bytes + ``state_bytes``), ``pass_times`` from ``seconds`` (batch -> forward+backward
-    seconds), a ``note`` counting loss-scale back-offs, and ``error`` when a batch was non-finite."""
+    seconds), a ``note`` counting loss-scale back-offs, and ``error`` when a batch was non-finite.
+
+    With ``d.unmeasured`` set (stopped before a back-off search), the drift fields hold the
+    batches before it (none: ``grad_rel_l2`` and ``loss_rel`` inf, as :class:`Measurement`'s
+    defaults), ``pass_times`` its overflowing pass too, ``note`` says so, and ``error`` stays None."""
     m = Measurement(pass_times=[seconds[k] for k in sorted(seconds)])
     if d.backoffs:
         m.note = (f"{d.backoffs} loss-scale backoff{'s' if d.backoffs > 1 else ''} before finite "
                   f"gradients (scale {scaler.get_scale():g}), as training skips its first steps")
+    if d.unmeasured is not None:
+        m.note = (f"{m.note}; " if m.note else "") + (
+                  f"gradients overflowed at loss scale {scaler.get_scale():g} on drift batch "
+                  f"{d.unmeasured}; stopped before the loss-scale back-off, so "
+                  + (f"drift is of batches 0-{d.unmeasured - 1} only" if d.batches
+                     else "drift is not measured"))
     m.grad_rel_l2_batches = [b.grad_rel_l2 for b in d.batches]
-    m.grad_rel_l2 = sum(m.grad_rel_l2_batches) / len(d.batches)
-    m.loss_rel = sum(b.loss_rel for b in d.batches) / len(d.batches)
-    m.grad_sqnr_db_min = min(b.grad_sqnr_db_min for b in d.batches)
+    if d.batches:
+        m.grad_rel_l2 = sum(m.grad_rel_l2_batches) / len(d.batches)
+        m.loss_rel = sum(b.loss_rel for b in d.batches) / len(d.batches)
+        m.grad_sqnr_db_min = min(b.grad_sqnr_db_min for b in d.batches)
     m.peak_bytes = d.saved_bytes + state_bytes
-    if not d.finite:
+    if not d.finite and d.unmeasured is None:
         m.grad_rel_l2 = math.inf
         m.error = f"non-finite loss or gradients (drift batch {len(d.batches) - 1})"
     return m

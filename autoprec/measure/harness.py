@@ -207,7 +207,8 @@ class Harness:
         (``error`` set, ``grad_rel_l2`` inf).
 
         ``stop``, when given, sees the Measurement of the batches run so far after each finite
-        batch but the last; a reason (not None) ends the passes there and becomes ``cut``.
+        batch but the last, and before a back-off search (:func:`~autoprec.measure.drift.measure_drift`);
+        a reason (not None) ends the passes there and becomes ``cut``.
 
         Raises:
             Exception: whatever running ``fn`` raises (compile errors, out of memory).
@@ -268,8 +269,8 @@ class Harness:
                 update's, so no step runs twice (:func:`autoprec.measure.screening.from_drift_passes`);
                 elsewhere it times steps as ``timing`` does.
             cut: A screening cut: given the measurement so far (step times filled as ``screen``
-                fills them) after each drift batch but the last; a reason stops the passes there
-                and is the result's ``cut`` (:meth:`drift`'s ``stop``); nothing more is run.
+                fills them) after each drift batch but the last, and before a back-off search;
+                a reason stops the passes there and is the result's ``cut`` (:meth:`drift`'s ``stop``).
 
         Returns:
             A :class:`Measurement`; on failure ``error`` says why (never raises for numerics).

@@ -10,6 +10,11 @@ and Hyperparameter Optimization"; Li et al. 2017, Hyperband) spends the full mea
 candidates that can still win; this is its one-rung form with a margin for the noise of one pass.
 On a deep model, where every pass is a full forward and backward, it is where trial time goes.
 
+The cut is asked after each drift batch but the last, and before a batch's loss-scale back-off
+search (:func:`autoprec.measure.drift.measure_drift`: the overflowing pass is timed, the search
+would cost more passes); a trial cut there has no drift for that batch (none at all on batch 0:
+``grad_rel_l2`` inf, which the sampler sees as its drift objective).
+
 A cut trial is recorded COMPLETE with what its passes measured (the sampler learns it is slow or
 drifts), its constraint judged on the batches it ran (``DriftBudget.on_batches``), and
 :data:`autoprec.search.attrs.CUT` saying why; it is never a finalist
@@ -94,17 +99,26 @@ def screening_cut(study: optuna.Study, k: int, budget: DriftBudget) -> Callable[
 
 
 def summary(study: optuna.Study, k: int) -> str:
-    """One log line: how many of the study's complete trials the cut stopped, and after how many
-    drift batches (``"screening cut: 9 of 20 complete trials (drift batches run after 2: 7,
-    after 3: 2), steps over 1.18x the 2nd fastest feasible trial's or drift over 2x the budget"``)."""
+    """One log line: how many of the study's complete trials the cut stopped, after how many
+    drift passes, and how many of those before a loss-scale back-off search (``"screening cut: 9
+    of 20 complete trials (drift passes run after 1: 7, after 2: 2; 3 before a loss-scale
+    back-off), steps over 1.18x the 2nd fastest feasible trial's or drift over 2x the budget"``).
+    A trial's passes are its timed drift batches (``autoprec:step_times``), or its measured ones
+    (``autoprec:grad_rel_l2_batches``) where the device gives no screening times; one timed
+    pass more than it measured is a batch whose gradients overflowed and whose back-off search
+    the cut spared (:func:`autoprec.measure.drift.measure_drift`)."""
     done = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
     cut = [t for t in done if attrs.CUT in t.user_attrs]
     after: dict[int, int] = {}
+    early = 0
     for t in cut:
-        n = len(t.user_attrs.get(attrs.GRAD_REL_L2_BATCHES) or [])
-        after[n] = after.get(n, 0) + 1
+        measured = len(t.user_attrs.get(attrs.GRAD_REL_L2_BATCHES) or [])
+        timed = len(t.user_attrs.get(attrs.STEP_TIMES) or [])
+        early += timed > measured
+        after[max(timed, measured)] = after.get(max(timed, measured), 0) + 1
     where = ", ".join(f"after {n}: {c}" for n, c in sorted(after.items()))
-    run = f" (drift batches run {where})" if cut else ""
+    spared = f"; {early} before a loss-scale back-off" if early else ""
+    run = f" (drift passes run {where}{spared})" if cut else ""
     return (f"screening cut: {len(cut)} of {len(done)} complete trials{run}, steps over "
             f"{1 / (1 - SPEED_MARGIN):.3g}x the {ordinal(k)} fastest feasible trial's or drift over "
             f"{DRIFT_FACTOR:g}x the budget")

@@ -126,3 +126,38 @@ def test_back_off_scales_are_updates_rule_and_the_search_changes_only_the_scale(
     run, j = scaler.search_back_off(lambda: scaler.get_scale(), lambda s: s <= 5.0, 2.0 ** 10, 24)
     assert run == scales[j] == scaler.get_scale() and scales[j - 1] > 5.0 >= scales[j]
     assert {**scaler.state_dict(), "scale": before["scale"]} == before
+
+
+def test_a_stop_before_the_backoff_search_spares_its_passes_and_leaves_drift_unmeasured():
+    """``stop`` is asked before a back-off search with the overflowing batch's pass timed: a trial
+    the screening cut stops then runs one pass, not the 5 the search takes, and its measurement
+    says the drift is not measured (no error: it is a cut, not a failure)."""
+    from autoprec.measure.drift import as_measurement
+
+    refs = [(1.0, [torch.ones(3)])] * 4
+    scaler = DynamicLossScaler(init_scale=2.0 ** 16, min_scale=1.0)
+    full_calls: list[float] = []
+    full = measure_drift(_fake_step(scaler, 2.0 ** 11, full_calls), refs, scaler)  # no stop: 5 back-offs
+    assert full.backoffs == 5 and len(full_calls) > 4 and full.unmeasured is None
+
+    asked = []
+
+    def stop(d):
+        asked.append((len(d.batches), d.unmeasured))
+        return d.unmeasured is not None  # the speed rule, once the overflowing pass is timed
+
+    scaler, calls = DynamicLossScaler(init_scale=2.0 ** 16, min_scale=1.0), []
+    d = measure_drift(_fake_step(scaler, 2.0 ** 11, calls), refs, scaler, stop=stop)
+    assert calls == [2.0 ** 16] and asked == [(0, 0)]  # one pass at the initial scale, no search
+    assert d.stopped and d.unmeasured == 0 and d.batches == [] and d.backoffs == 0
+    m = as_measurement(d, {0: 0.5}, scaler, state_bytes=10)
+    assert m.error is None and m.pass_times == [0.5] and m.grad_rel_l2_batches == []
+    assert math.isinf(m.grad_rel_l2) and "drift is not measured" in m.note and "65536" in m.note
+
+    # a stop that goes on: the search runs as without one, and the stop is asked once per batch
+    asked.clear()
+    scaler, calls = DynamicLossScaler(init_scale=2.0 ** 16, min_scale=1.0), []
+    d = measure_drift(_fake_step(scaler, 2.0 ** 11, calls), refs, scaler,
+                      stop=lambda d: asked.append((len(d.batches), d.unmeasured)) and False)
+    assert calls == full_calls and d.backoffs == full.backoffs and len(d.batches) == 4
+    assert asked == [(0, 0), (1, None), (2, None), (3, None)] and d.unmeasured is None

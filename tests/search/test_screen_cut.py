@@ -160,7 +160,7 @@ def test_cut_trial_is_complete_marked_measured_in_part_and_never_a_finalist(tmp_
     assert again.user_attrs[attrs.FINGERPRINT] == low.user_attrs[attrs.FINGERPRINT]
     assert attrs.REUSED_FROM not in again.user_attrs
     assert [t.number for t in feasible(study)] == [0]
-    assert summary(study, 2).startswith("screening cut: 3 of 4 complete trials (drift batches run "
+    assert summary(study, 2).startswith("screening cut: 3 of 4 complete trials (drift passes run "
                                         "after 2: 3), steps over 1.18x the 2nd fastest feasible trial's")
     from autoprec.search.report import pareto_front, trial_rows
 
@@ -189,3 +189,57 @@ def test_a_cut_trials_constraint_is_judged_on_the_batches_it_ran():
     trial = study.ask()
     _record(trial, m, budget)
     assert trial.user_attrs[attrs.CONSTRAINT] > 0 and trial.user_attrs[attrs.CUT] == "drift"
+
+
+OVERFLOW = '''
+import torch
+from torch import nn
+
+def build_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+
+def get_batch(step, device):
+    g = torch.Generator().manual_seed(step)
+    return (torch.randn(8, 16, generator=g).to(device),)
+
+def loss_fn(out, batch):
+    return 64 * out.sum()  # gradients ~64: times the default scale 2^16 they overflow fp16
+'''
+
+
+def test_a_trial_cut_for_speed_before_its_loss_scale_back_off_runs_one_pass(tmp_path):
+    """An fp16 trial whose batch-0 gradients overflow at the initial loss scale is shown to the cut
+    with that pass timed, before the back-off search; cut there, it ran one pass, its drift is not
+    measured (inf, no error), and the study's summary counts it."""
+    from autoprec.passes import run_pipeline
+    from autoprec.policy import Rule
+    from autoprec.search.objective import _record
+
+    f = tmp_path / "m.py"
+    f.write_text(OVERFLOW)
+    h = Harness(load_model_spec(f), torch.device("cpu"), warmup=0, steps=1)
+    pol = Policy(default_dtype="fp32", rules=(Rule(op_class="follow", dtype="fp16", compute="fp32"),))
+    gm = run_pipeline(h.graph_module, pol).graph_module
+    passes = []
+    gm.register_forward_pre_hook(lambda *_: passes.append(1))
+    full = h.measure(gm, lambda: make_scaler(pol), screen=True)
+    assert full.error is None and "loss-scale backoff" in full.note and len(passes) > DRIFT_BATCHES + 1
+    seen = []
+
+    def cut(m):
+        seen.append((len(m.grad_rel_l2_batches), list(m.step_times), m.error))
+        return "slow" if m.step_times else None
+
+    passes.clear()
+    m = h.measure(gm, lambda: make_scaler(pol), screen=True, cut=cut)
+    assert len(passes) == 1 and seen == [(0, m.step_times, None)] and len(m.step_times) == 1
+    assert m.cut == "slow" and m.error is None and math.isinf(m.grad_rel_l2) and m.tokens_per_s > 0
+    assert "drift is not measured" in m.note and m.peak_bytes == full.peak_bytes
+    study = optuna.create_study(directions=["maximize", "minimize", "minimize"])
+    trial = study.ask()
+    _record(trial, m, DriftBudget.fixed(1e-2))
+    assert trial.user_attrs[attrs.GRAD_REL_L2] is None and trial.user_attrs[attrs.CONSTRAINT] > 0
+    study.tell(trial, [m.tokens_per_s, m.grad_rel_l2, float(m.peak_bytes)])
+    assert study.trials[0].state == optuna.trial.TrialState.COMPLETE
+    assert "(drift passes run after 1: 1; 1 before a loss-scale back-off)" in summary(study, 2)
