@@ -191,23 +191,6 @@ def test_a_cut_trials_constraint_is_judged_on_the_batches_it_ran():
     assert trial.user_attrs[attrs.CONSTRAINT] > 0 and trial.user_attrs[attrs.CUT] == "drift"
 
 
-OVERFLOW = '''
-import torch
-from torch import nn
-
-def build_model():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
-
-def get_batch(step, device):
-    g = torch.Generator().manual_seed(step)
-    return (torch.randn(8, 16, generator=g).to(device),)
-
-def loss_fn(out, batch):
-    return 64 * out.sum()  # gradients ~64: times the default scale 2^16 they overflow fp16
-'''
-
-
 def test_a_trial_cut_for_speed_before_its_loss_scale_back_off_runs_one_pass(tmp_path):
     """An fp16 trial whose batch-0 gradients overflow at the initial loss scale is shown to the cut
     with that pass timed, before the back-off search; cut there, it ran one pass, its drift is not
@@ -215,6 +198,7 @@ def test_a_trial_cut_for_speed_before_its_loss_scale_back_off_runs_one_pass(tmp_
     from autoprec.passes import run_pipeline
     from autoprec.policy import Rule
     from autoprec.search.objective import _record
+    from tests.search.test_drift_backoff import MODEL as OVERFLOW  # fp16 gradients overflow at 2^16
 
     f = tmp_path / "m.py"
     f.write_text(OVERFLOW)
