@@ -69,7 +69,7 @@ def skipped_row(dtype: str, compiled: bool, note: str) -> dict[str, Any]:
             "tokens_per_s": 0.0, "tokens_per_s_band": None, "rel_half_width": None, "rounds": 0,
             "grad_rel_l2": None, "loss_rel": None, "grad_sqnr_db_min": None, "peak_bytes": 0, "mfu": None,
             "steps_timed": 0, "step_times": [], "capped": False, "compiles_timed": 0, "skipped": True,
-            "note": note, "error": None}
+            "note": note, "error": None, "compile_cache": None}
 
 
 def failed_rows(result: dict[str, Any]) -> dict[str, str]:
