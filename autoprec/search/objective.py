@@ -32,7 +32,7 @@ from autoprec.search.space import SearchSpace
 from autoprec.training.train import make_scaler
 
 __all__ = ["Objective", "policy_fingerprint", "DIRECTIONS", "MAX_RETRIES", "is_dead_worker",
-           "reap_dead_trials", "requeue_trial", "retried_numbers", "retry_of"]
+           "reap_dead_trials", "recorded", "requeue_trial", "retried_numbers", "retry_of"]
 
 #: Study directions: tokens/s (max), grad_rel_l2 (min), peak bytes (min).
 DIRECTIONS = ("maximize", "minimize", "minimize")
@@ -110,10 +110,17 @@ class Objective:
         fp = policy_fingerprint(assigned.graph_module)
         trial.set_user_attr(attrs.FINGERPRINT, fp)
         prior = _find_measured(trial.study, fp, trial.number)
+        cut = None if self.finalists is None else screening_cut(trial.study, self.finalists, self.budget)
+        if prior is not None and attrs.CUT in prior.user_attrs:
+            # measured in part: copied while the cut, asked now, stops its passes again
+            again = cut(recorded(prior)) if cut is not None else None
+            prior = None if again is None else prior
         if prior is not None:
             for k, v in prior.user_attrs.items():
                 if k.startswith(attrs.ATTR) and k not in (attrs.POLICY, attrs.FINGERPRINT):
                     trial.set_user_attr(k, v)
+            if attrs.CUT in prior.user_attrs:
+                trial.set_user_attr(attrs.CUT, again)  # why, on the study as it is now
             _constrain(trial, float(prior.user_attrs.get(attrs.CONSTRAINT, attrs.INFEASIBLE)))
             trial.set_user_attr(attrs.REUSED_FROM, prior.number)
             return tuple(prior.values) if prior.values else math.nan
@@ -124,7 +131,6 @@ class Objective:
             return math.nan
         trial.set_user_attr(attrs.CASTS, lowered.stats.get("casts", 0))
         fn = saved_eager(lowered.graph_module)  # the policy's saved dtypes (the memory lever), eagerly
-        cut = None if self.finalists is None else screening_cut(trial.study, self.finalists, self.budget)
         m = self.harness.measure(fn, lambda: make_scaler(policy), max_step_s=self.max_step_s, screen=True,
                                  cut=cut)
         _record(trial, m, self.budget)
@@ -169,6 +175,16 @@ def _record(trial: optuna.Trial, m: Measurement, budget: DriftBudget) -> None:
         trial.set_user_attr(attrs.CUT, m.cut)
 
 
+def recorded(trial: optuna.trial.FrozenTrial) -> Measurement:
+    """The :class:`Measurement` a trial recorded with :func:`_record`, as far as its attributes hold
+    it: the fields of :data:`attrs.MEASURED` (a non-finite value, recorded as None, is inf in a
+    list and the field's default alone: a drift value is then inf), its cut and note."""
+    ua = trial.user_attrs
+    fields = {f: ([math.inf if x is None else x for x in ua[k]] if isinstance(ua[k], list) else ua[k])
+              for f, k in attrs.MEASURED.items() if ua.get(k) is not None}
+    return Measurement(**fields, cut=ua.get(attrs.CUT), note=ua.get(attrs.NOTE))
+
+
 def _find_measured(study: optuna.Study, fp: str, number: int, wait_s: float = 900.0,
                    poll_s: float = 0.5) -> optuna.trial.FrozenTrial | None:
     """A trial of the study that measured (or is measuring) the same per-node dtypes.
@@ -179,11 +195,15 @@ def _find_measured(study: optuna.Study, fp: str, number: int, wait_s: float = 90
     each other. Trial numbers are the storage's (a database server locks the study row while it
     numbers a trial), so the rule holds across machines. A trial whose worker died is given up
     while waiting (:func:`reap_dead_trials`), so nobody waits for it.
+
+    A trial measured in full (or failed with an error) is returned first; failing that, the
+    first trial of the graph that the screening cut stopped (measured in part: the caller copies
+    it only while the cut, asked now, would stop its recorded passes again).
     """
     deadline = time.monotonic() + wait_s
     while True:
         reap_dead_trials(study)
-        running = False
+        running, cut = False, None
         for t in study.get_trials(deepcopy=False):
             other = t.user_attrs.get(attrs.FINGERPRINT)
             if (t.number < number and t.state == optuna.trial.TrialState.RUNNING and other in (None, fp)
@@ -191,11 +211,13 @@ def _find_measured(study: optuna.Study, fp: str, number: int, wait_s: float = 90
                 running = True  # measuring this graph, or not yet lowered: wait and look again
             if t.number == number or other != fp:
                 continue
-            if t.state == optuna.trial.TrialState.FAIL and attrs.ERROR in t.user_attrs or (
-                    t.state == optuna.trial.TrialState.COMPLETE and attrs.CUT not in t.user_attrs):
-                return t  # a cut trial was measured in part: this run (its cut, its k) measures again
+            if t.state == optuna.trial.TrialState.COMPLETE and attrs.CUT in t.user_attrs:
+                cut = cut or t  # the first, whose passes ran: a later one copies it or ran again
+            elif t.state == optuna.trial.TrialState.FAIL and attrs.ERROR in t.user_attrs or (
+                    t.state == optuna.trial.TrialState.COMPLETE):
+                return t
         if not running or time.monotonic() > deadline:
-            return None
+            return cut
         time.sleep(poll_s)
 
 

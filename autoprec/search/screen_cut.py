@@ -18,9 +18,11 @@ would cost more passes); a trial cut there has no drift for that batch (none at 
 A cut trial is recorded COMPLETE with what its passes measured (the sampler learns it is slow or
 drifts), its constraint judged on the batches it ran (``DriftBudget.on_batches``), and
 :data:`autoprec.search.attrs.CUT` saying why; it is never a finalist
-(:func:`autoprec.search.pool.feasible`), and a later trial of the same graph measures it again
-rather than copying it (``objective._find_measured``). A study resumed with a larger
-``--finalists`` does not revisit the trials an earlier run cut.
+(:func:`autoprec.search.pool.feasible`). A later trial of the same graph copies it while the cut,
+asked then on the study as it is, stops its recorded passes again (the k-th fastest feasible trial
+only gets faster as trials finish, so it mostly does); otherwise, e.g. in a study resumed with a
+larger ``--finalists`` or a looser budget, it measures the graph again (``Objective``,
+``objective.recorded``).
 """
 
 from __future__ import annotations
@@ -101,24 +103,27 @@ def screening_cut(study: optuna.Study, k: int, budget: DriftBudget) -> Callable[
 def summary(study: optuna.Study, k: int) -> str:
     """One log line: how many of the study's complete trials the cut stopped, after how many
     drift passes, and how many of those before a loss-scale back-off search (``"screening cut: 9
-    of 20 complete trials (drift passes run after 1: 7, after 2: 2; 3 before a loss-scale
-    back-off), steps over 1.18x the 2nd fastest feasible trial's or drift over 2x the budget"``).
-    A trial's passes are its timed drift batches (``autoprec:step_times``), or its measured ones
-    (``autoprec:grad_rel_l2_batches``) where the device gives no screening times; one timed
-    pass more than it measured is a batch whose gradients overflowed and whose back-off search
-    the cut spared (:func:`autoprec.measure.drift.measure_drift`)."""
+    of 20 complete trials (drift passes run after 1: 6, after 2: 2; 3 before a loss-scale
+    back-off; 1 copied from a cut trial of the same graph), steps over 1.18x the 2nd fastest
+    feasible trial's or drift over 2x the budget"``). A trial's passes are its timed drift batches
+    (``autoprec:step_times``), or its measured ones (``autoprec:grad_rel_l2_batches``) where the
+    device gives no screening times; one timed pass more than it measured is a batch whose
+    gradients overflowed and whose back-off search the cut spared
+    (:func:`autoprec.measure.drift.measure_drift`). A copy ran no passes and is counted apart."""
     done = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
     cut = [t for t in done if attrs.CUT in t.user_attrs]
     after: dict[int, int] = {}
     early = 0
-    for t in cut:
+    copies = sum(attrs.REUSED_FROM in t.user_attrs for t in cut)
+    for t in (t for t in cut if attrs.REUSED_FROM not in t.user_attrs):
         measured = len(t.user_attrs.get(attrs.GRAD_REL_L2_BATCHES) or [])
         timed = len(t.user_attrs.get(attrs.STEP_TIMES) or [])
         early += timed > measured
         after[max(timed, measured)] = after.get(max(timed, measured), 0) + 1
     where = ", ".join(f"after {n}: {c}" for n, c in sorted(after.items()))
     spared = f"; {early} before a loss-scale back-off" if early else ""
-    run = f" (drift passes run {where}{spared})" if cut else ""
+    copied = f"; {copies} copied from a cut trial of the same graph" if copies else ""
+    run = f" (drift passes run {where}{spared}{copied})" if cut else ""
     return (f"screening cut: {len(cut)} of {len(done)} complete trials{run}, steps over "
             f"{1 / (1 - SPEED_MARGIN):.3g}x the {ordinal(k)} fastest feasible trial's or drift over "
             f"{DRIFT_FACTOR:g}x the budget")

@@ -143,7 +143,7 @@ def test_cut_trial_is_complete_marked_measured_in_part_and_never_a_finalist(tmp_
     space = SearchSpace(["bf16"])
     study.enqueue_trial({"matmul": "fp32", "sensitive": "fp32", "follow": "fp32"})
     study.enqueue_trial({"matmul": "bf16", "sensitive": "bf16", "follow": "bf16"})
-    study.enqueue_trial({"matmul": "bf16", "sensitive": "bf16", "follow": "auto"})
+    study.enqueue_trial({"matmul": "bf16", "sensitive": "bf16", "follow": "auto"})  # #1's graph too
     study.enqueue_trial({"matmul": "bf16", "sensitive": "bf16", "follow": "bf16"})  # #1's graph again
     # a budget bf16 cannot meet: the all-fp32 trial (drift ~1e-7) runs in full, the bf16 ones are cut
     budget = DriftBudget.fixed(1e-5)
@@ -156,17 +156,28 @@ def test_cut_trial_is_complete_marked_measured_in_part_and_never_a_finalist(tmp_
         assert "x the drift budget on its first 2 batches (over 2x)" in t.user_attrs[attrs.CUT]
         assert len(t.user_attrs[attrs.GRAD_REL_L2_BATCHES]) == MIN_BATCHES
         assert t.user_attrs[attrs.CONSTRAINT] > 0  # judged on the batches it ran: over the budget
-    # the same graph as a cut trial is measured again, not copied from it
-    assert again.user_attrs[attrs.FINGERPRINT] == low.user_attrs[attrs.FINGERPRINT]
-    assert attrs.REUSED_FROM not in again.user_attrs
+    # the same graph as a cut trial, which the cut would stop again, is copied from it
+    for t in (low2, again):
+        assert t.user_attrs[attrs.FINGERPRINT] == low.user_attrs[attrs.FINGERPRINT]
+        assert t.user_attrs[attrs.REUSED_FROM] == low.number and t.values == low.values
     assert [t.number for t in feasible(study)] == [0]
-    assert summary(study, 2).startswith("screening cut: 3 of 4 complete trials (drift passes run "
-                                        "after 2: 3), steps over 1.18x the 2nd fastest feasible trial's")
+    assert summary(study, 2).startswith("screening cut: 3 of 4 complete trials (drift passes run after 2: 1;"
+                                        " 2 copied from a cut trial of the same graph), steps over 1.18x")
+    # under a budget its recorded drift meets, the cut would not stop it: measured again, in full
+    study.enqueue_trial({"matmul": "bf16", "sensitive": "bf16", "follow": "bf16"})
+    loosened = Objective(harness, space, DriftBudget.fixed(1.0), max_step_s=60.0, finalists=2)
+    study.optimize(loosened, n_trials=1)
+    loose = study.trials[-1]
+    assert loose.user_attrs[attrs.FINGERPRINT] == low.user_attrs[attrs.FINGERPRINT]
+    assert attrs.REUSED_FROM not in loose.user_attrs and attrs.CUT not in loose.user_attrs
+    assert len(loose.user_attrs[attrs.GRAD_REL_L2_BATCHES]) == DRIFT_BATCHES
     from autoprec.search.report import pareto_front, trial_rows
 
     rows = {r["number"]: r for r in trial_rows(study)}
     assert rows[1]["cut"] and not rows[1]["feasible"] and rows[0]["cut"] is None
-    assert [r["number"] for r in pareto_front(list(rows.values()))] == [0]  # measured in part: off the front
+    assert rows[3]["cut"] and rows[3]["reused_from"] == 1 and not rows[3]["feasible"]
+    # measured in part: off the front (trial 4, measured in full under a looser budget, is on it)
+    assert 1 not in {r["number"] for r in pareto_front(list(rows.values()))}
     # without finalists (no cut) the same trial runs all its passes
     study2 = open_study(f"sqlite:///{tmp_path}/s.db", "nocut", seed=0)
     study2.enqueue_trial({"matmul": "bf16", "sensitive": "bf16", "follow": "bf16"})
@@ -227,3 +238,19 @@ def test_a_trial_cut_for_speed_before_its_loss_scale_back_off_runs_one_pass(tmp_
     study.tell(trial, [m.tokens_per_s, m.grad_rel_l2, float(m.peak_bytes)])
     assert study.trials[0].state == optuna.trial.TrialState.COMPLETE
     assert "(drift passes run after 1: 1; 1 before a loss-scale back-off)" in summary(study, 2)
+
+
+def test_recorded_reads_back_what_record_stored_non_finite_drift_as_inf():
+    """The cut of a later trial of the same graph is asked on the recorded measurement."""
+    from autoprec.search.objective import _record, recorded
+
+    budget = DriftBudget.fixed(1e-2)
+    m = _m([3e-3, math.inf], step_times=[0.2, 0.3])
+    m.cut, m.tokens_per_s, m.step_s = "slow", 1234.0, 0.25
+    study = optuna.create_study(directions=["maximize", "minimize", "minimize"])
+    trial = study.ask()
+    _record(trial, m, budget)
+    back = recorded(trial)
+    assert back.grad_rel_l2_batches == [3e-3, math.inf] and back.grad_rel_l2 == math.inf
+    assert back.step_times == [0.2, 0.3] and back.tokens_per_s == 1234.0 and back.cut == "slow"
+    assert budget.on_batches(2).excess(back) == budget.on_batches(2).excess(m) == attrs.INFEASIBLE
