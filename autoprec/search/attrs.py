@@ -10,6 +10,7 @@ from __future__ import annotations
 
 __all__ = [
     "ATTR", "CASTS", "CONSTRAINT", "CUT", "DRIFT_BUDGET", "DRIFT_RULE", "ERROR", "FINGERPRINT", "GRAD_REL_L2",
+    "GRAPH",
     "GRAD_REL_L2_BATCHES", "GRAD_SQNR_DB_MIN", "INFEASIBLE", "INTERRUPTED", "LOSS_REL", "MEASURED",
     "MEASURE_VERSION", "NOTE", "PEAK_BYTES", "POLICY", "REUSED_FROM", "SENSITIVITY", "SPACE", "STEP_S",
     "STEP_TIMES", "TOKENS_PER_S", "TOKENS_PER_S_BAND", "WORKER",
@@ -52,6 +53,8 @@ DRIFT_RULE = ATTR + "drift_rule"  #: DriftBudget.to_dict() of that run (the rule
 SENSITIVITY = ATTR + "sensitivity"  #: grad_rel_l2 with only one region lowered, per region
 SPACE = ATTR + "space"  #: ``{"dtypes": [...]}`` of the search space the study samples
 MEASURE_VERSION = ATTR + "measure_version"  #: storage.MEASURE_VERSION of the trials' measurements
+#: ``{"fingerprint": nodekeys.graph_fingerprint, "model": path}`` of the captured graph the trials measure
+GRAPH = ATTR + "graph"
 
 #: The constraint (and sensitivity) recorded for what has no finite drift: larger than any
 #: budget, finite so Optuna's constrained samplers and JSON storage accept it.

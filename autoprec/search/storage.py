@@ -197,7 +197,7 @@ def default_study_name(path: str | os.PathLike, gm: fx.GraphModule, dev: torch_d
     return f"autoprec-{stem}-{graph_fingerprint(gm)[:8]}-{dev.type}{forced}-m{MEASURE_VERSION}"
 
 
-def precheck_study(storage: str, study_name: str, space: SearchSpace) -> None:
+def precheck_study(storage: str, study_name: str, space: SearchSpace, graph: Mapping | None = None) -> None:
     """:func:`check_study` on an existing study before the baselines are measured (minutes on
     a model whose low dtype is emulated), reading only: a missing database or study passes.
 
@@ -211,7 +211,8 @@ def precheck_study(storage: str, study_name: str, space: SearchSpace) -> None:
     rdb = rdb_storage(storage)
     try:
         if study_name in {s.study_name for s in optuna.get_all_study_summaries(rdb)}:
-            check_study(optuna.load_study(study_name=study_name, storage=rdb), storage, space, stamp=False)
+            check_study(optuna.load_study(study_name=study_name, storage=rdb), storage, space, stamp=False,
+                        graph=graph)
     finally:
         if isinstance(rdb, optuna.storages.RDBStorage):
             rdb.engine.dispose()  # its connections; open_study opens the storage the run uses
@@ -244,13 +245,15 @@ def study_space(storage: str, study_name: str) -> dict | None:
 
 
 def check_study(study: optuna.Study, storage: str, space: SearchSpace, stamp: bool = True,
-                probe: Mapping | None = None) -> None:
-    """Stamp a new study with :data:`MEASURE_VERSION` and the search space (:data:`attrs.SPACE`:
+                probe: Mapping | None = None, graph: Mapping | None = None) -> None:
+    """Stamp a new study with :data:`MEASURE_VERSION`, the search space (:data:`attrs.SPACE`:
     ``{"dtypes": space.dtypes, "probe": probe}``, ``probe`` the decision that chose them: per kernel
-    measured its ratio to fp32, band and verdict; JSON-ready); refuse to resume one
+    measured its ratio to fp32, band and verdict; JSON-ready) and the captured graph
+    (:data:`attrs.GRAPH`: ``graph``, ``{"fingerprint": ..., "model": path}``); refuse to resume one
     whose trials were measured by another version (studies from before the stamp count as
-    version 1) or sampled from another space (e.g. other ``--dtypes``: Optuna cannot change a
-    parameter's choices within a study).
+    version 1), sampled from another space (e.g. other ``--dtypes``: Optuna cannot change a
+    parameter's choices within a study) or measured on another graph (another model, batch shape
+    or torch version under the same ``--study-name``: its trials' numbers are not this model's).
 
     Raises:
         SearchError: naming the study, the storage and what differs; the study is left as it is.
@@ -270,10 +273,18 @@ def check_study(study: optuna.Study, storage: str, space: SearchSpace, stamp: bo
         raise SearchError(
             f"{where} searched the dtypes {', '.join(old['dtypes'])}; this run searches "
             f"{', '.join(space.dtypes)} (--dtypes), so it cannot resume it. {fix}")
+    theirs = study.user_attrs.get(attrs.GRAPH)
+    if graph is not None and theirs is not None and theirs["fingerprint"] != graph["fingerprint"]:
+        raise SearchError(
+            f"{where} holds trials of {theirs['model']} (captured graph {theirs['fingerprint']}); this "
+            f"run's {graph['model']} captures another graph ({graph['fingerprint']}: another model, batch "
+            f"shape or torch version), so those trials' numbers are not its own. {fix}")
     if stamp:  # the first worker's space stays the study's (another may have stamped meanwhile)
         if study.user_attrs.get(attrs.SPACE) is None:
             decision = {"probe": dict(probe)} if probe else {}
             study.set_user_attr(attrs.SPACE, {"dtypes": space.dtypes, **decision})
+        if graph is not None and theirs is None:
+            study.set_user_attr(attrs.GRAPH, dict(graph))
         study.set_user_attr(attrs.MEASURE_VERSION, MEASURE_VERSION)
 
 

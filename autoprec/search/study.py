@@ -199,7 +199,7 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
     storage = storage or default_storage(out)
     study_name = study_name or default_study_name(run.spec.path, run.gm, run.dev, forced)
     adopt_study_kernels(run, study_choices(storage, study_name))  # a shared study's kernels
-    precheck_study(storage, study_name, run.space)  # a study this run cannot resume fails now
+    precheck_study(storage, study_name, run.space, _graph(run))  # a study this run cannot resume fails now
     _baselines(run, drift_arg, memory_arg)
     # the screening cut keeps the k fastest feasible; a memory budget may pass over them (--no-compile)
     study = _search(run, storage, study_name, seed, trials, timeout, run.progress,
@@ -268,7 +268,7 @@ def _search(run: _Run, storage: str, study_name: str, seed: int, trials: int | N
     study = open_study(storage, study_name, seed)
     stamped = lambda: (study.user_attrs.get(attrs.SPACE) or {}).get("dtypes")  # noqa: E731
     adopt_study_kernels(run, stamped())  # another worker's
-    check_study(study, storage, run.space, probe=probe_decision(run.probes))
+    check_study(study, storage, run.space, probe=probe_decision(run.probes), graph=_graph(run))
     adopt_study_kernels(run, stamped())  # one that stamped at the same moment
     study.set_user_attr(attrs.DRIFT_BUDGET, run.budget.value)
     study.set_user_attr(attrs.DRIFT_RULE, run.budget.to_dict())
@@ -354,6 +354,11 @@ def _write(run: _Run, study: optuna.Study, sel: Selector, chosen: Policy, chosen
     check_interrupt()  # never write a policy after Ctrl-C, even one Python swallowed
     policy.save(out)  # atomic; the last file written
     return TuneResult(policy, study, table, timings, run.probes)
+
+
+def _graph(run: _Run) -> dict:
+    """The study's :data:`attrs.GRAPH` stamp of this run: its captured graph and model file."""
+    return {"fingerprint": graph_fingerprint(run.gm), "model": str(run.spec.path)}
 
 
 def _ok(m: Measurement | None) -> bool:

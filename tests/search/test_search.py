@@ -134,6 +134,31 @@ def test_sigkill_resume_keeps_finished_trials(tmp_path):
 
 
 @pytest.mark.heavy
+def test_a_study_of_another_model_is_refused_before_any_measurement(tmp_path):
+    """The same --storage and --study-name for another model: its trials measured another graph,
+    so the tune stops (exit 2) naming both model files, before its baselines, writing nothing and
+    leaving the study as it was."""
+    storage = f"sqlite:///{tmp_path}/shared.db"
+    extra = ("--storage", storage, "--study-name", "mine")
+    first = MODELS / "micro_lm.py"
+    r = subprocess.run(_tune_cmd(first, tmp_path / "a.json", 2, extra), capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    before = optuna.load_study(study_name="mine", storage=storage)
+    assert before.user_attrs[ATTR + "graph"]["model"] == str(first)
+    other = MODELS / "varlen_lm.py"
+    r = subprocess.run(_tune_cmd(other, tmp_path / "b.json", 2, extra), capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert f"study 'mine' in {storage} holds trials of {first}" in r.stderr
+    assert f"this run's {other} captures another graph" in r.stderr and "--study-name" in r.stderr
+    assert "fp32 eager" not in r.stderr  # refused before the baselines
+    assert not (tmp_path / "b.json").exists()
+    after = optuna.load_study(study_name="mine", storage=storage)
+    assert len(after.trials) == len(before.trials) and after.user_attrs == before.user_attrs
+
+
+@pytest.mark.heavy
 def test_two_workers_share_one_study(tmp_path):
     model = str(MODELS / "micro_lm.py")
     storage = f"sqlite:///{tmp_path}/shared.db"
