@@ -10,10 +10,13 @@ A node whose ``compute`` dtype differs from its storage dtype (a rule's ``comput
 storage with fp32 compute) reads each input rounded through the storage dtype and then cast to
 the compute dtype (``x -> bf16 -> fp32``: the weights are rounded as a bf16 kernel would see
 them), computes, and is stored back by one cast its consumers share; afterwards its ``dtype`` is
-the compute dtype and ``storage`` the stored one.
+the compute dtype and ``storage`` the stored one. An op with several outputs (``split``,
+``broadcast_tensors``) is stored back after each ``getitem`` that reads an output.
 """
 
 from __future__ import annotations
+
+import operator
 
 import torch
 from torch import fx
@@ -160,6 +163,9 @@ def _store(graph: fx.Graph, node: fx.Node, compute: str, stats: dict[str, int]) 
     ``storage`` records what its consumers read."""
     meta = meta_of(node)
     storage = meta.dtype
+    if isinstance(node.meta.get("val"), (list, tuple)):  # several outputs (split, broadcast_tensors)
+        _store_each(graph, node, compute, stats)
+        return
     users = list(node.users)
     with graph.inserting_after(node):
         c = graph.call_function(CAST_OP, (node,), {"dtype": to_torch(storage)})
@@ -176,6 +182,25 @@ def _store(graph: fx.Graph, node: fx.Node, compute: str, stats: dict[str, int]) 
     meta.dtype, meta.storage = compute, storage
     stats["casts"] += 1
     stats["cast_bytes"] += tensor_bytes(node)
+
+
+def _store_each(graph: fx.Graph, node: fx.Node, compute: str, stats: dict[str, int]) -> None:
+    """:func:`_store` for a node with several outputs: a list is no tensor to cast, so each float
+    output is stored back after the ``operator.getitem`` that reads it (how an ATen graph reads
+    them); the node's ``dtype`` becomes ``compute``, and each getter's ``dtype`` and ``storage`` as
+    :func:`_store` sets a node's.
+
+    Raises:
+        PassError: the node's outputs are read other than through ``operator.getitem``.
+    """
+    getters = list(node.users)
+    if not all(g.op == "call_function" and g.target is operator.getitem for g in getters):
+        raise pass_error(PASS, node, f"computes in {compute} but its outputs are read other than by getitem "
+                                     f"({', '.join(g.name for g in getters)}), so they cannot be stored back")
+    meta_of(node).dtype = compute
+    for g in getters:
+        if read_meta(g).dtype is not None and is_float_value(g.meta.get("val")):
+            _store(graph, g, compute, stats)
 
 
 class InsertCasts(PassBase):

@@ -202,3 +202,44 @@ def test_gpt2_conv1d_addmm_lowers_to_fp8():
     targets = [str(n.target) for n in out.graph.nodes if n.op == "call_function"]
     # 4 Conv1D + head
     assert targets.count("autoprec.fp8_linear.default") == 5 and "aten.addmm.default" not in targets
+
+
+class SplitMSE(torch.nn.Module):
+    """Ops with several outputs: ``split`` (a fused QKV projection's) and the
+    ``broadcast_tensors`` of ``mse_loss``'s decomposition, each read through ``getitem``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = torch.nn.Linear(16, 48)
+
+    def forward(self, x, y):
+        q, k, v = self.qkv(x).split(16, dim=-1)
+        return torch.nn.functional.mse_loss(q * k + v, y)
+
+
+def test_compute_of_an_op_with_several_outputs_is_stored_back_after_each_getitem():
+    """A list output is no tensor to cast: with ``follow`` computing in fp32 over bf16 storage,
+    each float output of ``split``/``broadcast_tensors`` is stored back in bf16 after the getitem
+    that reads it (it used to cast the list and fail verification); the loss is float64 arithmetic
+    on bf16-rounded values within bf16 rounding."""
+    policy = Policy(default_dtype="bf16", rules=(Rule(op_class="sensitive", dtype="fp32"),
+                                                 Rule(op_class="follow", dtype="bf16", compute="fp32")))
+    torch.manual_seed(0)
+    m, x, y = SplitMSE(), torch.randn(4, 16), torch.randn(4, 16)
+    gm = run_pipeline(capture(m, (x, y)), policy).graph_module
+    multi = [n for n in gm.graph.nodes
+             if n.op == "call_function" and isinstance(n.meta.get("val"), (list, tuple))]
+    assert {str(n.target) for n in multi} >= {"aten.split.Tensor", "aten.broadcast_tensors.default"}
+    for n in multi:
+        assert read_meta(n).dtype == "fp32"
+        for g in n.users:
+            (store,) = g.users
+            assert store.kwargs["dtype"] == torch.bfloat16 and read_meta(store).inserted_cast
+            assert (read_meta(g).dtype, read_meta(g).storage) == ("fp32", "bf16")
+    loss = gm(x, y)
+    r = lambda t: t.to(torch.bfloat16).double()  # noqa: E731
+    q, k, v = r(r(x) @ r(m.qkv.weight).T + r(m.qkv.bias)).split(16, dim=-1)
+    ref = (r(r(q * k) + v) - r(y)).square().mean()
+    torch.testing.assert_close(loss.double(), ref, rtol=2 ** -6, atol=1e-3)
+    loss.backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in m.parameters())
