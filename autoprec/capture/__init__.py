@@ -17,7 +17,15 @@ One capture, top to bottom:
 
 from __future__ import annotations
 
-from autoprec.capture.batches import MAX_SHAPES, PROBE_BATCHES, batch_shapes, capture_dynamic, capture_for
+from autoprec.capture.batches import (
+    MAX_SHAPES,
+    PROBE_BATCHES,
+    autocast_dynamic,
+    batch_shapes,
+    capture_dynamic,
+    capture_for,
+    warmup_steps,
+)
 from autoprec.capture.dims import (
     BATCH,
     SEQ,
@@ -38,8 +46,7 @@ from autoprec.capture.shapes import DIMS_META, PLAN_META, RANGE_ADVICE, InputSha
 from autoprec.capture.trace import CALL_KWARGS_META, capture, capture_planned
 
 __all__ = ["BATCH", "CALL_KWARGS_META", "DIMS_META", "MAX_SHAPES", "PLAN_META", "PROBE_BATCHES",
-           "RANGE_ADVICE", "SEQ", "TARGET", "DimPlan", "DimRange", "InputShapes", "batch_shapes", "capture",
-           "capture_dynamic", "capture_for",
-           "capture_planned", "export_program", "export_ranges", "largest_batch", "largest_sizes",
-           "leaf_name", "maxima", "plan_dims", "quiet_pytree_deprecation", "role_sizes", "shapes_vary",
-           "tensor_shapes"]
+           "RANGE_ADVICE", "SEQ", "TARGET", "DimPlan", "DimRange", "InputShapes", "autocast_dynamic",
+           "batch_shapes", "capture", "capture_dynamic", "capture_for", "capture_planned", "export_program",
+           "export_ranges", "largest_batch", "largest_sizes", "leaf_name", "maxima", "plan_dims",
+           "quiet_pytree_deprecation", "role_sizes", "shapes_vary", "tensor_shapes", "warmup_steps"]

@@ -57,6 +57,7 @@ from autoprec._io import write_json
 from autoprec._torch_compat import compile_cache_counts
 from autoprec._version import __version__
 from autoprec.applied.compile import cache_report
+from autoprec.capture import warmup_steps
 from autoprec.commands import bench_shapes as shapes
 from autoprec.commands.bench_configs import BenchConfig, build_configs, main_dtype
 from autoprec.commands.bench_table import add_ratios, format_bench_table, make_row, skipped_row
@@ -300,7 +301,7 @@ def _time_all(h: Harness, cfgs: dict[str, BenchConfig], drift: dict[str, tuple[M
     todo = [n for n, (m, _fn) in drift.items() if m.error is None]
     tm, watch = result["timing"], {n: shapes.CompileWatch(drift[n][1]) for n in todo}
     tm.update(min_rounds=min_rounds, max_rounds=max(MAX_ROUNDS, min_rounds), rel_band=rel_band,
-              time_cap_s=time_cap_s, warmup_steps=shapes.warmup_steps(h.batches, result["warmup"]))
+              time_cap_s=time_cap_s, warmup_steps=warmup_steps(h.batches, result["warmup"]))
     _log(f"timing {', '.join(todo)} interleaved ({tm['steps_per_round']} steps each per round, "
          f"{min_rounds}-{tm['max_rounds']} rounds, until ±{100 * rel_band:g}% or {time_cap_s:g} s)", quiet)
     t0 = time.perf_counter()

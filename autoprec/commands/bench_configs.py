@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from autoprec.applied.compile import compile_graph
+from autoprec.capture import autocast_dynamic
 from autoprec.commands import bench_shapes as shapes
 from autoprec.dtypes import NAMES
 from autoprec.measure import Harness
@@ -80,7 +81,7 @@ def build_configs(h: Harness, policy: Policy, low: torch.dtype,
                                              "fp32", True),
         "autocast_eager": lambda: BenchConfig(lambda: h.model, h, low_scaler, low, lname, False),
         "autocast_compiled": lambda: BenchConfig(
-            lambda: compile_graph(h.model, dynamic=shapes.autocast_dynamic(h.batches)),
+            lambda: compile_graph(h.model, dynamic=autocast_dynamic(h.batches)),
             h, low_scaler, low, lname, True),
         "pure_low_eager": lambda: BenchConfig(lambda: plow.model, plow, low_scaler, None, lname, False),
         "pure_low_compiled": lambda: BenchConfig(

@@ -9,10 +9,11 @@ step. Every bench row must run all of the harness's batches, and no compile may 
   (:func:`cover_batches` captures the harness's graph again when ``--steps`` brings batches
   past the first ones'), so one compile serves every shape;
 - ``autocast_compiled`` (``torch.compile`` of the ``nn.Module``) compiles with ``dynamic=True``
-  when the shapes vary (:func:`autocast_dynamic`), instead of once per shape;
+  when the shapes vary (:func:`autoprec.capture.autocast_dynamic`, as ``tune``), instead of once per
+  shape;
 - the timing's warm-up runs every batch up to the last first appearance of a shape
-  (:func:`warmup_steps`), so each configuration meets each shape (and compiles, if it must)
-  before a step is timed;
+  (:func:`autoprec.capture.warmup_steps`, as ``tune``), so each configuration meets each shape
+  (and compiles, if it must) before a step is timed;
 - :class:`CompileWatch` counts compiles during the timed steps anyway; a timed step whose
   forward compiled is left out of the row's timing (:func:`drop_compiled_steps`), and the row
   says how many (``compiles_timed``).
@@ -26,34 +27,12 @@ from typing import Any
 from torch import fx, nn
 
 from autoprec.applied.shape_cache import is_dynamic
-from autoprec.capture import InputShapes, capture_for, shapes_vary, tensor_shapes
+from autoprec.capture import InputShapes, capture_for
 from autoprec.device import compile_count
 from autoprec.measure import Timing
 from autoprec.modelspec import split_batch
 
-__all__ = ["CompileWatch", "autocast_dynamic", "capture_rows", "cover_batches", "drop_compiled_steps",
-           "warmup_steps"]
-
-
-def warmup_steps(batches: list[Any], warmup: int) -> int:
-    """Untimed steps that meet every distinct shape of ``batches`` (cycled from batch 0): at least
-    ``warmup``, and at least up to and including the first batch of the last shape to appear.
-
-    Args:
-        batches: The harness's batches, in the order steps take them.
-        warmup: The user's ``--warmup``.
-
-    Returns:
-        The warm-up step count.
-    """
-    seen: set[tuple[Any, ...]] = set()
-    last = -1
-    for i, b in enumerate(batches):
-        key = _key(b)
-        if key not in seen:
-            seen.add(key)
-            last = i
-    return max(int(warmup), last + 1)
+__all__ = ["CompileWatch", "capture_rows", "cover_batches", "drop_compiled_steps"]
 
 
 def capture_rows(model: nn.Module, batches: list[Any]) -> fx.GraphModule:
@@ -85,12 +64,6 @@ def cover_batches(h: Any) -> bool:
             h.graph_module = capture_rows(h.model, h.batches)
             return True
     return False
-
-
-def autocast_dynamic(batches: list[Any]) -> bool | None:
-    """``torch.compile``'s ``dynamic`` for the autocast baseline: True when ``batches`` vary in
-    shape (one compile for all of them), else None (the default rule: one static compile)."""
-    return True if shapes_vary(batches) else None
 
 
 class CompileWatch:
@@ -145,6 +118,3 @@ def drop_compiled_steps(t: Timing, watch: CompileWatch, warm: int, tokens: float
     out.error, out.note, out.too_slow, out.peak_bytes = t.error, t.note, t.too_slow, t.peak_bytes
     return out, len(late)
 
-
-def _key(batch: Any) -> tuple[Any, ...]:
-    return tuple(tensor_shapes(*split_batch(batch)))

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from autoprec.applied.compile import CompiledGraph, compile_graph
-from autoprec.capture import PROBE_BATCHES, batch_shapes, capture_for
+from autoprec.capture import PROBE_BATCHES, batch_shapes, capture_for, warmup_steps
 from autoprec.device import sync
 from autoprec.measure import screening
 from autoprec.measure.drift import (
@@ -117,10 +117,10 @@ class Harness:
         self.optimizer_name: str = type(optimizer).__name__
         self._state_bytes = training_state_bytes(self.params, optimizer)
         self.shapes = batch_shapes(self.batches)
-        # warm-up: one step per distinct shape at least, so compiled graphs meet each before timing;
-        # an eager fn needs one (its first step creates the optimizer's state): warmup_steps
-        self._warm = max(warmup, len(self.shapes))
-        self._warm_eager = max(min(warmup, 1), len(self.shapes))
+        # warm-up: up to every shape's first batch at least, so compiled graphs meet each before
+        # timing; an eager fn needs one (its first step creates the optimizer's state): warmup_steps
+        self._warm = warmup_steps(self.batches, warmup)
+        self._warm_eager = warmup_steps(self.batches, min(warmup, 1))
         self.tokens = self._timed_tokens(steps, self._warm)  # mean per timed step
         self.random = draws_random(self.graph_module)
         self._compiled_fp32: CompiledGraph | None = None

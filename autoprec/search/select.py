@@ -16,6 +16,7 @@ import optuna
 from autoprec._interrupt import check as check_interrupt
 from autoprec.applied.compile import compile_graph
 from autoprec.applied.saved import saved_eager
+from autoprec.capture import autocast_dynamic
 from autoprec.errors import SearchError
 from autoprec.measure import Config, Measurement, Timing, format_rate, time_interleaved
 from autoprec.passes import run_pipeline
@@ -115,8 +116,9 @@ class Selector:
             self._fit_bar.step(f"activation memory budget {activation_memory_budget:g}")
         if not self.compile:
             return saved_eager(gm)
-        with self.clock("compile_s"):
-            return compile_graph(gm, activation_memory_budget)
+        with self.clock("compile_s"):  # the module (torch.autocast's baseline): dynamic if shapes vary
+            dynamic = autocast_dynamic(self.h.batches) if gm is self.h.model else None
+            return compile_graph(gm, activation_memory_budget, dynamic=dynamic)
 
     def choose(self, feasible: list[optuna.trial.FrozenTrial], k: int,
                memory_budget: Callable[[], float | None] = lambda: None) -> tuple[Policy, Measurement]:

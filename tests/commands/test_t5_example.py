@@ -15,9 +15,10 @@ import pytest
 import torch
 
 import autoprec
+from autoprec.capture import warmup_steps
 from autoprec.cli import main
 from autoprec.commands.bench import CONFIGS, run_bench
-from autoprec.commands.bench_shapes import CompileWatch, drop_compiled_steps, warmup_steps
+from autoprec.commands.bench_shapes import CompileWatch, drop_compiled_steps
 from autoprec.measure import Timing
 from autoprec.modelspec import load_model_spec
 from tests.conftest import EXAMPLES
