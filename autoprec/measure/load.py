@@ -10,6 +10,8 @@ matmul loop beside a 2-thread tune slowed steps up to 70x), so each phase bounda
   ``/proc/<pid>/stat``, folded with the load average's own 60 s decay); and, because the load
   average lags by about a minute, the CPU time every other process used during a short sleep
   (``/proc/stat``'s aggregate ``cpu`` line, proc(5), less this process's own), which does not.
+  When only the load average says busy, a longer sample (:data:`CONFIRM_S`) decides: idle too, the
+  load average is that of processes that ended (a run right after another) and is left out.
 - **A calibration matmul** (fp32 512x512x512, the median of a few reps,
   :func:`autoprec.device.time_matmul`), compared with the fastest one this process has timed.
 
@@ -35,7 +37,7 @@ from autoprec.device import time_matmul
 from autoprec.errors import AutoprecError
 from autoprec.metrics import median
 
-__all__ = ["BUSY_CORES", "BUSY_SLOWDOWN", "BusyMachineError", "LoadCheck", "LoadMonitor"]
+__all__ = ["BUSY_CORES", "BUSY_SLOWDOWN", "CONFIRM_S", "BusyMachineError", "LoadCheck", "LoadMonitor"]
 
 #: Other processes using more than this many cores (of those this process may use) make the machine busy.
 BUSY_CORES = 0.5
@@ -46,6 +48,10 @@ BUSY_SLOWDOWN = 1.5
 CALIB_N, CALIB_REPS, CALIB_CAP_S = 512, 9, 2.0
 #: Seconds of the sleep over which other processes' CPU use is read from ``/proc/stat``.
 SAMPLE_S = 0.25
+#: Seconds of a second, longer sleep read when the load average says busy and the short sample
+#: says idle: the load average of processes that ended (a tune right after another) decays over
+#: minutes; when this sample is idle too, the load average is judged stale and left out.
+CONFIRM_S = 2.0
 #: The 1-minute load average's time constant in seconds (the kernel's ``EXP_1``: 5 s ticks, e^-5/60).
 LOADAVG_TAU_S = 60.0
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100  # clock ticks per second (proc(5))
@@ -71,6 +77,9 @@ class LoadCheck:
         calib_s: Seconds of the calibration matmul (median).
         slowdown: ``calib_s`` over the fastest calibration of this process (1.0: as fast).
         busy: The verdict.
+        stale_avg: The load average was left out: over :data:`BUSY_CORES` while both samples
+            (:data:`SAMPLE_S`, then :data:`CONFIRM_S`; ``others_now`` is the larger) saw other
+            processes idle, as after processes that ended.
     """
 
     phase: str
@@ -84,17 +93,21 @@ class LoadCheck:
     calib_s: float
     slowdown: float
     busy: bool
+    stale_avg: bool = False
 
     def others(self) -> float:
-        """Cores other processes use, the larger of the two readings, beyond the cores outside
-        this process's affinity mask (a process there does not compete with it)."""
-        seen = max(x for x in (self.others_avg, self.others_now, 0.0) if x is not None)
+        """Cores other processes use, the larger of the two readings (the sample alone when the load
+        average is :attr:`stale_avg`), beyond the cores outside this process's affinity mask (a
+        process there does not compete with it)."""
+        avg = None if self.stale_avg else self.others_avg
+        seen = max(x for x in (avg, self.others_now, 0.0) if x is not None)
         return max(0.0, seen - (self.cpu_count - self.cores))
 
     def describe(self) -> str:
         """One line: the load, the cores, the slowdown."""
         la = f"load average {self.loadavg_1m:.2f}" if self.loadavg_1m is not None else "no load average"
         now = f", {self.others_now:.2f} just now" if self.others_now is not None else ""
+        now += " (the load average left out: it decays from processes that ended)" if self.stale_avg else ""
         return (f"{la} ({self.own_cores:.2f} of it this process; other processes use {self.others():.2f} "
                 f"cores{now}) on {self.cores} cores (of {self.cpu_count}), torch threads {self.threads}; "
                 f"calibration matmul {self.calib_s * 1e3:.3g} ms = {self.slowdown:.2f}x the fastest")
@@ -139,12 +152,17 @@ class LoadMonitor:
         others_now = _others_during_sleep(self.sample_s) if self.sample_s > 0 else None
         own = self._own.cores()
         la = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+        stale = False
+        if la is not None and la - own > BUSY_CORES and others_now is not None and others_now <= BUSY_CORES:
+            confirm = _others_during_sleep(CONFIRM_S)  # busy by the lagging average only: look longer
+            others_now = max(others_now, confirm if confirm is not None else math.inf)
+            stale = others_now <= BUSY_CORES
         calib = median(time_matmul(torch.float32, self.device, CALIB_N, CALIB_REPS, CALIB_CAP_S))
         key = (str(self.device), torch.get_num_threads())
         fastest = _FASTEST[key] = min(_FASTEST.get(key, math.inf), calib)
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         c = LoadCheck(phase, la, own, None if la is None else max(0.0, la - own), others_now, cores,
-                      os.cpu_count() or cores, torch.get_num_threads(), calib, calib / fastest, False)
+                      os.cpu_count() or cores, torch.get_num_threads(), calib, calib / fastest, False, stale)
         c = _replace_busy(c, c.others() > BUSY_CORES or c.slowdown > BUSY_SLOWDOWN)
         self.checks.append(c)
         self.records.append(asdict(c))

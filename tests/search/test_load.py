@@ -72,3 +72,27 @@ def test_strict_timing_tune_exits_2_naming_the_load(tmp_path):
     assert "busy" in r.stderr and "load average" in r.stderr and "--strict-timing" in r.stderr, \
         r.stderr[-2000:]
     assert not out.exists()
+
+
+def test_a_load_average_left_by_processes_that_ended_is_not_busy(monkeypatch):
+    """Right after another run the 1-minute load average still says ~1 core busy for a minute or
+    two; when the short and the longer sample both see other processes idle, it is left out
+    (a tune with --strict-timing started right after another was refused). A longer sample that
+    sees the load keeps the machine busy."""
+    from autoprec.measure import load
+
+    samples = []
+    monkeypatch.setattr(load.os, "getloadavg", lambda: (1.9, 1.0, 0.5))
+    monkeypatch.setattr(load, "_others_during_sleep", lambda s: samples.append(s) or 0.0)
+    mon = LoadMonitor(torch.device("cpu"), strict=True)
+    c = mon.check("start")
+    assert not c.busy and c.stale_avg and samples == [load.SAMPLE_S, load.CONFIRM_S], c.describe()
+    assert "left out: it decays from processes that ended" in c.describe() and c.others() == 0.0
+    readings = iter([0.0, 0.9])  # idle for the short sample, a core busy over the longer one
+    monkeypatch.setattr(load, "_others_during_sleep", lambda s: next(readings))
+    with pytest.raises(BusyMachineError, match=r"cores, 0\.90 just now\)"):
+        mon.check("after baselines")
+    monkeypatch.setattr(load.os, "getloadavg", lambda: (0.1, 0.1, 0.1))  # quiet average: one sample
+    samples.clear()
+    monkeypatch.setattr(load, "_others_during_sleep", lambda s: samples.append(s) or 0.0)
+    assert not mon.check("finalists").stale_avg and samples == [load.SAMPLE_S]
