@@ -9,8 +9,9 @@ fastest; every contender whose throughput ties with it (the bootstrap band of th
 1.0: :func:`autoprec.measure.timing.compare`) is as fast within the noise, and among those the one
 with the lowest drift, then the fewest rules, is written: a tie goes to the lower-drift, simpler
 policy. torch.autocast is not a policy; when it is the fastest, the policy that ties with it (the
-twin, normally) is written, and when none does the fastest policy is written and the decision
-says by how much it trails.
+twin, normally) is written, and when none does (fp32 eager fastest on a tiny model, say) the
+policies that tie with the fastest policy are taken by the same rule, and the decision says by
+how much the one written trails.
 """
 
 from __future__ import annotations
@@ -124,7 +125,10 @@ def decide(contenders: list[Contender]) -> Decision:
     fastest = max(timed, key=lambda c: c.timing.tokens_per_s)
     tied = [c for c in timed if c is fastest or compare(c.timing, fastest.timing).tie]
     pool = [c for c in tied if c.policy is not None]
-    chosen = min(pool, key=_simplicity) if pool else max(writable, key=lambda c: c.timing.tokens_per_s)
+    if not pool:  # no policy is as fast as the fastest: those as fast as the fastest policy
+        top = max(writable, key=lambda c: c.timing.tokens_per_s)
+        pool = [c for c in writable if c is top or compare(c.timing, top.timing).tie]
+    chosen = min(pool, key=_simplicity)
     baselines = [c for c in timed if c.baseline]
     best = max(baselines, key=lambda c: c.timing.tokens_per_s) if baselines else None
     if best is None:

@@ -70,6 +70,22 @@ def test_when_nothing_ties_with_autocast_the_fastest_policy_is_written_and_calle
     assert "no policy was as fast as torch.autocast + torch.compile" in d.describe()
 
 
+def test_when_no_policy_is_as_fast_as_fp32_eager_a_tie_among_policies_goes_to_the_simpler():
+    """A tiny model where fp32 eager beats every compiled contender: the bf16 policy (24569 tok/s,
+    ±28%) and fp32 compiled (23634, ±11%) tie with each other, and fp32, exact, is written (it
+    wrote the bf16 one, the raw fastest); a policy clearly faster than the rest still wins."""
+    noisy = lambda s, seed: _timing(s, noise=0.3, seed=seed)  # noqa: E731
+    field = [Contender("trial 1", SEARCHED, noisy(0.0417, 1), 2.7e-3),
+             Contender("fp32 + torch.compile", Policy.fp32(), noisy(0.0433, 2), 0.0, baseline=True),
+             Contender("torch.autocast + torch.compile", None, noisy(0.0445, 3), 2.7e-3, baseline=True),
+             Contender("fp32 eager", None, _timing(0.0331, seed=4), 0.0, baseline=True)]
+    d = decide(field)
+    assert d.fastest.name == "fp32 eager" and d.verdict == "slower"
+    assert d.chosen.name == "fp32 + torch.compile"
+    field[0].timing = _timing(0.0300 * 1.2, seed=1)  # clearly faster than fp32 compiled, slower than eager
+    assert decide(field).chosen.name == "trial 1"
+
+
 def test_untimed_contenders_are_ignored_and_no_policy_is_an_error():
     field = _field(searched_s=0.100, twin_s=0.150)
     field[0].timing = Timing(error="RuntimeError: boom")
