@@ -118,13 +118,24 @@ def load_model_spec(path: str | os.PathLike[str]) -> ModelSpec:
     entry = {**defaults, **found}
     return ModelSpec(
         path=shown,
-        build_model=entry["build_model"],
+        build_model=_quietly(entry["build_model"]),
         get_batch=entry["get_batch"],
         loss_fn=entry["loss_fn"],
         make_optimizer=entry["make_optimizer"],
         tokens_per_batch=entry["tokens_per_batch"],
         heldout_batch=entry.get("get_heldout_batch"),
     )
+
+
+def _quietly(build_model: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
+    """``build_model`` run under :func:`quiet_torchao_import`: ``transformers`` imports torchao
+    lazily, when a model is first built, as much as when the file is imported."""
+    @functools.wraps(build_model)
+    def build() -> nn.Module:
+        with quiet_torchao_import():
+            return build_model()
+
+    return build
 
 
 def _import_file(shown: str) -> Any:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -328,3 +329,27 @@ def test_public_names_stay_importable_from_the_package():
 
     for name in ms.__all__:
         assert getattr(ms, name) is not None, name
+
+
+def test_building_a_transformers_model_prints_no_torchao_import_noise(tmp_path):
+    """``transformers`` imports torchao when a model is first built; on a machine without CUDA its
+    "Failed to load <CUDA kernel .so>" lines and torch's ``register_constant`` deprecation warnings
+    opened every command's output. They are held while the model file loads and builds."""
+    pytest.importorskip("transformers")
+    model = tmp_path / "llama.py"
+    model.write_text(
+        "import torch, transformers\n"
+        "def build_model():\n"
+        "    return transformers.LlamaForCausalLM(transformers.LlamaConfig(vocab_size=64, hidden_size=16,\n"
+        "        intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))\n"
+        "def get_batch(step, device):\n"
+        "    return {'input_ids': torch.zeros(1, 4, dtype=torch.long, device=device)}\n")
+    code = ("from autoprec.modelspec import load_model_spec\n"
+            f"m = load_model_spec({str(model)!r}).build_model()\n"
+            "import sys; print(type(m).__name__, 'torchao' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.startswith("LlamaForCausalLM")
+    if not torch.cuda.is_available():
+        assert "Failed to load" not in r.stderr, r.stderr[-2000:]
+    assert "register_constant" not in r.stderr, r.stderr[-2000:]
