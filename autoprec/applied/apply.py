@@ -124,6 +124,9 @@ class MixedPrecisionModule(nn.Module):
             (:func:`autoprec.applied.outputs.rebuild`).
 
         Raises:
+            TypeError: the call does not bind to the example batch's inputs (one missing, e.g. the
+                ``labels`` of an evaluation call; an unknown one; the batch dict passed as one
+                argument instead of ``**batch``); the message names them.
             ValueError: an input tensor's shape differs from the captured one (e.g. a smaller last
                 batch; with ``dynamic=True``: only under ``strict_shapes=True``, a size outside the
                 captured ranges, or inputs captured as one dimension that disagree); the message

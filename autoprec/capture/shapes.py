@@ -7,6 +7,7 @@ batch/sequence sizes; ``gm.meta[DIMS_META]`` holds their ranges (written by ``ca
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -48,9 +49,10 @@ class InputShapes:
     arguments, then keyword arguments by name, nested lists/dicts flattened by the captured pytree spec).
     Shapes come from each placeholder's ``meta["val"]``. A symbolic dimension (dynamic capture) must
     lie in its range from ``gm.meta[DIMS_META]`` (any size when the graph records none), and inputs
-    that share a symbol (the batch size of ``input_ids`` and ``labels``) must agree. Anything the check cannot
-    map (wrong arity, unknown keyword, another structure) is left to the graph's own call, which raises its
-    usual error.
+    that share a symbol (the batch size of ``input_ids`` and ``labels``) must agree. A call that does not
+    bind to the captured inputs (one missing, an unknown keyword, a batch dict passed as one argument) is a
+    ``TypeError`` naming them; another structure is left to the graph's own call, which raises its usual
+    error.
 
     Args:
         gm: A graph from :func:`capture` (or one lowered from it by ``autoprec.passes``).
@@ -99,6 +101,7 @@ class InputShapes:
             args, kwargs: The call's arguments, as passed to the captured module.
 
         Raises:
+            TypeError: the call does not bind to the captured inputs (:meth:`_check_binding`).
             ValueError: an input tensor has another shape than at capture, or (dynamic capture) a
                 size outside its range or two sizes that must agree do not; the message lists the
                 captured and the given shapes, names the input(s) at fault (with the allowed range)
@@ -106,6 +109,7 @@ class InputShapes:
         """
         if not self.enabled:
             return
+        self._check_binding(args, kwargs)
         # fast path when every argument is one tensor leaf: index the call, no pytree walk
         leaves = self._leaves_flat(args, kwargs) if self._spec is None else self._leaves_nested(args, kwargs)
         if leaves is None:
@@ -117,6 +121,24 @@ class InputShapes:
             bad = self._out_of_range(leaves)
             if bad:
                 self._raise_range(leaves, bad)
+
+    def _check_binding(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Raise TypeError, naming the captured inputs, when the call does not bind to them: a dict
+        batch passed as one argument, an input missing (an evaluation call without the ``labels``
+        the training graph was captured with) or one the capture did not see."""
+        given = set(self._args[:len(args)]) | set(kwargs)
+        missing = [a for a in self._args if a not in given]
+        unknown = [k for k in kwargs if k not in self._index] + (
+            [f"{len(args) - len(self._args)} positional argument(s) more"] * (len(args) > len(self._args)))
+        if not missing and not unknown:
+            return
+        if len(args) == 1 and isinstance(args[0], Mapping) and not kwargs:
+            why = "was given the batch dict as one argument; call it as module(**batch)"
+        else:
+            why = "; ".join(x for x in (f"misses {', '.join(missing)}" if missing else "",
+                                        f"gives {', '.join(unknown)}" if unknown else "") if x)
+        raise TypeError(f"{self.what} was captured on the inputs {', '.join(self._args)} (the example "
+                        f"batch's; the graph takes every one) and this call {why}")
 
     def _leaves_flat(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
         leaves: list[Any] = [None] * len(self.shapes)

@@ -115,3 +115,31 @@ def test_step_without_scaler_never_writes_nan(model_and_batch):
     h.remove()
     assert st.skipped
     assert all(torch.equal(a, b) for a, b in zip(before, params))
+
+
+def test_a_call_that_does_not_bind_to_the_example_batch_names_the_inputs():
+    """A dict batch passed as one argument, or an evaluation call without the ``labels`` the graph
+    was captured with, used to end in FX's bare ``forward() missing 2 required positional
+    arguments``; the error names the captured inputs and the fix."""
+
+    class LM(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.head = torch.nn.Embedding(50, 8), torch.nn.Linear(8, 50)
+
+        def forward(self, input_ids, attention_mask, labels):
+            logits = self.head(self.emb(input_ids) * attention_mask[..., None])
+            return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+    torch.manual_seed(0)
+    batch = {"input_ids": torch.randint(0, 50, (2, 6)), "attention_mask": torch.ones(2, 6),
+             "labels": torch.randint(0, 50, (2, 6))}
+    mp = autoprec.apply(LM(), autoprec.Policy.default("bf16"), batch, compile=False)
+    assert torch.isfinite(mp(**batch))
+    inputs = "captured on the inputs input_ids, attention_mask, labels"
+    with pytest.raises(TypeError, match=f"{inputs} .* as one argument; call it as module\\(\\*\\*batch\\)"):
+        mp(batch)
+    with pytest.raises(TypeError, match=f"{inputs} .*and this call misses labels$"):
+        mp(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    with pytest.raises(TypeError, match="and this call gives extra$"):
+        mp(**batch, extra=1)
