@@ -119,6 +119,8 @@ def _cmd_tune(a: argparse.Namespace) -> int:
 def _tune(a: argparse.Namespace) -> int:
     from autoprec._torch_compat import compile_cache_counts
     from autoprec.applied.compile import cache_report
+    from autoprec.search.attrs import DRIFT_RULE
+    from autoprec.search.decide import DriftBudget
     from autoprec.search.report import format_table
     from autoprec.search.study import tune
 
@@ -131,8 +133,10 @@ def _tune(a: argparse.Namespace) -> int:
     print(format_table(res.table))
     m = res.policy.measured
     print(f"\nchosen: {res.policy.summary()}")
-    print(f"wrote {a.out}: {m['tokens_per_s']:.0f} tokens/s, {m['speedup_vs_fp32']:.2f}x fp32 eager, "
-          f"grad_rel_l2 {m['grad_rel_l2']:.3g} (budget {m['drift_budget']:.3g}), "
+    bar = "torch.autocast + torch.compile" if not a.no_compile else "torch.autocast eager"
+    rule = DriftBudget.from_dict(res.study.user_attrs[DRIFT_RULE]).describe()
+    print(f"wrote {a.out}: {m['tokens_per_s']:.0f} tokens/s, {m['speedup_vs_autocast']:.2f}x {bar}, "
+          f"{m['speedup_vs_fp32']:.2f}x fp32 eager, grad_rel_l2 {m['grad_rel_l2']:.3g} (budget: {rule}), "
           f"peak {m['peak_bytes'] / 2**20:.1f} MiB"
           + (f" (budget {m['memory_budget_bytes'] / 2**20:.1f} MiB)" if "memory_budget_bytes" in m else ""))
     print("time: " + ", ".join(f"{k} {v:.0f}s" for k, v in res.timings.items()))
