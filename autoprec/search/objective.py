@@ -17,6 +17,7 @@ import math
 import os
 import socket
 import time
+from typing import Any
 
 import optuna
 import torch
@@ -29,6 +30,7 @@ from autoprec.search import attrs
 from autoprec.search.decide import DriftBudget
 from autoprec.search.screen_cut import screening_cut
 from autoprec.search.space import SearchSpace
+from autoprec.training.monitor import first_nonfinite_node
 from autoprec.training.train import make_scaler
 
 __all__ = ["Objective", "policy_fingerprint", "DIRECTIONS", "MAX_RETRIES", "is_dead_worker",
@@ -133,10 +135,25 @@ class Objective:
         fn = saved_eager(lowered.graph_module)  # the policy's saved dtypes (the memory lever), eagerly
         m = self.harness.measure(fn, lambda: make_scaler(policy), max_step_s=self.max_step_s, screen=True,
                                  cut=cut)
+        if m.error is not None and m.error.startswith("non-finite"):
+            bad = self.harness.batches[len(m.grad_rel_l2_batches) - 1]  # the last batch run: inf
+            m.error += _first_nonfinite(lowered.graph_module, bad)
         _record(trial, m, self.budget)
         if m.error is not None:
             return math.nan
         return m.tokens_per_s, m.grad_rel_l2, float(m.peak_bytes)
+
+
+def _first_nonfinite(gm: torch.fx.GraphModule, batch: Any) -> str:
+    """Where a trial's non-finite values start, for its error (case C01: name the node): the first
+    forward node with an inf or NaN output on ``batch``
+    (:func:`autoprec.training.monitor.first_nonfinite_node`, one eager forward), or that the
+    forward was finite (the overflow is in the backward pass)."""
+    try:
+        node = first_nonfinite_node(gm, batch)
+    except Exception as e:  # noqa: BLE001 - a diagnosis must not turn the trial's error into another
+        return f"; its first non-finite node could not be found ({type(e).__name__}: {e})"
+    return f"; first non-finite output: node {node}" if node else "; forward finite (backward overflows)"
 
 
 def _beat(trial: optuna.Trial) -> None:

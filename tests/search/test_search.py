@@ -57,7 +57,9 @@ def test_nan_candidate_recorded_failed_and_study_continues(tmp_path, overflow_sp
     assert {k: all_low.params[k] for k in ("matmul", "sensitive", "follow")} == {
         "matmul": "fp16", "sensitive": "fp16", "follow": "fp16"}
     assert all_low.state == optuna.trial.TrialState.FAIL
-    assert "non-finite" in all_low.user_attrs[ATTR + "error"]
+    # C01: the trial names the node whose output first went non-finite, the fp16 projection
+    assert all_low.user_attrs[ATTR + "error"].startswith("non-finite loss or gradients (drift batch 0)")
+    assert all_low.user_attrs[ATTR + "error"].endswith("; first non-finite output: node up/linear#0")
     # Never exported: no failed trial counts as feasible.
     from autoprec.search.pool import feasible as _feasible
 
