@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -158,7 +159,8 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
             (:mod:`autoprec.search.screen_cut`; not with ``max_memory`` and without ``compile``).
         quiet: No log lines. progress: Show a progress bar (stderr) over each long phase: the
             baselines, region sensitivity, the trials (Optuna's), the finalists and their
-            head-to-head, the memory fit (:mod:`autoprec.search.phases`).
+            head-to-head, the memory fit (:mod:`autoprec.search.phases`); only where stderr is a
+            terminal (a log file would fill with the bars' carriage-return redraws).
         dtypes: Low dtypes to search: ``"auto"`` keeps those whose matmul the probe measured
             faster than fp32 on this device; a list (or comma-separated string) forces them.
         traj_steps: K, the optimizer steps of the ``traj_rel`` check on the policy to be written
@@ -194,7 +196,7 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
     spec = load_model_spec(model_path)
     if memory_arg is not None and memory_arg[0] == "bytes":  # as the CLI: an impossible budget before capture
         check_memory_floor(memory_arg, spec.build_model(), spec.make_optimizer, option="max_memory")
-    run = _capture(spec, device, quiet, strict_timing, progress and not quiet)
+    run = _capture(spec, device, quiet, strict_timing, progress and not quiet and sys.stderr.isatty())
     probe_phase(run, forced, SAVED_LEVERS if memory_arg is not None else ())
     storage = storage or default_storage(out)
     study_name = study_name or default_study_name(run.spec.path, run.gm, run.dev, forced)

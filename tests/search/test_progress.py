@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import re
+import sys
 from types import SimpleNamespace
 
 import optuna
@@ -68,7 +69,8 @@ def test_the_finalists_lazy_compiles_are_counted_in_compile_s():
     assert t["finalists_s"] >= 0.0
 
 
-def test_tune_shows_a_bar_over_each_long_phase(tmp_path, capsys):
+def test_tune_shows_a_bar_over_each_long_phase(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # bars only on a terminal
     study_mod.tune(MICRO, trials=3, compile=False, out=tmp_path / "p.json", dtypes="bf16", traj_steps=2,
                    report=False, device="cpu", progress=True)
     err = capsys.readouterr().err
@@ -79,7 +81,7 @@ def test_tune_shows_a_bar_over_each_long_phase(tmp_path, capsys):
 def test_the_memory_fit_and_the_finalists_have_bars(capsys, monkeypatch):
     """Compiling is stubbed (graphs run eagerly, so recomputation frees nothing): a budget just
     above the fp32 state sends every finalist through the memory fit, whose tries get a bar."""
-    monkeypatch.setattr(select_mod, "compile_graph", lambda gm, budget=1.0: gm)
+    monkeypatch.setattr(select_mod, "compile_graph", lambda gm, budget=1.0, dynamic=None: gm)
     torch.manual_seed(0)
     harness = Harness(load_model_spec(MICRO), torch.device("cpu"), steps=2)
     study = optuna.create_study(directions=list(DIRECTIONS))

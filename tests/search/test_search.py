@@ -146,6 +146,7 @@ def test_a_study_of_another_model_is_refused_before_any_measurement(tmp_path):
     r = subprocess.run(_tune_cmd(first, tmp_path / "a.json", 2, extra), capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
+    assert "\r" not in r.stderr and "step/s" not in r.stderr  # no progress bars into a pipe or file
     before = optuna.load_study(study_name="mine", storage=storage)
     assert before.user_attrs[ATTR + "graph"]["model"] == str(first)
     other = MODELS / "varlen_lm.py"
