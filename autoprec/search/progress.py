@@ -71,10 +71,14 @@ class LoadClock(Clock):
 class _DropOptunaFailures(logging.Filter):
     """Drops Optuna's "Trial N failed with parameters: … because of the following error: …" and
     "Trial N failed with value …" warnings, except one carrying a traceback (an objective that
-    raised: autoprec's objective reports its failures through ``autoprec:error`` instead)."""
+    raised: autoprec's objective reports its failures through ``autoprec:error`` instead) other
+    than Ctrl-C's (a 45-line ``KeyboardInterrupt`` traceback before the CLI's own one line)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.exc_info is not None or not _OPTUNA_FAILED.match(record.getMessage())
+        exc = record.exc_info[0] if record.exc_info else None
+        if exc is not None and issubclass(exc, KeyboardInterrupt):
+            return False
+        return exc is not None or not _OPTUNA_FAILED.match(record.getMessage())
 
 
 def quiet_optuna_failures() -> None:

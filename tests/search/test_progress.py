@@ -97,3 +97,21 @@ def test_the_memory_fit_and_the_finalists_have_bars(capsys, monkeypatch):
     err = capsys.readouterr().err
     assert "[autoprec] finalists" in err and "[autoprec] memory fit" in err, err[-3000:]
     assert "activation memory budget" in err
+
+
+def test_optuna_failure_warnings_are_dropped_but_a_real_traceback_is_kept():
+    """autoprec says why a trial failed in one line; Optuna's own warnings go, and so does the
+    traceback of Ctrl-C (the CLI says "interrupted" itself); an objective that raised keeps its."""
+    from autoprec.search.progress import _DropOptunaFailures
+
+    def record(msg, exc=None):
+        info = (type(exc), exc, None) if exc is not None else None
+        return logging.LogRecord("optuna.study._optimize", logging.WARNING, __file__, 1, msg, None, info)
+
+    keep = _DropOptunaFailures().filter
+    assert not keep(record("Trial 3 failed with value nan."))
+    assert not keep(record("Trial 9 failed with parameters: {} because of the following error: "
+                           "KeyboardInterrupt().", KeyboardInterrupt()))
+    assert keep(record("Trial 9 failed with parameters: {} because of the following error: "
+                       "RuntimeError('boom').", RuntimeError("boom")))
+    assert keep(record("Trial 4 finished with values: [1.0]"))
