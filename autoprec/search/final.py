@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from autoprec.measure import Comparison, Retire, Settled, Timing, compare
 from autoprec.policy import Policy
 
-__all__ = ["Contender", "Decision", "decide", "out_of_the_running", "settled"]
+__all__ = ["Contender", "Decision", "all_fp32", "decide", "out_of_the_running", "settled"]
 
 
 @dataclass
@@ -102,6 +102,12 @@ def _simplicity(c: Contender) -> tuple[float, int]:
     """Sort key of a tie: lower drift, then fewer rules."""
     g = c.grad_rel_l2 if math.isfinite(c.grad_rel_l2) else math.inf
     return g, len(c.policy.rules) if c.policy is not None else 0
+
+
+def all_fp32(pol: Policy) -> bool:
+    """Whether ``pol`` computes everything in fp32 (what fp32 + torch.compile runs), whatever its
+    rules: the all-fp32 finalist is a baseline."""
+    return pol.dtypes_used() <= {"fp32"} and pol.activation_memory_budget >= 1.0
 
 
 def decide(contenders: list[Contender]) -> Decision:

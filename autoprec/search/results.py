@@ -41,7 +41,8 @@ def measured_block(run: Any, sel: Any, chosen: Policy, m: Measurement) -> dict[s
 
 
 def side_by_side(run: Any, sel: Any, chosen_m: Measurement, compile: bool) -> list[dict[str, Any]]:
-    """Rows of the side-by-side table: FP32 eager, torch.autocast eager (and compiled), the policy.
+    """Rows of the side-by-side table: FP32 eager, torch.autocast eager (and compiled), fp32 +
+    torch.compile (the all-fp32 finalist, compiled), the policy.
     Each row's ``bar`` names the column its ``vs_autocast`` ratio is against: torch.autocast +
     torch.compile, or torch.autocast eager without compile (the head-to-head's ``sel.ac_label``)."""
     ac = NAMES.get(run.ac_dtype, str(run.ac_dtype))
@@ -53,6 +54,8 @@ def side_by_side(run: Any, sel: Any, chosen_m: Measurement, compile: bool) -> li
                   None if compile else ref, fp32_t)]
     if sel.autocast_compiled is not None:
         table.append(_row(f"autocast {ac} + compile", sel.autocast_compiled, run.fp32, ref, ref, fp32_t))
+    if sel.fp32_compiled is not None:  # the other bar: the all-fp32 finalist, compiled
+        table.append(_row("fp32 + compile", sel.fp32_compiled, run.fp32, None, ref, fp32_t))
     name = "autoprec policy" + (" + compile" if compile else " (eager)")
     table.append(_row(name, chosen_m, run.fp32, chosen_t, ref, fp32_t))
     bar = "autocast+compile" if compile else "autocast eager"

@@ -24,7 +24,7 @@ from autoprec.policy import Policy
 from autoprec.search import attrs
 from autoprec.search.budgets import format_bytes
 from autoprec.search.decide import DriftBudget
-from autoprec.search.final import Contender, Decision, decide, out_of_the_running, settled
+from autoprec.search.final import Contender, Decision, all_fp32, decide, out_of_the_running, settled
 from autoprec.search.memory_fit import fit_memory, lever
 from autoprec.search.phases import PhaseBar, phase_bar
 from autoprec.search.progress import log
@@ -96,6 +96,7 @@ class Selector:
         self.eager_tokens_per_s: dict[str, float] = {}  # Policy.training_key() -> the trial's eager tokens/s
         self._autocast_fn = None  # torch.autocast's module as compiled for its baseline
         self._fp32_fn = None  # the all-fp32 finalist as compiled (fp32 + torch.compile), once measured
+        self.fp32_compiled: Measurement | None = None  # its measurement (the head-to-head's speed)
         self.trajectory = TrajectoryCheck(harness, ac_dtype, traj_steps, lambda: (
             self._autocast_fn if self._autocast_fn is not None else self._fn(self.h.model)),
             lambda: self._fp32_fn)
@@ -175,8 +176,8 @@ class Selector:
                     finally:
                         self._fit_bar = None
             measured.append(m)
-            if self.compile and _all_fp32(pol) and m.error is None:
-                self._fp32_fn = fn  # the trajectory check's compiled reference
+            if self.compile and all_fp32(pol) and m.error is None:  # the trajectory check's reference
+                self._fp32_fn, self.fp32_compiled = fn, m
             why = self._reject_reason(m)
             how = "compiled" if self.compile else "eager"
             log(f"  {how}: grad_rel_l2 {m.grad_rel_l2:.3g}" + (f" -> rejected: {why}" if why else ""),
@@ -252,7 +253,7 @@ class Selector:
         configs.append(Config(FP32_EAGER, self.h.model))
         log(f"final head-to-head, interleaved: {', '.join(c.name for c in configs)}", self.quiet)
         # the contenders decide() chooses among: the baselines, and the policies it may write
-        baselines = {label for label, pol, _fn, _m in survivors if _all_fp32(pol)}
+        baselines = {label for label, pol, _fn, _m in survivors if all_fp32(pol)}
         baselines |= ({self.ac_label} if ac_ok else set()) | {FP32_EAGER}
         policies = {label for label, _pol, _fn, _m in survivors}
         self.timings = time_interleaved(self.h, configs, max_step_s=self.slow,
@@ -314,14 +315,16 @@ class Selector:
         for t in feasible[:k]:
             pol = Policy.from_dict(t.user_attrs[attrs.POLICY])
             self.eager_tokens_per_s[pol.training_key()] = t.values[0]
-            out.append((pol, f"trial {t.number} (eager {t.values[0]:.0f} tok/s)"))
+            name = f"trial {t.number} (eager {t.values[0]:.0f} tok/s)"  # all-fp32: a baseline, said so
+            base = FP32_COMPILED if self.compile else FP32_GRAPH
+            out.append((pol, f"{base}, {name}" if all_fp32(pol) else name))
         keys = {p.training_key() for p, _ in out}
         also = self.also if self.compile else []  # their gain only compiling shows
         for pol, label in ([(self.twin, "autocast twin")] if self.twin is not None else []) + also:
             if pol.training_key() not in keys:
                 out.append((pol, label))
                 keys.add(pol.training_key())
-        if not any(_all_fp32(p) for p, _ in out):
+        if not any(all_fp32(p) for p, _ in out):
             out.append((Policy.fp32(), FP32_COMPILED if self.compile else FP32_GRAPH))
         return out
 
@@ -385,11 +388,6 @@ class Selector:
                        " (without --no-compile, recomputation in backward can lower the peak)"))
         return None
 
-
-
-def _all_fp32(pol: Policy) -> bool:
-    """Whether ``pol`` computes everything in fp32 (what fp32 + torch.compile runs), whatever its rules."""
-    return pol.dtypes_used() <= {"fp32"} and pol.activation_memory_budget >= 1.0
 
 
 def _take_timing(m: Measurement, t: Timing) -> None:

@@ -126,7 +126,7 @@ def test_without_compile_the_side_by_side_is_against_torch_autocast_eager():
     timings = {"torch.autocast eager": Timing.from_steps(FAST, TOKENS),
                "fp32 eager": Timing.from_steps(SLOW, TOKENS), "twin": Timing.from_steps(SLOW, TOKENS)}
     sel = SimpleNamespace(timings=timings, ac_label="torch.autocast eager", autocast_compiled=None,
-                          autocast_eager=ac, autocast_bar=ac, memory_budget=None,
+                          fp32_compiled=None, autocast_eager=ac, autocast_bar=ac, memory_budget=None,
                           decision=SimpleNamespace(chosen=SimpleNamespace(name="twin")),
                           trajectory=TrajectoryCheck(None, torch.bfloat16, 0, lambda: None))
     run = SimpleNamespace(ac_dtype=torch.bfloat16, fp32=fp32, autocast=_measurement(SLOW),
@@ -142,3 +142,30 @@ def test_without_compile_the_side_by_side_is_against_torch_autocast_eager():
     assert "traj_rel" not in block  # never measured: no 0.0 that reads as a perfect trajectory
     sel.trajectory.traj[Policy.fp32().training_key()] = 1.5e-3
     assert measured_block(run, sel, Policy.fp32(), pol)["traj_rel"] == 1.5e-3
+
+
+def test_compiled_the_table_has_both_bars_fp32_compiled_too():
+    """The bar is the faster of torch.autocast + torch.compile and fp32 + torch.compile: both get a
+    row, each against torch.autocast + torch.compile (fp32 compiled here 2x slower: 0.50x)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from autoprec.measure import Timing
+    from autoprec.search.results import side_by_side
+    from autoprec.search.trajectory import TrajectoryCheck
+
+    fp32, ac, fp32c, pol = _measurement(SLOW), _measurement(FAST), _measurement(SLOW), _measurement(FAST)
+    timings = {"torch.autocast + torch.compile": Timing.from_steps(FAST, TOKENS),
+               "fp32 eager": Timing.from_steps(SLOW, TOKENS), "twin": Timing.from_steps(FAST, TOKENS)}
+    sel = SimpleNamespace(timings=timings, ac_label="torch.autocast + torch.compile", autocast_compiled=ac,
+                          fp32_compiled=fp32c, autocast_eager=None, autocast_bar=ac, memory_budget=None,
+                          decision=SimpleNamespace(chosen=SimpleNamespace(name="twin")),
+                          trajectory=TrajectoryCheck(None, torch.bfloat16, 0, lambda: None))
+    run = SimpleNamespace(ac_dtype=torch.bfloat16, fp32=fp32, autocast=_measurement(SLOW),
+                          budget=DriftBudget.fixed(1.0))
+    rows = {r["config"]: r for r in side_by_side(run, sel, pol, compile=True)}
+    assert list(rows) == ["fp32 eager", "autocast bf16 eager", "autocast bf16 + compile", "fp32 + compile",
+                          "autoprec policy + compile"]
+    assert abs(rows["fp32 + compile"]["vs_autocast"] - 0.5) < 0.02
+    assert "| fp32 + compile |" in format_table(list(rows.values()))
