@@ -110,27 +110,38 @@ def test_format_of_the_band_is_the_timing_helpers(times):
     assert t.tokens_per_s == pytest.approx(m.tokens_per_s)
 
 
-def test_without_compile_the_side_by_side_is_against_torch_autocast_eager():
-    """A --no-compile tune's table: the bar column is ``vs autocast eager``, torch.autocast eager's
-    row and the policy's are taken from the head-to-head's timings (the policy 2x slower: 0.50x),
-    and the policy file's ``speedup_vs_autocast`` is against torch.autocast eager too."""
+def _tune_state(compile: bool, twin_steps, fp32_compiled=None):
+    """A tune's ``run`` and ``sel`` as ``results.side_by_side`` reads them: fp32 eager SLOW,
+    torch.autocast (the bar, compiled or eager) FAST, the chosen ``twin`` timed at ``twin_steps``."""
     from types import SimpleNamespace
 
     import torch
 
     from autoprec.measure import Timing
-    from autoprec.search.results import measured_block, side_by_side
     from autoprec.search.trajectory import TrajectoryCheck
 
-    fp32, ac, pol = _measurement(SLOW), _measurement(FAST), _measurement(SLOW)
-    timings = {"torch.autocast eager": Timing.from_steps(FAST, TOKENS),
-               "fp32 eager": Timing.from_steps(SLOW, TOKENS), "twin": Timing.from_steps(SLOW, TOKENS)}
-    sel = SimpleNamespace(timings=timings, ac_label="torch.autocast eager", autocast_compiled=None,
-                          fp32_compiled=None, autocast_eager=ac, autocast_bar=ac, memory_budget=None,
+    label = "torch.autocast + torch.compile" if compile else "torch.autocast eager"
+    ac = _measurement(FAST)
+    timings = {label: Timing.from_steps(FAST, TOKENS), "fp32 eager": Timing.from_steps(SLOW, TOKENS),
+               "twin": Timing.from_steps(twin_steps, TOKENS)}
+    sel = SimpleNamespace(timings=timings, ac_label=label, autocast_compiled=ac if compile else None,
+                          fp32_compiled=fp32_compiled, autocast_eager=None if compile else ac,
+                          autocast_bar=ac, memory_budget=None,
                           decision=SimpleNamespace(chosen=SimpleNamespace(name="twin")),
                           trajectory=TrajectoryCheck(None, torch.bfloat16, 0, lambda: None))
-    run = SimpleNamespace(ac_dtype=torch.bfloat16, fp32=fp32, autocast=_measurement(SLOW),
+    run = SimpleNamespace(ac_dtype=torch.bfloat16, fp32=_measurement(SLOW), autocast=_measurement(SLOW),
                           budget=DriftBudget.fixed(1.0))
+    return run, sel
+
+
+def test_without_compile_the_side_by_side_is_against_torch_autocast_eager():
+    """A --no-compile tune's table: the bar column is ``vs autocast eager``, torch.autocast eager's
+    row and the policy's are taken from the head-to-head's timings (the policy 2x slower: 0.50x),
+    and the policy file's ``speedup_vs_autocast`` is against torch.autocast eager too."""
+    from autoprec.search.results import measured_block, side_by_side
+
+    pol = _measurement(SLOW)
+    run, sel = _tune_state(False, SLOW)
     rows = side_by_side(run, sel, pol, compile=False)
     text = format_table(rows)
     assert "| vs autocast eager |" in text.splitlines()[0] and "+ compile" not in text
@@ -147,24 +158,10 @@ def test_without_compile_the_side_by_side_is_against_torch_autocast_eager():
 def test_compiled_the_table_has_both_bars_fp32_compiled_too():
     """The bar is the faster of torch.autocast + torch.compile and fp32 + torch.compile: both get a
     row, each against torch.autocast + torch.compile (fp32 compiled here 2x slower: 0.50x)."""
-    from types import SimpleNamespace
-
-    import torch
-
-    from autoprec.measure import Timing
     from autoprec.search.results import side_by_side
-    from autoprec.search.trajectory import TrajectoryCheck
 
-    fp32, ac, fp32c, pol = _measurement(SLOW), _measurement(FAST), _measurement(SLOW), _measurement(FAST)
-    timings = {"torch.autocast + torch.compile": Timing.from_steps(FAST, TOKENS),
-               "fp32 eager": Timing.from_steps(SLOW, TOKENS), "twin": Timing.from_steps(FAST, TOKENS)}
-    sel = SimpleNamespace(timings=timings, ac_label="torch.autocast + torch.compile", autocast_compiled=ac,
-                          fp32_compiled=fp32c, autocast_eager=None, autocast_bar=ac, memory_budget=None,
-                          decision=SimpleNamespace(chosen=SimpleNamespace(name="twin")),
-                          trajectory=TrajectoryCheck(None, torch.bfloat16, 0, lambda: None))
-    run = SimpleNamespace(ac_dtype=torch.bfloat16, fp32=fp32, autocast=_measurement(SLOW),
-                          budget=DriftBudget.fixed(1.0))
-    rows = {r["config"]: r for r in side_by_side(run, sel, pol, compile=True)}
+    run, sel = _tune_state(True, FAST, fp32_compiled=_measurement(SLOW))
+    rows = {r["config"]: r for r in side_by_side(run, sel, _measurement(FAST), compile=True)}
     assert list(rows) == ["fp32 eager", "autocast bf16 eager", "autocast bf16 + compile", "fp32 + compile",
                           "autoprec policy + compile"]
     assert abs(rows["fp32 + compile"]["vs_autocast"] - 0.5) < 0.02
