@@ -12,7 +12,13 @@ import torch
 from torch import fx, nn
 
 from autoprec.applied.compile import CompiledGraph, compile_graph
-from autoprec.applied.model_facade import check_no_autocast, model_attr, signed_class
+from autoprec.applied.model_facade import (
+    check_no_autocast,
+    check_not_fully_sharded,
+    check_not_wrapped,
+    model_attr,
+    signed_class,
+)
 from autoprec.applied.outputs import flat_output_graph, rebuild
 from autoprec.applied.policy_match import check_policy_matches
 from autoprec.applied.saved import apply_saved, saved_activation_context
@@ -134,8 +140,10 @@ class MixedPrecisionModule(nn.Module):
                 call sets an argument the capture fixed for training to another value (e.g.
                 ``use_cache=True``; ``use_cache=False`` is accepted). Or it runs under
                 ``torch.autocast`` (e.g. ``Trainer(bf16=True)``), which would override the policy.
+                Or FSDP2's ``fully_shard`` wrapped this module directly (use :func:`autoprec.shard`).
         """
         check_no_autocast(self._what)
+        check_not_fully_sharded(self, self._what)
         kwargs = drop_fixed_kwargs(kwargs, self._fixed, self._what)
         try:
             self._inputs.check(args, kwargs)
@@ -277,7 +285,9 @@ def apply(model: nn.Module, policy: Policy, example_batch: Any, compile: bool = 
         shape raises ``ValueError`` at call time).
 
     Raises:
-        CaptureError: the model cannot be captured.
+        CaptureError: the model cannot be captured; or it is already wrapped by
+            ``DistributedDataParallel`` or FSDP2 (apply first, then :func:`autoprec.ddp` /
+            :func:`autoprec.shard`).
         PassError: the policy cannot be applied to this graph (names the node).
         PolicyError: no rule of the policy selects a node of this graph (without ``force``).
 
@@ -299,6 +309,7 @@ def apply(model: nn.Module, policy: Policy, example_batch: Any, compile: bool = 
     (``autoprec.training.train.TrainStep(mp, params, optimizer, loss_fn, scaler=make_scaler(policy))``
     does all of this; ``autoprec train`` uses it.)
     """
+    check_not_wrapped(model)
     if graph_module is not None:
         gm = graph_module
     else:

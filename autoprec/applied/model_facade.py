@@ -1,6 +1,8 @@
 """How a :class:`~autoprec.applied.apply.MixedPrecisionModule` presents its model to trainers that
 introspect it, Hugging Face ``Trainer`` first (docs/architecture.md#runtime): the model's forward
-signature, attributes read through, and the refusal of ``torch.autocast`` around a policy."""
+signature, attributes read through, and the refusal of ``torch.autocast`` around a policy and of
+data-parallel wrappers in the wrong place (docs/distributed.md: ``autoprec.ddp`` and
+``autoprec.shard`` wrap the applied module)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,9 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["check_no_autocast", "model_attr", "signed_class"]
+from autoprec.errors import CaptureError
+
+__all__ = ["check_no_autocast", "check_not_fully_sharded", "check_not_wrapped", "model_attr", "signed_class"]
 
 
 def model_attr(name: str, doc: str) -> property:
@@ -92,3 +96,49 @@ def check_no_autocast(what: str) -> None:
                 "would recast the policy's nodes and override its dtypes. The policy already sets each "
                 "node's dtype: train with bf16=False and fp16=False (fp16 policies: "
                 "autoprec.integrations.transformers.AutoprecTrainer, which adds the loss scaler).")
+
+
+@functools.cache
+def _fsdp_module() -> type | None:
+    """FSDP2's ``FSDPModule`` (``torch.distributed.fsdp``; ``torch.distributed._composable.fsdp`` in
+    torch 2.5), the class ``fully_shard`` mixes into a module it wraps; None without it."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        try:
+            from torch.distributed._composable.fsdp import FSDPModule
+        except ImportError:
+            return None
+    return FSDPModule
+
+
+def check_not_wrapped(model: nn.Module) -> None:
+    """Refuse to apply a policy to a model already wrapped in ``DistributedDataParallel`` or by
+    FSDP2's ``fully_shard``: the capture needs the model itself (``torch.export`` fails on the
+    wrapper with an empty message).
+
+    Raises:
+        CaptureError: names the wrapper and the order that works.
+    """
+    fsdp = _fsdp_module()
+    wrapper = ("DistributedDataParallel" if isinstance(model, nn.parallel.DistributedDataParallel) else
+               "fully_shard (FSDP2)" if fsdp is not None and isinstance(model, fsdp) else None)
+    if wrapper is not None:
+        raise CaptureError(f"apply: the model ({type(model).__name__}) is already wrapped by {wrapper}; "
+                           "apply the policy to the model itself, then wrap what apply returns: "
+                           "autoprec.ddp(mp) for DDP, autoprec.shard(mp) for FSDP2 (docs/distributed.md)")
+
+
+def check_not_fully_sharded(module: nn.Module, what: str) -> None:
+    """Refuse a call of an applied module that FSDP2's ``fully_shard`` wrapped directly: FSDP2
+    finds Parameters through ``children()``, which the applied module hides from it, so the graph
+    would not read the Parameters FSDP2 manages and training would go wrong without an error.
+
+    Raises:
+        ValueError: names the module and :func:`autoprec.shard`, the wrapper that works.
+    """
+    fsdp = _fsdp_module()
+    if fsdp is not None and isinstance(module, fsdp):
+        raise ValueError(f"{what} was wrapped by fully_shard directly; FSDP2 does not see the Parameters "
+                         "its graph reads, so training would be wrong: shard it with autoprec.shard(mp) "
+                         "instead (docs/distributed.md)")

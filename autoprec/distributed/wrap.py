@@ -51,8 +51,10 @@ def ddp(mp: MixedPrecisionModule, policy: Policy | None = None,
             CUDA device for a CUDA module).
 
     Raises:
+        AutoprecError: ``mp`` is not what :func:`autoprec.apply` returned.
         RuntimeError / ValueError: from DDP (e.g. no initialised process group).
     """
+    _check_applied(mp, "ddp")
     policy = policy if policy is not None else mp.policy
     dev = next(mp.parameters()).device
     if dev.type == "cuda":
@@ -110,12 +112,13 @@ def shard(mp: MixedPrecisionModule, mesh: Any = None, policy: Policy | None = No
         fp32) and a :class:`~autoprec.training.scaler.DynamicLossScaler` (it agrees across shards).
 
     Raises:
-        AutoprecError: ``mp`` serves shapes by a per-shape cache, or the model has Parameters of
-            its own (not in a submodule): names it.
+        AutoprecError: ``mp`` is not what :func:`autoprec.apply` returned, serves shapes by a
+            per-shape cache, or the model has Parameters of its own (not in a submodule): names it.
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    _check_applied(mp, "shard")
     for gm in _graphs_of(mp):
         _read_model_modules(gm, mp.model)
     policy = policy if policy is not None else mp.policy
@@ -126,6 +129,13 @@ def shard(mp: MixedPrecisionModule, mesh: Any = None, policy: Policy | None = No
     fully_shard(root, mesh=mesh, reshard_after_forward=reshard_after_forward,
                 mp_policy=MixedPrecisionPolicy(reduce_dtype=reduce))
     return root
+
+
+def _check_applied(mp: Any, fn: str) -> None:
+    """Raise AutoprecError unless ``mp`` is what :func:`autoprec.apply` returned."""
+    if not isinstance(mp, MixedPrecisionModule):
+        raise AutoprecError(f"{fn}: expects the module autoprec.apply returned, got {type(mp).__name__}: "
+                            f"mp = autoprec.apply(model, policy, example_batch), then autoprec.{fn}(mp)")
 
 
 def _graphs_of(mp: MixedPrecisionModule) -> list[fx.GraphModule]:
