@@ -164,7 +164,7 @@ def _train(spec: Any, policy: Policy, policy_path: str | os.PathLike, dev: Any, 
 
     optimizer = spec.make_optimizer(params)
     step = TrainStep(module, params, optimizer, spec.loss_fn, scaler=make_scaler(policy, diagnose),
-                     device_type=dev.type, max_grad_norm=max_grad_norm)
+                     device_type=dev.type, max_grad_norm=max_grad_norm, diagnose=diagnose)
     start = _resume(checkpoint, policy_path, policy, step, model, steps, quiet) if resume else 0
     monitor = Monitor(log_path if ranks.lead else None, graph_module=mp.graph_module)
     checkpoint = checkpoint if ranks.lead else None  # every rank resumed from it; rank 0 writes it

@@ -51,7 +51,7 @@ from autoprec.training._gallop import first_finite_run
 from autoprec.training._scaler_state import check_config, check_state
 from autoprec.training.rank_flag import any_rank, grad_device
 
-__all__ = ["DynamicLossScaler", "unscaled_grad_norm"]
+__all__ = ["MAX_SKIPS_AT_FLOOR", "DynamicLossScaler", "forward_nonfinite_message", "unscaled_grad_norm"]
 
 R = TypeVar("R")  # what a back-off search's run returns
 
@@ -232,27 +232,11 @@ class DynamicLossScaler:
             raise LossScaleError(self._floor_message())
 
     def _floor_message(self) -> str:
-        head = (f"{self._skips_at_floor} consecutive optimizer steps were skipped with the loss scale at "
-                f"its floor (min_scale={self._min_scale!r}): the gradients are inf/NaN even at the minimum "
-                "scale, so this is not a loss-scaling overflow - the non-finite values come from the forward "
-                "pass (an op overflowing its dtype, or inf/NaN in the inputs or weights).")
-        hint = ("To name the first node that produced one, create "
-                "monitor = autoprec.Monitor(graph_module=mp.graph_module) (mp: the module autoprec.apply "
-                "returned), pass diagnose=monitor.diagnoser() to DynamicLossScaler and set "
-                "monitor.last_batch = batch before each step; or call "
-                "autoprec.training.monitor.first_nonfinite_node(mp.graph_module, batch) on a batch that "
-                "overflows (it returns the node's key).")
-        if self._diagnose is None:
-            return f"{head} {hint}"
-        try:
-            node = self._diagnose()
-        except Exception as e:  # noqa: BLE001 - a failing diagnosis must not hide the real error
-            return f"{head} diagnose() failed ({e!r}). {hint}"
-        if node is None:
-            return (f"{head} diagnose() found no node with a non-finite output: the forward pass of the "
-                    "batch it ran is finite, so the inf/NaN arise in the backward pass or that batch is not "
-                    f"one that overflows. {hint}")
-        return f"{head} First node that produced a non-finite value: {str(node)!r}."
+        return forward_nonfinite_message(
+            f"{self._skips_at_floor} consecutive optimizer steps were skipped with the loss scale at "
+            f"its floor (min_scale={self._min_scale!r}): the gradients are inf/NaN even at the minimum "
+            "scale, so this is not a loss-scaling overflow - the non-finite values come from the forward "
+            "pass (an op overflowing its dtype, or inf/NaN in the inputs or weights).", self._diagnose)
 
     def get_scale(self) -> float:
         """The current scale as a Python float (a float32 value); 1.0 if disabled, like GradScaler."""
@@ -384,3 +368,26 @@ class DynamicLossScaler:
         (self._scale, self._growth_factor, self._backoff_factor, self._growth_interval, self._min_scale,
          self._max_scale, self._max_skips_at_floor) = config
         self._growth_tracker, self._skipped_steps, self._consecutive_skips, self._skips_at_floor = counters
+
+
+def forward_nonfinite_message(head: str, diagnose: Callable[[], str | None] | None) -> str:
+    """``head`` (why the steps are given up: case C09) and where the non-finite values start: the
+    first forward node ``diagnose()`` names (e.g. :meth:`autoprec.Monitor.diagnoser`), or how to
+    find it when there is no ``diagnose`` or it finds none."""
+    hint = ("To name the first node that produced one, create "
+            "monitor = autoprec.Monitor(graph_module=mp.graph_module) (mp: the module autoprec.apply "
+            "returned), pass diagnose=monitor.diagnoser() to DynamicLossScaler and set "
+            "monitor.last_batch = batch before each step; or call "
+            "autoprec.training.monitor.first_nonfinite_node(mp.graph_module, batch) on a batch that "
+            "overflows (it returns the node's key).")
+    if diagnose is None:
+        return f"{head} {hint}"
+    try:
+        node = diagnose()
+    except Exception as e:  # noqa: BLE001 - a failing diagnosis must not hide the real error
+        return f"{head} diagnose() failed ({e!r}). {hint}"
+    if node is None:
+        return (f"{head} diagnose() found no node with a non-finite output: the forward pass of the "
+                "batch it ran is finite, so the inf/NaN arise in the backward pass or that batch is not "
+                f"one that overflows. {hint}")
+    return f"{head} First node that produced a non-finite value: {str(node)!r}."

@@ -78,6 +78,31 @@ def test_c09_skips_keep_params_floor_the_scale_and_name_the_forward_node():
     assert "'mul'" in msg
 
 
+def test_c09_without_a_scaler_skips_are_given_up_too_naming_the_forward_node():
+    """A bf16 or fp32 policy trains without a loss scaler: its steps with inf/NaN gradients are
+    skipped (weights bitwise unchanged), and after MAX_SKIPS_AT_FLOOR in a row the same
+    LossScaleError says the forward pass makes them and names the node (``autoprec train`` ran 100
+    skipped steps and exited 1 without a word); a finite step in between resets the count."""
+    from autoprec.training.scaler import MAX_SKIPS_AT_FLOOR
+    from autoprec.training.train import TrainStep
+
+    model = InfForward()
+    step = TrainStep(lambda: model(), list(model.parameters()), torch.optim.AdamW(model.parameters()),
+                     lambda out, _batch: out, diagnose=lambda: first_nonfinite_node(model))
+    before = model.p.detach().clone()
+    for _ in range(MAX_SKIPS_AT_FLOOR - 1):
+        assert step(()).skipped and torch.equal(model.p.detach(), before)
+    model.w.fill_(1.0)
+    assert not step(()).skipped  # finite: the count starts again
+    model.w[1] = math.inf
+    after = model.p.detach().clone()
+    with pytest.raises(LossScaleError, match=r"^8 consecutive optimizer steps were skipped with inf/NaN "
+                                             r"gradients and no loss scaler .* forward pass .*'mul'\.$"):
+        for _ in range(MAX_SKIPS_AT_FLOOR):
+            step(())
+    assert torch.equal(model.p.detach(), after)  # no NaN written into the weights
+
+
 def test_c09_tiny_loss_growth_is_capped_not_inf():
     p = torch.nn.Parameter(torch.ones(2))
     opt = torch.optim.SGD([p], lr=1e-3)
