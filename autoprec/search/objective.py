@@ -34,7 +34,7 @@ from autoprec.training.monitor import first_nonfinite_node
 from autoprec.training.train import make_scaler
 
 __all__ = ["Objective", "policy_fingerprint", "DIRECTIONS", "MAX_RETRIES", "is_dead_worker",
-           "reap_dead_trials", "recorded", "requeue_trial", "retried_numbers", "retry_of"]
+           "nonfinite_where", "reap_dead_trials", "recorded", "requeue_trial", "retried_numbers", "retry_of"]
 
 #: Study directions: tokens/s (max), grad_rel_l2 (min), peak bytes (min).
 DIRECTIONS = ("maximize", "minimize", "minimize")
@@ -137,15 +137,15 @@ class Objective:
                                  cut=cut)
         if m.error is not None and m.error.startswith("non-finite"):
             bad = self.harness.batches[len(m.grad_rel_l2_batches) - 1]  # the last batch run: inf
-            m.error += _first_nonfinite(lowered.graph_module, bad)
+            m.error += nonfinite_where(lowered.graph_module, bad)
         _record(trial, m, self.budget)
         if m.error is not None:
             return math.nan
         return m.tokens_per_s, m.grad_rel_l2, float(m.peak_bytes)
 
 
-def _first_nonfinite(gm: torch.fx.GraphModule, batch: Any) -> str:
-    """Where a trial's non-finite values start, for its error (case C01: name the node): the first
+def nonfinite_where(gm: torch.fx.GraphModule, batch: Any) -> str:
+    """Where a measurement's non-finite values start, for its error (case C01: name the node): the first
     forward node with an inf or NaN output on ``batch``
     (:func:`autoprec.training.monitor.first_nonfinite_node`, one eager forward), or that the
     forward was finite (the overflow is in the backward pass)."""

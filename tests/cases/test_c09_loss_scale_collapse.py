@@ -115,3 +115,45 @@ def test_c09_tiny_loss_growth_is_capped_not_inf():
         assert scaler.get_scale() <= 2.0**24
     assert scaler.get_scale() == 2.0**24 and math.isfinite(scaler.get_scale())
     assert scaler.skipped_steps == 0
+
+
+C09_MODEL = """
+import torch
+from torch import nn
+
+
+class M(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 2)
+        self.register_buffer("w", torch.tensor([1.0, float("inf")]))
+
+    def forward(self, x):
+        return (self.lin(x) * self.w).sum()
+
+
+def build_model():
+    torch.manual_seed(0)
+    return M()
+
+
+def get_batch(step, device):
+    return torch.randn(4, 8, generator=torch.Generator().manual_seed(step)).to(device)
+"""
+
+
+def test_c09_tune_of_a_model_whose_fp32_step_is_not_finite_says_so(tmp_path, capsys):
+    """tune used to say "drift budget is not finite ...; pass --max-drift X", and with it "no trial
+    met the drift budget, not even all-fp32": the fp32 step itself is not finite, and the error
+    says that first, naming the model file and the node (the inf buffer ``w``); nothing written."""
+    from autoprec.cli import main
+
+    model = tmp_path / "c09_inf.py"
+    model.write_text(C09_MODEL)
+    out = tmp_path / "p.json"
+    assert main(["tune", str(model), "--out", str(out), "--trials", "2", "--no-compile", "--traj-steps", "0",
+                 "--dtypes", "bf16"]) == 2
+    err = capsys.readouterr().err
+    assert (f"{model}: the model's own fp32 training step fails (non-finite loss or gradients (drift batch "
+            "0); first non-finite output: node w); autoprec tunes a model that trains in fp32") in err, err
+    assert not out.exists()
