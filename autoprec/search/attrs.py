@@ -10,10 +10,9 @@ from __future__ import annotations
 
 __all__ = [
     "ATTR", "CASTS", "CONSTRAINT", "CUT", "DRIFT_BUDGET", "DRIFT_RULE", "ERROR", "FINGERPRINT", "GRAD_REL_L2",
-    "GRAPH",
-    "GRAD_REL_L2_BATCHES", "GRAD_SQNR_DB_MIN", "INFEASIBLE", "INTERRUPTED", "LOSS_REL", "MEASURED",
-    "MEASURE_VERSION", "NOTE", "PEAK_BYTES", "POLICY", "REUSED_FROM", "SENSITIVITY", "SPACE", "STEP_S",
-    "STEP_TIMES", "TOKENS_PER_S", "TOKENS_PER_S_BAND", "WORKER",
+    "GRAD_REL_L2_BATCHES", "GRAD_SQNR_DB_MIN", "GRAPH", "INFEASIBLE", "INTERRUPTED", "LOSS_REL", "MEASURED",
+    "MEASURE_VERSION", "NOTE", "PEAK_BYTES", "POLICY", "RESULT", "REUSED_FROM", "SENSITIVITY", "SPACE",
+    "STEP_S", "STEP_TIMES", "TOKENS_PER_S", "TOKENS_PER_S_BAND", "WORKER",
 ]
 
 #: Namespace of every user attribute autoprec writes.
@@ -55,6 +54,9 @@ SPACE = ATTR + "space"  #: ``{"dtypes": [...]}`` of the search space the study s
 MEASURE_VERSION = ATTR + "measure_version"  #: storage.MEASURE_VERSION of the trials' measurements
 #: ``{"fingerprint": nodekeys.graph_fingerprint, "model": path}`` of the captured graph the trials measure
 GRAPH = ATTR + "graph"
+#: The last finished tune's choice, for ``autoprec report``: ``{"table", "policy", "timings", "shapes",
+#: "levers", "decision"}`` (``search.report.write_report``'s arguments; the policy as a dict)
+RESULT = ATTR + "result"
 
 #: The constraint (and sensitivity) recorded for what has no finite drift: larger than any
 #: budget, finite so Optuna's constrained samplers and JSON storage accept it.

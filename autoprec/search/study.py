@@ -352,13 +352,16 @@ def _write(run: _Run, study: optuna.Study, sel: Selector, chosen: Policy, chosen
     )
     table = side_by_side(run, sel, chosen_m, compile)
     note_if_eager_was_faster(run, sel, chosen, chosen_m, compile)
+    # what the report shows beyond the trials, kept in the study for ``autoprec report`` (the last run's)
+    result = {"table": table, "policy": policy.to_dict(), "timings": timings, "shapes": run.harness.shapes,
+              "levers": sel.points, "decision": sel.decision.describe() if sel.decision is not None else None}
+    study.set_user_attr(attrs.RESULT, result)
     if report:
         from autoprec.search.report import write_report  # matplotlib: only when a report is written
 
         check_interrupt()
-        paths = write_report(study, Path(out).with_suffix(""), table=table, policy=policy, gm=run.gm,
-                             timings=timings, shapes=run.harness.shapes, levers=sel.points,
-                             decision=sel.decision.describe() if sel.decision is not None else None)
+        paths = write_report(study, Path(out).with_suffix(""), gm=run.gm,
+                             **{**result, "policy": policy})
         log("report: " + ", ".join(str(p) for p in paths), run.quiet)
     check_interrupt()  # never write a policy after Ctrl-C, even one Python swallowed
     policy.save(out)  # atomic; the last file written

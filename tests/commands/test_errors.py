@@ -182,6 +182,7 @@ def test_report_creates_out_directory(tmp_path, capsys):
     assert main(["report", "--storage", storage, "--study-name", "s", "--out",
                  str(tmp_path / "new" / "r")]) == 0
     assert any((tmp_path / "new").iterdir())
+    assert "no tune of this study has finished: the report lists its trials only" in capsys.readouterr().err
 
 
 def test_report_without_study_name(tmp_path, capsys):
@@ -229,3 +230,22 @@ def test_each_error_exits_with_its_code_as_its_docstring_says(monkeypatch, capsy
         monkeypatch.setitem(cli._COMMANDS, "show", raiser)
         assert cli.main(["show", "p.json"]) == int(documented[0]), cls
         assert "autoprec show: error: boom" in capsys.readouterr().err
+
+
+def test_report_of_a_tuned_study_has_the_final_choice(tmp_path, capsys):
+    """``autoprec report`` on a study ``tune`` finished shows what tune's own report shows beyond
+    the trials: the decision, the side-by-side table and the time per phase (it listed the eager
+    trials only, so the headline ratio was missing); a study no tune finished says so."""
+    from tests.conftest import MODELS
+
+    out = tmp_path / "p.json"
+    assert main(["tune", str(MODELS / "micro_lm.py"), "--out", str(out), "--trials", "2", "--no-compile",
+                 "--traj-steps", "0", "--dtypes", "bf16"]) == 0
+    tuned = (tmp_path / "p.report.md").read_text()
+    capsys.readouterr()
+    storage = f"sqlite:///{tmp_path / 'p.optuna.db'}"
+    assert main(["report", "--storage", storage, "--out", str(tmp_path / "r")]) == 0
+    again = (tmp_path / "r.report.md").read_text()
+    for section in ("## Side by side", "## Where tuning time went", "| autoprec policy (eager) |"):
+        assert section in tuned and section in again, section
+    assert "no tune of this study has finished" not in capsys.readouterr().err
