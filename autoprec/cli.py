@@ -225,19 +225,12 @@ def _cmd_compare(a: argparse.Namespace) -> int:
 
 
 def _cmd_report(a: argparse.Namespace) -> int:
-    from autoprec.policy import Policy
-    from autoprec.search.attrs import RESULT
-    from autoprec.search.report import write_report
+    from autoprec.search.report import report_study
     from autoprec.search.storage import load_existing_study
 
     study = load_existing_study(a.storage, a.study_name)
     _make_parents(a.out)
-    result = dict(study.user_attrs.get(RESULT) or {})  # the last tune's choice, when one finished
-    if result.get("policy") is not None:
-        result["policy"] = Policy.from_dict(result["policy"])
-    else:
-        print("note: no tune of this study has finished: the report lists its trials only", file=sys.stderr)
-    for p in write_report(study, a.out, **result):
+    for p in report_study(study, a.out):
         print(f"wrote {p}")
     return 0
 

@@ -7,6 +7,7 @@ tokens/s in the tables carries its noise band (:mod:`autoprec.search.bands`).
 from __future__ import annotations
 
 import os
+import sys
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -22,8 +23,8 @@ from autoprec.search.bands import rate_text, ties_with_fastest, timing_of
 from autoprec.search.plots import dtype_map_figure, pareto_figure, save_figure
 from autoprec.search.pool import is_feasible
 
-__all__ = ["format_table", "write_report", "trial_rows", "pareto_front", "show_nodes", "dtype_map",
-           "node_label", "lever_section", "policy_summary"]
+__all__ = ["format_table", "report_study", "write_report", "trial_rows", "pareto_front", "show_nodes",
+           "dtype_map", "node_label", "lever_section", "policy_summary"]
 
 def format_table(rows: list[dict[str, Any]]) -> str:
     """Markdown table of result rows: config, tokens/s with ``±`` the 95% band's relative
@@ -156,6 +157,19 @@ def dtype_map(gm: fx.GraphModule, policy: Policy) -> dict[str, dict[str, str]]:
         if n.op == "call_function" and meta.dtype and not meta.inserted_cast:
             counts[meta.module or ""][meta.op_class or "?"][node_label(meta)] += 1
     return {m: {c: max(d, key=d.get) for c, d in cl.items()} for m, cl in counts.items()}
+
+
+def report_study(study: optuna.Study, stem: str | os.PathLike) -> list[Path]:
+    """``autoprec report``: :func:`write_report` of ``study`` with what the last finished ``tune``
+    kept in it (:data:`attrs.RESULT`: the decision, side-by-side table, phase times, levers; no
+    dtype map, which needs the graph); a study no tune finished gets its trials only, and a note
+    on stderr says so. Returns the paths written."""
+    result = dict(study.user_attrs.get(attrs.RESULT) or {})
+    if result.get("policy") is not None:
+        result["policy"] = Policy.from_dict(result["policy"])
+    else:
+        print("note: no tune of this study has finished: the report lists its trials only", file=sys.stderr)
+    return write_report(study, stem, **result)
 
 
 def write_report(study: optuna.Study, stem: str | os.PathLike, table: list[dict[str, Any]] | None = None,
