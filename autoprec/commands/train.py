@@ -41,6 +41,7 @@ from autoprec.modelspec import load_model_spec
 from autoprec.policy import Policy
 from autoprec.training.checkpoint import load_checkpoint, peek_checkpoint, save_checkpoint
 from autoprec.training.monitor import Monitor
+from autoprec.training.scaler import MAX_SKIPS_AT_FLOOR
 from autoprec.training.steps import StepHook, every, run_steps
 from autoprec.training.train import StepStats, TrainStep, make_scaler
 
@@ -164,7 +165,8 @@ def _train(spec: Any, policy: Policy, policy_path: str | os.PathLike, dev: Any, 
 
     optimizer = spec.make_optimizer(params)
     step = TrainStep(module, params, optimizer, spec.loss_fn, scaler=make_scaler(policy, diagnose),
-                     device_type=dev.type, max_grad_norm=max_grad_norm, diagnose=diagnose)
+                     device_type=dev.type, max_grad_norm=max_grad_norm, max_skips=MAX_SKIPS_AT_FLOOR,
+                     diagnose=diagnose)
     start = _resume(checkpoint, policy_path, policy, step, model, steps, quiet) if resume else 0
     monitor = Monitor(log_path if ranks.lead else None, graph_module=mp.graph_module)
     checkpoint = checkpoint if ranks.lead else None  # every rank resumed from it; rank 0 writes it

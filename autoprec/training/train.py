@@ -30,12 +30,7 @@ from torch import nn
 from autoprec.errors import LossScaleError
 from autoprec.modelspec import call_model
 from autoprec.policy import Policy
-from autoprec.training.scaler import (
-    MAX_SKIPS_AT_FLOOR,
-    DynamicLossScaler,
-    forward_nonfinite_message,
-    unscaled_grad_norm,
-)
+from autoprec.training.scaler import DynamicLossScaler, forward_nonfinite_message, unscaled_grad_norm
 
 __all__ = ["StepStats", "TrainStep", "autocast_scaler", "make_scaler"]
 
@@ -97,24 +92,27 @@ class TrainStep:
         device_type: ``"cpu"`` or ``"cuda"`` (for autocast).
         max_grad_norm: Clip the unscaled gradients to this L2 norm (None: no clipping).
         stats: Compute grad norm and non-finite count each step (costs one pass over grads).
-        diagnose: Without a scaler, names the first non-finite forward node when
-            :data:`~autoprec.training.scaler.MAX_SKIPS_AT_FLOOR` consecutive steps were skipped (the
-            scaler's own rule otherwise; e.g. :meth:`autoprec.Monitor.diagnoser`).
+        max_skips: Without a scaler, give up after this many consecutive skipped steps (None:
+            never, as measurements need; ``autoprec train`` passes
+            :data:`~autoprec.training.scaler.MAX_SKIPS_AT_FLOOR`, the scaler's own rule).
+        diagnose: Names the first non-finite forward node for that error (e.g.
+            :meth:`autoprec.Monitor.diagnoser`).
 
     Raises (from a step):
-        LossScaleError: without a scaler, ``MAX_SKIPS_AT_FLOOR`` consecutive steps had inf/NaN
-            gradients (case C09: bf16 and fp32 have no scale to lower, so the forward pass makes
-            them); with one, as :meth:`DynamicLossScaler.update`.
+        LossScaleError: without a scaler, ``max_skips`` consecutive steps had inf/NaN gradients
+            (case C09: bf16 and fp32 have no scale to lower, so the forward pass makes them); with
+            one, as :meth:`DynamicLossScaler.update`.
     """
 
     def __init__(self, module: Callable[..., Any], params: list[nn.Parameter],
                  optimizer: torch.optim.Optimizer, loss_fn: Callable[[Any, Any], torch.Tensor],
                  scaler: DynamicLossScaler | None = None, autocast_dtype: torch.dtype | None = None,
                  device_type: str = "cpu", max_grad_norm: float | None = None, stats: bool = True,
-                 diagnose: Callable[[], str | None] | None = None) -> None:
+                 max_skips: int | None = None, diagnose: Callable[[], str | None] | None = None) -> None:
         self.module, self.params, self.optimizer, self.loss_fn = module, params, optimizer, loss_fn
         self.scaler, self.autocast_dtype, self.device_type = scaler, autocast_dtype, device_type
-        self.max_grad_norm, self.stats, self.diagnose = max_grad_norm, stats, diagnose
+        self.max_grad_norm, self.stats = max_grad_norm, stats
+        self.max_skips, self.diagnose = max_skips, diagnose
         self._skips = 0  # consecutive skipped steps without a scaler
 
     def _context(self):
@@ -159,7 +157,7 @@ class TrainStep:
                 self.optimizer.step()
             self._skips = self._skips + 1 if skipped else 0
         self.optimizer.zero_grad(set_to_none=True)
-        if self._skips >= MAX_SKIPS_AT_FLOOR:
+        if self.max_skips is not None and self._skips >= self.max_skips:
             raise LossScaleError(forward_nonfinite_message(
                 f"{self._skips} consecutive optimizer steps were skipped with inf/NaN gradients and no loss "
                 "scaler (a bf16/fp32 policy: nothing to scale back, bf16 has fp32's range), so the "

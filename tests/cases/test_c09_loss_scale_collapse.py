@@ -82,13 +82,15 @@ def test_c09_without_a_scaler_skips_are_given_up_too_naming_the_forward_node():
     """A bf16 or fp32 policy trains without a loss scaler: its steps with inf/NaN gradients are
     skipped (weights bitwise unchanged), and after MAX_SKIPS_AT_FLOOR in a row the same
     LossScaleError says the forward pass makes them and names the node (``autoprec train`` ran 100
-    skipped steps and exited 1 without a word); a finite step in between resets the count."""
+    skipped steps and exited 1 without a word); a finite step in between resets the count.
+    Measurements (``max_skips`` None, the default) never give up."""
     from autoprec.training.scaler import MAX_SKIPS_AT_FLOOR
     from autoprec.training.train import TrainStep
 
     model = InfForward()
     step = TrainStep(lambda: model(), list(model.parameters()), torch.optim.AdamW(model.parameters()),
-                     lambda out, _batch: out, diagnose=lambda: first_nonfinite_node(model))
+                     lambda out, _batch: out, max_skips=MAX_SKIPS_AT_FLOOR,
+                     diagnose=lambda: first_nonfinite_node(model))
     before = model.p.detach().clone()
     for _ in range(MAX_SKIPS_AT_FLOOR - 1):
         assert step(()).skipped and torch.equal(model.p.detach(), before)
@@ -101,6 +103,9 @@ def test_c09_without_a_scaler_skips_are_given_up_too_naming_the_forward_node():
         for _ in range(MAX_SKIPS_AT_FLOOR):
             step(())
     assert torch.equal(model.p.detach(), after)  # no NaN written into the weights
+    patient = TrainStep(lambda: model(), list(model.parameters()), torch.optim.AdamW(model.parameters()),
+                        lambda out, _batch: out)
+    assert all(patient(()).skipped for _ in range(2 * MAX_SKIPS_AT_FLOOR))
 
 
 def test_c09_tiny_loss_growth_is_capped_not_inf():
