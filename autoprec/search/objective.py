@@ -34,7 +34,7 @@ from autoprec.training.monitor import first_nonfinite_node
 from autoprec.training.train import make_scaler
 
 __all__ = ["Objective", "policy_fingerprint", "DIRECTIONS", "MAX_RETRIES", "is_dead_worker",
-           "nonfinite_where", "reap_dead_trials", "recorded", "requeue_trial", "retried_numbers", "retry_of"]
+           "name_nonfinite", "reap_dead_trials", "recorded", "requeue_trial", "retried_numbers", "retry_of"]
 
 #: Study directions: tokens/s (max), grad_rel_l2 (min), peak bytes (min).
 DIRECTIONS = ("maximize", "minimize", "minimize")
@@ -135,25 +135,26 @@ class Objective:
         fn = saved_eager(lowered.graph_module)  # the policy's saved dtypes (the memory lever), eagerly
         m = self.harness.measure(fn, lambda: make_scaler(policy), max_step_s=self.max_step_s, screen=True,
                                  cut=cut)
-        if m.error is not None and m.error.startswith("non-finite"):
-            bad = self.harness.batches[len(m.grad_rel_l2_batches) - 1]  # the last batch run: inf
-            m.error += nonfinite_where(lowered.graph_module, bad)
+        m.error = name_nonfinite(m, lowered.graph_module, self.harness.batches)
         _record(trial, m, self.budget)
         if m.error is not None:
             return math.nan
         return m.tokens_per_s, m.grad_rel_l2, float(m.peak_bytes)
 
 
-def nonfinite_where(gm: torch.fx.GraphModule, batch: Any) -> str:
-    """Where a measurement's non-finite values start, for its error (case C01: name the node): the first
-    forward node with an inf or NaN output on ``batch``
-    (:func:`autoprec.training.monitor.first_nonfinite_node`, one eager forward), or that the
-    forward was finite (the overflow is in the backward pass)."""
+def name_nonfinite(m: Measurement, gm: torch.fx.GraphModule, batches: list[Any]) -> str | None:
+    """``m.error``, and where its non-finite values start when that is why it failed (case C01:
+    name the node): the first forward node of ``gm`` with an inf or NaN output on the last drift
+    batch ``m`` ran (:func:`autoprec.training.monitor.first_nonfinite_node`, one eager forward),
+    or that the forward was finite (the overflow is in the backward pass)."""
+    if m.error is None or not m.error.startswith("non-finite"):
+        return m.error
     try:
-        node = first_nonfinite_node(gm, batch)
-    except Exception as e:  # noqa: BLE001 - a diagnosis must not turn the trial's error into another
-        return f"; its first non-finite node could not be found ({type(e).__name__}: {e})"
-    return f"; first non-finite output: node {node}" if node else "; forward finite (backward overflows)"
+        node = first_nonfinite_node(gm, batches[len(m.grad_rel_l2_batches) - 1])  # the last run: inf
+    except Exception as e:  # noqa: BLE001 - a diagnosis must not turn the error into another
+        return f"{m.error}; its first non-finite node could not be found ({type(e).__name__}: {e})"
+    where = f"first non-finite output: node {node}" if node else "forward finite (backward overflows)"
+    return f"{m.error}; {where}"
 
 
 def _beat(trial: optuna.Trial) -> None:

@@ -47,7 +47,7 @@ from autoprec.search.budgets import (
 )
 from autoprec.search.decide import DriftBudget
 from autoprec.search.kernel_choice import adopt_study_kernels, probe_decision, probe_phase
-from autoprec.search.objective import Objective, nonfinite_where
+from autoprec.search.objective import Objective, name_nonfinite
 from autoprec.search.phases import accounted, phase_bar
 from autoprec.search.pool import feasible
 from autoprec.search.progress import Clock, LoadClock, log
@@ -243,11 +243,9 @@ def _baselines(run: _Run, drift_arg: float | None, memory_arg: tuple[str, float]
         bar.step("fp32 eager")  # screened (its speed sets `slow`; the head-to-head's is reported)
         run.fp32 = h.measure(h.model, screen=True)
         if run.fp32.error is not None:  # nothing to tune against (case C09's always-inf forward)
-            where = (nonfinite_where(h.graph_module, h.batches[len(run.fp32.grad_rel_l2_batches) - 1])
-                     if run.fp32.error.startswith("non-finite") else "")
-            raise SearchError(f"{run.spec.path}: the model's own fp32 training step fails ({run.fp32.error}"
-                              f"{where}); autoprec tunes a model that trains in fp32: fix the model or its "
-                              "batches first")
+            why = name_nonfinite(run.fp32, h.graph_module, h.batches)
+            raise SearchError(f"{run.spec.path}: the model's own fp32 training step fails ({why}); autoprec "
+                              "tunes a model that trains in fp32: fix the model or its batches first")
         run.slow = max(SLOW_RATIO * run.fp32.step_s, SLOW_FLOOR_S)
         bar.step(f"torch.autocast({run.ac_dtype}) eager")
         # screened too: without compile the head-to-head times it again; with compile its speed is
