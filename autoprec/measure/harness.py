@@ -19,6 +19,7 @@ from torch import nn
 from autoprec.applied.compile import CompiledGraph, compile_graph
 from autoprec.capture import PROBE_BATCHES, batch_shapes, capture_for, warmup_steps
 from autoprec.device import sync
+from autoprec.kernels.fp32_gemms import Fp32ComputeGemms
 from autoprec.measure import screening
 from autoprec.measure.drift import (
     DRIFT_BATCHES,
@@ -38,7 +39,7 @@ from autoprec.modelspec import ModelSpec
 from autoprec.training.rng import MEASURE_SEED, StepRng, same_rng
 from autoprec.training.scaler import DynamicLossScaler
 from autoprec.training.steps import StepsTooSlow, run_steps, slow_step_guard
-from autoprec.training.train import TrainStep
+from autoprec.training.train import GradientsOnly, TrainStep
 
 __all__ = ["MIN_TIMED_STEPS", "TIMED_BUDGET_S", "Harness"]
 
@@ -171,16 +172,18 @@ class Harness:
 
     def _grads(self, fn: Callable[..., Any], scaler: DynamicLossScaler | None,
                autocast_dtype: torch.dtype | None, counter: SavedBytes | None = None,
-               batch: int = 0, seconds: dict[int, float] | None = None) -> Grads:
+               batch: int = 0, seconds: dict[int, float] | None = None, fp32_gemms: bool = False) -> Grads:
         """Loss and unscaled fp32 gradients of one forward/backward of ``fn`` on ``batch`` from the
         initial weights and RNG seed ``MEASURE_SEED`` (``counter`` counts what it saves for backward;
-        ``seconds[batch]`` gets the forward/backward's wall-clock seconds, device synchronised)."""
+        ``seconds[batch]`` gets the forward/backward's wall-clock seconds, device synchronised;
+        ``fp32_gemms``: ``autocast_dtype``'s GEMMs as fp32 products, :class:`Fp32ComputeGemms`)."""
         self.restore()
-        step = TrainStep(fn, self.params, _NoOpt(), self.spec.loss_fn, scaler=scaler,
+        step = TrainStep(fn, self.params, GradientsOnly(), self.spec.loss_fn, scaler=scaler,
                          autocast_dtype=autocast_dtype, device_type=self.device.type)
         hooks = (torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t) if counter is not None
                  else contextlib.nullcontext())
-        with same_rng(self.device), hooks, self._eager_random(fn):
+        gemms = Fp32ComputeGemms(autocast_dtype) if fp32_gemms else contextlib.nullcontext()
+        with same_rng(self.device), hooks, self._eager_random(fn), gemms:
             sync(self.device)
             t0 = time.perf_counter()
             loss = step.forward_backward(self.batches[batch])
@@ -191,7 +194,8 @@ class Harness:
 
     def drift(self, fn: Callable[..., Any], scaler: DynamicLossScaler | None = None,
               autocast_dtype: torch.dtype | None = None,
-              stop: Callable[[Measurement], str | None] | None = None) -> Measurement:
+              stop: Callable[[Measurement], str | None] | None = None,
+              fp32_gemms: bool = False) -> Measurement:
         """Drift of ``fn`` against the FP32 reference on the K drift batches (fewer: ``stop``).
 
         Per batch k (:func:`autoprec.measure.drift.measure_drift`): ``grad_rel_l2`` against that
@@ -208,7 +212,10 @@ class Harness:
 
         ``stop``, when given, sees the Measurement of the batches run so far after each finite
         batch but the last, and before a back-off search (:func:`~autoprec.measure.drift.measure_drift`);
-        a reason (not None) ends the passes there and becomes ``cut``.
+        a reason (not None) ends the passes there and becomes ``cut``. ``fp32_gemms``: the passes
+        compute ``autocast_dtype``'s GEMMs as fp32 products rounded to it
+        (:class:`autoprec.kernels.fp32_gemms.Fp32ComputeGemms`: the same roundings where the native
+        kernel is slow; an ``fn`` compiled runs eagerly under it).
 
         Raises:
             Exception: whatever running ``fn`` raises (compile errors, out of memory).
@@ -222,7 +229,7 @@ class Harness:
 
         def step(k: int, count: bool) -> tuple[float, list[torch.Tensor], int]:
             counter = SavedBytes(self.params) if count else None
-            loss, grads = self._grads(fn, scaler, autocast_dtype, counter, batch=k, seconds=seconds)
+            loss, grads = self._grads(fn, scaler, autocast_dtype, counter, k, seconds, fp32_gemms)
             return loss, grads, counter.total if counter is not None else 0
 
         reason: list[str] = []
@@ -251,7 +258,8 @@ class Harness:
                 scaler_factory: Callable[[], DynamicLossScaler | None] = lambda: None,
                 autocast_dtype: torch.dtype | None = None, timing: bool = True,
                 max_step_s: float | None = None, screen: bool = False,
-                cut: Callable[[Measurement], str | None] | None = None) -> Measurement:
+                cut: Callable[[Measurement], str | None] | None = None,
+                fp32_gemms: bool = False) -> Measurement:
         """Drift, memory and (optionally) median step time of full training steps of ``fn``.
 
         Args:
@@ -271,6 +279,9 @@ class Harness:
             cut: A screening cut: given the measurement so far (step times filled as ``screen``
                 fills them) after each drift batch but the last, and before a back-off search;
                 a reason stops the passes there and is the result's ``cut`` (:meth:`drift`'s ``stop``).
+            fp32_gemms: The drift passes compute ``autocast_dtype``'s GEMMs as fp32 products (its
+                numerics, where its native GEMMs are slow: :meth:`drift`); the steps are timed
+                natively (``timing``), never from those passes.
 
         Returns:
             A :class:`Measurement`; on failure ``error`` says why (never raises for numerics).
@@ -278,14 +289,15 @@ class Harness:
         scaler = scaler_factory()
 
         def screened(m: Measurement) -> Measurement:  # every drift pass timed, batch 0's too
-            if screen and timing and m.error is None and m.pass_times and \
+            if screen and timing and not fp32_gemms and m.error is None and m.pass_times and \
                     screening.applies(self.device, fn, self.drift_batches):
                 screening.from_drift_passes(m, self._timed_tokens(len(m.pass_times), 0),
                                             self.update_seconds(scaled=scaler is not None))
             return m
 
         try:
-            m = self.drift(fn, scaler, autocast_dtype, (lambda m: cut(screened(m))) if cut else None)
+            stop = (lambda m: cut(screened(m))) if cut else None
+            m = self.drift(fn, scaler, autocast_dtype, stop, fp32_gemms)
         except Exception as e:  # compile errors, OOM, kernels missing for a dtype
             self.restore()
             return Measurement(error=describe_failure(e))
@@ -386,15 +398,3 @@ class Harness:
             return [stats.loss for stats, _seconds in done]
         finally:
             self.restore()
-
-
-class _NoOpt:
-    """Stands in for an optimizer where only gradients are wanted."""
-
-    param_groups: list[dict[str, Any]] = []
-
-    def step(self) -> None:  # pragma: no cover - never called
-        pass
-
-    def zero_grad(self, set_to_none: bool = True) -> None:  # pragma: no cover
-        pass

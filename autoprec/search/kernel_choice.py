@@ -9,12 +9,19 @@ import math
 from typing import Any
 
 from autoprec.device import autocast_dtype
-from autoprec.dtypes import LOW_DTYPES, NAMES
+from autoprec.dtypes import LOW_DTYPES, NAMES, kernel_name
 from autoprec.search.probe import kernel_fields, matmul_shape_counts, matmul_shapes, probe_kernels
 from autoprec.search.progress import log
 from autoprec.search.space import SearchSpace, find_blocks, has_attention, outside_matmuls
 
-__all__ = ["adopt_study_kernels", "probe_decision", "probe_phase"]
+__all__ = ["EMULATE_AT", "adopt_study_kernels", "autocast_gemms_in_fp32", "probe_decision", "probe_phase"]
+
+#: torch.autocast's drift passes compute its GEMMs as fp32 products
+#: (:class:`autoprec.kernels.fp32_gemms.Fp32ComputeGemms`, the same roundings) when the probe
+#: measured its dtype's native kernel at least this many times the fp32-compute kernel's time
+#: (band against band): below that, native passes cost little more and run as users run them.
+#: An AVX2-only CPU measures ~60-90x (``benchmarks/results/avx2_autocast_2026-12-05``).
+EMULATE_AT = 2.0
 
 
 def probe_phase(run: Any, forced: list[str] | None, saved: tuple[str, ...] = ()) -> None:
@@ -77,3 +84,21 @@ def probe_decision(probes: dict[str, Any]) -> dict[str, Any]:
     the keep rule's tolerance and per kernel its ratio to fp32's time, band and verdict."""
     return {"tol": probes.get("tol"), "kernels": {k: {f: v.get(f) for f in ("ratio", "band", "kept", "error")}
                                                   for k, v in probes.get("kernels", {}).items()}}
+
+
+def autocast_gemms_in_fp32(probes: dict[str, Any], ac_dtype: Any) -> str | None:
+    """Why torch.autocast's drift passes compute its GEMMs in fp32 (the probe measured the native
+    ``ac_dtype`` kernel :data:`EMULATE_AT` or more times slower than the fp32-compute one: the low
+    end of the native band over the high end of the other's), e.g. ``"native bf16 GEMMs measured
+    63.9x fp32's time, fp32-compute 1.06x"``; None when they run natively (or either kernel failed
+    or was not probed). ``probes`` is ``KernelProbe.to_dict()``; its speed is always timed natively."""
+    name = NAMES.get(ac_dtype)
+    ks = probes.get("kernels", {})
+    native, fp32c = ks.get(name or ""), ks.get(kernel_name(name, "fp32") if name else "")
+    if not native or not fp32c or native.get("error") or fp32c.get("error"):
+        return None
+    low, high = native["band"][0], fp32c["band"][1]
+    if low is None or high is None or not low >= EMULATE_AT * high:
+        return None
+    return (f"native {name} GEMMs measured {native['ratio']:.3g}x fp32's time, "
+            f"fp32-compute {fp32c['ratio']:.3g}x")

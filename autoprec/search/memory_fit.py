@@ -13,14 +13,16 @@ import math
 from typing import Any
 
 from autoprec._interrupt import check as check_interrupt
+from autoprec.errors import SearchError
 from autoprec.measure import Measurement
 from autoprec.passes import run_pipeline
 from autoprec.policy import Policy
+from autoprec.search.budgets import format_bytes
 from autoprec.search.progress import log
 from autoprec.search.space import SAVED_LEVERS, with_saved
 from autoprec.training.train import make_scaler
 
-__all__ = ["fit_memory", "fit_recompute", "lever"]
+__all__ = ["eager_fitting", "fit_memory", "fit_recompute", "lever"]
 
 
 def lever(pol: Policy) -> str:
@@ -108,3 +110,19 @@ def fit_recompute(sel: Any, pol: Policy, m: Measurement) -> tuple[Policy, Any, M
     if probe.error is not None or probe.peak_bytes > sel.memory_budget or probe.step_times:
         return cand, fn, probe
     return cand, fn, sel.h.measure(fn, lambda cand=cand: make_scaler(cand), max_step_s=sel.slow)
+
+
+def eager_fitting(feasible: list[Any], memory_budget: float) -> list[Any]:
+    """Without compile (nothing can recompute), the feasible trials (Optuna ``FrozenTrial``s, their
+    ``values[2]`` the screening peak in bytes) whose peak fits ``memory_budget`` (bytes): a slower
+    one that fits is a finalist before a faster one that cannot.
+
+    Raises:
+        SearchError: none fits; the message gives the smallest peak."""
+    fits = [t for t in feasible if t.values[2] <= memory_budget]
+    if not fits:
+        least, budget = min(t.values[2] for t in feasible) / 2**20, format_bytes(memory_budget)
+        raise SearchError(f"no feasible trial fits the memory budget ({budget}; "
+                          f"the smallest peak was {least:.1f} MiB); without --no-compile, "
+                          "recomputation in backward can lower the peak")
+    return fits

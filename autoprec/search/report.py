@@ -297,7 +297,9 @@ def policy_summary(policy: Policy, path: str | os.PathLike, rules: bool = True) 
         shown = []
         if "tokens_per_s" in m:
             shown.append(f"{m.pop('tokens_per_s'):.0f} tokens/s")
-        for key, label in (("speedup_vs_fp32", "fp32 eager"), ("speedup_vs_autocast", "torch.autocast")):
+        best = f"{prov.get('baseline', 'the fastest baseline')} (the baseline to beat)"
+        for key, label in (("speedup_vs_baseline", best), ("speedup_vs_fp32", "fp32 eager"),
+                           ("speedup_vs_autocast", "torch.autocast")):
             if key in m:
                 shown.append(f"{m.pop(key):.2f}x {label}")
         if "peak_bytes" in m:

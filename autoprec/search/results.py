@@ -16,17 +16,38 @@ from autoprec.dtypes import NAMES
 from autoprec.measure import Measurement, Timing, compare
 from autoprec.policy import Policy
 from autoprec.search.bands import timing_of
+from autoprec.search.final import all_fp32
 from autoprec.search.progress import log
-from autoprec.search.select import AUTOCAST_EAGER, FP32_EAGER
+from autoprec.search.select import AUTOCAST_EAGER, FP32_COMPILED, FP32_EAGER, FP32_GRAPH
 
-__all__ = ["measured_block", "note_if_eager_was_faster", "side_by_side"]
+__all__ = ["baseline_to_beat", "measured_block", "note_if_eager_was_faster", "side_by_side"]
 
 
-def measured_block(run: Any, sel: Any, chosen: Policy, m: Measurement) -> dict[str, float]:
-    """The policy file's ``measured`` block (finite numbers only: docs/architecture.md#policy-file)."""
+def baseline_to_beat(sel: Any, compile: bool) -> tuple[str, float] | None:
+    """The fastest baseline of the final head-to-head and its tokens/s: what a user gets without
+    autoprec, the faster of torch.autocast + torch.compile and fp32 + torch.compile (fp32 eager
+    too, should it be faster; without compile torch.autocast eager and the all-fp32 graph), timed
+    side by side with the choice (:func:`autoprec.search.final.decide`'s ``best_baseline``).
+    The all-fp32 finalist is named what it is, ``"fp32 + torch.compile"``, whichever trial it
+    was. None when no baseline was timed."""
+    d = sel.decision
+    if d is None or d.best_baseline is None or not d.best_baseline.timing.tokens_per_s:
+        return None
+    b = d.best_baseline
+    fp32 = b.policy is not None and all_fp32(b.policy)
+    name = (FP32_COMPILED if compile else FP32_GRAPH) if fp32 else b.name
+    return name, b.timing.tokens_per_s
+
+
+def measured_block(run: Any, sel: Any, chosen: Policy, m: Measurement, compile: bool) -> dict[str, float]:
+    """The policy file's ``measured`` block (finite numbers only: docs/architecture.md#policy-file);
+    ``speedup_vs_baseline`` is against :func:`baseline_to_beat` (whose name the provenance holds)."""
     ref = sel.autocast_bar or run.autocast
+    best = baseline_to_beat(sel, compile)
     return {
-        "tokens_per_s": m.tokens_per_s, "speedup_vs_fp32": m.tokens_per_s / run.fp32.tokens_per_s,
+        "tokens_per_s": m.tokens_per_s,
+        **({"speedup_vs_baseline": m.tokens_per_s / best[1]} if best is not None else {}),
+        "speedup_vs_fp32": m.tokens_per_s / run.fp32.tokens_per_s,
         "speedup_vs_autocast": m.tokens_per_s / ref.tokens_per_s if ref.tokens_per_s else 0.0,
         "grad_rel_l2": m.grad_rel_l2, "loss_rel": m.loss_rel,
         "peak_bytes": m.peak_bytes,

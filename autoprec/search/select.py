@@ -25,7 +25,7 @@ from autoprec.search import attrs
 from autoprec.search.budgets import format_bytes
 from autoprec.search.decide import DriftBudget
 from autoprec.search.final import Contender, Decision, all_fp32, decide, out_of_the_running, settled
-from autoprec.search.memory_fit import fit_memory, lever
+from autoprec.search.memory_fit import eager_fitting, fit_memory, lever
 from autoprec.search.phases import PhaseBar, phase_bar
 from autoprec.search.progress import log
 from autoprec.search.trajectory import TrajectoryCheck
@@ -67,6 +67,11 @@ class Selector:
             GEMMs are; ``benchmarks/results/attention_math_2026-12-02``).
         progress: Show a bar over the finalists (and the head-to-head) and one over each memory
             fit (:func:`autoprec.search.phases.phase_bar`).
+        slow_gemms: Why torch.autocast's native GEMMs are too slow for its drift passes
+            (:func:`autoprec.search.kernel_choice.autocast_gemms_in_fp32`), or None. Then torch.autocast
+            + torch.compile's drift runs natively on batch 0 only (it compiles there; its peak and
+            that batch's drift), unless the graph draws random numbers (its drift over every batch
+            is the compiled budget, :meth:`_judge_compiled_like_autocast`).
 
     Attributes:
         timings: The final head-to-head's :class:`~autoprec.measure.timing.Timing` per contender.
@@ -80,8 +85,9 @@ class Selector:
     """
 
     def __init__(self, harness, budget, compile, ac_dtype, slow, traj_steps, clock, quiet, twin=None,
-                 progress=False, also=()) -> None:
+                 progress=False, also=(), slow_gemms=None) -> None:
         self.h, self.budget, self.compile, self.ac_dtype = harness, budget, compile, ac_dtype
+        self.slow_gemms: str | None = slow_gemms
         self.slow, self.clock, self.quiet = slow, clock, quiet
         self.twin: Policy | None = twin
         self.also: list[tuple[Policy, str]] = list(also)
@@ -145,8 +151,11 @@ class Selector:
         bar.step(self.ac_label)
         self._autocast_fn = self._fn(self.h.model) if self.compile else self.h.model
         # timed in the head-to-head's rounds (CUDA's peak is read after timed steps)
+        timed = self.h.device.type == "cuda"
+        one = self._bar_on_batch_0(timed)
         ac = self.h.measure(self._autocast_fn, autocast_scaler(self.ac_dtype), autocast_dtype=self.ac_dtype,
-                            timing=self.h.device.type == "cuda", max_step_s=self.slow)
+                            timing=timed, max_step_s=self.slow, cut=(lambda _m: one) if one else None)
+        ac.note = "; ".join(x for x in (ac.note, ac.cut) if x)
         if self.compile:
             self.autocast_compiled = ac
             self._judge_compiled_like_autocast()
@@ -155,7 +164,7 @@ class Selector:
         self.memory_budget = memory_budget()
         if self.memory_budget is not None:
             log(f"memory budget {format_bytes(self.memory_budget)}", self.quiet)
-            feasible = self._fitting(feasible)
+            feasible = feasible if self.compile else eager_fitting(feasible, self.memory_budget)
         survivors: list[tuple[str, Policy, Any, Measurement]] = []
         measured: list[Measurement] = []
         timed_now = self.h.device.type == "cuda"  # CUDA's peak is read after timed steps; the CPU's is not
@@ -289,6 +298,15 @@ class Selector:
         run = self.trajectory.share(fn, scaler_factory, autocast_dtype)
         return Config(label, fn, scaler_factory, autocast_dtype, run=run)
 
+    def _bar_on_batch_0(self, timed: bool) -> str | None:
+        """Why torch.autocast + torch.compile's drift stops after batch 0 (``slow_gemms``: its
+        native GEMMs are slow; batch 0 compiles it and gives its peak), or None: all K batches
+        run when it is not compiled, when ``timed`` (its timed steps would be skipped) and when
+        the graph draws random numbers (its drift over every batch is then the compiled budget)."""
+        if not (self.compile and self.slow_gemms) or timed or self.h.random:
+            return None
+        return f"drift on batch 0 only ({self.slow_gemms})"
+
     def _judge_compiled_like_autocast(self) -> None:
         """On a graph that draws random numbers (dropout), judge compiled finalists against torch.autocast
         as compiled: Inductor draws its own masks (``fallback_random`` is off, as in training), so a
@@ -346,22 +364,6 @@ class Selector:
         """Record why a finalist was rejected (the report's note: drift, memory, traj_rel)."""
         if (i := self._point_index.get(pol.training_key())) is not None:
             self.points[i]["rejected"] = why
-
-    def _fitting(self, feasible: list[optuna.trial.FrozenTrial]) -> list[optuna.trial.FrozenTrial]:
-        """Without compile (nothing can recompute), the feasible trials whose screening peak fits the
-        memory budget: a slower one that fits is a finalist before a faster one that cannot.
-
-        Raises:
-            SearchError: none fits; the message gives the smallest peak."""
-        if self.compile:
-            return feasible
-        fits = [t for t in feasible if t.values[2] <= self.memory_budget]
-        if not fits:
-            least, budget = min(t.values[2] for t in feasible) / 2**20, format_bytes(self.memory_budget)
-            raise SearchError(f"no feasible trial fits the memory budget ({budget}; "
-                              f"the smallest peak was {least:.1f} MiB); without --no-compile, "
-                              "recomputation in backward can lower the peak")
-        return fits
 
     def _none_survived(self, measured: list[Measurement]) -> str:
         """Why no finalist is left for the head-to-head: the memory budget, with the smallest peak

@@ -46,12 +46,17 @@ from autoprec.search.budgets import (
     parse_max_memory,
 )
 from autoprec.search.decide import DriftBudget
-from autoprec.search.kernel_choice import adopt_study_kernels, probe_decision, probe_phase
+from autoprec.search.kernel_choice import (
+    adopt_study_kernels,
+    autocast_gemms_in_fp32,
+    probe_decision,
+    probe_phase,
+)
 from autoprec.search.objective import Objective, name_nonfinite
 from autoprec.search.phases import accounted, phase_bar
 from autoprec.search.pool import feasible
 from autoprec.search.progress import Clock, LoadClock, log
-from autoprec.search.results import measured_block, note_if_eager_was_faster, side_by_side
+from autoprec.search.results import baseline_to_beat, measured_block, note_if_eager_was_faster, side_by_side
 from autoprec.search.select import FP32_EAGER, Selector
 from autoprec.search.space import (
     ATTENTION_BASELINE,
@@ -121,6 +126,7 @@ class _Run:
     fp32: Measurement = field(default_factory=Measurement)
     autocast: Measurement = field(default_factory=Measurement)
     slow: float = math.inf  # max_step_s of every timed measurement after the fp32 baseline
+    slow_gemms: str | None = None  # why torch.autocast's native GEMMs are not run in drift passes
     budget: DriftBudget | None = None  # the drift budget, set by _baselines
     forced: list[str] | None = None  # --dtypes, or None (the probe decides)
 
@@ -249,9 +255,17 @@ def _baselines(run: _Run, drift_arg: float | None, memory_arg: tuple[str, float]
         run.slow = max(SLOW_RATIO * run.fp32.step_s, SLOW_FLOOR_S)
         bar.step(f"torch.autocast({run.ac_dtype}) eager")
         # screened too: without compile the head-to-head times it again; with compile its speed is
-        # only the table's "autocast eager" row, and its passes time what full steps would
+        # only the table's "autocast eager" row, and its passes time what full steps would. Where its
+        # native GEMMs are slow, its drift passes compute them in fp32 (same roundings) and one
+        # native step (slow_step_guard) times it
+        run.slow_gemms = autocast_gemms_in_fp32(run.probes, run.ac_dtype)
+        if run.slow_gemms:
+            log(f"torch.autocast's drift is measured with its GEMMs computed in fp32, rounded as native "
+                f"ones round ({run.slow_gemms}); its speed natively", run.quiet)
         run.autocast = h.measure(h.model, autocast_scaler(run.ac_dtype), autocast_dtype=run.ac_dtype,
-                                 max_step_s=run.slow, screen=True)
+                                 max_step_s=run.slow, screen=True, fp32_gemms=bool(run.slow_gemms))
+        if run.slow_gemms:
+            run.autocast.note = "; ".join(x for x in ("drift with its GEMMs in fp32", run.autocast.note) if x)
     ac = run.autocast
     if drift_arg is None and not (math.isfinite(ac.grad_rel_l2) and ac.grad_rel_l2_batches):
         raise SearchError(f"drift budget is not finite (torch.autocast: {ac.error}); pass --max-drift X")
@@ -310,7 +324,7 @@ def _selector(run: _Run, compile: bool, traj_steps: int) -> Selector:
     also = [(run.space.to_policy(math_twin), ATTENTION_BASELINE[0])] if math_twin is not None else []
     return Selector(run.harness, run.budget, compile, run.ac_dtype, run.slow, traj_steps, run.clock,
                     run.quiet, twin=run.space.to_policy(twin) if twin is not None else None,
-                    progress=run.progress, also=also)
+                    progress=run.progress, also=also, slow_gemms=run.slow_gemms)
 
 
 def _finalists(run: _Run, sel: Selector, study: optuna.Study, k: int,
@@ -343,10 +357,11 @@ def _write(run: _Run, study: optuna.Study, sel: Selector, chosen: Policy, chosen
     """Phase 6: the policy's ``measured`` and ``provenance`` blocks, the side-by-side table, the
     report (first: Ctrl-C while writing it leaves no policy file) and the policy file (atomic)."""
     timings = run.clock.done()
-    policy = chosen.with_measured(measured_block(run, sel, chosen, chosen_m)).with_provenance(
+    best = baseline_to_beat(sel, compile)
+    policy = chosen.with_measured(measured_block(run, sel, chosen, chosen_m, compile)).with_provenance(
         model=str(run.spec.path), graph_fingerprint=graph_fingerprint(run.gm), device=device_name(run.dev),
         torch=torch.__version__, autoprec=__version__, created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        study=study.study_name, compiled=compile,
+        study=study.study_name, compiled=compile, **({"baseline": best[0]} if best is not None else {}),
     )
     table = side_by_side(run, sel, chosen_m, compile)
     note_if_eager_was_faster(run, sel, chosen, chosen_m, compile)

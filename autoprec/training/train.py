@@ -32,7 +32,7 @@ from autoprec.modelspec import call_model
 from autoprec.policy import Policy
 from autoprec.training.scaler import DynamicLossScaler, forward_nonfinite_message, unscaled_grad_norm
 
-__all__ = ["StepStats", "TrainStep", "autocast_scaler", "make_scaler"]
+__all__ = ["GradientsOnly", "StepStats", "TrainStep", "autocast_scaler", "make_scaler"]
 
 
 def make_scaler(policy: Policy, diagnose: Callable[[], str | None] | None = None) -> DynamicLossScaler | None:
@@ -58,6 +58,19 @@ def autocast_scaler(dtype: torch.dtype | None) -> Callable[[], DynamicLossScaler
     """Scaler factory for a ``torch.autocast`` baseline: fp16 autocast trains with a dynamic
     loss scaler (the PyTorch AMP recipe: autocast + GradScaler), bf16 and fp32 without."""
     return (lambda: DynamicLossScaler()) if dtype == torch.float16 else (lambda: None)
+
+
+class GradientsOnly:
+    """Stands in for the optimizer of a :class:`TrainStep` whose gradients alone are wanted (drift
+    passes): it has no parameter groups, and ``step``/``zero_grad`` are never called there."""
+
+    param_groups: list[dict[str, Any]] = []
+
+    def step(self) -> None:  # pragma: no cover - never called
+        """Nothing: only gradients are wanted."""
+
+    def zero_grad(self, set_to_none: bool = True) -> None:  # pragma: no cover
+        """Nothing: only gradients are wanted."""
 
 
 @dataclass

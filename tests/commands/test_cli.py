@@ -73,6 +73,12 @@ def test_tune_writes_policy_resumes_and_trains(tmp_path, capsys):
     m = pol.measured
     assert m["drift_budget"] > 0  # torch.autocast's mean grad_rel_l2 (the rule: search/decide.py)
     assert m["tokens_per_s"] > 0 and pol.provenance["model"].endswith("tiny_mlp.py")
+    # the ratio that decides first, against the faster bar timed beside the choice, named
+    best = pol.provenance["baseline"]
+    assert best in ("torch.autocast eager", "all-fp32", "fp32 eager")
+    wrote = next(ln for ln in text.splitlines() if ln.startswith(f"wrote {out}: "))
+    assert f"tokens/s, {m['speedup_vs_baseline']:.2f}x {best} (the baseline to beat), " in wrote
+    assert wrote.count(f"x {best}") == 1 and "x fp32 eager" in wrote
     db = tmp_path / "p.optuna.db"
     assert db.exists()
 

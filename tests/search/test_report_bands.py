@@ -118,6 +118,7 @@ def _tune_state(compile: bool, twin_steps, fp32_compiled=None):
     import torch
 
     from autoprec.measure import Timing
+    from autoprec.search.final import Contender
     from autoprec.search.trajectory import TrajectoryCheck
 
     label = "torch.autocast + torch.compile" if compile else "torch.autocast eager"
@@ -127,7 +128,9 @@ def _tune_state(compile: bool, twin_steps, fp32_compiled=None):
     sel = SimpleNamespace(timings=timings, ac_label=label, autocast_compiled=ac if compile else None,
                           fp32_compiled=fp32_compiled, autocast_eager=None if compile else ac,
                           autocast_bar=ac, memory_budget=None,
-                          decision=SimpleNamespace(chosen=SimpleNamespace(name="twin")),
+                          decision=SimpleNamespace(chosen=SimpleNamespace(name="twin"),
+                                                   best_baseline=Contender(label, None, timings[label], 0.0,
+                                                                           baseline=True)),
                           trajectory=TrajectoryCheck(None, torch.bfloat16, 0, lambda: None))
     run = SimpleNamespace(ac_dtype=torch.bfloat16, fp32=_measurement(SLOW), autocast=_measurement(SLOW),
                           budget=DriftBudget.fixed(1.0))
@@ -148,11 +151,38 @@ def test_without_compile_the_side_by_side_is_against_torch_autocast_eager():
     policy_row = next(r for r in rows if r["config"] == "autoprec policy (eager)")
     assert abs(policy_row["vs_autocast"] - 0.5) < 0.02 and not policy_row["vs_autocast_tie"]
     assert next(r for r in rows if r["config"] == "autocast bf16 eager")["vs_autocast"] == 1.0
-    block = measured_block(run, sel, Policy.fp32(), pol)
+    block = measured_block(run, sel, Policy.fp32(), pol, compile=False)
     assert abs(block["speedup_vs_autocast"] - 0.5) < 0.02
+    assert block["speedup_vs_baseline"] == pytest.approx(block["speedup_vs_autocast"])  # it is the bar here
     assert "traj_rel" not in block  # never measured: no 0.0 that reads as a perfect trajectory
     sel.trajectory.traj[Policy.fp32().training_key()] = 1.5e-3
-    assert measured_block(run, sel, Policy.fp32(), pol)["traj_rel"] == 1.5e-3
+    assert measured_block(run, sel, Policy.fp32(), pol, compile=False)["traj_rel"] == 1.5e-3
+
+
+def test_the_speedup_that_decides_is_against_the_faster_bar_named_as_such():
+    """Where torch.autocast + torch.compile is slow (native bf16 GEMMs emulated: an AVX2 CPU), the
+    baseline to beat is fp32 + torch.compile: ``speedup_vs_baseline`` is against it (1.0x for the
+    all-fp32 finalist chosen, while ``speedup_vs_autocast`` reads 2x) and it is named as itself, not
+    as the trial that measured it; without a timed baseline the block has no such key."""
+    from autoprec.measure import Timing
+    from autoprec.search.final import Contender
+    from autoprec.search.results import baseline_to_beat, measured_block
+
+    run, sel = _tune_state(True, FAST)
+    sel.autocast_bar = sel.autocast_compiled = _measurement(SLOW)
+    sel.timings[sel.ac_label] = Timing.from_steps(SLOW, TOKENS)
+    fp32_c = Contender("fp32 + torch.compile, trial 0 (eager 1699 tok/s)", Policy.fp32(),
+                       Timing.from_steps(FAST, TOKENS), 0.0, baseline=True)
+    sel.decision.best_baseline = fp32_c
+    assert baseline_to_beat(sel, compile=True) == ("fp32 + torch.compile", fp32_c.timing.tokens_per_s)
+    assert baseline_to_beat(sel, compile=False)[0] == "all-fp32"
+    block = measured_block(run, sel, Policy.fp32(), _measurement(FAST), compile=True)
+    assert block["speedup_vs_baseline"] == pytest.approx(1.0, rel=0.02)
+    assert block["speedup_vs_autocast"] == pytest.approx(2.0, rel=0.02)
+    sel.decision.best_baseline = None
+    assert baseline_to_beat(sel, compile=True) is None
+    block = measured_block(run, sel, Policy.fp32(), _measurement(FAST), compile=True)
+    assert "speedup_vs_baseline" not in block
 
 
 def test_compiled_the_table_has_both_bars_fp32_compiled_too():
