@@ -254,7 +254,8 @@ class Selector:
                 m.note = self._notes.setdefault(label, m.note)
         ac_timed = self._autocast_fn is not None and ac is not None and ac.error is None
         # a bar only within the drift and memory budgets, as the finalists (all-fp32 among them) are
-        ac_ok = ac_timed and self.budget.feasible(ac) and (
+        judge = self.budget.on_batches(len(ac.grad_rel_l2_batches)) if ac_timed and ac.cut else self.budget
+        ac_ok = ac_timed and judge.feasible(ac) and (  # batch for batch, when on batch 0 only
             self.memory_budget is None or ac.peak_bytes <= self.memory_budget)
         if ac_timed:  # timed either way: the side-by-side table reports it
             configs.append(self._config(self.ac_label, self._autocast_fn, autocast_scaler(self.ac_dtype),
@@ -389,7 +390,6 @@ class Selector:
                     + (" even with full recomputation" if self.compile else
                        " (without --no-compile, recomputation in backward can lower the peak)"))
         return None
-
 
 
 def _take_timing(m: Measurement, t: Timing) -> None:
