@@ -138,3 +138,23 @@ def test_show_without_model_summarises(capsys):
         assert f"rules[{i}] {rule.describe()}\n" in out
     assert "matched nodes" not in out
 
+
+
+@pytest.mark.parametrize("baseline, shown", [
+    ("fp32 + torch.compile", "measured: 1600 tokens/s, 1.00x fp32 + torch.compile (the baseline to beat), "
+                             "1.05x fp32 eager, 24.00x torch.autocast, peak 1.0 MiB"),
+    ("fp32 eager", "measured: 1600 tokens/s, 0.92x fp32 eager (the baseline to beat), 24.00x torch.autocast, "
+                   "peak 1.0 MiB"),
+    ("torch.autocast + torch.compile", "measured: 1600 tokens/s, 1.10x torch.autocast + torch.compile (the "
+                                       "baseline to beat), 1.05x fp32 eager, peak 1.0 MiB"),
+])
+def test_show_gives_the_speed_against_the_baseline_to_beat_first_and_once(tmp_path, capsys, baseline, shown):
+    """``show`` leads with ``speedup_vs_baseline``, named by ``provenance.baseline``; where that bar is
+    fp32 eager or torch.autocast its own ratio is not printed a second time."""
+    vs = {"fp32 + torch.compile": 1.0, "fp32 eager": 0.92, "torch.autocast + torch.compile": 1.1}[baseline]
+    p = tmp_path / "p.json"
+    Policy.fp32().with_provenance(baseline=baseline).with_measured(
+        {"tokens_per_s": 1600.0, "speedup_vs_baseline": vs, "speedup_vs_fp32": 0.92 if vs == 0.92 else 1.05,
+         "speedup_vs_autocast": 1.1 if vs == 1.1 else 24.0, "peak_bytes": 2.0**20}).save(p)
+    assert main(["show", str(p)]) == 0
+    assert shown in capsys.readouterr().out
