@@ -13,7 +13,7 @@ from autoprec.errors import SearchError
 from autoprec.measure import Measurement
 
 __all__ = ["check_memory_floor", "format_bytes", "memory_budget", "parse_dtypes", "parse_max_drift",
-           "parse_max_memory"]
+           "parse_max_memory", "why_no_finalist"]
 
 _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
 
@@ -149,3 +149,31 @@ def memory_budget(arg: tuple[str, float] | None, fp32: Measurement, autocast: Me
                           f"parameters, gradients and {optimizer} state alone ({format_bytes(state_bytes)}), "
                           "which every policy keeps (master weights, docs/architecture.md#runtime)")
     return budget
+
+
+def why_no_finalist(measured: list[Measurement], budget: Any, memory_budget: float | None,
+                    compile: bool) -> str:
+    """Why no finalist is left for the head-to-head (the :class:`SearchError` message): the memory
+    budget, with the smallest peak of those within the drift budget; the drift budget, when every
+    finalist ran and none was within it (a ``--max-drift`` below what even all-fp32 measures, e.g.
+    compiled, whose fp32 kernels sum in another order than eager's: ~3e-7 on qwen2_tiny), with the
+    smallest ``grad_rel_l2``; or every one failing.
+
+    Args:
+        measured: The finalists' measurements (compiled unless ``compile`` is False).
+        budget: The :class:`autoprec.search.decide.DriftBudget`.
+        memory_budget: Bytes, or None without ``--max-memory``.
+        compile: Whether the finalists were compiled."""
+    ran = [m for m in measured if m.error is None]
+    peaks = [m.peak_bytes for m in ran if budget.feasible(m)]
+    if memory_budget is not None and peaks:
+        return (f"no feasible finalist fits the memory budget ({format_bytes(memory_budget)}; "
+                f"the smallest peak was {min(peaks) / 2**20:.1f} MiB"
+                + (" even with full recomputation)" if compile else
+                   "); without --no-compile, recomputation in backward can lower the peak"))
+    if ran and not peaks:
+        least = min(m.grad_rel_l2 for m in ran)
+        return (f"no finalist is within the drift budget when re-measured{' compiled' if compile else ''} "
+                f"({budget.describe()}), all-fp32 included: the smallest grad_rel_l2 was {least:.3g}; "
+                "a budget below it rejects every policy (--max-drift auto: torch.autocast's own)")
+    return "every finalist failed when re-measured, all-fp32 included (see the log)"

@@ -22,7 +22,7 @@ from autoprec.measure import Config, Measurement, Timing, format_rate, time_inte
 from autoprec.passes import run_pipeline
 from autoprec.policy import Policy
 from autoprec.search import attrs
-from autoprec.search.budgets import format_bytes
+from autoprec.search.budgets import format_bytes, why_no_finalist
 from autoprec.search.decide import DriftBudget
 from autoprec.search.final import Contender, Decision, all_fp32, decide, out_of_the_running, settled
 from autoprec.search.memory_fit import eager_fitting, fit_memory, lever
@@ -196,7 +196,7 @@ class Selector:
             elif why != m.error:
                 self._rejected(pol, why)
         if not survivors:
-            raise SearchError(self._none_survived(measured))
+            raise SearchError(why_no_finalist(measured, self.budget, self.memory_budget, self.compile))
         bar.step("head-to-head")
         try:
             return self._head_to_head(survivors)
@@ -365,17 +365,6 @@ class Selector:
         """Record why a finalist was rejected (the report's note: drift, memory, traj_rel)."""
         if (i := self._point_index.get(pol.training_key())) is not None:
             self.points[i]["rejected"] = why
-
-    def _none_survived(self, measured: list[Measurement]) -> str:
-        """Why no finalist is left for the head-to-head: the memory budget, with the smallest peak
-        of those within the drift budget, or every one failing."""
-        peaks = [m.peak_bytes for m in measured if m.error is None and self.budget.feasible(m)]
-        if self.memory_budget is not None and peaks:
-            return (f"no feasible finalist fits the memory budget ({format_bytes(self.memory_budget)}; "
-                    f"the smallest peak was {min(peaks) / 2**20:.1f} MiB"
-                    + (" even with full recomputation)" if self.compile else
-                       "); without --no-compile, recomputation in backward can lower the peak"))
-        return "every finalist failed when re-measured, all-fp32 included (see the log)"
 
     def _reject_reason(self, m: Measurement) -> str | None:
         """Why a finalist is not timed head to head (None: it is); its trajectory is
