@@ -21,11 +21,16 @@ from typing import Any
 
 from autoprec.search import attrs
 
-__all__ = ["FLOOR", "MARGIN", "DriftBudget", "t95"]
+__all__ = ["FLOOR", "MARGIN", "MAX_AUTO_REFERENCE", "DriftBudget", "t95"]
 
 #: Relative margin over torch.autocast that is not counted as worse: 2% (a policy computing what
 #: torch.autocast computes measured 0.7% over it on one batch, from summation order alone).
 MARGIN = 0.02
+#: torch.autocast's mean ``grad_rel_l2`` from which ``--max-drift auto`` is refused: an error half
+#: the gradient's norm is no rounding (bf16's drift is ~1e-2 — 7.3e-3 on qwen2_tiny —, fp16's
+#: ~1e-3) but an overflow or underflow, as case C04's RMSNorm under fp16 autocast (0.989), and
+#: a budget relative to it would pass policies as broken.
+MAX_AUTO_REFERENCE = 0.5
 #: Absolute floor of a ``grad_rel_l2`` before its logarithm is taken (a reference or candidate
 #: batch with exactly zero drift, e.g. all-fp32 against FP32).
 FLOOR = 1e-12

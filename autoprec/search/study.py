@@ -45,7 +45,7 @@ from autoprec.search.budgets import (
     parse_max_drift,
     parse_max_memory,
 )
-from autoprec.search.decide import DriftBudget
+from autoprec.search.decide import MAX_AUTO_REFERENCE, DriftBudget
 from autoprec.search.kernel_choice import (
     adopt_study_kernels,
     autocast_gemms_in_fp32,
@@ -241,7 +241,8 @@ def _baselines(run: _Run, drift_arg: float | None, memory_arg: tuple[str, float]
 
     Raises:
         SearchError: the fp32 training step itself fails (non-finite: names the first node), the
-            drift budget is not finite, or the memory budget is impossible.
+            drift budget is not finite or torch.autocast's drift is not rounding
+            (:data:`~autoprec.search.decide.MAX_AUTO_REFERENCE`), or the memory budget is impossible.
         BusyMachineError: under ``strict_timing``, the machine is busy after the baselines.
     """
     h = run.harness
@@ -269,6 +270,12 @@ def _baselines(run: _Run, drift_arg: float | None, memory_arg: tuple[str, float]
     ac = run.autocast
     if drift_arg is None and not (math.isfinite(ac.grad_rel_l2) and ac.grad_rel_l2_batches):
         raise SearchError(f"drift budget is not finite (torch.autocast: {ac.error}); pass --max-drift X")
+    if drift_arg is None and ac.grad_rel_l2 >= MAX_AUTO_REFERENCE:  # case C04 under fp16 autocast
+        raise SearchError(
+            f"{run.spec.path}: torch.autocast({run.ac_dtype})'s own gradients are grad_rel_l2 "
+            f"{ac.grad_rel_l2:.3g} from fp32's (mean over {len(ac.grad_rel_l2_batches)} batches; rounding "
+            "gives ~1e-3 to 1e-2): it overflows or underflows somewhere, so a budget relative to it would "
+            "pass broken policies; pass --max-drift X")
     run.budget = (DriftBudget.auto(ac.grad_rel_l2_batches) if drift_arg is None
                   else DriftBudget.fixed(drift_arg))
     if memory_arg is not None and memory_arg[0] != "autocast":  # known now: fail before the trials

@@ -96,3 +96,23 @@ def test_c04_lowering_the_norm_is_caught_by_drift():
     assert torch.all(out == 0)  # x**2 = 90000 -> inf, rsqrt(inf) = 0: silently all zeros
     g_rel, l_rel = drift(model, lowered, x)
     assert g_rel > 0.5 and l_rel > 0.5  # huge (or infinite): never within a drift budget
+
+
+def test_tune_refuses_an_auto_budget_from_an_autocast_that_overflows(tmp_path):
+    """C04 end to end (a fresh user's report): under fp16 autocast the norm's ``x**2`` overflows, so
+    torch.autocast's own grad_rel_l2 is ~1; ``--max-drift auto`` relative to it would pass a policy
+    that zeroes the norm. ``tune`` refuses it before any trial, naming the model file, the dtype and
+    the number, and writes nothing; with ``--max-drift`` the same run goes on."""
+    from autoprec.errors import SearchError
+    from autoprec.search.study import tune
+    from tests.conftest import MODELS
+
+    model, out = MODELS / "c04_norm_overflow.py", tmp_path / "p.json"
+    kw = dict(dtypes="fp16", compile=False, trials=1, traj_steps=0, quiet=True, progress=False, report=False,
+              storage=f"sqlite:///{tmp_path / 's.db'}")
+    with pytest.raises(SearchError, match=r"c04_norm_overflow.py: torch.autocast\(torch.float16\)'s own "
+                                          r"gradients are grad_rel_l2 0\.9\d+ from fp32's"):
+        tune(model, out=out, **kw)
+    assert not out.exists()
+    res = tune(model, out=out, max_drift=0.05, **kw)
+    assert out.exists() and res.policy.measured["grad_rel_l2"] <= 0.05
