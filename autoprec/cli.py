@@ -121,7 +121,7 @@ def _tune(a: argparse.Namespace) -> int:
     from autoprec.applied.compile import cache_report
     from autoprec.search.attrs import DRIFT_RULE
     from autoprec.search.decide import DriftBudget
-    from autoprec.search.report import format_table
+    from autoprec.search.report import baseline_own_ratio, format_table
     from autoprec.search.study import tune
 
     caches = compile_cache_counts()
@@ -135,10 +135,10 @@ def _tune(a: argparse.Namespace) -> int:
     print(f"\nchosen: {res.policy.summary()}")
     bar = "torch.autocast + torch.compile" if not a.no_compile else "torch.autocast eager"
     best = res.policy.provenance.get("baseline")
-    speeds = [(m["speedup_vs_autocast"], bar), (m["speedup_vs_fp32"], "fp32 eager")]
+    speeds = [(m[k], n) for k, n in (("speedup_vs_autocast", bar), ("speedup_vs_fp32", "fp32 eager"))
+              if k != baseline_own_ratio(m, best)]
     if best is not None and "speedup_vs_baseline" in m:  # first: the choice must not fall below it
-        speeds = [(m["speedup_vs_baseline"], f"{best} (the baseline to beat)"),
-                  *(s for s in speeds if s[1] != best)]
+        speeds.insert(0, (m["speedup_vs_baseline"], f"{best} (the baseline to beat)"))
     rule = DriftBudget.from_dict(res.study.user_attrs[DRIFT_RULE]).describe()
     print(f"wrote {a.out}: {m['tokens_per_s']:.0f} tokens/s, " + ", ".join(f"{r:.2f}x {n}" for r, n in speeds)
           + f", grad_rel_l2 {m['grad_rel_l2']:.3g} (budget: {rule}), "

@@ -125,7 +125,8 @@ def tune_then_train(work: str, layers: list[int], out: str) -> list[dict]:
         log, wall = _run([sys.executable, "-m", "autoprec.cli", "tune", os.path.join(d, "model.py"),
                           "--out", policy], env)
         times = re.search(r"^time: (.*)$", log, re.M)
-        written = json.load(open(policy))
+        with open(policy) as f:
+            written = json.load(f)
         measured, baseline = written.get("measured", {}), written.get("provenance", {}).get("baseline")
         row = {"layers": n, "tune_wall_s": wall,
                "phases": ({k: float(v) for k, v in re.findall(r"(\w+) (\d+)s", times.group(1))}

@@ -60,6 +60,12 @@ class Measurement:
     note: str | None = None
     cut: str | None = None
 
+    def add_note(self, remark: str | None, first: bool = False) -> None:
+        """Join ``remark`` to :attr:`note` with ``"; "`` (before it when ``first``); None or "" adds
+        nothing."""
+        parts = (remark, self.note) if first else (self.note, remark)
+        self.note = "; ".join(x for x in parts if x) or None
+
 
 def describe_failure(e: BaseException) -> str:
     """One line for a failed measurement: ``"<kind>: <first line of the message, ≤ 300 chars>"``,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import sys
 from collections import defaultdict
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +24,8 @@ from autoprec.search.bands import rate_text, ties_with_fastest, timing_of
 from autoprec.search.plots import dtype_map_figure, pareto_figure, save_figure
 from autoprec.search.pool import is_feasible
 
-__all__ = ["format_table", "report_study", "write_report", "trial_rows", "pareto_front", "show_nodes",
-           "dtype_map", "node_label", "lever_section", "policy_summary"]
+__all__ = ["baseline_own_ratio", "format_table", "report_study", "write_report", "trial_rows", "pareto_front",
+           "show_nodes", "dtype_map", "node_label", "lever_section", "policy_summary"]
 
 def format_table(rows: list[dict[str, Any]]) -> str:
     """Markdown table of result rows: config, tokens/s with ``±`` the 95% band's relative
@@ -157,6 +158,18 @@ def dtype_map(gm: fx.GraphModule, policy: Policy) -> dict[str, dict[str, str]]:
         if n.op == "call_function" and meta.dtype and not meta.inserted_cast:
             counts[meta.module or ""][meta.op_class or "?"][node_label(meta)] += 1
     return {m: {c: max(d, key=d.get) for c, d in cl.items()} for m, cl in counts.items()}
+
+
+def baseline_own_ratio(measured: Mapping[str, float], baseline: str | None) -> str | None:
+    """The key of a policy file's ``measured`` ratio that ``speedup_vs_baseline`` already gives, so
+    it is printed once (as the baseline's): ``speedup_vs_fp32`` when the baseline to beat
+    (``provenance.baseline``) is fp32 eager, ``speedup_vs_autocast`` when it is torch.autocast
+    (compiled, or eager without compile); None otherwise or without ``speedup_vs_baseline``."""
+    if "speedup_vs_baseline" not in measured or baseline is None:
+        return None
+    if baseline == "fp32 eager":
+        return "speedup_vs_fp32"
+    return "speedup_vs_autocast" if baseline.startswith("torch.autocast") else None
 
 
 def report_study(study: optuna.Study, stem: str | os.PathLike) -> list[Path]:
@@ -298,11 +311,7 @@ def policy_summary(policy: Policy, path: str | os.PathLike, rules: bool = True) 
         if "tokens_per_s" in m:
             shown.append(f"{m.pop('tokens_per_s'):.0f} tokens/s")
         best = str(prov.get("baseline", "the fastest baseline"))
-        same = None  # the ratio to the baseline's own bar, printed once (as the baseline's)
-        if "speedup_vs_baseline" in m and best == "fp32 eager":
-            same = "speedup_vs_fp32"
-        elif "speedup_vs_baseline" in m and best.startswith("torch.autocast"):
-            same = "speedup_vs_autocast"
+        same = baseline_own_ratio(m, best)
         for key, label in (("speedup_vs_baseline", f"{best} (the baseline to beat)"),
                            ("speedup_vs_fp32", "fp32 eager"), ("speedup_vs_autocast", "torch.autocast")):
             if key in m and key != same:

@@ -150,12 +150,12 @@ class Selector:
             log("compiling the torch.autocast baseline with Inductor", self.quiet)
         bar.step(self.ac_label)
         self._autocast_fn = self._fn(self.h.model) if self.compile else self.h.model
-        # timed in the head-to-head's rounds (CUDA's peak is read after timed steps)
+        # timed in the head-to-head's rounds (CUDA's peak is read after timed steps; the CPU's is not)
         timed = self.h.device.type == "cuda"
         one = self._bar_on_batch_0(timed)
         ac = self.h.measure(self._autocast_fn, autocast_scaler(self.ac_dtype), autocast_dtype=self.ac_dtype,
                             timing=timed, max_step_s=self.slow, cut=(lambda _m: one) if one else None)
-        ac.note = "; ".join(x for x in (ac.note, ac.cut) if x)
+        ac.add_note(ac.cut)
         if self.compile:
             self.autocast_compiled = ac
             self._judge_compiled_like_autocast()
@@ -167,7 +167,6 @@ class Selector:
             feasible = feasible if self.compile else eager_fitting(feasible, self.memory_budget)
         survivors: list[tuple[str, Policy, Any, Measurement]] = []
         measured: list[Measurement] = []
-        timed_now = self.h.device.type == "cuda"  # CUDA's peak is read after timed steps; the CPU's is not
         candidates = self._candidates(feasible, k)
         bar.set_total(len(candidates) + 2)  # torch.autocast's compile, the finalists, the head-to-head
         for pol, label in candidates:
@@ -175,7 +174,7 @@ class Selector:
             log(f"finalist {label}: {pol.summary()}", self.quiet)
             bar.step(label)
             fn = self._fn(run_pipeline(self.h.graph_module, pol).graph_module)
-            m = self.h.measure(fn, lambda pol=pol: make_scaler(pol), timing=timed_now, max_step_s=self.slow)
+            m = self.h.measure(fn, lambda pol=pol: make_scaler(pol), timing=timed, max_step_s=self.slow)
             self._point(pol, m, timed=bool(m.step_times))
             if (self.compile and self.memory_budget is not None and m.error is None
                     and self.budget.feasible(m) and m.peak_bytes > self.memory_budget):
@@ -385,5 +384,4 @@ def _take_timing(m: Measurement, t: Timing) -> None:
     """Give ``m`` the head-to-head's step times and speed (its drift and memory stay)."""
     if t.step_times:
         m.step_times, m.step_s, m.tokens_per_s = list(t.step_times), t.step_s, t.tokens_per_s
-    if t.error or t.note:
-        m.note = "; ".join(x for x in (m.note, t.error or t.note) if x)
+    m.add_note(t.error or t.note)

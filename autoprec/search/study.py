@@ -266,7 +266,7 @@ def _baselines(run: _Run, drift_arg: float | None, memory_arg: tuple[str, float]
         run.autocast = h.measure(h.model, autocast_scaler(run.ac_dtype), autocast_dtype=run.ac_dtype,
                                  max_step_s=run.slow, screen=True, fp32_gemms=bool(run.slow_gemms))
         if run.slow_gemms:
-            run.autocast.note = "; ".join(x for x in ("drift with its GEMMs in fp32", run.autocast.note) if x)
+            run.autocast.add_note("drift with its GEMMs in fp32", first=True)
     ac = run.autocast
     if drift_arg is None and not (math.isfinite(ac.grad_rel_l2) and ac.grad_rel_l2_batches):
         raise SearchError(f"drift budget is not finite (torch.autocast: {ac.error}); pass --max-drift X")
