@@ -18,8 +18,13 @@ batches of ``get_heldout_batch(j)``, or of ``get_batch(10**6 + j)`` when the mod
 under ``torch.no_grad`` in the configuration's own precision) are reported, and written with the curves
 to ``convergence.json`` and ``convergence.png`` (matplotlib, Agg backend).
 
-A run on a CPU without native bf16 can take hours (torch.autocast bf16 there is ~30x slower than
-fp32), so progress is kept in ``OUT_DIR/compare_state/``: each finished configuration's results go to
+On a CPU without native bf16 torch.autocast's bf16 GEMMs run ~60x slower than fp32's (AVX2 only;
+``benchmarks/results/avx2_autocast_2026-12-05``): when its first timed step takes
+:data:`~autoprec.search.kernel_choice.EMULATE_AT` times fp32's median step or more, its later steps
+compute those GEMMs as fp32 products rounded once to its dtype (:class:`Fp32ComputeGemms`, the
+roundings of a native kernel), so its curve keeps torch.autocast's numerics at fp32's speed; its
+``seconds_per_step`` comes from the native steps and ``notes["autocast"]`` says so. A run can still
+be long, so progress is kept in ``OUT_DIR/compare_state/``: each finished configuration's results go to
 ``results.json`` as soon as it ends, and with ``checkpoint_every=N`` the running one saves a checkpoint
 (:func:`save_checkpoint`: weights, optimizer, scaler, RNG, losses so far) every N steps. ``resume=True``
 (``autoprec train --compare … --resume``) re-runs nothing that is saved there; it refuses a state
@@ -30,6 +35,7 @@ written.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import json
@@ -47,9 +53,11 @@ from autoprec._io import atomic_write, json_safe
 from autoprec.applied.apply import apply
 from autoprec.device import autocast_dtype, describe_machine, resolve_device
 from autoprec.errors import AutoprecError
+from autoprec.kernels.fp32_gemms import Fp32ComputeGemms
 from autoprec.metrics import median, traj_rel
 from autoprec.modelspec import ModelSpec, call_model, load_model_spec
 from autoprec.policy import Policy
+from autoprec.search.kernel_choice import EMULATE_AT
 from autoprec.training.checkpoint import load_checkpoint, save_checkpoint
 from autoprec.training.rng import StepRng
 from autoprec.training.steps import every, run_steps
@@ -78,6 +86,8 @@ class CompareResult:
             is non-finite).
         seconds_per_step: Median wall-clock seconds per training step per configuration.
         skipped: Skipped (non-finite) steps per configuration.
+        notes: Per configuration, how it was run where that differs from the plain run (torch.autocast's
+            GEMMs as fp32 products after a slow native step).
         meta: Model, policy summary, steps, device, CPU, torch version, date (UTC, ISO 8601).
     """
 
@@ -86,13 +96,14 @@ class CompareResult:
     max_rel_dev: dict[str, float] = field(default_factory=dict)
     seconds_per_step: dict[str, float] = field(default_factory=dict)
     skipped: dict[str, int] = field(default_factory=dict)
+    notes: dict[str, str] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe dict (non-finite floats as ``"inf"``/``"nan"`` strings)."""
         return json_safe({"meta": self.meta, "max_rel_dev_vs_fp32": self.max_rel_dev,
                           "heldout_loss": self.heldout_loss, "seconds_per_step": self.seconds_per_step,
-                          "skipped": self.skipped, "curves": self.curves})
+                          "skipped": self.skipped, "notes": self.notes, "curves": self.curves})
 
 
 def _heldout(spec: ModelSpec, j: int, dev: torch.device) -> Any:
@@ -162,8 +173,10 @@ class _State:
 def _run(name: str, spec: ModelSpec, init: dict[str, torch.Tensor], policy: Policy, steps: int,
          dev: torch.device, compile: bool, heldout_batches: int, seed: int,
          log: Callable[[int, str], None], state: _State | None = None,
-         checkpoint_every: int = 0) -> dict[str, Any]:
-    """Train one configuration; returns its losses, held-out loss, median s/step and skipped steps.
+         checkpoint_every: int = 0, fp32_step_s: float | None = None) -> dict[str, Any]:
+    """Train one configuration; returns its losses, held-out loss, median s/step, skipped steps and
+    a note (torch.autocast's GEMMs computed in fp32 from some step on: :func:`_emulate_from`, given
+    ``fp32_step_s``, fp32's median seconds per step).
 
     The steps run through :func:`autoprec.training.steps.run_steps` with the seeded-stream RNG rule
     (``StepRng(seed)``, :mod:`autoprec.training.rng`): the global generators are seeded with
@@ -194,7 +207,8 @@ def _run(name: str, spec: ModelSpec, init: dict[str, torch.Tensor], policy: Poli
         start = ck.step
         run = {"losses": list(ck.extra["losses"]), "times": list(ck.extra["times"]),
                # the resumed process compiles again
-               "skipped": ck.extra["skipped"], "warm": sorted(set(ck.extra.get("warm", [0])) | {start})}
+               "skipped": ck.extra["skipped"], "warm": sorted(set(ck.extra.get("warm", [0])) | {start}),
+               **{k: ck.extra.get(k) for k in ("fp32_gemms_from", "native_step_s")}}
         log(start, f"[{name}] resumed from {ckpt} at step {start}")
 
     def collect(k: int, _batch: Any, st: StepStats, seconds: float) -> None:
@@ -203,17 +217,51 @@ def _run(name: str, spec: ModelSpec, init: dict[str, torch.Tensor], policy: Poli
         run["skipped"] += int(st.skipped)
         log(k, f"[{name}] step {k:4d}  loss {st.loss:.4f}  {seconds:.2f}s")
 
-    hooks = [collect]
+    def decide(k: int, *_: Any) -> None:  # after step 1, before its checkpoint is saved
+        if k == 1 and ac is not None and fp32_step_s is not None:
+            run["fp32_gemms_from"] = _emulate_from(run, 2, fp32_step_s)
+
+    hooks = [collect, decide]
     if state is not None:
         hooks.append(every(checkpoint_every, stop=steps,
                            fn=lambda done: state.save(name, model, optimizer, scaler, done, run)))
-    run_steps(step, lambda k: first if k == 0 else spec.get_batch(k, dev), start, steps, rng=StepRng(seed),
-              device=dev, after=hooks)
-    with torch.no_grad(), step._context():
-        held = [float(spec.loss_fn(call_model(module, b), b).float())
-                for b in (_heldout(spec, j, dev) for j in range(heldout_batches))]
+    batches = lambda k: first if k == 0 else spec.get_batch(k, dev)  # noqa: E731
+    rng = StepRng(seed)
+    if ac is not None and start < 2:  # step 0 warms up; step 1 is timed natively, then decide()
+        run_steps(step, batches, start, min(2, steps), rng=rng, device=dev, after=hooks)
+        start = min(2, steps)
+    gemms = run.get("fp32_gemms_from") is not None and start >= run["fp32_gemms_from"]
+    if gemms:
+        log(0, f"[{name}] {_gemm_note(run, fp32_step_s)}")  # always shown
+    with Fp32ComputeGemms(ac) if gemms else contextlib.nullcontext():
+        run_steps(step, batches, start, steps, rng=rng, device=dev, after=hooks)
+        with torch.no_grad(), step._context():
+            held = [float(spec.loss_fn(call_model(module, b), b).float())
+                    for b in (_heldout(spec, j, dev) for j in range(heldout_batches))]
+    native = run["times"][:run["fp32_gemms_from"]] if run.get("fp32_gemms_from") is not None else run["times"]
     return {"losses": run["losses"], "heldout_loss": sum(held) / len(held), "skipped": run["skipped"],
-            "seconds_per_step": median_step_seconds(run["times"], set(run["warm"]))}
+            "seconds_per_step": median_step_seconds(native, set(run["warm"])),
+            "note": _gemm_note(run, fp32_step_s) if run.get("fp32_gemms_from") is not None else None}
+
+
+def _emulate_from(run: dict[str, Any], stop: int, fp32_step_s: float) -> int | None:
+    """``stop`` (the step from which torch.autocast's GEMMs are computed as fp32 products) when its
+    last native step, not a warm-up one, took :data:`EMULATE_AT` x ``fp32_step_s`` or more (the GEMM
+    probe's rule of ``tune``, here on whole steps, whose other ops cost what fp32's do); else None."""
+    timed = [t for k, t in enumerate(run["times"]) if k not in set(run["warm"])]
+    if not timed or not fp32_step_s > 0 or timed[-1] < EMULATE_AT * fp32_step_s:
+        return None
+    run["native_step_s"] = timed[-1]
+    return stop
+
+
+def _gemm_note(run: dict[str, Any], fp32_step_s: float | None) -> str:
+    """The log's and ``convergence.json``'s words for a curve computed with fp32 GEMM products."""
+    native = run.get("native_step_s", math.nan)
+    ratio = f", {native / fp32_step_s:.3g}x fp32's" if fp32_step_s else ""
+    return (f"steps {run['fp32_gemms_from']}+ compute torch.autocast's GEMMs as fp32 products rounded once "
+            f"to its dtype (its native step took {native:.3g} s{ratio}): the curve's numerics are "
+            "torch.autocast's, its s/step that of the native steps")
 
 
 def median_step_seconds(times: list[float], warm: set[int]) -> float:
@@ -297,11 +345,12 @@ def compare(model_path: str | os.PathLike, policy_path: str | os.PathLike, steps
             log(0, f"[{name}] finished in an earlier run: kept from {state.dir}")
         else:
             r = _run(name, spec, init, policy, steps, dev, compile, heldout_batches, seed, log, state,
-                     checkpoint_every)
+                     checkpoint_every, fp32_step_s=res.seconds_per_step.get("fp32"))
             if state is not None:
                 state.finish(name, r)
         res.curves[name], res.heldout_loss[name] = [float(x) for x in r["losses"]], float(r["heldout_loss"])
         res.seconds_per_step[name], res.skipped[name] = float(r["seconds_per_step"]), int(r["skipped"])
+        res.notes.update({name: r["note"]} if r.get("note") else {})
     for name in names:
         res.max_rel_dev[name] = traj_rel(res.curves[name], res.curves["fp32"])
     if out_dir is not None:

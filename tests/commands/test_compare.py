@@ -164,3 +164,37 @@ def test_qwen2_tiny_300_step_convergence(tmp_path):
     assert all(math.isfinite(x) for c in res.curves.values() for x in c)
     assert res.max_rel_dev["policy"] <= 1.5 * res.max_rel_dev["autocast"] + 1e-3
     assert abs(res.heldout_loss["policy"] - res.heldout_loss["fp32"]) <= 0.01 * res.heldout_loss["fp32"]
+
+
+def test_slow_autocast_steps_compute_gemms_in_fp32(tmp_path, monkeypatch):
+    """Where torch.autocast's native step is EMULATE_AT x fp32's or slower (an AVX2-only CPU's bf16
+    GEMMs: ~60x), its later steps compute the GEMMs as fp32 products: the curve keeps its numerics
+    (against the native curve, bf16's tolerance), s/step comes from the native step, a note says so."""
+    import autoprec.commands.compare as cmp
+    from autoprec.kernels.fp32_gemms import Fp32ComputeGemms
+
+    pol = tmp_path / "p.json"
+    Policy.fp32().save(pol)
+    counts = []
+
+    class Counting(Fp32ComputeGemms):
+        def __exit__(self, *exc):
+            counts.append(self.count)
+            return super().__exit__(*exc)
+
+    monkeypatch.setattr(cmp, "Fp32ComputeGemms", Counting)
+    monkeypatch.setattr(cmp, "EMULATE_AT", math.inf)  # never: torch.autocast runs natively
+    native = compare(TINY, pol, steps=6, quiet=True, heldout_batches=1)
+    assert counts == [] and native.notes == {}
+    monkeypatch.setattr(cmp, "EMULATE_AT", 0.0)  # always: from step 2 on
+    emulated = compare(TINY, pol, steps=6, quiet=True, heldout_batches=1, out_dir=tmp_path / "cmp")
+    assert len(counts) == 1 and counts[0] >= 4 * 3  # steps 2-5 and the held-out batch: 3 GEMMs forward each
+    assert "steps 2+ compute torch.autocast's GEMMs as fp32 products" in emulated.notes["autocast"]
+    assert set(emulated.notes) == {"autocast"}
+    a, b = native.curves["autocast"], emulated.curves["autocast"]
+    assert a[:2] == b[:2]  # steps 0 and 1 ran natively in both
+    assert b != emulated.curves["fp32"]  # still bf16 numerics, not fp32's
+    assert max(abs(x - y) / abs(y) for x, y in zip(b, a)) < 1e-2  # bf16 rounding of the same values
+    assert math.isfinite(emulated.seconds_per_step["autocast"])
+    saved = json.loads((tmp_path / "cmp" / "convergence.json").read_text())
+    assert saved["notes"] == emulated.notes
