@@ -209,7 +209,7 @@ def _cmd_train(a: argparse.Namespace) -> int:
 
 def _cmd_compare(a: argparse.Namespace) -> int:
     """``autoprec train --compare fp32,autocast``: convergence check against the baselines."""
-    from autoprec.commands.compare import BASELINES, compare
+    from autoprec.commands.compare import BASELINES, compare, summary_table
 
     names = [n.strip() for n in a.compare.split(",") if n.strip()]
     bad = [n for n in names if n not in BASELINES]
@@ -220,11 +220,7 @@ def _cmd_compare(a: argparse.Namespace) -> int:
     res = compare(a.model, a.policy, a.steps, baselines=names, device=a.device, compile=not a.no_compile,
                   out_dir=a.out_dir, log_every=a.log_every, checkpoint_every=a.checkpoint_every,
                   resume=a.resume)
-    print(f"\n{'config':10s} {'max rel dev vs fp32':>20s} {'held-out loss':>14s} "
-          f"{'s/step':>8s} {'skipped':>8s}")
-    for name in res.curves:
-        print(f"{name:10s} {res.max_rel_dev[name]:20.3e} {res.heldout_loss[name]:14.4f} "
-              f"{res.seconds_per_step[name]:8.3f} {res.skipped[name]:8d}")
+    print(f"\n{summary_table(res)}")
     print(f"wrote {a.out_dir}/convergence.json and {a.out_dir}/convergence.png")
     return 0 if all(math.isfinite(x) for x in res.curves["policy"]) else 1
 
@@ -391,7 +387,11 @@ def _main(args: argparse.Namespace) -> int:
     finally:
         warnings.formatwarning = plain
     kept = {"tune": "; finished trials are kept in the study (re-run the command to resume)",
-            "train": "; with --checkpoint, --resume continues from the last checkpoint"}.get(args.cmd, "")
+            "train": ("; finished configurations (with --checkpoint-every, the running one's last "
+                      "checkpoint) are kept under --out-dir's compare_state/: the same command with --resume "
+                      "continues"
+                      if getattr(args, "compare", None) else
+                      "; with --checkpoint, --resume continues from the last checkpoint")}.get(args.cmd, "")
     print(f"autoprec {args.cmd}: interrupted after {time.perf_counter() - t0:.0f}s{kept}", file=sys.stderr)
     return 130
 

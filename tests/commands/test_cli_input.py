@@ -263,3 +263,19 @@ def test_out_with_a_trailing_slash_names_a_directory(tmp_path, capsys):
     rc, err = _tune_rc(["--out", str(tmp_path / "new") + "/"], capsys)
     assert rc == 2 and "is a directory; give a file path" in err
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("extra, says", [
+    ([], "with --checkpoint, --resume continues from the last checkpoint"),
+    (["--compare", "fp32,autocast"], "kept under --out-dir's compare_state/: the same command with --resume"),
+])
+def test_train_interrupt_says_how_to_resume(monkeypatch, capsys, extra, says):
+    """`train` and `train --compare` keep their progress in different places (--checkpoint, or
+    --out-dir's compare_state/): the interrupt message names the right one."""
+    def cmd(_args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setitem(cli._COMMANDS, "train", cmd)
+    assert main(["train", "m.py", "--policy", "p.json", *extra]) == 130
+    err = capsys.readouterr().err
+    assert "autoprec train: interrupted after" in err and says in err
