@@ -205,8 +205,10 @@ def test_summary_table_marks_a_timing_with_a_note():
     native step) with `*` and prints the note under it."""
     from autoprec.commands.compare import CompareResult, summary_table
 
-    res = CompareResult(curves={"fp32": [1.0], "autocast": [1.0]}, heldout_loss={"fp32": 1.0, "autocast": 1.0},
-                        max_rel_dev={"fp32": 0.0, "autocast": 1e-3}, seconds_per_step={"fp32": 0.5, "autocast": 9.0},
+    res = CompareResult(curves={"fp32": [1.0], "autocast": [1.0]},
+                        heldout_loss={"fp32": 1.0, "autocast": 1.0},
+                        max_rel_dev={"fp32": 0.0, "autocast": 1e-3},
+                        seconds_per_step={"fp32": 0.5, "autocast": 9.0},
                         skipped={"fp32": 0, "autocast": 0}, notes={"autocast": "steps 2+ compute ..."})
     lines = summary_table(res).splitlines()
     assert lines[1].split() == ["fp32", "0.000e+00", "1.0000", "0.500", "0"]
