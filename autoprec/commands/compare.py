@@ -216,9 +216,10 @@ def _run(name: str, spec: ModelSpec, init: dict[str, torch.Tensor], policy: Poli
 
 def _emulate_from(run: dict[str, Any], stop: int, fp32_step_s: float) -> int | None:
     """``stop`` (the step from which torch.autocast's GEMMs are computed as fp32 products) when its
-    last native step, not a warm-up one, took :data:`EMULATE_AT` x ``fp32_step_s`` or more (the GEMM
-    probe's rule of ``tune``, here on whole steps, whose other ops cost what fp32's do); else None."""
-    timed = [t for k, t in enumerate(run["times"]) if k not in set(run["warm"])]
+    last native step, not a warm-up one (the last one when all were: a run resumed at step 1), took
+    :data:`EMULATE_AT` x ``fp32_step_s`` or more (the GEMM probe's rule of ``tune``, here on whole
+    steps, whose other ops cost what fp32's do); else None."""
+    timed = [t for k, t in enumerate(run["times"]) if k not in set(run["warm"])] or run["times"][-1:]
     if not timed or not fp32_step_s > 0 or timed[-1] < EMULATE_AT * fp32_step_s:
         return None
     run["native_step_s"] = timed[-1]
