@@ -46,7 +46,8 @@ class CompareResult:
 
 
 def plot_curves(res: CompareResult, path: str | os.PathLike) -> None:
-    """Plot the loss curves (top) and their relative deviation from FP32 (bottom) to a PNG."""
+    """Plot the loss curves (top) and their relative deviation from FP32 (bottom) to a PNG; a
+    configuration's note (:attr:`CompareResult.notes`), shortened, under its legend entry."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -59,6 +60,8 @@ def plot_curves(res: CompareResult, path: str | os.PathLike) -> None:
         color, ls = style.get(name, (None, "-"))
         label = (f"{name} (max rel dev {res.max_rel_dev.get(name, math.nan):.2e}, "
                  f"held-out {res.heldout_loss[name]:.4f})")
+        if name in res.notes:  # "steps 2+ compute torch.autocast's GEMMs as fp32 products ..." in short
+            label += "\n  " + res.notes[name].split(" rounded")[0]
         ax.plot(range(len(losses)), losses, label=label, lw=1.2, color=color, ls=ls)
         if name != "fp32":
             dev = [abs(a - b) / max(abs(b), 1e-30) for a, b in zip(losses, ref)]
