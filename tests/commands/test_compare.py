@@ -188,7 +188,8 @@ def test_slow_autocast_steps_compute_gemms_in_fp32(tmp_path, monkeypatch):
     assert counts == [] and native.notes == {}
     monkeypatch.setattr(cmp, "EMULATE_AT", 0.0)  # always: from step 2 on
     emulated = compare(TINY, pol, steps=6, quiet=True, heldout_batches=1, out_dir=tmp_path / "cmp")
-    assert len(counts) == 1 and counts[0] >= 4 * 3  # steps 2-5 and the held-out batch: 3 GEMMs forward each
+    # steps 2-5 and the held-out batch: 5 Linear GEMMs forward each (more in each backward)
+    assert len(counts) == 1 and counts[0] >= 4 * 5 + 5
     assert "steps 2+ compute torch.autocast's GEMMs as fp32 products" in emulated.notes["autocast"]
     assert set(emulated.notes) == {"autocast"}
     a, b = native.curves["autocast"], emulated.curves["autocast"]
