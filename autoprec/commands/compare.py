@@ -23,7 +23,7 @@ On a CPU without native bf16 torch.autocast's bf16 GEMMs run ~60x slower than fp
 :data:`~autoprec.search.kernel_choice.EMULATE_AT` times fp32's median step or more, its later steps
 compute those GEMMs as fp32 products rounded once to its dtype (:class:`Fp32ComputeGemms`, the
 roundings of a native kernel), so its curve keeps torch.autocast's numerics at near fp32's speed
-(1.6x fp32's step on a Qwen2 of hidden 256, against 23x natively); its ``seconds_per_step`` is
+(1.6x fp32's step on ``examples/qwen2_tiny.py``, against 23x natively); its ``seconds_per_step`` is
 its native step 1's and ``notes["autocast"]`` says so. A run can still
 be long, so progress is kept in ``OUT_DIR/compare_state/``: each finished configuration's results go to
 ``results.json`` as soon as it ends, and with ``checkpoint_every=N`` the running one saves a checkpoint
