@@ -192,3 +192,31 @@ def test_compile_graph_returns_a_handle_that_says_what_it_compiled(qwen):
     assert low.layout.startswith("one flat graph (AOTAutograd's activation memory budget")
     module = compile_graph(model, dynamic=True)
     assert module.source is model and module.regions is None and module.compile_log is not None
+
+
+@pytest.mark.heavy
+def test_a_region_body_is_traced_for_its_schema_once_per_compile_not_once_per_call(qwen, monkeypatch):
+    """torch 2.13's ``invoke_subgraph`` traces a region's body for its schema at every call under
+    autograd (two per block: 8 traces for three blocks, measured with the cache removed);
+    ``reuse_region_schemas`` keeps it in the compile's cache, so the traces do not grow with the
+    number of blocks (3 here), and the compiled step computes what the eager graph does."""
+    import torch._higher_order_ops.utils as hop_utils
+    from torch._inductor.utils import fresh_cache
+
+    from autoprec.applied.regions import reuse_region_schemas
+
+    model, batch = qwen
+    flat = _flat(model, Policy.default("bf16"), batch)
+    ref_loss, ref_grads = _loss_and_grads(model, flat, batch)
+    traces = []
+    materialize = hop_utils.materialize_as_graph
+    monkeypatch.setattr(hop_utils, "materialize_as_graph",
+                        lambda *a, **k: traces.append(1) or materialize(*a, **k))
+    assert reuse_region_schemas() and reuse_region_schemas()  # installed, idempotent
+    torch._dynamo.reset()
+    with fresh_cache():  # a cache hit would trace nothing
+        fn = compile_graph(flat)
+        loss, grads = _loss_and_grads(model, fn, batch)
+    assert fn.regions.blocks == 3 and 0 < len(traces) <= 3 < 2 * fn.regions.blocks
+    assert torch.allclose(loss, ref_loss, rtol=DRIFT[torch.bfloat16])
+    assert grad_rel_l2(grads, ref_grads) < DRIFT[torch.bfloat16]
