@@ -8,7 +8,10 @@ fresh Inductor cache (``TORCHINDUCTOR_CACHE_DIR``) so compiles are cold, except 
 
 - ``first_step``: ``autoprec.apply`` (capture + passes) and the first forward+backward (Dynamo,
   AOTAutograd, Inductor) of ``Policy.default("bf16")``, flat (``regional=False``) and regional,
-  plus the median step after it (8 steps; interquartile range) and what the regions were;
+  plus the median step after it (8 steps; interquartile range), what the regions were and Dynamo's
+  compile seconds of that first step (``compile_s``); and ``autocast``: the model itself under
+  ``torch.autocast(bf16)``, compiled flat as users compile it (``tune``'s torch.autocast +
+  torch.compile bar);
 - ``tune``: wall seconds, the phases of its ``time:`` line, its cache line; then ``train --steps 3``
   on the written policy: its first step's seconds and cache line.
 
@@ -60,22 +63,32 @@ from autoprec.applied.compile import compile_graph
 from autoprec.applied.outputs import flat_output_graph
 from autoprec.metrics import median
 from autoprec.applied.regions import outline_blocks
-regional = sys.argv[2] == "regional"
+from autoprec._torch_compat import dynamo_compile_seconds
+mode = sys.argv[2]
 model, batch = build_model(), get_batch(0, "cpu")
 t0 = time.perf_counter()
-mp = autoprec.apply(model, Policy.default("bf16"), batch, compile=False, dynamic=False)
-flat = flat_output_graph(mp.graph_module)[0]
-fn = compile_graph(flat, regional=regional)
+if mode == "autocast":  # the model itself, flat, as tune's torch.autocast + torch.compile bar
+    flat, compiled = None, compile_graph(model)
+    def fn(**b):
+        with torch.autocast("cpu", torch.bfloat16):
+            return compiled(**b)
+else:
+    mp = autoprec.apply(model, Policy.default("bf16"), batch, compile=False, dynamic=False)
+    flat = flat_output_graph(mp.graph_module)[0]
+    fn = compile_graph(flat, regional=mode == "regional")
 t1 = time.perf_counter()
 fn(**batch)[0].backward()
 t2 = time.perf_counter()
+compile_s = dynamo_compile_seconds()
 steps = []
 for _ in range(8):
     s = time.perf_counter(); fn(**batch)[0].backward(); steps.append(time.perf_counter() - s)
 steps.sort()
-print(json.dumps({"apply_s": t1 - t0, "first_step_s": t2 - t1, "steady_s": median(steps),
-                  "steady_iqr_s": [steps[2], steps[6]], "nodes": len(flat.graph.nodes),
-                  "regions": outline_blocks(flat)[1].describe() if regional else "flat"}))
+regions = ("flat, torch.autocast(bf16)" if flat is None else
+           outline_blocks(flat)[1].describe() if mode == "regional" else "flat")
+print(json.dumps({"apply_s": t1 - t0, "first_step_s": t2 - t1, "compile_s": compile_s,
+                  "steady_s": median(steps), "steady_iqr_s": [steps[2], steps[6]],
+                  "nodes": len(flat.graph.nodes) if flat is not None else 0, "regions": regions}))
 '''
 
 
@@ -101,11 +114,11 @@ def _cold_env(work: str, name: str) -> dict[str, str]:
 
 
 def first_steps(work: str, layers: list[int]) -> list[dict]:
-    """The ``first_step`` rows, flat and regional per depth."""
+    """The ``first_step`` rows, flat, regional and torch.autocast's bar per depth."""
     rows = []
     for n in layers:
         d = _model_dir(work, n)
-        for mode in ("flat", "regional"):
+        for mode in ("flat", "regional", "autocast"):
             out, _ = _run([sys.executable, "-c", FIRST_STEP, d, mode], _cold_env(work, f"first-{n}-{mode}"))
             row = json.loads(next(ln for ln in reversed(out.splitlines())
                                   if ln.startswith("{\"apply_s"))) | {"layers": n, "mode": mode}
@@ -148,11 +161,13 @@ def tune_then_train(work: str, layers: list[int], out: str) -> list[dict]:
 
 
 def _markdown(res: dict) -> str:
-    lines = ["| layers | mode | nodes | apply s | first step s | apply+first s | steady s (IQR) | regions |",
-             "|---:|---|---:|---:|---:|---:|---|---|"]
+    lines = ["| layers | mode | nodes | apply s | first step s | apply+first s | compile s | steady s (IQR) "
+             "| regions |",
+             "|---:|---|---:|---:|---:|---:|---:|---|---|"]
     for r in res["first_step"]:
         lines.append(f"| {r['layers']} | {r['mode']} | {r['nodes']} | {r['apply_s']:.1f} | "
                      f"{r['first_step_s']:.1f} | {r['apply_s'] + r['first_step_s']:.1f} | "
+                     f"{r.get('compile_s', float('nan')):.1f} | "
                      f"{r['steady_s']:.3f} ({r['steady_iqr_s'][0]:.3f}-{r['steady_iqr_s'][1]:.3f}) | "
                      f"{r['regions']} |")
     lines += ["",
