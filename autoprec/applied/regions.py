@@ -20,15 +20,15 @@ no other block shares stays inline (nothing to reuse; it keeps its fusions with 
 One per-block cost is left in torch 2.13's ``invoke_subgraph``: under autograd, every call
 re-traces the body to build its schema (``HigherOrderOperator.py_autograd_impl`` asks
 ``gen_schema`` whether the body mutates an input), two calls per block (a 24-layer Qwen2 of
-hidden 256, fp32 policy: 3.5 s of a 27.0 s compile, 2 cores). :func:`reuse_region_schemas` keeps
-that schema in the compile's own ``InvokeSubgraphCache``, under the key torch already uses for
-the functionalization schema of the same call (pytorch/pytorch#184646).
+hidden 256, fp32 policy: 3.5 s of a 27.0 s compile, 2 cores). Each region
+therefore installs :func:`autoprec._torch_compat.reuse_invoke_subgraph_schemas`, which keeps that
+schema in the compile's own ``InvokeSubgraphCache``, under the key torch already uses for the
+functionalization schema of the same call (pytorch/pytorch#184646).
 """
 
 from __future__ import annotations
 
 import copy
-import importlib
 import logging
 from dataclasses import dataclass, field
 from operator import attrgetter
@@ -38,10 +38,11 @@ import torch
 from torch import fx, nn
 from torch.fx.passes.utils.fuser_utils import fuse_by_partitions, validate_partition
 
+from autoprec._torch_compat import reuse_invoke_subgraph_schemas
 from autoprec.nodekeys import block_of
 from autoprec.nodemeta import read_meta
 
-__all__ = ["BlockRegion", "RegionPlan", "outline_blocks", "reuse_region_schemas"]
+__all__ = ["BlockRegion", "RegionPlan", "outline_blocks"]
 
 _log = logging.getLogger("autoprec")
 
@@ -99,7 +100,7 @@ class BlockRegion(nn.Module):
             return body(*args)
 
         self._region = torch.compiler.nested_compile_region(region)
-        reuse_region_schemas()
+        reuse_invoke_subgraph_schemas()
 
     def forward(self, *args: Any) -> Any:
         """The body's outputs for ``args`` (tensors of the block's input shapes and dtypes)."""
@@ -150,51 +151,6 @@ def outline_blocks(gm: fx.GraphModule) -> tuple[fx.GraphModule, RegionPlan]:
     out.recompile()
     plan.blocks, plan.regions = len(order), len(regions)
     return out, plan
-
-
-def reuse_region_schemas() -> bool:
-    """Make ``invoke_subgraph``'s schema (whether a region's body mutates its inputs) computed
-    once per region and compile instead of once per call; idempotent, process-wide.
-
-    ``invoke_subgraph.gen_schema(subgraph, identifier, *operands)`` traces the body; the result
-    depends on the body and the operands' types only. Inside a compile (a
-    ``torch._guards.TracingContext``) it is kept in that compile's ``InvokeSubgraphCache`` under
-    ``(id(subgraph), identifier, operand types)``, the key and store torch uses for the same
-    schema when it functionalizes the call (``torch/_higher_order_ops/invoke_subgraph.py``,
-    pytorch/pytorch#184646), so it lives and dies with the compile; outside one, nothing changes.
-    The mutation check it feeds still runs on every call, on the cached schema.
-
-    Returns:
-        Whether the cache is (now) installed: False on a torch without these internals, where
-        every call traces the body as before (slower, same result).
-    """
-    try:  # the package re-exports the operator under the module's name: import the module
-        module = importlib.import_module("torch._higher_order_ops.invoke_subgraph")
-    except ImportError:
-        return False
-    hop = getattr(module, "invoke_subgraph", None)
-    if hop is None or not hasattr(hop, "gen_schema") or not hasattr(torch._guards, "TracingContext"):
-        return False
-    if getattr(hop.gen_schema, "_autoprec_cached", False):
-        return True
-    traced = hop.gen_schema
-
-    def gen_schema(subgraph: Any, identifier: Any, *operands: Any) -> Any:
-        ctx = torch._guards.TracingContext.try_get()
-        sets = getattr(ctx, "hop_dispatch_set_cache", None)
-        cache = sets.get_cache(hop) if sets is not None else None
-        if cache is None or not hasattr(cache, "get_functionalize_schema_entry"):
-            return traced(subgraph, identifier, *operands)
-        key = (id(subgraph), identifier, tuple(type(o) for o in operands))
-        schema = cache.get_functionalize_schema_entry(key)
-        if schema is None:
-            schema = traced(subgraph, identifier, *operands)
-            cache.add_functionalize_schema_entry(key, schema)
-        return schema
-
-    gen_schema._autoprec_cached = True  # type: ignore[attr-defined]
-    hop.gen_schema = gen_schema
-    return True
 
 
 def _block_of(node: fx.Node) -> tuple[str, int] | None:

@@ -198,12 +198,12 @@ def test_compile_graph_returns_a_handle_that_says_what_it_compiled(qwen):
 def test_a_region_body_is_traced_for_its_schema_once_per_compile_not_once_per_call(qwen, monkeypatch):
     """torch 2.13's ``invoke_subgraph`` traces a region's body for its schema at every call under
     autograd (two per block: 8 traces for three blocks, measured with the cache removed);
-    ``reuse_region_schemas`` keeps it in the compile's cache, so the traces do not grow with the
-    number of blocks (3 here), and the compiled step computes what the eager graph does."""
+    ``reuse_invoke_subgraph_schemas`` keeps it in the compile's cache, so the traces do not grow
+    with the number of blocks (3 here), and the compiled step computes what the eager graph does."""
     import torch._higher_order_ops.utils as hop_utils
     from torch._inductor.utils import fresh_cache
 
-    from autoprec.applied.regions import reuse_region_schemas
+    from autoprec._torch_compat import reuse_invoke_subgraph_schemas
 
     model, batch = qwen
     flat = _flat(model, Policy.default("bf16"), batch)
@@ -212,7 +212,7 @@ def test_a_region_body_is_traced_for_its_schema_once_per_compile_not_once_per_ca
     materialize = hop_utils.materialize_as_graph
     monkeypatch.setattr(hop_utils, "materialize_as_graph",
                         lambda *a, **k: traces.append(1) or materialize(*a, **k))
-    assert reuse_region_schemas() and reuse_region_schemas()  # installed, idempotent
+    assert reuse_invoke_subgraph_schemas()  # installed (BlockRegion installs it too)
     torch._dynamo.reset()
     with fresh_cache():  # a cache hit would trace nothing
         fn = compile_graph(flat)

@@ -266,3 +266,38 @@ def test_optimization_hint_is_a_symbolic_sizes_example_value():
     size = x.meta["val"].shape[0]
     assert isinstance(size, torch.SymInt)
     assert tc.optimization_hint(size) == 5
+
+
+def test_reuse_invoke_subgraph_schemas_keeps_a_schema_per_compile_and_its_mutation_flags():
+    """Inside a compile's tracing context the second call with the same body, identifier and operand
+    types gets the same schema; another identifier, or no compile at all, traces again; a body that
+    mutates its input is still flagged (the check autograd makes with it)."""
+    import importlib
+
+    from torch._guards import TracingContext, tracing
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from autoprec._torch_compat import reuse_invoke_subgraph_schemas
+
+    hop = importlib.import_module("torch._higher_order_ops.invoke_subgraph").invoke_subgraph
+    assert reuse_invoke_subgraph_schemas() and reuse_invoke_subgraph_schemas()  # idempotent
+
+    class Double(nn.Module):
+        def forward(self, x):
+            return (x * 2,)
+
+    class AddInPlace(nn.Module):
+        def forward(self, x):
+            x.add_(1)
+            return (x * 2,)
+
+    body, x = fx.symbolic_trace(Double()), torch.randn(3)
+    outside = hop.gen_schema(body, "r", x)
+    assert hop.gen_schema(body, "r", x) is not outside  # no compile: nothing kept
+    with tracing(TracingContext(FakeTensorMode())):
+        first = hop.gen_schema(body, "r", x)
+        assert hop.gen_schema(body, "r", x) is first
+        assert hop.gen_schema(body, "other", x) is not first
+        mutating = hop.gen_schema(fx.symbolic_trace(AddInPlace()), "m", x)
+    assert str(first) == str(outside) and not any(a.is_write for a in first.arguments)
+    assert [a.is_write for a in mutating.arguments] == [False, False, True]

@@ -1,5 +1,9 @@
 """The one door to torch's private APIs (docs/architecture.md#private-torch-apis).
 
+The entries of Dynamo, Inductor's caches and the ``invoke_subgraph`` operator live in
+:mod:`autoprec._torch_compat.dynamo` and are imported here: callers import every entry from this
+package.
+
 Every name autoprec uses from under ``torch._*``, or a ``_``-prefixed name of a public torch module
 (``torch.utils._pytree``, ``torch.fx.graph._PyTreeCodeGen``, ``Graph._codegen``, ...), is reached
 through one entry here, so a torch upgrade that moves or drops one breaks this file and its tests
@@ -18,7 +22,6 @@ The public-by-convention config modules (``torch._dynamo.config``, ``torch._indu
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -39,11 +42,19 @@ from torch import fx, nn
 #: since 1.13. No fallback: its absence fails at import.
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from autoprec._torch_compat.dynamo import (
+    compile_cache_counts,
+    dynamo_compile_seconds,
+    dynamo_unique_graphs,
+    is_dynamo_optimized,
+    reuse_invoke_subgraph_schemas,
+)
+
 __all__ = [
-    "TorchDispatchMode", "amp_unscale_", "child_module", "detect_fake_mode", "dynamo_compile_seconds",
-    "dynamo_unique_graphs", "export_assert_ops", "fake_tensor_errors", "is_dynamo_optimized",
-    "new_fake_mode", "optimization_hint", "overload_schema", "pytree", "pytree_info", "safe_softmax",
-    "saved_tensor_hook_node",
+    "TorchDispatchMode", "amp_unscale_", "child_module", "compile_cache_counts", "detect_fake_mode",
+    "dynamo_compile_seconds", "dynamo_unique_graphs", "export_assert_ops", "fake_tensor_errors",
+    "is_dynamo_optimized", "new_fake_mode", "optimization_hint", "overload_schema", "pytree",
+    "pytree_info", "reuse_invoke_subgraph_schemas", "safe_softmax", "saved_tensor_hook_node",
     "set_pytree_codegen", "sparse_values", "top_saved_tensors_hooks", "tree_flatten_spec",
 ]
 
@@ -62,7 +73,7 @@ except ImportError:  # pragma: no cover - torch < 2.13
 def _missing(api: str, what: str) -> RuntimeError:
     """The error an entry raises when this torch lacks ``api``."""
     return RuntimeError(f"{api} is missing in torch {torch.__version__} ({what}); autoprec was checked on "
-                        "torch 2.13.0 (autoprec/_torch_compat.py lists each private torch API it uses)")
+                        "torch 2.13.0 (autoprec/_torch_compat/ lists each private torch API it uses)")
 
 
 def tree_flatten_spec(tree: Any, spec: pytree.TreeSpec) -> list[Any]:
@@ -309,77 +320,3 @@ def child_module(model: nn.Module, name: str) -> nn.Module | None:
         return model.get_submodule(name)
     except AttributeError:
         return None
-
-
-def is_dynamo_optimized(fn: Any) -> bool:
-    """Whether ``fn`` itself is what ``torch.compile`` returned: an ``OptimizedModule``
-    (``torch._dynamo.eval_frame``) for a module, or a function carrying Dynamo's
-    ``_torchdynamo_orig_callable`` for a function. Wrappers around one are not unwrapped here.
-
-    Imports Dynamo. Checked on 2.13.0; both in torch's source since 2.0. Missing ``OptimizedModule``:
-    only the attribute is checked.
-    """
-    try:
-        from torch._dynamo.eval_frame import OptimizedModule
-    except ImportError:
-        OptimizedModule = ()  # isinstance(x, ()) is False
-    return isinstance(fn, OptimizedModule) or hasattr(fn, "_torchdynamo_orig_callable")
-
-
-def dynamo_unique_graphs() -> int:
-    """Graphs ``torch.compile`` (Dynamo) has compiled in this process so far
-    (``torch._dynamo.utils.counters["stats"]["unique_graphs"]``; process-wide).
-
-    Imports Dynamo. Checked on 2.13.0; in torch's source since 2.0. Missing: 0 (no compile is seen).
-    """
-    try:
-        from torch._dynamo.utils import counters
-    except ImportError:
-        return 0
-    return int(counters["stats"]["unique_graphs"])
-
-
-def dynamo_compile_seconds() -> float:
-    """Seconds this process has spent compiling with Dynamo/Inductor so far: forward frames and the
-    backward graphs AOTAutograd compiles at the first ``backward()``
-    (``torch._dynamo.utils.calculate_time_spent()["total_wall_time"]``, ``entire_frame_compile`` +
-    ``entire_backward_compile``); ``torch._dynamo.reset()`` sets it back to 0.
-
-    Does not import Dynamo: 0.0 before anything did (nothing was compiled). Checked on 2.13.0 only.
-    Missing (or failing): 0.0.
-    """
-    utils = sys.modules.get("torch._dynamo.utils")
-    if utils is None:
-        return 0.0
-    try:
-        return float(utils.calculate_time_spent().get("total_wall_time", 0.0))
-    except Exception:  # noqa: BLE001 - a private API; accounting must never fail a tune
-        return 0.0
-
-
-#: :func:`compile_cache_counts`'s keys -> (Dynamo counter group, counter) (torch/_dynamo/utils.py
-#: ``counters``; torch/_inductor/codecache.py and torch/_functorch/_aot_autograd/autograd_cache.py
-#: increment them).
-_CACHE_COUNTERS = {
-    "aot_autograd_hit": ("aot_autograd", "autograd_cache_hit"),
-    "aot_autograd_miss": ("aot_autograd", "autograd_cache_miss"),
-    "aot_autograd_bypass": ("aot_autograd", "autograd_cache_bypass"),
-    "fx_graph_hit": ("inductor", "fxgraph_cache_hit"),
-    "fx_graph_miss": ("inductor", "fxgraph_cache_miss"),
-    "fx_graph_bypass": ("inductor", "fxgraph_cache_bypass"),
-}
-
-
-def compile_cache_counts() -> dict[str, int]:
-    """Lookups of Inductor's on-disk caches in this process so far: the AOTAutograd cache (a whole
-    forward+backward compile reused) and the FX graph cache (one Inductor graph's code reused),
-    each as ``*_hit``, ``*_miss`` and ``*_bypass`` (a graph the cache cannot hold), from Dynamo's
-    ``torch._dynamo.utils.counters``.
-
-    Does not import Dynamo: all 0 before anything did. Checked on 2.13.0 only. Missing: all 0.
-    """
-    utils = sys.modules.get("torch._dynamo.utils")
-    counters = getattr(utils, "counters", None)
-    if counters is None:
-        return dict.fromkeys(_CACHE_COUNTERS, 0)
-    return {key: int(counters[group][name]) for key, (group, name) in _CACHE_COUNTERS.items()}
