@@ -175,8 +175,8 @@ def run_bench(model_path: str | os.PathLike, policy: Policy | str | os.PathLike,
             measured, first: it is the reference and sets the slow-step limit).
         max_step_ratio: A configuration is dropped from later rounds after two steps in a row
             over this multiple of ``fp32_eager``'s step (floor 1 s), or one over 4x that: ``capped``.
-        skip_slow: Skip (not run) low-precision baselines when the low dtype's measured matmul
-            peak is more than ``max_step_ratio`` times below fp32's; for CPUs that emulate bf16.
+        skip_slow: Skip (not run) low-precision baselines whose matmul peak is over ``max_step_ratio``
+            x below fp32's (CPUs that emulate bf16); without it they are timed last, one step each.
         json_path: Also write the result here after every configuration's drift pass and the
             timing (``"partial": true`` until the end): a run cut short keeps what it measured.
         rel_band: Timing stops (after the minimum rounds) once every band's relative half-width is ≤ this.
@@ -216,8 +216,7 @@ def run_bench(model_path: str | os.PathLike, policy: Policy | str | os.PathLike,
     main = cfgs["policy_eager"].dtype if "policy_eager" in cfgs else main_dtype(
         run_pipeline(h.graph_module, pol).graph_module, pol)
     peaks = _measure_peaks([main, "fp32", NAMES[low]], dev, quiet)
-    slow_low = peaks[NAMES[low]] * max_step_ratio < peaks["fp32"]
-    rows: dict[str, dict[str, Any]] = {}
+    slow = _too_slow(cfgs, peaks, max_step_ratio)  # timed after the rounds (_time_all)
     machine = describe_machine(dev)
     result = {
         "device": machine["device"], "machine": machine, "torch": torch.__version__, "autoprec": __version__,
@@ -226,16 +225,24 @@ def run_bench(model_path: str | os.PathLike, policy: Policy | str | os.PathLike,
         "steps": steps, "warmup": warmup, "max_step_ratio": max_step_ratio, "tokens_per_batch": h.tokens,
         "flops": flops, "matmul_peak": {"dtype": main, "flops_per_s": peaks[main], "by_dtype": peaks},
         "timing": {"interleaved": True, "steps_per_round": STEPS_PER_ROUND, "max_step_s": None},
-        "partial": True, "configs": rows, "load": load.records,
+        "partial": True, "configs": {}, "load": load.records,
     }
-    drift = _drift_all(names, cfgs, result, NAMES[low] if skip_slow and slow_low else None, json_path, quiet)
+    skip = NAMES[low] if skip_slow and NAMES[low] in {cfgs[n].dtype for n in slow} else None
+    drift = _drift_all(names, cfgs, result, skip, json_path, quiet)
     _time_all(h, cfgs, drift, result, min_rounds=max(MIN_ROUNDS, math.ceil(steps / STEPS_PER_ROUND)),
-              rel_band=rel_band, time_cap_s=time_cap_s, quiet=quiet, load=load)
+              rel_band=rel_band, time_cap_s=time_cap_s, quiet=quiet, load=load, after=slow)
     _checkpoint(result, json_path)
     _remeasure_peaks(result, dev, quiet)
     result["partial"] = False
     _checkpoint(result, json_path)
     return result
+
+
+def _too_slow(cfgs: dict[str, BenchConfig], peaks: dict[str, float], ratio: float) -> dict[str, str]:
+    """Configurations whose dtype's matmul peak is more than ``ratio`` x below fp32's -> why
+    (``"bf16 matmul measured 81x slower than fp32 here"``): :func:`_time_all` times them last."""
+    return {n: f"{c.dtype} matmul measured {peaks['fp32'] / peaks[c.dtype]:.0f}x slower than fp32 here"
+            for n, c in cfgs.items() if c.dtype in peaks and peaks[c.dtype] * ratio < peaks["fp32"]}
 
 
 def _measure_peaks(dtypes: Sequence[str], dev: torch.device, quiet: bool) -> dict[str, float]:
@@ -293,23 +300,40 @@ def _drift_all(names: Sequence[str], cfgs: dict[str, BenchConfig], result: dict[
 
 def _time_all(h: Harness, cfgs: dict[str, BenchConfig], drift: dict[str, tuple[Measurement, Any]],
               result: dict[str, Any], min_rounds: int, rel_band: float, time_cap_s: float,
-              quiet: bool, load: LoadMonitor) -> None:
+              quiet: bool, load: LoadMonitor, after: dict[str, str]) -> None:
     """Time every configuration whose drift pass ran in one :func:`time_interleaved` call (same
     rounds for all rows) and fill in their rows' timing, MFU and ratios; ``load`` checks the
-    machine before and after (``BusyMachineError`` under ``strict_timing``)."""
+    machine before and after (``BusyMachineError`` under ``strict_timing``).
+
+    The configurations in ``after`` (name -> why: their dtype's matmul peak is over
+    ``max_step_ratio`` x slower than fp32's, e.g. bf16 on a CPU without native bf16) are timed
+    after those rounds, in one round of one step (the slow-step rule applies): timed among the
+    others, their warm-up and steps would use up the time cap before the first round and leave
+    every row untimed. ``result["timing"]["timed_after"]`` lists them; their note says so."""
     load.check("before timing")
     todo = [n for n, (m, _fn) in drift.items() if m.error is None]
     tm, watch = result["timing"], {n: shapes.CompileWatch(drift[n][1]) for n in todo}
     tm.update(min_rounds=min_rounds, max_rounds=max(MAX_ROUNDS, min_rounds), rel_band=rel_band,
-              time_cap_s=time_cap_s, warmup_steps=warmup_steps(h.batches, result["warmup"]))
-    _log(f"timing {', '.join(todo)} interleaved ({tm['steps_per_round']} steps each per round, "
-         f"{min_rounds}-{tm['max_rounds']} rounds, until ±{100 * rel_band:g}% or {time_cap_s:g} s)", quiet)
+              time_cap_s=time_cap_s, warmup_steps=warmup_steps(h.batches, result["warmup"]),
+              timed_after=[n for n in todo if n in after])
+    rounds = [n for n in todo if n not in after]
+    _log(f"timing {', '.join(rounds)} interleaved ({tm['steps_per_round']} steps each per round, "
+         f"{min_rounds}-{tm['max_rounds']} rounds, until ±{100 * rel_band:g}% or {time_cap_s:g} s)"
+         + (f"; then {', '.join(tm['timed_after'])}, one step each" if tm["timed_after"] else ""), quiet)
     t0 = time.perf_counter()
-    timings = time_interleaved(
-        h, [Config(n, watch[n], cfgs[n].scaler, cfgs[n].autocast,
-                   cfgs[n].harness if cfgs[n].harness is not h else None) for n in todo],
-        min_rounds=min_rounds, max_rounds=tm["max_rounds"], steps_per_round=tm["steps_per_round"],
-        warmup=tm["warmup_steps"], rel_band=rel_band, time_cap_s=time_cap_s, max_step_s=tm["max_step_s"])
+
+    def timed(names: list[str], min_r: int, max_r: int, per_round: int) -> dict[str, Any]:
+        return time_interleaved(
+            h, [Config(n, watch[n], cfgs[n].scaler, cfgs[n].autocast,
+                       cfgs[n].harness if cfgs[n].harness is not h else None) for n in names],
+            min_rounds=min_r, max_rounds=max_r, steps_per_round=per_round, warmup=tm["warmup_steps"],
+            rel_band=rel_band, time_cap_s=time_cap_s, max_step_s=tm["max_step_s"]) if names else {}
+
+    timings = timed(rounds, min_rounds, tm["max_rounds"], tm["steps_per_round"])
+    for n, t in timed(tm["timed_after"], 1, 1, 1).items():
+        why = f"timed after the interleaved rounds, one step: {after[n]}"
+        t.note = f"{why}; {t.note}" if t.note else why
+        timings[n] = t
     tm["wall_s"] = time.perf_counter() - t0
     load.check("after timing")
     flops, peak = result["flops"]["flops_per_step"], result["matmul_peak"]["flops_per_s"]

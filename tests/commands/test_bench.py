@@ -70,15 +70,17 @@ def test_table_lists_every_config(result):
 
 
 def test_rows_are_timed_interleaved_with_a_band(result):
-    """Every row's tokens/s comes from the same interleaved rounds (issues 18, 19) and has a band."""
-    rows = result["configs"]
-    rounds = {r["rounds"] for r in rows.values()}
+    """Every row's tokens/s comes from the same interleaved rounds (issues 18, 19) and has a band,
+    except the rows of a dtype this CPU emulates (``timing.timed_after``: one step after them)."""
+    rows, after = result["configs"], result["timing"]["timed_after"]
+    rounds = {r["rounds"] for n, r in rows.items() if n not in after}
     assert len(rounds) == 1 and rounds.pop() >= 3  # steps=2: the minimum of 3 rounds of 2 steps
-    for r in rows.values():
+    for n, r in rows.items():
         lo, hi = r["tokens_per_s_band"]
         assert lo <= r["tokens_per_s"] <= hi
         assert r["step_s_band"][0] <= r["step_s"] <= r["step_s_band"][1]
-        assert r["steps_timed"] == 2 * r["rounds"] and r["vs_autocast_compiled"] is None
+        assert r["steps_timed"] == (1 if n in after else 2 * r["rounds"])
+        assert r["vs_autocast_compiled"] is None
 
 
 def test_vs_autocast_compiled_says_tie_within_the_noise():
@@ -240,3 +242,27 @@ def test_a_config_the_slow_step_rule_stops_is_capped():
     row = make_row(Measurement(grad_rel_l2=0.0, loss_rel=0.0), "bf16", False, t, flops=1.0, peak=1.0,
                    ratio=10.0)
     assert row["capped"] and "10x fp32 eager's step" in row["note"] and row["steps_timed"] == 1
+
+
+def test_configs_whose_dtype_is_too_slow_are_timed_after_the_rounds(monkeypatch):
+    """On a CPU that emulates the low dtype (matmul peak over ``max_step_ratio`` x below fp32's), its
+    rows are timed after the interleaved rounds, one step each: they can no longer use up the time
+    cap before the first round (a fresh AVX2 user's default bench timed no row at all). fp32's rows
+    get their rounds; the slow row its one step and a note that says why."""
+    import autoprec.commands.bench as bench
+    from autoprec.device import autocast_dtype
+    from autoprec.dtypes import NAMES
+
+    low = NAMES[autocast_dtype(torch.device("cpu"))]
+    monkeypatch.setattr(bench, "matmul_peak_flops",
+                        lambda dtype, device, **k: (1e12 if dtype == torch.float32 else 1e10, 512))
+    res = run_bench(TINY, Policy.fp32(), steps=2, warmup=1, device="cpu",
+                    configs=["fp32_eager", "autocast_eager", "policy_eager"], quiet=True)
+    rows, tm = res["configs"], res["timing"]
+    assert tm["timed_after"] == ["autocast_eager"] and rows["autocast_eager"]["dtype"] == low
+    assert rows["autocast_eager"]["steps_timed"] == 1 and rows["autocast_eager"]["rounds"] == 1
+    assert rows["autocast_eager"]["note"].startswith(
+        f"timed after the interleaved rounds, one step: {low} matmul measured 100x slower than fp32")
+    for name in ("fp32_eager", "policy_eager"):
+        assert rows[name]["rounds"] >= tm["min_rounds"] and rows[name]["tokens_per_s"] > 0
+        assert rows[name]["note"] is None
