@@ -183,10 +183,12 @@ def compare(a: Timing, b: Timing, resamples: int = BOOTSTRAP_RESAMPLES, seed: in
 
 
 def format_rate(t: Timing) -> str:
-    """Tokens/s with its noise band for tables: ``"6947 ±2.1%"`` (the band's relative
-    half-width, :meth:`Timing.rel_half_width`); ``"—"`` when not timed."""
+    """Tokens/s with its noise band for tables: ``"6947 ±2.1%"`` (:meth:`Timing.rel_half_width`);
+    ``"6947 (1 step: no band)"`` when timed on one step (the slow-step rule); ``"—"`` when not timed."""
     if not t.step_times or t.tokens_per_s <= 0:
         return "—"
+    if len(t.step_times) == 1:
+        return f"{t.tokens_per_s:.0f} (1 step: no band)"
     return f"{t.tokens_per_s:.0f} ±{100 * t.rel_half_width():.1f}%"
 
 

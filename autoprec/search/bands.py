@@ -29,16 +29,14 @@ def timing_of(step_times: Sequence[float] | None, tokens_per_s: float | None) ->
 
 
 def rate_text(tokens_per_s: float | None, timing: Timing | None = None) -> str:
-    """Tokens/s for a table: ``"6947 ±2.1%"`` (:func:`autoprec.measure.timing.format_rate`) when
-    ``timing`` has two or more steps; ``"6947 (1 step: no band)"`` when timed on one step (the
-    slow-step rule stopped it); ``"6947 (no band)"`` without step times (a study written before
+    """Tokens/s for a table: :func:`autoprec.measure.timing.format_rate` when ``timing`` has step
+    times (``"6947 ±2.1%"``, or ``"6947 (1 step: no band)"`` when the slow-step rule stopped it
+    after one); ``"6947 (no band)"`` without step times (a study written before
     bands were recorded); ``""`` when not measured."""
     if not tokens_per_s or tokens_per_s <= 0:
         return ""
     if timing is None or not timing.step_times:
         return f"{tokens_per_s:.0f} (no band)"
-    if len(timing.step_times) == 1:
-        return f"{tokens_per_s:.0f} (1 step: no band)"
     return format_rate(timing)
 
 
