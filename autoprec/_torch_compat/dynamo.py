@@ -9,8 +9,6 @@ import importlib
 import sys
 from typing import Any
 
-import torch
-
 __all__ = ["compile_cache_counts", "dynamo_compile_seconds", "dynamo_unique_graphs", "is_dynamo_optimized",
            "reuse_invoke_subgraph_schemas"]
 
@@ -113,10 +111,11 @@ def reuse_invoke_subgraph_schemas() -> bool:
     """
     try:  # torch._higher_order_ops re-exports the operator under the module's name
         module = importlib.import_module("torch._higher_order_ops.invoke_subgraph")
+        guards = importlib.import_module("torch._guards")
     except ImportError:
         return False
     hop = getattr(module, "invoke_subgraph", None)
-    tracing = getattr(torch._guards, "TracingContext", None)
+    tracing = getattr(guards, "TracingContext", None)
     if hop is None or tracing is None or not hasattr(hop, "gen_schema"):
         return False
     if getattr(hop.gen_schema, "_autoprec_cached", False):

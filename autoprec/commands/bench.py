@@ -227,7 +227,7 @@ def run_bench(model_path: str | os.PathLike, policy: Policy | str | os.PathLike,
         "timing": {"interleaved": True, "steps_per_round": STEPS_PER_ROUND, "max_step_s": None},
         "partial": True, "configs": {}, "load": load.records,
     }
-    skip = NAMES[low] if skip_slow and NAMES[low] in {cfgs[n].dtype for n in slow} else None
+    skip = {n: why for n, why in slow.items() if cfgs[n].dtype == NAMES[low]} if skip_slow else {}
     drift = _drift_all(names, cfgs, result, skip, json_path, quiet)
     _time_all(h, cfgs, drift, result, min_rounds=max(MIN_ROUNDS, math.ceil(steps / STEPS_PER_ROUND)),
               rel_band=rel_band, time_cap_s=time_cap_s, quiet=quiet, load=load, after=slow)
@@ -255,7 +255,7 @@ def _measure_peaks(dtypes: Sequence[str], dev: torch.device, quiet: bool) -> dic
 
 
 def _drift_all(names: Sequence[str], cfgs: dict[str, BenchConfig], result: dict[str, Any],
-               skip_dtype: str | None, json_path: str | os.PathLike | None,
+               skip: dict[str, str], json_path: str | os.PathLike | None,
                quiet: bool) -> dict[str, tuple[Measurement, Any]]:
     """Drift and memory of each configuration in turn (``fp32_eager`` timed too, back to back, for
     the slow-step limit ``result["timing"]["max_step_s"]``); rows without timing, checkpointed.
@@ -264,15 +264,14 @@ def _drift_all(names: Sequence[str], cfgs: dict[str, BenchConfig], result: dict[
     (``compile_cache``, :func:`autoprec.applied.compile.cache_report`; None for an eager one;
     after ``tune`` on the same model and policy, ``policy_compiled`` is an AOTAutograd hit), and
     ``result["compile_cache"]`` what they served all of them.
-    Configurations in ``skip_dtype`` (except the policy's) get a skipped row. Returns
+    Configurations in ``skip`` (name -> why, :func:`_too_slow`; never the policy's) get a skipped row. Returns
     ``{name: (drift measurement, the module it ran)}`` of those run (failed ones included).
     """
-    rows, peaks, out, start = result["configs"], result["matmul_peak"]["by_dtype"], {}, compile_cache_counts()
+    rows, out, start = result["configs"], {}, compile_cache_counts()
     for name in names:
         cfg = cfgs[name]
-        if cfg.dtype == skip_dtype and not name.startswith("policy"):
-            rows[name] = skipped_row(cfg.dtype, cfg.compiled, f"skipped: {skip_dtype} matmul measured "
-                                     f"{peaks['fp32'] / peaks[skip_dtype]:.0f}x slower than fp32 here")
+        if name in skip and not name.startswith("policy"):
+            rows[name] = skipped_row(cfg.dtype, cfg.compiled, f"skipped: {skip[name]}")
             _log(f"{name}: {rows[name]['note']}", quiet)
         else:
             _log(f"{name}: measuring drift ({cfg.dtype}{', compiling' if cfg.compiled else ''})", quiet)

@@ -268,3 +268,22 @@ def test_configs_whose_dtype_is_too_slow_are_timed_after_the_rounds(monkeypatch)
     for name in ("fp32_eager", "policy_eager"):
         assert rows[name]["rounds"] >= tm["min_rounds"] and rows[name]["tokens_per_s"] > 0
         assert rows[name]["note"] is None
+
+
+def test_skip_slow_skips_the_emulated_baselines_with_the_measured_factor(monkeypatch):
+    """``--skip-slow``: the low-dtype baselines of a dtype over ``max_step_ratio`` x slower get a
+    skipped row naming the measured factor (the reason :func:`_too_slow` gives), the rest run."""
+    import autoprec.commands.bench as bench
+    from autoprec.device import autocast_dtype
+    from autoprec.dtypes import NAMES
+
+    low = NAMES[autocast_dtype(torch.device("cpu"))]
+    monkeypatch.setattr(bench, "matmul_peak_flops",
+                        lambda dtype, device, **k: (1e12 if dtype == torch.float32 else 1e10, 512))
+    res = run_bench(TINY, Policy.fp32(), steps=2, warmup=1, device="cpu", skip_slow=True,
+                    configs=["fp32_eager", "autocast_eager", "pure_low_eager", "policy_eager"], quiet=True)
+    rows = res["configs"]
+    for name in ("autocast_eager", "pure_low_eager"):
+        assert rows[name]["note"] == f"skipped: {low} matmul measured 100x slower than fp32 here"
+        assert not rows[name]["tokens_per_s"]  # not run
+    assert rows["policy_eager"]["tokens_per_s"] > 0 and res["timing"]["timed_after"] == []
