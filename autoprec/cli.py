@@ -136,7 +136,7 @@ def _tune(a: argparse.Namespace) -> int:
     bar = "torch.autocast + torch.compile" if not a.no_compile else "torch.autocast eager"
     best = res.policy.provenance.get("baseline")
     speeds = [(m[k], n) for k, n in (("speedup_vs_autocast", bar), ("speedup_vs_fp32", "fp32 eager"))
-              if k != baseline_own_ratio(m, best)]
+              if k in m and k != baseline_own_ratio(m, best)]
     if best is not None and "speedup_vs_baseline" in m:  # first: the choice must not fall below it
         speeds.insert(0, (m["speedup_vs_baseline"], f"{best} (the baseline to beat)"))
     rule = DriftBudget.from_dict(res.study.user_attrs[DRIFT_RULE]).describe()

@@ -1,9 +1,8 @@
 """Measurements (docs/architecture.md#measurements): training-step throughput, drift against FP32, memory.
 
-One :class:`Harness` holds the model, its captured graph, a snapshot of the initial weights and
-the FP32 reference gradients; every configuration (FP32, torch.autocast, a policy, eager or
-compiled) is measured on the same weights and batches, and the weights are restored after each.
-``autoprec tune`` and ``autoprec bench`` use the same code.
+One :class:`Harness` holds the model, its captured graph, a snapshot of the initial weights and the FP32
+reference gradients; every configuration (FP32, torch.autocast, a policy, eager or compiled) is measured
+on the same weights and batches, restored after each (``autoprec tune`` and ``autoprec bench`` alike).
 """
 
 from __future__ import annotations
@@ -380,11 +379,11 @@ class Harness:
         timed = [self.batches[k % len(self.batches)] for k in range(warm, warm + n)]
         return sum(self.spec.tokens_per_batch(b) for b in timed) / max(len(timed), 1)
 
-    def trajectory(self, fn: Callable[..., Any],
-                   scaler_factory: Callable[[], DynamicLossScaler | None] = lambda: None,
-                   autocast_dtype: torch.dtype | None = None, steps: int = 20) -> list[float]:
-        """Losses of ``steps`` optimizer steps on batches ``get_batch(0..steps-1)`` from the
-        initial weights (the weights are restored afterwards). Non-finite losses are kept as-is.
+    def trajectory(self, fn: Callable[..., Any], scaler_factory: Callable[[], DynamicLossScaler | None]
+                   = lambda: None, autocast_dtype: torch.dtype | None = None, steps: int = 20,
+                   fp32_gemms: bool = False) -> list[float]:
+        """Losses of ``steps`` optimizer steps on batches ``get_batch(0..steps-1)`` from the initial
+        weights (restored afterwards; ``fp32_gemms`` as :meth:`measure`'s). Non-finite losses are kept.
 
         Step k runs from RNG seed ``MEASURE_SEED + k`` (``StepRng(MEASURE_SEED, per_step=True)``,
         :mod:`autoprec.training.rng`), so every configuration sees the same dropout masks at step k
@@ -392,7 +391,8 @@ class Harness:
         self.extend_batches(steps)
         try:
             step = self.train_step(fn, scaler_factory(), autocast_dtype)
-            with self._eager_random(fn):  # a first call compiles here too: eager's masks, as drift's
+            gemms = Fp32ComputeGemms(autocast_dtype) if fp32_gemms else contextlib.nullcontext()
+            with self._eager_random(fn), gemms:  # a first call compiles here too: eager's masks, as drift's
                 done = run_steps(step, self.batches.__getitem__, 0, steps,
                                  rng=StepRng(MEASURE_SEED, per_step=True), device=self.device)
             return [stats.loss for stats, _seconds in done]

@@ -1,7 +1,8 @@
 """Which kernels a ``tune`` searches: phase 2's probe on the model's own matmul shapes, or, when
-it resumes or joins a study, the kernels that study was created with
-(docs/architecture.md#search). Functions of :func:`autoprec.search.study.tune`'s run state
-(``_Run``: its graph, device, clock, space, probes)."""
+it resumes or joins a study, the kernels that study was created with; and how torch.autocast's
+baseline runs given what the probe measured of its GEMMs (docs/architecture.md#search). Functions
+of :func:`autoprec.search.study.tune`'s run state (``_Run``: its graph, device, clock, space,
+probes, harness, ``slow``)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,14 @@ from typing import Any
 
 from autoprec.device import autocast_dtype
 from autoprec.dtypes import LOW_DTYPES, NAMES, kernel_name
+from autoprec.measure import Measurement
 from autoprec.search.probe import kernel_fields, matmul_shape_counts, matmul_shapes, probe_kernels
 from autoprec.search.progress import log
 from autoprec.search.space import SearchSpace, find_blocks, has_attention, outside_matmuls
+from autoprec.training.train import autocast_scaler
 
-__all__ = ["EMULATE_AT", "adopt_study_kernels", "autocast_gemms_in_fp32", "probe_decision", "probe_phase"]
+__all__ = ["EMULATE_AT", "adopt_study_kernels", "autocast_cannot_win", "autocast_gemms_in_fp32",
+           "measure_autocast_eager", "probe_decision", "probe_phase"]
 
 #: torch.autocast's drift passes compute its GEMMs as fp32 products
 #: (:class:`autoprec.kernels.fp32_gemms.Fp32ComputeGemms`, the same roundings) when the probe
@@ -102,3 +106,54 @@ def autocast_gemms_in_fp32(probes: dict[str, Any], ac_dtype: Any) -> str | None:
         return None
     return (f"native {name} GEMMs measured {native['ratio']:.3g}x fp32's time, "
             f"fp32-compute {fp32c['ratio']:.3g}x")
+
+
+def autocast_cannot_win(probes: dict[str, Any], ac_dtype: Any, slow_s: float) -> str | None:
+    """Why torch.autocast cannot be the baseline to beat, eager or compiled, so its native steps are
+    not run: the probe's native ``ac_dtype`` GEMMs at the model's forward matmul shapes alone take
+    longer than ``slow_s`` seconds, the slow-step limit past which a configuration stops being timed
+    because it cannot win (``autoprec.search.study.SLOW_RATIO`` fp32 eager steps). None otherwise,
+    or when the native kernel failed or was not probed.
+
+    The bound is a lower one: fp32's GEMM seconds (``probes["fp32"]["ms"]``) times the low end of
+    the native kernel's ratio band; a training step runs those GEMMs once in its forward and twice
+    as many in its backward, and torch.compile keeps them (Inductor's default mode calls the same
+    ATen GEMM kernels; its own GEMM templates are max-autotune's). An AVX2-only CPU measured native
+    bf16 GEMMs 39-61x fp32's (``benchmarks/results/depth_2026-12-05f_schemas``): a 24-layer Qwen2's
+    forward GEMMs alone ~6.7 s against a 1.70 s limit. ``probes`` is ``KernelProbe.to_dict()``.
+    """
+    name = NAMES.get(ac_dtype)
+    native = probes.get("kernels", {}).get(name or "")
+    fp32_ms = (probes.get("fp32") or {}).get("ms")
+    if not native or native.get("error") or not fp32_ms or native["band"][0] is None:
+        return None
+    low_s, ratio = fp32_ms * native["band"][0] / 1e3, native["band"][0]
+    if not low_s > slow_s:
+        return None
+    return (f"its native {name} GEMMs alone take {low_s:.3g} s or more per step ({ratio:.3g}x fp32's "
+            f"{fp32_ms:.3g} ms at the model's forward shapes), over the {slow_s:.3g} s slow-step limit")
+
+
+def measure_autocast_eager(run: Any) -> Measurement:
+    """Phase 3's torch.autocast eager baseline (``run.ac_dtype``), screened as the fp32 one is: its
+    drift (the budget's reference) and memory, and its speed from its drift passes. Without compile
+    the head-to-head times it again; with compile its speed is only the table's "autocast eager"
+    row. Sets ``run.slow_gemms`` (:func:`autocast_gemms_in_fp32`: its drift passes then compute the
+    GEMMs in fp32, same roundings, and one native step, stopped by the slow-step guard at
+    ``run.slow``, times it) and ``run.ac_cannot_win`` (:func:`autocast_cannot_win`: not timed at
+    all; its note says why). Never raises for numerics: a failure is the measurement's ``error``."""
+    h = run.harness
+    run.slow_gemms = autocast_gemms_in_fp32(run.probes, run.ac_dtype)
+    run.ac_cannot_win = autocast_cannot_win(run.probes, run.ac_dtype, run.slow)
+    if run.slow_gemms:
+        log(f"torch.autocast's drift is measured with its GEMMs computed in fp32, rounded as native ones "
+            f"round ({run.slow_gemms}); its speed " + (
+                "is not timed: it cannot win" if run.ac_cannot_win else "natively"), run.quiet)
+    m = h.measure(h.model, autocast_scaler(run.ac_dtype), autocast_dtype=run.ac_dtype,
+                  timing=not run.ac_cannot_win, max_step_s=run.slow, screen=True,
+                  fp32_gemms=bool(run.slow_gemms))
+    if run.slow_gemms:
+        m.add_note("drift with its GEMMs in fp32", first=True)
+    if run.ac_cannot_win:
+        m.add_note(f"not timed: {run.ac_cannot_win}")
+    return m

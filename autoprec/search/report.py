@@ -29,9 +29,10 @@ __all__ = ["baseline_own_ratio", "format_table", "report_study", "write_report",
 
 def format_table(rows: list[dict[str, Any]]) -> str:
     """Markdown table of result rows: config, tokens/s with ``±`` the 95% band's relative
-    half-width (``(no band)`` / ``(1 step: no band)`` without one, ``—`` when not timed), speedup
-    vs fp32 eager and vs torch.autocast + torch.compile, or the rows' ``bar`` (``"autocast eager"``
-    for a tune without compile; each ``(tie)`` when within the noise), grad_rel_l2, peak MiB, note."""
+    half-width (``(no band)`` / ``(1 step: no band)`` without one, ``—`` when not timed, its
+    speedups too), speedup vs fp32 eager and vs torch.autocast + torch.compile, or the rows' ``bar``
+    (``"autocast eager"`` for a tune without compile; each ``(tie)`` when within the noise),
+    grad_rel_l2, peak MiB (both ``—`` on a row whose ``not_run`` is set), note."""
     bar = rows[0].get("bar", "autocast+compile") if rows else "autocast+compile"
     head = (f"| config | tokens/s | speedup vs fp32 eager | vs {bar} | grad_rel_l2 | peak MiB "
             "| note |")
@@ -50,11 +51,11 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         vs = r.get("vs_autocast")
         vs_text = "" if vs is None else f"{vs:.2f}x" + (" (tie)" if r.get("vs_autocast_tie") else "")
         speedup = f"{r['speedup_vs_fp32']:.2f}x" + (" (tie)" if r.get("vs_fp32_tie") else "")
-        lines.append(
-            f"| {r['config']} | {rate} | {speedup} | {vs_text} | "
-            f"{'inf' if g is None else f'{g:.2e}'} | {r.get('peak_bytes', 0) / 2**20:.1f} | "
-            f"{r.get('error') or ''} |"
-        )
+        drift, peak = ('inf' if g is None else f'{g:.2e}'), f"{r.get('peak_bytes', 0) / 2**20:.1f}"
+        if r.get("not_run"):
+            drift = peak = "—"
+        lines.append(f"| {r['config']} | {rate} | {speedup if rate != '—' else '—'} | {vs_text} | "
+                     f"{drift} | {peak} | {r.get('error') or ''} |")
     return "\n".join(lines)
 
 

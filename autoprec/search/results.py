@@ -48,7 +48,8 @@ def measured_block(run: Any, sel: Any, chosen: Policy, m: Measurement, compile: 
         "tokens_per_s": m.tokens_per_s,
         **({"speedup_vs_baseline": m.tokens_per_s / best[1]} if best is not None else {}),
         "speedup_vs_fp32": m.tokens_per_s / run.fp32.tokens_per_s,
-        "speedup_vs_autocast": m.tokens_per_s / ref.tokens_per_s if ref.tokens_per_s else 0.0,
+        # left out when torch.autocast was not timed (it cannot win: autocast_cannot_win)
+        **({"speedup_vs_autocast": m.tokens_per_s / ref.tokens_per_s} if ref.tokens_per_s else {}),
         "grad_rel_l2": m.grad_rel_l2, "loss_rel": m.loss_rel,
         "peak_bytes": m.peak_bytes,
         # only when measured: 0.0 would read as a perfect trajectory (--traj-steps 0, or all-fp32)
@@ -107,6 +108,8 @@ def _row(name: str, m: Measurement, fp32_m: Measurement, timing: Timing | None =
            "speedup_vs_fp32": m.tokens_per_s / fp32_m.tokens_per_s if fp32_m.tokens_per_s else 0.0,
            "grad_rel_l2": m.grad_rel_l2 if math.isfinite(m.grad_rel_l2) else None,
            "peak_bytes": m.peak_bytes, "error": m.error or m.note}
+    if m.error is None and not m.grad_rel_l2_batches and not m.step_times:
+        row["not_run"] = True  # torch.autocast + torch.compile where it cannot win: its note says why
     if timing is None or not timing.step_times:
         timing = timing_of(m.step_times, m.tokens_per_s)
     if fp32 is None or not fp32.step_times:

@@ -71,7 +71,10 @@ class Selector:
             (:func:`autoprec.search.kernel_choice.autocast_gemms_in_fp32`), or None. Then torch.autocast
             + torch.compile's drift runs natively on batch 0 only (it compiles there; its peak and
             that batch's drift), unless the graph draws random numbers (its drift over every batch
-            is the compiled budget, :meth:`_judge_compiled_like_autocast`).
+            is the compiled budget, :meth:`_judge_compiled_like_autocast`); its trajectory runs
+            eagerly with them in fp32 (:class:`TrajectoryCheck`).
+        cannot_win: Why torch.autocast cannot win (:func:`~autoprec.search.kernel_choice.autocast_cannot_win`)
+            or None: the bar is then not run, unless the graph draws random numbers (as above).
 
     Attributes:
         timings: The final head-to-head's :class:`~autoprec.measure.timing.Timing` per contender.
@@ -85,9 +88,10 @@ class Selector:
     """
 
     def __init__(self, harness, budget, compile, ac_dtype, slow, traj_steps, clock, quiet, twin=None,
-                 progress=False, also=(), slow_gemms=None) -> None:
+                 progress=False, also=(), slow_gemms=None, cannot_win=None) -> None:
         self.h, self.budget, self.compile, self.ac_dtype = harness, budget, compile, ac_dtype
         self.slow_gemms: str | None = slow_gemms
+        self.cannot_win: str | None = cannot_win
         self.slow, self.clock, self.quiet = slow, clock, quiet
         self.twin: Policy | None = twin
         self.also: list[tuple[Policy, str]] = list(also)
@@ -105,7 +109,7 @@ class Selector:
         self.fp32_compiled: Measurement | None = None  # its measurement (the head-to-head's speed)
         self.trajectory = TrajectoryCheck(harness, ac_dtype, traj_steps, lambda: (
             self._autocast_fn if self._autocast_fn is not None else self._fn(self.h.model)),
-            lambda: self._fp32_fn)
+            lambda: self._fp32_fn, fp32_gemms=bool(slow_gemms))
         self._notes: dict[str, str | None] = {}  # a contender's note before any head-to-head
         #: Every finalist measurement (compiled unless --no-compile), memory-lever tries included (the
         #: report's lever table; ``rejected``: why a finalist was not kept, when not its ``error``).
@@ -129,14 +133,11 @@ class Selector:
 
     def choose(self, feasible: list[optuna.trial.FrozenTrial], k: int,
                memory_budget: Callable[[], float | None] = lambda: None) -> tuple[Policy, Measurement]:
-        """The policy to write, with its measurement: compiled, the finalists within the drift
-        (and memory) budgets, timed head to head with torch.autocast + torch.compile and fp32
-        eager, the choice checked on ``traj_rel`` (:meth:`_head_to_head`); without compile the same,
-        eagerly, against torch.autocast eager and fp32 eager.
-
+        """The policy to write, with its measurement: the finalists within the drift (and memory)
+        budgets, compiled (eager without compile), timed head to head with torch.autocast +
+        torch.compile (eager) and fp32 eager, the choice checked on ``traj_rel`` (:meth:`_head_to_head`).
         ``memory_budget`` is called once the torch.autocast baselines are measured (``--max-memory
-        auto`` refers to them) and gives the byte budget or None.
-        """
+        auto`` refers to them) and gives the byte budget or None."""
         if not feasible:
             raise SearchError("no trial met the drift budget, not even all-fp32 (see the study's "
                               "autoprec:error attributes)")
@@ -145,22 +146,8 @@ class Selector:
 
     def _choose(self, feasible, k, memory_budget, bar: PhaseBar) -> tuple[Policy, Measurement]:
         """:meth:`choose`, with its progress bar (a step per finalist, and the head-to-head)."""
-        # the comparison users care about: torch.autocast + torch.compile (eager without compile), same run
-        if self.compile:
-            log("compiling the torch.autocast baseline with Inductor", self.quiet)
         bar.step(self.ac_label)
-        self._autocast_fn = self._fn(self.h.model) if self.compile else self.h.model
-        # timed in the head-to-head's rounds (CUDA's peak is read after timed steps; the CPU's is not)
-        timed = self.h.device.type == "cuda"
-        one = self._bar_on_batch_0(timed)
-        ac = self.h.measure(self._autocast_fn, autocast_scaler(self.ac_dtype), autocast_dtype=self.ac_dtype,
-                            timing=timed, max_step_s=self.slow, cut=(lambda _m: one) if one else None)
-        ac.add_note(ac.cut)
-        if self.compile:
-            self.autocast_compiled = ac
-            self._judge_compiled_like_autocast()
-        else:
-            self.autocast_eager = ac
+        self._measure_bar()
         self.memory_budget = memory_budget()
         if self.memory_budget is not None:
             log(f"memory budget {format_bytes(self.memory_budget)}", self.quiet)
@@ -168,6 +155,7 @@ class Selector:
         survivors: list[tuple[str, Policy, Any, Measurement]] = []
         measured: list[Measurement] = []
         candidates = self._candidates(feasible, k)
+        timed = self.h.device.type == "cuda"  # else timed in the head-to-head's rounds (as the bar)
         bar.set_total(len(candidates) + 2)  # torch.autocast's compile, the finalists, the head-to-head
         for pol, label in candidates:
             check_interrupt()
@@ -297,6 +285,31 @@ class Selector:
         weights, whose losses the trajectory check reads if it needs them (TrajectoryCheck.share)."""
         run = self.trajectory.share(fn, scaler_factory, autocast_dtype)
         return Config(label, fn, scaler_factory, autocast_dtype, run=run)
+
+    def _measure_bar(self) -> None:
+        """Compile torch.autocast + torch.compile (eager without compile), the comparison users care
+        about, and measure its drift and memory (its speed: the head-to-head's); where it cannot win
+        (:attr:`cannot_win`) nothing runs and its row says why."""
+        if self.cannot_win and not self.h.random:
+            log(f"{self.ac_label}: not {'compiled' if self.compile else 'timed'}, "
+                f"{self.cannot_win}: it cannot be the baseline to beat", self.quiet)
+            if self.compile:
+                self.autocast_compiled = Measurement(note=f"not compiled: {self.cannot_win}")
+            return
+        if self.compile:
+            log("compiling the torch.autocast baseline with Inductor", self.quiet)
+        self._autocast_fn = self._fn(self.h.model) if self.compile else self.h.model
+        # timed in the head-to-head's rounds (CUDA's peak is read after timed steps; the CPU's is not)
+        timed = self.h.device.type == "cuda"
+        one = self._bar_on_batch_0(timed)
+        ac = self.h.measure(self._autocast_fn, autocast_scaler(self.ac_dtype), autocast_dtype=self.ac_dtype,
+                            timing=timed, max_step_s=self.slow, cut=(lambda _m: one) if one else None)
+        ac.add_note(ac.cut)
+        if self.compile:
+            self.autocast_compiled = ac
+            self._judge_compiled_like_autocast()
+        else:
+            self.autocast_eager = ac
 
     def _bar_on_batch_0(self, timed: bool) -> str | None:
         """Why torch.autocast + torch.compile's drift stops after batch 0 (``slow_gemms``: its

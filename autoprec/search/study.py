@@ -48,7 +48,7 @@ from autoprec.search.budgets import (
 from autoprec.search.decide import MAX_AUTO_REFERENCE, DriftBudget
 from autoprec.search.kernel_choice import (
     adopt_study_kernels,
-    autocast_gemms_in_fp32,
+    measure_autocast_eager,
     probe_decision,
     probe_phase,
 )
@@ -72,7 +72,6 @@ from autoprec.search.storage import (
     study_choices,
 )
 from autoprec.search.trials import enqueue_baselines, optimize, region_sensitivity
-from autoprec.training.train import autocast_scaler
 
 __all__ = ["TuneResult", "tune"]
 
@@ -127,6 +126,7 @@ class _Run:
     autocast: Measurement = field(default_factory=Measurement)
     slow: float = math.inf  # max_step_s of every timed measurement after the fp32 baseline
     slow_gemms: str | None = None  # why torch.autocast's native GEMMs are not run in drift passes
+    ac_cannot_win: str | None = None  # why torch.autocast's native steps are not run at all
     budget: DriftBudget | None = None  # the drift budget, set by _baselines
     forced: list[str] | None = None  # --dtypes, or None (the probe decides)
 
@@ -255,18 +255,7 @@ def _baselines(run: _Run, drift_arg: float | None, memory_arg: tuple[str, float]
                               "tunes a model that trains in fp32: fix the model or its batches first")
         run.slow = max(SLOW_RATIO * run.fp32.step_s, SLOW_FLOOR_S)
         bar.step(f"torch.autocast({run.ac_dtype}) eager")
-        # screened too: without compile the head-to-head times it again; with compile its speed is
-        # only the table's "autocast eager" row, and its passes time what full steps would. Where its
-        # native GEMMs are slow, its drift passes compute them in fp32 (same roundings) and one
-        # native step (slow_step_guard) times it
-        run.slow_gemms = autocast_gemms_in_fp32(run.probes, run.ac_dtype)
-        if run.slow_gemms:
-            log(f"torch.autocast's drift is measured with its GEMMs computed in fp32, rounded as native "
-                f"ones round ({run.slow_gemms}); its speed natively", run.quiet)
-        run.autocast = h.measure(h.model, autocast_scaler(run.ac_dtype), autocast_dtype=run.ac_dtype,
-                                 max_step_s=run.slow, screen=True, fp32_gemms=bool(run.slow_gemms))
-        if run.slow_gemms:
-            run.autocast.add_note("drift with its GEMMs in fp32", first=True)
+        run.autocast = measure_autocast_eager(run)
     ac = run.autocast
     if drift_arg is None and not (math.isfinite(ac.grad_rel_l2) and ac.grad_rel_l2_batches):
         raise SearchError(f"drift budget is not finite (torch.autocast: {ac.error}); pass --max-drift X")
@@ -281,9 +270,9 @@ def _baselines(run: _Run, drift_arg: float | None, memory_arg: tuple[str, float]
     if memory_arg is not None and memory_arg[0] != "autocast":  # known now: fail before the trials
         memory_budget(memory_arg, run.fp32, ac, h.state_bytes, h.optimizer_name)
     note = f" ({ac.error or ac.note})" if ac.error or ac.note else ""
-    log(f"fp32 eager {run.fp32.tokens_per_s:.0f} tok/s; "
-        f"autocast({run.ac_dtype}) eager {ac.tokens_per_s:.0f} tok/s"
-        f"{note}, grad_rel_l2 {ac.grad_rel_l2:.3g} -> drift budget: {run.budget.describe()}; "
+    log(f"fp32 eager {run.fp32.tokens_per_s:.0f} tok/s; autocast({run.ac_dtype}) eager "
+        + (f"{ac.tokens_per_s:.0f} tok/s" if ac.tokens_per_s else "not timed")
+        + f"{note}, grad_rel_l2 {ac.grad_rel_l2:.3g} -> drift budget: {run.budget.describe()}; "
         f"{run.space.n_params} search parameters", run.quiet)
     if isinstance(run.clock, LoadClock):
         run.clock.monitor.check("after baselines")
@@ -331,7 +320,8 @@ def _selector(run: _Run, compile: bool, traj_steps: int) -> Selector:
     also = [(run.space.to_policy(math_twin), ATTENTION_BASELINE[0])] if math_twin is not None else []
     return Selector(run.harness, run.budget, compile, run.ac_dtype, run.slow, traj_steps, run.clock,
                     run.quiet, twin=run.space.to_policy(twin) if twin is not None else None,
-                    progress=run.progress, also=also, slow_gemms=run.slow_gemms)
+                    progress=run.progress, also=also, slow_gemms=run.slow_gemms,
+                    cannot_win=run.ac_cannot_win)
 
 
 def _finalists(run: _Run, sel: Selector, study: optuna.Study, k: int,
@@ -393,5 +383,5 @@ def _graph(run: _Run) -> dict:
     return {"fingerprint": graph_fingerprint(run.gm), "model": str(run.spec.path)}
 
 
-def _ok(m: Measurement | None) -> bool:
-    return m is not None and m.error is None
+def _ok(m: Measurement | None) -> bool:  # measured (not skipped: autocast_cannot_win), without error
+    return m is not None and m.error is None and m.peak_bytes > 0

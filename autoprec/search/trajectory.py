@@ -45,6 +45,13 @@ class TrajectoryCheck:
         compiled_fp32: Gives the all-fp32 graph as compiled for its own baseline (fp32 +
             torch.compile), or None when there is none: a compiled policy's reference then (see
             :meth:`ok`).
+        fp32_gemms: torch.autocast's native GEMMs are slow (the drift's rule,
+            :func:`autoprec.search.kernel_choice.autocast_gemms_in_fp32`): its trajectory runs
+            eagerly with them computed in fp32, rounded as native ones round
+            (:class:`autoprec.kernels.fp32_gemms.Fp32ComputeGemms`), as its drift passes do,
+            instead of K native steps (a 24-layer Qwen2 on an AVX2-only CPU: ~9.5 s each
+            against ~0.6 s); not on a graph that draws random numbers, whose compiled reference
+            needs torch.autocast compiled (Inductor's masks).
 
     The losses of a module that the final head-to-head timed as a training run of its own
     (:meth:`share`) are read from that run, continued to K steps where it has fewer, instead of
@@ -58,8 +65,9 @@ class TrajectoryCheck:
 
     def __init__(self, harness: Harness, ac_dtype: torch.dtype, steps: int,
                  compiled_autocast: Callable[[], Any],
-                 compiled_fp32: Callable[[], Any] = lambda: None) -> None:
+                 compiled_fp32: Callable[[], Any] = lambda: None, fp32_gemms: bool = False) -> None:
         self.h, self.ac_dtype, self.steps = harness, ac_dtype, steps
+        self.fp32_gemms = fp32_gemms
         self._compiled_autocast, self._compiled_fp32 = compiled_autocast, compiled_fp32
         self.traj: dict[str, float] = {}
         self.budget: float | None = None
@@ -91,14 +99,15 @@ class TrajectoryCheck:
         self.runs.clear()
 
     def _losses(self, fn: Callable[..., Any], scaler_factory: Callable[[], DynamicLossScaler | None],
-                autocast_dtype: torch.dtype | None = None) -> list[float]:
+                autocast_dtype: torch.dtype | None = None, fp32_gemms: bool = False) -> list[float]:
         """``fn``'s K losses: from its shared run, or :meth:`Harness.trajectory` when it has none
-        (or its run broke)."""
-        run = self.runs.get((id(fn), autocast_dtype))
+        (or its run broke); with ``fp32_gemms`` always the latter, with the GEMMs in fp32."""
+        run = None if fp32_gemms else self.runs.get((id(fn), autocast_dtype))
         got = run.trajectory(self.steps) if run is not None else None
         if got is not None:
             return got
-        return self.h.trajectory(fn, scaler_factory, autocast_dtype=autocast_dtype, steps=self.steps)
+        return self.h.trajectory(fn, scaler_factory, autocast_dtype=autocast_dtype, steps=self.steps,
+                                 fp32_gemms=fp32_gemms)
 
     def of(self, policy: Policy) -> float:
         """``traj_rel`` measured for ``policy`` (by content), 0.0 when it was not checked (it
@@ -116,8 +125,9 @@ class TrajectoryCheck:
         the fp32 + torch.compile baseline's graph (``compiled_fp32``, when there is one): both
         sides are then compiled, and its steps cost what a compiled step costs (a 24-layer Qwen2
         on 2 cores: 0.53 s against 0.80 s eager). Against a compiled reference torch.autocast's
-        budget is taken compiled too. Each reference's trajectories are run once, or read from
-        the runs the head-to-head timed (:meth:`share`).
+        budget is taken compiled too (eagerly with its GEMMs in fp32 where ``fp32_gemms``). Each
+        reference's trajectories are run once, or read from the runs the head-to-head timed
+        (:meth:`share`).
         """
         if not (policy.dtypes_used() - {"fp32"}) or self.steps <= 0:
             return True
@@ -126,8 +136,9 @@ class TrajectoryCheck:
             ref_fn = self._compiled_fp32() or ref_fn
         if id(ref_fn) not in self._refs:
             ref = self._losses(ref_fn, lambda: None)
-            ac_fn = self.h.model if ref_fn is self.h.graph_module else self._compiled_autocast()
-            ac = self._losses(ac_fn, autocast_scaler(self.ac_dtype), self.ac_dtype)
+            emulate = self.fp32_gemms and not self.h.random
+            ac_fn = self.h.model if ref_fn is self.h.graph_module or emulate else self._compiled_autocast()
+            ac = self._losses(ac_fn, autocast_scaler(self.ac_dtype), self.ac_dtype, emulate)
             self._refs[id(ref_fn)] = (ref, traj_rel(ac, ref))
         ref, self.budget = self._refs[id(ref_fn)]
         tr = traj_rel(self._losses(fn, lambda: make_scaler(policy)), ref)

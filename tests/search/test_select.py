@@ -29,7 +29,7 @@ class _TrajHarness:
     def reference_fn(self, fn):
         return self.graph_module
 
-    def trajectory(self, fn, scaler_factory=None, autocast_dtype=None, steps=3):
+    def trajectory(self, fn, scaler_factory=None, autocast_dtype=None, steps=3, fp32_gemms=False):
         if fn is self.graph_module:
             return [1.0] * steps
         if autocast_dtype is not None:
@@ -67,7 +67,7 @@ def test_a_compiled_policys_trajectory_is_judged_against_compiled_fp32_and_autoc
     ran = []
 
     class H(_TrajHarness):
-        def trajectory(self, fn, scaler_factory=None, autocast_dtype=None, steps=3):
+        def trajectory(self, fn, scaler_factory=None, autocast_dtype=None, steps=3, fp32_gemms=False):
             ran.append(fn)
             if fn is fp32_c:
                 return [1.0] * steps
@@ -237,3 +237,65 @@ def test_torch_autocast_over_the_memory_budget_is_no_bar(monkeypatch):
     chosen, _m = sel._head_to_head([("twin", twin, _Fn(1.0), Measurement(grad_rel_l2=1e-3))])
     assert chosen is twin and "torch.autocast eager" in sel.timings
     assert sel.decision.best_baseline.name == "fp32 eager" and sel.decision.verdict == "beats"
+
+
+def test_with_slow_native_gemms_autocasts_trajectory_runs_eagerly_with_its_gemms_in_fp32(monkeypatch):
+    """``fp32_gemms`` (the drift's rule: native GEMMs slow): torch.autocast's trajectory, the budget,
+    runs eagerly under Fp32ComputeGemms even against the compiled fp32 graph, never compiling it
+    (K native steps cost ~9.5 s each on a 24-layer Qwen2 on an AVX2-only CPU); on a graph that draws
+    random numbers the compiled bar runs as before (its masks are Inductor's)."""
+    monkeypatch.setattr(trajectory_mod, "is_compiled", lambda fn: getattr(fn, "compiled", False))
+    ran = []
+
+    class H(_TrajHarness):
+        random = False
+
+        def trajectory(self, fn, scaler_factory=None, autocast_dtype=None, steps=3, fp32_gemms=False):
+            ran.append((fn, fp32_gemms))
+            if fn is fp32_c:
+                return [1.0] * steps
+            return super().trajectory(fn, scaler_factory, autocast_dtype, steps)
+
+    h = H()
+    fp32_c, cand = _Fn(1.0), _Fn(1.01)
+    cand.compiled = True
+    check = TrajectoryCheck(h, torch.bfloat16, 3, lambda: pytest.fail("compiled torch.autocast"),
+                            lambda: fp32_c, fp32_gemms=True)
+    assert check.ok(Policy.default("bf16"), cand) and check.budget == pytest.approx(0.01)
+    assert ran == [(fp32_c, False), (h.model, True), (cand, False)]
+    ran.clear()
+    H.random = True
+    ac_c = _Fn(1.02)
+    check = TrajectoryCheck(h, torch.bfloat16, 3, lambda: ac_c, lambda: fp32_c, fp32_gemms=True)
+    check.ok(Policy.default("bf16"), cand)
+    assert ran[1] == (ac_c, False)
+
+
+def test_autocasts_trajectory_with_gemms_in_fp32_is_its_native_one(monkeypatch):
+    """On a real model (micro_lm, 3 AdamW steps) torch.autocast(bf16)'s losses with its GEMMs
+    computed in fp32 (rounded as native ones round; every step's GEMMs go through the mode) match
+    its native losses to within bf16's summation-order noise, far closer than either is to fp32's."""
+    from autoprec.kernels import fp32_gemms
+    from autoprec.measure import Harness
+    from autoprec.measure import harness as harness_mod
+    from autoprec.metrics import traj_rel
+    from autoprec.modelspec import load_model_spec
+    from tests.conftest import MODELS
+
+    modes: list[fp32_gemms.Fp32ComputeGemms] = []
+
+    class Spy(fp32_gemms.Fp32ComputeGemms):
+        def __init__(self, dtype):
+            super().__init__(dtype)
+            modes.append(self)
+
+    monkeypatch.setattr(harness_mod, "Fp32ComputeGemms", Spy)
+    h = Harness(load_model_spec(MODELS / "micro_lm.py"), torch.device("cpu"), warmup=1, steps=2)
+    fp32 = h.trajectory(h.graph_module, steps=3)
+    native = h.trajectory(h.model, autocast_dtype=torch.bfloat16, steps=3)
+    assert not modes
+    emulated = h.trajectory(h.model, autocast_dtype=torch.bfloat16, steps=3, fp32_gemms=True)
+    assert len(modes) == 1 and modes[0].count >= 3 * 3  # forward and backward GEMMs of 3 steps
+    assert traj_rel(native, fp32) > 1e-5
+    assert traj_rel(emulated, fp32) == pytest.approx(traj_rel(native, fp32), rel=0.25)
+    assert traj_rel(emulated, native) < 0.25 * traj_rel(native, fp32)

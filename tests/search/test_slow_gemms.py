@@ -132,3 +132,134 @@ def test_a_bar_drifting_on_batch_0_only_is_judged_on_batch_0(monkeypatch):
 
     assert best_baseline(1.1e-3) == "fp32 eager"
     assert best_baseline(1.0e-3) == "torch.autocast + torch.compile"
+
+
+def test_autocast_cannot_win_when_its_native_gemms_alone_exceed_the_slow_step_limit():
+    """The bound is fp32's GEMM ms times the low end of the native band: an AVX2-like probe (24-layer
+    Qwen2: fp32 170 ms, native bf16 39.5-43.3x) is over a 1.70 s limit (6.7 s) and the reason gives
+    the numbers; under a 10 s limit, with a fast native kernel (AMX-like 0.17x), a failed or unprobed
+    kernel, or no fp32 time, it may win (None); fp16's autocast looks at fp16's kernel."""
+    from autoprec.search.kernel_choice import autocast_cannot_win
+
+    probes = {**_probes((39.5, 43.3), (1.10, 1.27)), "fp32": {"ms": 170.0}}
+    why = autocast_cannot_win(probes, torch.bfloat16, 1.70)
+    assert why == ("its native bf16 GEMMs alone take 6.71 s or more per step (39.5x fp32's 170 ms at "
+                   "the model's forward shapes), over the 1.7 s slow-step limit")
+    assert autocast_cannot_win(probes, torch.bfloat16, 10.0) is None
+    assert autocast_cannot_win(probes, torch.bfloat16, 6.72) is None  # the low end, not the ratio (7.0 s)
+    fast = {**_probes((0.17, 0.25), (1.0, 1.1)), "fp32": {"ms": 170.0}}
+    assert autocast_cannot_win(fast, torch.bfloat16, 0.25) is None
+    failed = {**_probes((39.5, 43.3), (1.0, 1.1), "no kernel"), "fp32": {"ms": 170.0}}
+    assert autocast_cannot_win(failed, torch.bfloat16, 0.25) is None
+    assert autocast_cannot_win({**_probes((None, None), (1.0, 1.1)), "fp32": {"ms": 170.0}},
+                               torch.bfloat16, 0.25) is None
+    assert autocast_cannot_win(_probes((39.5, 43.3), (1.1, 1.2)), torch.bfloat16, 0.25) is None  # no fp32
+    assert autocast_cannot_win(probes, torch.float16, 0.25) is None
+    assert autocast_cannot_win({}, torch.bfloat16, 0.25) is None
+
+
+def test_a_bar_that_cannot_win_is_neither_compiled_nor_timed_and_its_row_says_why(monkeypatch):
+    """With ``cannot_win`` the selector compiles and measures nothing for torch.autocast + torch.compile
+    (a harness whose measure is called fails the test): its row has no speed, drift or peak and
+    names the reason; the head-to-head times the finalists and fp32 eager only, and the policy
+    file's measured block has no ``speedup_vs_autocast`` (no number to be against). On a graph that
+    draws random numbers the bar is compiled and measured as before (its drift is the budget)."""
+    from autoprec.measure import Measurement, Timing
+    from autoprec.policy import Policy
+    from autoprec.search import results
+    from autoprec.search import select as select_mod
+    from autoprec.search.report import format_table
+
+    timed: list[list[str]] = []
+
+    def interleaved(h, configs, **kw):
+        timed.append([c.name for c in configs])
+        return {c.name: Timing.from_steps([0.05 * (1 + 0.01 * i) for i in range(6)], 100.0, rounds=3)
+                for c in configs}
+
+    monkeypatch.setattr(select_mod, "time_interleaved", interleaved)
+
+    class H:
+        random = False
+        graph_module = model = object()
+        device = torch.device("cpu")
+        measured = 0
+
+        def measure(self, *a, **kw):
+            H.measured += 1
+            return Measurement(grad_rel_l2=1e-3, grad_rel_l2_batches=[1e-3])
+
+    why = "its native bf16 GEMMs alone take 6.71 s or more per step"
+    sel = Selector(H(), DriftBudget.fixed(1.0), True, torch.bfloat16, None, 0, Clock(), True,
+                   slow_gemms="slow", cannot_win=why)
+    monkeypatch.setattr(sel, "_fn", lambda gm, *a: pytest.fail("compiled torch.autocast"))
+    sel._measure_bar()
+    assert H.measured == 0 and sel._autocast_fn is None
+    assert sel.autocast_compiled.note == f"not compiled: {why}"
+    from autoprec.search import study as study_mod
+    assert not study_mod._ok(sel.autocast_compiled)  # --max-memory auto: torch.autocast eager's peak then
+    fp32 = Policy.fp32()
+    m = Measurement(grad_rel_l2=0.0, grad_rel_l2_batches=[0.0] * 4)
+    pol, chosen_m = sel._head_to_head([("fp32 + torch.compile", fp32, object(), m)])
+    assert timed == [["fp32 + torch.compile", "fp32 eager"]]
+
+    class Run:
+        ac_dtype, quiet = torch.bfloat16, True
+        fp32 = Measurement(tokens_per_s=1000.0, step_times=[0.1] * 4)
+        autocast = Measurement(grad_rel_l2=1e-3, grad_rel_l2_batches=[1e-3], note=f"not timed: {why}")
+        budget = DriftBudget.fixed(1.0)
+
+    block = results.measured_block(Run(), sel, pol, chosen_m, True)
+    assert "speedup_vs_autocast" not in block and block["speedup_vs_baseline"] == pytest.approx(1.0)
+    rows = results.side_by_side(Run(), sel, chosen_m, True)
+    bar = next(r for r in rows if r["config"] == "autocast bf16 + compile")
+    assert bar["not_run"] and "vs_autocast" not in rows[-1]
+    line = next(x for x in format_table(rows).splitlines() if x.startswith("| autocast bf16 + compile"))
+    assert line == f"| autocast bf16 + compile | — | — |  | — | — | not compiled: {why} |"
+    eager_line = next(x for x in format_table(rows).splitlines() if x.startswith("| autocast bf16 eager"))
+    assert eager_line.startswith("| autocast bf16 eager | — | — |  | 1.00e-03 |")
+
+    H.random = True
+    sel = Selector(H(), DriftBudget.fixed(1.0), True, torch.bfloat16, None, 0, Clock(), True, cannot_win=why)
+    compiled = object()
+    monkeypatch.setattr(sel, "_fn", lambda gm, *a: compiled)
+    sel._measure_bar()
+    assert H.measured == 1 and sel._autocast_fn is compiled and sel.autocast_compiled.note is None
+
+
+def test_tune_where_autocast_cannot_win_times_no_native_step_and_writes_no_ratio_to_it(tmp_path, monkeypatch,
+                                                                                       capsys):
+    """End to end (tiny_mlp, no compile, a probe whose native bf16/fp16 GEMMs are 1e6x fp32's):
+    torch.autocast's drift is measured with its GEMMs in fp32, no native step of it runs (one would
+    take ~2000 s here), the log and its table row say why, the head-to-head leaves it out and the
+    policy file holds no ratio to it."""
+    from autoprec.search import kernel_choice
+    from autoprec.search import study as study_mod
+    from autoprec.search.probe import probe_kernels as real_probe
+    from tests.conftest import EXAMPLES
+
+    def timer(kernel, shape, reps, stop_after_s):
+        m, k, n = shape
+        return [m * k * n * 1e-10 * (1e6 if kernel in ("bf16", "fp16") else 1.0)] * max(reps, 1)
+
+    monkeypatch.setattr(kernel_choice, "probe_kernels", lambda device, shapes=(), weights=None, **kw:
+                        real_probe(device, shapes, weights=weights, fp8=False, timer=timer))
+    native_steps = []
+    real_time = Harness._time
+
+    def spy_time(self, fn, scaler, autocast_dtype, max_step_s):  # timed steps: native ones
+        native_steps.extend([autocast_dtype] if autocast_dtype is not None else [])
+        return real_time(self, fn, scaler, autocast_dtype, max_step_s)
+
+    monkeypatch.setattr(Harness, "_time", spy_time)
+    res = study_mod.tune(EXAMPLES / "tiny_mlp.py", trials=3, compile=False, traj_steps=0,
+                         out=tmp_path / "p.json", report=False, progress=False)
+    log = capsys.readouterr().out
+    assert "its speed is not timed: it cannot win" in log
+    assert "torch.autocast eager: not timed, its native bf16 GEMMs alone take" in log
+    assert "torch.autocast eager" not in log.split("final head-to-head, interleaved:")[1].splitlines()[0]
+    row = next(r for r in res.table if r["config"] == "autocast bf16 eager")
+    assert not row["tokens_per_s"] and row["grad_rel_l2"] > 1e-4
+    assert "not timed: its native bf16" in row["error"]
+    assert "speedup_vs_autocast" not in res.policy.measured and "speedup_vs_baseline" in res.policy.measured
+    assert not native_steps
