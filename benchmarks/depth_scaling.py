@@ -12,8 +12,11 @@ fresh Inductor cache (``TORCHINDUCTOR_CACHE_DIR``) so compiles are cold, except 
   compile seconds of that first step (``compile_s``); and ``autocast``: the model itself under
   ``torch.autocast(bf16)``, compiled flat as users compile it (``tune``'s torch.autocast +
   torch.compile bar);
-- ``tune``: wall seconds, the phases of its ``time:`` line, its cache line; then ``train --steps 3``
-  on the written policy: its first step's seconds and cache line.
+- ``tune``: wall seconds, the phases of its ``time:`` line, its cache line, the kernels its probe
+  kept (``searched``: none means every policy is all-fp32 and nothing is searched, so two depths
+  compare like for like only when both searched); then ``train --steps 3`` on the written policy:
+  its first step's seconds and cache line. A depth given twice in ``--tune-layers`` is tuned
+  again from a cold cache (``tune_l<layers>_<k>.log``): the probe's keep rule can flip between runs.
 
 Run::
 
@@ -127,13 +130,18 @@ def first_steps(work: str, layers: list[int]) -> list[dict]:
     return rows
 
 
+#: A probe log line's kernels kept for the search (``probe bf16: ... -> searched: bf16:fp32``).
+SEARCHED = r"^\[autoprec\] probe \S+: .* -> searched: (.*)$"
+
+
 def tune_then_train(work: str, layers: list[int], out: str) -> list[dict]:
     """The ``tune`` rows: default tune, then train on its policy with tune's cache; each tune's
     log goes to ``out/tune_l<layers>.log``."""
     rows = []
-    for n in layers:
+    for i, n in enumerate(layers):
         d = _model_dir(work, n)
-        env = _cold_env(work, f"tune-{n}")
+        k = layers[:i].count(n)  # the k-th repeat of this depth
+        env = _cold_env(work, f"tune-{n}-{k}")
         policy = os.path.join(d, "policy.json")
         log, wall = _run([sys.executable, "-m", "autoprec.cli", "tune", os.path.join(d, "model.py"),
                           "--out", policy], env)
@@ -147,13 +155,14 @@ def tune_then_train(work: str, layers: list[int], out: str) -> list[dict]:
                "tune_cache": (re.search(r"^Inductor caches: .*$", log, re.M) or [""])[0],
                "vs_autocast_compiled": measured.get("speedup_vs_autocast"),
                "vs_baseline": measured.get("speedup_vs_baseline"), "baseline": baseline,
-               "policy": written.get("rules", [])}
+               "policy": written.get("rules", []),
+               "searched": [kern for ks in re.findall(SEARCHED, log, re.M) for kern in ks.split(", ")]}
         tlog, twall = _run([sys.executable, "-m", "autoprec.cli", "train", os.path.join(d, "model.py"),
                             "--policy", policy, "--steps", "3"], env)
         first = re.search(r"first step ([\d.]+) s \(compile included\); (.*)$", tlog, re.M)
         row |= {"train_wall_s": twall, "train_first_step_s": float(first.group(1)) if first else None,
                 "train_cache": first.group(2) if first else ""}
-        with open(os.path.join(out, f"tune_l{n}.log"), "w") as f:
+        with open(os.path.join(out, f"tune_l{n}" + (f"_{k}" if k else "") + ".log"), "w") as f:
             f.write(log.replace(work, "<work>"))  # no machine paths in committed logs
         print(json.dumps({k: v for k, v in row.items() if k != "policy"}), flush=True)
         rows.append(row)
@@ -171,14 +180,15 @@ def _markdown(res: dict) -> str:
                      f"{r['steady_s']:.3f} ({r['steady_iqr_s'][0]:.3f}-{r['steady_iqr_s'][1]:.3f}) | "
                      f"{r['regions']} |")
     lines += ["",
-              "| layers | tune s | phases | vs the baseline to beat | vs autocast+compile | tune caches | "
-              "train first step s | train caches |",
-              "|---:|---:|---|---|---:|---|---:|---|"]
+              "| layers | tune s | searched | phases | vs the baseline to beat | vs autocast+compile "
+              "| tune caches | train first step s | train caches |",
+              "|---:|---:|---|---|---|---:|---|---:|---|"]
     for r in res["tune"]:
         phases = ", ".join(f"{k} {v:.0f}" for k, v in r["phases"].items())
         vs = f"{r['vs_baseline']:.2f}x {r['baseline']}" if r.get("vs_baseline") is not None else ""
         ac = f"{r['vs_autocast_compiled']:.2f}x" if r.get("vs_autocast_compiled") is not None else ""
-        lines.append(f"| {r['layers']} | {r['tune_wall_s']:.0f} | {phases} | {vs} | {ac} | "
+        searched = ", ".join(r.get("searched") or []) or "nothing (all-fp32)"
+        lines.append(f"| {r['layers']} | {r['tune_wall_s']:.0f} | {searched} | {phases} | {vs} | {ac} | "
                      f"{r['tune_cache']} | {r['train_first_step_s']} | {r['train_cache']} |")
     return "\n".join(lines) + "\n"
 
