@@ -16,7 +16,8 @@ fresh Inductor cache (``TORCHINDUCTOR_CACHE_DIR``) so compiles are cold, except 
   kept (``searched``: none means every policy is all-fp32 and nothing is searched, so two depths
   compare like for like only when both searched); then ``train --steps 3`` on the written policy:
   its first step's seconds and cache line. A depth given twice in ``--tune-layers`` is tuned
-  again from a cold cache (``tune_l<layers>_<k>.log``): the probe's keep rule can flip between runs.
+  again from a cold cache into a new study (``policy_<k>.json``, ``tune_l<layers>_<k>.log``): the
+  probe's keep rule can flip between runs.
 
 Run::
 
@@ -142,7 +143,7 @@ def tune_then_train(work: str, layers: list[int], out: str) -> list[dict]:
         d = _model_dir(work, n)
         k = layers[:i].count(n)  # the k-th repeat of this depth
         env = _cold_env(work, f"tune-{n}-{k}")
-        policy = os.path.join(d, "policy.json")
+        policy = os.path.join(d, f"policy_{k}.json" if k else "policy.json")  # its own study too
         log, wall = _run([sys.executable, "-m", "autoprec.cli", "tune", os.path.join(d, "model.py"),
                           "--out", policy], env)
         times = re.search(r"^time: (.*)$", log, re.M)
