@@ -7,7 +7,6 @@ gets eagerly: torch.autocast eager and fp32 eager."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -22,8 +21,8 @@ from autoprec.measure import Config, Measurement, Timing, format_rate, time_inte
 from autoprec.passes import run_pipeline
 from autoprec.policy import Policy
 from autoprec.search import attrs
+from autoprec.search.bar import measure_bar, no_bar
 from autoprec.search.budgets import format_bytes, why_no_finalist
-from autoprec.search.decide import DriftBudget
 from autoprec.search.final import Contender, Decision, all_fp32, decide, out_of_the_running, settled
 from autoprec.search.memory_fit import eager_fitting, fit_memory, lever
 from autoprec.search.phases import PhaseBar, phase_bar
@@ -71,10 +70,10 @@ class Selector:
             (:func:`autoprec.search.kernel_choice.autocast_gemms_in_fp32`), or None. Then torch.autocast
             + torch.compile's drift runs natively on batch 0 only (it compiles there; its peak and
             that batch's drift), unless the graph draws random numbers (its drift over every batch
-            is the compiled budget, :meth:`_judge_compiled_like_autocast`); its trajectory runs
+            is the compiled budget, :mod:`autoprec.search.bar`); its trajectory runs
             eagerly with them in fp32 (:class:`TrajectoryCheck`).
         cannot_win: Why torch.autocast cannot win (:func:`~autoprec.search.kernel_choice.autocast_cannot_win`)
-            or None: the bar is then not run, unless the graph draws random numbers (as above).
+            or None: the bar is then not run, nor the twin forced (unless the graph draws random numbers).
 
     Attributes:
         timings: The final head-to-head's :class:`~autoprec.measure.timing.Timing` per contender.
@@ -147,7 +146,7 @@ class Selector:
     def _choose(self, feasible, k, memory_budget, bar: PhaseBar) -> tuple[Policy, Measurement]:
         """:meth:`choose`, with its progress bar (a step per finalist, and the head-to-head)."""
         bar.step(self.ac_label)
-        self._measure_bar()
+        measure_bar(self)
         self.memory_budget = memory_budget()
         if self.memory_budget is not None:
             log(f"memory budget {format_bytes(self.memory_budget)}", self.quiet)
@@ -286,62 +285,13 @@ class Selector:
         run = self.trajectory.share(fn, scaler_factory, autocast_dtype)
         return Config(label, fn, scaler_factory, autocast_dtype, run=run)
 
-    def _measure_bar(self) -> None:
-        """Compile torch.autocast + torch.compile (eager without compile), the comparison users care
-        about, and measure its drift and memory (its speed: the head-to-head's); where it cannot win
-        (:attr:`cannot_win`) nothing runs and its row says why."""
-        if self.cannot_win and not self.h.random:
-            log(f"{self.ac_label}: not {'compiled' if self.compile else 'timed'}, "
-                f"{self.cannot_win}: it cannot be the baseline to beat", self.quiet)
-            if self.compile:
-                self.autocast_compiled = Measurement(note=f"not compiled: {self.cannot_win}")
-            return
-        if self.compile:
-            log("compiling the torch.autocast baseline with Inductor", self.quiet)
-        self._autocast_fn = self._fn(self.h.model) if self.compile else self.h.model
-        # timed in the head-to-head's rounds (CUDA's peak is read after timed steps; the CPU's is not)
-        timed = self.h.device.type == "cuda"
-        one = self._bar_on_batch_0(timed)
-        ac = self.h.measure(self._autocast_fn, autocast_scaler(self.ac_dtype), autocast_dtype=self.ac_dtype,
-                            timing=timed, max_step_s=self.slow, cut=(lambda _m: one) if one else None)
-        ac.add_note(ac.cut)
-        if self.compile:
-            self.autocast_compiled = ac
-            self._judge_compiled_like_autocast()
-        else:
-            self.autocast_eager = ac
-
-    def _bar_on_batch_0(self, timed: bool) -> str | None:
-        """Why torch.autocast + torch.compile's drift stops after batch 0 (``slow_gemms``: its
-        native GEMMs are slow; batch 0 compiles it and gives its peak), or None: all K batches
-        run when it is not compiled, when ``timed`` (its timed steps would be skipped) and when
-        the graph draws random numbers (its drift over every batch is then the compiled budget)."""
-        if not (self.compile and self.slow_gemms) or timed or self.h.random:
-            return None
-        return f"drift on batch 0 only ({self.slow_gemms})"
-
-    def _judge_compiled_like_autocast(self) -> None:
-        """On a graph that draws random numbers (dropout), judge compiled finalists against torch.autocast
-        as compiled: Inductor draws its own masks (``fallback_random`` is off, as in training), so a
-        compiled graph's drift includes mask noise that the eager budget lacks (T5, dropout 0.1:
-        compiled autocast 7.0e-2 against eager autocast's 3.3e-2). Both sides are then measured
-        compiled against the compiled FP32 graph (:meth:`Harness.reference_fn`), torch.autocast with
-        Inductor's defaults as users compile it, the finalists with ``INDUCTOR_OPTIONS``
-        (``emulate_precision_casts``: their casts round as eager's do). A ``--max-drift X``
-        budget stays the hard number."""
-        ac = self.autocast_compiled
-        if not (self.h.random and self.budget.rule == "auto" and ac is not None and ac.error is None
-                and ac.grad_rel_l2_batches and all(math.isfinite(g) for g in ac.grad_rel_l2_batches)):
-            return
-        self.budget = DriftBudget.auto(ac.grad_rel_l2_batches, self.budget.margin)
-        log(f"the graph draws random numbers: compiled finalists are judged against torch.autocast + "
-            f"torch.compile's drift (mean {ac.grad_rel_l2:.3g}), both compiled", self.quiet)
-
     def _candidates(self, feasible: list[optuna.trial.FrozenTrial], k: int) -> list[tuple[Policy, str]]:
         """The k fastest feasible trials, plus the autocast twin (the fallback when nothing beats
         torch.autocast + torch.compile), the ``also`` policies (compiled only) and all-fp32 (fp32 +
         torch.compile, a baseline; :data:`FP32_GRAPH` without compile), each once: a lowered policy
-        must beat both measured the same way to be chosen."""
+        must beat both measured the same way to be chosen. Where the bar is not run
+        (:func:`~autoprec.search.bar.no_bar`) the twin and ``also`` have nothing to match (their
+        gain was fast low-precision GEMMs): they are finalists only as trials, by their eager speed."""
         out = []
         for t in feasible[:k]:
             pol = Policy.from_dict(t.user_attrs[attrs.POLICY])
@@ -351,7 +301,9 @@ class Selector:
             out.append((pol, f"{base}, {name}" if all_fp32(pol) else name))
         keys = {p.training_key() for p, _ in out}
         also = self.also if self.compile else []  # their gain only compiling shows
-        for pol, label in ([(self.twin, "autocast twin")] if self.twin is not None else []) + also:
+        twin = [(self.twin, "autocast twin")] if self.twin is not None else []
+        forced = [] if no_bar(self) else twin + also
+        for pol, label in forced:
             if pol.training_key() not in keys:
                 out.append((pol, label))
                 keys.add(pol.training_key())

@@ -10,7 +10,7 @@ ops, eager's masks for every dtype; ``autoprec/measure/harness.py``, ``Harness._
 
 Checked with the project's own rule (:class:`autoprec.search.decide.DriftBudget`, the paired
 one-sided t-test over the K = 4 drift batches, 2% margin) and the selector's own path for compiled
-finalists (``Selector._judge_compiled_like_autocast``, ``Selector._reject_reason``):
+finalists (``autoprec.search.bar.judge_compiled_like_autocast``, ``Selector._reject_reason``):
 
 * (a) compiled and eager torch.autocast agree: neither is worse than the other beyond the noise
   (T5). On GPT-2 compiled torch.autocast is the more accurate one by ~5% on every batch, so only
@@ -36,6 +36,7 @@ from autoprec.measure import Harness
 from autoprec.modelspec import load_model_spec
 from autoprec.passes import run_pipeline
 from autoprec.policy import Policy
+from autoprec.search.bar import judge_compiled_like_autocast
 from autoprec.search.decide import DriftBudget
 from autoprec.search.progress import Clock
 from autoprec.search.select import Selector
@@ -89,7 +90,7 @@ _cache: dict[str, dict] = {}
 def measured(request, tmp_path_factory):
     """Per model (measured once per session): the harness, eager torch.autocast's drift, the
     selector after its compiled torch.autocast baseline (budget re-based by
-    ``_judge_compiled_like_autocast``), and the compiled twin's function and drift."""
+    ``judge_compiled_like_autocast``), and the compiled twin's function and drift."""
     name = request.param
     if name not in _cache:
         path = tmp_path_factory.mktemp(name) / f"{name}_model.py"
@@ -102,7 +103,7 @@ def measured(request, tmp_path_factory):
         sel._autocast_fn = sel._fn(h.model)  # as Selector.choose compiles its baseline
         sel.autocast_compiled = h.measure(sel._autocast_fn, autocast_scaler(BF16), autocast_dtype=BF16,
                                           timing=False)
-        sel._judge_compiled_like_autocast()
+        judge_compiled_like_autocast(sel)
         twin = Policy.autocast("bf16")
         twin_fn = sel._fn(run_pipeline(h.graph_module, twin).graph_module)
         twin_m = h.measure(twin_fn, lambda: make_scaler(twin), timing=False)

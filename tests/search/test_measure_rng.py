@@ -20,6 +20,7 @@ from autoprec.metrics import traj_rel
 from autoprec.modelspec import load_model_spec
 from autoprec.passes import run_pipeline
 from autoprec.policy import Policy
+from autoprec.search.bar import judge_compiled_like_autocast
 from autoprec.training.train import make_scaler
 from tests.conftest import RTOL
 
@@ -209,12 +210,12 @@ def test_compiled_finalists_on_a_dropout_model_are_judged_against_compiled_autoc
     sel._autocast_fn = sel._fn(harness.model)
     sel.autocast_compiled = harness.measure(sel._autocast_fn, autocast_scaler(torch.bfloat16),
                                             autocast_dtype=torch.bfloat16, timing=False)
-    sel._judge_compiled_like_autocast()
+    judge_compiled_like_autocast(sel)
     assert sel.budget.reference == tuple(sel.autocast_compiled.grad_rel_l2_batches)
     twin = Policy.autocast("bf16")
     m = harness.drift(sel._fn(run_pipeline(harness.graph_module, twin).graph_module), make_scaler(twin))
     assert sel.budget.feasible(m), sel.budget.explain(m)
     fixed = Selector(harness, DriftBudget.fixed(0.5), True, torch.bfloat16, None, 0, Clock(), True)
     fixed.autocast_compiled = sel.autocast_compiled
-    fixed._judge_compiled_like_autocast()
+    judge_compiled_like_autocast(fixed)
     assert fixed.budget == DriftBudget.fixed(0.5)  # a hard --max-drift stays as given

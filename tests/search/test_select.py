@@ -123,6 +123,33 @@ def test_candidates_always_include_twin_also_and_fp32_once():
         assert len(keys) == len(set(keys)) and Policy.fp32().training_key() in keys
 
 
+def test_where_autocast_cannot_win_the_twin_is_a_finalist_only_as_a_trial():
+    """With the bar not run (``cannot_win`` on a graph without random numbers) the twin and its math
+    attention variant are not forced: the finalists are the fastest trials (the math twin among
+    them here, by its eager speed) and all-fp32; on a graph that draws random numbers the bar runs
+    and the twin is forced again."""
+    import dataclasses
+
+    import optuna
+
+    from autoprec.search import attrs
+
+    twin = Policy.autocast("bf16")
+    math = dataclasses.replace(twin, attention="math")
+    h = _TrajHarness()
+    h.random = False
+    sel = Selector(h, DriftBudget.fixed(1.0), True, torch.bfloat16, None, 0, Clock(), True,
+                   twin=twin, also=[(math, "autocast twin, math attention")], cannot_win="too slow")
+    trial = optuna.trial.create_trial(values=[100.0, 1e-3, 1.0], user_attrs={attrs.POLICY: math.to_dict()},
+                                      distributions={}, params={})
+    assert [label for _p, label in sel._candidates([], 2)] == ["fp32 + torch.compile"]
+    assert [label for _p, label in sel._candidates([trial], 2)] == ["trial -1 (eager 100 tok/s)",
+                                                                   "fp32 + torch.compile"]
+    h.random = True
+    labels = [label for _p, label in sel._candidates([], 2)]
+    assert labels == ["autocast twin", "autocast twin, math attention", "fp32 + torch.compile"]
+
+
 def test_only_the_choice_pays_its_trajectory_and_a_rejected_choice_gives_way(monkeypatch):
     """The head-to-head (scripted: A fastest, B next, the twin C slower, then all-fp32) chooses A;
     A's trajectory fails (traj_rel 0.5 > 2x torch.autocast's 0.01), so A is rejected with the

@@ -12,6 +12,7 @@ from autoprec.kernels import fp32_gemms
 from autoprec.measure import Harness
 from autoprec.measure import harness as harness_mod
 from autoprec.modelspec import load_model_spec
+from autoprec.search.bar import bar_on_batch_0, measure_bar
 from autoprec.search.decide import DriftBudget
 from autoprec.search.kernel_choice import EMULATE_AT, autocast_gemms_in_fp32
 from autoprec.search.progress import Clock
@@ -90,15 +91,15 @@ def test_the_compiled_bar_stops_after_batch_0_only_where_that_loses_nothing():
 
     why = "native bf16 GEMMs measured 63.5x fp32's time, fp32-compute 1.08x"
     sel = Selector(H(), DriftBudget.fixed(1.0), True, torch.bfloat16, None, 0, Clock(), True, slow_gemms=why)
-    assert sel._bar_on_batch_0(timed=False) == f"drift on batch 0 only ({why})"
-    assert sel._bar_on_batch_0(timed=True) is None
+    assert bar_on_batch_0(sel, False) == f"drift on batch 0 only ({why})"
+    assert bar_on_batch_0(sel, True) is None
     H.random = True
-    assert sel._bar_on_batch_0(timed=False) is None
+    assert bar_on_batch_0(sel, False) is None
     H.random = False
-    assert Selector(H(), DriftBudget.fixed(1.0), False, torch.bfloat16, None, 0, Clock(), True,
-                    slow_gemms=why)._bar_on_batch_0(timed=False) is None
-    assert Selector(H(), DriftBudget.fixed(1.0), True, torch.bfloat16, None, 0, Clock(),
-                    True)._bar_on_batch_0(timed=False) is None
+    assert bar_on_batch_0(Selector(H(), DriftBudget.fixed(1.0), False, torch.bfloat16, None, 0, Clock(), True,
+                                   slow_gemms=why), False) is None
+    assert bar_on_batch_0(Selector(H(), DriftBudget.fixed(1.0), True, torch.bfloat16, None, 0, Clock(), True),
+                          False) is None
 
 
 def test_a_bar_drifting_on_batch_0_only_is_judged_on_batch_0(monkeypatch):
@@ -193,7 +194,7 @@ def test_a_bar_that_cannot_win_is_neither_compiled_nor_timed_and_its_row_says_wh
     sel = Selector(H(), DriftBudget.fixed(1.0), True, torch.bfloat16, None, 0, Clock(), True,
                    slow_gemms="slow", cannot_win=why)
     monkeypatch.setattr(sel, "_fn", lambda gm, *a: pytest.fail("compiled torch.autocast"))
-    sel._measure_bar()
+    measure_bar(sel)
     assert H.measured == 0 and sel._autocast_fn is None
     assert sel.autocast_compiled.note == f"not compiled: {why}"
     from autoprec.search import study as study_mod
@@ -223,7 +224,7 @@ def test_a_bar_that_cannot_win_is_neither_compiled_nor_timed_and_its_row_says_wh
     sel = Selector(H(), DriftBudget.fixed(1.0), True, torch.bfloat16, None, 0, Clock(), True, cannot_win=why)
     compiled = object()
     monkeypatch.setattr(sel, "_fn", lambda gm, *a: compiled)
-    sel._measure_bar()
+    measure_bar(sel)
     assert H.measured == 1 and sel._autocast_fn is compiled and sel.autocast_compiled.note is None
 
 
