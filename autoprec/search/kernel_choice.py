@@ -130,7 +130,7 @@ def autocast_cannot_win(probes: dict[str, Any], ac_dtype: Any, slow_s: float) ->
     low_s, ratio = fp32_ms * native["band"][0] / 1e3, native["band"][0]
     if not low_s > slow_s:
         return None
-    return (f"its native {name} GEMMs alone take {low_s:.3g} s or more per step ({ratio:.3g}x fp32's "
+    return (f"its native {name} GEMMs alone take {low_s:.3g} s or more per step (>= {ratio:.3g}x fp32's "
             f"{fp32_ms:.3g} ms at the model's forward shapes), over the {slow_s:.3g} s slow-step limit")
 
 
@@ -148,7 +148,7 @@ def measure_autocast_eager(run: Any) -> Measurement:
     if run.slow_gemms:
         log(f"torch.autocast's drift is measured with its GEMMs computed in fp32, rounded as native ones "
             f"round ({run.slow_gemms}); its speed " + (
-                "is not timed: it cannot win" if run.ac_cannot_win else "natively"), run.quiet)
+                "is not timed: it cannot win" if run.ac_cannot_win else "is timed natively"), run.quiet)
     m = h.measure(h.model, autocast_scaler(run.ac_dtype), autocast_dtype=run.ac_dtype,
                   timing=not run.ac_cannot_win, max_step_s=run.slow, screen=True,
                   fp32_gemms=bool(run.slow_gemms))

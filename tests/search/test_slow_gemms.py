@@ -144,7 +144,7 @@ def test_autocast_cannot_win_when_its_native_gemms_alone_exceed_the_slow_step_li
 
     probes = {**_probes((39.5, 43.3), (1.10, 1.27)), "fp32": {"ms": 170.0}}
     why = autocast_cannot_win(probes, torch.bfloat16, 1.70)
-    assert why == ("its native bf16 GEMMs alone take 6.71 s or more per step (39.5x fp32's 170 ms at "
+    assert why == ("its native bf16 GEMMs alone take 6.71 s or more per step (>= 39.5x fp32's 170 ms at "
                    "the model's forward shapes), over the 1.7 s slow-step limit")
     assert autocast_cannot_win(probes, torch.bfloat16, 10.0) is None
     assert autocast_cannot_win(probes, torch.bfloat16, 6.72) is None  # the low end, not the ratio (7.0 s)
@@ -215,6 +215,7 @@ def test_a_bar_that_cannot_win_is_neither_compiled_nor_timed_and_its_row_says_wh
     rows = results.side_by_side(Run(), sel, chosen_m, True)
     bar = next(r for r in rows if r["config"] == "autocast bf16 + compile")
     assert bar["not_run"] and "vs_autocast" not in rows[-1]
+    assert "| vs autocast+compile (not run) |" in format_table(rows).splitlines()[0]
     line = next(x for x in format_table(rows).splitlines() if x.startswith("| autocast bf16 + compile"))
     assert line == f"| autocast bf16 + compile | — | — |  | — | — | not compiled: {why} |"
     eager_line = next(x for x in format_table(rows).splitlines() if x.startswith("| autocast bf16 eager"))
