@@ -32,11 +32,11 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     half-width (``(no band)`` / ``(1 step: no band)`` without one, ``—`` when not timed, its
     speedups too), speedup vs fp32 eager and vs torch.autocast + torch.compile, or the rows' ``bar``
     (``"autocast eager"`` for a tune without compile; each ``(tie)`` when within the noise),
-    grad_rel_l2, peak MiB (both ``—`` on a row whose ``not_run`` is set; the ratio's column then
-    says ``(not run)`` when no row has it), note."""
+    grad_rel_l2, peak MiB (both ``—`` on a row whose ``not_run`` is set), note; the ratio's column
+    says ``(not timed)`` when no row has that ratio."""
     bar = rows[0].get("bar", "autocast+compile") if rows else "autocast+compile"
-    if any(r.get("not_run") for r in rows) and not any(r.get("vs_autocast") is not None for r in rows):
-        bar += " (not run)"  # torch.autocast cannot win here: its rows say why
+    if rows and not any(r.get("vs_autocast") is not None for r in rows):
+        bar += " (not timed)"  # e.g. torch.autocast cannot win here: its rows say why
     head = (f"| config | tokens/s | speedup vs fp32 eager | vs {bar} | grad_rel_l2 | peak MiB "
             "| note |")
     lines = [head, "|---|---:|---:|---:|---:|---:|---|"]

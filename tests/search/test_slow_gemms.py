@@ -215,7 +215,7 @@ def test_a_bar_that_cannot_win_is_neither_compiled_nor_timed_and_its_row_says_wh
     rows = results.side_by_side(Run(), sel, chosen_m, True)
     bar = next(r for r in rows if r["config"] == "autocast bf16 + compile")
     assert bar["not_run"] and "vs_autocast" not in rows[-1]
-    assert "| vs autocast+compile (not run) |" in format_table(rows).splitlines()[0]
+    assert "| vs autocast+compile (not timed) |" in format_table(rows).splitlines()[0]
     line = next(x for x in format_table(rows).splitlines() if x.startswith("| autocast bf16 + compile"))
     assert line == f"| autocast bf16 + compile | — | — |  | — | — | not compiled: {why} |"
     eager_line = next(x for x in format_table(rows).splitlines() if x.startswith("| autocast bf16 eager"))
