@@ -1,6 +1,7 @@
 """Where torch.autocast's native GEMMs are slow (an AVX2-only CPU: bf16 ~60-90x fp32), its drift is
-measured with them computed in fp32 (the same roundings) and its speed natively, in one step
-(autoprec/search/kernel_choice.py, Harness.measure's ``fp32_gemms``, Selector's bar on batch 0)."""
+measured with them computed in fp32 (the same roundings) and its speed natively, in one step; where
+they alone exceed the slow-step limit it is not timed or compiled at all (autoprec/search/kernel_choice.py,
+Harness.measure's ``fp32_gemms``, autoprec/search/bar.py: the bar on batch 0, or not run)."""
 
 from __future__ import annotations
 
