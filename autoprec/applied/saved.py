@@ -42,6 +42,9 @@ torch 2.13 its backward divides by the scale only when ``use_scaling`` is set ex
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
+import inspect
 import threading
 from typing import Any
 
@@ -180,7 +183,7 @@ def _traced_node() -> fx.Node | None:
 
 
 def _pack_hook(t: torch.Tensor) -> Any:
-    """The pack hook's body (see :data:`_HOOKS`)."""
+    """The pack hook's body (see :func:`_hook`)."""
     node = _traced_node()
     if node is not None:  # compiled: traced once per saved node of the forward graph
         return pack(t, node.meta.get("custom", {}).get(CUSTOM_KEY))
@@ -196,7 +199,7 @@ def _pack_hook(t: torch.Tensor) -> Any:
 
 
 def _unpack_hook(packed: Any) -> torch.Tensor:
-    """The unpack hook's body (see :data:`_HOOKS`)."""
+    """The unpack hook's body (see :func:`_hook`)."""
     node = _traced_node()
     if node is not None:
         return unpack(packed, node.meta["val"].dtype)
@@ -207,22 +210,45 @@ def _unpack_hook(packed: Any) -> torch.Tensor:
     return unpack(packed[1], packed[0])
 
 
-def _hook(body: Any) -> fx.GraphModule:
+def _hook(body: Any, cache_hash: str) -> fx.GraphModule:
     """An ``fx.GraphModule`` (so AOTAutograd inlines it) whose graph is one call of ``body``.
 
-    Dynamo keys AOTAutograd's cache on this graph (torch/_functorch/_aot_autograd/autograd_cache.py
-    ``check_cacheable``), not on what ``body`` traces to, and node meta (where the saved dtypes are)
-    is not in the key either; a call of a Python function makes that cache bypass such compiles, so
-    a graph compiled with other marks never reuses a stale artifact. Inductor's own graph cache
-    still applies (its key is the forward graph with the inlined casts).
+    AOTAutograd's cache keys a compile on this graph, not on what ``body`` traces to
+    (torch/_functorch/_aot_autograd/autograd_cache.py ``check_cacheable``), and bypasses a graph
+    that calls a Python function unless the call is marked as PyTorch's ``torch.fx.wrap``'d calls
+    are, ``meta["is_wrapped"]`` with a ``meta["user_cache_hash"]``, which then joins the key (the
+    mechanism of PyTorch's own tests of saved-tensor hooks, test/dynamo/test_aot_autograd_cache.py).
+    ``cache_hash`` (:func:`marks_hash`) is the hash of what the pack reads: the graph's marks and
+    this module's pack code, so a compile with other marks never reuses a stale artifact while
+    ``train`` after ``tune`` on the same policy reuses the tuned compile.
     """
     g = fx.Graph()
-    g.output(g.call_function(body, (g.placeholder("t"),)))
+    call = g.call_function(body, (g.placeholder("t"),))
+    call.meta.update(is_wrapped=True, user_cache_hash=cache_hash)
+    g.output(call)
     return fx.GraphModule(torch.nn.Module(), g)
 
 
-#: The one pair of hook objects (Dynamo guards compiled code on their identity).
-_HOOKS = (_hook(_pack_hook), _hook(_unpack_hook))
+#: The source of what the hooks run; a change to it changes every :func:`marks_hash`.
+_PACK_CODE = "".join(inspect.getsource(f) for f in (pack, unpack, amax_scale))
+
+
+def marks_hash(gm: fx.GraphModule) -> str:
+    """SHA-256 (hex) of ``gm``'s saved-activation marks (each marked node's name and ``saved``
+    dtype, in graph order) and of the pack code: the ``user_cache_hash`` of its hooks (:func:`_hook`)."""
+    h = hashlib.sha256(_PACK_CODE.encode())
+    for n in gm.graph.nodes:
+        name = _saved_name(n) if n.op == "call_function" else None
+        if name is not None:
+            h.update(f"{n.name}={name};".encode())
+    return h.hexdigest()
+
+
+@functools.cache
+def _hooks(cache_hash: str) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """The one pair of hook objects for ``cache_hash`` (Dynamo guards compiled code on their identity,
+    so every call of one graph pushes the same pair)."""
+    return _hook(_pack_hook, cache_hash), _hook(_unpack_hook, cache_hash)
 
 
 def report_saved(outputs: Any) -> None:
@@ -249,13 +275,17 @@ def report_saved(outputs: Any) -> None:
 
 
 class _SavedHooks(contextlib.AbstractContextManager):
-    """Pushes :data:`_HOOKS` and the per-forward state; reusable and re-entrant (a stack per thread)."""
+    """Pushes a graph's hook pair (:func:`_hooks`) and the per-forward state; reusable and re-entrant
+    (a stack per thread)."""
+
+    def __init__(self, hooks: tuple[fx.GraphModule, fx.GraphModule]) -> None:
+        self._hooks = hooks
 
     def __enter__(self) -> None:
         top = top_saved_tensors_hooks()
         outer = top if top and not isinstance(top[0], fx.GraphModule) else None
         stack = _state.__dict__.setdefault("stack", [])
-        hooks = torch.autograd.graph.saved_tensors_hooks(*_HOOKS)
+        hooks = torch.autograd.graph.saved_tensors_hooks(*self._hooks)
         stack.append((getattr(_state, "marked", None), getattr(_state, "outer", None), hooks))
         _state.marked, _state.outer = {}, outer
         hooks.__enter__()
@@ -276,7 +306,7 @@ def saved_activation_context(gm: fx.GraphModule) -> contextlib.AbstractContextMa
         saved-tensor hooks. Reusable and re-entrant; backward may run outside it. Inside it, call
         :func:`report_saved` on a compiled call's outputs for an outer hook pair to see them.
     """
-    return _SavedHooks() if has_saved(gm) else contextlib.nullcontext()
+    return _SavedHooks(_hooks(marks_hash(gm))) if has_saved(gm) else contextlib.nullcontext()
 
 
 class SavedCall:

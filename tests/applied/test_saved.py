@@ -146,6 +146,30 @@ def test_compile_graph_and_saved_eager_honour_marks(setup):
         assert 0 < grad_rel_l2(grads, ref[1]) < GRAD_TOL["bf16"], make.__name__
 
 
+@pytest.mark.heavy
+def test_compiled_saved_marks_hit_the_aotautograd_cache_keyed_on_the_marks(setup, tmp_path, monkeypatch):
+    """A graph with saved marks is cached by AOTAutograd (``train`` after ``tune`` on a saved-bf16
+    policy reuses the tuned compile) under a key that holds the marks: the same marks compiled again
+    hit and give the same loss and gradients, other marks on the same graph miss and round other ways."""
+    from autoprec._torch_compat import compile_cache_counts
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    model, ids = setup
+    runs = []
+    for kind in ("bf16", "bf16", "fp8_e5m2"):
+        torch._dynamo.reset()  # a new process as far as Dynamo's in-memory caches go
+        before = compile_cache_counts()
+        loss, grads, _ = _step(_module(model, ids, True, kind), model, ids)
+        counts = {k: v - before[k] for k, v in compile_cache_counts().items()}
+        runs.append((loss, grads, counts["aot_autograd_hit"], counts["aot_autograd_miss"],
+                     counts["aot_autograd_bypass"]))
+    (loss0, grads0, *first), (loss1, grads1, *again), (loss2, grads2, *other) = runs
+    assert first == [0, 1, 0] and again == [1, 0, 0] and other == [0, 1, 0], runs
+    assert torch.equal(loss1, loss0) and all(torch.equal(a, b) for a, b in zip(grads1, grads0))
+    assert torch.equal(loss2, loss0)  # the forward is the same; the saved copies are not
+    assert grad_rel_l2(grads2, grads0) > 1e-3  # fp8_e5m2 rounds far coarser than bf16: not a stale hit
+
+
 def test_fp16_saved_saturates_instead_of_overflowing():
     """C01: an activation of 66368 saved as fp16 is kept finite (saturated to 65504)."""
     from autoprec.applied.saved import pack
