@@ -25,6 +25,7 @@ import warnings
 import torch
 from torch import fx
 
+from autoprec._torch_compat import overload_schema
 from autoprec.dtypes import NAMES
 
 __all__ = [
@@ -35,8 +36,10 @@ __all__ = [
     "REGION_OPS",
     "RMSNORM_REASON",
     "classify",
+    "draws_random",
     "is_float_value",
     "reason",
+    "random_nodes",
     "rmsnorm_regions",
 ]
 
@@ -333,3 +336,45 @@ def rmsnorm_regions(nodes: list[fx.Node]) -> list[list[fx.Node]]:
         if len(chain) > 3 and chain[-1] not in chain[:-1] and op_name(chain[-1]) == apply_op:
             regions.append(list(reversed(chain)))
     return regions
+
+
+def random_nodes(gm: torch.nn.Module) -> list[fx.Node]:
+    """The nodes of the graph (and of any graph inside it) that draw random numbers, in graph order.
+
+    ATen marks such ops ``Tag.nondeterministic_seeded`` (``dropout``, ``native_dropout``,
+    ``bernoulli``, ``rand*``, ...; native_functions.yaml). Attention ops carry the tag too and
+    count only with ``dropout_p`` ≠ 0; ``dropout(x, p, train=False)`` and ``p == 0`` do not count.
+    """
+    out = []
+    for sub in gm.modules():
+        graph = getattr(sub, "graph", None)
+        if not isinstance(graph, fx.Graph):
+            continue
+        out += [node for node in graph.nodes if node.op == "call_function" and _draws(node)]
+    return out
+
+
+def draws_random(gm: torch.nn.Module) -> bool:
+    """Whether the graph (or any graph inside it) has a node that draws random numbers
+    (:func:`random_nodes`)."""
+    return bool(random_nodes(gm))
+
+
+def _draws(node: fx.Node) -> bool:
+    """Whether the call ``node`` draws random numbers (see :func:`random_nodes`)."""
+    t = node.target
+    schema = overload_schema(t)
+    if schema is None or torch.Tag.nondeterministic_seeded not in t.tags:
+        return False
+    args = schema.arguments
+
+    def arg(name: str) -> object:
+        i = next((k for k, a in enumerate(args) if a.name == name), None)
+        if i is None:
+            return None
+        if name in node.kwargs:
+            return node.kwargs[name]
+        return node.args[i] if i < len(node.args) else args[i].default_value
+
+    off = arg("train") is False or arg("dropout_p") == 0 or ("dropout" in schema.name and arg("p") == 0)
+    return not off

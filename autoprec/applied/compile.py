@@ -16,8 +16,12 @@ from autoprec._torch_compat import compile_cache_counts
 from autoprec.applied.regions import RegionPlan, outline_blocks
 from autoprec.applied.saved import apply_saved, has_saved, report_saved, saved_activation_context
 from autoprec.applied.shape_cache import CompileLog
+from autoprec.errors import PolicyError
+from autoprec.nodemeta import read_meta
+from autoprec.ops import random_nodes
 
-__all__ = ["CompiledGraph", "compile_graph", "cache_report", "INDUCTOR_OPTIONS", "REGION_OPTIONS"]
+__all__ = ["CompiledGraph", "compile_graph", "cache_report", "check_recompute", "INDUCTOR_OPTIONS",
+           "RECOMPUTE_REDRAWS", "REGION_OPTIONS"]
 
 _log = logging.getLogger("autoprec")
 
@@ -35,6 +39,44 @@ INDUCTOR_OPTIONS: dict[str, Any] = {"emulate_precision_casts": True}
 #: 12% off, while ``aot_eager`` and the flat graph are exact. With both off they are exact
 #: (tests/applied/test_regions.py, tests/search/test_memory.py check the gradients).
 REGION_OPTIONS: dict[str, Any] = {"allow_buffer_reuse": False, "inplace_buffers": False}
+
+
+#: Why a graph that draws random numbers is never compiled under an activation memory budget below
+#: 1.0: the partitioner's knapsack may put a random op into the backward graph, which then draws
+#: fresh randomness (at budget 0 every op is recomputed). Open in PyTorch as of torch 2.13.0, on CPU
+#: and CUDA alike; ``tests/applied/test_recompute_random.py`` shows it on the installed torch (and
+#: fails once torch saves the forward's random values, so this rule can go).
+RECOMPUTE_REDRAWS = ("torch's activation memory budget recomputes random ops (dropout) in backward with "
+                     "fresh randomness, so backward would use other masks than forward and the gradients "
+                     "would be silently wrong (pytorch/pytorch#190758)")
+
+
+def check_recompute(gm: nn.Module, activation_memory_budget: float, source: Any = None) -> None:
+    """Refuse an activation memory budget below 1.0 on a graph that draws random numbers
+    (:func:`autoprec.ops.random_nodes`; :data:`RECOMPUTE_REDRAWS` says why).
+
+    Args:
+        gm: The graph to be compiled (a module, not a graph, is not checked).
+        activation_memory_budget: The policy's budget, a fraction in [0, 1].
+        source: The policy file, named first in the message (None: not named).
+
+    Raises:
+        PolicyError: names the policy file (``source``), its ``activation_memory_budget``, the first
+            random node (its name, op and node key) and how many more there are.
+    """
+    if activation_memory_budget >= 1.0 or not isinstance(gm, fx.GraphModule):
+        return
+    nodes = random_nodes(gm)
+    if not nodes:
+        return
+    first, key = nodes[0], read_meta(nodes[0]).key
+    where = f"node {first.name} ({first.target}{f', {key}' if key else ''})" + (
+        f" and {len(nodes) - 1} more" if len(nodes) > 1 else "")
+    raise PolicyError(f"{f'{source}: ' if source is not None else ''}"
+                      f"activation_memory_budget {activation_memory_budget:g}: the model's graph draws "
+                      f"random numbers ({where}) and {RECOMPUTE_REDRAWS}; use the policy with "
+                      "activation_memory_budget 1.0 (saved-activation dtypes keep the masks), or train with "
+                      "dropout off (p=0)")
 
 
 def compile_graph(gm: nn.Module, activation_memory_budget: float = 1.0, dynamic: bool | None = None,
@@ -83,7 +125,12 @@ def compile_graph(gm: nn.Module, activation_memory_budget: float = 1.0, dynamic:
 
     Returns:
         A :class:`CompiledGraph`: callable with ``gm``'s signature, and what was compiled how.
+
+    Raises:
+        PolicyError: ``activation_memory_budget`` below 1.0 on a graph that draws random numbers
+            (:func:`check_recompute`).
     """
+    check_recompute(gm, activation_memory_budget)
     _quiet_mixed_dtype_warning()
     graph = isinstance(gm, fx.GraphModule)
     if dynamic is None:

@@ -24,7 +24,7 @@ from typing import Any
 
 from autoprec._torch_compat import compile_cache_counts
 from autoprec.applied.apply import apply
-from autoprec.applied.compile import cache_report
+from autoprec.applied.compile import cache_report, check_recompute
 from autoprec.applied.policy_match import check_policy_matches
 from autoprec.capture import PROBE_BATCHES, capture_for
 from autoprec.device import resolve_device
@@ -155,6 +155,8 @@ def _train(spec: Any, policy: Policy, policy_path: str | os.PathLike, dev: Any, 
     check_policy_matches(policy, gm, policy_path, force)  # a policy of another model: refused
     if ranks.lead:
         _warn_if_other_model(policy, policy_path, gm, spec.path)
+    if compile:  # refused by apply too; here the message names the policy file
+        check_recompute(gm, policy.activation_memory_budget, source=policy_path)
     mp = apply(model, policy, first, compile=compile, graph_module=gm, force=True)
     module = ddp(mp, policy) if ranks.world > 1 else mp
     params = [p for p in model.parameters() if p.requires_grad]

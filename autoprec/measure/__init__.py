@@ -17,7 +17,6 @@ from autoprec.measure.drift import (
     Drift,
     References,
     batch_drift,
-    draws_random,
     is_compiled,
     measure_drift,
 )
@@ -42,6 +41,6 @@ __all__ = [
     "BOOTSTRAP_RESAMPLES", "DRIFT_BATCHES", "MAX_BACKOFFS", "MIN_TIMED_STEPS", "TIMED_BUDGET_S", "BatchDrift",
     "BusyMachineError", "Comparison", "Config", "Drift", "Harness", "LoadCheck", "LoadMonitor", "Measurement",
     "PeakBytes", "References", "Retire", "SavedBytes", "Settled", "Timing", "TrainRun", "batch_drift",
-    "batch_shapes", "compare", "describe_failure", "draws_random", "format_rate", "is_compiled",
+    "batch_shapes", "compare", "describe_failure", "format_rate", "is_compiled",
     "measure_drift", "optimizer_state_bytes", "shareable", "time_interleaved", "training_state_bytes",
 ]

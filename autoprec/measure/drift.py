@@ -17,16 +17,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import nn
 
-from autoprec._torch_compat import amp_unscale_, is_dynamo_optimized, overload_schema
+from autoprec._torch_compat import amp_unscale_, is_dynamo_optimized
 from autoprec.applied.compile import CompiledGraph
 from autoprec.measure.measurement import Measurement
 from autoprec.metrics import grad_errors, grad_rel_l2, grad_sqnr_db_min
 from autoprec.training.scaler import DynamicLossScaler
 
 __all__ = ["DRIFT_BATCHES", "MAX_BACKOFFS", "BatchDrift", "Drift", "References", "as_measurement",
-           "batch_drift", "draws_random", "is_compiled", "measure_drift", "take_grads"]
+           "batch_drift", "is_compiled", "measure_drift", "take_grads"]
 
 #: K, the batches ``get_batch(0..K-1)`` every drift measurement runs on (``Harness(...,
 #: drift_batches=K)`` overrides it). Four gives the paired t-test of
@@ -236,41 +235,6 @@ def take_grads(params: list[torch.Tensor], scale: float) -> list[torch.Tensor]:
             out.append(g if scale == 1.0 and g.dtype == torch.float32 else g.float() * (1.0 / scale))
         p.grad = None
     return out
-
-
-def draws_random(gm: nn.Module) -> bool:
-    """Whether the graph (or any graph inside it) has an op that draws random numbers.
-
-    ATen marks such ops ``Tag.nondeterministic_seeded`` (``dropout``, ``native_dropout``,
-    ``bernoulli``, ``rand*``, ...; native_functions.yaml). Attention ops carry the tag too and
-    count only with ``dropout_p`` ≠ 0; ``dropout(x, p, train=False)`` and ``p == 0`` do not count.
-    """
-    for sub in gm.modules():
-        graph = getattr(sub, "graph", None)
-        if not isinstance(graph, torch.fx.Graph):
-            continue
-        for node in graph.nodes:
-            t = node.target
-            schema = overload_schema(t) if node.op == "call_function" else None
-            if schema is None:
-                continue
-            if torch.Tag.nondeterministic_seeded not in t.tags:
-                continue
-            args = schema.arguments
-
-            def arg(name: str, node=node, args=args) -> Any:
-                i = next((k for k, a in enumerate(args) if a.name == name), None)
-                if i is None:
-                    return None
-                if name in node.kwargs:
-                    return node.kwargs[name]
-                return node.args[i] if i < len(node.args) else args[i].default_value
-
-            if arg("train") is False or arg("dropout_p") == 0 or (
-                    "dropout" in schema.name and arg("p") == 0):
-                continue
-            return True
-    return False
 
 
 def is_compiled(fn: Callable[..., Any]) -> bool:

@@ -26,7 +26,6 @@ from autoprec.measure.drift import (
     Grads,
     References,
     as_measurement,
-    draws_random,
     is_compiled,
     measure_drift,
     take_grads,
@@ -35,6 +34,7 @@ from autoprec.measure.measurement import Measurement, describe_failure
 from autoprec.measure.memory import SavedBytes, training_state_bytes
 from autoprec.metrics import median
 from autoprec.modelspec import ModelSpec
+from autoprec.ops import draws_random
 from autoprec.training.rng import MEASURE_SEED, StepRng, same_rng
 from autoprec.training.scaler import DynamicLossScaler
 from autoprec.training.steps import StepsTooSlow, run_steps, slow_step_guard

@@ -13,7 +13,7 @@ from autoprec.errors import SearchError
 from autoprec.measure import Measurement
 
 __all__ = ["check_memory_floor", "format_bytes", "memory_budget", "parse_dtypes", "parse_max_drift",
-           "parse_max_memory", "why_no_finalist"]
+           "over_memory", "parse_max_memory", "why_no_finalist"]
 
 _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
 
@@ -151,8 +151,18 @@ def memory_budget(arg: tuple[str, float] | None, fp32: Measurement, autocast: Me
     return budget
 
 
+def over_memory(random: bool) -> str:
+    """What a compiled finalist tried before its peak was judged over the memory budget, the tail of
+    the line that says so: full recomputation, except on a graph that draws random numbers, which is
+    never recomputed (:data:`autoprec.applied.compile.RECOMPUTE_REDRAWS` says why)."""
+    if random:
+        return (" with saved activations; recomputation is not used on a graph that draws random numbers "
+                "(torch would recompute dropout with other masks: pytorch/pytorch#190758)")
+    return " even with full recomputation"
+
+
 def why_no_finalist(measured: list[Measurement], budget: Any, memory_budget: float | None,
-                    compile: bool) -> str:
+                    compile: bool, random: bool = False) -> str:
     """Why no finalist is left for the head-to-head (the :class:`SearchError` message): the memory
     budget, with the smallest peak of those within the drift budget; the drift budget, when every
     finalist ran and none was within it (a ``--max-drift`` below what even all-fp32 measures, e.g.
@@ -163,13 +173,14 @@ def why_no_finalist(measured: list[Measurement], budget: Any, memory_budget: flo
         measured: The finalists' measurements (compiled unless ``compile`` is False).
         budget: The :class:`autoprec.search.decide.DriftBudget`.
         memory_budget: Bytes, or None without ``--max-memory``.
-        compile: Whether the finalists were compiled."""
+        compile: Whether the finalists were compiled.
+        random: Whether the graph draws random numbers (:func:`over_memory`)."""
     ran = [m for m in measured if m.error is None]
     peaks = [m.peak_bytes for m in ran if budget.feasible(m)]
     if memory_budget is not None and peaks:
         return (f"no feasible finalist fits the memory budget ({format_bytes(memory_budget)}; "
                 f"the smallest peak was {min(peaks) / 2**20:.1f} MiB"
-                + (" even with full recomputation)" if compile else
+                + (f"{over_memory(random)})" if compile else
                    "); without --no-compile, recomputation in backward can lower the peak"))
     if ran and not peaks:
         least = min(m.grad_rel_l2 for m in ran)

@@ -1,6 +1,7 @@
 """Fitting a compiled finalist to ``--max-memory`` (docs/architecture.md#search, "Finalists"): two
 levers, activations saved in low precision (a policy's ``saved``) and recomputation in backward
-(``activation_memory_budget``); the faster candidate that fits peak and drift is kept.
+(``activation_memory_budget``); the faster candidate that fits peak and drift is kept. On a graph
+that draws random numbers only the first lever is tried (:data:`autoprec.applied.compile.RECOMPUTE_REDRAWS`).
 
 ``sel`` below is the run's :class:`autoprec.search.select.Selector` (its harness ``h``, drift
 ``budget``, ``memory_budget``, ``slow``, ``quiet``, ``_fn`` to compile, ``_point`` and ``_fits``).
@@ -13,6 +14,7 @@ import math
 from typing import Any
 
 from autoprec._interrupt import check as check_interrupt
+from autoprec.applied.compile import RECOMPUTE_REDRAWS
 from autoprec.errors import SearchError
 from autoprec.measure import Measurement
 from autoprec.passes import run_pipeline
@@ -40,7 +42,10 @@ def fit_memory(sel: Any, pol: Policy, m: Measurement) -> tuple[Policy, Any, Meas
     keep the forward and cost a cast per saved tensor and some drift; recomputation
     (:func:`fit_recompute`) keeps the numerics and costs forward work in backward. Each lever's
     candidate that fits (peak and drift) is timed, and the faster is returned; when neither
-    fits, the recomputation result is returned for :meth:`_reject_reason` to explain.
+    fits, the recomputation result is returned for :meth:`_reject_reason` to explain. On a graph
+    that draws random numbers (``sel.h.random``) recomputation is not tried
+    (:data:`autoprec.applied.compile.RECOMPUTE_REDRAWS`); when saved activations do not fit either,
+    ``pol`` and ``m`` are returned as they came (still over the budget).
     """
     fitted = []
     for dtype in SAVED_LEVERS:
@@ -58,10 +63,14 @@ def fit_memory(sel: Any, pol: Policy, m: Measurement) -> tuple[Policy, Any, Meas
             fitted.append((cand, fn, timed))
             break
         sel._point(cand, probe, timed=bool(probe.step_times))
-    rc = fit_recompute(sel, pol, m)
-    sel._point(rc[0], rc[2], timed=bool(rc[2].step_times))
-    if sel._fits(rc[2]) and rc[2].step_times:
-        fitted.append(rc)
+    if sel.h.random:
+        log(f"  memory lever recompute: not tried, {RECOMPUTE_REDRAWS}", sel.quiet)
+        rc = (pol, None, m)
+    else:
+        rc = fit_recompute(sel, pol, m)
+        sel._point(rc[0], rc[2], timed=bool(rc[2].step_times))
+        if sel._fits(rc[2]) and rc[2].step_times:
+            fitted.append(rc)
     if not fitted:
         return rc
     best = max(fitted, key=lambda f: f[2].tokens_per_s)

@@ -22,7 +22,7 @@ from autoprec.passes import run_pipeline
 from autoprec.policy import Policy
 from autoprec.search import attrs
 from autoprec.search.bar import measure_bar, no_bar
-from autoprec.search.budgets import format_bytes, why_no_finalist
+from autoprec.search.budgets import format_bytes, over_memory, why_no_finalist
 from autoprec.search.final import Contender, Decision, all_fp32, decide, out_of_the_running, settled
 from autoprec.search.memory_fit import eager_fitting, fit_memory, lever
 from autoprec.search.phases import PhaseBar, phase_bar
@@ -182,7 +182,8 @@ class Selector:
             elif why != m.error:
                 self._rejected(pol, why)
         if not survivors:
-            raise SearchError(why_no_finalist(measured, self.budget, self.memory_budget, self.compile))
+            raise SearchError(why_no_finalist(measured, self.budget, self.memory_budget, self.compile,
+                                              self.h.random))
         bar.step("head-to-head")
         try:
             return self._head_to_head(survivors)
@@ -340,7 +341,7 @@ class Selector:
         if self.memory_budget is not None and m.peak_bytes > self.memory_budget:
             return (f"peak {m.peak_bytes / 2**20:.1f} MiB > memory budget "
                     f"{self.memory_budget / 2**20:.1f} MiB"
-                    + (" even with full recomputation" if self.compile else
+                    + (over_memory(self.h.random) if self.compile else
                        " (without --no-compile, recomputation in backward can lower the peak)"))
         return None
 

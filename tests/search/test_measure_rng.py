@@ -15,9 +15,10 @@ import math
 import pytest
 import torch
 
-from autoprec.measure import Harness, draws_random
+from autoprec.measure import Harness
 from autoprec.metrics import traj_rel
 from autoprec.modelspec import load_model_spec
+from autoprec.ops import draws_random
 from autoprec.passes import run_pipeline
 from autoprec.policy import Policy
 from autoprec.search.bar import judge_compiled_like_autocast
