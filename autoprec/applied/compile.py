@@ -107,13 +107,15 @@ def compile_graph(gm: nn.Module, activation_memory_budget: float = 1.0, dynamic:
         regional: For a graph, compile its repeated blocks (transformer layers of one structure)
             once, as one ``torch.compiler.nested_compile_region`` each
             (:func:`autoprec.applied.regions.outline_blocks`; logged at INFO); False: one flat
-            graph. A module (not a graph) is always compiled as it is, and so is a graph with
-            saved-activation dtypes: the pack hook does not see a region's nodes' marks (a
-            4-layer Qwen2 with fp8_e5m2-saved matmuls saved 770 kB regional against 528 kB flat),
-            and a graph compiled under an activation memory budget below 1.0 (gradients there are
-            exact with :data:`REGION_OPTIONS`, but whether the partitioner's budget saves the
-            same bytes inside a region is not measured; the memory fit of ``tune --max-memory``
-            relies on it).
+            graph. A module (not a graph) is always compiled as it is, and so is a graph compiled
+            under an activation memory budget below 1.0: gradients there are exact with
+            :data:`REGION_OPTIONS`, but the budget does not mean the same inside regions (a 4-layer
+            Qwen2 of hidden 512 at budget 0.5: peak 182 MiB regional, full recomputation's 181,
+            against 248 MiB flat), and the memory fit of ``tune --max-memory`` aims its budget on
+            the flat graph's peaks. A graph with saved-activation dtypes is outlined: the pack hook
+            reads a region's activations' marks through the region's forward graph
+            (:func:`autoprec.applied.saved._mark`; same model, every op class saved bf16: peak
+            252.6 MiB regional against 248.5 MiB flat, the same gradients).
 
     A graph whose nodes carry a ``NodeMeta.saved`` (a policy's ``saved`` field) is compiled
     with those activations saved low and every call runs inside
@@ -138,7 +140,7 @@ def compile_graph(gm: nn.Module, activation_memory_budget: float = 1.0, dynamic:
     # nodes' ``saved`` dtypes: autoprec.applied.saved
     saved = graph and has_saved(gm)
     target = apply_saved(gm, compiled=True) if saved else gm
-    target, plan, layout = _layout(target, regional and graph, saved, activation_memory_budget)
+    target, plan, layout = _layout(target, regional and graph, activation_memory_budget)
     # a module is the torch.autocast + torch.compile baseline: Inductor's defaults, as users compile
     options = ({**INDUCTOR_OPTIONS, **(REGION_OPTIONS if plan is not None and plan.blocks else {})}
                if graph else {})
@@ -148,19 +150,15 @@ def compile_graph(gm: nn.Module, activation_memory_budget: float = 1.0, dynamic:
                          "the dynamic-shape graph" if graph else type(gm).__name__)
 
 
-def _layout(gm: nn.Module, regional: bool, saved: bool,
-            budget: float) -> tuple[nn.Module, RegionPlan | None, str]:
+def _layout(gm: nn.Module, regional: bool, budget: float) -> tuple[nn.Module, RegionPlan | None, str]:
     """What ``torch.compile`` compiles: ``(target, plan, layout)``, ``target`` the graph with its
     repeated blocks outlined (:func:`autoprec.applied.regions.outline_blocks`) when ``regional``
-    and neither saved-activation dtypes nor a memory budget below 1.0 keep it flat, else ``gm``;
+    and no memory budget below 1.0 keeps it flat, else ``gm``;
     ``plan`` the outlining's plan (None when not outlined); ``layout`` the line logged at INFO
     (WARNING when outlining failed) after ``compile:``."""
     if not regional:
         return gm, None, "one flat graph (regional=False)" if isinstance(gm, fx.GraphModule) else "one module"
-    if saved:
-        layout = ("one flat graph (the policy's saved-activation dtypes do not reach the pack hook inside a "
-                  "compiled region: measured 1.46x the saved bytes)")
-    elif budget < 1.0:
+    if budget < 1.0:
         layout = ("one flat graph (AOTAutograd's activation memory budget is not measured inside compiled "
                   "regions: the memory fit relies on the flat graph's peaks)")
     else:
