@@ -53,6 +53,7 @@ from torch import fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from autoprec._torch_compat import pytree, region_output_node, saved_tensor_hook_node, top_saved_tensors_hooks
+from autoprec._version import __version__
 from autoprec.dtypes import SAVED_DTYPES, to_torch
 from autoprec.errors import PassError
 from autoprec.kernels.fp8 import amax_scale
@@ -239,9 +240,17 @@ def _hook(body: Any, cache_hash: str) -> fx.GraphModule:
     return fx.GraphModule(torch.nn.Module(), g)
 
 
-#: The source of what the hooks run; a change to it changes every :func:`marks_hash`.
-_PACK_CODE = "".join(inspect.getsource(f) for f in (pack, unpack, amax_scale, _mark, region_output_node,
-                                                    _pack_hook, _unpack_hook))
+def _pack_code() -> str:
+    """The source of what the hooks run (autoprec's version where the source is not installed), so a
+    change to it changes every :func:`marks_hash`."""
+    try:
+        return "".join(inspect.getsource(f) for f in (pack, unpack, amax_scale, _mark, region_output_node,
+                                                      _pack_hook, _unpack_hook))
+    except (OSError, TypeError):
+        return f"autoprec {__version__}"
+
+
+_PACK_CODE = _pack_code()
 
 
 def marks_hash(gm: fx.GraphModule) -> str:
