@@ -47,7 +47,6 @@ from autoprec._torch_compat.dynamo import (
     dynamo_compile_seconds,
     dynamo_unique_graphs,
     is_dynamo_optimized,
-    region_output_node,
     reuse_invoke_subgraph_schemas,
 )
 
@@ -55,9 +54,8 @@ __all__ = [
     "TorchDispatchMode", "amp_unscale_", "child_module", "compile_cache_counts", "detect_fake_mode",
     "dynamo_compile_seconds", "dynamo_unique_graphs", "export_assert_ops", "fake_tensor_errors",
     "is_dynamo_optimized", "new_fake_mode", "optimization_hint", "overload_schema", "pytree",
-    "pytree_info", "region_output_node", "reuse_invoke_subgraph_schemas", "safe_softmax",
-    "saved_tensor_hook_node", "set_pytree_codegen", "sparse_values", "top_saved_tensors_hooks",
-    "tree_flatten_spec",
+    "pytree_info", "reuse_invoke_subgraph_schemas", "safe_softmax", "saved_tensor_hook_node",
+    "set_pytree_codegen", "sparse_values", "top_saved_tensors_hooks", "tree_flatten_spec",
 ]
 
 try:

@@ -10,7 +10,7 @@ import sys
 from typing import Any
 
 __all__ = ["compile_cache_counts", "dynamo_compile_seconds", "dynamo_unique_graphs", "is_dynamo_optimized",
-           "region_output_node", "reuse_invoke_subgraph_schemas"]
+           "reuse_invoke_subgraph_schemas"]
 
 
 def is_dynamo_optimized(fn: Any) -> bool:
@@ -137,34 +137,3 @@ def reuse_invoke_subgraph_schemas() -> bool:
     gen_schema._autoprec_cached = True  # type: ignore[attr-defined]
     hop.gen_schema = gen_schema
     return True
-
-
-def region_output_node(node: Any) -> Any:
-    """For ``node`` = ``getitem(invoke_subgraph(subgraph, ...), i)`` in a partitioned forward graph,
-    the node of the called forward ``subgraph`` (a ``get_attr`` of the graph's module) whose value is
-    output ``i``; None for any other node, or where the structure is not found.
-
-    The saved-activation hooks read a saved tensor's node mark from it: a compiled region's
-    activations reach the outer graph as such outputs, and the region's partitioned forward keeps
-    the nodes' meta (torch 2.13's ``invoke_subgraph`` autograd: ``partitioned_fw_subgraph_*``).
-    Checked on 2.13.0 only. Missing (no ``torch.ops.higher_order.invoke_subgraph``, another graph
-    layout): None, and the region's activations are saved as stored.
-    """
-    import operator
-
-    import torch
-
-    hop = getattr(getattr(torch.ops, "higher_order", None), "invoke_subgraph", None)
-    if hop is None or getattr(node, "target", None) is not operator.getitem or len(node.args) != 2:
-        return None
-    call, index = node.args
-    if (getattr(call, "target", None) is not hop or not call.args
-            or getattr(call.args[0], "op", None) != "get_attr"):
-        return None
-    owner = call.graph.owning_module
-    sub = getattr(owner, call.args[0].target, None) if owner is not None else None
-    graph = getattr(sub, "graph", None)
-    if graph is None or not isinstance(index, int):
-        return None
-    outs = graph.output_node().args[0]
-    return outs[index] if isinstance(outs, (tuple, list)) and 0 <= index < len(outs) else None

@@ -107,15 +107,17 @@ def compile_graph(gm: nn.Module, activation_memory_budget: float = 1.0, dynamic:
         regional: For a graph, compile its repeated blocks (transformer layers of one structure)
             once, as one ``torch.compiler.nested_compile_region`` each
             (:func:`autoprec.applied.regions.outline_blocks`; logged at INFO); False: one flat
-            graph. A module (not a graph) is always compiled as it is, and so is a graph compiled
-            under an activation memory budget below 1.0: gradients there are exact with
+            graph. A module (not a graph) is always compiled as it is, and so are two kinds of
+            graphs (measured, docs/architecture.md#regional-compilation). One with saved-activation
+            dtypes: the pack hook sees a region's activations only as outputs of its
+            ``invoke_subgraph`` call, without their marks (1.46x the saved bytes); read through the
+            region's partitioned forward graph, a 4-layer GPT-2 came out non-finite on some cold
+            compiles (saved bf16: 1 of 5, fp8_e5m2: 2 of 5; flat: 0 of 3 each) and drifted 6x
+            the flat graph's. One
+            under an activation memory budget below 1.0: its gradients are exact with
             :data:`REGION_OPTIONS`, but the budget does not mean the same inside regions (a 4-layer
-            Qwen2 of hidden 512 at budget 0.5: peak 182 MiB regional, full recomputation's 181,
-            against 248 MiB flat), and the memory fit of ``tune --max-memory`` aims its budget on
-            the flat graph's peaks. A graph with saved-activation dtypes is outlined: the pack hook
-            reads a region's activations' marks through the region's forward graph
-            (:func:`autoprec.applied.saved._mark`; same model, every op class saved bf16: peak
-            252.6 MiB regional against 248.5 MiB flat, the same gradients).
+            Qwen2 of hidden 512 at 0.5: peak 182 MiB regional, full recomputation's 181, against
+            248 MiB flat), and the memory fit of ``tune --max-memory`` aims on measured peaks.
 
     A graph whose nodes carry a ``NodeMeta.saved`` (a policy's ``saved`` field) is compiled
     with those activations saved low and every call runs inside
@@ -140,7 +142,7 @@ def compile_graph(gm: nn.Module, activation_memory_budget: float = 1.0, dynamic:
     # nodes' ``saved`` dtypes: autoprec.applied.saved
     saved = graph and has_saved(gm)
     target = apply_saved(gm, compiled=True) if saved else gm
-    target, plan, layout = _layout(target, regional and graph, activation_memory_budget)
+    target, plan, layout = _layout(target, regional and graph, saved, activation_memory_budget)
     # a module is the torch.autocast + torch.compile baseline: Inductor's defaults, as users compile
     options = ({**INDUCTOR_OPTIONS, **(REGION_OPTIONS if plan is not None and plan.blocks else {})}
                if graph else {})
@@ -150,15 +152,19 @@ def compile_graph(gm: nn.Module, activation_memory_budget: float = 1.0, dynamic:
                          "the dynamic-shape graph" if graph else type(gm).__name__)
 
 
-def _layout(gm: nn.Module, regional: bool, budget: float) -> tuple[nn.Module, RegionPlan | None, str]:
+def _layout(gm: nn.Module, regional: bool, saved: bool,
+            budget: float) -> tuple[nn.Module, RegionPlan | None, str]:
     """What ``torch.compile`` compiles: ``(target, plan, layout)``, ``target`` the graph with its
     repeated blocks outlined (:func:`autoprec.applied.regions.outline_blocks`) when ``regional``
-    and no memory budget below 1.0 keeps it flat, else ``gm``;
+    and neither saved-activation dtypes nor a memory budget below 1.0 keep it flat, else ``gm``;
     ``plan`` the outlining's plan (None when not outlined); ``layout`` the line logged at INFO
     (WARNING when outlining failed) after ``compile:``."""
     if not regional:
         return gm, None, "one flat graph (regional=False)" if isinstance(gm, fx.GraphModule) else "one module"
-    if budget < 1.0:
+    if saved:
+        layout = ("one flat graph (the policy's saved-activation dtypes are not honoured reliably inside "
+                  "compiled regions)")
+    elif budget < 1.0:
         layout = ("one flat graph (AOTAutograd's activation memory budget is not measured inside compiled "
                   "regions: the memory fit relies on the flat graph's peaks)")
     else:

@@ -52,7 +52,7 @@ import torch
 from torch import fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from autoprec._torch_compat import pytree, region_output_node, saved_tensor_hook_node, top_saved_tensors_hooks
+from autoprec._torch_compat import pytree, saved_tensor_hook_node, top_saved_tensors_hooks
 from autoprec._version import __version__
 from autoprec.dtypes import SAVED_DTYPES, to_torch
 from autoprec.errors import PassError
@@ -183,21 +183,11 @@ def _traced_node() -> fx.Node | None:
     return saved_tensor_hook_node()
 
 
-def _mark(node: fx.Node) -> str | None:
-    """The saved dtype of a compiled forward graph's node: its own mark, or for an activation of a
-    compiled region (an output of an ``invoke_subgraph`` call) the mark of the region's node that
-    made it (:func:`autoprec._torch_compat.region_output_node`)."""
-    mark = node.meta.get("custom", {}).get(CUSTOM_KEY)
-    if mark is None and (inner := region_output_node(node)) is not None:
-        mark = inner.meta.get("custom", {}).get(CUSTOM_KEY)
-    return mark
-
-
 def _pack_hook(t: torch.Tensor) -> Any:
     """The pack hook's body (see :func:`_hook`)."""
     node = _traced_node()
     if node is not None:  # compiled: traced once per saved node of the forward graph
-        return pack(t, _mark(node))
+        return pack(t, node.meta.get("custom", {}).get(CUSTOM_KEY))
     marked = getattr(_state, "marked", None)
     entry = marked.get(StorageWeakRef(t.untyped_storage())) if marked else None
     name = entry[1] if entry is not None and not entry[0].expired() else None  # not a freed one's address
@@ -244,8 +234,7 @@ def _pack_code() -> str:
     """The source of what the hooks run (autoprec's version where the source is not installed), so a
     change to it changes every :func:`marks_hash`."""
     try:
-        return "".join(inspect.getsource(f) for f in (pack, unpack, amax_scale, _mark, region_output_node,
-                                                      _pack_hook, _unpack_hook))
+        return "".join(inspect.getsource(f) for f in (pack, unpack, amax_scale, _pack_hook, _unpack_hook))
     except (OSError, TypeError):
         return f"autoprec {__version__}"
 

@@ -134,28 +134,19 @@ def test_regional_compile_with_dynamic_shapes_serves_two_lengths():
         assert grad_rel_l2(grads, ref_grads) < DRIFT[torch.float32]
 
 
-@pytest.mark.heavy
-def test_a_graph_with_saved_dtypes_is_outlined_and_saves_what_the_flat_graph_saves(qwen, caplog):
-    """A region's activations reach the pack hook as outputs of its ``invoke_subgraph`` call, whose
-    marks are read in the region's forward graph: outlined, the graph saves within 5% of the flat
-    graph's bytes (without that read: 1.46x) with the same forward and gradients."""
-    from autoprec.measure import SavedBytes
-
+def test_a_graph_with_saved_dtypes_compiles_flat(qwen, caplog):
+    """Saved-activation dtypes are not honoured reliably inside a region (measured: unmarked, 1.46x
+    the saved bytes; marks read through the region's graph, intermittently non-finite on GPT-2),
+    so such a graph is not outlined."""
     model, batch = qwen
     policy = Policy(default_dtype="bf16", rules=(Rule(op_class="matmul", saved="fp8_e5m2"),))
-    runs = {}
-    for name, regional in (("flat", False), ("regional", True)):
-        torch._dynamo.reset()
-        with caplog.at_level("INFO", logger="autoprec"):
-            fn = compile_graph(_flat(model, policy, batch), regional=regional)
-        counter = SavedBytes(list(model.parameters()))
-        with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
-            loss, grads = _loss_and_grads(model, fn, batch)
-        runs[name] = (counter.total, loss, grads, fn.layout)
-    assert runs["regional"][3] == "3 of 4 blocks of model.layers in 1 region"
-    assert runs["flat"][0] <= runs["regional"][0] <= 1.05 * runs["flat"][0], runs
-    assert torch.equal(runs["regional"][1], runs["flat"][1])
-    assert grad_rel_l2(runs["regional"][2], runs["flat"][2]) < 1e-3
+    flat = _flat(model, policy, batch)
+    with caplog.at_level("INFO", logger="autoprec"):
+        compile_graph(flat)  # lazy: nothing compiles before the first call
+        compile_graph(_flat(model, Policy.default("bf16"), batch))
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("compile:")]
+    assert lines[0].startswith("compile: one flat graph (the policy's saved-activation dtypes")
+    assert lines[1] == "compile: 3 of 4 blocks of model.layers in 1 region"
 
 
 def test_outlining_that_fails_falls_back_to_one_flat_graph(qwen, caplog, monkeypatch):

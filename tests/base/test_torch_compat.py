@@ -302,38 +302,3 @@ def test_reuse_invoke_subgraph_schemas_keeps_a_schema_per_compile_and_its_mutati
     assert str(first) == str(outside) and not any(a.is_write for a in first.arguments)
     assert [a.is_write for a in mutating.arguments] == [False, False, True]
 
-
-def test_region_output_node_finds_the_node_a_compiled_region_saved():
-    """A compiled region's saved activations reach the saved-tensor hooks as outputs of its
-    ``invoke_subgraph`` call; the entry maps each to the node of the region's forward graph that
-    made it (here the matmul, which sin's backward reads, and ``w``'s transpose, which the matmul's
-    reads), and any other node to None."""
-    import operator
-
-    found = []
-
-    def pack(t):
-        node = tc.saved_tensor_hook_node()
-        found.append((node, tc.region_output_node(node)))
-        return t
-
-    def hook(body):
-        g = fx.Graph()
-        g.output(g.call_function(body, (g.placeholder("t"),)))
-        return fx.GraphModule(nn.Module(), g)
-
-    @torch.compiler.nested_compile_region
-    def block(x, w):
-        return (x @ w).sin()
-
-    def f(x, w):
-        return block(block(x, w), w).sum()
-
-    torch._dynamo.reset()
-    x, w = torch.randn(4, 4, requires_grad=True), torch.randn(4, 4, requires_grad=True)
-    with torch.autograd.graph.saved_tensors_hooks(hook(pack), hook(lambda t: t)):
-        torch.compile(f, backend="aot_eager", fullgraph=True)(x, w).backward()
-    inner = [(n, i) for n, i in found if i is not None]
-    assert inner and all(n.target is operator.getitem for n, _ in inner), found
-    assert {str(i.target) for _, i in inner} == {"aten.mm.default", "aten.t.default"}, found
-    assert tc.region_output_node(fx.symbolic_trace(lambda a: a[0] + 1).graph.output_node()) is None
