@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from autoprec.applied.compile import check_recompute, compile_graph
+from autoprec.applied.compile import compile_graph
 from autoprec.capture import autocast_dynamic
 from autoprec.commands import bench_shapes as shapes
 from autoprec.dtypes import NAMES
@@ -68,11 +68,7 @@ def build_configs(h: Harness, policy: Policy, low: torch.dtype,
 
     Raises:
         PassError: the policy cannot be applied to the graph.
-        PolicyError: ``policy_compiled`` with an activation memory budget below 1.0 on a graph that
-            draws random numbers (:func:`autoprec.applied.compile.check_recompute`).
     """
-    if "policy_compiled" in names:  # refused before any row runs
-        check_recompute(h.graph_module, policy.activation_memory_budget)
     shapes.cover_batches(h)  # dynamic ranges over every batch the rows run, not only the first ones
     lowered = run_pipeline(h.graph_module, policy).graph_module
     pol_scaler = lambda: make_scaler(policy)

@@ -179,7 +179,7 @@ def why_no_finalist(measured: list[Measurement], budget: Any, memory_budget: flo
     peaks = [m.peak_bytes for m in ran if budget.feasible(m)]
     if memory_budget is not None and peaks:
         return (f"no feasible finalist fits the memory budget ({format_bytes(memory_budget)}; "
-                f"the smallest peak was {min(peaks) / 2**20:.1f} MiB"
+                f"the smallest peak was {format_bytes(min(peaks))}"
                 + (f"{over_memory(random)})" if compile else
                    "); without --no-compile, recomputation in backward can lower the peak"))
     if ran and not peaks:

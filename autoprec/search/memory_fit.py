@@ -45,16 +45,17 @@ def fit_memory(sel: Any, pol: Policy, m: Measurement) -> tuple[Policy, Any, Meas
     fits, the recomputation result is returned for :meth:`_reject_reason` to explain. On a graph
     that draws random numbers (``sel.h.random``) recomputation is not tried
     (:data:`autoprec.applied.compile.RECOMPUTE_REDRAWS`); when saved activations do not fit either,
-    ``pol`` and ``m`` are returned as they came (still over the budget).
+    the drift-feasible saved candidate with the smallest peak is returned (``pol`` and ``m`` as they
+    came when none is), so the rejection quotes the lowest peak reached.
     """
-    fitted = []
+    fitted, tried = [], [(pol, None, m)]
     for dtype in SAVED_LEVERS:
         check_interrupt()
         cand = with_saved(pol, dtype)
         fn = sel._fn(run_pipeline(sel.h.graph_module, cand).graph_module, cand.activation_memory_budget)
         probe = sel.h.measure(fn, lambda cand=cand: make_scaler(cand), timing=sel.h.device.type == "cuda",
                                max_step_s=sel.slow)
-        log(f"  memory lever saved {dtype}: {probe.peak_bytes / 2**20:.1f} MiB, grad_rel_l2 "
+        log(f"  memory lever saved {dtype}: {format_bytes(probe.peak_bytes)}, grad_rel_l2 "
             f"{probe.grad_rel_l2:.3g}" + (f" ({probe.error})" if probe.error else ""), sel.quiet)
         if sel._fits(probe):
             timed = probe if probe.step_times else sel.h.measure(fn, lambda cand=cand: make_scaler(cand),
@@ -63,9 +64,11 @@ def fit_memory(sel: Any, pol: Policy, m: Measurement) -> tuple[Policy, Any, Meas
             fitted.append((cand, fn, timed))
             break
         sel._point(cand, probe, timed=bool(probe.step_times))
+        if probe.error is None and sel.budget.feasible(probe):
+            tried.append((cand, fn, probe))
     if sel.h.random:
         log(f"  memory lever recompute: not tried, {RECOMPUTE_REDRAWS}", sel.quiet)
-        rc = (pol, None, m)
+        rc = min(tried, key=lambda t: t[2].peak_bytes)
     else:
         rc = fit_recompute(sel, pol, m)
         sel._point(rc[0], rc[2], timed=bool(rc[2].step_times))

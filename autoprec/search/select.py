@@ -339,8 +339,7 @@ class Selector:
         if not self.budget.feasible(m):
             return self.budget.explain(m)
         if self.memory_budget is not None and m.peak_bytes > self.memory_budget:
-            return (f"peak {m.peak_bytes / 2**20:.1f} MiB > memory budget "
-                    f"{self.memory_budget / 2**20:.1f} MiB"
+            return (f"peak {format_bytes(m.peak_bytes)} > memory budget {format_bytes(self.memory_budget)}"
                     + (over_memory(self.h.random) if self.compile else
                        " (without --no-compile, recomputation in backward can lower the peak)"))
         return None
