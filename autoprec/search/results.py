@@ -87,9 +87,14 @@ def side_by_side(run: Any, sel: Any, chosen_m: Measurement, compile: bool) -> li
 def note_if_eager_was_faster(run: Any, sel: Any, chosen: Policy, chosen_m: Measurement,
                              compile: bool) -> None:
     """Say so when an eager run beat the compiled policy by over 10% (not for a recomputing
-    policy, which trades speed for memory on purpose)."""
-    eager = max([(sel.eager_tokens_per_s.get(chosen.training_key()) or 0.0, "this policy eager"),
-                 (run.fp32.tokens_per_s, "fp32 eager")])
+    policy, which trades speed for memory on purpose). fp32 eager's speed is the head-to-head's
+    (timed beside the policy) where it ran; the policy's own eager speed, a trial's screening
+    (timed alone, and noisier), counts only for a policy that lowers something: an all-fp32
+    policy eager is fp32 eager, and a screening number must not contradict the head-to-head."""
+    fp32_t = sel.timings.get(FP32_EAGER)
+    own = 0.0 if all_fp32(chosen) else sel.eager_tokens_per_s.get(chosen.training_key()) or 0.0
+    eager = max([(own, "this policy eager"),
+                 (fp32_t.tokens_per_s if fp32_t is not None else run.fp32.tokens_per_s, "fp32 eager")])
     if compile and eager[0] > 1.1 * chosen_m.tokens_per_s and chosen.activation_memory_budget >= 1.0:
         log(f"note: {eager[1]} ran faster ({eager[0]:.0f} tok/s) than this policy compiled "
             f"({chosen_m.tokens_per_s:.0f}); for this model consider tuning and training without compile "
