@@ -71,7 +71,9 @@ def check_training_args(args: Any, what: str = "AutoprecTrainer") -> None:
             "gradient checkpointing cannot be switched on after autoprec.apply (the graph is captured and "
             "lowered already). Pass gradient_checkpointing=False and activation_checkpointing=False; to "
             "trade compute for activation memory, give the policy an activation_memory_budget below 1.0 and "
-            "apply with compile=True (docs/architecture.md#policy-file).")
+            "apply with compile=True, or, on a model with dropout (where a memory budget is refused: "
+            "pytorch/pytorch#190758), save activations in low precision with the rules' 'saved' "
+            "(autoprec tune --max-memory picks either; docs/architecture.md#policy-file).")
 
 
 class AutoprecTrainer(transformers.Trainer):

@@ -16,7 +16,9 @@ from typing import Any
 import optuna
 from torch import fx
 
+from autoprec.applied.compile import check_recompute
 from autoprec.dtypes import kernel_name
+from autoprec.errors import PolicyError
 from autoprec.nodemeta import NodeMeta, read_meta
 from autoprec.policy import Policy
 from autoprec.search import attrs
@@ -263,7 +265,8 @@ def lever_section(points: list[dict[str, Any]]) -> str:
 
 def show_nodes(policy: Policy, model_path: str | os.PathLike) -> str:
     """Per-module dtypes of ``policy`` on the model of ``model_path``, and the nodes each rule
-    matched (a rule matching nothing is flagged).
+    matched (a rule matching nothing is flagged); last, why compiling it will be refused, if it will
+    (:func:`autoprec.applied.compile.check_recompute`: a memory budget on a model with dropout).
 
     Raises:
         ModelSpecError, CaptureError, PassError: as loading, capturing and lowering do.
@@ -289,6 +292,10 @@ def show_nodes(policy: Policy, model_path: str | os.PathLike) -> str:
         count = f"{len(hits)} node{'' if len(hits) == 1 else 's'}"
         lines.append(f"rules[{i}] {rule.describe()}: {count}"
                      + (f": {shown}" if hits else "  (matches no node)"))
+    try:
+        check_recompute(gm, policy.activation_memory_budget)
+    except PolicyError as e:
+        lines += ["", f"compiled (apply, train, bench) this policy is refused on this model: {e}"]
     return "\n".join(lines)
 
 

@@ -100,7 +100,8 @@ def test_tune_max_memory_does_not_recompute_a_graph_with_dropout(tmp_path, capsy
 
 
 def test_train_and_bench_refuse_it_before_a_step_and_name_the_policy_file(tmp_path, capsys):
-    """``autoprec train`` and ``bench`` (before any row runs) name the policy file; both exit 2."""
+    """``autoprec train`` and ``bench`` (before any row runs) name the policy file and exit 2;
+    ``show --model`` says they will."""
     from autoprec.cli import main
 
     model, pol = tmp_path / "drop.py", tmp_path / "amb.json"
@@ -114,3 +115,6 @@ def test_train_and_bench_refuse_it_before_a_step_and_name_the_policy_file(tmp_pa
     assert main(["bench", str(model), "--policy", str(pol), "--steps", "1", "--json", str(out)]) == 2
     assert f"autoprec bench: error: {pol}: activation_memory_budget 0.5" in capsys.readouterr().err
     assert not out.exists()
+    assert main(["show", str(pol), "--model", str(model)]) == 0  # show explains, and does not refuse
+    shown = capsys.readouterr().out
+    assert "this policy is refused on this model: activation_memory_budget 0.5" in shown
