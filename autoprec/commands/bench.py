@@ -56,7 +56,7 @@ from torch import nn
 from autoprec._io import write_json
 from autoprec._torch_compat import compile_cache_counts
 from autoprec._version import __version__
-from autoprec.applied.compile import cache_report, check_recompute
+from autoprec.applied.compile import cache_report
 from autoprec.capture import warmup_steps
 from autoprec.commands import bench_shapes as shapes
 from autoprec.commands.bench_configs import BenchConfig, build_configs, main_dtype
@@ -198,9 +198,7 @@ def run_bench(model_path: str | os.PathLike, policy: Policy | str | os.PathLike,
         ``"inf"``/``"-inf"``/``"nan"`` (``autoprec._io.json_safe``), here as in ``bench.json``.
 
     Raises:
-        ModelSpecError, CaptureError, PolicyError: bad model or policy file (also: an activation
-            memory budget below 1.0 on a graph that draws random numbers,
-            :func:`autoprec.applied.compile.check_recompute`).
+        ModelSpecError, CaptureError, PolicyError: bad model or policy file (or policy for this model).
         ValueError: unknown configuration name or device.
     """
     names = list(configs) if configs else list(CONFIGS)
@@ -213,11 +211,8 @@ def run_bench(model_path: str | os.PathLike, policy: Policy | str | os.PathLike,
     load = LoadMonitor.start(dev, strict_timing)  # the machine's load; again before and after the timing
     low = autocast_dtype(dev)  # the autocast and pure-low baselines' dtype: the same rule as tune's
     h = Harness(spec, dev, warmup=warmup, steps=steps)
-    if "policy_compiled" in names:  # refused before any row runs, naming the policy file
-        check_recompute(h.graph_module, pol.activation_memory_budget,
-                        None if isinstance(policy, Policy) else policy)
     flops = model_flops(h.model, h.batches[0], h.tokens)
-    cfgs = build_configs(h, pol, low, names)
+    cfgs = build_configs(h, pol, low, names, source=None if isinstance(policy, Policy) else policy)
     main = cfgs["policy_eager"].dtype if "policy_eager" in cfgs else main_dtype(
         run_pipeline(h.graph_module, pol).graph_module, pol)
     peaks = _measure_peaks([main, "fp32", NAMES[low]], dev, quiet)

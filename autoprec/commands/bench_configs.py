@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from autoprec.applied.compile import compile_graph
+from autoprec.applied.compile import check_recompute, compile_graph
 from autoprec.capture import autocast_dynamic
 from autoprec.commands import bench_shapes as shapes
 from autoprec.dtypes import NAMES
@@ -59,16 +59,22 @@ def pure_low(h: Harness, dtype: torch.dtype) -> Harness:
     return low
 
 
-def build_configs(h: Harness, policy: Policy, low: torch.dtype,
-                  names: Sequence[str]) -> dict[str, BenchConfig]:
+def build_configs(h: Harness, policy: Policy, low: torch.dtype, names: Sequence[str],
+                  source: Any = None) -> dict[str, BenchConfig]:
     """How to run each configuration in ``names`` (:data:`autoprec.commands.bench.CONFIGS`) on ``h``'s
     model and batches, in the low dtype ``low``; modules are built lazily (``BenchConfig.fn()``:
     compiling starts at their first call). Widens ``h.graph_module``'s ranges first when a batch is
     outside them (:func:`autoprec.commands.bench_shapes.cover_batches`).
 
+    ``source`` (the policy file, or None) is named in a refusal.
+
     Raises:
         PassError: the policy cannot be applied to the graph.
+        PolicyError: ``policy_compiled`` with an activation memory budget below 1.0 on a graph that
+            draws random numbers (:func:`autoprec.applied.compile.check_recompute`), before any row.
     """
+    if "policy_compiled" in names:
+        check_recompute(h.graph_module, policy.activation_memory_budget, source)
     shapes.cover_batches(h)  # dynamic ranges over every batch the rows run, not only the first ones
     lowered = run_pipeline(h.graph_module, policy).graph_module
     pol_scaler = lambda: make_scaler(policy)
