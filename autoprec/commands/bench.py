@@ -286,7 +286,7 @@ def _drift_all(names: Sequence[str], cfgs: dict[str, BenchConfig], result: dict[
             out[name] = (m, fn)
             rows[name] = {**make_row(m, cfg.dtype, cfg.compiled), "wall_s": time.perf_counter() - t0,
                           "compile_cache": cache_report(caches) if cfg.compiled else None}
-            _log(f"{name}: grad_rel_l2 {rows[name]['grad_rel_l2']}, {rows[name]['wall_s']:.0f} s"
+            _log(f"{name}: grad_rel_l2 {m.grad_rel_l2:.3g}, {rows[name]['wall_s']:.0f} s"
                  + (f"; {rows[name]['compile_cache']}" if cfg.compiled else "")
                  + (f" ({rows[name]['error']})" if rows[name]["error"] else ""), quiet)
             if name == "fp32_eager" and m.step_times:
