@@ -113,11 +113,11 @@ def compile_graph(gm: nn.Module, activation_memory_budget: float = 1.0, dynamic:
             ``invoke_subgraph`` call, without their marks (1.46x the saved bytes); read through the
             region's partitioned forward graph, a 4-layer GPT-2 came out non-finite on some cold
             compiles (saved bf16: 1 of 5, fp8_e5m2: 2 of 5; flat: 0 of 3 each) and drifted 6x
-            the flat graph's. One
-            under an activation memory budget below 1.0: its gradients are exact with
-            :data:`REGION_OPTIONS`, but the budget does not mean the same inside regions (a 4-layer
-            Qwen2 of hidden 512 at 0.5: peak 182 MiB regional, full recomputation's 181, against
-            248 MiB flat), and the memory fit of ``tune --max-memory`` aims on measured peaks.
+            the flat graph's. One under an activation memory budget below 1.0: its gradients are
+            exact with :data:`REGION_OPTIONS`, but the budget does not mean the same inside
+            regions (a 4-layer Qwen2 of hidden 512 at 0.5: peak 182 MiB regional, full
+            recomputation's 181, against 248 MiB flat), and the memory fit of ``tune
+            --max-memory`` aims on measured peaks.
 
     A graph whose nodes carry a ``NodeMeta.saved`` (a policy's ``saved`` field) is compiled
     with those activations saved low and every call runs inside
