@@ -21,7 +21,7 @@ from autoprec.nodemeta import read_meta
 from autoprec.ops import random_nodes
 
 __all__ = ["CompiledGraph", "compile_graph", "cache_report", "check_recompute", "INDUCTOR_OPTIONS",
-           "RECOMPUTE_REDRAWS", "REGION_OPTIONS"]
+           "RANDOM_OPTIONS", "RECOMPUTE_REDRAWS", "REGION_OPTIONS"]
 
 _log = logging.getLogger("autoprec")
 
@@ -39,6 +39,18 @@ INDUCTOR_OPTIONS: dict[str, Any] = {"emulate_precision_casts": True}
 #: 12% off, while ``aot_eager`` and the flat graph are exact. With both off they are exact
 #: (tests/applied/test_regions.py, tests/search/test_memory.py check the gradients).
 REGION_OPTIONS: dict[str, Any] = {"allow_buffer_reuse": False, "inplace_buffers": False}
+
+#: Added to :data:`INDUCTOR_OPTIONS` for a graph that draws random numbers (dropout:
+#: :func:`autoprec.ops.draws_random`). Its random ops run eager's kernels from the global generator
+#: instead of Inductor's own (Philox) stream, which draws other masks than eager from the same seed
+#: and, for a bf16 graph, other masks than for the FP32 one (``Harness``). ``tune`` measures every
+#: compiled graph of such a model this way, so a policy compiled by ``train``, ``apply`` or ``bench``
+#: runs what was measured (its masks and its speed) and is the same graph, which Inductor's caches
+#: serve. Measured: a 4-layer GPT-2 (dropout 0.1, hidden 256, 4x128 tokens) compiled step 0.119 s
+#: with eager's random ops against 0.130 s with Inductor's (AVX2 EPYC, 2 cores; median of 26 steps,
+#: interleaved); ``train`` after ``tune`` first step 11.3 s (recompiled) before, see
+#: docs/architecture.md#regional-compilation, Caches.
+RANDOM_OPTIONS: dict[str, Any] = {"fallback_random": True}
 
 
 #: Why a graph that draws random numbers is never compiled under an activation memory budget below
@@ -119,6 +131,9 @@ def compile_graph(gm: nn.Module, activation_memory_budget: float = 1.0, dynamic:
             recomputation's 181, against 248 MiB flat), and the memory fit of ``tune
             --max-memory`` aims on measured peaks.
 
+    A graph that draws random numbers (dropout) compiles with :data:`RANDOM_OPTIONS` too: eager's
+    random ops, as ``tune`` measured it.
+
     A graph whose nodes carry a ``NodeMeta.saved`` (a policy's ``saved`` field) is compiled
     with those activations saved low and every call runs inside
     :func:`autoprec.applied.saved.saved_activation_context`.
@@ -144,8 +159,8 @@ def compile_graph(gm: nn.Module, activation_memory_budget: float = 1.0, dynamic:
     target = apply_saved(gm, compiled=True) if saved else gm
     target, plan, layout = _layout(target, regional and graph, saved, activation_memory_budget)
     # a module is the torch.autocast + torch.compile baseline: Inductor's defaults, as users compile
-    options = ({**INDUCTOR_OPTIONS, **(REGION_OPTIONS if plan is not None and plan.blocks else {})}
-               if graph else {})
+    options = ({**INDUCTOR_OPTIONS, **(REGION_OPTIONS if plan is not None and plan.blocks else {}),
+                **(RANDOM_OPTIONS if random_nodes(gm) else {})} if graph else {})
     compiled = torch.compile(target, backend="inductor", options=options, dynamic=dynamic)
     return CompiledGraph(gm, target, compiled, plan, layout, bool(dynamic), activation_memory_budget,
                          saved_activation_context(gm) if saved else None,

@@ -68,13 +68,14 @@ def bar_on_batch_0(sel: Any, timed: bool) -> str | None:
 
 def judge_compiled_like_autocast(sel: Any) -> None:
     """On a graph that draws random numbers (dropout), judge compiled finalists against torch.autocast
-    as compiled (``sel.budget`` becomes its auto rule): Inductor draws its own masks
-    (``fallback_random`` is off, as in training), so a compiled graph's drift includes mask noise
-    that the eager budget lacks (T5, dropout 0.1: compiled autocast 7.0e-2 against eager autocast's
-    3.3e-2). Both sides are then measured compiled against the compiled FP32 graph
-    (:meth:`Harness.reference_fn`), torch.autocast with Inductor's defaults as users compile it, the
-    finalists with ``INDUCTOR_OPTIONS`` (``emulate_precision_casts``: their casts round as eager's
-    do). A ``--max-drift X`` budget stays the hard number."""
+    as compiled (``sel.budget`` becomes its auto rule). Written when compiled graphs drew Inductor's
+    own masks in measurements, whose noise the eager budget lacked (T5, dropout 0.1: compiled
+    autocast 7.0e-2 against eager autocast's 3.3e-2); since the RNG rule of issue 19.2 both draw
+    eager's masks (``Harness``), and the rule still compares compiled with compiled: both sides are
+    measured compiled against the compiled FP32 graph (:meth:`Harness.reference_fn`), torch.autocast
+    with Inductor's defaults as users compile it, the finalists with ``INDUCTOR_OPTIONS``
+    (``emulate_precision_casts``: their casts round as eager's do). A ``--max-drift X`` budget stays
+    the hard number."""
     ac = sel.autocast_compiled
     if not (sel.h.random and sel.budget.rule == "auto" and ac is not None and ac.error is None
             and ac.grad_rel_l2_batches and all(math.isfinite(g) for g in ac.grad_rel_l2_batches)):

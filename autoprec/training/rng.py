@@ -55,7 +55,8 @@ def same_rng(device: torch.device, seed: int = MEASURE_SEED) -> Iterator[None]:
     (``torch._inductor.config.fallback_random`` is False): a compiled graph's dropout masks
     differ from an eager graph's even from the same seed. Measurements therefore run compiled
     graphs with random ops under ``fallback_random=True``
-    (:meth:`autoprec.measure.harness.Harness._eager_random`).
+    (:meth:`autoprec.measure.harness.Harness._eager_random`), and a policy's graph is compiled with
+    it (:data:`autoprec.applied.compile.RANDOM_OPTIONS`), so training draws eager's masks too.
 
     Args:
         device: The device the body runs on (its CUDA generator is forked and seeded too).
