@@ -61,21 +61,18 @@ class Harness:
     and the candidates; the caller's RNG state is left as it was. Timing steps draw from the global
     stream. All steps run through :func:`autoprec.training.steps.run_steps`.
 
-    Inductor draws random numbers from its own generator, not eager's, unless
-    ``torch._inductor.config.fallback_random`` is set (a user's ``torch.compile(model)`` leaves it
-    off), so with a random op in the graph (:func:`draws_random`) a compiled ``fn`` is compared
-    against the FP32 graph compiled the same way (:meth:`reference_fn`; one extra compile, cached)
-    instead of the eager FP32 reference. Its drift passes and trajectory steps run under
-    ``fallback_random=True`` (issue 19.2, already among the options of a graph that
-    :func:`autoprec.applied.compile.compile_graph` compiled, so training runs what was measured;
-    :meth:`_eager_random` for the torch.autocast + torch.compile module): Inductor's own dropout
-    rounds ``rand_like(x)`` to x's dtype before comparing it with p, so a bf16 graph drew other masks
-    than the FP32 one (GPT-2, dropout 0.1: compiled torch.autocast 1.09e-2 against eager's
-    5.41e-3); with eager's random ops every dtype, compiled or not, draws eager's masks. A compiled
-    ``fn`` compiles on its first call, its first drift pass wherever a measurement starts with drift
-    (``measure``, bench, the selector), and Dynamo does not recompile for a changed Inductor config:
-    its later timed steps run the same eager random ops.
-    Without random ops every ``fn`` is compared against the eager reference, as before.
+    With a random op in the graph (:func:`draws_random`) a compiled ``fn`` is compared against the
+    FP32 graph compiled the same way (:meth:`reference_fn`; one extra compile, cached), and its drift
+    passes and trajectory steps run under ``torch._inductor.config.fallback_random=True`` (issue
+    19.2; :meth:`_eager_random`, for the torch.autocast + torch.compile module: a graph that
+    :func:`autoprec.applied.compile.compile_graph` compiled has it among its options, so training
+    runs what was measured). Inductor's own dropout rounds ``rand_like(x)`` to x's dtype before
+    comparing it with p, so a bf16 graph drew other masks than the FP32 one (GPT-2, dropout 0.1:
+    compiled torch.autocast 1.09e-2 against eager's 5.41e-3); with eager's random ops every dtype,
+    compiled or not, draws eager's masks. A compiled ``fn`` compiles on its first call (its first
+    drift pass wherever a measurement starts with drift) and Dynamo does not recompile for a changed
+    Inductor config: its later timed steps run the same eager random ops. Without random ops every
+    ``fn`` is compared against the eager reference.
 
     Args:
         spec: Loaded model file.
