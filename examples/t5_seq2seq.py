@@ -14,9 +14,9 @@ by the loss). The decoder's inputs come from ``labels`` inside the model (T5 shi
 replaces -100 by the pad id), so the batch holds no ``decoder_input_ids``.
 
 Dropout is T5's default, 0.1 (``dropout_rate``), kept on: it is part of what a user of T5 trains
-with. Its masks make the compiled and the eager graphs draw different random numbers, which
-``tune`` and ``bench`` account for (a compiled candidate is compared with the FP32 graph compiled
-the same way, docs/architecture.md#measurements).
+with. Compiled graphs draw eager's masks (``tune`` measures them so and ``train`` compiles them
+so, docs/architecture.md#measurements), so a compiled and an eager run from one seed drop the
+same units.
 
 Run::
 

@@ -13,6 +13,7 @@ import torch
 from torch import fx, nn
 
 from autoprec._torch_compat import compile_cache_counts
+from autoprec.applied.outputs import flat_output_graph, rebuild
 from autoprec.applied.regions import RegionPlan, outline_blocks
 from autoprec.applied.saved import apply_saved, has_saved, report_saved, saved_activation_context
 from autoprec.applied.shape_cache import CompileLog
@@ -152,19 +153,22 @@ def compile_graph(gm: nn.Module, activation_memory_budget: float = 1.0, dynamic:
     check_recompute(gm, activation_memory_budget)
     _quiet_mixed_dtype_warning()
     graph = isinstance(gm, fx.GraphModule)
+    # the flat outputs are compiled, the model's output structure rebuilt outside: one graph whether
+    # the caller gave the lowered graph (tune, bench) or its flat copy (apply, train), so caches hit
+    flat, out_spec = flat_output_graph(gm) if graph else (gm, None)
     if dynamic is None:
-        dynamic = graph and _symbolic_inputs(gm)
+        dynamic = graph and _symbolic_inputs(flat)
     # nodes' ``saved`` dtypes: autoprec.applied.saved
-    saved = graph and has_saved(gm)
-    target = apply_saved(gm, compiled=True) if saved else gm
+    saved = graph and has_saved(flat)
+    target = apply_saved(flat, compiled=True) if saved else flat
     target, plan, layout = _layout(target, regional and graph, saved, activation_memory_budget)
     # a module is the torch.autocast + torch.compile baseline: Inductor's defaults, as users compile
     options = ({**INDUCTOR_OPTIONS, **(REGION_OPTIONS if plan is not None and plan.blocks else {}),
-                **(RANDOM_OPTIONS if random_nodes(gm) else {})} if graph else {})
+                **(RANDOM_OPTIONS if random_nodes(flat) else {})} if graph else {})
     compiled = torch.compile(target, backend="inductor", options=options, dynamic=dynamic)
     return CompiledGraph(gm, target, compiled, plan, layout, bool(dynamic), activation_memory_budget,
-                         saved_activation_context(gm) if saved else None,
-                         "the dynamic-shape graph" if graph else type(gm).__name__)
+                         saved_activation_context(flat) if saved else None,
+                         "the dynamic-shape graph" if graph else type(gm).__name__, out_spec)
 
 
 def _layout(gm: nn.Module, regional: bool, saved: bool,
@@ -207,8 +211,9 @@ class CompiledGraph:
 
     Attributes:
         source: What :func:`compile_graph` was given: the lowered graph, or a module.
-        target: What ``torch.compile`` compiled: ``source``, or a copy of it whose repeated blocks
-            call shared regions (:attr:`regions`).
+        target: What ``torch.compile`` compiled: ``source`` returning its flat outputs
+            (:func:`autoprec.applied.outputs.flat_output_graph`; a call rebuilds the model's output
+            structure), or a copy of it whose repeated blocks call shared regions (:attr:`regions`).
         compiled: The ``torch.compile`` result (an ``OptimizedModule``).
         regions: The outlining's plan (:class:`autoprec.applied.regions.RegionPlan`), None when the
             graph was compiled flat (:attr:`layout` says why).
@@ -223,8 +228,9 @@ class CompiledGraph:
 
     def __init__(self, source: nn.Module, target: nn.Module, compiled: Callable[..., Any],
                  regions: RegionPlan | None, layout: str, dynamic: bool, activation_memory_budget: float,
-                 saved_context: contextlib.AbstractContextManager[None] | None, what: str) -> None:
-        self.source, self.target, self.compiled = source, target, compiled
+                 saved_context: contextlib.AbstractContextManager[None] | None, what: str,
+                 out_spec: Any = None) -> None:
+        self.source, self.target, self.compiled, self._out_spec = source, target, compiled, out_spec
         self.regions, self.layout, self.dynamic = regions, layout, dynamic
         self.activation_memory_budget = float(activation_memory_budget)
         self.saved, self._saved_context = saved_context is not None, saved_context
@@ -251,7 +257,7 @@ class CompiledGraph:
                 out = self.compiled(*args, **kwargs)
             if self.saved:
                 report_saved(out)
-        return out
+        return rebuild(out, self._out_spec)
 
 
 #: The message of Inductor's warning (torch/_inductor/codegen/cpp.py) that compile_graph filters.
