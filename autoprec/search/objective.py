@@ -76,7 +76,7 @@ class Objective:
         budget: The drift budget; a trial's constraint is ``budget.excess(m)`` (feasible ≤ 0).
         max_step_s: A timed trial step slower than this is aborted (several times the FP32
             step); a screened trial times its drift passes (all K, unless the screening cut stops
-            them).
+            them, this limit among its rules).
         finalists: With the screening cut (:mod:`autoprec.search.screen_cut`), the k fastest
             feasible trials that go on to the finalists: a trial's passes stop once it is clearly
             slower than the k-th of those measured so far, or far over the drift budget. None:
@@ -112,7 +112,8 @@ class Objective:
         fp = policy_fingerprint(assigned.graph_module)
         trial.set_user_attr(attrs.FINGERPRINT, fp)
         prior = _find_measured(trial.study, fp, trial.number)
-        cut = None if self.finalists is None else screening_cut(trial.study, self.finalists, self.budget)
+        cut = (None if self.finalists is None else
+               screening_cut(trial.study, self.finalists, self.budget, self.max_step_s))
         if prior is not None and attrs.CUT in prior.user_attrs:
             # measured in part: copied while the cut, asked now, stops its passes again
             again = cut(recorded(prior)) if cut is not None else None

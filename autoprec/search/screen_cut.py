@@ -10,6 +10,13 @@ and Hyperparameter Optimization"; Li et al. 2017, Hyperband) spends the full mea
 candidates that can still win; this is its one-rung form with a margin for the noise of one pass.
 On a deep model, where every pass is a full forward and backward, it is where trial time goes.
 
+A trial whose steps trip the slow-step limit of timed steps (``max_step_s``, several times the FP32
+step: :func:`autoprec.training.steps.slow_steps`, two in a row over it or one over 4x) is cut too,
+from batch 0 on: timing would have stopped there, and before the k-th feasible trial exists the
+speed rule has nothing to compare with (``tune --dtypes bf16`` on an AVX2 CPU: the autocast twin's
+native bf16 steps took 9.2-9.8 s at 24 layers against a 1.71 s limit, four passes each, for each
+of the first four trials).
+
 The cut is asked after each drift batch but the last, and before a batch's loss-scale back-off
 search (:func:`autoprec.measure.drift.measure_drift`: the overflowing pass is timed, the search
 would cost more passes); a trial cut there has no drift for that batch (none at all on batch 0:
@@ -36,6 +43,7 @@ from autoprec.measure import Measurement
 from autoprec.search import attrs
 from autoprec.search.decide import DriftBudget
 from autoprec.search.pool import feasible
+from autoprec.training.steps import slow_steps
 
 __all__ = ["DRIFT_FACTOR", "MIN_BATCHES", "SPEED_MARGIN", "kth_feasible", "screening_cut", "summary"]
 
@@ -65,11 +73,12 @@ def kth_feasible(study: optuna.Study, k: int) -> optuna.trial.FrozenTrial | None
     return ranked[k - 1] if k >= 1 and len(ranked) >= k else None
 
 
-def screening_cut(study: optuna.Study, k: int, budget: DriftBudget) -> Callable[[Measurement], str | None]:
+def screening_cut(study: optuna.Study, k: int, budget: DriftBudget,
+                  max_step_s: float | None = None) -> Callable[[Measurement], str | None]:
     """The cut for the next trial of ``study``: a function of the measurement so far (its
     ``step_times``, seconds, one per drift batch 0, 1, ... run, when the device gives screening
-    times) that returns why to stop, or None to go on: the speed rule from batch 0 on, the drift
-    rule from :data:`MIN_BATCHES` batches on.
+    times) that returns why to stop, or None to go on: the slow-step limit and the speed rule from
+    batch 0 on, the drift rule from :data:`MIN_BATCHES` batches on.
 
     The speed rule needs the k-th trial's screening step times (``autoprec:step_times``, batches
     0..K-1 in order); where they are missing (a device that times separate steps, CUDA) only the
@@ -79,6 +88,7 @@ def screening_cut(study: optuna.Study, k: int, budget: DriftBudget) -> Callable[
         study: The study, read once now for the k-th fastest feasible trial (:func:`kth_feasible`).
         k: The finalists taken from the trials (``tune --finalists``).
         budget: The drift budget the trials are judged against.
+        max_step_s: The slow-step limit in seconds (the module docstring; None: not applied).
     """
     kth = kth_feasible(study, k)
     ref = list(kth.user_attrs.get(attrs.STEP_TIMES) or []) if kth is not None else []
@@ -90,6 +100,8 @@ def screening_cut(study: optuna.Study, k: int, budget: DriftBudget) -> Callable[
             return (f"grad_rel_l2 {ratio:.3g}x the drift budget on its first {n} batches "
                     f"(over {DRIFT_FACTOR:g}x)")
         timed = m.step_times
+        if max_step_s is not None and (slow := slow_steps(timed, max_step_s)) is not None:
+            return f"{slow.why} (the slow-step limit of timed steps)"
         if timed and len(ref) >= len(timed) and all(r is not None and r > 0 for r in ref[:len(timed)]):
             best = min(t / r for t, r in zip(timed, ref, strict=False))  # its best batch against the k-th's
             if best > 1 / (1 - SPEED_MARGIN):
@@ -125,5 +137,5 @@ def summary(study: optuna.Study, k: int) -> str:
     copied = f"; {copies} copied from a cut trial of the same graph" if copies else ""
     run = f" (drift passes run {where}{spared}{copied})" if cut else ""
     return (f"screening cut: {len(cut)} of {len(done)} complete trials{run}, steps over "
-            f"{1 / (1 - SPEED_MARGIN):.3g}x the {ordinal(k)} fastest feasible trial's or drift over "
-            f"{DRIFT_FACTOR:g}x the budget")
+            f"{1 / (1 - SPEED_MARGIN):.3g}x the {ordinal(k)} fastest feasible trial's or the slow-step "
+            f"limit, or drift over {DRIFT_FACTOR:g}x the budget")

@@ -20,7 +20,7 @@ from autoprec.device import compile_count
 from autoprec.training.rng import StepRng
 from autoprec.training.train import StepStats, TrainStep
 
-__all__ = ["SLOW_FACTOR", "SLOW_IN_A_ROW", "StepHook", "StepsTooSlow", "every", "run_steps",
+__all__ = ["SLOW_FACTOR", "SLOW_IN_A_ROW", "StepHook", "StepsTooSlow", "every", "run_steps", "slow_steps",
            "slow_step_guard"]
 
 #: A per-step hook: ``hook(step_index, batch, stats, seconds)``, called after each step (seconds:
@@ -106,7 +106,31 @@ class StepsTooSlow(Exception):
                if in_a_row < SLOW_IN_A_ROW else
                f"{in_a_row} steps in a row took over the {limit:.2f} s limit (the last {seconds:.2f} s)")
         super().__init__(f"timing stopped: {why}; timed on that last step only")
-        self.step, self.seconds, self.limit = step, seconds, limit
+        self.step, self.seconds, self.limit, self.why = step, seconds, limit, why
+
+
+def slow_steps(seconds: Sequence[float], max_step_s: float, step: int | None = None) -> StepsTooSlow | None:
+    """:func:`slow_step_guard`'s rule on the step times of one run so far: the last
+    :data:`SLOW_IN_A_ROW` (2) over ``max_step_s``, or the last over :data:`SLOW_FACTOR` (4) x it.
+
+    Args:
+        seconds: Wall-clock seconds of the steps judged so far, in order.
+        max_step_s: The limit in seconds (> 0).
+        step: The last step's index for the exception (default ``len(seconds) - 1``).
+
+    Returns:
+        The :class:`StepsTooSlow` to raise after the last step, or None (also for no steps).
+    """
+    if not seconds:
+        return None
+    in_a_row = 0
+    for s in reversed(seconds):
+        if s <= max_step_s:
+            break
+        in_a_row += 1
+    if in_a_row >= SLOW_IN_A_ROW or seconds[-1] > SLOW_FACTOR * max_step_s:
+        return StepsTooSlow(len(seconds) - 1 if step is None else step, seconds[-1], max_step_s, in_a_row)
+    return None
 
 
 def slow_step_guard(max_step_s: float) -> StepHook:
@@ -123,15 +147,16 @@ def slow_step_guard(max_step_s: float) -> StepHook:
     Args:
         max_step_s: The limit in seconds (> 0).
     """
-    in_a_row, compiles = 0, compile_count()
+    judged: list[float] = []
+    compiles = compile_count()
 
     def hook(k: int, _batch: Any, _stats: StepStats, seconds: float) -> None:
-        nonlocal in_a_row, compiles
+        nonlocal compiles
         seen, compiles = compiles, compile_count()
         if compiles != seen:
             return
-        in_a_row = in_a_row + 1 if seconds > max_step_s else 0
-        if in_a_row >= SLOW_IN_A_ROW or seconds > SLOW_FACTOR * max_step_s:
-            raise StepsTooSlow(k, seconds, max_step_s, in_a_row)
+        judged.append(seconds)
+        if (slow := slow_steps(judged, max_step_s, k)) is not None:
+            raise slow
 
     return hook

@@ -122,6 +122,20 @@ def test_speed_rule_compares_steps_batch_for_batch_with_the_kth_fastest_feasible
     assert screening_cut(no_times, 2, budget)(slow) is None  # nor without the k-th's
 
 
+def test_slow_step_limit_cuts_from_batch_0_before_any_kth_trial_exists():
+    """The timed steps' slow-step limit (two in a row over it, or one over 4x) applies to screening
+    steps from batch 0 on, even while fewer than k trials are feasible (no speed rule yet)."""
+    budget = DriftBudget.auto([1e-2] * 4)
+    study = _study_with([1000])  # one feasible trial: no 2nd fastest to compare with
+    cut = screening_cut(study, 2, budget, max_step_s=1.0)
+    why = cut(_m([1e-3], step_times=[9.2]))  # the autocast twin's native bf16 step on AVX2
+    assert why == "a step took 9.20 s, over 4 x the 1.00 s limit (the slow-step limit of timed steps)"
+    assert cut(_m([1e-3], step_times=[1.5])) is None  # one step over the limit: noise, go on
+    assert "2 steps in a row took over the 1.00 s limit" in cut(_m([1e-3] * 2, step_times=[1.5, 1.2]))
+    assert cut(_m([1e-3] * 2, step_times=[1.5, 0.9])) is None
+    assert screening_cut(study, 2, budget)(_m([1e-3], step_times=[9.2])) is None  # no limit given
+
+
 def test_drift_rule_is_the_budgets_paired_ratio_on_the_same_batches():
     budget = DriftBudget.auto([1e-3, 1e-2, 1e-1, 1e-1])
     cut = screening_cut(_study_with([]), 2, budget)

@@ -8,7 +8,7 @@ import torch
 from autoprec.measure import Harness
 from autoprec.modelspec import load_model_spec
 from autoprec.training.rng import MEASURE_SEED, StepRng, same_rng
-from autoprec.training.steps import StepsTooSlow, every, run_steps, slow_step_guard
+from autoprec.training.steps import StepsTooSlow, every, run_steps, slow_step_guard, slow_steps
 from autoprec.training.train import StepStats
 from tests.conftest import MODELS
 
@@ -50,6 +50,17 @@ def test_slow_step_guard_two_in_a_row_or_one_four_times_over():
         _run([0.5, 4.5, 0.5], 1.0)
     assert e.value.step == 1 and "timed on that last step only" in str(e.value)
     assert len(_run([3.9, 0.5, 3.9], 1.0)) == 3
+
+
+def test_slow_steps_is_the_guards_rule_on_a_list_of_step_times():
+    """``slow_steps`` (the screening cut's form of the guard) judges the last step of a run so far."""
+    assert slow_steps([], 1.0) is None and slow_steps([1.5], 1.0) is None
+    assert slow_steps([1.5, 0.5, 1.5], 1.0) is None
+    slow = slow_steps([0.5, 1.5, 1.2], 1.0)
+    assert (slow.step, slow.seconds, slow.why) == (2, 1.2, "2 steps in a row took over the 1.00 s limit "
+                                                           "(the last 1.20 s)")
+    assert slow_steps([4.5], 1.0, step=7).step == 7
+    assert slow_steps([3.9], 1.0) is None
 
 
 def test_every_calls_at_multiples_but_not_at_stop():
