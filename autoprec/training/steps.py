@@ -99,6 +99,7 @@ class StepsTooSlow(Exception):
         step: Index of the step that stopped the loop.
         seconds: Its wall-clock seconds: the one timing a caller may still report.
         limit: The ``max_step_s`` the guard was made with (seconds).
+        why: The rule it tripped, e.g. ``"a step took 9.26 s, over 4 x the 1.72 s limit"``.
     """
 
     def __init__(self, step: int, seconds: float, limit: float, in_a_row: int) -> None:
