@@ -301,4 +301,3 @@ def test_reuse_invoke_subgraph_schemas_keeps_a_schema_per_compile_and_its_mutati
         mutating = hop.gen_schema(fx.symbolic_trace(AddInPlace()), "m", x)
     assert str(first) == str(outside) and not any(a.is_write for a in first.arguments)
     assert [a.is_write for a in mutating.arguments] == [False, False, True]
-
