@@ -120,6 +120,12 @@ class MixedPrecisionModule(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the lowered graph; same signature and outputs as ``model.forward``.
 
+        In eval mode (``mp.eval()``, as Hugging Face ``Trainer.evaluate`` and Lightning's validation
+        set it) the call is the model's own forward instead, in fp32 and eval mode (dropout off),
+        with any batch shape: the graph is the training graph, traced in training mode
+        (:func:`autoprec.capture.capture`), whose dropout would draw masks at evaluation. The
+        Lightning plugin evaluates the same way (:mod:`autoprec.integrations.lightning`).
+
         Args:
             *args, **kwargs: The batch, with the structure and tensor shapes of the example batch
                 the graph was captured on (dtypes and devices as the model expects).
@@ -130,8 +136,8 @@ class MixedPrecisionModule(nn.Module):
             (:func:`autoprec.applied.outputs.rebuild`).
 
         Raises:
-            TypeError: the call does not bind to the example batch's inputs (one missing, e.g. the
-                ``labels`` of an evaluation call; an unknown one; the batch dict passed as one
+            TypeError: the call does not bind to the example batch's inputs (in training mode: one
+                missing, e.g. ``labels``; an unknown one; the batch dict passed as one
                 argument instead of ``**batch``); the message names them.
             ValueError: an input tensor's shape differs from the captured one (e.g. a smaller last
                 batch; with ``dynamic=True``: only under ``strict_shapes=True``, a size outside the
@@ -141,9 +147,12 @@ class MixedPrecisionModule(nn.Module):
                 ``use_cache=True``; ``use_cache=False`` is accepted). Or it runs under
                 ``torch.autocast`` (e.g. ``Trainer(bf16=True)``), which would override the policy.
                 Or FSDP2's ``fully_shard`` wrapped this module directly (use :func:`autoprec.shard`).
+                In eval mode only the last; the rest is the model's own forward's.
         """
-        check_no_autocast(self._what)
         check_not_fully_sharded(self, self._what)
+        if not self.training:
+            return self.model(*args, **kwargs)
+        check_no_autocast(self._what)
         kwargs = drop_fixed_kwargs(kwargs, self._fixed, self._what)
         try:
             self._inputs.check(args, kwargs)
@@ -246,7 +255,9 @@ class MixedPrecisionModule(nn.Module):
         return self.model.load_state_dict(state_dict, strict=strict)
 
     def train(self, mode: bool = True) -> MixedPrecisionModule:
-        """Set the wrapped model's training flag (the captured graph was traced in train mode)."""
+        """Set this module's and the wrapped model's training flag: in training mode a call runs
+        the lowered graph, in eval mode the model's own forward (:meth:`forward`). A new module is
+        in training mode, whatever mode the model was applied in."""
         self.model.train(mode)
         return super().train(mode)
 

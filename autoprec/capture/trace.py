@@ -60,7 +60,10 @@ def capture(model: nn.Module, example_batch: Any, dynamic: bool = False,
     """Capture ``model``'s forward on ``example_batch`` as an ATen ``GraphModule``.
 
     Args:
-        model: The model, fp32 weights. It is not modified.
+        model: The model, fp32 weights. It is not modified, and it is traced in training mode
+            (``model.train()``: dropout draws its masks, as a trainer's steps run it) whatever
+            mode it is in, then left in that mode: ``from_pretrained`` returns a model in eval
+            mode, and a graph traced so would train without its configured dropout.
         example_batch: A dict (called as ``model(**batch)``), tuple/list (``model(*batch)``) or
             tensor, exactly as ``get_batch`` returns it. Shapes are specialised: the captured
             module must later be called with batches of the same structure and shapes.
@@ -121,6 +124,7 @@ def capture_planned(model: nn.Module, example_batch: Any, plan: DimPlan | None) 
     _announce(model, fixed)
     was_training = model.training
     try:
+        model.train()  # the training graph (see capture's ``model``)
         with quiet_pytree_deprecation(), quiet_partial_graph(), _training_forward(model, fixed):
             ep = export_program(model, args, kwargs, plan)
     except CaptureError:

@@ -86,8 +86,15 @@ class ShardedModule(nn.Module):
         object.__setattr__(self, "applied", mp)  # not a child: FSDP2 must not look inside the graph
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """The applied module's forward (same inputs, same outputs)."""
+        """The applied module's forward (same inputs, same outputs; in eval mode the model's own
+        forward, on the Parameters FSDP2 has unsharded for this call)."""
         return self.applied(*args, **kwargs)
+
+    def train(self, mode: bool = True) -> ShardedModule:
+        """Set the training flag here and on the applied module (not a child, so ``nn.Module.train``
+        would miss it), whose mode picks the lowered graph or the model's own forward."""
+        self.applied.train(mode)
+        return super().train(mode)
 
 
 def shard(mp: MixedPrecisionModule, mesh: Any = None, policy: Policy | None = None,

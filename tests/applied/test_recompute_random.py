@@ -62,15 +62,20 @@ def test_torch_still_recomputes_dropout_with_fresh_masks():
 
 
 def test_apply_refuses_a_memory_budget_on_a_graph_with_dropout_and_names_the_node():
-    """The error names the policy's field, the random node (name, op, node key) and the cause;
-    the same policy on the model in eval mode (dropout off), or with budget 1.0, is applied."""
+    """The error names the policy's field, the random node (name, op, node key) and the cause,
+    also for a model in eval mode (the capture traces the training graph, dropout on); the same
+    policy on a model without dropout, or with budget 1.0, is applied."""
     x = torch.randn(32, 16)
     policy = dataclasses.replace(Policy.fp32(), activation_memory_budget=0.5)
     with pytest.raises(PolicyError, match=r"activation_memory_budget 0\.5: the model's graph draws random "
                                           r"numbers \(node dropout \(aten\.dropout\.default, "
                                           r"drop/dropout#0\)\).*pytorch/pytorch#190758"):
         autoprec.apply(Drop().train(), policy, x, compile=True, dynamic=False)
-    autoprec.apply(Drop().eval(), policy, x, compile=True, dynamic=False)  # compiles lazily: no cost here
+    with pytest.raises(PolicyError, match=r"activation_memory_budget 0\.5: the model's graph draws random"):
+        autoprec.apply(Drop().eval(), policy, x, compile=True, dynamic=False)
+    no_dropout = Drop()
+    no_dropout.drop = nn.Identity()
+    autoprec.apply(no_dropout, policy, x, compile=True, dynamic=False)  # compiles lazily: no cost here
     autoprec.apply(Drop().train(), Policy.fp32(), x, compile=True, dynamic=False)
 
 

@@ -262,7 +262,16 @@ def _fsdp_worker(rank: int, world: int, compile: bool, reduce: str) -> dict:
     state = sum(t.to_local().numel() * t.element_size() for st in opt.state.values() for t in st.values()
                 if isinstance(t, torch.distributed.tensor.DTensor))
     grads = sum(p.grad.to_local().numel() * p.grad.element_size() for p in root.parameters())
-    return {"losses": losses,
+    full = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(7))
+    root.eval()  # the model's own forward (fp32) on the Parameters FSDP2 unshards for the call
+    with torch.no_grad():
+        evaluated = root(x)
+        ref = _mlp()
+        ref.load_state_dict(full)
+        evaluated_ref = ref(x)
+    return {"losses": losses, "eval": evaluated, "eval_ref": evaluated_ref,
+            "eval_flags": (root.training, root.applied.training, model.training),
             "flat": torch.cat([p.full_tensor().detach().flatten() for p in model.parameters()]),
             "param_bytes": local, "grad_bytes": grads, "state_bytes": state, "keys": list(root.state_dict())}
 
@@ -284,9 +293,13 @@ def _single_process_reference(steps: int = 6) -> torch.Tensor:
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
 def test_fsdp2_trains_like_one_process(tmp_path, compile):
     """FSDP2 over the applied module (:func:`autoprec.distributed.wrap.shard`) on 2 gloo ranks
-    ends where one process ends on the same 8 rows (averaged half-batch gradients)."""
+    ends where one process ends on the same 8 rows (averaged half-batch gradients); in eval mode
+    the sharded root evaluates with the model's own fp32 forward."""
     r0, r1 = _run_ranks(_fsdp_worker, tmp_path, compile, "fp32")
     torch.testing.assert_close(r0["flat"], r1["flat"], rtol=0, atol=0)
+    # root.eval() reaches the applied module: its calls are the model's fp32 forward
+    assert r0["eval_flags"] == (False, False, False)
+    torch.testing.assert_close(r0["eval"], r0["eval_ref"], rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(r0["flat"], _single_process_reference(), rtol=DRIFT[torch.float32], atol=1e-6)
     assert r0["losses"][-1] < r0["losses"][0]
 

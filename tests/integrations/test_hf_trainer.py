@@ -226,3 +226,30 @@ def test_plain_trainer_refuses_autocast_and_checkpointing_at_train(model_file, t
         _trainer(tf.Trainer, mp, tmp_path, PadToLongest(), steps=1, bf16=True).train()
     with pytest.raises(ValueError, match="gradient checkpointing cannot be switched on after autoprec.apply"):
         _trainer(tf.Trainer, mp, tmp_path, PadToLongest(), steps=1, gradient_checkpointing=True).train()
+
+
+def test_evaluate_runs_without_dropout_and_training_with_it(tmp_path):
+    """A GPT-2 at its config's dropout 0.1, in eval mode as ``from_pretrained`` returns it:
+    ``Trainer.evaluate`` gives the mean of the model's own eval-mode losses on its two batches every
+    time (eval mode is the model's own forward; a plain Trainer's differs, as GPT-2 accepts
+    ``num_items_in_batch``), and a training forward is the model's own in training mode, dropout
+    masks included (the capture traced the training graph)."""
+    torch.manual_seed(0)
+    cfg = tf.GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2, n_positions=64)
+    model = tf.GPT2LMHeadModel(cfg).eval()
+    example = PadToLongest()([_dataset()[2], _dataset()[6]])
+    mp = autoprec.apply(model, autoprec.Policy.fp32(), example, compile=False)
+    with torch.no_grad():
+        mean = sum(float(model(**PadToLongest()(_dataset()[i:i + 2])).loss) for i in (0, 2)) / 2
+    trainer = tf.Trainer(model=mp, args=_args(tmp_path, steps=1), data_collator=PadToLongest())
+    losses = [trainer.evaluate(_dataset()[:4])["eval_loss"] for _ in range(2)]
+    assert losses[0] == losses[1] == pytest.approx(mean, rel=1e-6)
+    model.train()
+    torch.manual_seed(5)
+    want = model(**example).loss
+    mp.train()
+    torch.manual_seed(5)
+    got = mp(**example).loss
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    with torch.no_grad():
+        assert abs(float(got) - float(model.eval()(**example).loss)) > 1e-4  # dropout was on

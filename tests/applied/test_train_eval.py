@@ -1,0 +1,83 @@
+"""Train and eval modes of an applied module (docs/architecture.md#runtime): the capture traces
+the training graph whatever mode the model is in, the module runs it in training mode only, and in
+eval mode a call is the model's own forward (fp32, dropout off), so evaluation is deterministic
+and equals the model's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import autoprec
+from autoprec.ops import random_nodes
+from autoprec.policy import Policy
+
+
+class DropNet(nn.Module):
+    """x [B, 16] fp32 -> Linear(16, 32) -> tanh -> Dropout(0.5) -> Linear(32, 4) -> [B, 4]."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.drop, self.b = nn.Linear(16, 32), nn.Dropout(0.5), nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.drop(torch.tanh(self.a(x))))
+
+
+def _seeded(fn, x: torch.Tensor, seed: int) -> torch.Tensor:
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        return fn(x)
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_the_graph_is_the_training_graph_whatever_mode_the_model_is_applied_in(mode):
+    """A model applied in eval mode (as ``from_pretrained`` returns it) gets the graph with its
+    dropout, trains with the masks the model draws in training mode, and is left in its mode."""
+    torch.manual_seed(0)
+    model, x = DropNet(), torch.randn(8, 16)
+    getattr(model, mode)()
+    mp = autoprec.apply(model, Policy.fp32(), x, compile=False, dynamic=False)
+    assert model.training == (mode == "train")
+    assert mp.training
+    assert [n.name for n in random_nodes(mp.graph_module)] == ["dropout"]
+    got = _seeded(mp, x, 1)
+    model.train()
+    torch.testing.assert_close(got, _seeded(model, x, 1), rtol=0, atol=0)  # same masks, same fp32 math
+    assert not torch.equal(got, _seeded(mp, x, 2))
+
+
+def test_eval_mode_is_the_models_own_forward_and_train_mode_the_graph_again():
+    """``mp.eval()``: every call equals the model's eval forward exactly (no dropout, deterministic),
+    for any batch shape; ``mp.train()`` sets both flags back and draws masks again."""
+    torch.manual_seed(0)
+    model, x = DropNet(), torch.randn(8, 16)
+    mp = autoprec.apply(model, Policy.default("bf16"), x, compile=False, dynamic=False)
+    assert mp.eval() is mp and not model.training
+    with torch.no_grad():
+        want = model(x)
+        torch.testing.assert_close(mp(x), want, rtol=0, atol=0)
+        torch.testing.assert_close(_seeded(mp, x, 3), want, rtol=0, atol=0)
+        assert mp(torch.randn(3, 16)).shape == (3, 4)  # not the captured shape: the model's forward
+    mp.train()
+    assert mp.training and model.training
+    train_out = _seeded(mp, x, 3)
+    assert not torch.equal(train_out, want)
+    assert ((train_out - want).abs() / want.abs().clamp_min(1e-3)).max() > 0.1  # dropout, not bf16 rounding
+    with pytest.raises(ValueError, match=r"shape"):
+        mp(torch.randn(3, 16))  # training mode: the captured shapes
+
+
+def test_compiled_module_evaluates_with_the_models_forward():
+    """The same rule for a compiled module: eval calls never reach the compiled graph (nothing is
+    compiled), training calls do, with the masks the model draws (eager's random ops, the RNG rule)."""
+    torch.manual_seed(0)
+    model, x = DropNet(), torch.randn(8, 16)
+    mp = autoprec.apply(model, Policy.fp32(), x, compile=True).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(mp(x), model(x), rtol=0, atol=0)
+    assert mp.shape_stats["compiles"] == 0
+    got = _seeded(mp.train(), x, 4)
+    assert mp.shape_stats["compiles"] == 1
+    torch.testing.assert_close(got, _seeded(model, x, 4), rtol=1e-5, atol=1e-6)
