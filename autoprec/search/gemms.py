@@ -9,10 +9,12 @@ from typing import Any
 import torch
 from torch import fx
 
+from autoprec.dtypes import LOW_DTYPES
 from autoprec.nodekeys import op_name
+from autoprec.nodemeta import read_meta
 from autoprec.ops import classify
 
-__all__ = ["Shape", "matmul_shape_counts", "matmul_shapes"]
+__all__ = ["Shape", "matmul_shape_counts", "matmul_shapes", "native_low_counts"]
 
 #: A GEMM ``[M, K] @ [K, N]`` as ``(M, K, N)``.
 Shape = tuple[int, int, int]
@@ -63,6 +65,23 @@ def matmul_shape_counts(gm: fx.GraphModule) -> dict[Shape, int]:
             if shape is not None and min(shape) > 0:
                 counts[shape] = counts.get(shape, 0) + 1
     return counts
+
+
+def native_low_counts(gm: fx.GraphModule) -> dict[str, dict[Shape, int]]:
+    """``{low dtype: {(M, K, N): count}}`` of the plain GEMMs of an assigned (or lowered) graph that
+    compute natively in a low dtype: a matmul-class node whose ``NodeMeta.dtype`` is ``bf16`` or
+    ``fp16`` and that has no other compute dtype (the search's native kernel ``"bf16"``, not
+    ``"bf16:fp32"``); shapes as :func:`matmul_shape_counts`'s. Empty for an all-fp32 graph."""
+    out: dict[str, dict[Shape, int]] = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or classify(node) != "matmul":
+            continue
+        meta = read_meta(node)
+        shape = _gemm(node)
+        if meta.dtype in LOW_DTYPES and meta.compute is None and shape is not None and min(shape) > 0:
+            counts = out.setdefault(meta.dtype, {})
+            counts[shape] = counts.get(shape, 0) + 1
+    return out
 
 
 def matmul_shapes(gm: fx.GraphModule, top: int = 4) -> list[Shape]:

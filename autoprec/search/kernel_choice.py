@@ -10,15 +10,17 @@ import math
 from typing import Any
 
 from autoprec.device import autocast_dtype
-from autoprec.dtypes import LOW_DTYPES, NAMES, kernel_name
+from autoprec.dtypes import LOW_DTYPES, NAMES, kernel_name, to_torch
 from autoprec.measure import Measurement
+from autoprec.search.gemms import Shape, native_low_counts
 from autoprec.search.probe import kernel_fields, matmul_shape_counts, matmul_shapes, probe_kernels
 from autoprec.search.progress import log
 from autoprec.search.space import SearchSpace, find_blocks, has_attention, outside_matmuls
 from autoprec.training.train import autocast_scaler
 
 __all__ = ["EMULATE_AT", "adopt_study_kernels", "autocast_cannot_win", "autocast_gemms_in_fp32",
-           "measure_autocast_eager", "probe_decision", "probe_phase"]
+           "measure_autocast_eager", "native_gemm_floor_s", "probe_decision", "probe_phase",
+           "sensitivity_gemms", "trial_cannot_win"]
 
 #: torch.autocast's drift passes compute its GEMMs as fp32 products
 #: (:class:`autoprec.kernels.fp32_gemms.Fp32ComputeGemms`, the same roundings) when the probe
@@ -91,7 +93,8 @@ def probe_decision(probes: dict[str, Any]) -> dict[str, Any]:
 
 
 def autocast_gemms_in_fp32(probes: dict[str, Any], ac_dtype: Any) -> str | None:
-    """Why torch.autocast's drift passes compute its GEMMs in fp32 (the probe measured the native
+    """Why torch.autocast's drift passes (and the sensitivity's, :func:`sensitivity_gemms`) compute
+    its GEMMs in fp32 (the probe measured the native
     ``ac_dtype`` kernel :data:`EMULATE_AT` or more times slower than the fp32-compute one: the low
     end of the native band over the high end of the other's), e.g. ``"native bf16 GEMMs measured
     63.9x fp32's time, fp32-compute 1.06x"``; None when they run natively (or either kernel failed
@@ -108,6 +111,43 @@ def autocast_gemms_in_fp32(probes: dict[str, Any], ac_dtype: Any) -> str | None:
             f"fp32-compute {fp32c['ratio']:.3g}x")
 
 
+def native_gemm_floor_s(probes: dict[str, Any], native: dict[str, dict[Shape, int]]) -> float:
+    """A lower bound, in seconds per training step, of the native low-precision GEMMs ``native``
+    (``{dtype name: {(M, K, N): count}}``, e.g. :func:`autoprec.search.gemms.native_low_counts`):
+    Σ count × fp32's median seconds of one call at that shape (the probe's ``per_shape_ms``) × the
+    low end of the native kernel's ratio band. Shapes the probe did not time count 0, and only
+    the forward's GEMMs are given (a training step runs them once forward and twice as many in
+    backward), so it stays a bound. 0.0 where a kernel failed or was not probed.
+    ``probes`` is ``KernelProbe.to_dict()``."""
+    shapes = [tuple(s) for s in probes.get("shapes", [])]
+    per_shape = (probes.get("fp32") or {}).get("per_shape_ms") or []
+    total = 0.0
+    for name, counts in native.items():
+        k = probes.get("kernels", {}).get(name)
+        if not k or k.get("error") or k["band"][0] is None:
+            continue
+        total += sum(counts.get(s, 0) * ms / 1e3 * k["band"][0]
+                     for s, ms in zip(shapes, per_shape, strict=False) if ms is not None)
+    return total
+
+
+def sensitivity_gemms(run: Any) -> Any:
+    """The dtype whose GEMMs phase 4's sensitivity computes as fp32 products rounded to it
+    (:func:`autoprec.search.trials.region_sensitivity`'s ``fp32_gemms``), said in the log: its
+    kernel, the first searched (``run.space.low_dtypes[0]``), is native and the probe measured it
+    :data:`EMULATE_AT` or more times the fp32-compute kernel's time (:func:`autocast_gemms_in_fp32`,
+    torch.autocast's rule). None otherwise (the sensitivity then runs the kernel itself)."""
+    low = run.space.low_dtypes[0] if run.space.low_dtypes else None
+    dtype, compute = kernel_fields(low) if low is not None else (None, None)
+    if dtype not in LOW_DTYPES or compute is not None:
+        return None
+    why = autocast_gemms_in_fp32(run.probes, to_torch(dtype))
+    if why is not None:
+        log(f"sensitivity: {dtype} GEMMs computed as fp32 products rounded once to {dtype}, the same "
+            f"roundings ({why})", run.quiet)
+    return to_torch(dtype) if why is not None else None
+
+
 def autocast_cannot_win(probes: dict[str, Any], ac_dtype: Any, slow_s: float) -> str | None:
     """Why torch.autocast cannot be the baseline to beat, eager or compiled, so its native steps are
     not run: the probe's native ``ac_dtype`` GEMMs at the model's forward matmul shapes alone take
@@ -115,12 +155,12 @@ def autocast_cannot_win(probes: dict[str, Any], ac_dtype: Any, slow_s: float) ->
     because it cannot win (``autoprec.search.study.SLOW_RATIO`` fp32 eager steps). None otherwise,
     or when the native kernel failed or was not probed.
 
-    The bound is a lower one: fp32's GEMM seconds (``probes["fp32"]["ms"]``) times the low end of
-    the native kernel's ratio band; a training step runs those GEMMs once in its forward and twice
-    as many in its backward, and torch.compile keeps them (Inductor's default mode calls the same
-    ATen GEMM kernels; its own GEMM templates are max-autotune's). An AVX2-only CPU measured native
-    bf16 GEMMs 39-61x fp32's (``benchmarks/results/depth_2026-12-05f_schemas``): a 24-layer Qwen2's
-    forward GEMMs alone ~6.7 s against a 1.70 s limit. ``probes`` is ``KernelProbe.to_dict()``.
+    The bound is fp32's GEMM seconds (``probes["fp32"]["ms"]``) times the low end of the native
+    kernel's ratio band (:func:`native_gemm_floor_s` with every GEMM native); torch.compile
+    keeps those GEMMs (Inductor's default mode calls the same ATen GEMM kernels; its own GEMM
+    templates are max-autotune's). An AVX2-only CPU measured native bf16 GEMMs 39-61x fp32's
+    (``benchmarks/results/depth_2026-12-05f_schemas``): a 24-layer Qwen2's forward GEMMs alone
+    ~6.7 s against a 1.70 s limit. ``probes`` is ``KernelProbe.to_dict()``.
     """
     name = NAMES.get(ac_dtype)
     native = probes.get("kernels", {}).get(name or "")
@@ -132,6 +172,24 @@ def autocast_cannot_win(probes: dict[str, Any], ac_dtype: Any, slow_s: float) ->
         return None
     return (f"its native {name} GEMMs alone take {low_s:.3g} s or more per step (>= {ratio:.3g}x fp32's "
             f"{fp32_ms:.3g} ms at the model's forward shapes), over the {slow_s:.3g} s slow-step limit")
+
+
+def trial_cannot_win(probes: dict[str, Any], gm: Any, slow_s: float) -> str | None:
+    """Why a search trial is not run at all: the native low-precision GEMMs of its assigned graph
+    ``gm`` (:func:`autoprec.search.gemms.native_low_counts`) alone take longer than ``slow_s``
+    seconds per step by the probe's bound (:func:`native_gemm_floor_s`), so its first drift pass
+    would trip the slow-step limit the screening cut applies from batch 0
+    (:mod:`autoprec.search.screen_cut`), after seconds of native GEMMs (``tune --dtypes bf16`` on an
+    AVX2 CPU: 9.3 s for one pass of a 24-layer Qwen2 in native bf16 against a 1.7 s limit). None
+    when the bound is within the limit (or no native kernel was probed). E.g. ``"its 120 native bf16
+    GEMMs alone take 6.9 s or more per step (probe), over the 1.7 s slow-step limit"``."""
+    native = native_low_counts(gm)
+    floor = native_gemm_floor_s(probes, native)
+    if not floor > slow_s:
+        return None
+    n = sum(sum(c.values()) for c in native.values())
+    return (f"its {n} native {'/'.join(native)} GEMMs alone take {floor:.3g} s or more per step "
+            f"(the kernel probe's bound), over the {slow_s:.3g} s slow-step limit")
 
 
 def measure_autocast_eager(run: Any) -> Measurement:

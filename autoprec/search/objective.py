@@ -17,6 +17,7 @@ import math
 import os
 import socket
 import time
+from collections.abc import Callable
 from typing import Any
 
 import optuna
@@ -81,12 +82,18 @@ class Objective:
             feasible trials that go on to the finalists: a trial's passes stop once it is clearly
             slower than the k-th of those measured so far, or far over the drift budget. None:
             every trial runs all its passes.
+        cannot_win: With the screening cut, ``cannot_win(assigned graph)`` says why a trial is
+            not run at all (its native GEMMs alone are over the slow-step limit by the kernel
+            probe's bound, :func:`autoprec.search.kernel_choice.trial_cannot_win`), or None. Such a
+            trial is recorded COMPLETE and cut, with no drift batch (``grad_rel_l2`` and peak
+            bytes inf to the sampler, tokens/s 0), and is never a finalist.
     """
 
     def __init__(self, harness: Harness, space: SearchSpace, budget: DriftBudget, max_step_s: float,
-                 finalists: int | None = None) -> None:
+                 finalists: int | None = None,
+                 cannot_win: Callable[[torch.fx.GraphModule], str | None] | None = None) -> None:
         self.harness, self.space, self.budget, self.max_step_s = harness, space, budget, max_step_s
-        self.finalists = finalists
+        self.finalists, self.cannot_win = finalists, cannot_win
 
     def __call__(self, trial: optuna.Trial) -> tuple[float, float, float] | float:
         try:
@@ -127,6 +134,11 @@ class Objective:
             _constrain(trial, float(prior.user_attrs.get(attrs.CONSTRAINT, attrs.INFEASIBLE)))
             trial.set_user_attr(attrs.REUSED_FROM, prior.number)
             return tuple(prior.values) if prior.values else math.nan
+        why = self.cannot_win(assigned.graph_module) if cut is not None and self.cannot_win else None
+        if why is not None:  # its first pass would trip the slow-step limit: not run
+            _record(trial, Measurement(cut=f"{why}: not run"), self.budget)
+            trial.set_user_attr(attrs.PEAK_BYTES, None)  # not measured
+            return 0.0, math.inf, math.inf
         try:
             lowered = lowering_passes(gm, policy)[1:].resume(assigned, owned=True)  # read no more
         except Exception as e:

@@ -51,6 +51,8 @@ from autoprec.search.kernel_choice import (
     measure_autocast_eager,
     probe_decision,
     probe_phase,
+    sensitivity_gemms,
+    trial_cannot_win,
 )
 from autoprec.search.objective import Objective, name_nonfinite
 from autoprec.search.phases import accounted, phase_bar
@@ -293,7 +295,7 @@ def _search(run: _Run, storage: str, study_name: str, seed: int, trials: int | N
         regions = len(run.space.region_params()) if run.space.low_dtypes else 0
         with (run.clock("sensitivity_s"),
               phase_bar("sensitivity", regions, run.progress and regions > 0) as bar):
-            sens = region_sensitivity(run.harness, run.space, bar.step)
+            sens = region_sensitivity(run.harness, run.space, bar.step, sensitivity_gemms(run))
         if sens:
             study.set_user_attr(attrs.SENSITIVITY, sens)
             log("sensitivity (grad_rel_l2 with only that region lowered): "
@@ -305,7 +307,8 @@ def _search(run: _Run, storage: str, study_name: str, seed: int, trials: int | N
         log(f"no low dtype is searched (none measured faster than fp32 here), so every policy is all-fp32: "
             f"1 trial instead of {target} (--dtypes bf16,fp16 searches them anyway)", run.quiet)
         target = 1
-    objective = Objective(run.harness, run.space, run.budget, max_step_s=run.slow, finalists=cut_k)
+    objective = Objective(run.harness, run.space, run.budget, max_step_s=run.slow, finalists=cut_k,
+                          cannot_win=lambda gm: trial_cannot_win(run.probes, gm, run.slow))
     with run.clock("trials_s"):
         optimize(study, objective, target, timeout, progress)
     if cut_k is not None:

@@ -4,13 +4,16 @@ ones are listed by :func:`autoprec.search.pool.feasible`."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable
 
 import optuna
+import torch
 
 from autoprec._interrupt import check as check_interrupt
+from autoprec.kernels.fp32_gemms import Fp32ComputeGemms
 from autoprec.measure import Harness, Measurement
 from autoprec.passes import run_pipeline
 from autoprec.search import attrs
@@ -33,7 +36,8 @@ _ROUNDS = 4
 
 
 def region_sensitivity(harness: Harness, space: SearchSpace,
-                       on_region: Callable[[str], None] | None = None) -> dict[str, float]:
+                       on_region: Callable[[str], None] | None = None,
+                       fp32_gemms: torch.dtype | None = None) -> dict[str, float]:
     """``grad_rel_l2`` when only one region (a layer block's matmuls, a run of blocks', or one
     outside matmul: :meth:`SearchSpace.region_params`) is lowered to the fastest low dtype and
     everything else stays fp32, the mean over the first :data:`SENSITIVITY_BATCHES` drift batches
@@ -42,7 +46,11 @@ def region_sensitivity(harness: Harness, space: SearchSpace,
     usable; a region that cannot be lowered or drifts to a non-finite value gets
     :data:`attrs.INFEASIBLE` (one that overflows only on a later batch ranks by its first ones; the
     trials measure all K). ``on_region(name)`` is called as each region begins (a progress bar's
-    step)."""
+    step). ``fp32_gemms``: the low kernel is native and slow here (the probe's rule,
+    :func:`autoprec.search.kernel_choice.autocast_gemms_in_fp32`), so its GEMMs in this dtype are
+    computed as fp32 products rounded once to it (:class:`autoprec.kernels.fp32_gemms.Fp32ComputeGemms`:
+    the same roundings; ``tune --dtypes bf16`` on an AVX2 CPU, where a native bf16 pass of a 24-layer
+    Qwen2 takes ~9 s)."""
     if not space.low_dtypes:
         return {}
     low = space.low_dtypes[0]
@@ -55,7 +63,8 @@ def region_sensitivity(harness: Harness, space: SearchSpace,
         pol = space.to_policy(base | {name: low})
         try:
             gm = run_pipeline(harness.graph_module, pol).graph_module
-            g = harness.drift(gm, make_scaler(pol), stop=_ranked).grad_rel_l2
+            with Fp32ComputeGemms(fp32_gemms) if fp32_gemms is not None else contextlib.nullcontext():
+                g = harness.drift(gm, make_scaler(pol), stop=_ranked).grad_rel_l2
         except Exception:  # a region that cannot be lowered is maximally sensitive
             g = math.inf
         out[name] = g if math.isfinite(g) else attrs.INFEASIBLE
