@@ -72,8 +72,9 @@ class MixedPrecisionModule(nn.Module):
     it was captured with, not Trainer's ``num_items_in_batch``, so Trainer averages the per-batch
     loss over gradient accumulation itself. Gradient checkpointing cannot be switched on after
     the capture (``gradient_checkpointing_enable`` raises; the policy's ``activation_memory_budget``
-    is autoprec's way to trade compute for activation memory), and a call under ``torch.autocast``
-    (``Trainer(bf16=True)``/``fp16=True``) raises ``ValueError``: the policy sets the dtypes.
+    is autoprec's way to trade compute for activation memory), and a training-mode call under
+    ``torch.autocast`` (``Trainer(bf16=True)``/``fp16=True``) raises ``ValueError``: the policy sets
+    the dtypes. In eval mode a call is the model's own forward (fp32, dropout off; :meth:`forward`).
 
     Attributes:
         model: The original model (its Parameters are the ones trained).
