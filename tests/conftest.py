@@ -86,3 +86,20 @@ def pytest_collection_modifyitems(config, items):
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+def spy_fp32_gemms(monkeypatch, module) -> tuple[list, type]:
+    """Replace ``module.Fp32ComputeGemms`` by a subclass that records every instance made, so a test
+    sees how many passes ran under the mode and how many GEMMs each computed (``mode.count``).
+    Returns ``(instances, the subclass)``."""
+    from autoprec.kernels.fp32_gemms import Fp32ComputeGemms
+
+    modes: list = []
+
+    class Spy(Fp32ComputeGemms):
+        def __init__(self, dtype):
+            super().__init__(dtype)
+            modes.append(self)
+
+    monkeypatch.setattr(module, "Fp32ComputeGemms", Spy)
+    return modes, Spy

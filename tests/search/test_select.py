@@ -302,21 +302,13 @@ def test_autocasts_trajectory_with_gemms_in_fp32_is_its_native_one(monkeypatch):
     """On a real model (micro_lm, 3 AdamW steps) torch.autocast(bf16)'s losses with its GEMMs
     computed in fp32 (rounded as native ones round; every step's GEMMs go through the mode) match
     its native losses to within bf16's summation-order noise, far closer than either is to fp32's."""
-    from autoprec.kernels import fp32_gemms
     from autoprec.measure import Harness
     from autoprec.measure import harness as harness_mod
     from autoprec.metrics import traj_rel
     from autoprec.modelspec import load_model_spec
-    from tests.conftest import MODELS
+    from tests.conftest import MODELS, spy_fp32_gemms
 
-    modes: list[fp32_gemms.Fp32ComputeGemms] = []
-
-    class Spy(fp32_gemms.Fp32ComputeGemms):
-        def __init__(self, dtype):
-            super().__init__(dtype)
-            modes.append(self)
-
-    monkeypatch.setattr(harness_mod, "Fp32ComputeGemms", Spy)
+    modes, _ = spy_fp32_gemms(monkeypatch, harness_mod)
     h = Harness(load_model_spec(MODELS / "micro_lm.py"), torch.device("cpu"), warmup=1, steps=2)
     fp32 = h.trajectory(h.graph_module, steps=3)
     native = h.trajectory(h.model, autocast_dtype=torch.bfloat16, steps=3)

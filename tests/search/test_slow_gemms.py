@@ -9,7 +9,6 @@ import pytest
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from autoprec.kernels import fp32_gemms
 from autoprec.measure import Harness
 from autoprec.measure import harness as harness_mod
 from autoprec.modelspec import load_model_spec
@@ -18,7 +17,7 @@ from autoprec.search.decide import DriftBudget
 from autoprec.search.kernel_choice import EMULATE_AT, autocast_gemms_in_fp32
 from autoprec.search.progress import Clock
 from autoprec.search.select import Selector
-from tests.conftest import MODELS
+from tests.conftest import MODELS, spy_fp32_gemms
 
 
 def _probes(native_band, fp32c_band, native_error=""):
@@ -53,13 +52,7 @@ def test_autocast_drift_under_fp32_gemms_is_its_drift_and_its_speed_is_timed_nat
     """``measure(..., fp32_gemms=True)``: the drift passes run under Fp32ComputeGemms (GEMMs counted)
     and give native torch.autocast's drift within 2%; the steps are then timed by ``_time`` outside
     the mode (a screened eager measurement would take them from the passes instead)."""
-    modes: list[fp32_gemms.Fp32ComputeGemms] = []
-
-    class Spy(fp32_gemms.Fp32ComputeGemms):
-        def __init__(self, dtype):
-            super().__init__(dtype)
-            modes.append(self)
-
+    modes, Spy = spy_fp32_gemms(monkeypatch, harness_mod)
     timed_in_mode: list[bool] = []
     real_time = Harness._time
 
@@ -67,7 +60,6 @@ def test_autocast_drift_under_fp32_gemms_is_its_drift_and_its_speed_is_timed_nat
         timed_in_mode.append(isinstance(_get_current_dispatch_mode(), Spy))
         return real_time(self, *a, **kw)
 
-    monkeypatch.setattr(harness_mod, "Fp32ComputeGemms", Spy)
     monkeypatch.setattr(Harness, "_time", spy_time)
     bf16 = torch.bfloat16
     native = harness.measure(harness.model, autocast_dtype=bf16, screen=True)

@@ -108,22 +108,14 @@ def test_sensitivity_with_gemms_in_fp32_ranks_as_the_native_kernel_does(monkeypa
     """micro_lm, native bf16: each region's sensitivity with its bf16 GEMMs as fp32 products rounded
     to bf16 (the mode counts them) is the native one within 5% (only the summation order differs),
     so the ranking holds."""
-    from autoprec.kernels import fp32_gemms
     from autoprec.measure import Harness
     from autoprec.modelspec import load_model_spec
     from autoprec.search import trials
     from autoprec.search.space import SearchSpace, find_blocks, outside_matmuls
     from autoprec.search.trials import region_sensitivity
-    from tests.conftest import MODELS
+    from tests.conftest import MODELS, spy_fp32_gemms
 
-    modes: list[fp32_gemms.Fp32ComputeGemms] = []
-
-    class Spy(fp32_gemms.Fp32ComputeGemms):
-        def __init__(self, dtype):
-            super().__init__(dtype)
-            modes.append(self)
-
-    monkeypatch.setattr(trials, "Fp32ComputeGemms", Spy)
+    modes, _ = spy_fp32_gemms(monkeypatch, trials)
 
     h = Harness(load_model_spec(MODELS / "micro_lm.py"), torch.device("cpu"), warmup=1, steps=2)
     blocks = find_blocks(h.graph_module)
