@@ -131,7 +131,7 @@ def native_gemm_floor_s(probes: dict[str, Any], native: dict[str, dict[Shape, in
     return total
 
 
-def sensitivity_gemms(run: Any) -> Any:
+def sensitivity_gemms(run: Any) -> Any:  # torch.dtype | None
     """The dtype whose GEMMs phase 4's sensitivity computes as fp32 products rounded to it
     (:func:`autoprec.search.trials.region_sensitivity`'s ``fp32_gemms``), said in the log: its
     kernel, the first searched (``run.space.low_dtypes[0]``), is native and the probe measured it
@@ -181,8 +181,9 @@ def trial_cannot_win(probes: dict[str, Any], gm: Any, slow_s: float) -> str | No
     would trip the slow-step limit the screening cut applies from batch 0
     (:mod:`autoprec.search.screen_cut`), after seconds of native GEMMs (``tune --dtypes bf16`` on an
     AVX2 CPU: 9.3 s for one pass of a 24-layer Qwen2 in native bf16 against a 1.7 s limit). None
-    when the bound is within the limit (or no native kernel was probed). E.g. ``"its 120 native bf16
-    GEMMs alone take 6.9 s or more per step (probe), over the 1.7 s slow-step limit"``."""
+    when the bound is within the limit (or no native kernel was probed). E.g. ``"its 169 native bf16
+    GEMMs alone take 6.9 s or more per step (the kernel probe's bound), over the 1.7 s slow-step
+    limit"``."""
     native = native_low_counts(gm)
     floor = native_gemm_floor_s(probes, native)
     if not floor > slow_s:
