@@ -97,7 +97,10 @@ def test_tune_max_memory_fits_by_recomputation(tmp_path, capsys, wide_compiled):
     assert 0.0 <= pol.activation_memory_budget < 1.0
     assert pol.measured["peak_bytes"] <= budget and pol.measured["memory_budget_bytes"] == budget
     assert res.policy == pol
-    assert "activation memory budget" in capsys.readouterr().out
+    log = capsys.readouterr().out
+    assert "activation memory budget" in log
+    chosen = next(line for line in log.splitlines() if line.startswith("[autoprec] chosen:"))
+    assert "fp32 + torch.compile, trial" not in chosen and "with activation memory budget" in chosen, chosen
 
 
 def test_tune_memory_budget_nothing_fits_eager(tmp_path):
@@ -217,3 +220,23 @@ def test_cli_budget_below_parameter_state_fails_before_capture(tmp_path, capsys,
     n_sgd = sum(p.numel() for p in load_model_spec(sgd).build_model().parameters())
     assert main(["tune", str(sgd), "--max-memory", "1000", "--out", str(out), "--device", "cpu"]) == 2
     assert f"SGD state of this model alone: {n_sgd:,} parameters need at least" in capsys.readouterr().err
+
+
+def test_a_finalist_fitted_with_a_lever_is_named_by_it_and_not_as_the_fp32_baseline():
+    """The memory fit turns the all-fp32 finalist into another computation (bf16 saved activations,
+    or recomputation, which ``all_fp32`` no longer counts as the baseline): its label drops
+    "fp32 + torch.compile" and names the lever; a policy without a lever keeps its label."""
+    import dataclasses
+
+    from autoprec.search.select import fitted_label
+    from autoprec.search.space import with_saved
+
+    base = "fp32 + torch.compile, trial 0 (eager 867 tok/s)"
+    assert fitted_label(base, with_saved(Policy.fp32(), "bf16")) == (
+        "trial 0 (eager 867 tok/s) with saved bf16 activations")
+    recompute = dataclasses.replace(Policy.fp32(), activation_memory_budget=0.4)
+    assert fitted_label(base, recompute) == "trial 0 (eager 867 tok/s) with activation memory budget 0.4"
+    assert fitted_label("all-fp32", recompute) == "all-fp32 with activation memory budget 0.4"
+    assert fitted_label("trial 3 (eager 900 tok/s)", with_saved(Policy.default("bf16"), "fp8_e5m2")) == (
+        "trial 3 (eager 900 tok/s) with saved fp8_e5m2 activations")
+    assert fitted_label(base, Policy.fp32()) == base
