@@ -43,21 +43,17 @@ __all__ = ["AUTOCAST_COMPILED", "AUTOCAST_EAGER", "FP32_COMPILED", "FP32_EAGER",
 
 
 def fitted_label(label: str, pol: Policy) -> str:
-    """A finalist's label once the memory fit has given its policy a lever: the lever named, and
-    no longer called fp32 + torch.compile (a baseline, :func:`autoprec.search.final.all_fp32`)
-    when the lever makes it another computation, e.g. ``"fp32 + torch.compile, trial 0 (eager 867
-    tok/s)"`` -> ``"trial 0 (eager 867 tok/s) with saved bf16 activations"``. Unchanged when
-    ``pol`` has no lever."""
-    saved = sorted({r.saved for r in pol.rules if r.saved})
-    levers = [f"saved {'/'.join(saved)} activations"] if saved else []
-    if pol.activation_memory_budget < 1.0:
-        levers.append(f"activation memory budget {pol.activation_memory_budget:g}")
-    if not levers:
+    """A finalist's label once the memory fit has given its policy a lever
+    (:func:`autoprec.search.memory_fit.lever`): the lever named, and no longer called fp32 +
+    torch.compile (a baseline, :func:`autoprec.search.final.all_fp32`) when the lever makes it
+    another computation, e.g. ``"fp32 + torch.compile, trial 0 (eager 867 tok/s)"`` ->
+    ``"trial 0 (eager 867 tok/s) with saved bf16"``. Unchanged when ``pol`` has no lever."""
+    if lever(pol) == "none":
         return label
     for base in (FP32_COMPILED, FP32_GRAPH):
         if label.startswith(base + ", ") and not all_fp32(pol):
             label = label[len(base) + 2:]
-    return f"{label} with {' and '.join(levers)}"
+    return f"{label} with {lever(pol)}"
 
 
 class Selector:

@@ -100,7 +100,7 @@ def test_tune_max_memory_fits_by_recomputation(tmp_path, capsys, wide_compiled):
     log = capsys.readouterr().out
     assert "activation memory budget" in log
     chosen = next(line for line in log.splitlines() if line.startswith("[autoprec] chosen:"))
-    assert "fp32 + torch.compile, trial" not in chosen and "with activation memory budget" in chosen, chosen
+    assert "fp32 + torch.compile, trial" not in chosen and " with recompute " in chosen, chosen
 
 
 def test_tune_memory_budget_nothing_fits_eager(tmp_path):
@@ -233,10 +233,10 @@ def test_a_finalist_fitted_with_a_lever_is_named_by_it_and_not_as_the_fp32_basel
 
     base = "fp32 + torch.compile, trial 0 (eager 867 tok/s)"
     assert fitted_label(base, with_saved(Policy.fp32(), "bf16")) == (
-        "trial 0 (eager 867 tok/s) with saved bf16 activations")
+        "trial 0 (eager 867 tok/s) with saved bf16")
     recompute = dataclasses.replace(Policy.fp32(), activation_memory_budget=0.4)
-    assert fitted_label(base, recompute) == "trial 0 (eager 867 tok/s) with activation memory budget 0.4"
-    assert fitted_label("all-fp32", recompute) == "all-fp32 with activation memory budget 0.4"
+    assert fitted_label(base, recompute) == "trial 0 (eager 867 tok/s) with recompute 0.4"
+    assert fitted_label("all-fp32", recompute) == "all-fp32 with recompute 0.4"
     assert fitted_label("trial 3 (eager 900 tok/s)", with_saved(Policy.default("bf16"), "fp8_e5m2")) == (
-        "trial 3 (eager 900 tok/s) with saved fp8_e5m2 activations")
+        "trial 3 (eager 900 tok/s) with saved fp8_e5m2")
     assert fitted_label(base, Policy.fp32()) == base
