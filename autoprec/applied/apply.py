@@ -123,8 +123,8 @@ class MixedPrecisionModule(nn.Module):
 
         In eval mode (``mp.eval()``, as Hugging Face ``Trainer.evaluate`` and Lightning's validation
         set it) the call is the model's own forward instead, in fp32 and eval mode (dropout off),
-        with any batch shape: the graph is the training graph, traced in training mode
-        (:func:`autoprec.capture.capture`), whose dropout would draw masks at evaluation. The
+        with any batch shape: the graph is the training graph (:func:`autoprec.capture.capture`),
+        whose dropout would draw masks at evaluation. The
         Lightning plugin evaluates the same way (:mod:`autoprec.integrations.lightning`).
 
         Args:
@@ -258,7 +258,9 @@ class MixedPrecisionModule(nn.Module):
     def train(self, mode: bool = True) -> MixedPrecisionModule:
         """Set this module's and the wrapped model's training flag: in training mode a call runs
         the lowered graph, in eval mode the model's own forward (:meth:`forward`). A new module is
-        in training mode, whatever mode the model was applied in."""
+        in training mode, whatever mode the model was applied in. This module's flag decides:
+        ``model.eval()`` on the wrapped model alone does not switch it, and the graph keeps the
+        submodule modes it was captured in (:func:`autoprec.capture.capture`)."""
         self.model.train(mode)
         return super().train(mode)
 

@@ -60,10 +60,13 @@ def capture(model: nn.Module, example_batch: Any, dynamic: bool = False,
     """Capture ``model``'s forward on ``example_batch`` as an ATen ``GraphModule``.
 
     Args:
-        model: The model, fp32 weights. It is not modified, and it is traced in training mode
-            (``model.train()``: dropout draws its masks, as a trainer's steps run it) whatever
-            mode it is in, then left in that mode: ``from_pretrained`` returns a model in eval
-            mode, and a graph traced so would train without its configured dropout.
+        model: The model, fp32 weights. It is not modified. It is traced as training runs it: a
+            model wholly in eval mode (every module's ``training`` False, as ``from_pretrained``
+            returns it) is traced in training mode (``model.train()``: dropout draws its masks;
+            traced so, it would train without its configured dropout); a model with any module
+            in training mode is traced in the modes its modules are in (a submodule left in eval
+            mode on purpose, e.g. a frozen BatchNorm, stays so in the graph). Every module's
+            flag is restored afterwards.
         example_batch: A dict (called as ``model(**batch)``), tuple/list (``model(*batch)``) or
             tensor, exactly as ``get_batch`` returns it. Shapes are specialised: the captured
             module must later be called with batches of the same structure and shapes.
@@ -122,9 +125,10 @@ def capture_planned(model: nn.Module, example_batch: Any, plan: DimPlan | None) 
     args, kwargs = split_batch(example_batch)
     fixed = training_kwargs(model, args, kwargs)
     _announce(model, fixed)
-    was_training = model.training
+    modes = [(m, m.training) for m in model.modules()]
     try:
-        model.train()  # the training graph (see capture's ``model``)
+        if not any(training for _m, training in modes):  # wholly in eval mode: the training graph
+            model.train()
         with quiet_pytree_deprecation(), quiet_partial_graph(), _training_forward(model, fixed):
             ep = export_program(model, args, kwargs, plan)
     except CaptureError:
@@ -132,7 +136,8 @@ def capture_planned(model: nn.Module, example_batch: Any, plan: DimPlan | None) 
     except Exception as e:  # torch raises many types here (UserError, GuardOnDataDependent...)
         raise CaptureError(explain_failure(e, model, example_batch, args, kwargs)) from e
     finally:
-        model.train(was_training)
+        for m, training in modes:  # each module's own flag (model.train(flag) would set them all)
+            m.training = training
     with quiet_pytree_deprecation():
         gm = ep.module()
     if plan is not None and plan.dynamic:

@@ -81,3 +81,32 @@ def test_compiled_module_evaluates_with_the_models_forward():
     got = _seeded(mp.train(), x, 4)
     assert mp.shape_stats["compiles"] == 1
     torch.testing.assert_close(got, _seeded(model, x, 4), rtol=1e-5, atol=1e-6)
+
+
+class FrozenNorm(nn.Module):
+    """x [B, 16] -> Linear(16, 32) -> BatchNorm1d(32) -> relu -> Linear(32, 4)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.bn, self.b = nn.Linear(16, 32), nn.BatchNorm1d(32), nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.bn(self.a(x))))
+
+
+def test_a_submodule_left_in_eval_mode_stays_so_in_the_graph_and_after_the_capture():
+    """A frozen BatchNorm (the model in training mode, its norm in eval mode on purpose): the graph
+    normalises with the running statistics and never updates them, as the model does, and every
+    module's flag is what it was (``model.train(flag)`` after the capture would have reset it)."""
+    torch.manual_seed(0)
+    model, x = FrozenNorm(), torch.randn(8, 16)
+    with torch.no_grad():
+        model(torch.randn(64, 16) * 3 + 1)  # running statistics away from 0 and 1
+    model.train()
+    model.bn.eval()
+    stats = model.bn.running_mean.clone()
+    mp = autoprec.apply(model, Policy.fp32(), x, compile=False, dynamic=False)
+    assert model.training and not model.bn.training
+    with torch.no_grad():
+        torch.testing.assert_close(mp(x), model(x), rtol=0, atol=0)
+    assert torch.equal(model.bn.running_mean, stats)
