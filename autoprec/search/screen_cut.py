@@ -114,12 +114,13 @@ def screening_cut(study: optuna.Study, k: int, budget: DriftBudget,
 
 def summary(study: optuna.Study, k: int) -> str:
     """One log line: how many of the study's complete trials the cut stopped, after how many
-    drift passes, and how many of those before a loss-scale back-off search (``"screening cut: 9
-    of 20 complete trials (drift passes run after 1: 6, after 2: 2; 3 before a loss-scale
-    back-off; 1 copied from a cut trial of the same graph), steps over 1.18x the 2nd fastest
-    feasible trial's or drift over 2x the budget"``). A trial's passes are its timed drift batches
-    (``autoprec:step_times``), or its measured ones (``autoprec:grad_rel_l2_batches``) where the
-    device gives no screening times; one timed pass more than it measured is a batch whose
+    drift passes (none: "not run", ``Objective``'s ``cannot_win``), and how many of those before a
+    loss-scale back-off search (``"screening cut: 9 of 20 complete trials (not run: 1; drift passes
+    run after 1: 5, after 2: 2; 3 before a loss-scale back-off; 1 copied from a cut trial of the
+    same graph), steps over 1.18x the 2nd fastest feasible trial's or drift over 2x the budget"``).
+    A trial's passes are its timed drift batches (``autoprec:step_times``), or its measured ones
+    (``autoprec:grad_rel_l2_batches``) where the device gives no screening times; one timed pass
+    more than it measured is a batch whose
     gradients overflowed and whose back-off search the cut spared
     (:func:`autoprec.measure.drift.measure_drift`). A copy ran no passes and is counted apart."""
     done = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
@@ -132,10 +133,12 @@ def summary(study: optuna.Study, k: int) -> str:
         timed = len(t.user_attrs.get(attrs.STEP_TIMES) or [])
         early += timed > measured
         after[max(timed, measured)] = after.get(max(timed, measured), 0) + 1
+    not_run = after.pop(0, 0)  # cut before batch 0 (search/kernel_choice.trial_cannot_win)
     where = ", ".join(f"after {n}: {c}" for n, c in sorted(after.items()))
+    parts = ([f"not run: {not_run}"] if not_run else []) + ([f"drift passes run {where}"] if where else [])
     spared = f"; {early} before a loss-scale back-off" if early else ""
     copied = f"; {copies} copied from a cut trial of the same graph" if copies else ""
-    run = f" (drift passes run {where}{spared}{copied})" if cut else ""
+    run = f" ({'; '.join(parts)}{spared}{copied})" if cut else ""
     return (f"screening cut: {len(cut)} of {len(done)} complete trials{run}, steps over "
             f"{1 / (1 - SPEED_MARGIN):.3g}x the {ordinal(k)} fastest feasible trial's or the slow-step "
             f"limit, or drift over {DRIFT_FACTOR:g}x the budget")

@@ -92,6 +92,8 @@ def test_tune_runs_no_trial_whose_native_gemms_cannot_win(tmp_path, monkeypatch,
     done = res.study.get_trials(states=(optuna.trial.TrialState.COMPLETE,))
     not_run = [t for t in done if "not run" in (t.user_attrs.get(attrs.CUT) or "")]
     assert not_run and len(not_run) < len(done)
+    line = next(x for x in log.splitlines() if "screening cut:" in x)
+    assert f"(not run: {len(not_run)}" in line, line
     for t in done:
         native = native_low_counts(_assigned(gm, Policy.from_dict(t.user_attrs[attrs.POLICY])))
         assert bool(native) == (t in not_run), t.number
