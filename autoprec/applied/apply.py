@@ -255,6 +255,24 @@ class MixedPrecisionModule(nn.Module):
             raise ValueError("load_state_dict(assign=True) would replace the Parameters the graph reads")
         return self.model.load_state_dict(state_dict, strict=strict)
 
+    def _apply(self, fn: Any, recurse: bool = True) -> MixedPrecisionModule:
+        """``nn.Module``'s conversion hook (``.to()``, ``.half()``, ``.cuda()``...), refusing a floating
+        dtype other than fp32 before anything is converted.
+
+        Raises:
+            ValueError: the conversion would make the model's Parameters, the fp32 master weights
+                the graph reads and training updates, another dtype (``mp.to(torch.float16)``,
+                ``mp.half()``); the policy decides what computes in bf16/fp16. ``.to(device)`` is
+                accepted.
+        """
+        dtype = fn(torch.zeros((), dtype=torch.float32)).dtype  # what it does to an fp32 tensor
+        if dtype != torch.float32:
+            raise ValueError(f"{self._what}: this conversion would make the model's Parameters {dtype}; "
+                             "they are the fp32 master weights the graph reads and training updates, and the "
+                             "policy decides what computes in bf16/fp16 (docs/architecture.md#runtime): move "
+                             "the module with .to(device) only")
+        return super()._apply(fn, recurse)
+
     def train(self, mode: bool = True) -> MixedPrecisionModule:
         """Set this module's and the wrapped model's training flag: in training mode a call runs
         the lowered graph, in eval mode the model's own forward (:meth:`forward`). A new module is
@@ -299,7 +317,9 @@ def apply(model: nn.Module, policy: Policy, example_batch: Any, compile: bool = 
         shape raises ``ValueError`` at call time).
 
     Raises:
-        CaptureError: the model cannot be captured; or it is already wrapped by
+        CaptureError: the model cannot be captured; a floating Parameter is not fp32 (names it:
+            ``model.half()`` or a checkpoint loaded in bf16; the policy sets the dtypes); or it is
+            already wrapped by
             ``DistributedDataParallel`` or FSDP2 (apply first, then :func:`autoprec.ddp` /
             :func:`autoprec.shard`).
         PassError: the policy cannot be applied to this graph (names the node).

@@ -22,6 +22,7 @@ import sys
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+import torch
 from torch import fx, nn
 
 from autoprec._torch_compat import export_assert_ops
@@ -91,7 +92,8 @@ def capture(model: nn.Module, example_batch: Any, dynamic: bool = False,
         per process per model class on the ``autoprec`` logger); ``gm.meta[CALL_KWARGS_META]`` records it.
 
     Raises:
-        CaptureError: ``torch.export`` failed; the message names the cause (a data-dependent
+        CaptureError: a floating Parameter of ``model`` is not fp32 (the message names it and says
+            how to convert); or ``torch.export`` failed; the message names the cause (a data-dependent
             branch, an op that cannot be traced, an output type that cannot be flattened, or
             torch's own message), the module class and the source line of the model code, and
             what to do; for a list batch, also how its items were bound to ``forward``'s
@@ -122,6 +124,7 @@ def capture_planned(model: nn.Module, example_batch: Any, plan: DimPlan | None) 
     Raises:
         CaptureError: as :func:`capture` (message: :func:`autoprec.capture.diagnose.explain_failure`).
     """
+    _check_fp32_parameters(model)
     args, kwargs = split_batch(example_batch)
     fixed = training_kwargs(model, args, kwargs)
     _announce(model, fixed)
@@ -207,3 +210,21 @@ def _check_shared_parameters(model: nn.Module, gm: fx.GraphModule) -> None:
                 f"captured graph holds a copy of parameter {name!r} instead of the model's own; "
                 "this torch version's export does not share parameters"
             )
+
+
+def _check_fp32_parameters(model: nn.Module) -> None:
+    """Raise CaptureError naming the first floating Parameter of ``model`` that is not fp32 (and
+    how many more there are): its Parameters are the fp32 master weights the graph reads and the
+    optimizer updates, and the policy alone decides what computes in bf16/fp16 (a ``model.half()``
+    applied with an fp32 policy silently trained fp16 weights without a loss scaler, C07/C08)."""
+    other = [(n, p.dtype) for n, p in model.named_parameters()
+             if p.is_floating_point() and p.dtype != torch.float32]
+    if other:
+        name, dtype = other[0]
+        more = f" (and {len(other) - 1} more not fp32)" if len(other) > 1 else ""
+        raise CaptureError(
+            f"{type(model).__name__}: parameter {name!r} is {dtype}{more}; autoprec captures an fp32 model: "
+            "its Parameters are the fp32 master weights that training updates, and the policy decides what "
+            "computes in bf16/fp16 (docs/architecture.md#runtime). Convert it first: model.float(), or "
+            "from_pretrained(..., dtype=torch.float32) (transformers 5 loads a checkpoint in its saved dtype "
+            "by default)")

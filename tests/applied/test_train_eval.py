@@ -110,3 +110,20 @@ def test_a_submodule_left_in_eval_mode_stays_so_in_the_graph_and_after_the_captu
     with torch.no_grad():
         torch.testing.assert_close(mp(x), model(x), rtol=0, atol=0)
     assert torch.equal(model.bn.running_mean, stats)
+
+
+@pytest.mark.parametrize("convert", ["half", "bfloat16", "double", "to_fp16"])
+def test_a_dtype_conversion_of_the_module_is_refused_and_converts_nothing(convert):
+    """``mp.half()`` / ``mp.to(torch.float16)`` after apply failed inside the graph with a mixed-dtype
+    RuntimeError (and ``double()`` silently trained float64): refused, the Parameters left fp32;
+    ``.to(device)`` and ``.float()`` still work."""
+    torch.manual_seed(0)
+    model, x = DropNet(), torch.randn(8, 16)
+    mp = autoprec.apply(model, Policy.fp32(), x, compile=False, dynamic=False)
+    call = (lambda: mp.to(torch.float16)) if convert == "to_fp16" else getattr(mp, convert)
+    with pytest.raises(ValueError, match=r"MixedPrecisionModule of DropNet: this conversion would make the "
+                                         r"model's Parameters torch\.\w+; they are the fp32 master weights"):
+        call()
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert mp.to("cpu") is mp and mp.float() is mp
+    assert mp(x).dtype == torch.float32

@@ -130,3 +130,18 @@ def test_value_used_as_a_size_is_not_called_a_branch():
     assert "k = int(y.argmax().item())" in msg and "torch._check" in msg
     assert ("torch.cond" not in msg and "an `if` on tensor values" not in msg
             and "a data-dependent branch" not in msg)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_a_model_not_in_fp32_is_refused_naming_its_first_parameter(dtype):
+    """``model.half()`` (or a checkpoint loaded in its saved bf16) before apply trained low-precision
+    weights without fp32 master weights or a loss scaler, silently; float64 failed in a pass with an
+    unknown-dtype error. Refused before the export, naming the parameter, its dtype and the fix."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)).to(dtype)
+    with pytest.raises(CaptureError, match=rf"Sequential: parameter '0.weight' is {dtype} \(and 3 more not "
+                                           r"fp32\); autoprec captures an fp32 model.*model\.float\(\)"):
+        capture(model, torch.randn(3, 4, dtype=dtype))
+    half_head = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    half_head[1].to(dtype)
+    with pytest.raises(CaptureError, match=rf"parameter '1.weight' is {dtype} \(and 1 more not fp32\)"):
+        capture(half_head, torch.randn(3, 4))
