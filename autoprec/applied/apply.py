@@ -319,9 +319,8 @@ def apply(model: nn.Module, policy: Policy, example_batch: Any, compile: bool = 
     Raises:
         CaptureError: the model cannot be captured; a floating Parameter is not fp32 (names it:
             ``model.half()`` or a checkpoint loaded in bf16; the policy sets the dtypes); or it is
-            already wrapped by
-            ``DistributedDataParallel`` or FSDP2 (apply first, then :func:`autoprec.ddp` /
-            :func:`autoprec.shard`).
+            already wrapped by ``DistributedDataParallel`` or FSDP2 (apply first, then
+            :func:`autoprec.ddp` / :func:`autoprec.shard`).
         PassError: the policy cannot be applied to this graph (names the node).
         PolicyError: no rule of the policy selects a node of this graph (without ``force``).
 
