@@ -13,6 +13,7 @@ from torch import fx, nn
 
 from autoprec.applied.compile import CompiledGraph, compile_graph
 from autoprec.applied.model_facade import (
+    ParameterSnapshot,
     check_no_autocast,
     check_not_fully_sharded,
     check_not_wrapped,
@@ -113,6 +114,7 @@ class MixedPrecisionModule(nn.Module):
         object.__setattr__(self, "_fn",
                            compile_graph(flat, policy.activation_memory_budget) if compile else flat)
         object.__setattr__(self, "_inputs", InputShapes(graph_module, what=type(self).__name__))
+        object.__setattr__(self, "_params", ParameterSnapshot(model))  # None under FSDP2 (autoprec.shard)
         self._fixed = dict(graph_module.meta.get(CALL_KWARGS_META, {}))
         self._what = f"{type(self).__name__} of {type(model).__name__}"
         object.__setattr__(self, "_recapture", None)  # set by apply(dynamic=True, strict_shapes=False)
@@ -148,12 +150,15 @@ class MixedPrecisionModule(nn.Module):
                 ``use_cache=True``; ``use_cache=False`` is accepted). Or it runs under
                 ``torch.autocast`` (e.g. ``Trainer(bf16=True)``), which would override the policy.
                 Or FSDP2's ``fully_shard`` wrapped this module directly (use :func:`autoprec.shard`).
-                In eval mode only the last; the rest is the model's own forward's.
+                Or the model's Parameters were replaced since ``apply`` (:class:`ParameterSnapshot`).
+                In eval mode only the FSDP2 one; the rest is the model's own forward's.
         """
         check_not_fully_sharded(self, self._what)
         if not self.training:
             return self.model(*args, **kwargs)
         check_no_autocast(self._what)
+        if self._params is not None:
+            self._params.check(self.model, self._what)
         kwargs = drop_fixed_kwargs(kwargs, self._fixed, self._what)
         try:
             self._inputs.check(args, kwargs)

@@ -15,7 +15,8 @@ from torch import nn
 
 from autoprec.errors import CaptureError
 
-__all__ = ["check_no_autocast", "check_not_fully_sharded", "check_not_wrapped", "model_attr", "signed_class"]
+__all__ = ["ParameterSnapshot", "check_no_autocast", "check_not_fully_sharded", "check_not_wrapped",
+           "model_attr", "signed_class"]
 
 
 def model_attr(name: str, doc: str) -> property:
@@ -142,3 +143,38 @@ def check_not_fully_sharded(module: nn.Module, what: str) -> None:
         raise ValueError(f"{what} was wrapped by fully_shard directly; FSDP2 does not see the Parameters "
                          "its graph reads, so training would be wrong: shard it with autoprec.shard(mp) "
                          "instead (docs/distributed.md)")
+
+
+class ParameterSnapshot:
+    """The wrapped model's Parameters as ``apply`` captured them (``named_parameters()``: names and
+    the Parameter objects), so a training call notices one replaced since: the graph reads the
+    captured ones, so after ``model.load_state_dict(..., assign=True)`` it trained the old tensors
+    while the optimizer held the new ones (no gradient reached them), silently, and after
+    ``resize_token_embeddings`` it failed inside the graph with a shape error. A deep copy of the
+    module (an EMA copy) copies the snapshot with the model, so it matches the copy's Parameters.
+
+    Args:
+        model: The wrapped model, as captured.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.params = [(n, p, p.shape) for n, p in model.named_parameters()]
+
+    def check(self, model: nn.Module, what: str) -> None:
+        """Raise unless ``model``'s Parameters are the snapshot's (same names, same objects of the
+        same shapes, same order; about a microsecond per Parameter). ``resize_token_embeddings``
+        keeps the Parameter object and gives it new data of another shape.
+
+        Raises:
+            ValueError: one was replaced, reshaped, added or removed; names the first and what to do.
+        """
+        now = list(model.named_parameters())
+        differs = [n for (n, p), (m, q, shape) in zip(now, self.params)
+                   if n != m or p is not q or p.shape != shape]
+        if not differs and len(now) == len(self.params):
+            return
+        changed = differs[0] if differs else f"{len(now)} Parameters against {len(self.params)}"
+        raise ValueError(f"{what}: the model's Parameters changed since autoprec.apply ({changed}: e.g. "
+                         "model.load_state_dict(..., assign=True), resize_token_embeddings or a replaced "
+                         "module); the graph reads the ones it captured. Load weights in place "
+                         "(mp.load_state_dict(state)) or apply the policy again")

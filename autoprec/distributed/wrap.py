@@ -133,6 +133,7 @@ def shard(mp: MixedPrecisionModule, mesh: Any = None, policy: Policy | None = No
     mesh = mesh if mesh is not None else init_device_mesh(dev.type, (dist.get_world_size(),))
     reduce = torch.bfloat16 if policy.grad_reduce_dtype == "bf16" else None
     root = ShardedModule(mp)
+    object.__setattr__(mp, "_params", None)  # FSDP2 swaps the model's Parameters around every call
     fully_shard(root, mesh=mesh, reshard_after_forward=reshard_after_forward,
                 mp_policy=MixedPrecisionPolicy(reduce_dtype=reduce))
     return root

@@ -127,3 +127,39 @@ def test_a_dtype_conversion_of_the_module_is_refused_and_converts_nothing(conver
     assert all(p.dtype == torch.float32 for p in model.parameters())
     assert mp.to("cpu") is mp and mp.float() is mp
     assert mp(x).dtype == torch.float32
+
+
+def test_parameters_replaced_after_apply_are_refused_at_the_next_training_call():
+    """``model.load_state_dict(..., assign=True)`` on the wrapped model left the graph training the
+    old tensors (no gradient reached the new ones), silently; a replaced module (as
+    ``resize_token_embeddings`` does) failed inside the graph. Both are refused naming the first
+    Parameter, as is a Parameter given data of another shape (``resize_token_embeddings``); in-place
+    loading (``mp.load_state_dict``) and eval calls go on, and a deep copy (an EMA copy) trains its
+    own Parameters."""
+    import copy
+
+    torch.manual_seed(0)
+    model, x = DropNet(), torch.randn(8, 16)
+    mp = autoprec.apply(model, Policy.fp32(), x, compile=False, dynamic=False)
+    twin = copy.deepcopy(mp)
+    twin(x).sum().backward()
+    assert all(p.grad is not None for p in twin.parameters())
+    assert all(p.grad is None for p in model.parameters())
+    mp.load_state_dict({k: v + 1 for k, v in model.state_dict().items()})  # in place: fine
+    mp(x)
+    model.load_state_dict(model.state_dict(), assign=True)
+    with pytest.raises(ValueError, match=r"MixedPrecisionModule of DropNet: the model's Parameters changed "
+                                         r"since autoprec\.apply \(a\.weight: .*assign=True"):
+        mp(x)
+    model2 = DropNet()
+    mp2 = autoprec.apply(model2, Policy.fp32(), x, compile=False, dynamic=False)
+    model2.b = nn.Linear(32, 4)
+    with pytest.raises(ValueError, match=r"changed since autoprec\.apply \(b\.weight"):
+        mp2(x)
+    with torch.no_grad():
+        torch.testing.assert_close(mp2.eval()(x), model2.eval()(x), rtol=0, atol=0)
+    model3 = DropNet()
+    mp3 = autoprec.apply(model3, Policy.fp32(), x, compile=False, dynamic=False)
+    model3.b.weight.data = torch.zeros(4, 40)  # resize_token_embeddings' way: same object, other shape
+    with pytest.raises(ValueError, match=r"changed since autoprec\.apply \(b\.weight"):
+        mp3(x)
