@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 import warnings
 from collections.abc import Iterator
 from contextlib import nullcontext
@@ -277,6 +278,24 @@ class MixedPrecisionModule(nn.Module):
                              "policy decides what computes in bf16/fp16 (docs/architecture.md#runtime): move "
                              "the module with .to(device) only")
         return super()._apply(fn, recurse)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> MixedPrecisionModule:
+        """A deep copy (an EMA copy): what ``copy.deepcopy``'s default does for a module (its state
+        copied, ``nn.Module.__setstate__``), kept so :meth:`__reduce_ex__` can refuse pickling."""
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        new.__setstate__(copy.deepcopy(self.__getstate__(), memo))
+        return new
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Refused: ``torch.save(mp)`` / ``pickle`` (the per-signature class, compiled code and hooks
+        do not pickle; it failed with a PicklingError about the class).
+
+        Raises:
+            TypeError: always; says what to save instead.
+        """
+        raise TypeError(f"{self._what} cannot be pickled (torch.save(mp)): save mp.state_dict() (the "
+                        "model's keys) or the model itself, and apply the policy to it again after loading")
 
     def train(self, mode: bool = True) -> MixedPrecisionModule:
         """Set this module's and the wrapped model's training flag: in training mode a call runs

@@ -163,3 +163,23 @@ def test_parameters_replaced_after_apply_are_refused_at_the_next_training_call()
     model3.b.weight.data = torch.zeros(4, 40)  # resize_token_embeddings' way: same object, other shape
     with pytest.raises(ValueError, match=r"changed since autoprec\.apply \(b\.weight"):
         mp3(x)
+
+
+def test_pickling_the_module_is_refused_with_what_to_save_and_a_deep_copy_still_works(tmp_path):
+    """``torch.save(mp)`` failed with a PicklingError about the per-signature class: refused saying
+    to save the state dict; ``copy.deepcopy`` (an EMA copy) still gives an independent module
+    whose outputs equal the original's."""
+    import copy
+    import pickle
+
+    torch.manual_seed(0)
+    model, x = DropNet(), torch.randn(8, 16)
+    mp = autoprec.apply(model, Policy.fp32(), x, compile=False, dynamic=False)
+    for save in (lambda: torch.save(mp, tmp_path / "mp.pt"), lambda: pickle.dumps(mp)):
+        with pytest.raises(TypeError, match=r"MixedPrecisionModule of DropNet cannot be pickled .*"
+                                            r"save mp\.state_dict\(\)"):
+            save()
+    ema = copy.deepcopy(mp)
+    assert type(ema) is type(mp) and ema.model is not model and ema.graph_module is not mp.graph_module
+    torch.testing.assert_close(_seeded(ema, x, 5), _seeded(mp, x, 5), rtol=0, atol=0)
+    torch.save(mp.state_dict(), tmp_path / "sd.pt")
