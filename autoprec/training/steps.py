@@ -157,6 +157,7 @@ def slow_step_guard(max_step_s: float) -> StepHook:
         if compiles != seen:
             return
         judged.append(seconds)
+        del judged[:-SLOW_IN_A_ROW]  # the rule reads no further back (a long training run stays small)
         if (slow := slow_steps(judged, max_step_s, k)) is not None:
             raise slow
 
