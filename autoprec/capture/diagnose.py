@@ -18,6 +18,7 @@ from torch import nn
 
 from autoprec._torch_compat import fake_tensor_errors
 from autoprec.modelspec import positional_binding
+from autoprec.source import is_user_file
 
 __all__ = ["explain_failure"]
 
@@ -46,10 +47,6 @@ def explain_failure(e: BaseException, model: nn.Module, example_batch: Any, args
     return msg
 
 
-def _is_user(filename: str) -> bool:
-    return not any(p in filename for p in ("/torch/", "/autoprec/", "/transformers/utils/", "/contextlib.py"))
-
-
 def _where(exc: BaseException, model: nn.Module | None = None) -> str:
     """The innermost user-code frame of a traceback, as ``file:line (function): code``.
 
@@ -60,7 +57,7 @@ def _where(exc: BaseException, model: nn.Module | None = None) -> str:
 
     tb, user = exc.__traceback__, None
     while tb is not None:
-        if _is_user(tb.tb_frame.f_code.co_filename):
+        if is_user_file(tb.tb_frame.f_code.co_filename):
             user = tb
         tb = tb.tb_next
     if user is None:
@@ -135,7 +132,7 @@ def _raised_by_user_code(e: BaseException) -> bool:
     tb = e.__traceback__
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
-    return tb is not None and _is_user(tb.tb_frame.f_code.co_filename)
+    return tb is not None and is_user_file(tb.tb_frame.f_code.co_filename)
 
 
 def _binding_error(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:

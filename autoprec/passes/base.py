@@ -15,6 +15,7 @@ from torch import fx
 from autoprec._torch_compat import lazy_graph_module
 from autoprec.errors import PassError
 from autoprec.nodemeta import read_meta, unshare_meta
+from autoprec.source import node_source
 
 
 @dataclass
@@ -70,11 +71,16 @@ class PassBase(abc.ABC):
 
 
 def pass_error(pass_name: str, node: fx.Node | None, msg: str) -> PassError:
-    """Build a :class:`PassError` that names the pass, the node's key and ``node.format_node()``."""
+    """Build a :class:`PassError` that names the pass, the node's key and ``node.format_node()``,
+    and the model's source line that made the node where the capture recorded it
+    (:func:`autoprec.source.node_source`): ``"[assign_dtypes] node gt#0 (%gt : ...): <msg>
+    (from model.py:25 (forward): keep = ids > 4)"``."""
     if node is None:
         return PassError(f"[{pass_name}] {msg}")
     key = read_meta(node).key or node.name
-    return PassError(f"[{pass_name}] node {key} ({node.format_node()}): {msg}")
+    where = node_source(node)
+    return PassError(f"[{pass_name}] node {key} ({node.format_node()}): {msg}"
+                     + (f" (from {where})" if where else ""))
 
 
 def clone_graph_module(gm: fx.GraphModule) -> fx.GraphModule:

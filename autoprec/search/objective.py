@@ -31,6 +31,7 @@ from autoprec.search import attrs
 from autoprec.search.decide import DriftBudget
 from autoprec.search.screen_cut import screening_cut
 from autoprec.search.space import SearchSpace
+from autoprec.source import node_source
 from autoprec.training.monitor import first_nonfinite_node
 from autoprec.training.train import make_scaler
 
@@ -158,15 +159,18 @@ class Objective:
 def name_nonfinite(m: Measurement, gm: torch.fx.GraphModule, batches: list[Any]) -> str | None:
     """``m.error``, and where its non-finite values start when that is why it failed (case C01:
     name the node): the first forward node of ``gm`` with an inf or NaN output on the last drift
-    batch ``m`` ran (:func:`autoprec.training.monitor.first_nonfinite_node`, one eager forward),
-    or that the forward was finite (the overflow is in the backward pass)."""
+    batch ``m`` ran (:func:`autoprec.training.monitor.first_nonfinite_node`, one eager forward) and
+    the model's line that made it (:func:`autoprec.source.node_source`), or that the forward was
+    finite (the overflow is in the backward pass)."""
     if m.error is None or not m.error.startswith("non-finite"):
         return m.error
     try:
         node = first_nonfinite_node(gm, batches[len(m.grad_rel_l2_batches) - 1])  # the last run: inf
     except Exception as e:  # noqa: BLE001 - a diagnosis must not turn the error into another
         return f"{m.error}; its first non-finite node could not be found ({type(e).__name__}: {e})"
-    where = f"first non-finite output: node {node}" if node else "forward finite (backward overflows)"
+    src = next((node_source(n) for n in gm.graph.nodes if (read_meta(n).key or n.name) == node), None)
+    where = (f"first non-finite output: node {node}" + (f" (from {src})" if src else "") if node
+             else "forward finite (backward overflows)")
     return f"{m.error}; {where}"
 
 

@@ -66,5 +66,7 @@ def test_c11_integer_inputs_never_cast(setup, low, follow):
 
 def test_c11_rule_on_non_float_node_rejected(setup):
     _m, _ids, gm = setup
-    with pytest.raises(PassError, match=r"gt#0.*non-float"):
+    with pytest.raises(PassError, match=r"gt#0.*non-float") as err:
         run_pipeline(gm, Policy(default_dtype="bf16", rules=(Rule(node="gt#0", dtype="bf16"),)))
+    # the model's line that made the node, not torch's
+    assert f"(from {__file__}:25 (forward): keep = ids > 4" in str(err.value)
