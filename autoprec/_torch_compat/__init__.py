@@ -22,7 +22,8 @@ The public-by-convention config modules (``torch._dynamo.config``, ``torch._indu
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -51,7 +52,8 @@ from autoprec._torch_compat.dynamo import (
 )
 
 __all__ = [
-    "TorchDispatchMode", "amp_unscale_", "child_module", "compile_cache_counts", "detect_fake_mode",
+    "TorchDispatchMode", "amp_unscale_", "checkpoint_calls", "child_module", "compile_cache_counts",
+    "detect_fake_mode",
     "dynamo_compile_seconds", "dynamo_unique_graphs", "export_assert_ops", "fake_tensor_errors",
     "is_dynamo_optimized", "new_fake_mode", "optimization_hint", "overload_schema", "pytree",
     "pytree_info", "reuse_invoke_subgraph_schemas", "safe_softmax", "saved_tensor_hook_node",
@@ -320,3 +322,46 @@ def child_module(model: nn.Module, name: str) -> nn.Module | None:
         return model.get_submodule(name)
     except AttributeError:
         return None
+
+
+@contextlib.contextmanager
+def checkpoint_calls() -> Iterator[list[Any]]:
+    """Within the block, every call of ``torch.utils.checkpoint.checkpoint`` (either
+    implementation: ``use_reentrant=True``, ``CheckpointFunction.apply``; ``False``,
+    ``_checkpoint_without_reentrant_generator``) appends the function it checkpoints to the list
+    the block is given, then runs as it would.
+
+    Used by :func:`autoprec.capture.trace.capture_planned` to see gradient checkpointing in a model's
+    forward, which ``torch.export`` inlines without a trace (HF's ``gradient_checkpointing_enable``
+    calls the same function through a ``functools.partial`` bound at import, so the public name
+    cannot be wrapped; ``checkpoint`` looks both private names up when called). Checked on 2.13.0;
+    in torch's source since 1.11 (the non-reentrant generator since 2.1). Missing either name: that
+    implementation's calls are not seen.
+    """
+    import torch.utils.checkpoint as cp
+
+    seen: list[Any] = []
+    gen = getattr(cp, "_checkpoint_without_reentrant_generator", None)
+    fn = getattr(cp, "CheckpointFunction", None)
+
+    def generator(function: Any, *args: Any, **kwargs: Any) -> Any:
+        seen.append(function)
+        return gen(function, *args, **kwargs)
+
+    class Reentrant:  # the one attribute checkpoint() reads of CheckpointFunction
+        @staticmethod
+        def apply(function: Any, *args: Any) -> Any:
+            seen.append(function)
+            return fn.apply(function, *args)
+
+    if gen is not None:
+        cp._checkpoint_without_reentrant_generator = generator
+    if fn is not None:
+        cp.CheckpointFunction = Reentrant
+    try:
+        yield seen
+    finally:
+        if gen is not None:
+            cp._checkpoint_without_reentrant_generator = gen
+        if fn is not None:
+            cp.CheckpointFunction = fn

@@ -10,6 +10,7 @@ code, ``file:line (function): code``, with the submodule's dotted path and class
 
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 from typing import Any
@@ -20,7 +21,7 @@ from autoprec._torch_compat import fake_tensor_errors
 from autoprec.modelspec import positional_binding
 from autoprec.source import is_user_file
 
-__all__ = ["explain_failure"]
+__all__ = ["checkpointing_refused", "explain_failure"]
 
 
 def explain_failure(e: BaseException, model: nn.Module, example_batch: Any, args: tuple[Any, ...],
@@ -178,3 +179,40 @@ def _is_branch(where: str) -> bool:
     return code.startswith(("if ", "elif ", "while ", "assert ")) or any(
         w in words for w in (" if ", " and ", " or ", " not "))
 
+
+
+def checkpointing_refused(model: nn.Module, functions: list[Any]) -> str:
+    """The :class:`CaptureError` message for a forward that calls ``torch.utils.checkpoint`` (HF's
+    ``gradient_checkpointing_enable``, or the model's own calls; ``functions``: what each call
+    checkpointed, :func:`autoprec._torch_compat.checkpoint_calls`). ``torch.export`` inlines the
+    checkpointed function, so the captured graph would save its activations for backward: no
+    recomputation, several times the activation memory, and no word of it."""
+    paths = {id(m): n for n, m in model.named_modules()}
+    names = list(dict.fromkeys(_checkpointed(f, paths) for f in functions))
+    more = f" and {len(names) - 1} more" if len(names) > 1 else ""
+    return (f"{type(model).__name__}'s forward uses gradient checkpointing (torch.utils.checkpoint) on "
+            f"{names[0]}{more}: torch.export inlines it, so the captured graph would save every activation "
+            "for backward, without recomputing any. Turn it off before autoprec.apply "
+            "(model.activation_checkpointing_disable(), gradient_checkpointing_disable() before "
+            "transformers 5, or your model's own switch); "
+            "to trade compute for activation memory, give the policy an activation_memory_budget below 1.0 "
+            "(autoprec tune --max-memory) and apply with compile=True: the compiled backward then "
+            "recomputes activations (docs/architecture.md#policy-file).")
+
+
+def _checkpointed(function: Any, paths: dict[int, str]) -> str:
+    """What a checkpoint call ran: ``module 'model.layers.0' (Qwen2DecoderLayer)`` for a module, its
+    bound method or a ``partial`` of a method with the module first (transformers'
+    ``GradientCheckpointingLayer``), else the function's qualified name."""
+    owner = None
+    while isinstance(function, functools.partial):
+        if owner is None and function.args and isinstance(function.args[0], nn.Module):
+            owner = function.args[0]
+        function = function.func
+    if owner is None:
+        owner = function if isinstance(function, nn.Module) else getattr(function, "__self__", None)
+    if isinstance(owner, nn.Module):
+        path = paths.get(id(owner))
+        label = "the root module" if path == "" else f"module {path!r}" if path else "a module"
+        return f"{label} ({type(owner).__name__})"
+    return f"{getattr(function, '__qualname__', None) or repr(function)}()"

@@ -25,9 +25,9 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from autoprec._torch_compat import export_assert_ops
+from autoprec._torch_compat import checkpoint_calls, export_assert_ops
 from autoprec.capture.causal import causal_attention
-from autoprec.capture.diagnose import explain_failure
+from autoprec.capture.diagnose import checkpointing_refused, explain_failure
 from autoprec.capture.dims import DimPlan, plan_dims
 from autoprec.capture.export import (
     export_program,
@@ -132,8 +132,11 @@ def capture_planned(model: nn.Module, example_batch: Any, plan: DimPlan | None) 
     try:
         if not any(training for _m, training in modes):  # wholly in eval mode: the training graph
             model.train()
-        with quiet_pytree_deprecation(), quiet_partial_graph(), _training_forward(model, fixed):
+        with (quiet_pytree_deprecation(), quiet_partial_graph(), _training_forward(model, fixed),
+              checkpoint_calls() as checkpointed):
             ep = export_program(model, args, kwargs, plan)
+        if checkpointed:
+            raise CaptureError(checkpointing_refused(model, checkpointed))
     except CaptureError:
         raise
     except Exception as e:  # torch raises many types here (UserError, GuardOnDataDependent...)

@@ -301,3 +301,18 @@ def test_reuse_invoke_subgraph_schemas_keeps_a_schema_per_compile_and_its_mutati
         mutating = hop.gen_schema(fx.symbolic_trace(AddInPlace()), "m", x)
     assert str(first) == str(outside) and not any(a.is_write for a in first.arguments)
     assert [a.is_write for a in mutating.arguments] == [False, False, True]
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpoint_calls_sees_each_implementation_and_restores_it(reentrant):
+    import torch.utils.checkpoint as cp
+
+    lin = nn.Linear(3, 3)
+    x = torch.randn(2, 3, requires_grad=True)
+    before = (cp.CheckpointFunction, cp._checkpoint_without_reentrant_generator)
+    with tc.checkpoint_calls() as seen:
+        y = cp.checkpoint(lin, x, use_reentrant=reentrant)
+    assert seen == [lin]
+    assert (cp.CheckpointFunction, cp._checkpoint_without_reentrant_generator) == before
+    y.sum().backward()  # the checkpoint ran as it would: the gradient is the linear's
+    torch.testing.assert_close(x.grad, lin.weight.sum(0).expand(2, 3))
