@@ -25,6 +25,7 @@ from autoprec.applied.outputs import flat_output_graph, rebuild
 from autoprec.applied.policy_match import check_policy_matches
 from autoprec.applied.saved import apply_saved, saved_activation_context
 from autoprec.applied.shape_cache import CompileLog, ShapeCache, is_dynamic
+from autoprec.applied.unscaled import UnscaledBackwardCheck
 from autoprec.applied.widen import Recapture, Routed
 from autoprec.capture import (
     CALL_KWARGS_META,
@@ -118,6 +119,7 @@ class MixedPrecisionModule(nn.Module):
         object.__setattr__(self, "_params", ParameterSnapshot(model))  # None under FSDP2 (autoprec.shard)
         self._fixed = dict(graph_module.meta.get(CALL_KWARGS_META, {}))
         self._what = f"{type(self).__name__} of {type(model).__name__}"
+        self._unscaled = UnscaledBackwardCheck(policy, self._what)  # fp16 trained without a scaler
         object.__setattr__(self, "_recapture", None)  # set by apply(dynamic=True, strict_shapes=False)
         self.__class__ = signed_class(type(self), model)  # forward reports model.forward's signature
 
@@ -152,7 +154,9 @@ class MixedPrecisionModule(nn.Module):
                 ``torch.autocast`` (e.g. ``Trainer(bf16=True)``), which would override the policy.
                 Or FSDP2's ``fully_shard`` wrapped this module directly (use :func:`autoprec.shard`).
                 Or the model's Parameters were replaced since ``apply`` (:class:`ParameterSnapshot`).
-                In eval mode only the FSDP2 one; the rest is the model's own forward's.
+                In eval mode only the FSDP2 one; the rest is the model's own forward's. The first
+                backward through the loss of an fp16 policy's output raises ``ValueError`` when
+                nothing scaled the loss (:class:`~autoprec.applied.unscaled.UnscaledBackwardCheck`).
         """
         check_not_fully_sharded(self, self._what)
         if not self.training:
@@ -168,7 +172,9 @@ class MixedPrecisionModule(nn.Module):
                 raise
             self._recapture(self, args, kwargs, e)  # re-captures or routes the shape; else raises e
         with self._saved:
-            return rebuild(self._fn(*args, **kwargs), self._out_spec)
+            out = rebuild(self._fn(*args, **kwargs), self._out_spec)
+        self._unscaled(out)
+        return out
 
     @property
     def shape_stats(self) -> dict[str, Any]:
@@ -349,14 +355,11 @@ def apply(model: nn.Module, policy: Policy, example_batch: Any, compile: bool = 
         PolicyError: no rule of the policy selects a node of this graph (without ``force``).
 
     Loss scaling: when ``policy.needs_loss_scaling`` is True (any node computes in fp16), the
-    module must be trained with a dynamic loss scaler, or small fp16 gradients flush to zero and
-    training silently stalls (case C07); bf16/fp32-only policies need none. ``apply`` does not
-    create it (it does not see the training loop); build it from the policy's ``loss_scaling``
-    settings with::
+    module must be trained with a dynamic loss scaler, or small fp16 gradients flush to zero
+    (case C07; a first backward through an unscaled loss raises, :mod:`autoprec.applied.unscaled`);
+    ``apply`` does not see the training loop. Build it from the policy's ``loss_scaling``::
 
-        from autoprec.training.train import make_scaler
-
-        scaler = make_scaler(policy)  # a DynamicLossScaler, or None when the policy has no fp16
+        scaler = autoprec.make_scaler(policy)  # a DynamicLossScaler, or None without fp16
         loss = loss_fn(mp(**batch), batch)
         scaler.scale(loss).backward()
         scaler.unscale_(optimizer)    # optional, e.g. before clipping

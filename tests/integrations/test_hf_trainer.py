@@ -253,3 +253,12 @@ def test_evaluate_runs_without_dropout_and_training_with_it(tmp_path):
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     with torch.no_grad():
         assert abs(float(got) - float(model.eval()(**example).loss)) > 1e-4  # dropout was on
+
+
+def test_plain_trainer_with_an_fp16_policy_is_refused_at_its_first_backward(model_file, tmp_path):
+    """Case C07: the stock Trainer scales no loss; AutoprecTrainer (the test above) does."""
+    model, mp = _applied(model_file, "fp16")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"in fp16, and backward reached its loss unscaled.*AutoprecTrainer"):
+        _trainer(tf.Trainer, mp, tmp_path, PadToLongest(), steps=1).train()
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # no step taken
