@@ -8,9 +8,12 @@ later batch that is longer or larger than the example does not fit. Unless ``app
 strict_shapes=True)``, the module then serves it instead of raising (:class:`Recapture`):
 
 - a size **above** its range: the model is captured again, with dynamic dimensions, for ranges
-  that reach at least twice the old upper bound and the new size (so a loop whose lengths creep
-  up re-captures a few times, not at every batch); the module switches to the new graph (a
-  compiled one compiles again on this call). One INFO line on the ``autoprec`` logger says so;
+  that reach at least twice the old upper bound and the new size in the roles above their range
+  (so a loop whose lengths creep up re-captures a few times, not at every batch), never past
+  ``config.max_position_embeddings``: a longer sequence raises ``ValueError`` (the model's
+  position table has no rows for it; a compiled graph aborted the process on the out-of-range
+  index); the module switches to the new graph (a compiled one compiles again on this call). One
+  INFO line on the ``autoprec`` logger says so;
 - a size **below** its range (``torch.export`` narrowed the lower bound, e.g. a target length of
   2 when the code needs 3), or a model that cannot be exported with the wider ranges: that shape
   gets a graph of its own from the per-shape cache
@@ -29,7 +32,7 @@ from collections.abc import Callable
 from typing import Any
 
 from autoprec.applied.shape_cache import ShapeCache, is_dynamic
-from autoprec.capture import capture_dynamic, maxima, plan_dims, tensor_shapes
+from autoprec.capture import BATCH, capture_dynamic, max_positions, maxima, plan_dims, tensor_shapes
 from autoprec.errors import CaptureError
 
 __all__ = ["Recapture", "Routed"]
@@ -96,8 +99,9 @@ class Recapture:
         """Make ``mp`` serve a call of these shapes, or raise ``error`` (the input check's).
 
         Raises:
-            ValueError: ``error``, when the call is not outside a range (inputs that share a
-                dimension disagree, another structure) or takes both positional and keyword tensors.
+            ValueError: a sequence longer than ``config.max_position_embeddings``; or ``error``, when
+                the call is not outside a range (inputs that share a dimension disagree, another
+                structure) or takes both positional and keyword tensors.
         """
         ranges = getattr(mp._inputs, "ranges", None)
         if not ranges or (args and kwargs) or isinstance(mp._fn, Routed):
@@ -109,9 +113,18 @@ class Recapture:
         if not above and not below:
             raise error
         shapes = _text(args, kwargs)
+        positions = max_positions(self.model)
+        if positions and (long := [r for r in above if r != BATCH and sizes[r] > positions]):
+            raise ValueError(
+                f"{mp._what}: input shapes {shapes}: {long[0]} length {sizes[long[0]]} is above the model's "
+                f"config.max_position_embeddings ({positions}), the longest the capture serves: a learned "
+                "position table has no rows past it (the model itself raises IndexError; a compiled graph "
+                "would abort the process). Truncate the batch, or raise config.max_position_embeddings "
+                "before autoprec.apply where the model's positions allow it (rotary embeddings)") from error
         batch = dict(kwargs) if kwargs else tuple(args)
-        if not below:
-            at_least = {r: max(sizes.get(r, 0), 2 * hi) for r, (_lo, hi) in bounds.items() if hi is not None}
+        if not below:  # only the roles above their range widen (past no position table: plan_dims)
+            at_least = {r: max(sizes.get(r, 0), 2 * hi) if r in above else hi
+                        for r, (_lo, hi) in bounds.items() if hi is not None}
             example = batch if min(sizes.values(), default=0) >= 2 else self.example
             start = time.perf_counter()
             try:

@@ -44,7 +44,7 @@ from autoprec._torch_compat import pytree
 from autoprec.modelspec import split_batch
 
 __all__ = ["BATCH", "SEQ", "TARGET", "DimPlan", "DimRange", "largest_batch", "largest_sizes", "leaf_name",
-           "leaves_of", "maxima", "plan_dims", "role_sizes", "shapes_vary", "tensor_shapes"]
+           "leaves_of", "max_positions", "maxima", "plan_dims", "role_sizes", "shapes_vary", "tensor_shapes"]
 
 #: The roles a dynamic dimension can have: the batch, the (source) sequence, an encoder-decoder's target.
 BATCH, SEQ, TARGET = "batch", "seq", "target_seq"
@@ -123,7 +123,8 @@ def plan_dims(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
 
     Args:
         model: The model; ``model.config.max_position_embeddings`` (an int), when present, bounds
-            the sequence length.
+            the sequence length (:func:`max_positions`; ``at_least`` does not widen past it, unless
+            the example itself is longer).
         args, kwargs: The example call, as ``autoprec.modelspec.split_batch`` splits a batch.
         at_least: Upper bounds the ranges must reach whatever the example's sizes, by role
             (``{"batch": 4, "seq": 128}``: the largest sizes of several batches, :func:`largest_sizes`).
@@ -135,8 +136,11 @@ def plan_dims(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
     roles = _Roles.of(model, args, kwargs)
     plan = DimPlan(names=roles.names, paths=roles.paths, dims=[{} for _ in roles.names])
     want = dict(at_least or {})
+    positions = max_positions(model)
     for role, size in roles.sizes.items():  # batch, seq, target_seq: the order ranges are shown in
-        hi = max(size, want.get(role, 0), 0 if role == BATCH else _max_positions(model) or 0)
+        hi = max(size, want.get(role, 0), 0 if role == BATCH else positions or 0)
+        if role != BATCH and positions and size <= positions:
+            hi = min(hi, positions)  # no range past the position table (at_least does not widen it)
         if role != BATCH or hi >= 2:  # a batch that cannot exceed 1 stays static
             plan.ranges[role] = DimRange(role, 1 if role == BATCH else 2, hi, size)
     for leaf, dim, role in roles.members:
@@ -266,7 +270,10 @@ def _arg_names(model: nn.Module) -> list[str]:
     return [p.name for p in params if p.kind in kinds]
 
 
-def _max_positions(model: nn.Module) -> int | None:
+def max_positions(model: nn.Module) -> int | None:
+    """``model.config.max_position_embeddings`` when it is a positive int, else None: the longest
+    sequence a capture's ranges reach (a learned position table has no rows past it; Inductor's
+    kernels abort the process on the out-of-range index where eager raises ``IndexError``)."""
     n = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
 

@@ -209,3 +209,25 @@ def test_tiny_qwen2_trains_on_20_shapes():
     assert mp.shape_stats["mode"] == "dynamic"
     _check_training(*_train_on_shapes(model, mp, SHAPES))
     assert mp.shape_stats["compiles"] <= 2
+
+
+def test_a_larger_batch_widens_its_own_range_and_never_past_the_position_table(caplog):
+    """GPT-2's position table has n_positions rows: a larger batch used to double every range (seq
+    2..256 of 128 positions), and a 130-token batch then aborted the process in a compiled graph
+    (eager: ``IndexError``). Only the batch range widens now, and a longer sequence is refused."""
+    tf = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = tf.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2, n_positions=64, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0)
+    model = tf.GPT2LMHeadModel(cfg)
+    mp = autoprec.apply(model, autoprec.Policy.fp32(), lm_batch(2, 16, 0), compile=False)
+    with caplog.at_level(logging.INFO, logger="autoprec"):
+        batch = lm_batch(5, 16, 1)  # batch above its range 1..2
+        torch.testing.assert_close(mp(**batch).loss, model(**batch).loss, rtol=1e-5, atol=1e-6)  # fp32
+    assert mp.shape_stats["recaptures"] == 1
+    assert "captured again with ranges batch 1..5, seq 2..64" in caplog.text, caplog.text
+    with pytest.raises(ValueError, match=r"seq length 65 is above the model's config.max_position_embeddings "
+                                         r"\(64\), the longest the capture serves"):
+        mp(**lm_batch(2, 65, 1))
+    with pytest.raises(IndexError):  # what the model itself does with it
+        model(**lm_batch(2, 65, 1))
