@@ -90,10 +90,14 @@ class AutoprecTrainer(transformers.Trainer):
     ``trainer.state.log_history`` and in every ``report_to`` integration. The logged ``loss`` is
     unscaled. For bf16/fp32 policies it is Trainer, plus the checks below.
 
-    ``save_model`` (and each checkpoint) writes through the wrapped model's ``save_pretrained`` when
-    it is a ``PreTrainedModel``, so the directory loads with ``from_pretrained`` of the model's own
-    class (``config.json`` included; a plain ``Trainer`` writes only ``model.safetensors`` for a
-    module that is not a ``PreTrainedModel``).
+    ``save_model`` (and each checkpoint) saves the wrapped model as ``Trainer`` saves that model
+    itself: through its ``save_pretrained`` when it is a ``PreTrainedModel`` (``config.json`` and the
+    weights, for ``from_pretrained`` of the model's own class) or a peft ``PeftModel``
+    (``adapter_config.json`` and ``adapter_model.safetensors``, for ``PeftModel.from_pretrained``), else
+    its ``state_dict`` as ``model.safetensors`` (a plain ``Trainer`` writes only that for any module
+    that is not one of those classes, as the ``MixedPrecisionModule`` is not). Resuming from a
+    checkpoint (``train(resume_from_checkpoint=...)``) and ``load_best_model_at_end`` read it back the
+    same way (a peft checkpoint through ``load_adapter``, into the Parameters the graph reads).
 
     Raises:
         TypeError: ``model`` is not a ``MixedPrecisionModule``, or ``model_init`` is given instead.
@@ -153,22 +157,35 @@ class AutoprecTrainer(transformers.Trainer):
         super().log(logs, *args, **kwargs)
 
     def _save(self, output_dir: str | None = None, state_dict: dict[str, Any] | None = None) -> None:
-        """Trainer's ``_save`` run on the wrapped model when it is a ``PreTrainedModel``
-        (``save_pretrained``: ``config.json`` and the weights, tied weights once)."""
+        """Trainer's ``_save`` run on the wrapped model (:meth:`_inner_model`): ``save_pretrained`` of a
+        ``PreTrainedModel`` or a ``PeftModel``, the ``state_dict`` of another model."""
         with self._inner_model():
             super()._save(output_dir, state_dict)
 
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        """Trainer's checkpoint loading run on the wrapped model (:meth:`_inner_model`), so it reads what
+        :meth:`_save` wrote (a peft checkpoint holds only the adapter, loaded with ``load_adapter``)."""
+        outer = self.model
+        with self._inner_model() as inner:
+            super()._load_from_checkpoint(resume_from_checkpoint, inner if model is None or model is outer
+                                          else model)
+
+    def _load_best_model(self) -> None:
+        """Trainer's ``load_best_model_at_end`` loading run on the wrapped model (:meth:`_inner_model`)."""
+        with self._inner_model():
+            super()._load_best_model()
+
     @contextlib.contextmanager
-    def _inner_model(self) -> Iterator[None]:
-        """``self.model`` is the wrapped ``PreTrainedModel`` inside the block (unchanged for another
-        model)."""
+    def _inner_model(self) -> Iterator[Any]:
+        """``self.model`` is the wrapped model inside the block (yielded), so Trainer saves and loads it
+        as it would that model passed to it directly: transformers' ``Trainer._save`` calls
+        ``save_pretrained`` of a ``PreTrainedModel`` or a peft ``PeftModel`` and writes the
+        ``state_dict`` of another model (the ``MixedPrecisionModule``'s is the wrapped model's), and
+        ``_load_from_checkpoint`` loads a ``PeftModel``'s adapter with ``load_adapter``."""
         mp = self.model
-        inner = getattr(mp, "model", None)
-        if not isinstance(inner, transformers.PreTrainedModel):
-            yield
-            return
+        inner = mp.model if isinstance(mp, MixedPrecisionModule) else mp
         self.model = inner
         try:
-            yield
+            yield inner
         finally:
             self.model = mp

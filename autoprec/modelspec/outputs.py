@@ -4,9 +4,10 @@ Two rules, each with one home here, used by :mod:`autoprec.capture` and the modu
 :func:`autoprec.apply` returns:
 
 - **Training call arguments** (:func:`training_kwargs`): training needs no KV cache, so when
-  ``forward`` has a ``use_cache`` parameter the batch does not set, the forward is captured with
-  ``use_cache=False`` (Hugging Face models default to ``use_cache=True`` and then return a
-  ``DynamicCache`` / ``EncoderDecoderCache`` inside their output).
+  ``forward`` has a ``use_cache`` parameter the batch does not set, or takes ``**kwargs`` and wraps
+  a model whose ``forward`` has one (peft's ``PeftModel``: ``get_base_model()``), the forward is
+  captured with ``use_cache=False`` (Hugging Face models default to ``use_cache=True`` and then
+  return a ``DynamicCache`` / ``EncoderDecoderCache`` inside their output).
 - **Outputs** (:func:`prepare_output`): tensors become graph outputs; containers torch's pytree
   knows (tuple, list, dict, ``ModelOutput`` dataclasses, which transformers registers) keep their
   type and fields; ``None``, numbers and strings are constants of the graph; any other value that
@@ -61,36 +62,83 @@ pytree.register_pytree_node(
 def training_kwargs(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:
     """The keyword arguments of :data:`TRAINING_KWARGS` that a training capture adds to a call.
 
-    A name is added when ``inspect.signature(model.forward)`` has it as a named parameter (not only
-    ``**kwargs``) and the call sets it neither by keyword nor positionally.
+    A name is added when the call sets it neither by keyword nor positionally and either
+    ``inspect.signature(model.forward)`` has it as a named parameter, or ``forward`` takes
+    ``**kwargs`` and the model it wraps (peft's ``get_base_model()``, else a child module
+    ``base_model`` / ``model`` / ``module``) takes the name by these same rules, up to four wrappers
+    deep. A ``**kwargs`` that reaches no model naming it gets nothing (it might reach a forward that
+    rejects the name).
 
     Args:
         model: The model whose ``forward`` is inspected.
         args, kwargs: The call's arguments (:func:`autoprec.modelspec.split_batch` of the batch).
 
     Returns:
-        E.g. ``{"use_cache": False}`` for a Hugging Face causal LM called with ``input_ids`` and
-        ``labels``; ``{}`` when nothing is added (also when the signature cannot be read).
+        E.g. ``{"use_cache": False}`` for a Hugging Face causal LM, or a peft ``PeftModelForCausalLM``
+        around one, called with ``input_ids`` and ``labels``; ``{}`` when nothing is added (also when
+        the signature cannot be read).
     """
-    forward = getattr(model, "forward", None)
-    positional, named = _forward_params(getattr(forward, "__func__", forward))
     return {k: v for k, v in TRAINING_KWARGS.items()
-            if k in named and k not in kwargs and k not in positional[:len(args)]}
+            if k not in kwargs and _takes(model, k, len(args), _WRAP_DEPTH)}
+
+
+#: How many ``**kwargs`` wrappers :func:`training_kwargs` looks through (peft: one).
+_WRAP_DEPTH = 4
+#: Child modules that hold the model a wrapper's ``forward(**kwargs)`` passes its arguments to.
+_WRAPPED_ATTRS = ("base_model", "model", "module")
+
+
+def _wrapped_model(model: nn.Module) -> nn.Module | None:
+    """The model a wrapper module passes its ``forward`` arguments to, or None.
+
+    Args:
+        model: Any module.
+
+    Returns:
+        ``model.get_base_model()`` when the module has that method (peft's ``PeftModel``: the
+        transformers model under the adapters), else its first child module among
+        ``base_model``, ``model``, ``module``; None when there is none (or it is ``model`` itself).
+    """
+    get_base = getattr(model, "get_base_model", None)
+    if callable(get_base):
+        try:
+            inner = get_base()
+        except Exception:  # a wrapper's own method that cannot answer here: look at its children
+            inner = None
+        if isinstance(inner, nn.Module) and inner is not model:
+            return inner
+    children = model.__dict__.get("_modules", {})
+    return next((children[a] for a in _WRAPPED_ATTRS
+                 if isinstance(children.get(a), nn.Module) and children[a] is not model), None)
+
+
+def _takes(model: nn.Module, name: str, n_args: int, depth: int) -> bool:
+    """Whether ``model``'s forward takes keyword ``name`` and ``n_args`` positional arguments do not
+    set it: by name, or through ``**kwargs`` to the model it wraps (``depth`` wrappers at most)."""
+    forward = getattr(model, "forward", None)
+    positional, named, var_keyword = _forward_params(getattr(forward, "__func__", forward))
+    if name in positional[:n_args]:
+        return False
+    if name in named:
+        return True
+    inner = _wrapped_model(model) if var_keyword and depth > 0 else None
+    return inner is not None and _takes(inner, name, n_args, depth - 1)
 
 
 @functools.lru_cache(maxsize=256)
-def _forward_params(forward: Any) -> tuple[tuple[str, ...], frozenset[str]]:
-    """``(positional names, named parameters)`` of a forward function, read once per function
-    (``modelspec.call_model`` asks on every training step). ``self`` is dropped for a plain
-    function; ``((), {})`` when the signature cannot be read."""
+def _forward_params(forward: Any) -> tuple[tuple[str, ...], frozenset[str], bool]:
+    """``(positional names, named parameters, takes **kwargs)`` of a forward function, read once per
+    function (``modelspec.call_model`` asks on every training step). ``self`` is dropped for a plain
+    function; ``((), {}, False)`` when the signature cannot be read."""
     try:
         params = list(inspect.signature(forward).parameters.values())
     except (TypeError, ValueError):
-        return (), frozenset()
+        return (), frozenset(), False
     if params and params[0].name == "self" and inspect.isfunction(forward):
         params = params[1:]
     positional = tuple(p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
-    return positional, frozenset(p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
+    named = frozenset(p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
+    return positional, named, any(p.kind is p.VAR_KEYWORD for p in params)
 
 
 def prepare_output(out: Any, model_name: str) -> Any:
@@ -132,8 +180,11 @@ def _keep(path: Any, leaf: Any, model_name: str) -> Any:
         f"autoprec could not capture {model_name}: its output field {field} is a {cls.__name__} "
         f"({cls.__module__}.{cls.__qualname__}) holding tensors (at {cls.__name__}{inner}), a type "
         "torch.export cannot flatten into graph outputs.\n  What to do: "
-        + ("a KV cache is not needed for training: leave use_cache out of the batch (autoprec then "
-           "captures with use_cache=False) or set use_cache=False; " if cache else "")
+        + ("a KV cache is not needed for training: set model.config.use_cache = False, or pass "
+           "use_cache=False in the batch if forward() accepts it (autoprec passes use_cache=False by "
+           "itself only when the batch leaves use_cache out and forward() names a use_cache parameter, "
+           "or takes **kwargs and wraps a model whose forward() does, as peft's get_base_model()); "
+           if cache else "")
         + "return tensors, None, numbers, strings, or tuples/lists/dicts/ModelOutput dataclasses of "
         f"them from forward(), or register {cls.__name__} with torch.utils._pytree.register_pytree_node."
     )
