@@ -333,9 +333,9 @@ def apply(model: nn.Module, policy: Policy, example_batch: Any, compile: bool = 
             else 2..its length), compiled once; where the model cannot be exported so, one graph
             per input shape, built on first use (:class:`autoprec.applied.shape_cache.ShapeCache`,
             at most ``MAX_SHAPES``). New compiles and shapes are logged (``autoprec`` logger, INFO).
-            A later batch outside the ranges (T5: longer than the example) is served by a capture
-            with wider ranges (at least twice the old bound; a compiled module compiles again) or
-            by a graph of its own (:mod:`autoprec.applied.widen`), logged.
+            A later batch outside the ranges is served by a capture with wider ranges (a compiled
+            module compiles again) or by a graph of its own (:mod:`autoprec.applied.widen`, which
+            refuses a sequence past ``max_position_embeddings``), logged.
         strict_shapes: With ``dynamic=True``, raise ``ValueError`` (naming the input, its shape
             and the range) for a batch outside the ranges instead of capturing again.
         force: Apply a policy none of whose rules selects a node of this model (a policy of
