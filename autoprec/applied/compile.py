@@ -253,11 +253,38 @@ class CompiledGraph:
         budget = (torch._functorch.config.patch(activation_memory_budget=self.activation_memory_budget)
                   if self.activation_memory_budget < 1.0 else contextlib.nullcontext())
         with self._saved_context or contextlib.nullcontext():
-            with budget:
+            with budget, _UnloadableCacheEntries():
                 out = self.compiled(*args, **kwargs)
             if self.saved:
                 report_saved(out)
         return rebuild(out, self._out_spec)
+
+
+class _UnloadableCacheEntries(logging.Filter):
+    """Within the block, Inductor's warning that its FX graph cache could not load an entry (the
+    message and a 30-line traceback, on every warm run of a dynamic-shape graph with regions:
+    unpickling retraces the region's code, and ``aten.full`` of a symbolic size fails there, torch
+    2.13: a Qwen2 applied with ``compile=True`` and run again on a warm cache) becomes one INFO line
+    of the ``autoprec`` logger. Inductor recompiles the entry, as it does for any miss."""
+
+    _LOGGER = "torch._inductor.codecache"
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if str(record.msg).endswith("unable to load compiled graph"):
+            self.seen += 1
+            return False
+        return True
+
+    def __enter__(self) -> None:
+        self.seen = 0
+        logging.getLogger(self._LOGGER).addFilter(self)
+
+    def __exit__(self, *exc: object) -> None:
+        logging.getLogger(self._LOGGER).removeFilter(self)
+        if self.seen:
+            _log.info("Inductor's FX graph cache could not load %d entr%s of this graph (a torch limitation "
+                      "with dynamic shapes in shared regions); recompiled", self.seen,
+                      "y" if self.seen == 1 else "ies")
 
 
 #: The message of Inductor's warning (torch/_inductor/codegen/cpp.py) that compile_graph filters.

@@ -27,3 +27,27 @@ def test_graph_gets_autoprec_options_and_a_module_inductors_defaults(monkeypatch
     assert m_kw["dynamic"] is False
     x = torch.randn(2, 4)
     assert torch.equal(compile_mod.compile_graph(model)(x), model(x))  # the handle calls what it compiled
+
+
+def test_an_unloadable_fx_cache_entry_is_one_info_line_not_a_traceback(caplog):
+    """Inductor warns with a traceback when its FX graph cache cannot load an entry (a dynamic-shape
+    region on a warm cache, torch 2.13); a compiled call says so in one line instead."""
+    import logging
+
+    from autoprec.applied.compile import _UnloadableCacheEntries
+
+    codecache = logging.getLogger("torch._inductor.codecache")
+    with caplog.at_level(logging.INFO):
+        with _UnloadableCacheEntries():
+            try:
+                raise RuntimeError("aten::full() Expected a value of type 'List[int]'")
+            except RuntimeError:
+                codecache.warning("fx graph cache unable to load compiled graph", exc_info=True)
+            codecache.warning("another warning")  # passes
+    texts = [(r.name, r.getMessage()) for r in caplog.records]
+    assert ("torch._inductor.codecache", "another warning") in texts
+    assert not any("unable to load" in m for n, m in texts if n == "torch._inductor.codecache")
+    assert ("autoprec", "Inductor's FX graph cache could not load 1 entry of this graph (a torch limitation "
+            "with dynamic shapes in shared regions); recompiled") in texts
+    codecache.warning("fx graph cache unable to load compiled graph")  # outside the block: torch's own
+    assert caplog.records[-1].name == "torch._inductor.codecache"
