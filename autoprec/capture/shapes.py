@@ -137,8 +137,11 @@ class InputShapes:
         else:
             why = "; ".join(x for x in (f"misses {', '.join(missing)}" if missing else "",
                                         f"gives {', '.join(unknown)}" if unknown else "") if x)
+        hint = ("; Hugging Face Trainer calls the model without labels when it computes the loss "
+                "itself (label_smoothing_factor > 0, compute_loss_func): apply the model with an example "
+                "batch without labels, so the module returns the logits" if "labels" in missing else "")
         raise TypeError(f"{self.what} was captured on the inputs {', '.join(self._args)} (the example "
-                        f"batch's; the graph takes every one) and this call {why}")
+                        f"batch's; the graph takes every one) and this call {why}{hint}")
 
     def _leaves_flat(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
         leaves: list[Any] = [None] * len(self.shapes)

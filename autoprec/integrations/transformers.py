@@ -54,7 +54,8 @@ def check_training_args(args: Any, what: str = "AutoprecTrainer") -> None:
         ValueError: ``bf16``, ``fp16``, ``bf16_full_eval`` or ``fp16_full_eval`` is True (the policy
             already sets each node's dtype), or ``gradient_checkpointing``/``activation_checkpointing``
             is True (the graph is captured already; the policy's ``activation_memory_budget`` is
-            autoprec's equivalent). The message names the flag.
+            autoprec's equivalent), or ``neftune_noise_alpha`` is set (its hook on the embedding
+            module does not run inside the graph). The message names the flag.
     """
     if args is None:
         return
@@ -74,6 +75,12 @@ def check_training_args(args: Any, what: str = "AutoprecTrainer") -> None:
             "apply with compile=True, or, on a model with dropout (where a memory budget is refused: "
             "pytorch/pytorch#190758), save activations in low precision with the rules' 'saved' "
             "(autoprec tune --max-memory picks either; docs/architecture.md#policy-file).")
+    if getattr(args, "neftune_noise_alpha", None):
+        raise ValueError(
+            f"{what}: TrainingArguments(neftune_noise_alpha={args.neftune_noise_alpha}): NEFTune adds its "
+            "noise through a forward hook on the input embedding module, which the captured graph never "
+            "calls (it reads the module's weight), so the noise would be dropped. Pass "
+            "neftune_noise_alpha=None.")
 
 
 class AutoprecTrainer(transformers.Trainer):

@@ -11,6 +11,7 @@ refused with a message. Everything eager (``compile=False``) on the CPU.
 from __future__ import annotations
 
 import inspect
+import math
 import runpy
 import textwrap
 
@@ -262,3 +263,22 @@ def test_plain_trainer_with_an_fp16_policy_is_refused_at_its_first_backward(mode
     with pytest.raises(ValueError, match=r"in fp16, and backward reached its loss unscaled.*AutoprecTrainer"):
         _trainer(tf.Trainer, mp, tmp_path, PadToLongest(), steps=1).train()
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # no step taken
+
+
+def test_neftune_is_refused_and_label_smoothing_says_how_to_apply(model_file, tmp_path):
+    """NEFTune's hook on the embedding module never runs in the graph; label smoothing makes Trainer
+    call the model without labels, which a module captured with labels cannot take: the message
+    says so, and a module applied without labels (it returns logits) trains with it."""
+    model, mp = _applied(model_file, "bf16")
+    with pytest.raises(ValueError, match=r"neftune_noise_alpha=5.0\): NEFTune adds its noise through a "
+                                         r"forward hook on the input embedding module"):
+        AutoprecTrainer(model=mp, args=_args(tmp_path, neftune_noise_alpha=5.0))
+    with pytest.raises(TypeError, match=r"misses labels; Hugging Face Trainer calls the model without labels "
+                                        r"when it computes the loss itself \(label_smoothing_factor > 0"):
+        _trainer(AutoprecTrainer, mp, tmp_path, PadToLongest(), steps=1, label_smoothing_factor=0.1).train()
+    example = {k: v for k, v in PadToLongest()([_dataset()[2], _dataset()[6]]).items() if k != "labels"}
+    logits_mp = autoprec.apply(model, autoprec.Policy.fp32(), example, compile=False)
+    trainer = _trainer(AutoprecTrainer, logits_mp, tmp_path, PadToLongest(), steps=2,
+                       label_smoothing_factor=0.1)
+    trainer.train()
+    assert len(_losses(trainer)) == 2 and all(math.isfinite(x) for x in _losses(trainer))
