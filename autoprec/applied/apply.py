@@ -19,6 +19,7 @@ from autoprec.applied.model_facade import (
     check_not_fully_sharded,
     check_not_wrapped,
     model_attr,
+    model_submodule,
     signed_class,
 )
 from autoprec.applied.outputs import flat_output_graph, rebuild
@@ -200,14 +201,11 @@ class MixedPrecisionModule(nn.Module):
     def named_modules(self, memo: set[nn.Module] | None = None, prefix: str = "",
                       remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Module]]:
         """This module, standing in for the wrapped model's root, then the model's submodules
-        under the model's own names.
-
-        So ``named_modules()`` x ``named_parameters(recurse=False)`` reaches every Parameter of
-        the model, as ``DistributedDataParallel`` collects them for its reducer
-        (torch/nn/parallel/distributed.py ``_build_params_for_reducer``). Without this, DDP found
-        only the model root's direct Parameters: none for an ``nn.Sequential``, and torch's
-        ``_verify_params_across_processes`` crashes the process (SIGSEGV) on an empty list;
-        a model with direct Parameters had the others silently left unreduced.
+        under the model's own names, which ``get_submodule``/``get_parameter`` resolve
+        (:func:`model_facade.model_submodule`). So ``named_modules()`` x
+        ``named_parameters(recurse=False)`` reaches every Parameter, as ``DistributedDataParallel``
+        collects them (``_build_params_for_reducer``); before, DDP found only the root's direct
+        Parameters (none for an ``nn.Sequential``: a SIGSEGV in ``_verify_params_across_processes``).
         """
         memo = set() if memo is None else memo
         if self in memo or self.model in memo:
@@ -217,6 +215,8 @@ class MixedPrecisionModule(nn.Module):
         yield prefix, self
         for name, child in self.model.named_children():
             yield from child.named_modules(memo, f"{prefix}.{name}" if prefix else name, remove_duplicate)
+
+    get_submodule = model_submodule
 
     def named_children(self) -> Iterator[tuple[str, nn.Module]]:
         """The wrapped model's children (so ``children()``, ``apply(fn)``, ``.to()`` and Trainer's

@@ -16,7 +16,7 @@ from torch import nn
 from autoprec.errors import CaptureError
 
 __all__ = ["ParameterSnapshot", "check_no_autocast", "check_not_fully_sharded", "check_not_wrapped",
-           "model_attr", "signed_class"]
+           "model_attr", "model_submodule", "signed_class"]
 
 
 def model_attr(name: str, doc: str) -> property:
@@ -41,6 +41,18 @@ def model_attr(name: str, doc: str) -> property:
 
 #: Subclasses of MixedPrecisionModule whose ``forward`` reports a model's signature, per (class, signature).
 _SIGNED: dict[tuple[type, str], type] = {}
+
+
+def model_submodule(self: nn.Module, target: str) -> nn.Module:
+    """``MixedPrecisionModule.get_submodule``: the module itself for ``""``, else the wrapped model's
+    submodule ``target`` (``self.model.get_submodule``), the names ``named_modules()`` gives; so
+    ``get_parameter`` resolves ``named_parameters()``' names too. ``nn.Module.get_submodule`` walked
+    the module's attributes, where ``model`` is the whole wrapped model.
+
+    Raises:
+        AttributeError: the wrapped model has no submodule ``target`` (torch's message).
+    """
+    return self if target == "" else self.__dict__["model"].get_submodule(target)
 
 
 def signed_class(cls: type, model: nn.Module) -> type:

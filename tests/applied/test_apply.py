@@ -143,3 +143,21 @@ def test_a_call_that_does_not_bind_to_the_example_batch_names_the_inputs():
         mp(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
     with pytest.raises(TypeError, match="and this call gives extra$"):
         mp(**batch, extra=1)
+
+
+def test_get_submodule_and_get_parameter_resolve_the_names_the_module_lists():
+    """``named_modules()``/``named_parameters()`` give the wrapped model's names; torch's
+    ``get_submodule`` walked the module's attributes, where ``model`` is the whole wrapped model, and
+    31 of 32 names of a Qwen2 failed (``get_submodule("model")`` returned the ``Qwen2ForCausalLM``)."""
+    from tests.nets import qwen2_batch, tiny_qwen2
+
+    model = tiny_qwen2()
+    mp = autoprec.apply(model, autoprec.Policy.fp32(), qwen2_batch(), compile=False)
+    inner = dict(model.named_modules())
+    names = [n for n, _ in mp.named_modules()]
+    assert len(names) > 20 and mp.get_submodule("") is mp
+    assert all(mp.get_submodule(n) is inner[n] for n in names if n)
+    assert mp.get_submodule("model") is model.model
+    assert all(mp.get_parameter(n) is p for n, p in mp.named_parameters())
+    with pytest.raises(AttributeError):
+        mp.get_submodule("model.layers.9")
