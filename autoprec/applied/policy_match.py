@@ -11,12 +11,14 @@ rules match trains, with one warning per rule that matches nothing (``autoprec.p
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 from torch import fx
 
 from autoprec.errors import PolicyError
 from autoprec.nodekeys import graph_fingerprint
+from autoprec.nodemeta import read_meta
 from autoprec.passes.assign import unmatched_rules
 from autoprec.policy import Policy
 
@@ -64,9 +66,37 @@ def check_policy_matches(policy: Policy, gm: fx.GraphModule, source: str | os.Pa
         where = f"its graph fingerprint {tuned} is this model's"
     else:
         where = f"it records no graph fingerprint (this model's graph is {here})"
+    wrapped = _wrapper_prefix(policy, gm, specific)
+    inside = (f" Under the module prefix {wrapped[0]!r}, {wrapped[1]} of them match: this model wraps the "
+              "one the policy was tuned on (peft's PeftModel adds 'base_model.model.'); apply it to the "
+              "wrapped model (peft: model.get_base_model(), whose modules hold the adapters)."
+              if wrapped else "")
     raise PolicyError(
         f"{name}: none of its {len(specific)} module/node rule{'s' if len(specific) > 1 else ''} matches a "
         f"node of this model's graph ({shown}{more}); {where}. It would train by default_dtype "
         f"{policy.default_dtype} and op-class rules alone, not as its "
-        "file says: it looks like the policy of another model. Tune this model (autoprec tune), or pass "
-        "--force (train) / force=True (apply) to train with it anyway")
+        f"file says: it looks like the policy of another model.{inside} Tune this model (autoprec tune), or "
+        "pass --force (train) / force=True (apply) to train with it anyway")
+
+
+def _wrapper_prefix(policy: Policy, gm: fx.GraphModule, specific: list[int]) -> tuple[str, int] | None:
+    """The module-path prefix of ``gm`` (``"base_model.model."``: a wrapper's modules around the
+    tuned model's) under which the most of ``policy``'s module/node rules ``specific`` match, and
+    how many; None when no prefix of up to :data:`_PREFIX_DEPTH` path components makes one match."""
+    paths = {read_meta(n).module or "" for n in gm.graph.nodes if n.op == "call_function"}
+    prefixes = {".".join(p.split(".")[:k]) + "." for p in paths for k in range(1, _PREFIX_DEPTH + 1)
+                if p.count(".") >= k}
+    best = None
+    for prefix in sorted(prefixes):
+        rules = tuple(dataclasses.replace(r, module=None if r.module is None else prefix + r.module,
+                                          node=None if r.node is None else prefix + r.node)
+                      for r in policy.rules)
+        missed = set(unmatched_rules(dataclasses.replace(policy, rules=rules), gm.graph.nodes))
+        hits = sum(i not in missed for i in specific)
+        if hits and (best is None or hits > best[1]):
+            best = (prefix, hits)
+    return best
+
+
+#: Path components of a wrapper prefix :func:`_wrapper_prefix` tries (peft: two).
+_PREFIX_DEPTH = 3

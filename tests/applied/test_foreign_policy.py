@@ -74,3 +74,42 @@ def test_op_class_rules_alone_never_make_a_policy_foreign():
     policy, not another model's (tests/cases C06 apply it to a bare Linear)."""
     model = torch.nn.Sequential(torch.nn.Linear(8, 8))
     apply(model, Policy.default("bf16"), torch.randn(2, 8), compile=False)
+
+
+def test_a_policy_of_the_wrapped_model_names_the_wrapper_prefix():
+    """A policy tuned on a model, applied to a wrapper around it (peft's ``PeftModel`` puts the
+    model under ``base_model.model``): the refusal says under which prefix its rules match and to
+    apply it to the wrapped model, which then passes."""
+
+    class Holder(torch.nn.Module):
+        def __init__(self, model: torch.nn.Module) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, ids):
+            return self.model(ids)
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self, model: torch.nn.Module) -> None:
+            super().__init__()
+            self.base_model = Holder(model)
+
+        def forward(self, ids):
+            return self.base_model(ids)
+
+    torch.manual_seed(0)
+    inner, batch = Block(), (torch.randint(0, 100, (2, 8)),)
+    tuned = Policy.from_dict({**Policy.default("bf16").to_dict(),
+                              "rules": [{"module": "fc1", "dtype": "fp32"},
+                                        {"module": "head", "dtype": "fp32"},
+                                        {"module": "nowhere.*", "dtype": "fp32"}]})
+    with pytest.raises(PolicyError) as err:
+        apply(Wrapper(inner), tuned, batch, compile=False)
+    assert ("Under the module prefix 'base_model.model.', 2 of them match: this model wraps the one the "
+            "policy was tuned on") in str(err.value), str(err.value)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the rule that matches nothing warns
+        apply(inner, tuned, batch, compile=False)
+    with pytest.raises(PolicyError) as err:  # no prefix helps a policy of another model
+        apply(inner, Policy.from_dict(_OTHER), batch, compile=False)
+    assert "Under the module prefix" not in str(err.value)
