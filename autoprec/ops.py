@@ -21,6 +21,7 @@ An op missing from the table is treated as ``follow`` with one warning per op na
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import torch
 from torch import fx
@@ -303,15 +304,17 @@ def rmsnorm_regions(nodes: list[fx.Node]) -> list[list[fx.Node]]:
     """Find decomposed RMSNorms: ``x * rsqrt(mean(x**2) + eps)`` (or ``x / sqrt(...)``).
 
     Matches what HF Llama/Qwen2/Mistral/Gemma/T5 RMSNorm modules export to: ``pow(x, 2)``
-    (or ``x * x``, ``square``) -> ``mean`` -> optional ``add(eps)`` -> ``rsqrt`` -> ``mul`` by
-    ``x`` (``sqrt`` -> ``div`` also), where ``x`` may pass through ``.to``/copies.
+    (or ``x * x``, ``square``) -> ``mean`` (or ``sum`` divided by a number, case C04's
+    ``x.pow(2).sum(-1) / d``) -> optional ``add(eps)`` -> ``rsqrt`` -> ``mul`` by ``x``
+    (``sqrt`` -> ``div`` also), where ``x`` may pass through ``.to``/copies.
 
     Args:
         nodes: Graph nodes.
 
     Returns:
-        One list per match: the square, mean, optional add, rsqrt/sqrt and the applying
-        mul/div nodes (the scale by the weight is not included: it is an ordinary ``follow``).
+        One list per match: the square, mean (or sum and its division), optional add, rsqrt/sqrt
+        and the applying mul/div nodes (the scale by the weight is not included: it is an
+        ordinary ``follow``).
     """
     regions = []
     for r in nodes:
@@ -323,12 +326,14 @@ def rmsnorm_regions(nodes: list[fx.Node]) -> list[list[fx.Node]]:
         if op_name(m) == "add":
             chain.append(m)
             m = next((a for a in m.args if isinstance(a, fx.Node)), None)
-        if op_name(m) != "mean" or not isinstance(m.args[0], fx.Node):
+        reduce = _mean_of(m)
+        if reduce is None:
             continue
-        x = _is_square_of(m.args[0])
+        sq = reduce[-1].args[0]
+        x = _is_square_of(sq)
         if x is None:
             continue
-        chain += [m, m.args[0]]
+        chain += [*reduce, sq]
         apply_op = "mul" if rop == "rsqrt" else "div"
         for u in r.users:
             if op_name(u) == apply_op and any(a is not r and _base(a) is x for a in u.args):
@@ -336,6 +341,21 @@ def rmsnorm_regions(nodes: list[fx.Node]) -> list[list[fx.Node]]:
         if len(chain) > 3 and chain[-1] not in chain[:-1] and op_name(chain[-1]) == apply_op:
             regions.append(list(reversed(chain)))
     return regions
+
+
+def _mean_of(m: Any) -> list[fx.Node] | None:
+    """The nodes of a mean over the last dims as RMSNorm spellings write it: ``mean(sq)``, or
+    ``sum(sq)`` divided by (or multiplied with) a number (``x.pow(2).sum(-1) / d``); the
+    ``sum``/``mean`` node last. None for anything else."""
+    if op_name(m) == "mean" and isinstance(m.args[0], fx.Node):
+        return [m]
+    if op_name(m) in ("div", "mul") and len(m.args) == 2:
+        total, scale = (m.args if op_name(m) == "div" or isinstance(m.args[0], fx.Node)
+                        else reversed(m.args))
+        if (op_name(total) == "sum" and isinstance(total.args[0], fx.Node)
+                and isinstance(scale, (int, float)) and not isinstance(scale, bool)):
+            return [m, total]
+    return None
 
 
 def random_nodes(gm: torch.nn.Module) -> list[fx.Node]:

@@ -16,22 +16,30 @@ from tests.conftest import RTOL
 
 
 class RMSNorm(nn.Module):
-    """HF Llama/Qwen2 style: ``weight * (x * rsqrt(mean(x**2) + eps))``."""
+    """HF Llama/Qwen2 style: ``weight * (x * rsqrt(mean(x**2) + eps))``; the mean spelled as
+    ``mean``, or as ``sum`` divided by (multiplied with the inverse of) the size."""
 
-    def __init__(self, dim: int) -> None:
+    def __init__(self, dim: int, mean: str = "mean") -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
+        self.mean = mean
 
     def forward(self, x):
-        var = x.pow(2).mean(-1, keepdim=True)
+        sq = x.pow(2)
+        if self.mean == "mean":
+            var = sq.mean(-1, keepdim=True)
+        elif self.mean == "sum_div":
+            var = sq.sum(-1, keepdim=True) / x.shape[-1]
+        else:
+            var = sq.sum(-1, keepdim=True) * (1.0 / x.shape[-1])
         return self.weight * (x * torch.rsqrt(var + 1e-6))
 
 
 class Net(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, mean: str = "mean") -> None:
         super().__init__()
         self.gain = nn.Parameter(torch.ones(8))
-        self.norm = RMSNorm(8)
+        self.norm = RMSNorm(8, mean)
 
     def forward(self, x):
         return self.norm(x * self.gain)
@@ -54,6 +62,10 @@ def drift(model, f, x):
 
 
 REGION = {"norm/pow#0", "norm/mean#0", "norm/add#0", "norm/rsqrt#0", "norm/mul#0"}
+#: The nodes of the norm per spelling of its mean.
+REGIONS = {"mean": REGION,
+           "sum_div": {"norm/pow#0", "norm/sum#0", "norm/div#0", "norm/add#0", "norm/rsqrt#0", "norm/mul#0"},
+           "sum_mul": {"norm/pow#0", "norm/sum#0", "norm/mul#0", "norm/add#0", "norm/rsqrt#0", "norm/mul#1"}}
 
 
 def _dtypes(gm):
@@ -67,15 +79,17 @@ def _dtypes(gm):
     Policy(default_dtype="fp16", rules=(Rule(op_class="sensitive", dtype="fp32"),
                                         Rule(op_class="follow", dtype="fp16"))),
 ])
-def test_c04_rmsnorm_square_overflow(policy):
-    model = Net()
+@pytest.mark.parametrize("mean", sorted(REGIONS))
+def test_c04_rmsnorm_square_overflow(policy, mean):
+    model = Net(mean)
     x = torch.full((1, 8), 300.0)
     gm = capture(model, (x,))
     r = run_pipeline(gm, policy)
     d = _dtypes(r.graph_module)
-    assert {k: d[k] for k in REGION} == dict.fromkeys(REGION, "fp32")
+    region = REGIONS[mean]
+    assert {k: d[k] for k in region} == dict.fromkeys(region, "fp32")
     for n in r.graph_module.graph.nodes:
-        if read_meta(n).key in REGION:
+        if read_meta(n).key in region:
             assert read_meta(n).op_class == "sensitive"
             assert read_meta(n).pattern == "rms_norm"
             assert "C04" in read_meta(n).reason
