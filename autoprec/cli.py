@@ -204,7 +204,13 @@ def _cmd_train(a: argparse.Namespace) -> int:
         print(f"final loss (mean of last {min(5, len(res.losses))} steps) {res.final_loss:.4f}; "
               f"{res.tokens_per_s:.0f} tokens/s; "
               f"skipped steps {res.skipped}; loss scale {res.loss_scale:g}")
-    return 0 if math.isfinite(res.final_loss) else 1
+    if math.isfinite(res.final_loss):
+        return 0
+    if ranks_from_env().lead:
+        print(f"autoprec train: error: the loss of the last {min(5, len(res.losses))} steps is not finite "
+              f"({res.skipped} of {len(res.losses)} steps skipped); check the model's loss (loss_fn) and "
+              "batches (autoprec tune names the first non-finite node)", file=sys.stderr)
+    return 1
 
 
 def _cmd_compare(a: argparse.Namespace) -> int:

@@ -193,7 +193,8 @@ def as_measurement(d: Drift, seconds: dict[int, float], scaler: DynamicLossScale
     """The :class:`Measurement` of the batches ``d`` holds (all of them, or those run so far):
     per-batch ``grad_rel_l2`` and their mean, mean ``loss_rel``, min SQNR, ``peak_bytes`` (batch
     0's saved bytes + ``state_bytes``), ``pass_times`` from ``seconds`` (batch -> forward+backward
-    seconds), a ``note`` counting loss-scale back-offs, and ``error`` when a batch was non-finite.
+    seconds), a ``note`` counting loss-scale back-offs, and ``error`` when a batch was non-finite
+    (``"non-finite loss (drift batch k)"``, or ``gradients`` when the loss was finite).
 
     With ``d.unmeasured`` set (stopped before a back-off search), the drift fields hold the
     batches before it (none: ``grad_rel_l2`` and ``loss_rel`` inf, as :class:`Measurement`'s
@@ -216,7 +217,8 @@ def as_measurement(d: Drift, seconds: dict[int, float], scaler: DynamicLossScale
     m.peak_bytes = d.saved_bytes + state_bytes
     if not d.finite and d.unmeasured is None:
         m.grad_rel_l2 = math.inf
-        m.error = f"non-finite loss or gradients (drift batch {len(d.batches) - 1})"
+        what = "loss" if not math.isfinite(d.batches[-1].loss_rel) else "gradients"
+        m.error = f"non-finite {what} (drift batch {len(d.batches) - 1})"
     return m
 
 

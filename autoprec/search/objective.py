@@ -160,8 +160,9 @@ def name_nonfinite(m: Measurement, gm: torch.fx.GraphModule, batches: list[Any])
     """``m.error``, and where its non-finite values start when that is why it failed (case C01:
     name the node): the first forward node of ``gm`` with an inf or NaN output on the last drift
     batch ``m`` ran (:func:`autoprec.training.monitor.first_nonfinite_node`, one eager forward) and
-    the model's line that made it (:func:`autoprec.source.node_source`), or that the forward was
-    finite (the overflow is in the backward pass)."""
+    the model's line that made it (:func:`autoprec.source.node_source`); or, the forward being
+    finite, that the loss computed from its outputs is not (the model file's ``loss_fn``), or that
+    the overflow is in the backward pass (a finite loss)."""
     if m.error is None or not m.error.startswith("non-finite"):
         return m.error
     try:
@@ -169,8 +170,12 @@ def name_nonfinite(m: Measurement, gm: torch.fx.GraphModule, batches: list[Any])
     except Exception as e:  # noqa: BLE001 - a diagnosis must not turn the error into another
         return f"{m.error}; its first non-finite node could not be found ({type(e).__name__}: {e})"
     src = next((node_source(n) for n in gm.graph.nodes if (read_meta(n).key or n.name) == node), None)
-    where = (f"first non-finite output: node {node}" + (f" (from {src})" if src else "") if node
-             else "forward finite (backward overflows)")
+    if node:
+        where = f"first non-finite output: node {node}" + (f" (from {src})" if src else "")
+    elif m.error.startswith("non-finite loss"):
+        where = "the forward's outputs are finite: the loss computed from them (loss_fn) is not"
+    else:
+        where = "forward finite (backward overflows)"
     return f"{m.error}; {where}"
 
 

@@ -159,6 +159,38 @@ def test_c09_tune_of_a_model_whose_fp32_step_is_not_finite_says_so(tmp_path, cap
     assert main(["tune", str(model), "--out", str(out), "--trials", "2", "--no-compile", "--traj-steps", "0",
                  "--dtypes", "bf16"]) == 2
     err = capsys.readouterr().err
-    assert (f"{model}: the model's own fp32 training step fails (non-finite loss or gradients (drift batch "
+    assert (f"{model}: the model's own fp32 training step fails (non-finite loss (drift batch "
             "0); first non-finite output: node w); autoprec tunes a model that trains in fp32") in err, err
     assert not out.exists()
+
+
+def test_tune_of_a_model_whose_loss_fn_is_not_finite_blames_the_loss_not_the_backward(tmp_path, capsys):
+    """The forward is finite and the model file's loss_fn makes the loss inf: the error said
+    "forward finite (backward overflows)"; it names the loss now."""
+    from autoprec.cli import main
+
+    model = tmp_path / "inf_loss.py"
+    model.write_text(C09_MODEL.replace('float("inf")', "1.0") + (
+        "\n\ndef loss_fn(output, batch):\n    return output * float('inf')\n"))
+    out = tmp_path / "p.json"
+    assert main(["tune", str(model), "--out", str(out), "--trials", "2", "--no-compile", "--traj-steps", "0",
+                 "--dtypes", "bf16"]) == 2
+    err = capsys.readouterr().err
+    assert ("the model's own fp32 training step fails (non-finite loss (drift batch 0); the forward's "
+            "outputs are finite: the loss computed from them (loss_fn) is not)") in err, err
+    assert not out.exists()
+
+
+def test_train_whose_loss_is_not_finite_says_so_and_exits_1(tmp_path, capsys):
+    """It printed "final loss ... inf" and exited 1 without an error line."""
+    from autoprec.cli import main
+    from autoprec.policy import Policy
+
+    model = tmp_path / "inf_loss.py"
+    model.write_text(C09_MODEL.replace('float("inf")', "1.0") + (
+        "\n\ndef loss_fn(output, batch):\n    return output * float('inf')\n"))
+    Policy.fp32().save(tmp_path / "p.json")
+    assert main(["train", str(model), "--policy", str(tmp_path / "p.json"), "--steps", "2",
+                 "--no-compile"]) == 1
+    err = capsys.readouterr().err
+    assert "autoprec train: error: the loss of the last 2 steps is not finite" in err, err

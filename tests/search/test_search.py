@@ -58,7 +58,7 @@ def test_nan_candidate_recorded_failed_and_study_continues(tmp_path, overflow_sp
         "matmul": "fp16", "sensitive": "fp16", "follow": "fp16"}
     assert all_low.state == optuna.trial.TrialState.FAIL
     # C01: the trial names the node whose output first went non-finite, the fp16 projection
-    assert all_low.user_attrs[ATTR + "error"].startswith("non-finite loss or gradients (drift batch 0)")
+    assert all_low.user_attrs[ATTR + "error"].startswith("non-finite loss (drift batch 0)")
     assert all_low.user_attrs[ATTR + "error"].endswith(  # and the model's line that made it
         f"; first non-finite output: node up/linear#0 (from {OVERFLOW_MODEL}:18 (forward): "
         "h = self.up(x) + x[:, :1])")
