@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from autoprec._torch_compat import pytree
 from autoprec.errors import ModelSpecError
 from autoprec.modelspec.batch import _describe, call_model, positional_binding
 from autoprec.modelspec.loader import _OPTIONAL, _REQUIRED, ModelSpec
@@ -43,10 +44,13 @@ def _call_entry(spec: ModelSpec, name: str, fn: Callable[..., Any], *args: Any) 
 
 
 def _same_batch(a: Any, b: Any) -> bool:
-    """Structural equality of two batches (tensors by dtype, shape and values)."""
+    """Structural equality of two batches (tensors by dtype, shape and values, NaN equal to NaN;
+    arrays such as numpy's by values)."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
-                and a.shape == b.shape and a.device == b.device and torch.equal(a, b))
+                and a.shape == b.shape and a.device == b.device
+                and (torch.equal(a, b) or (a.is_floating_point() or a.is_complex())
+                     and bool(torch.isclose(a, b, rtol=0, atol=0, equal_nan=True).all())))
     if isinstance(a, Mapping) or isinstance(b, Mapping):
         return (isinstance(a, Mapping) and isinstance(b, Mapping) and list(a) == list(b)
                 and all(_same_batch(a[k], b[k]) for k in a))
@@ -54,7 +58,8 @@ def _same_batch(a: Any, b: Any) -> bool:
         return (isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)) and len(a) == len(b)
                 and all(_same_batch(x, y) for x, y in zip(a, b)))
     try:
-        return bool(a == b)
+        eq = a == b
+        return bool(eq.all()) if hasattr(eq, "all") and not isinstance(eq, bool) else bool(eq)
     except Exception:
         return a is b
 
@@ -130,6 +135,12 @@ def validate_spec(spec: ModelSpec, device: torch.device | str = "cpu") -> tuple[
         if not isinstance(batch, (torch.Tensor, tuple, list, Mapping)):
             raise ModelSpecError(f"{spec.path}: get_batch returned {_describe(batch)}; expected "
                                  f"{_BATCH_TYPES}")
+        meta = next((p for p, t in pytree.tree_flatten_with_path(batch)[0]
+                     if isinstance(t, torch.Tensor) and t.device.type == "meta"), None)
+        if meta is not None:
+            raise ModelSpecError(f"{spec.path}: get_batch(0, device) returned a tensor on the meta device at "
+                                 f"batch{pytree.keystr(meta)} (it has a shape and no values); create the "
+                                 f"batch's tensors on the device argument ({dev})")
         again = _call_entry(spec, "get_batch(0, device)", spec.get_batch, 0, dev)
         if not _same_batch(batch, again):
             raise ModelSpecError(f"{spec.path}: get_batch(0, device) returned different batches on two "

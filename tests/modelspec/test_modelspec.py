@@ -353,3 +353,27 @@ def test_building_a_transformers_model_prints_no_torchao_import_noise(tmp_path):
     if not torch.cuda.is_available():
         assert "Failed to load" not in r.stderr, r.stderr[-2000:]
     assert "register_constant" not in r.stderr, r.stderr[-2000:]
+
+
+def test_a_deterministic_batch_with_nan_or_numpy_values_is_not_called_random(tmp_path: Path) -> None:
+    """NaN != NaN and an array's ``==`` is elementwise: such batches were refused as "different
+    batches on two calls"; a meta-device tensor raised a raw NotImplementedError."""
+    from autoprec.modelspec import validate_spec
+
+    source = GOOD.replace("return (torch.randn(2, 4, generator=g).to(device),)",
+                          "x = torch.randn(2, 4, generator=g); x[0, 0] = float('nan')\n"
+                          "    return (x.to(device),)")
+    nan = write(tmp_path, source + "def loss_fn(out, batch):\n    return out.sum()\n", "nan.py")
+    model, batch = validate_spec(load_model_spec(nan))  # the loss is NaN: only tune's drift minds
+    assert torch.isnan(batch[0][0, 0])
+    arrays = write(tmp_path, GOOD.replace("return (torch.randn(2, 4, generator=g).to(device),)",
+                                          "import numpy\n    return {'x': numpy.ones((2, 4), 'float32')}"),
+                   "arrays.py")
+    with pytest.raises(ModelSpecError) as err:
+        validate_spec(load_model_spec(arrays))
+    assert "different batches" not in str(err.value)
+    meta = write(tmp_path, GOOD.replace("return (torch.randn(2, 4, generator=g).to(device),)",
+                                        "return {'x': torch.empty(2, 4, device='meta')}"), "meta.py")
+    with pytest.raises(ModelSpecError, match=r"meta.py: get_batch\(0, device\) returned a tensor on the meta "
+                                             r"device at batch\['x'\] \(it has a shape and no values\)"):
+        validate_spec(load_model_spec(meta))
