@@ -169,12 +169,13 @@ def _train(spec: Any, policy: Policy, policy_path: str | os.PathLike, dev: Any, 
     step = TrainStep(module, params, optimizer, spec.loss_fn, scaler=make_scaler(policy, diagnose),
                      device_type=dev.type, max_grad_norm=max_grad_norm, max_skips=MAX_SKIPS_AT_FLOOR,
                      diagnose=diagnose)
-    start = _resume(checkpoint, policy_path, policy, step, model, steps, quiet) if resume else 0
+    start = _resume(checkpoint, policy_path, policy, step, model, steps, quiet, ranks.world) if resume else 0
     monitor = Monitor(log_path if ranks.lead else None, graph_module=mp.graph_module)
     checkpoint = checkpoint if ranks.lead else None  # every rank resumed from it; rank 0 writes it
 
     def save(done: int) -> None:
-        save_checkpoint(checkpoint, model, optimizer, step.scaler, policy, step=done)
+        save_checkpoint(checkpoint, model, optimizer, step.scaler, policy, step=done,
+                        extra={WORLD_SIZE: ranks.world})
 
     hooks = [mean_loss_hook(ranks), _recorder(monitor, spec.tokens_per_batch),
              _printer(steps, log_every, quiet)]
@@ -220,18 +221,31 @@ def _check_policy(checkpoint: str | os.PathLike, ck: Any, policy_path: str | os.
                             f"({ck.policy.summary()} vs {policy.summary()})")
 
 
+#: The checkpoint's ``extra`` key for the number of processes of the run that wrote it.
+WORLD_SIZE = "world_size"
+
+
 def _resume(checkpoint: str | os.PathLike, policy_path: str | os.PathLike, policy: Policy, step: TrainStep,
-            model: Any, steps: int, quiet: bool) -> int:
+            model: Any, steps: int, quiet: bool, world: int = 1) -> int:
     """Load ``checkpoint`` into the model, optimizer, scaler and RNG if it exists; the step to start at.
 
     Raises:
-        AutoprecError: saved under another policy, or already at step ``steps`` or beyond (the
-            file changed since :func:`_finished` read it).
+        AutoprecError: saved under another policy, or by a run of another number of processes
+            (``world``: rank r of N trains on ``get_batch(k * N + r)``, so the batches would change;
+            checkpoints from before the count was recorded are taken), or already at step ``steps``
+            or beyond (the file changed since :func:`_finished` read it). Nothing is loaded then.
     """
     if not Path(checkpoint).exists():
         if not quiet:
             print(f"no checkpoint at {checkpoint}; starting from step 0", flush=True)
         return 0
+    saved = peek_checkpoint(checkpoint).extra.get(WORLD_SIZE, world)
+    if saved != world:
+        raise AutoprecError(
+            f"checkpoint {checkpoint} was saved by a run of {saved} process{'es' if saved != 1 else ''} "
+            f"(train --nproc {saved}) and this one has {world}: each rank r of N trains on "
+            "get_batch(k * N + r), so it would not continue that run. Resume with --nproc "
+            f"{saved}, or start a new run with another --checkpoint")
     ck = load_checkpoint(checkpoint, model, step.optimizer, step.scaler)
     _check_policy(checkpoint, ck, policy_path, policy)
     if ck.step >= steps:

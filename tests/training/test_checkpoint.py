@@ -174,3 +174,26 @@ def test_resume_of_finished_run_is_a_no_op(tmp_path, capsys):
     Policy.default("bf16").save(other)
     with pytest.raises(AutoprecError, match="different policy"):  # a finished run still checks the policy
         train(TINY, other, steps=2, checkpoint=ck, resume=True, compile=False, quiet=True)
+
+
+def test_resume_under_another_number_of_processes_is_refused(tmp_path, capsys):
+    """A checkpoint records how many processes wrote it: rank r of N trains on get_batch(k*N + r),
+    so resuming a --nproc 2 run in one process trained on other batches, silently."""
+    from autoprec.cli import main
+    from autoprec.training.checkpoint import peek_checkpoint
+
+    pol = tmp_path / "p.json"
+    Policy.fp32().save(pol)
+    ck = tmp_path / "ck.pt"
+    base = ["train", str(TINY), "--policy", str(pol), "--no-compile", "--checkpoint", str(ck)]
+    assert main(base + ["--steps", "2"]) == 0
+    assert peek_checkpoint(ck).extra == {"world_size": 1}
+    payload = torch.load(ck, weights_only=False)
+    payload["extra"]["world_size"] = 2  # as `train --nproc 2` writes it
+    torch.save(payload, ck)
+    stamp = ck.stat().st_mtime_ns
+    capsys.readouterr()
+    assert main(base + ["--steps", "3", "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert f"checkpoint {ck} was saved by a run of 2 processes (train --nproc 2) and this one has 1" in err
+    assert ck.stat().st_mtime_ns == stamp  # nothing written
