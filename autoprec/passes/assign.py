@@ -38,6 +38,7 @@ from autoprec.ops import (
     RMSNORM_REASON,
     captured_dtype,
     classify,
+    op_name,
     reason,
     rmsnorm_regions,
 )
@@ -243,6 +244,33 @@ def _constants_before(nodes, labels, policy: Policy, mode: str) -> int:
             meta.reason = (f"constant {value!r} is outside the {d} range "
                            f"(max {torch.finfo(to_torch(d)).max:g}); kept fp32")
             count += 1
+            if op_name(n) in _CARRIES_CONSTANT:
+                count += _keep_readers_fp32(n, labels, value, d)
+    return count
+
+
+#: Ops whose output takes the size of an out-of-range constant they combine with (``mask * -1e9``,
+#: ``x + 1e5``): their ``follow`` readers would cast that value to the low dtype (``-inf``).
+_CARRIES_CONSTANT = frozenset({"add", "sub", "rsub", "mul", "addcmul", "lerp"})
+
+
+def _keep_readers_fp32(n: fx.Node, labels: dict, value: float, d: str) -> int:
+    """Keep fp32 the ``follow`` nodes that read ``n``'s output (an out-of-range constant carried
+    through, case C03's additive mask ``scores + (1 - mask) * -1e9``: the fp16 ``add`` made a fully
+    masked row ``-inf``, NaN after softmax), and theirs, transitively; up to the first node of
+    another class (the softmax, sensitive). Returns how many."""
+    count, todo = 0, list(n.users)
+    while todo:
+        u = todo.pop()
+        meta = meta_of(u)
+        if labels.get(u) in (None, "fp32") or meta.op_class != "follow":
+            continue
+        labels[u] = "fp32"
+        meta.compute, meta.dtype, meta.decided_by = None, "fp32", "constant out of range"
+        meta.reason = (f"reads {read_meta(n).key or n.name}, which combines constant {value!r} (outside the "
+                       f"{d} range) into its output; kept fp32")
+        count += 1
+        todo.extend(u.users)
     return count
 
 

@@ -8,7 +8,8 @@ lowered, the scalar arguments are compared with ``torch.finfo(dtype).max``:
 - mode ``"fix"`` (default): a fill value of a mask-fill op (:data:`autoprec.ops.MASK_FILL_OPS`)
   at or beyond the range becomes ``finfo(dtype).min`` (``.max`` for positive values), which is
   what HF models use for masks; any other out-of-range constant keeps its node in fp32
-  (``decided_by="constant out of range"``).
+  (``decided_by="constant out of range"``), and, when the node adds or multiplies it into its
+  output, the ``follow`` nodes reading that output (``autoprec.passes.assign``).
 - mode ``"strict"``: any out-of-range constant raises :class:`~autoprec.errors.PassError` naming
   the node and the constant.
 

@@ -124,3 +124,33 @@ def test_c03_all_minus_inf_row_is_nan_in_fp32_too():
     assert _node(r.graph_module, "masked_fill").args[2] == float("-inf")
     assert torch.isnan(model(x, mask)[1]).all() and torch.isnan(r.graph_module(x, mask)[1]).all()
     assert torch.isfinite(r.graph_module(x, mask)[[0, 2, 3]]).all()
+
+
+class AdditiveMask(nn.Module):
+    """Hugging Face's additive spelling: ``scores + (1 - keep) * -1e9``."""
+
+    def __init__(self, big: float) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.big = big
+
+    def forward(self, x, keep):
+        return torch.softmax(self.fc(x) + (1.0 - keep.float()) * self.big, -1)
+
+
+@pytest.mark.parametrize("big", [-1e9, float(torch.finfo(torch.float32).min)])
+def test_c03_additive_mask_carried_into_a_follow_node_stays_fp32(big):
+    """The ``mul`` by the constant was kept fp32 but the ``add`` reading it ran in fp16 (a search
+    point, ``follow->fp16``): the fully masked row became -inf, NaN after softmax."""
+    x, mask = _inputs()
+    keep = ~mask  # row 1 fully masked
+    model = AdditiveMask(big)
+    pol = Policy(default_dtype="fp16", rules=(Rule(op_class="sensitive", dtype="fp32"),
+                                              Rule(op_class="follow", dtype="fp16")))
+    r = run_pipeline(capture(model, (x, keep)), pol)
+    add = _node(r.graph_module, "add")
+    assert read_meta(add).dtype == "fp32" and read_meta(add).decided_by == "constant out of range"
+    assert "reads mul#0, which combines constant" in read_meta(add).reason
+    out = r.graph_module(x, keep)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, model(x, keep), rtol=1e-2, atol=1e-2)  # fp16 scores, fp32 softmax
