@@ -142,7 +142,7 @@ OP_TABLE: dict[str, tuple[str, str]] = {
             "squeeze", "slice", "select", "index", "index_select", "gather", "cat", "stack",
             "split", "split_with_sizes", "chunk", "unbind", "contiguous", "clone", "alias",
             "flatten", "unflatten", "narrow", "repeat", "repeat_interleave", "roll", "flip",
-            "pad", "constant_pad_nd", "embedding", "getitem", "detach", "lift_fresh_copy",
+            "pad", "constant_pad_nd", "embedding", "getitem", "detach", "detach_", "lift_fresh_copy",
             "movedim", "view_as", "expand_as", "diagonal", "as_strided", "index_put",
             "scatter", "scatter_add", "masked_select", "to", "new_zeros", "new_ones", "new_full",
             "broadcast_tensors", "broadcast_to", "numpy_T", "swapdims", "mH", "adjoint",
