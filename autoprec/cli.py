@@ -190,27 +190,14 @@ def _cmd_train(a: argparse.Namespace) -> int:
     if a.compare is not None:
         with _naming_policy(a.policy):
             return _cmd_compare(a)
-    from autoprec.commands.train import train
-    from autoprec.distributed.ranks import ranks_from_env
+    from autoprec.commands.train import report, train
 
     with _naming_policy(a.policy):
         res = train(a.model, a.policy, steps=a.steps, device=a.device, compile=not a.no_compile,
                     log_every=a.log_every, checkpoint=a.checkpoint, resume=a.resume,
                     checkpoint_every=a.checkpoint_every, log_path=a.log, max_grad_norm=a.max_grad_norm,
                     force=a.force)
-    if res.complete:  # --resume on a finished run: train() said so in one line
-        return 0
-    if ranks_from_env().lead:  # under torchrun (train --nproc) rank 0 speaks for all
-        print(f"final loss (mean of last {min(5, len(res.losses))} steps) {res.final_loss:.4f}; "
-              f"{res.tokens_per_s:.0f} tokens/s; "
-              f"skipped steps {res.skipped}; loss scale {res.loss_scale:g}")
-    if math.isfinite(res.final_loss):
-        return 0
-    if ranks_from_env().lead:
-        print(f"autoprec train: error: the loss of the last {min(5, len(res.losses))} steps is not finite "
-              f"({res.skipped} of {len(res.losses)} steps skipped); check the model's loss (loss_fn) and "
-              "batches (autoprec tune names the first non-finite node)", file=sys.stderr)
-    return 1
+    return report(res)
 
 
 def _cmd_compare(a: argparse.Namespace) -> int:

@@ -221,6 +221,26 @@ def _check_policy(checkpoint: str | os.PathLike, ck: Any, policy_path: str | os.
                             f"({ck.policy.summary()} vs {policy.summary()})")
 
 
+def report(res: TrainResult) -> int:
+    """``autoprec train``'s last words and exit code: on the lead rank (rank 0 speaks for all under
+    ``train --nproc``) the final loss line, and an error line on stderr when the final loss is not
+    finite; 0, or 1 for a non-finite final loss (also 0 for a run ``--resume`` found complete,
+    which :func:`train` reported)."""
+    if res.complete:
+        return 0
+    lead, n = ranks_from_env().lead, min(5, len(res.losses))
+    if lead:
+        print(f"final loss (mean of last {n} steps) {res.final_loss:.4f}; {res.tokens_per_s:.0f} tokens/s; "
+              f"skipped steps {res.skipped}; loss scale {res.loss_scale:g}")
+    if math.isfinite(res.final_loss):
+        return 0
+    if lead:
+        print(f"autoprec train: error: the loss of the last {n} steps is not finite ({res.skipped} of "
+              f"{len(res.losses)} steps skipped); check the model's loss (loss_fn) and batches (autoprec "
+              "tune names the first non-finite node)", file=sys.stderr)
+    return 1
+
+
 #: The checkpoint's ``extra`` key for the number of processes of the run that wrote it.
 WORLD_SIZE = "world_size"
 
