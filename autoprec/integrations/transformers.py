@@ -19,6 +19,7 @@ measures their norm, so the order of a step is :class:`autoprec.training.train.T
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -121,6 +122,12 @@ class AutoprecTrainer(transformers.Trainer):
                                if kwargs.get("model_init") is not None else ""))
         check_training_args(args)
         super().__init__(model, args, *rest, **kwargs)
+        if (steps := self.args.gradient_accumulation_steps) > 1:
+            warnings.warn(
+                f"autoprec: gradient_accumulation_steps={steps}: the policy's graph computes each "
+                "micro-batch's mean loss (it takes no num_items_in_batch) and Trainer averages those, where "
+                "stock Trainer weights micro-batches by their token counts: with padded batches of unequal "
+                "lengths the updates differ (docs/integrations.md)", UserWarning, stacklevel=2)
 
     def create_accelerator_and_postprocess(self) -> None:
         """Trainer's accelerator, with the policy's :class:`~autoprec.DynamicLossScaler` as its scaler

@@ -14,6 +14,7 @@ import inspect
 import math
 import runpy
 import textwrap
+import warnings
 
 import pytest
 import torch
@@ -282,3 +283,13 @@ def test_neftune_is_refused_and_label_smoothing_says_how_to_apply(model_file, tm
                        label_smoothing_factor=0.1)
     trainer.train()
     assert len(_losses(trainer)) == 2 and all(math.isfinite(x) for x in _losses(trainer))
+
+
+def test_gradient_accumulation_says_the_loss_is_averaged_per_micro_batch(model_file, tmp_path):
+    _, mp = _applied(model_file, "bf16")
+    with pytest.warns(UserWarning, match=r"gradient_accumulation_steps=2: the policy's graph computes each "
+                                         r"micro-batch's mean loss"):
+        AutoprecTrainer(model=mp, args=_args(tmp_path, gradient_accumulation_steps=2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        AutoprecTrainer(model=mp, args=_args(tmp_path))  # no accumulation: no warning
