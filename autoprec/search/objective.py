@@ -169,8 +169,8 @@ def name_nonfinite(m: Measurement, gm: torch.fx.GraphModule, batches: list[Any])
         node = first_nonfinite_node(gm, batches[len(m.grad_rel_l2_batches) - 1])  # the last run: inf
     except Exception as e:  # noqa: BLE001 - a diagnosis must not turn the error into another
         return f"{m.error}; its first non-finite node could not be found ({type(e).__name__}: {e})"
-    src = next((node_source(n) for n in gm.graph.nodes if (read_meta(n).key or n.name) == node), None)
     if node:
+        src = next((node_source(n) for n in gm.graph.nodes if (read_meta(n).key or n.name) == node), None)
         where = f"first non-finite output: node {node}" + (f" (from {src})" if src else "")
     elif m.error.startswith("non-finite loss"):
         where = "the forward's outputs are finite: the loss computed from them (loss_fn) is not"
