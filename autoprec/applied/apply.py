@@ -3,23 +3,19 @@
 
 from __future__ import annotations
 
-import copy
 import warnings
-from collections.abc import Iterator
 from contextlib import nullcontext
 from typing import Any
 
-import torch
 from torch import fx, nn
 
 from autoprec.applied.compile import CompiledGraph, compile_graph
 from autoprec.applied.model_facade import (
+    ModelFacade,
     ParameterSnapshot,
     check_no_autocast,
     check_not_fully_sharded,
     check_not_wrapped,
-    model_attr,
-    model_submodule,
     signed_class,
 )
 from autoprec.applied.outputs import flat_output_graph, rebuild
@@ -43,7 +39,7 @@ from autoprec.policy import Policy
 
 __all__ = ["MixedPrecisionModule", "apply"]
 
-class MixedPrecisionModule(nn.Module):
+class MixedPrecisionModule(ModelFacade):
     """A model whose forward runs a policy-lowered graph on the model's own Parameters.
 
     Call it exactly like the model (same positional/keyword structure and shapes as the example
@@ -87,15 +83,6 @@ class MixedPrecisionModule(nn.Module):
         stats: Pass statistics (``casts``, ``cast_bytes``).
         compiled: Whether forward runs through ``torch.compile``.
     """
-
-    #: Trainer passes ``num_items_in_batch`` to models that accept loss kwargs; the graph does not.
-    accepts_loss_kwargs = False
-    #: Checkpointing would have to be in the captured graph (see :meth:`gradient_checkpointing_enable`).
-    supports_gradient_checkpointing = False
-    config = model_attr("config", "The wrapped model's ``config`` (Hugging Face models).")
-    main_input_name = model_attr("main_input_name", "The wrapped model's ``main_input_name``.")
-    _keys_to_ignore_on_save = model_attr("_keys_to_ignore_on_save",
-                                         "The wrapped model's (Trainer's resume reads it).")
 
     def __init__(self, model: nn.Module, graph_module: fx.GraphModule, policy: Policy,
                  stats: dict[str, Any], compile: bool) -> None:
@@ -192,126 +179,6 @@ class MixedPrecisionModule(nn.Module):
         if self._recapture is not None and self._recapture.recaptures:
             out["recaptures"] = self._recapture.recaptures
         return out
-
-    def named_parameters(self, prefix: str = "", recurse: bool = True,
-                         remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
-        """The wrapped model's named parameters (fp32 master weights)."""
-        return self.model.named_parameters(prefix, recurse, remove_duplicate)
-
-    def named_modules(self, memo: set[nn.Module] | None = None, prefix: str = "",
-                      remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Module]]:
-        """This module, standing in for the wrapped model's root, then the model's submodules
-        under the model's own names, which ``get_submodule``/``get_parameter`` resolve
-        (:func:`model_facade.model_submodule`). So ``named_modules()`` x
-        ``named_parameters(recurse=False)`` reaches every Parameter, as ``DistributedDataParallel``
-        collects them (``_build_params_for_reducer``); before, DDP found only the root's direct
-        Parameters (none for an ``nn.Sequential``: a SIGSEGV in ``_verify_params_across_processes``).
-        """
-        memo = set() if memo is None else memo
-        if self in memo or self.model in memo:
-            return
-        if remove_duplicate:
-            memo.update((self, self.model))
-        yield prefix, self
-        for name, child in self.model.named_children():
-            yield from child.named_modules(memo, f"{prefix}.{name}" if prefix else name, remove_duplicate)
-
-    get_submodule = model_submodule
-
-    def named_children(self) -> Iterator[tuple[str, nn.Module]]:
-        """The wrapped model's children (so ``children()``, ``apply(fn)``, ``.to()`` and Trainer's
-        weight-decay groups, ``get_parameter_names``, reach the model's modules under its names)."""
-        return self.model.named_children()
-
-    def save_pretrained(self, save_directory: Any, *args: Any, **kwargs: Any) -> Any:
-        """The wrapped model's ``save_pretrained`` (Hugging Face models): the files ``from_pretrained``
-        of the model's own class loads, weights as trained (they are the model's Parameters).
-
-        Raises:
-            TypeError: the wrapped model has no ``save_pretrained``.
-        """
-        save = getattr(self.model, "save_pretrained", None)
-        if save is None:
-            raise TypeError(f"{self._what}: the wrapped model has no save_pretrained; save mp.state_dict() "
-                            "(the model's keys) instead")
-        return save(save_directory, *args, **kwargs)
-
-    def gradient_checkpointing_enable(self, *args: Any, **kwargs: Any) -> None:
-        """Refused: the graph is captured and lowered already, so checkpointing the model now would not
-        change it.
-
-        Raises:
-            ValueError: always; says what to use instead.
-        """
-        raise ValueError(
-            f"{self._what}: gradient checkpointing cannot be switched on after autoprec.apply (the graph is "
-            "captured and lowered already). Set TrainingArguments(gradient_checkpointing=False, "
-            "activation_checkpointing=False); to trade compute for activation memory, give the policy an "
-            "activation_memory_budget below 1.0 and apply with compile=True "
-            "(docs/architecture.md#policy-file)")
-
-    activation_checkpointing_enable = gradient_checkpointing_enable
-
-    def named_buffers(self, prefix: str = "", recurse: bool = True,
-                      remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-        """The wrapped model's named buffers."""
-        return self.model.named_buffers(prefix, recurse, remove_duplicate)
-
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """The wrapped model's ``state_dict`` (same keys as without autoprec)."""
-        return self.model.state_dict(*args, **kwargs)
-
-    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
-        """Load into the wrapped model in place (the graph reads the same tensors)."""
-        if assign:
-            raise ValueError("load_state_dict(assign=True) would replace the Parameters the graph reads")
-        return self.model.load_state_dict(state_dict, strict=strict)
-
-    def _apply(self, fn: Any, recurse: bool = True) -> MixedPrecisionModule:
-        """``nn.Module``'s conversion hook (``.to()``, ``.half()``, ``.cuda()``...), refusing a floating
-        dtype other than fp32 before anything is converted.
-
-        Raises:
-            ValueError: the conversion would make the model's Parameters, the fp32 master weights
-                the graph reads and training updates, another dtype (``mp.to(torch.float16)``,
-                ``mp.half()``); the policy decides what computes in bf16/fp16. ``.to(device)`` is
-                accepted.
-        """
-        dtype = fn(torch.zeros((), dtype=torch.float32)).dtype  # what it does to an fp32 tensor
-        if dtype != torch.float32:
-            raise ValueError(f"{self._what}: this conversion would make the model's Parameters {dtype}; "
-                             "they are the fp32 master weights the graph reads and training updates, and the "
-                             "policy decides what computes in bf16/fp16 (docs/architecture.md#runtime): move "
-                             "the module with .to(device) only")
-        return super()._apply(fn, recurse)
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> MixedPrecisionModule:
-        """A deep copy (an EMA copy): what ``copy.deepcopy``'s default does for a module (its state
-        copied, ``nn.Module.__setstate__``), kept so :meth:`__reduce_ex__` can refuse pickling."""
-        new = type(self).__new__(type(self))
-        memo[id(self)] = new
-        new.__setstate__(copy.deepcopy(self.__getstate__(), memo))
-        return new
-
-    def __reduce_ex__(self, protocol: Any) -> Any:
-        """Refused: ``torch.save(mp)`` / ``pickle`` (the per-signature class, compiled code and hooks
-        do not pickle; it failed with a PicklingError about the class).
-
-        Raises:
-            TypeError: always; says what to save instead.
-        """
-        raise TypeError(f"{self._what} cannot be pickled (torch.save(mp)): save mp.state_dict() (the "
-                        "model's keys) or the model itself, and apply the policy to it again after loading")
-
-    def train(self, mode: bool = True) -> MixedPrecisionModule:
-        """Set this module's and the wrapped model's training flag: in training mode a call runs
-        the lowered graph, in eval mode the model's own forward (:meth:`forward`). A new module is
-        in training mode, whatever mode the model was applied in. This module's flag decides:
-        ``model.eval()`` on the wrapped model alone does not switch it, and the graph keeps the
-        submodule modes it was captured in (:func:`autoprec.capture.capture`)."""
-        self.model.train(mode)
-        return super().train(mode)
-
 
 def apply(model: nn.Module, policy: Policy, example_batch: Any, compile: bool = True,
           placement: str = "mincut", graph_module: fx.GraphModule | None = None,
