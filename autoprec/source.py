@@ -50,7 +50,7 @@ def is_user_file(filename: str) -> bool:
     """Whether a frame of ``filename`` is the model's code (its own file or a model library such as
     ``transformers/models/...``), not torch's, autoprec's or a wrapper's (:data:`_LIBRARY`)."""
     path = os.path.realpath(filename) if os.path.isabs(filename) else filename
-    return not (filename.startswith("<") or any(path.startswith(p) or path == p for p in _LIBRARY))
+    return not (filename.startswith("<") or path.startswith(_LIBRARY))
 
 
 def node_source(node: fx.Node) -> str | None:

@@ -56,7 +56,7 @@ class TrainResult:
 
     Attributes:
         losses: Loss per step run in this call (fp32 floats; a skipped step's loss is still recorded).
-        final_loss: Mean loss of the last ``min(5, len(losses))`` steps (NaN if no step ran).
+        final_loss: Mean loss of the last ``min(FINAL_STEPS, len(losses))`` steps (NaN if no step ran).
         tokens_per_s: Tokens/s over the steps after the first (which compiles): mean tokens per
             step / median step seconds (:func:`autoprec.training.monitor.tokens_per_s`).
         skipped: Steps skipped for non-finite gradients (in this call).
@@ -221,6 +221,10 @@ def _check_policy(checkpoint: str | os.PathLike, ck: Any, policy_path: str | os.
                             f"({ck.policy.summary()} vs {policy.summary()})")
 
 
+#: Steps whose mean loss is the run's final loss (``TrainResult.final_loss``).
+FINAL_STEPS = 5
+
+
 def report(res: TrainResult) -> int:
     """``autoprec train``'s last words and exit code: on the lead rank (rank 0 speaks for all under
     ``train --nproc``) the final loss line, and an error line on stderr when the final loss is not
@@ -228,7 +232,7 @@ def report(res: TrainResult) -> int:
     which :func:`train` reported)."""
     if res.complete:
         return 0
-    lead, n = ranks_from_env().lead, min(5, len(res.losses))
+    lead, n = ranks_from_env().lead, min(FINAL_STEPS, len(res.losses))
     if lead:
         print(f"final loss (mean of last {n} steps) {res.final_loss:.4f}; {res.tokens_per_s:.0f} tokens/s; "
               f"skipped steps {res.skipped}; loss scale {res.loss_scale:g}")
@@ -312,7 +316,7 @@ def _result(done: list[tuple[StepStats, float]], start: int, step: TrainStep,
                       skipped=sum(int(st.skipped) for st, _ in done), summary=monitor.summary(),
                       loss_scale=step.scaler.get_scale() if step.scaler is not None else 1.0)
     if res.losses:
-        tail = res.losses[-min(5, len(res.losses)):]
+        tail = res.losses[-min(FINAL_STEPS, len(res.losses)):]
         res.final_loss = sum(tail) / len(tail)
         res.tokens_per_s = res.summary["median_tokens_per_s"]  # the monitor's rule (tokens_per_s)
     return res
