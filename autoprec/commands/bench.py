@@ -9,10 +9,10 @@ steps (forward, loss, backward, optimizer step, loss scaler) through the one mea
 ``fp32_compiled``      the captured fp32 graph compiled with Inductor
 ``autocast_eager``     ``torch.autocast`` around the ``nn.Module``, in the low dtype of
                        :func:`autoprec.device.autocast_dtype` (the one ``tune`` compares with)
-``autocast_compiled``  ``torch.autocast`` around the compiled fp32 graph
+``autocast_compiled``  ``torch.autocast`` around the ``nn.Module`` compiled (``torch.compile``)
 ``pure_low_eager``     a copy of the model cast to the low dtype (``model.to(dtype)``): no master
                        weights, optimizer state in the low dtype
-``pure_low_compiled``  that copy captured and compiled
+``pure_low_compiled``  that copy compiled (``torch.compile`` of the ``nn.Module``)
 ``policy_eager``       the policy-lowered graph (fp32 master weights)
 ``policy_compiled``    the policy-lowered graph compiled (what ``autoprec train`` runs)
 =====================  ===========================================================================
@@ -37,8 +37,13 @@ tables, whose forward is a gather, not a matmul; Kaplan et al. 2020, PaLM append
 attention ``12 · layers · seq · hidden · tokens`` (QKᵀ and AV, forward + backward, full
 non-causal count as in PaLM), read from ``model.config`` when the model has one; it divides
 FLOP/s by the device's matmul peak measured in the same run with a large square matmul in the
-policy's main dtype (the dtype most of its matmuls run in), before and again after the
-configurations (the higher of the two counts: a busy moment on a shared machine understates it).
+row's dtype (fp32 rows against fp32's peak, the torch.autocast and pure low-precision rows
+against the low dtype's, a policy's rows against its main dtype's: the dtype most of its matmuls
+run in), and never below fp32's peak (:func:`row_peak`: a device that emulates the low dtype
+computes the same FLOPs at fp32's rate, so fp32's is the peak it offers that work; one peak for
+every row gave an fp32 row 970% MFU against the emulated bf16 peak of an AVX2-only CPU), measured
+before and again after the configurations (the higher of the two counts: a busy moment on a
+shared machine understates it).
 """
 
 from __future__ import annotations
@@ -78,6 +83,7 @@ __all__ = [
     "format_bench_table",
     "matmul_peak_flops",
     "model_flops",
+    "row_peak",
     "run_bench",
     "write_bench_json",
 ]
@@ -335,11 +341,12 @@ def _time_all(h: Harness, cfgs: dict[str, BenchConfig], drift: dict[str, tuple[M
         timings[n] = t
     tm["wall_s"] = time.perf_counter() - t0
     load.check("after timing")
-    flops, peak = result["flops"]["flops_per_step"], result["matmul_peak"]["flops_per_s"]
+    flops, mp = result["flops"]["flops_per_step"], result["matmul_peak"]
     rows = result["configs"]
     for n in timings:  # a timed step that compiled (a shape the warm-up missed) is left out
         t, late = shapes.drop_compiled_steps(timings[n], watch[n], tm["warmup_steps"], cfgs[n].harness.tokens)
         timings[n] = t
+        peak = row_peak(mp, cfgs[n].dtype)
         rows[n] = {**make_row(drift[n][0], cfgs[n].dtype, cfgs[n].compiled, t, flops, peak,
                               result["max_step_ratio"], late),
                    "wall_s": rows[n]["wall_s"], "compile_cache": rows[n]["compile_cache"]}
@@ -353,7 +360,7 @@ def _remeasure_peaks(result: dict[str, Any], dev: torch.device, quiet: bool) -> 
 
     On a shared machine one measurement can catch a busy moment and understate the peak (MFU
     then overstates); the best of two, before and after, is the better estimate of the peak.
-    MFU of every row is recomputed against it.
+    MFU of every row is recomputed against its dtype's.
     """
     mp = result["matmul_peak"]
     mp["before_run"] = dict(mp["by_dtype"])
@@ -363,8 +370,24 @@ def _remeasure_peaks(result: dict[str, Any], dev: torch.device, quiet: bool) -> 
     _log(f"matmul peak {mp['dtype']} re-measured: {mp['after_run'][mp['dtype']] / 1e12:.3f} TFLOP/s "
          f"(before {old / 1e12:.3f}); MFU uses the higher", quiet)
     for r in result["configs"].values():
-        if r.get("mfu") is not None and mp["flops_per_s"] > 0:
-            r["mfu"] = r["mfu"] * old / mp["flops_per_s"]
+        if r.get("mfu") is not None and row_peak(mp, r["dtype"]) > 0:
+            r["mfu"] = r["mfu"] * row_peak(mp, r["dtype"], "before_run") / row_peak(mp, r["dtype"])
+
+
+def row_peak(mp: dict[str, Any], dtype: str, which: str = "by_dtype") -> float:
+    """The matmul peak (FLOP/s) a row in ``dtype`` divides its FLOP/s by for MFU: its dtype's
+    measured peak (the main dtype's when ``dtype`` was not measured), or fp32's if that is higher
+    (a device that emulates the low dtype runs the same GEMMs with fp32 compute at fp32's rate;
+    autoprec's fp32-compute kernels do).
+
+    Args:
+        mp: The result's ``matmul_peak`` (``by_dtype``, ``before_run``: dtype name -> FLOP/s).
+        dtype: The row's dtype name (``"fp32"``, ``"bf16"``, ...).
+        which: Which peaks of ``mp``: ``"by_dtype"`` (the higher of before and after the run) or
+            ``"before_run"``.
+    """
+    peaks = mp[which]
+    return max(peaks.get(dtype, peaks.get(mp["dtype"], 0.0)), peaks.get("fp32", 0.0))
 
 
 def _checkpoint(result: dict[str, Any], json_path: str | os.PathLike | None) -> None:

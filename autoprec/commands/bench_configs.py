@@ -90,8 +90,10 @@ def build_configs(h: Harness, policy: Policy, low: torch.dtype, names: Sequence[
             lambda: compile_graph(h.model, dynamic=autocast_dynamic(h.batches)),
             h, low_scaler, low, lname, True),
         "pure_low_eager": lambda: BenchConfig(lambda: plow.model, plow, low_scaler, None, lname, False),
+        # torch.compile of the low-dtype copy as a user compiles it (capture refuses a model whose
+        # parameters are not fp32: they are the master weights a policy trains)
         "pure_low_compiled": lambda: BenchConfig(
-            lambda: compile_graph(shapes.capture_rows(plow.model, plow.batches)),
+            lambda: compile_graph(plow.model, dynamic=autocast_dynamic(plow.batches)),
             plow, low_scaler, None, lname, True),
         "policy_eager": lambda: BenchConfig(lambda: lowered, h, pol_scaler, None, pdt, False),
         "policy_compiled": lambda: BenchConfig(

@@ -3,14 +3,14 @@
 A model file whose ``get_batch`` pads to the longest sequence gives a new shape at almost every
 step. Every bench row must run all of the harness's batches, and no compile may be timed:
 
-- the captured graphs (``fp32_*``, ``policy_*``, ``pure_low_compiled``'s own capture) follow the
-  rule of ``tune`` and ``train`` (:func:`autoprec.capture.capture_for`): dynamic
+- the captured graphs (``fp32_*``, ``policy_*``) follow the rule of ``tune`` and ``train``
+  (:func:`autoprec.capture.capture_for`): dynamic
   batch/sequence dimensions when the shapes vary, ranges covering every batch the bench runs
   (:func:`cover_batches` captures the harness's graph again when ``--steps`` brings batches
   past the first ones'), so one compile serves every shape;
-- ``autocast_compiled`` (``torch.compile`` of the ``nn.Module``) compiles with ``dynamic=True``
-  when the shapes vary (:func:`autoprec.capture.autocast_dynamic`, as ``tune``), instead of once per
-  shape;
+- ``autocast_compiled`` and ``pure_low_compiled`` (``torch.compile`` of the ``nn.Module``) compile
+  with ``dynamic=True`` when the shapes vary (:func:`autoprec.capture.autocast_dynamic`, as
+  ``tune``), instead of once per shape;
 - the timing's warm-up runs every batch up to the last first appearance of a shape
   (:func:`autoprec.capture.warmup_steps`, as ``tune``), so each configuration meets each shape
   (and compiles, if it must) before a step is timed;
@@ -24,25 +24,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from torch import fx, nn
-
 from autoprec.applied.shape_cache import is_dynamic
 from autoprec.capture import InputShapes, capture_for
 from autoprec.device import compile_count
 from autoprec.measure import Timing
 from autoprec.modelspec import split_batch
 
-__all__ = ["CompileWatch", "capture_rows", "cover_batches", "drop_compiled_steps"]
-
-
-def capture_rows(model: nn.Module, batches: list[Any]) -> fx.GraphModule:
-    """The capture of a configuration that runs ``batches``: :func:`capture_for` on all of them
-    (dynamic dimensions with ranges covering every batch when their shapes vary).
-
-    Raises:
-        CaptureError: as :func:`autoprec.capture.capture`.
-    """
-    return capture_for(model, batches)
+__all__ = ["CompileWatch", "cover_batches", "drop_compiled_steps"]
 
 
 def cover_batches(h: Any) -> bool:
@@ -61,7 +49,7 @@ def cover_batches(h: Any) -> bool:
         try:
             check.check(*split_batch(b))
         except ValueError:
-            h.graph_module = capture_rows(h.model, h.batches)
+            h.graph_module = capture_for(h.model, h.batches)
             return True
     return False
 

@@ -136,12 +136,14 @@ def format_bench_table(result: dict[str, Any]) -> str:
             f"{num(r['mfu'] * 100 if r['mfu'] is not None else None, '.2f')}% | {r['steps_timed']} | "
             f"{r.get('note') or r.get('error') or ''} |")
     mp = result["matmul_peak"]
+    by_dtype = mp.get("by_dtype", {mp["dtype"]: mp["flops_per_s"]})
+    peaks = ", ".join(f"{dn} {f / 1e12:.3f}" for dn, f in by_dtype.items())
     lines.append("")
     timing = result.get("timing") or {}
     gflop = result["flops"]["flops_per_step"] / 1e9
     lines.append(f"{result['device']}; torch {result['torch']}; {result['date']}; "
                  f"{result['tokens_per_batch']} tokens/step; model {gflop:.1f} GFLOP/step; "
-                 f"MFU vs measured {mp['dtype']} matmul peak {mp['flops_per_s'] / 1e12:.3f} TFLOP/s"
+                 f"MFU vs the measured matmul peak of the row's dtype, at least fp32's ({peaks} TFLOP/s)"
                  + ("; tokens/s: median of interleaved rounds ± half-width of its bootstrap 95% interval"
                     if timing.get("interleaved") else ""))
     return "\n".join(lines)

@@ -287,3 +287,38 @@ def test_skip_slow_skips_the_emulated_baselines_with_the_measured_factor(monkeyp
         assert rows[name]["note"] == f"skipped: {low} matmul measured 100x slower than fp32 here"
         assert not rows[name]["tokens_per_s"]  # not run
     assert rows["policy_eager"]["tokens_per_s"] > 0 and res["timing"]["timed_after"] == []
+
+
+@pytest.mark.parametrize("low_peak", [4e11, 1e10])
+def test_each_rows_mfu_is_against_its_own_dtypes_peak(monkeypatch, low_peak):
+    """An fp32 row's MFU divides by fp32's matmul peak, a low-precision row's by its dtype's, or
+    fp32's where that is higher (an emulated dtype: the same GEMMs run at fp32's rate with fp32
+    compute). One peak for every row, the policy's main dtype's, gave fp32_eager 970% MFU against
+    the emulated bf16 peak of an AVX2-only CPU. The table names each peak."""
+    import autoprec.commands.bench as bench
+    from autoprec.device import autocast_dtype
+    from autoprec.dtypes import NAMES
+
+    low = NAMES[autocast_dtype(torch.device("cpu"))]
+    peak = {torch.float32: 1e11, torch.bfloat16: low_peak, torch.float16: low_peak}
+    monkeypatch.setattr(bench, "matmul_peak_flops", lambda dtype, device, **k: (peak[dtype], 512))
+    res = run_bench(TINY, Policy.default(low), steps=2, warmup=1, device="cpu",
+                    configs=["fp32_eager", "autocast_eager"], quiet=True)
+    flops, rows = res["flops"]["flops_per_step"], res["configs"]
+    assert res["matmul_peak"]["by_dtype"] == {low: low_peak, "fp32": 1e11}
+    assert rows["fp32_eager"]["mfu"] == pytest.approx(flops / rows["fp32_eager"]["step_s"] / 1e11)
+    assert rows["autocast_eager"]["mfu"] == pytest.approx(
+        flops / rows["autocast_eager"]["step_s"] / max(low_peak, 1e11))
+    assert (f"peak of the row's dtype, at least fp32's ({low} {low_peak / 1e12:.3f}, fp32 0.100 TFLOP/s)"
+            in format_bench_table(res))
+
+
+def test_pure_low_compiled_compiles_the_low_dtype_copy():
+    """pure_low_compiled is torch.compile of the model cast to the low dtype, as a user compiles it:
+    it used to capture the copy, which capture refuses (its parameters are not fp32), so a default
+    ``autoprec bench`` failed this row and exited 1 on every model."""
+    res = run_bench(TINY, Policy.default("bf16"), steps=1, warmup=1, device="cpu",
+                    configs=["fp32_eager", "pure_low_compiled"], quiet=True)
+    row = res["configs"]["pure_low_compiled"]
+    assert row["error"] is None and row["compiled"] and row["steps_timed"] >= 1
+    assert 1e-5 < row["grad_rel_l2"] < 0.1  # rounded to the low dtype, not broken
