@@ -15,6 +15,7 @@ import inspect
 import re
 from typing import Any
 
+import torch
 from torch import nn
 
 from autoprec._torch_compat import fake_tensor_errors
@@ -38,11 +39,15 @@ def explain_failure(e: BaseException, model: nn.Module, example_batch: Any, args
 
     Returns:
         ``"autoprec could not capture M: the example batch ... does not match forward(...)"`` when the
-        batch does not bind to ``forward``'s signature, else ``"torch.export could not capture M:
-        <cause>, at <file:line (function): code> [in module 'a.b' (Cls)].\n  <torch's type>: <its first
+        batch does not bind to ``forward``'s signature; ``"autoprec could not capture M: forward()
+        itself raised <type> on the example batch ..."`` when the model, run eagerly on it
+        (:func:`_eager_error`), raises too: the model's own error is the cause, with its line and
+        message (a T5 given non-contiguous labels fails ``labels.view(-1)`` either way; export's
+        message for it read as a tracing limit); else ``"torch.export could not capture M: <cause>,
+        at <file:line (function): code> [in module 'a.b' (Cls)].\n  <torch's type>: <its first
         line>\n  What to do: <advice>"``.
     """
-    msg = _binding_error(model, args, kwargs) or _explain(e, model)
+    msg = _binding_error(model, args, kwargs) or _explain(e, model, _eager_error(model, args, kwargs))
     if isinstance(example_batch, list) and (bound := positional_binding(model, example_batch)):
         msg += f"\n  Note: {bound}."  # a list is bound like a tuple; say so (issue 20)
     return msg
@@ -118,22 +123,21 @@ def _cause(e: BaseException) -> tuple[str, str]:
             return (f"an output of type {m.group(1)} that torch.export cannot flatten",
                     "return tensors, None, numbers, strings, or tuples/lists/dicts/ModelOutput dataclasses "
                     "of them, or register the type with torch.utils._pytree.register_pytree_node.")
-    if _raised_by_user_code(e):
-        return (f"forward() itself raised {type(e).__name__} (not a tracing limit)",
-                "fix that line of the model code, or the example batch it is given; the same call "
-                "fails without autoprec.")
     return ("torch.export cannot trace this code (torch's message follows; the original exception is "
             "chained as __cause__)",
             "change or move that line out of forward(); torch.export's documentation lists what "
             "non-strict export traces (https://pytorch.org/docs/stable/export.html).")
 
 
-def _raised_by_user_code(e: BaseException) -> bool:
-    """Whether the innermost frame of ``e``'s traceback is the model's code (a plain Python error)."""
-    tb = e.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    return tb is not None and is_user_file(tb.tb_frame.f_code.co_filename)
+def _eager_error(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Exception | None:
+    """What ``model``'s forward raises on the batch when run eagerly, without torch.export (no
+    gradients recorded; the global RNG state restored after), or None when it runs."""
+    try:
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            model(*args, **kwargs)
+    except Exception as err:  # noqa: BLE001 - whatever the model's own code raises is the cause
+        return err
+    return None
 
 
 def _binding_error(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
@@ -151,8 +155,16 @@ def _binding_error(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
     return None
 
 
-def _explain(e: BaseException, model: nn.Module) -> str:
-    """The :class:`CaptureError` message for a failed export: cause, where, torch's line, what to do."""
+def _explain(e: BaseException, model: nn.Module, eager: Exception | None = None) -> str:
+    """The :class:`CaptureError` message for a failed export: cause, where, torch's line, what to do;
+    with ``eager`` (the same forward's error without export) that error is the cause."""
+    if eager is not None:
+        where, first = _where(eager, model), str(eager).strip().splitlines()[0] if str(eager).strip() else ""
+        return (f"autoprec could not capture {type(model).__name__}: forward() itself raised "
+                f"{type(eager).__name__} on the example batch, without autoprec or torch.export (not a "
+                f"tracing limit), at {where}.\n  {type(eager).__name__}: {first}\n  What to do: fix that "
+                "line of the model code, or the batch get_batch returns: the same call fails in plain "
+                "PyTorch.")
     cause, todo = _cause(e)
     where = _where(e, model)
     if todo is _CONTROL_FLOW and not _is_branch(where):

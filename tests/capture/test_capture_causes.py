@@ -145,3 +145,32 @@ def test_a_model_not_in_fp32_is_refused_naming_its_first_parameter(dtype):
     half_head[1].to(dtype)
     with pytest.raises(CaptureError, match=rf"parameter '1.weight' is {dtype} \(and 1 more not fp32\)"):
         capture(half_head, torch.randn(3, 4))
+
+
+def test_a_model_that_fails_eagerly_is_named_as_the_cause_not_export():
+    """A forward that raises on the batch in plain PyTorch (a T5 given non-contiguous labels fails
+    its ``labels.view(-1)``) was reported as "torch.export cannot trace this code" with export's
+    message; now the eager error is the cause, at the model's line, and the RNG is untouched."""
+    class ViewsLabels(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+            self.drop = nn.Dropout(0.5)
+
+        def forward(self, x, labels):
+            y = self.drop(self.lin(x))
+            return ((y.view(-1) - labels.view(-1)) ** 2).mean()
+
+    batch = {"x": torch.randn(4, 2, 8), "labels": torch.randn(4, 16)[:, :8].reshape(4, 1, 8).expand(4, 2, 8)}
+    torch.manual_seed(3)
+    before = torch.rand(1)
+    torch.manual_seed(3)
+    with pytest.raises(CaptureError) as ei:
+        capture(ViewsLabels(), batch)
+    msg = str(ei.value)
+    assert msg.startswith("autoprec could not capture ViewsLabels: forward() itself raised RuntimeError "
+                          "on the example batch, without autoprec or torch.export"), msg
+    assert "labels.view(-1)" in msg and "RuntimeError: view size is not compatible" in msg
+    assert "torch.export cannot trace" not in msg
+    torch.manual_seed(3)
+    assert torch.equal(torch.rand(1), before)
