@@ -13,7 +13,9 @@ Classes (TVM ``ToMixedPrecision`` ALWAYS/FOLLOW/NEVER, TensorFlow AMP allow/infe
   cast, whatever the op.
 
 Ops that set their output dtype themselves (``.to(dtype)``, factories such as ``full`` or
-``arange``) are ``fixed``: the pass keeps their dtype and never casts their inputs.
+``arange``, and any op called with a ``dtype`` argument, e.g. Hugging Face eager attention's
+``softmax(x, dim=-1, dtype=torch.float32)``: :func:`sets_own_dtype`) are ``fixed``: the pass keeps
+their dtype and never casts their inputs.
 
 An op missing from the table is treated as ``follow`` with one warning per op name.
 """
@@ -42,6 +44,7 @@ __all__ = [
     "reason",
     "random_nodes",
     "rmsnorm_regions",
+    "sets_own_dtype",
 ]
 
 _M = "matmul"
@@ -211,6 +214,24 @@ for _name in FIXED_DTYPE_OPS:  # factories / explicit casts: in the table so the
     OP_TABLE.setdefault(_name, (_F, "sets its own dtype (argument); kept as captured, inputs never cast"))
 
 _warned: set[str] = set()
+
+
+def sets_own_dtype(node: fx.Node) -> bool:
+    """Whether ``node``'s output dtype is set by the op itself: a :data:`FIXED_DTYPE_OPS` op, or an
+    op overload called with a ``dtype`` argument that is not None (``softmax.int(x, -1,
+    torch.float32)``, ``sum.dim_IntList(..., dtype=torch.float32)``: the model asked for that
+    dtype, so a policy cannot change it; a rule lowering it made the lowered graph fail its
+    verification). Reads the argument by name through the op's schema, positional or keyword."""
+    if op_name(node) in FIXED_DTYPE_OPS:
+        return True
+    schema = overload_schema(node.target) if node.op == "call_function" else None
+    if schema is None:
+        return False
+    for i, a in enumerate(schema.arguments):
+        if a.name == "dtype":
+            value = node.args[i] if i < len(node.args) and not a.kwarg_only else node.kwargs.get("dtype")
+            return isinstance(value, torch.dtype)
+    return False
 
 
 def is_float_value(val: object) -> bool:

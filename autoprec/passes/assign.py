@@ -34,13 +34,13 @@ from autoprec.dtypes import FP8_COMPUTE, LOW_DTYPES, to_torch
 from autoprec.graph import check_placement_mode, place_follow
 from autoprec.nodemeta import NodeMeta, meta_of, read_meta
 from autoprec.ops import (
-    FIXED_DTYPE_OPS,
     RMSNORM_REASON,
     captured_dtype,
     classify,
     op_name,
     reason,
     rmsnorm_regions,
+    sets_own_dtype,
 )
 from autoprec.passes.attention import SDPA
 from autoprec.passes.base import PassBase, PassResult, pass_error, writable
@@ -320,7 +320,7 @@ def _decide(node, meta: NodeMeta, orig, policy: Policy, labels, casting) -> None
         what = "autocast" if op == "wrap_with_autocast" else "grad-mode"
         dt, by = "fp32", f"{what} region (kept whole, fp32)"
         meta.autocast_disabled = True
-    elif op in FIXED_DTYPE_OPS:
+    elif sets_own_dtype(node):  # a factory, a cast, or an op called with dtype=
         dt, by = orig, "fixed-dtype op"
     elif node.target is operator.getitem:
         dt, by = "auto", "getitem"
@@ -339,7 +339,7 @@ def _decide(node, meta: NodeMeta, orig, policy: Policy, labels, casting) -> None
             dt, by = "auto", "follow"
     labels[node] = dt
     meta.dtype, meta.decided_by = dt, by
-    if op not in FIXED_DTYPE_OPS:
+    if not sets_own_dtype(node):
         casting.add(node)
 
 
