@@ -90,7 +90,18 @@ def note_if_eager_was_faster(run: Any, sel: Any, chosen: Policy, chosen_m: Measu
     policy, which trades speed for memory on purpose). fp32 eager's speed is the head-to-head's
     (timed beside the policy) where it ran; the policy's own eager speed, a trial's screening
     (timed alone, and noisier), counts only for a policy that lowers something: an all-fp32
-    policy eager is fp32 eager, and a screening number must not contradict the head-to-head."""
+    policy eager is fp32 eager, and a screening number must not contradict the head-to-head.
+    Without compile, say so when the head-to-head found the model as it is (fp32 eager, no
+    autoprec) faster than the written policy beyond the noise (``sel.decision``'s verdict
+    "slower"): applying it would only cost speed (a Mixtral's graph ran at 0.86x, band 0.78-0.98)."""
+    d = getattr(sel, "decision", None)
+    if (not compile and d is not None and d.verdict == "slower" and d.vs_baseline is not None
+            and d.best_baseline is not None and d.best_baseline.name == FP32_EAGER):
+        c = d.vs_baseline
+        log(f"note: the model as it is (fp32 eager, without autoprec) trained faster than this policy eager "
+            f"({c.ratio:.2f}x, band {c.band[0]:.2f}-{c.band[1]:.2f}); for this model train it without the "
+            "policy, or tune and train with compile", run.quiet)
+        return
     fp32_t = sel.timings.get(FP32_EAGER)
     own = 0.0 if all_fp32(chosen) else sel.eager_tokens_per_s.get(chosen.training_key()) or 0.0
     eager = max([(own, "this policy eager"),
