@@ -24,7 +24,8 @@ from torch import nn
 from autoprec._torch_compat import pytree
 from autoprec.capture.dims import DimPlan, leaves_of
 
-__all__ = ["export_program", "export_ranges", "quiet_partial_graph", "quiet_pytree_deprecation"]
+__all__ = ["distinct_inputs", "export_program", "export_ranges", "quiet_partial_graph",
+           "quiet_pytree_deprecation"]
 
 
 @contextlib.contextmanager
@@ -97,6 +98,7 @@ def export_program(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
             ``GuardOnDataDependentSymNode``, the model's own errors, ...) when there is nothing to
             refine or the refined export fails too.
     """
+    args, kwargs = distinct_inputs(args, kwargs)
     shapes = dynamic_shapes(plan, model, args, kwargs) if plan is not None else None
     try:
         return _export(model, args, kwargs, shapes)
@@ -105,6 +107,34 @@ def export_program(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
         if refined is None:
             raise
         return _export(model, args, kwargs, refined)
+
+
+def distinct_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The example call with every tensor that shares its storage with an earlier one replaced by
+    a copy (same values, its own storage).
+
+    torch.export gives inputs that alias one another one placeholder: the usual causal-LM batch
+    ``{"input_ids": ids, "labels": ids}`` was captured reading ``input_ids`` for both, so every
+    later batch whose labels differ (shifted, padded with -100) was silently embedded from its
+    labels or raised an index error. With distinct inputs each is a placeholder of its own, and
+    a call that passes one tensor twice still runs right.
+    """
+    seen: set[Any] = set()
+
+    def own(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor) or x.is_meta:
+            return x
+        try:
+            ptr = x.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):  # a tensor subclass without a storage of its own
+            ptr = 0
+        key = (ptr, x.device) if ptr else id(x)
+        if key in seen:
+            return x.clone()
+        seen.add(key)
+        return x
+
+    return pytree.tree_map(own, (args, kwargs))
 
 
 def _export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], shapes: Any) -> Any:
