@@ -248,7 +248,10 @@ def apply(model: nn.Module, policy: Policy, example_batch: Any, compile: bool = 
     result.graph_module.meta[CALL_KWARGS_META] = dict(gm.meta.get(CALL_KWARGS_META, {}))
     mp = MixedPrecisionModule(model, result.graph_module, policy, result.stats, compile)
     static = lambda batch: apply(model, policy, batch, compile, placement, dynamic=False, force=True)._fn  # noqa: E731
-    if dynamic and not is_dynamic(gm):  # one graph per shape, the example's first
+    # static because the capture's batches did not vary (capture_for), not because export refused
+    # dynamic dimensions (PLAN_META): another shape tries one dynamic capture first (widen.Recapture)
+    untried = graph_module is not None and PLAN_META not in gm.meta and not strict_shapes
+    if dynamic and not is_dynamic(gm) and not untried:  # one graph per shape, the example's first
         _use_shape_cache(mp, example_batch, static, strict_shapes, gm.meta.get(PLAN_META))
     elif dynamic and not strict_shapes:  # a batch outside the ranges: capture again (autoprec.applied.widen)
         again = lambda g: apply(model, policy, example_batch, compile, placement, graph_module=g,  # noqa: E731

@@ -20,6 +20,14 @@ strict_shapes=True)``, the module then serves it instead of raising (:class:`Rec
   (:class:`autoprec.applied.shape_cache.ShapeCache`, at most ``MAX_SHAPES``, each logged), and
   the batches in the ranges keep running the dynamic graph.
 
+A graph captured for one shape only because the batches it was captured from did not vary
+(``autoprec train`` and ``tune`` capture for the model file's first batches,
+:func:`autoprec.capture.capture_for`), met with another shape, is captured again with dynamic
+dimensions once, its ranges reaching both shapes (:meth:`Recapture.from_static`); a model that
+cannot be exported so gets the per-shape cache from then on. (It went to the per-shape cache at
+once, and a loader whose lengths varied after its first batches stopped ``autoprec train`` at its
+17th shape.)
+
 Inputs that were captured as one dimension but disagree in a call (``input_ids`` of length 30 with
 an ``attention_mask`` of 28) are a mistake in the batch, not a range: that error is raised as it is.
 """
@@ -32,8 +40,17 @@ from collections.abc import Callable
 from typing import Any
 
 from autoprec.applied.shape_cache import ShapeCache, is_dynamic
-from autoprec.capture import BATCH, capture_dynamic, max_positions, maxima, plan_dims, tensor_shapes
+from autoprec.capture import (
+    BATCH,
+    PLAN_META,
+    capture_dynamic,
+    max_positions,
+    maxima,
+    plan_dims,
+    tensor_shapes,
+)
 from autoprec.errors import CaptureError
+from autoprec.modelspec import split_batch
 
 __all__ = ["Recapture", "Routed"]
 
@@ -104,7 +121,11 @@ class Recapture:
                 structure) or takes both positional and keyword tensors.
         """
         ranges = getattr(mp._inputs, "ranges", None)
-        if not ranges or (args and kwargs) or isinstance(mp._fn, Routed):
+        if (args and kwargs) or isinstance(mp._fn, (Routed, ShapeCache)):
+            raise error
+        if not is_dynamic(mp.graph_module):
+            return self.from_static(mp, args, kwargs, error)
+        if not ranges:
             raise error
         sizes = maxima([plan_dims(self.model, args, kwargs)])
         bounds = {role: (lo, hi) for role, lo, hi in ranges.values()}
@@ -113,14 +134,7 @@ class Recapture:
         if not above and not below:
             raise error
         shapes = _text(args, kwargs)
-        positions = max_positions(self.model)
-        if positions and (long := [r for r in above if r != BATCH and sizes[r] > positions]):
-            raise ValueError(
-                f"{mp._what}: input shapes {shapes}: {long[0]} length {sizes[long[0]]} is above the model's "
-                f"config.max_position_embeddings ({positions}), the longest the capture serves: a learned "
-                "position table has no rows past it (the model itself raises IndexError; a compiled graph "
-                "would abort the process). Truncate the batch, or raise config.max_position_embeddings "
-                "before autoprec.apply where the model's positions allow it (rotary embeddings)") from error
+        self._refuse_past_positions(mp, {r: sizes[r] for r in above}, shapes, error)
         batch = dict(kwargs) if kwargs else tuple(args)
         if not below:  # only the roles above their range widen (past no position table: plan_dims)
             at_least = {r: max(sizes.get(r, 0), 2 * hi) if r in above else hi
@@ -153,6 +167,63 @@ class Recapture:
         _log.info("%s: input shapes %s are outside the captured ranges (%s) and a wider dynamic capture "
                   "cannot serve them; such shapes get a graph each (per-shape cache; apply(..., "
                   "strict_shapes=True) raises instead)", what, shapes, _ranges(ranges))
+
+
+    def _refuse_past_positions(self, mp: Any, sizes: dict[str, int], shapes: str, error: ValueError) -> None:
+        """Raise ValueError when a sequence size in ``sizes`` (role -> size) is above the model's
+        ``config.max_position_embeddings``."""
+        positions = max_positions(self.model)
+        if positions and (long := [r for r, n in sizes.items() if r != BATCH and n > positions]):
+            raise ValueError(
+                f"{mp._what}: input shapes {shapes}: {long[0]} length {sizes[long[0]]} is above the model's "
+                f"config.max_position_embeddings ({positions}), the longest the capture serves: a learned "
+                "position table has no rows past it (the model itself raises IndexError; a compiled graph "
+                "would abort the process). Truncate the batch, or raise config.max_position_embeddings "
+                "before autoprec.apply where the model's positions allow it (rotary embeddings)") from error
+
+    def from_static(self, mp: Any, args: tuple[Any, ...], kwargs: dict[str, Any], error: ValueError) -> None:
+        """Make ``mp``, whose graph serves one shape, serve this call's too: one capture with
+        dynamic dimensions whose ranges reach the example batch's sizes, and in a role where this
+        call is larger, its size and at least twice the example's (as :meth:`__call__` widens);
+        where that capture is not dynamic or refuses this call, a per-shape cache seeded with
+        ``mp``'s graph serves this shape and every later one (logged either way).
+
+        Raises:
+            ValueError: a sequence longer than ``config.max_position_embeddings``."""
+        start, shapes = time.perf_counter(), _text(args, kwargs)
+        batch = dict(kwargs) if kwargs else tuple(args)
+        own = maxima([plan_dims(self.model, *split_batch(self.example))])
+        call = maxima([plan_dims(self.model, args, kwargs)])
+        self._refuse_past_positions(mp, call, shapes, error)
+        # as a dynamic graph widens: a role above the example's size reaches at least twice it
+        sizes = {r: max(n, 2 * own[r]) if n > own.get(r, n) else own.get(r, n) for r, n in call.items()}
+        sizes |= {r: n for r, n in own.items() if r not in call}
+        example = self.example if min(own.values(), default=0) >= 2 else batch
+        try:
+            gm = capture_dynamic(self.model, example, sizes)
+        except CaptureError:
+            gm = None
+        if gm is not None and is_dynamic(gm):
+            new = self.rebuild(gm)
+            try:
+                new._inputs.check(args, kwargs)
+            except ValueError:
+                pass  # the export narrowed a range below this call's size: per shape below
+            else:
+                _adopt(mp, new)
+                self.recaptures += 1
+                _log.info("%s: input shapes %s differ from the one shape captured; captured again with "
+                          "dynamic dimensions, ranges %s (recapture %d, %.1f s%s)", mp._what, shapes,
+                          _ranges(new._inputs.ranges), self.recaptures, time.perf_counter() - start,
+                          ", compiles on this call" if mp.compiled else "")
+                return
+        cache = ShapeCache.seeded(self.model, self.example, mp._fn, self.build_static, mp._what, strict=False,
+                                  plan=gm.meta.get(PLAN_META) if gm is not None else None)
+        object.__setattr__(mp, "_fn", cache)
+        object.__setattr__(mp, "_inputs", cache)
+        _log.info("%s: input shapes %s differ from the one shape captured and the model cannot be captured "
+                  "with dynamic dimensions for both; such shapes get a graph each (per-shape cache)",
+                  mp._what, shapes)
 
 
 def _adopt(mp: Any, new: Any) -> None:

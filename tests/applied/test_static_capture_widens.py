@@ -1,0 +1,47 @@
+"""A graph captured for one shape because the batches it was captured from did not vary (``autoprec
+train`` and ``tune``: :func:`autoprec.capture.capture_for` over the model file's first batches) meets
+other shapes later: it is captured again once with dynamic dimensions (a loader whose lengths varied
+after its first five batches stopped ``autoprec train`` at its 17th shape, in the per-shape cache);
+a model that cannot be exported so gets the per-shape cache, as before."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+import autoprec
+from autoprec.applied.shape_cache import ShapeCache, is_dynamic
+from autoprec.capture import capture_for
+from tests.nets import CausalLM, ParityLM, lm_batch
+
+
+def test_a_static_capture_of_unvarying_batches_recaptures_dynamic_on_another_shape(caplog):
+    torch.manual_seed(0)
+    model = CausalLM()
+    first = [lm_batch(4, 32, i) for i in range(3)]
+    gm = capture_for(model, first)
+    assert not is_dynamic(gm)
+    mp = autoprec.apply(model, autoprec.Policy.fp32(), first[0], compile=False, graph_module=gm, force=True)
+    with caplog.at_level(logging.INFO, logger="autoprec"):
+        for t in list(range(33, 53)) + [16, 32]:  # 20 new lengths and back: more than MAX_SHAPES (16)
+            batch = lm_batch(4, t, t)
+            torch.testing.assert_close(mp(**batch), model(**batch), rtol=1e-5, atol=1e-5)
+    assert is_dynamic(mp.graph_module) and not isinstance(mp._fn, ShapeCache)
+    assert caplog.text.count("differ from the one shape captured; captured again with dynamic") == 1
+    assert mp.shape_stats["recaptures"] == 1
+
+
+def test_a_model_that_cannot_be_captured_dynamic_gets_the_per_shape_cache(caplog):
+    torch.manual_seed(0)
+    model = ParityLM()
+    first = [lm_batch(4, 32, i) for i in range(3)]
+    gm = capture_for(model, first)
+    mp = autoprec.apply(model, autoprec.Policy.fp32(), first[0], compile=False, graph_module=gm, force=True)
+    with caplog.at_level(logging.INFO, logger="autoprec"):
+        for t in (17, 20, 17, 32):
+            batch = lm_batch(2, t, 1)
+            torch.testing.assert_close(mp(**batch), model(**batch))
+    assert isinstance(mp._fn, ShapeCache) and mp.shape_stats["mode"] == "per_shape"
+    assert "cannot be captured with dynamic dimensions for both; such shapes get a graph each" in caplog.text
+    assert mp.shape_stats["captures"] == 4  # (4, 32), (2, 17), (2, 20), (2, 32)
