@@ -30,7 +30,7 @@ from autoprec.search.space import SearchSpace
 __all__ = ["GRACE_BEATS", "HEARTBEAT_S", "MEASURE_VERSION", "check_sqlite_file", "check_storage_url",
            "check_study", "default_storage", "default_study_name", "heartbeat_interval",
            "load_existing_study", "open_study", "precheck_study", "rdb_storage", "sqlite_path",
-           "study_choices", "study_space"]
+           "shown", "study_choices", "study_space"]
 
 #: Version of what a trial measures and how (measure/harness.py). Bump it when a change makes old
 #: trials' numbers incomparable with new ones; a study holding trials of another version is not
@@ -79,6 +79,19 @@ def _driver_url(url: str) -> str:
     return url
 
 
+def shown(url: str) -> str:
+    """``url`` as messages and logs show it: a database URL's password as ``***``
+    (``sqlalchemy.engine.URL.render_as_string(hide_password=True)``); anything else as it is."""
+    if "://" not in url or "@" not in url:
+        return url
+    import sqlalchemy
+
+    try:
+        return sqlalchemy.engine.make_url(url).render_as_string(hide_password=True)
+    except Exception:  # noqa: BLE001 - not a URL SQLAlchemy parses: it holds no password it knows
+        return url
+
+
 def check_storage_url(url: str) -> None:
     """Fail before any work on a storage URL that SQLAlchemy cannot use (Optuna's RDB storage):
     an unknown dialect, a missing driver, or a server that does not answer.
@@ -93,7 +106,7 @@ def check_storage_url(url: str) -> None:
         parsed.get_dialect()
     except Exception as e:
         hint = f"; for a SQLite file use {_SQLITE}{url}" if "://" not in url else ""
-        raise AutoprecError(f"--storage {url!r}: not a usable database URL "
+        raise AutoprecError(f"--storage {shown(url)!r}: not a usable database URL "
                             f"({type(e).__name__}: {e}){hint}") from None
     if parsed.get_backend_name() == "sqlite":
         return  # the file is checked by check_sqlite_file (a missing one is created)
@@ -105,7 +118,7 @@ def check_storage_url(url: str) -> None:
         finally:
             engine.dispose()
     except Exception as e:
-        raise AutoprecError(f"--storage {url!r}: cannot connect ({type(e).__name__}: "
+        raise AutoprecError(f"--storage {shown(url)!r}: cannot connect ({type(e).__name__}: "
                             f"{str(e).splitlines()[0] if str(e) else ''})") from None
     heartbeat_interval()  # a bad AUTOPREC_HEARTBEAT_S fails now too
 
@@ -259,7 +272,7 @@ def check_study(study: optuna.Study, storage: str, space: SearchSpace, stamp: bo
         SearchError: naming the study, the storage and what differs; the study is left as it is.
     """
     fix = "Pass another --study-name (or --storage) to start a new study; the old one is left as it is."
-    where = f"study {study.study_name!r} in {storage}"
+    where = f"study {study.study_name!r} in {shown(storage)}"
     have = study.user_attrs.get(attrs.MEASURE_VERSION, 1 if study.trials else MEASURE_VERSION)
     if have != MEASURE_VERSION:
         raise SearchError(
@@ -322,12 +335,12 @@ def load_existing_study(storage: str, study_name: str | None = None) -> optuna.S
     check_storage_url(storage)
     db = sqlite_path(storage)
     if db is not None and not os.path.isfile(db):
-        raise SearchError(f"{db}: no such study database (--storage {storage})")
+        raise SearchError(f"{db}: no such study database (--storage {shown(storage)})")
     rdb = rdb_storage(storage)
     names = [s.study_name for s in optuna.get_all_study_summaries(rdb)]
     if study_name is None and len(names) != 1:
-        raise SearchError(f"{storage} holds {len(names)} studies; pick one with --study-name: {names}")
+        raise SearchError(f"{shown(storage)} holds {len(names)} studies; pick one with --study-name: {names}")
     name = study_name or names[0]
     if name not in names:
-        raise SearchError(f"{storage}: no study named {name!r}; studies there: {names}")
+        raise SearchError(f"{shown(storage)}: no study named {name!r}; studies there: {names}")
     return optuna.load_study(study_name=name, storage=rdb)

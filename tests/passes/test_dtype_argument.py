@@ -55,4 +55,5 @@ def test_sets_own_dtype_reads_the_argument_by_schema():
     sm_none = g.call_function(torch.ops.aten.softmax.int, (x, -1))
     mean_kw = g.call_function(torch.ops.aten.mean.dim, (x, [0]), {"dtype": torch.float32})
     cast = g.call_function(torch.ops.aten._to_copy.default, (x,), {"dtype": torch.bfloat16})
-    assert [sets_own_dtype(n) for n in (sm, sm_dt, sm_none, mean_kw, cast)] == [False, True, False, True, True]
+    nodes = (sm, sm_dt, sm_none, mean_kw, cast)
+    assert [sets_own_dtype(n) for n in nodes] == [False, True, False, True, True]

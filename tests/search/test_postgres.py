@@ -270,3 +270,29 @@ def test_a_named_trial_has_a_heartbeat_so_a_lost_worker_is_found(monkeypatch, st
         assert states[silent.number] == optuna.trial.TrialState.RUNNING  # the hole _beat closes
     finally:
         study._storage._backend.engine.dispose()
+
+
+def test_messages_never_show_the_database_password(capsys):
+    """``autoprec report --storage postgresql+psycopg://user:PASSWORD@host/db --study-name nope``
+    printed the URL with its password; every storage message shows it as ``***``."""
+    from autoprec.errors import AutoprecError
+    from autoprec.search.storage import check_storage_url, shown
+
+    url = "postgresql+psycopg://autoprec:s3cret-pw@127.0.0.1:1/autoprec"  # no server on port 1
+    assert shown(url) == "postgresql+psycopg://autoprec:***@127.0.0.1:1/autoprec"
+    assert shown("sqlite:///out/p.optuna.db") == "sqlite:///out/p.optuna.db"
+    with pytest.raises(AutoprecError) as e:
+        check_storage_url(url)
+    assert "s3cret-pw" not in str(e.value) and "autoprec:***@127.0.0.1:1" in str(e.value)
+
+
+@needs_server
+def test_report_of_a_missing_study_does_not_print_the_servers_password(capsys):
+    from sqlalchemy.engine import make_url
+
+    from autoprec.cli import main
+
+    password = make_url(URL).password
+    assert main(["report", "--storage", URL, "--study-name", f"none-{uuid.uuid4().hex[:8]}"]) != 0
+    err = capsys.readouterr().err
+    assert "no study named" in err and f":{password}@" not in err and ":***@" in err, err
