@@ -5,8 +5,8 @@ Inside a weakref callback or ``__del__`` the exception is printed and ignored ("
 ignored in ..."), and a library may turn it into another error on its way out (Optuna's trial
 loop has raised ``UnboundLocalError`` for it). :func:`catch_sigint` remembers that SIGINT came;
 :func:`check` raises ``KeyboardInterrupt`` again at the next safe point (between trials, before
-a file is written), and :func:`interrupted` lets the CLI report any error that follows as the
-interrupt it was.
+a file is written), :func:`deferred` holds it back while files that belong together are written,
+and :func:`interrupted` lets the CLI report any error that follows as the interrupt it was.
 """
 
 from __future__ import annotations
@@ -32,6 +32,25 @@ def catch_sigint() -> Iterator[None]:
     def handler(signum, frame):
         _seen.set()
         raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+@contextlib.contextmanager
+def deferred() -> Iterator[None]:
+    """Within the block SIGINT is only remembered, not raised: files written together (a policy
+    and its report) are all written; :func:`check` after the block raises it. Only in the main
+    thread; elsewhere the block runs unchanged. The previous handler is restored on exit."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        _seen.set()
 
     previous = signal.signal(signal.SIGINT, handler)
     try:

@@ -29,6 +29,7 @@ import optuna
 import torch
 
 from autoprec._interrupt import check as check_interrupt
+from autoprec._interrupt import deferred as deferred_interrupt
 from autoprec._version import __version__
 from autoprec.device import device_name, resolve_device
 from autoprec.errors import SearchError
@@ -355,7 +356,9 @@ def _finalists(run: _Run, sel: Selector, study: optuna.Study, k: int,
 def _write(run: _Run, study: optuna.Study, sel: Selector, chosen: Policy, chosen_m: Measurement,
            compile: bool, out: str | os.PathLike, report: bool) -> TuneResult:
     """Phase 6: the policy's ``measured`` and ``provenance`` blocks, the side-by-side table, the
-    report (first: Ctrl-C while writing it leaves no policy file) and the policy file (atomic)."""
+    report and the policy file (atomic, last), written together: a Ctrl-C while they are written
+    is held back until both are (:func:`autoprec._interrupt.deferred`; it then raises), so a
+    report never describes a policy that was not written (an older one at ``out``, say)."""
     timings = run.clock.done()
     best = baseline_to_beat(sel, compile)
     policy = chosen.with_measured(measured_block(run, sel, chosen, chosen_m, compile)).with_provenance(
@@ -369,15 +372,16 @@ def _write(run: _Run, study: optuna.Study, sel: Selector, chosen: Policy, chosen
     result = {"table": table, "policy": policy.to_dict(), "timings": timings, "shapes": run.harness.shapes,
               "levers": sel.points, "decision": sel.decision.describe() if sel.decision is not None else None}
     study.set_user_attr(attrs.RESULT, result)
-    if report:
-        from autoprec.search.report import write_report  # matplotlib: only when a report is written
+    check_interrupt()  # never begin writing after Ctrl-C, even one Python swallowed
+    with deferred_interrupt():
+        if report:
+            from autoprec.search.report import write_report  # matplotlib: only when a report is written
 
-        check_interrupt()
-        paths = write_report(study, Path(out).with_suffix(""), gm=run.gm,
-                             **{**result, "policy": policy})
-        log("report: " + ", ".join(str(p) for p in paths), run.quiet)
-    check_interrupt()  # never write a policy after Ctrl-C, even one Python swallowed
-    policy.save(out)  # atomic; the last file written
+            paths = write_report(study, Path(out).with_suffix(""), gm=run.gm,
+                                 **{**result, "policy": policy})
+            log("report: " + ", ".join(str(p) for p in paths), run.quiet)
+        policy.save(out)  # atomic; the last file written
+    check_interrupt()  # a Ctrl-C that came while writing: both files are complete
     return TuneResult(policy, study, table, timings, run.probes)
 
 
