@@ -266,7 +266,7 @@ def _cmd_bench(a: argparse.Namespace) -> int:
         with _naming_policy(a.policy):
             res = run_bench(a.model, a.policy, steps=a.steps, warmup=a.warmup, device=a.device,
                             configs=a.configs, max_step_ratio=a.max_step_ratio, skip_slow=a.skip_slow,
-                            json_path=a.json, strict_timing=a.strict_timing)
+                            json_path=a.json, strict_timing=a.strict_timing, force=a.force)
     except ValueError as e:
         print(f"autoprec bench: error: {e}", file=sys.stderr)
         return 2

@@ -145,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip low-precision baselines when the device's low-dtype matmul is more than "
                         "--max-step-ratio times slower than fp32 (CPUs that emulate bf16)")
     _add_strict_timing(b)
+    b.add_argument("--force", action="store_true",
+                   help="measure a policy none of whose rules matches a node of this model (a policy of "
+                        "another model), which is refused otherwise")
     b.add_argument("--nproc", type=_int_at_least(1), default=1, metavar="N",
                    help="measure on N ranks of this machine (torchrun; gloo on CPU, NCCL on CUDA) instead: "
                         "DDP and FSDP2, gradients reduced in fp32 and bf16; step time, grad_rel_l2 against "

@@ -22,7 +22,7 @@ from autoprec.nodemeta import read_meta
 from autoprec.passes.assign import unmatched_rules
 from autoprec.policy import Policy
 
-__all__ = ["check_policy_matches"]
+__all__ = ["check_policy_matches", "tuned_elsewhere"]
 
 #: Rules listed by name in the refusal message (the rest are counted).
 _SHOWN = 6
@@ -76,7 +76,7 @@ def check_policy_matches(policy: Policy, gm: fx.GraphModule, source: str | os.Pa
         f"node of this model's graph ({shown}{more}); {where}. It would train by default_dtype "
         f"{policy.default_dtype} and op-class rules alone, not as its "
         f"file says: it looks like the policy of another model.{inside} Tune this model (autoprec tune), or "
-        "pass --force (train) / force=True (apply) to train with it anyway")
+        "pass --force (train, bench) / force=True (apply) to train with it anyway")
 
 
 def _wrapper_prefix(policy: Policy, gm: fx.GraphModule, specific: list[int]) -> tuple[str, int] | None:
@@ -100,3 +100,16 @@ def _wrapper_prefix(policy: Policy, gm: fx.GraphModule, specific: list[int]) -> 
 
 #: Path components of a wrapper prefix :func:`_wrapper_prefix` tries (peft: two).
 _PREFIX_DEPTH = 3
+
+
+def tuned_elsewhere(policy: Policy, source: str | os.PathLike, gm: fx.GraphModule,
+                    model_path: str) -> str | None:
+    """The warning ``train`` and ``bench`` print when ``policy`` (the file ``source``) was tuned on a
+    graph other than ``gm`` (its ``provenance.graph_fingerprint``,
+    :func:`autoprec.nodekeys.graph_fingerprint`), else None (same graph, or none recorded)."""
+    tuned = policy.provenance.get("graph_fingerprint") if policy.provenance else None
+    if tuned and tuned != (here := graph_fingerprint(gm)):
+        return (f"{os.fspath(source)} was tuned on {policy.provenance.get('model', '?')} (graph {tuned}), "
+                f"not on this model {model_path} (graph {here}); its node rules may not match and its "
+                "measurements do not apply")
+    return None

@@ -62,6 +62,7 @@ from autoprec._io import write_json
 from autoprec._torch_compat import compile_cache_counts
 from autoprec._version import __version__
 from autoprec.applied.compile import cache_report
+from autoprec.applied.policy_match import check_policy_matches, tuned_elsewhere
 from autoprec.capture import warmup_steps
 from autoprec.commands import bench_shapes as shapes
 from autoprec.commands.bench_configs import BenchConfig, build_configs, main_dtype
@@ -166,7 +167,7 @@ def run_bench(model_path: str | os.PathLike, policy: Policy | str | os.PathLike,
               warmup: int = 2, device: str = "auto", configs: Sequence[str] | None = None,
               max_step_ratio: float = 10.0, skip_slow: bool = False, quiet: bool = False,
               json_path: str | os.PathLike | None = None, rel_band: float = 0.03, time_cap_s: float = 120.0,
-              strict_timing: bool = False) -> dict[str, Any]:
+              strict_timing: bool = False, force: bool = False) -> dict[str, Any]:
     """Measure ``policy`` and the baselines (:data:`CONFIGS`) on ``model_path`` in this process.
 
     Args:
@@ -188,6 +189,8 @@ def run_bench(model_path: str | os.PathLike, policy: Policy | str | os.PathLike,
         rel_band: Timing stops (after the minimum rounds) once every band's relative half-width is ≤ this.
         time_cap_s: No timing round starts after this many seconds of timing.
         strict_timing: Raise ``BusyMachineError`` (exit 2) on a busy machine (:mod:`autoprec.measure.load`).
+        force: Measure a policy none of whose module or node rules matches a node of this model
+            (:func:`autoprec.applied.policy_match.check_policy_matches`, as ``train --force``).
 
     Returns:
         ``{"device", "machine", "torch", "autoprec", "date", "model", "policy", "steps", "warmup",
@@ -217,8 +220,12 @@ def run_bench(model_path: str | os.PathLike, policy: Policy | str | os.PathLike,
     load = LoadMonitor.start(dev, strict_timing)  # the machine's load; again before and after the timing
     low = autocast_dtype(dev)  # the autocast and pure-low baselines' dtype: the same rule as tune's
     h = Harness(spec, dev, warmup=warmup, steps=steps)
+    source = None if isinstance(policy, Policy) else policy
+    check_policy_matches(pol, h.graph_module, source, force)  # a policy of another model: refused, as train
+    if source is not None and (why := tuned_elsewhere(pol, source, h.graph_module, str(spec.path))):
+        _log(f"warning: {why}", quiet)
     flops = model_flops(h.model, h.batches[0], h.tokens)
-    cfgs = build_configs(h, pol, low, names, source=None if isinstance(policy, Policy) else policy)
+    cfgs = build_configs(h, pol, low, names, source=source)
     main = cfgs["policy_eager"].dtype if "policy_eager" in cfgs else main_dtype(
         run_pipeline(h.graph_module, pol).graph_module, pol)
     peaks = _measure_peaks([main, "fp32", NAMES[low]], dev, quiet)

@@ -25,7 +25,7 @@ from typing import Any
 from autoprec._torch_compat import compile_cache_counts
 from autoprec.applied.apply import apply
 from autoprec.applied.compile import cache_report, check_recompute
-from autoprec.applied.policy_match import check_policy_matches
+from autoprec.applied.policy_match import check_policy_matches, tuned_elsewhere
 from autoprec.capture import PROBE_BATCHES, capture_for
 from autoprec.device import resolve_device
 from autoprec.distributed.ranks import (
@@ -75,17 +75,6 @@ class TrainResult:
     start_step: int = 0
     summary: dict[str, Any] = field(default_factory=dict)
     complete: bool = False
-
-
-def _warn_if_other_model(policy: Policy, policy_path: str | os.PathLike, gm: Any, model_path: str) -> None:
-    """Warn (stderr) when the policy was tuned on a graph other than this model's."""
-    from autoprec.nodekeys import graph_fingerprint
-
-    tuned = policy.provenance.get("graph_fingerprint") if policy.provenance else None
-    if tuned and tuned != (here := graph_fingerprint(gm)):
-        print(f"autoprec train: warning: {policy_path} was tuned on {policy.provenance.get('model', '?')} "
-              f"(graph {tuned}), not on this model {model_path} (graph {here}); its node rules may not "
-              "match and its measurements do not apply", file=sys.stderr, flush=True)
 
 
 def train(model_path: str | os.PathLike, policy_path: str | os.PathLike, steps: int = 50,
@@ -153,8 +142,8 @@ def _train(spec: Any, policy: Policy, policy_path: str | os.PathLike, dev: Any, 
     first = spec.get_batch(0, dev)
     gm = capture_for(model, [first] + [spec.get_batch(i, dev) for i in range(1, PROBE_BATCHES)])
     check_policy_matches(policy, gm, policy_path, force)  # a policy of another model: refused
-    if ranks.lead:
-        _warn_if_other_model(policy, policy_path, gm, spec.path)
+    if ranks.lead and (why := tuned_elsewhere(policy, policy_path, gm, str(spec.path))):
+        print(f"autoprec train: warning: {why}", file=sys.stderr, flush=True)
     if compile:  # refused by apply too; here the message names the policy file
         check_recompute(gm, policy.activation_memory_budget, source=policy_path)
     mp = apply(model, policy, first, compile=compile, graph_module=gm, force=True)

@@ -236,6 +236,23 @@ def test_bench_error_names_the_policy_file(tmp_path, capsys):
     assert rc == 2 and f"autoprec bench: error: {p}: [assign_dtypes]" in err and "roll#0" in err, err
 
 
+def test_bench_refuses_the_policy_of_another_model_as_train_does(tmp_path, capsys):
+    """A policy whose module rules match no node of this model (tuned on another) was timed by bench
+    as this model's policy, exit 0; now bench refuses it as train does (exit 2, naming the file and
+    --force), and with --force it measures it, warning that it was tuned on another graph."""
+    p = tmp_path / "other.json"
+    Policy.from_dict({**Policy.default("bf16").to_dict(),
+                      "rules": [{"module": "model.layers.0.*", "op_class": "matmul", "dtype": "fp32"}],
+                      "provenance": {"model": "other.py", "graph_fingerprint": "0123456789abcdef"}}).save(p)
+    argv = ["bench", MICRO, "--policy", str(p), "--configs", "policy_eager", "--steps", "1", "--warmup", "0"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"autoprec bench: error: {p}: none of its 1 module/node rule matches" in err and "--force" in err
+    assert main(argv + ["--force"]) == 0
+    out = capsys.readouterr().out
+    assert f"warning: {p} was tuned on other.py (graph 0123456789abcdef), not on this model" in out
+
+
 def test_storage_that_is_not_a_database(tmp_path, capsys):
     """An existing file that is not SQLite (as --storage, or the default database beside --out),
     a directory as the database, and a server URL whose driver is missing or server unreachable
