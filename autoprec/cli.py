@@ -176,6 +176,10 @@ def _cmd_train(a: argparse.Namespace) -> int:
     if a.resume and a.checkpoint is None and a.compare is None:
         print("autoprec train: error: --resume needs --checkpoint PATH", file=sys.stderr)
         return 2
+    if a.checkpoint_every and a.checkpoint is None and a.compare is None:  # it saved nothing, silently
+        print("autoprec train: error: --checkpoint-every needs --checkpoint PATH (where to save)",
+              file=sys.stderr)
+        return 2
     from autoprec.policy import Policy
 
     Policy.load(a.policy)  # a bad policy file fails before the model is built

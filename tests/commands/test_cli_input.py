@@ -253,6 +253,12 @@ def test_bench_refuses_the_policy_of_another_model_as_train_does(tmp_path, capsy
     assert f"warning: {p} was tuned on other.py (graph 0123456789abcdef), not on this model" in out
 
 
+def test_checkpoint_every_without_a_checkpoint_path_is_refused(capsys):
+    """``train --checkpoint-every 1`` without ``--checkpoint`` saved nothing and exited 0."""
+    assert main(["train", MICRO, "--policy", "p.json", "--checkpoint-every", "1"]) == 2
+    assert "--checkpoint-every needs --checkpoint PATH" in capsys.readouterr().err
+
+
 def test_storage_that_is_not_a_database(tmp_path, capsys):
     """An existing file that is not SQLite (as --storage, or the default database beside --out),
     a directory as the database, and a server URL whose driver is missing or server unreachable
