@@ -358,10 +358,15 @@ def _main(args: argparse.Namespace) -> int:
     plain = warnings.formatwarning
 
     def formatwarning(message, category, filename, lineno, line=None):
-        """autoprec's own warnings (about the user's files) read as CLI messages, no source line."""
+        """autoprec's own warnings (about the user's files) read as CLI messages, no source line; one
+        about a rule of the policy names the policy file (``P.json: rules[2] ... matches no node``)."""
         text = str(message)
         if text.startswith("autoprec: "):
-            return f"autoprec {args.cmd}: warning: {text[len('autoprec: '):]}\n"
+            text = text[len("autoprec: "):]
+            policy = getattr(args, "policy", None)  # train, bench, show
+            if policy and text.startswith("policy rules["):
+                text = f"{policy}: {text[len('policy '):]}"
+            return f"autoprec {args.cmd}: warning: {text}\n"
         return plain(message, category, filename, lineno, line)
 
     warnings.formatwarning = formatwarning

@@ -220,8 +220,8 @@ def test_train_reports_a_module_rule_that_matches_no_node(tmp_path):
     # (tests/applied/test_foreign_policy.py)
     err = r.stderr
     assert r.returncode == 0, err[-2000:]
-    assert ("autoprec train: warning: policy rules[0] model.layers.*:matmul->bf16 matches no node "
-            "of this graph"
+    assert (f"autoprec train: warning: {tmp_path / 'p.json'}: rules[0] model.layers.*:matmul->bf16 matches "
+            "no node of this graph"
             in err), err
     assert "warnings.warn" not in err
 
