@@ -18,6 +18,7 @@ import warnings
 from collections.abc import Sequence
 
 from autoprec.cli_parser import build_parser
+from autoprec.cli_paths import check_writable, make_parents, remove_if_empty
 from autoprec.errors import AutoprecError
 
 __all__ = ["main"]
@@ -37,60 +38,6 @@ def _validate_model(path: str, device: str = "auto") -> tuple:
     return spec, validate_spec(spec, dev)[0]
 
 
-def _make_parents(*paths: str | None) -> list:
-    """Create the missing parent directories of ``paths``; returns those created (outermost first).
-
-    Raises:
-        AutoprecError: a parent cannot be created (a file is in the way, no permission); the
-            directories created so far are removed again.
-    """
-    from pathlib import Path
-
-    created = []
-    for p in paths:
-        if not p:
-            continue
-        missing = [d for d in reversed(Path(p).absolute().parents) if not d.exists()]
-        for d in missing:
-            try:
-                d.mkdir()
-            except OSError as e:
-                _remove_if_empty(created)
-                raise AutoprecError(f"{p}: cannot create the directory {d} ({e.strerror or e})") from None
-            created.append(d)
-    return created
-
-
-def _check_writable(option: str, path: str, example: str = "policy.json") -> None:
-    """Fail before any work when ``path`` cannot be written atomically: it is (or, ending in a
-    slash, names) a directory, or its directory takes no new files (files are written to a
-    temporary file there, then renamed).
-
-    Raises:
-        AutoprecError: naming the option and the path.
-    """
-    import tempfile
-
-    if os.path.isdir(path) or path.endswith(("/", os.sep)):
-        raise AutoprecError(f"{option} {path}: is a directory; give a file path, "
-                            f"e.g. {os.path.join(path, example)}")
-    try:
-        with tempfile.NamedTemporaryFile(dir=os.path.dirname(os.path.abspath(path)),
-                                         prefix=".autoprec-check-"):
-            pass
-    except OSError as e:
-        raise AutoprecError(f"{option} {path}: cannot write there ({e.strerror or e})") from None
-
-
-def _remove_if_empty(dirs: list) -> None:
-    """Undo :func:`_make_parents` for directories a failed command left empty (innermost first)."""
-    for d in reversed(dirs):
-        try:
-            d.rmdir()
-        except OSError:
-            pass
-
-
 def _cmd_tune(a: argparse.Namespace) -> int:
     from autoprec.search.budgets import check_memory_floor, parse_max_memory
     from autoprec.search.storage import check_sqlite_file, check_storage_url, default_storage, sqlite_path
@@ -101,18 +48,18 @@ def _cmd_tune(a: argparse.Namespace) -> int:
     spec, model = _validate_model(a.model, a.device)
     check_memory_floor(memory, model, spec.make_optimizer)  # bytes below the fp32 state: before capture
     del model
-    created = _make_parents(a.out, sqlite_path(a.storage))
+    created = make_parents(a.out, sqlite_path(a.storage))
     try:
-        _check_writable("--out", a.out)  # the default study database sits beside it
+        check_writable("--out", a.out)  # the default study database sits beside it
         if a.storage is None:
             check_sqlite_file("--out", sqlite_path(default_storage(a.out)))
         elif (db := sqlite_path(a.storage)) is not None:
             check_sqlite_file("--storage", db)
             if not os.path.isfile(db):
-                _check_writable("--storage", db, "study.db")
+                check_writable("--storage", db, "study.db")
         return _tune(a)
     except BaseException:
-        _remove_if_empty(created)
+        remove_if_empty(created)
         raise
 
 
@@ -227,7 +174,7 @@ def _cmd_report(a: argparse.Namespace) -> int:
     from autoprec.search.storage import load_existing_study
 
     study = load_existing_study(a.storage, a.study_name)
-    _make_parents(a.out)
+    make_parents(a.out)
     for p in report_study(study, a.out):
         print(f"wrote {p}")
     return 0

@@ -39,10 +39,9 @@ __all__ = [
     "REGION_OPS",
     "RMSNORM_REASON",
     "classify",
-    "draws_random",
     "is_float_value",
+    "op_argument",
     "reason",
-    "random_nodes",
     "rmsnorm_regions",
     "sets_own_dtype",
 ]
@@ -221,17 +220,21 @@ def sets_own_dtype(node: fx.Node) -> bool:
     op overload called with a ``dtype`` argument that is not None (``softmax.int(x, -1,
     torch.float32)``, ``sum.dim_IntList(..., dtype=torch.float32)``: the model asked for that
     dtype, so a policy cannot change it; a rule lowering it made the lowered graph fail its
-    verification). Reads the argument by name through the op's schema, positional or keyword."""
-    if op_name(node) in FIXED_DTYPE_OPS:
-        return True
+    verification)."""
+    return op_name(node) in FIXED_DTYPE_OPS or isinstance(op_argument(node, "dtype"), torch.dtype)
+
+
+def op_argument(node: fx.Node, name: str) -> Any:
+    """The value of the argument ``name`` of ``node``'s op, read through the op's schema: given by
+    keyword, by position, or the schema's default; None when the target is not an op overload
+    (:func:`autoprec._torch_compat.overload_schema`) or has no such argument."""
     schema = overload_schema(node.target) if node.op == "call_function" else None
-    if schema is None:
-        return False
-    for i, a in enumerate(schema.arguments):
-        if a.name == "dtype":
-            value = node.args[i] if i < len(node.args) and not a.kwarg_only else node.kwargs.get("dtype")
-            return isinstance(value, torch.dtype)
-    return False
+    for i, a in enumerate(schema.arguments if schema is not None else ()):
+        if a.name == name:
+            if name in node.kwargs:
+                return node.kwargs[name]
+            return node.args[i] if i < len(node.args) and not a.kwarg_only else a.default_value
+    return None
 
 
 def is_float_value(val: object) -> bool:
@@ -377,45 +380,3 @@ def _mean_of(m: Any) -> list[fx.Node] | None:
                 and isinstance(scale, (int, float)) and not isinstance(scale, bool)):
             return [m, total]
     return None
-
-
-def random_nodes(gm: torch.nn.Module) -> list[fx.Node]:
-    """The nodes of the graph (and of any graph inside it) that draw random numbers, in graph order.
-
-    ATen marks such ops ``Tag.nondeterministic_seeded`` (``dropout``, ``native_dropout``,
-    ``bernoulli``, ``rand*``, ...; native_functions.yaml). Attention ops carry the tag too and
-    count only with ``dropout_p`` ≠ 0; ``dropout(x, p, train=False)`` and ``p == 0`` do not count.
-    """
-    out = []
-    for sub in gm.modules():
-        graph = getattr(sub, "graph", None)
-        if not isinstance(graph, fx.Graph):
-            continue
-        out += [node for node in graph.nodes if node.op == "call_function" and _draws(node)]
-    return out
-
-
-def draws_random(gm: torch.nn.Module) -> bool:
-    """Whether the graph (or any graph inside it) has a node that draws random numbers
-    (:func:`random_nodes`)."""
-    return bool(random_nodes(gm))
-
-
-def _draws(node: fx.Node) -> bool:
-    """Whether the call ``node`` draws random numbers (see :func:`random_nodes`)."""
-    t = node.target
-    schema = overload_schema(t)
-    if schema is None or torch.Tag.nondeterministic_seeded not in t.tags:
-        return False
-    args = schema.arguments
-
-    def arg(name: str) -> object:
-        i = next((k for k, a in enumerate(args) if a.name == name), None)
-        if i is None:
-            return None
-        if name in node.kwargs:
-            return node.kwargs[name]
-        return node.args[i] if i < len(node.args) else args[i].default_value
-
-    off = arg("train") is False or arg("dropout_p") == 0 or ("dropout" in schema.name and arg("p") == 0)
-    return not off

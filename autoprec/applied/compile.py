@@ -19,7 +19,7 @@ from autoprec.applied.saved import apply_saved, has_saved, report_saved, saved_a
 from autoprec.applied.shape_cache import CompileLog
 from autoprec.errors import PolicyError
 from autoprec.nodemeta import read_meta
-from autoprec.ops import random_nodes
+from autoprec.randomness import random_nodes
 
 __all__ = ["CompiledGraph", "compile_graph", "cache_report", "check_recompute", "INDUCTOR_OPTIONS",
            "RANDOM_OPTIONS", "RECOMPUTE_REDRAWS", "REGION_OPTIONS"]
@@ -42,7 +42,7 @@ INDUCTOR_OPTIONS: dict[str, Any] = {"emulate_precision_casts": True}
 REGION_OPTIONS: dict[str, Any] = {"allow_buffer_reuse": False, "inplace_buffers": False}
 
 #: Added to :data:`INDUCTOR_OPTIONS` for a graph that draws random numbers (dropout:
-#: :func:`autoprec.ops.draws_random`). Its random ops run eager's kernels from the global generator
+#: :func:`autoprec.randomness.draws_random`). Its random ops run eager's kernels from the global generator
 #: instead of Inductor's own (Philox) stream, which draws other masks than eager from the same seed
 #: and, for a bf16 graph, other masks than for the FP32 one (``Harness``). ``tune`` measures every
 #: compiled graph of such a model this way, so a policy compiled by ``train``, ``apply`` or ``bench``
@@ -66,7 +66,7 @@ RECOMPUTE_REDRAWS = ("torch's activation memory budget recomputes random ops (dr
 
 def check_recompute(gm: nn.Module, activation_memory_budget: float, source: Any = None) -> None:
     """Refuse an activation memory budget below 1.0 on a graph that draws random numbers
-    (:func:`autoprec.ops.random_nodes`; :data:`RECOMPUTE_REDRAWS` says why).
+    (:func:`autoprec.randomness.random_nodes`; :data:`RECOMPUTE_REDRAWS` says why).
 
     Args:
         gm: The graph to be compiled (a module, not a graph, is not checked).

@@ -32,18 +32,7 @@ says so (``capped``). Rows and table: :mod:`autoprec.commands.bench_table`. Ever
 every shape with no compile timed (:mod:`autoprec.commands.bench_shapes`); ``autoprec bench`` exits 1
 if a row failed.
 
-MFU counts model FLOPs per step as ``6 · N · tokens`` (N: trainable parameters except embedding
-tables, whose forward is a gather, not a matmul; Kaplan et al. 2020, PaLM appendix B) plus
-attention ``12 · layers · seq · hidden · tokens`` (QKᵀ and AV, forward + backward, full
-non-causal count as in PaLM), read from ``model.config`` when the model has one; it divides
-FLOP/s by the device's matmul peak measured in the same run with a large square matmul in the
-row's dtype (fp32 rows against fp32's peak, the torch.autocast and pure low-precision rows
-against the low dtype's, a policy's rows against its main dtype's: the dtype most of its matmuls
-run in), and never below fp32's peak (:func:`row_peak`: a device that emulates the low dtype
-computes the same FLOPs at fp32's rate, so fp32's is the peak it offers that work; one peak for
-every row gave an fp32 row 970% MFU against the emulated bf16 peak of an AVX2-only CPU), measured
-before and again after the configurations (the higher of the two counts: a busy moment on a
-shared machine understates it).
+MFU: :mod:`autoprec.commands.bench_mfu`.
 """
 
 from __future__ import annotations
@@ -56,7 +45,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch import nn
 
 from autoprec._io import write_json
 from autoprec._torch_compat import compile_cache_counts
@@ -66,9 +54,15 @@ from autoprec.applied.policy_match import check_policy_matches, tuned_elsewhere
 from autoprec.capture import warmup_steps
 from autoprec.commands import bench_shapes as shapes
 from autoprec.commands.bench_configs import BenchConfig, build_configs, main_dtype
+from autoprec.commands.bench_mfu import (
+    measure_peaks,
+    model_flops,
+    remeasure_peaks,
+    row_peak,
+)
 from autoprec.commands.bench_table import add_ratios, format_bench_table, make_row, skipped_row
-from autoprec.device import autocast_dtype, describe_machine, resolve_device, time_matmul
-from autoprec.dtypes import NAMES, to_torch
+from autoprec.device import autocast_dtype, describe_machine, resolve_device
+from autoprec.dtypes import NAMES
 from autoprec.measure import Config, Harness, Measurement, format_rate, time_interleaved
 from autoprec.measure.load import LoadMonitor
 from autoprec.modelspec import load_model_spec
@@ -82,9 +76,6 @@ __all__ = [
     "STEPS_PER_ROUND",
     "describe_machine",
     "format_bench_table",
-    "matmul_peak_flops",
-    "model_flops",
-    "row_peak",
     "run_bench",
     "write_bench_json",
 ]
@@ -98,64 +89,6 @@ CONFIGS: tuple[str, ...] = (
     "fp32_eager", "fp32_compiled", "autocast_eager", "autocast_compiled",
     "pure_low_eager", "pure_low_compiled", "policy_eager", "policy_compiled",
 )
-
-
-def matmul_peak_flops(dtype: torch.dtype, device: torch.device, max_n: int | None = None,
-                      target_s: float = 0.25, reps: int = 3) -> tuple[float, int]:
-    """Measured matmul peak: the best FLOP/s of square ``n×n @ n×n`` matmuls, growing ``n``.
-
-    ``n`` doubles from 512 until one matmul takes ``target_s`` or ``n`` reaches ``max_n``
-    (default 8192 on CUDA, 2048 on CPU), so a dtype the device emulates slowly costs little.
-
-    Args:
-        dtype: Element dtype of both operands (the output is the same dtype).
-        device: Where to run.
-        max_n: Largest matrix size tried.
-        target_s: Stop growing once one matmul takes at least this many seconds.
-        reps: Timed repetitions per size after one warm-up; the fastest counts.
-
-    Returns:
-        ``(flops_per_s, n)``: the best rate (2·n³ FLOPs per matmul) and the size that reached it.
-    """
-    max_n = max_n or (8192 if device.type == "cuda" else 2048)
-    best, best_n, n = 0.0, 0, 512
-    while n <= max_n:
-        dt = min(time_matmul(dtype, device, n, reps, 4 * target_s))  # emulated dtype: stops early
-        if 2 * n**3 / dt > best:
-            best, best_n = 2 * n**3 / dt, n
-        if dt >= target_s:
-            break
-        n *= 2
-    return best, best_n
-
-
-def model_flops(model: nn.Module, batch: Any, tokens: int) -> dict[str, Any]:
-    """Training FLOPs per step: ``6·N·tokens`` plus attention ``12·layers·seq·hidden·tokens``.
-
-    Args:
-        model: The fp32 model (``model.config`` with ``num_hidden_layers`` and ``hidden_size``
-            enables the attention term).
-        batch: One batch (``input_ids`` or the first tensor gives the sequence length, last dim).
-        tokens: Tokens per batch.
-
-    Returns:
-        ``{"flops_per_step", "params_matmul", "params_embedding", "layers", "seq", "hidden",
-        "formula"}`` (FLOPs, counts).
-    """
-    emb = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    params = [p for p in model.parameters() if p.requires_grad]
-    n_emb = sum(p.numel() for p in params if id(p) in emb)
-    n_mm = sum(p.numel() for p in params) - n_emb
-    cfg = getattr(model, "config", None)
-    layers = int(getattr(cfg, "num_hidden_layers", 0) or 0)
-    hidden = int(getattr(cfg, "hidden_size", 0) or 0)
-    x = (batch.get("input_ids") if isinstance(batch, dict)
-         else batch[0] if isinstance(batch, (tuple, list)) else batch)
-    seq = int(x.shape[-1]) if isinstance(x, torch.Tensor) and x.dim() >= 1 else 0
-    flops = 6 * n_mm * tokens + 12 * layers * seq * hidden * tokens
-    return {"flops_per_step": float(flops), "params_matmul": n_mm, "params_embedding": n_emb,
-            "layers": layers, "seq": seq, "hidden": hidden,
-            "formula": "6*params_matmul*tokens + 12*layers*seq*hidden*tokens"}
 
 
 def _log(msg: str, quiet: bool) -> None:
@@ -210,10 +143,7 @@ def run_bench(model_path: str | os.PathLike, policy: Policy | str | os.PathLike,
         ModelSpecError, CaptureError, PolicyError: bad model or policy file (or policy for this model).
         ValueError: unknown configuration name or device.
     """
-    names = list(configs) if configs else list(CONFIGS)
-    if bad := [n for n in names if n not in CONFIGS]:
-        raise ValueError(f"unknown bench config(s) {', '.join(bad)}; valid: {', '.join(CONFIGS)}")
-    names = ["fp32_eager"] + [n for n in dict.fromkeys(names) if n != "fp32_eager"]
+    names = _config_names(configs)
     pol = policy if isinstance(policy, Policy) else Policy.load(policy)
     spec = load_model_spec(model_path)
     dev = resolve_device(device)
@@ -221,14 +151,12 @@ def run_bench(model_path: str | os.PathLike, policy: Policy | str | os.PathLike,
     low = autocast_dtype(dev)  # the autocast and pure-low baselines' dtype: the same rule as tune's
     h = Harness(spec, dev, warmup=warmup, steps=steps)
     source = None if isinstance(policy, Policy) else policy
-    check_policy_matches(pol, h.graph_module, source, force)  # a policy of another model: refused, as train
-    if source is not None and (why := tuned_elsewhere(pol, source, h.graph_module, str(spec.path))):
-        _log(f"warning: {why}", quiet)
+    _check_policy(pol, source, h.graph_module, str(spec.path), force, quiet)
     flops = model_flops(h.model, h.batches[0], h.tokens)
     cfgs = build_configs(h, pol, low, names, source=source)
     main = cfgs["policy_eager"].dtype if "policy_eager" in cfgs else main_dtype(
         run_pipeline(h.graph_module, pol).graph_module, pol)
-    peaks = _measure_peaks([main, "fp32", NAMES[low]], dev, quiet)
+    peaks = measure_peaks([main, "fp32", NAMES[low]], dev, lambda m: _log(m, quiet))
     slow = _too_slow(cfgs, peaks, max_step_ratio)  # timed after the rounds (_time_all)
     machine = describe_machine(dev)
     result = {
@@ -245,10 +173,35 @@ def run_bench(model_path: str | os.PathLike, policy: Policy | str | os.PathLike,
     _time_all(h, cfgs, drift, result, min_rounds=max(MIN_ROUNDS, math.ceil(steps / STEPS_PER_ROUND)),
               rel_band=rel_band, time_cap_s=time_cap_s, quiet=quiet, load=load, after=slow)
     _checkpoint(result, json_path)
-    _remeasure_peaks(result, dev, quiet)
+    remeasure_peaks(result, dev, lambda m: _log(m, quiet))
     result["partial"] = False
     _checkpoint(result, json_path)
     return result
+
+
+def _config_names(configs: Sequence[str] | None) -> list[str]:
+    """The configurations to run, ``fp32_eager`` first (the others' slow-step limit), each once.
+
+    Raises:
+        ValueError: a name not in :data:`CONFIGS`.
+    """
+    names = list(configs) if configs else list(CONFIGS)
+    if bad := [n for n in names if n not in CONFIGS]:
+        raise ValueError(f"unknown bench config(s) {', '.join(bad)}; valid: {', '.join(CONFIGS)}")
+    return ["fp32_eager"] + [n for n in dict.fromkeys(names) if n != "fp32_eager"]
+
+
+def _check_policy(pol: Policy, source: str | os.PathLike | None, gm: Any, model_path: str, force: bool,
+                  quiet: bool) -> None:
+    """Refuse the policy of another model as ``train`` does (unless ``force``), and warn when the
+    policy file was tuned on another graph (:mod:`autoprec.applied.policy_match`).
+
+    Raises:
+        PolicyError: none of its module or node rules matches a node of ``gm``.
+    """
+    check_policy_matches(pol, gm, source, force)
+    if source is not None and (why := tuned_elsewhere(pol, source, gm, model_path)):
+        _log(f"warning: {why}", quiet)
 
 
 def _too_slow(cfgs: dict[str, BenchConfig], peaks: dict[str, float], ratio: float) -> dict[str, str]:
@@ -256,15 +209,6 @@ def _too_slow(cfgs: dict[str, BenchConfig], peaks: dict[str, float], ratio: floa
     (``"bf16 matmul measured 81x slower than fp32 here"``): :func:`_time_all` times them last."""
     return {n: f"{c.dtype} matmul measured {peaks['fp32'] / peaks[c.dtype]:.0f}x slower than fp32 here"
             for n, c in cfgs.items() if c.dtype in peaks and peaks[c.dtype] * ratio < peaks["fp32"]}
-
-
-def _measure_peaks(dtypes: Sequence[str], dev: torch.device, quiet: bool) -> dict[str, float]:
-    """The matmul peak (FLOP/s, :func:`matmul_peak_flops`) of each distinct dtype name, logged."""
-    peaks = {}
-    for dn in dict.fromkeys(dtypes):
-        peaks[dn], n = matmul_peak_flops(to_torch(dn), dev)
-        _log(f"matmul peak {dn}: {peaks[dn] / 1e12:.3f} TFLOP/s (n={n})", quiet)
-    return peaks
 
 
 def _drift_all(names: Sequence[str], cfgs: dict[str, BenchConfig], result: dict[str, Any],
@@ -360,41 +304,6 @@ def _time_all(h: Harness, cfgs: dict[str, BenchConfig], drift: dict[str, tuple[M
         why = rows[n]["note"] or rows[n]["error"]
         _log(f"{n}: {format_rate(t)} tok/s over {t.rounds} rounds" + (f" ({why})" if why else ""), quiet)
     add_ratios(rows, timings)
-
-
-def _remeasure_peaks(result: dict[str, Any], dev: torch.device, quiet: bool) -> None:
-    """Measure the matmul peaks again after the configurations and keep the higher value.
-
-    On a shared machine one measurement can catch a busy moment and understate the peak (MFU
-    then overstates); the best of two, before and after, is the better estimate of the peak.
-    MFU of every row is recomputed against its dtype's.
-    """
-    mp = result["matmul_peak"]
-    mp["before_run"] = dict(mp["by_dtype"])
-    mp["after_run"] = {dn: matmul_peak_flops(to_torch(dn), dev)[0] for dn in mp["by_dtype"]}
-    mp["by_dtype"] = {dn: max(mp["before_run"][dn], mp["after_run"][dn]) for dn in mp["by_dtype"]}
-    old, mp["flops_per_s"] = mp["flops_per_s"], mp["by_dtype"][mp["dtype"]]
-    _log(f"matmul peak {mp['dtype']} re-measured: {mp['after_run'][mp['dtype']] / 1e12:.3f} TFLOP/s "
-         f"(before {old / 1e12:.3f}); MFU uses the higher", quiet)
-    for r in result["configs"].values():
-        if r.get("mfu") is not None and row_peak(mp, r["dtype"]) > 0:
-            r["mfu"] = r["mfu"] * row_peak(mp, r["dtype"], "before_run") / row_peak(mp, r["dtype"])
-
-
-def row_peak(mp: dict[str, Any], dtype: str, which: str = "by_dtype") -> float:
-    """The matmul peak (FLOP/s) a row in ``dtype`` divides its FLOP/s by for MFU: its dtype's
-    measured peak (the main dtype's when ``dtype`` was not measured), or fp32's if that is higher
-    (a device that emulates the low dtype runs the same GEMMs with fp32 compute at fp32's rate;
-    autoprec's fp32-compute kernels do).
-
-    Args:
-        mp: The result's ``matmul_peak`` (``by_dtype``, ``before_run``: dtype name -> FLOP/s).
-        dtype: The row's dtype name (``"fp32"``, ``"bf16"``, ...).
-        which: Which peaks of ``mp``: ``"by_dtype"`` (the higher of before and after the run) or
-            ``"before_run"``.
-    """
-    peaks = mp[which]
-    return max(peaks.get(dtype, peaks.get(mp["dtype"], 0.0)), peaks.get("fp32", 0.0))
 
 
 def _checkpoint(result: dict[str, Any], json_path: str | os.PathLike | None) -> None:

@@ -25,7 +25,7 @@ def make_row(m: Measurement, dtype: str, compiled: bool, t: Timing | None = None
         dtype: Its low dtype's name (``"fp32"``, ``"bf16"``, ...).
         compiled: Whether it runs through ``torch.compile``.
         t: Its interleaved timing (None: not timed yet, or failed before timing).
-        flops: Model FLOPs per step (:func:`autoprec.commands.bench.model_flops`).
+        flops: Model FLOPs per step (:func:`autoprec.commands.bench_mfu.model_flops`).
         peak: The matmul peak, FLOP/s, that MFU divides by (0: no MFU).
         ratio: ``max_step_ratio``, named in the note of a configuration the slow-step rule stopped.
         compiles_timed: Timed steps whose forward compiled (a shape the warm-up did not meet),

@@ -34,7 +34,7 @@ from autoprec.measure.measurement import Measurement, describe_failure
 from autoprec.measure.memory import SavedBytes, training_state_bytes
 from autoprec.metrics import median
 from autoprec.modelspec import ModelSpec
-from autoprec.ops import draws_random
+from autoprec.randomness import draws_random
 from autoprec.training.rng import MEASURE_SEED, StepRng, same_rng
 from autoprec.training.scaler import DynamicLossScaler
 from autoprec.training.steps import StepsTooSlow, run_steps, slow_step_guard

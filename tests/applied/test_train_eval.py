@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 import autoprec
-from autoprec.ops import random_nodes
 from autoprec.policy import Policy
+from autoprec.randomness import random_nodes
 
 
 class DropNet(nn.Module):

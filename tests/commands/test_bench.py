@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from autoprec.cli import main
-from autoprec.commands.bench import CONFIGS, format_bench_table, matmul_peak_flops, model_flops, run_bench
+from autoprec.commands.bench import CONFIGS, format_bench_table, run_bench
+from autoprec.commands.bench_mfu import matmul_peak_flops, model_flops
 from autoprec.policy import Policy
 from tests.conftest import EXAMPLES
 
@@ -211,13 +212,13 @@ def test_bench_json_non_finite_rule_is_the_packages(tmp_path):
 def test_bench_autocast_dtype_is_the_packages_rule(monkeypatch, low):
     """bench's autocast (and pure-low) baseline dtype is autoprec.device.autocast_dtype, the rule tune
     and --compare use (it used to pick bf16 on its own, whatever torch's autocast default)."""
-    import autoprec.commands.bench as bench
+    import autoprec.commands.bench_mfu as mfu
     from autoprec.device import autocast_dtype
     from autoprec.dtypes import NAMES
 
     real = torch.get_autocast_dtype
     monkeypatch.setattr(torch, "get_autocast_dtype", lambda t: low if t == "cpu" else real(t))
-    monkeypatch.setattr(bench, "matmul_peak_flops", lambda dtype, device, **k: (1e9, 512))
+    monkeypatch.setattr(mfu, "matmul_peak_flops", lambda dtype, device, **k: (1e9, 512))
     res = run_bench(TINY, Policy.fp32(), steps=1, warmup=0, device="cpu", configs=["autocast_eager"],
                     quiet=True)
     assert res["low_dtype"] == NAMES[autocast_dtype(torch.device("cpu"))] == NAMES[low]
@@ -251,12 +252,12 @@ def test_configs_whose_dtype_is_too_slow_are_timed_after_the_rounds(monkeypatch)
     rows are timed after the interleaved rounds, one step each: they can no longer use up the time
     cap before the first round (a fresh AVX2 user's default bench timed no row at all). fp32's rows
     get their rounds; the slow row its one step and a note that says why."""
-    import autoprec.commands.bench as bench
+    import autoprec.commands.bench_mfu as mfu
     from autoprec.device import autocast_dtype
     from autoprec.dtypes import NAMES
 
     low = NAMES[autocast_dtype(torch.device("cpu"))]
-    monkeypatch.setattr(bench, "matmul_peak_flops",
+    monkeypatch.setattr(mfu, "matmul_peak_flops",
                         lambda dtype, device, **k: (1e12 if dtype == torch.float32 else 1e10, 512))
     res = run_bench(TINY, Policy.fp32(), steps=2, warmup=1, device="cpu",
                     configs=["fp32_eager", "autocast_eager", "policy_eager"], quiet=True)
@@ -273,12 +274,12 @@ def test_configs_whose_dtype_is_too_slow_are_timed_after_the_rounds(monkeypatch)
 def test_skip_slow_skips_the_emulated_baselines_with_the_measured_factor(monkeypatch):
     """``--skip-slow``: the low-dtype baselines of a dtype over ``max_step_ratio`` x slower get a
     skipped row naming the measured factor (the reason :func:`_too_slow` gives), the rest run."""
-    import autoprec.commands.bench as bench
+    import autoprec.commands.bench_mfu as mfu
     from autoprec.device import autocast_dtype
     from autoprec.dtypes import NAMES
 
     low = NAMES[autocast_dtype(torch.device("cpu"))]
-    monkeypatch.setattr(bench, "matmul_peak_flops",
+    monkeypatch.setattr(mfu, "matmul_peak_flops",
                         lambda dtype, device, **k: (1e12 if dtype == torch.float32 else 1e10, 512))
     res = run_bench(TINY, Policy.fp32(), steps=2, warmup=1, device="cpu", skip_slow=True,
                     configs=["fp32_eager", "autocast_eager", "pure_low_eager", "policy_eager"], quiet=True)
@@ -295,13 +296,13 @@ def test_each_rows_mfu_is_against_its_own_dtypes_peak(monkeypatch, low_peak):
     fp32's where that is higher (an emulated dtype: the same GEMMs run at fp32's rate with fp32
     compute). One peak for every row, the policy's main dtype's, gave fp32_eager 970% MFU against
     the emulated bf16 peak of an AVX2-only CPU. The table names each peak."""
-    import autoprec.commands.bench as bench
+    import autoprec.commands.bench_mfu as mfu
     from autoprec.device import autocast_dtype
     from autoprec.dtypes import NAMES
 
     low = NAMES[autocast_dtype(torch.device("cpu"))]
     peak = {torch.float32: 1e11, torch.bfloat16: low_peak, torch.float16: low_peak}
-    monkeypatch.setattr(bench, "matmul_peak_flops", lambda dtype, device, **k: (peak[dtype], 512))
+    monkeypatch.setattr(mfu, "matmul_peak_flops", lambda dtype, device, **k: (peak[dtype], 512))
     res = run_bench(TINY, Policy.default(low), steps=2, warmup=1, device="cpu",
                     configs=["fp32_eager", "autocast_eager"], quiet=True)
     flops, rows = res["flops"]["flops_per_step"], res["configs"]

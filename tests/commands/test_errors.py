@@ -89,11 +89,11 @@ def test_tune_bad_args_into_missing_dir_leaves_no_directory(tmp_path, capsys):
 
 
 def test_make_parents_creates_missing_directories(tmp_path):
-    from autoprec.cli import _make_parents, _remove_if_empty
+    from autoprec.cli_paths import make_parents, remove_if_empty
 
-    made = _make_parents(str(tmp_path / "a" / "b" / "p.json"), None)
+    made = make_parents(str(tmp_path / "a" / "b" / "p.json"), None)
     assert (tmp_path / "a" / "b").is_dir() and made == [tmp_path / "a", tmp_path / "a" / "b"]
-    _remove_if_empty(made)
+    remove_if_empty(made)
     assert files(tmp_path) == []
 
 

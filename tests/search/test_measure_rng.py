@@ -18,9 +18,9 @@ import torch
 from autoprec.measure import Harness
 from autoprec.metrics import traj_rel
 from autoprec.modelspec import load_model_spec
-from autoprec.ops import draws_random
 from autoprec.passes import run_pipeline
 from autoprec.policy import Policy
+from autoprec.randomness import draws_random
 from autoprec.search.bar import judge_compiled_like_autocast
 from autoprec.training.train import make_scaler
 from tests.conftest import RTOL
