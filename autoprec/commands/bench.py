@@ -150,8 +150,7 @@ def run_bench(model_path: str | os.PathLike, policy: Policy | str | os.PathLike,
     load = LoadMonitor.start(dev, strict_timing)  # the machine's load; again before and after the timing
     low = autocast_dtype(dev)  # the autocast and pure-low baselines' dtype: the same rule as tune's
     h = Harness(spec, dev, warmup=warmup, steps=steps)
-    source = None if isinstance(policy, Policy) else policy
-    _check_policy(pol, source, h.graph_module, str(spec.path), force, quiet)
+    source = _check_policy(pol, policy, h.graph_module, str(spec.path), force, quiet)
     flops = model_flops(h.model, h.batches[0], h.tokens)
     cfgs = build_configs(h, pol, low, names, source=source)
     main = cfgs["policy_eager"].dtype if "policy_eager" in cfgs else main_dtype(
@@ -191,17 +190,20 @@ def _config_names(configs: Sequence[str] | None) -> list[str]:
     return ["fp32_eager"] + [n for n in dict.fromkeys(names) if n != "fp32_eager"]
 
 
-def _check_policy(pol: Policy, source: str | os.PathLike | None, gm: Any, model_path: str, force: bool,
-                  quiet: bool) -> None:
+def _check_policy(pol: Policy, policy: Policy | str | os.PathLike, gm: Any, model_path: str, force: bool,
+                  quiet: bool) -> str | os.PathLike | None:
     """Refuse the policy of another model as ``train`` does (unless ``force``), and warn when the
-    policy file was tuned on another graph (:mod:`autoprec.applied.policy_match`).
+    policy file was tuned on another graph (:mod:`autoprec.applied.policy_match`); returns the
+    policy file (None: ``policy`` is a :class:`Policy`), which messages name.
 
     Raises:
         PolicyError: none of its module or node rules matches a node of ``gm``.
     """
+    source = None if isinstance(policy, Policy) else policy
     check_policy_matches(pol, gm, source, force)
     if source is not None and (why := tuned_elsewhere(pol, source, gm, model_path)):
         _log(f"warning: {why}", quiet)
+    return source
 
 
 def _too_slow(cfgs: dict[str, BenchConfig], peaks: dict[str, float], ratio: float) -> dict[str, str]:
