@@ -24,6 +24,7 @@ from autoprec.capture.batches import (
     batch_shapes,
     capture_dynamic,
     capture_for,
+    check_one_graph,
     warmup_steps,
 )
 from autoprec.capture.dims import (
@@ -48,7 +49,8 @@ from autoprec.capture.trace import CALL_KWARGS_META, capture, capture_planned
 
 __all__ = ["BATCH", "CALL_KWARGS_META", "DIMS_META", "MAX_SHAPES", "PLAN_META", "PROBE_BATCHES",
            "RANGE_ADVICE", "SEQ", "TARGET", "DimPlan", "DimRange", "InputShapes", "autocast_dynamic",
-           "batch_shapes", "capture", "capture_dynamic", "capture_for", "capture_planned", "export_program",
+           "batch_shapes", "capture", "capture_dynamic", "capture_for", "capture_planned", "check_one_graph",
+           "export_program",
            "export_ranges", "largest_batch", "largest_sizes", "leaf_name", "max_positions", "maxima",
            "plan_dims",
            "quiet_pytree_deprecation", "role_sizes", "shapes_vary", "tensor_shapes", "warmup_steps"]

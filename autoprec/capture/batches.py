@@ -13,19 +13,20 @@ the caller then runs one graph per input shape (``autoprec.applied.shape_cache.S
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping
 from typing import Any
 
 from torch import fx, nn
 
 from autoprec.capture.dims import DimPlan, largest_batch, largest_sizes, plan_dims, shapes_vary, tensor_shapes
-from autoprec.capture.shapes import PLAN_META
+from autoprec.capture.shapes import DIMS_META, PLAN_META
 from autoprec.capture.trace import capture, capture_planned
 from autoprec.errors import CaptureError
 from autoprec.modelspec import split_batch
 
 __all__ = ["MAX_SHAPES", "PROBE_BATCHES", "autocast_dynamic", "batch_shapes", "capture_dynamic",
-           "capture_for", "warmup_steps"]
+           "capture_for", "check_one_graph", "warmup_steps"]
 
 _log = logging.getLogger("autoprec")
 
@@ -40,31 +41,75 @@ PROBE_BATCHES = 5
 MAX_SHAPES = 16
 
 
-def capture_for(model: nn.Module, batches: list[Any]) -> fx.GraphModule:
+def capture_for(model: nn.Module, batches: list[Any], one_graph_for: list[Any] | None = None,
+                source: str | os.PathLike = "the model file") -> fx.GraphModule:
     """The capture ``autoprec tune`` and ``autoprec train`` share for a model file's first batches.
 
     When their shapes vary (:func:`autoprec.capture.dims.shapes_vary`), one capture with dynamic
     dimensions on the largest batch (:func:`~autoprec.capture.dims.largest_batch`), its ranges
     reaching every batch's largest sizes (:func:`~autoprec.capture.dims.largest_sizes`): the plan is
-    made once here and passed down to the export; else the capture for ``batches[0]``'s shapes (a
-    module applied to it still meets an occasional other shape through the per-shape cache). One
+    made once here and passed down to the export; else, or where that export fails, the capture
+    for ``batches[0]``'s shapes (a module applied to it meets the other shapes through the
+    per-shape cache, which it seeds with batch 0's: the static graph must be batch 0's). One
     rule, so the tuned graph and the trained graph (and their fingerprints) are the same.
 
     Args:
         model: The fp32 model.
         batches: The first batches as ``get_batch(0..)`` returns them (at least one).
+        one_graph_for: The batches the caller runs on the one graph returned (``tune`` and
+            ``bench``: :func:`check_one_graph`); None: the caller serves other shapes itself
+            (``train``'s per-shape graphs).
+        source: The model file, which a refusal names.
 
     Returns:
         A graph with symbolic dimensions, or the static capture (as :func:`capture_dynamic`).
 
     Raises:
-        CaptureError: as :func:`autoprec.capture.trace.capture`.
+        CaptureError: as :func:`autoprec.capture.trace.capture`; or ``one_graph_for`` varies in shape
+            and the model cannot be captured with dynamic dimensions (:func:`check_one_graph`).
     """
+    gm = _capture_for(model, batches)
+    if one_graph_for is not None:
+        check_one_graph(gm, one_graph_for, os.fspath(source))
+    return gm
+
+
+def _capture_for(model: nn.Module, batches: list[Any]) -> fx.GraphModule:
+    """:func:`capture_for`'s choice of capture."""
     if not shapes_vary(batches):
         return capture(model, batches[0])
     example = largest_batch(batches)
-    return _dynamic_or_static(model, example, plan_dims(model, *split_batch(example),
-                                                        largest_sizes(model, batches)))
+    gm = _dynamic_or_static(model, example, plan_dims(model, *split_batch(example),
+                                                      largest_sizes(model, batches)))
+    if DIMS_META not in gm.meta and example is not batches[0]:  # static: for batch 0, the example its
+        static = capture(model, batches[0])  # users seed their per-shape graphs with (a graph of the
+        static.meta[PLAN_META] = gm.meta.get(PLAN_META)  # largest batch ran batch 0: a guard failed)
+        return static
+    return gm
+
+
+def check_one_graph(gm: fx.GraphModule, batches: list[Any], source: str) -> None:
+    """Refuse to measure ``batches`` of several shapes on ``gm`` when it serves one shape only (the
+    model cannot be exported with dynamic dimensions: :func:`capture_for` fell back to a static
+    capture): ``tune`` and ``bench`` run every batch through one graph, and such a graph met the
+    next shape with a raw ``AssertionError: Guard failed``.
+
+    Args:
+        gm: The capture of :func:`capture_for`.
+        batches: The batches it will run.
+        source: The model file (named in the message).
+
+    Raises:
+        CaptureError: the batches vary in shape and ``gm`` is static; the message says what to do.
+    """
+    if gm.meta.get(DIMS_META) or not shapes_vary(batches):
+        return
+    raise CaptureError(
+        f"{source}: get_batch(0..{len(batches) - 1}) gives batches of {len(batch_shapes(batches))} shapes, "
+        "and the model cannot be captured with dynamic batch/sequence dimensions (the INFO line above says "
+        "why); tune and bench measure each policy on one graph for all their batches.\n  What to do: make "
+        "get_batch return one shape (pad to a fixed length) for tuning, or make the model exportable with "
+        "dynamic shapes; autoprec train and autoprec.apply run such a model with one graph per shape.")
 
 
 def capture_dynamic(model: nn.Module, example_batch: Any,

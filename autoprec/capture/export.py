@@ -110,14 +110,18 @@ def export_program(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
 
 
 def distinct_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """The example call with every tensor that shares its storage with an earlier one replaced by
-    a copy (same values, its own storage).
+    """The example call with every tensor that shares its storage with an earlier one, or is not
+    contiguous, replaced by a contiguous copy (same values, its own storage).
 
     torch.export gives inputs that alias one another one placeholder: the usual causal-LM batch
     ``{"input_ids": ids, "labels": ids}`` was captured reading ``input_ids`` for both, so every
     later batch whose labels differ (shifted, padded with -100) was silently embedded from its
     labels or raised an index error. With distinct inputs each is a placeholder of its own, and
-    a call that passes one tensor twice still runs right.
+    a call that passes one tensor twice still runs right. A non-contiguous example (the pre-shifted
+    ``input_ids=raw[:, :-1], labels=raw[:, 1:]``) made the export with dynamic dimensions fail on a
+    guard of its strides, so such a model fell back to one graph per shape. (A model whose code
+    depends on its input's strides, ``labels.view(-1)`` of a non-contiguous tensor, then fails at
+    the call as it does eagerly, not at the capture.)
     """
     seen: set[Any] = set()
 
@@ -129,8 +133,8 @@ def distinct_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tupl
         except (RuntimeError, NotImplementedError):  # a tensor subclass without a storage of its own
             ptr = 0
         key = (ptr, x.device) if ptr else id(x)
-        if key in seen:
-            return x.clone()
+        if key in seen or not x.is_contiguous():
+            return x.clone(memory_format=torch.contiguous_format)
         seen.add(key)
         return x
 

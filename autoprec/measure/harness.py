@@ -110,7 +110,7 @@ class Harness:
         self.model.train()
         n = max(steps, PROBE_BATCHES, self.drift_batches)
         self.batches = [spec.get_batch(i, device) for i in range(n)]
-        self.graph_module = capture_for(self.model, self.batches[:PROBE_BATCHES])  # train's rule
+        self.graph_module = capture_for(self.model, self.batches[:PROBE_BATCHES], self.batches, spec.path)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.initial = [p.detach().clone() for p in self.params]
         optimizer = spec.make_optimizer(self.params)

@@ -88,6 +88,10 @@ def _check_node_rules(policy: Policy, nodes: list[fx.Node]) -> None:
         elif n is None:
             warnings.warn(f"autoprec: policy rules[{i}] names node {rule.node!r}, which is not in the graph",
                           stacklevel=3)
+        elif sets_own_dtype(n) and read_meta(n).op_class != "nonfloat":
+            warnings.warn(f"autoprec: policy rules[{i}] names node {rule.node!r}, whose op sets its own "
+                          f"dtype ({read_meta(n).op or n.target}: a cast, a factory or a dtype= argument); "
+                          "it keeps the model's (the rule has no effect)", stacklevel=3)
         elif read_meta(n).op_class == "nonfloat":
             raise pass_error(
                 PASS, n, f"policy rules[{i}] sets dtype {rule.dtype} on a non-float node "

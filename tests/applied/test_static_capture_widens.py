@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 
+import pytest
 import torch
 
 import autoprec
@@ -45,3 +46,44 @@ def test_a_model_that_cannot_be_captured_dynamic_gets_the_per_shape_cache(caplog
     assert isinstance(mp._fn, ShapeCache) and mp.shape_stats["mode"] == "per_shape"
     assert "cannot be captured with dynamic dimensions for both; such shapes get a graph each" in caplog.text
     assert mp.shape_stats["captures"] == 4  # (4, 32), (2, 17), (2, 20), (2, 32)
+
+
+def test_pre_shifted_views_capture_dynamic():
+    """``input_ids=raw[:, :-1], labels=raw[:, 1:]`` (non-contiguous views of one tensor) made the
+    dynamic export fail on a guard of their strides, so the model fell back to one graph per shape
+    and a loop over 20 lengths stopped at the 17th; the example is exported from contiguous copies."""
+    torch.manual_seed(0)
+    model = CausalLM()
+
+    def views(t, seed):
+        raw = torch.randint(0, 32, (4, t + 1), generator=torch.Generator().manual_seed(seed))
+        return {"input_ids": raw[:, :-1], "labels": raw[:, 1:]}
+
+    gm = capture_for(model, [views(8 + 3 * i, i) for i in range(5)])
+    assert is_dynamic(gm)
+    pol = autoprec.Policy.fp32()
+    mp = autoprec.apply(model, pol, views(8, 0), compile=False, graph_module=gm, force=True)
+    for t in range(8, 28):
+        b = views(t, t)
+        torch.testing.assert_close(mp(**b), model(**b), rtol=1e-5, atol=1e-5)
+
+
+def test_a_model_that_cannot_export_dynamic_over_varying_first_batches():
+    """Batch 0 not the largest of get_batch(0..4) and no dynamic export: the static graph was the
+    largest batch's, while train seeds its per-shape graphs with batch 0's shape (a raw ``Guard
+    failed`` at step 0). Now it is batch 0's; and tune/bench, which run every batch on one graph,
+    refuse such batches with a CaptureError saying what to do."""
+    from autoprec.capture import PLAN_META, check_one_graph
+    from autoprec.errors import CaptureError
+
+    torch.manual_seed(0)
+    model = ParityLM()
+    batches = [lm_batch(4, 8 + 3 * i, i) for i in range(5)]
+    gm = capture_for(model, batches)
+    assert not is_dynamic(gm) and PLAN_META in gm.meta
+    mp = autoprec.apply(model, autoprec.Policy.fp32(), batches[0], compile=False, graph_module=gm, force=True)
+    for b in batches + batches[::-1]:
+        torch.testing.assert_close(mp(**b), model(**b))
+    with pytest.raises(CaptureError, match=r"m\.py: get_batch\(0\.\.4\) gives batches of 5 shapes(.|\n)*pad"):
+        check_one_graph(gm, batches, "m.py")
+    check_one_graph(capture_for(CausalLM(), batches), batches, "m.py")  # dynamic: one graph serves all

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -57,3 +58,13 @@ def test_sets_own_dtype_reads_the_argument_by_schema():
     cast = g.call_function(torch.ops.aten._to_copy.default, (x,), {"dtype": torch.bfloat16})
     nodes = (sm, sm_dt, sm_none, mean_kw, cast)
     assert [sets_own_dtype(n) for n in nodes] == [False, True, False, True, True]
+
+
+def test_a_node_rule_on_an_op_that_sets_its_own_dtype_warns_it_has_no_effect():
+    torch.manual_seed(0)
+    gm = capture(EagerAttention(), (torch.randn(2, 8, 16),))
+    softmax = next(read_meta(n).key for n in gm.graph.nodes if op_name(n) in ("softmax", "_softmax"))
+    pol = Policy(default_dtype="fp32", rules=[Rule(node=softmax, dtype="fp16")])
+    with pytest.warns(UserWarning, match=rf"rules\[0\] names node '{softmax}', whose op sets its own dtype"):
+        lowered = run_pipeline(gm, pol).graph_module
+    assert {read_meta(n).dtype for n in lowered.graph.nodes if read_meta(n).key == softmax} == {"fp32"}
