@@ -141,25 +141,12 @@ class Recapture:
                         for r, (_lo, hi) in bounds.items() if hi is not None}
             example = batch if min(sizes.values(), default=0) >= 2 else self.example
             start = time.perf_counter()
-            try:
-                gm = capture_dynamic(self.model, example, at_least)
-            except CaptureError:
-                gm = None
-            if gm is not None and is_dynamic(gm):
-                new = self.rebuild(gm)
-                try:
-                    new._inputs.check(args, kwargs)
-                except ValueError:
-                    pass  # the export narrowed a range again: fall back below
-                else:
-                    _adopt(mp, new)
-                    self.recaptures += 1
-                    _log.info("%s: input shapes %s are outside the captured ranges (%s); captured again with "
-                              "ranges %s (recapture %d, %.1f s%s; apply(..., strict_shapes=True) "
-                              "raises instead)",
-                              mp._what, shapes, _ranges(ranges), _ranges(new._inputs.ranges), self.recaptures,
-                              time.perf_counter() - start, ", compiles on this call" if mp.compiled else "")
-                    return
+            if self._try_dynamic(mp, example, at_least, args, kwargs)[0]:
+                _log.info("%s: input shapes %s are outside the captured ranges (%s); captured again with "
+                          "ranges %s (recapture %d, %.1f s%s; apply(..., strict_shapes=True) raises instead)",
+                          mp._what, shapes, _ranges(ranges), _ranges(mp._inputs.ranges), self.recaptures,
+                          time.perf_counter() - start, ", compiles on this call" if mp.compiled else "")
+                return
         what = mp._what
         cache = ShapeCache(self.build_static, plan_dims(self.model, args, kwargs), what, strict=False)
         object.__setattr__(mp, "_fn", Routed(mp._fn, mp._inputs, cache))
@@ -168,6 +155,26 @@ class Recapture:
                   "cannot serve them; such shapes get a graph each (per-shape cache; apply(..., "
                   "strict_shapes=True) raises instead)", what, shapes, _ranges(ranges))
 
+
+    def _try_dynamic(self, mp: Any, example: Any, at_least: dict[str, int], args: tuple[Any, ...],
+                     kwargs: dict[str, Any]) -> tuple[bool, Any]:
+        """Capture ``example`` again with dynamic dimensions whose ranges reach ``at_least`` and
+        switch ``mp`` to it when the new graph accepts this call; ``(switched, the capture or None)``
+        (not switched: the export failed, was not dynamic, or narrowed a range below this call)."""
+        try:
+            gm = capture_dynamic(self.model, example, at_least)
+        except CaptureError:
+            return False, None
+        if not is_dynamic(gm):
+            return False, gm
+        new = self.rebuild(gm)
+        try:
+            new._inputs.check(args, kwargs)
+        except ValueError:
+            return False, gm
+        _adopt(mp, new)
+        self.recaptures += 1
+        return True, gm
 
     def _refuse_past_positions(self, mp: Any, sizes: dict[str, int], shapes: str, error: ValueError) -> None:
         """Raise ValueError when a sequence size in ``sizes`` (role -> size) is above the model's
@@ -199,24 +206,13 @@ class Recapture:
         sizes = {r: max(n, 2 * own[r]) if n > own.get(r, n) else own.get(r, n) for r, n in call.items()}
         sizes |= {r: n for r, n in own.items() if r not in call}
         example = self.example if min(own.values(), default=0) >= 2 else batch
-        try:
-            gm = capture_dynamic(self.model, example, sizes)
-        except CaptureError:
-            gm = None
-        if gm is not None and is_dynamic(gm):
-            new = self.rebuild(gm)
-            try:
-                new._inputs.check(args, kwargs)
-            except ValueError:
-                pass  # the export narrowed a range below this call's size: per shape below
-            else:
-                _adopt(mp, new)
-                self.recaptures += 1
-                _log.info("%s: input shapes %s differ from the one shape captured; captured again with "
-                          "dynamic dimensions, ranges %s (recapture %d, %.1f s%s)", mp._what, shapes,
-                          _ranges(new._inputs.ranges), self.recaptures, time.perf_counter() - start,
-                          ", compiles on this call" if mp.compiled else "")
-                return
+        adopted, gm = self._try_dynamic(mp, example, sizes, args, kwargs)
+        if adopted:
+            _log.info("%s: input shapes %s differ from the one shape captured; captured again with "
+                      "dynamic dimensions, ranges %s (recapture %d, %.1f s%s)", mp._what, shapes,
+                      _ranges(mp._inputs.ranges), self.recaptures, time.perf_counter() - start,
+                      ", compiles on this call" if mp.compiled else "")
+            return
         cache = ShapeCache.seeded(self.model, self.example, mp._fn, self.build_static, mp._what, strict=False,
                                   plan=gm.meta.get(PLAN_META) if gm is not None else None)
         object.__setattr__(mp, "_fn", cache)

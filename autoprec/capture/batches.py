@@ -81,9 +81,11 @@ def _capture_for(model: nn.Module, batches: list[Any]) -> fx.GraphModule:
     example = largest_batch(batches)
     gm = _dynamic_or_static(model, example, plan_dims(model, *split_batch(example),
                                                       largest_sizes(model, batches)))
-    if DIMS_META not in gm.meta and example is not batches[0]:  # static: for batch 0, the example its
-        static = capture(model, batches[0])  # users seed their per-shape graphs with (a graph of the
-        static.meta[PLAN_META] = gm.meta.get(PLAN_META)  # largest batch ran batch 0: a guard failed)
+    if DIMS_META not in gm.meta and example is not batches[0]:
+        # static: the graph of batch 0, whose shape train's per-shape cache files it under (the
+        # largest batch's graph ran batch 0 there and failed its shape guard)
+        static = capture(model, batches[0])
+        static.meta[PLAN_META] = gm.meta.get(PLAN_META)
         return static
     return gm
 
