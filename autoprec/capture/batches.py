@@ -79,15 +79,10 @@ def _capture_for(model: nn.Module, batches: list[Any]) -> fx.GraphModule:
     if not shapes_vary(batches):
         return capture(model, batches[0])
     example = largest_batch(batches)
-    gm = _dynamic_or_static(model, example, plan_dims(model, *split_batch(example),
-                                                      largest_sizes(model, batches)))
-    if DIMS_META not in gm.meta and example is not batches[0]:
-        # static: the graph of batch 0, whose shape train's per-shape cache files it under (the
-        # largest batch's graph ran batch 0 there and failed its shape guard)
-        static = capture(model, batches[0])
-        static.meta[PLAN_META] = gm.meta.get(PLAN_META)
-        return static
-    return gm
+    # static: the graph of batch 0, whose shape train's per-shape cache files it under (the largest
+    # batch's graph ran batch 0 there and failed its shape guard)
+    return _dynamic_or_static(model, example, plan_dims(model, *split_batch(example),
+                                                        largest_sizes(model, batches)), batches[0])
 
 
 def check_one_graph(gm: fx.GraphModule, batches: list[Any], source: str) -> None:
@@ -136,15 +131,18 @@ def capture_dynamic(model: nn.Module, example_batch: Any,
     return _dynamic_or_static(model, example_batch, plan_dims(model, *split_batch(example_batch), at_least))
 
 
-def _dynamic_or_static(model: nn.Module, example_batch: Any, plan: DimPlan) -> fx.GraphModule:
-    """The capture with ``plan``'s dynamic dimensions; the static one when it has none or the
-    dynamic export fails (logged, with the first line of the reason)."""
+def _dynamic_or_static(model: nn.Module, example_batch: Any, plan: DimPlan,
+                       static_batch: Any = None) -> fx.GraphModule:
+    """The capture with ``plan``'s dynamic dimensions; the static one, of ``static_batch`` (default:
+    ``example_batch``), when it has none or the dynamic export fails (logged, with the first line
+    of the reason)."""
+    static_batch = example_batch if static_batch is None else static_batch
     if not plan.dynamic:
-        return capture(model, example_batch)
+        return capture(model, static_batch)
     try:
         return capture_planned(model, example_batch, plan)
     except CaptureError as e:
-        gm = capture(model, example_batch)  # raises the model's own error if the static capture fails too
+        gm = capture(model, static_batch)  # raises the model's own error if the static capture fails too
         gm.meta[PLAN_META] = plan  # the per-shape cache's ranges: made here once, not planned again
         reason = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
         _log.info("%s cannot be captured with dynamic batch/sequence dimensions (%s); using one "
