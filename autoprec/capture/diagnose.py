@@ -42,8 +42,8 @@ def explain_failure(e: BaseException, model: nn.Module, example_batch: Any, args
         batch does not bind to ``forward``'s signature; ``"autoprec could not capture M: forward()
         itself raised <type> on the example batch ..."`` when the model, run eagerly on it
         (:func:`_eager_error`), raises too: the model's own error is the cause, with its line and
-        message (a T5 given non-contiguous labels fails ``labels.view(-1)`` either way; export's
-        message for it read as a tracing limit); else ``"torch.export could not capture M: <cause>,
+        message (labels the model's ``labels.view(-1)`` cannot take fail either way; export's
+        message for such an error read as a tracing limit); else ``"torch.export could not capture M: <cause>,
         at <file:line (function): code> [in module 'a.b' (Cls)].\n  <torch's type>: <its first
         line>\n  What to do: <advice>"``.
     """
