@@ -24,20 +24,10 @@ def catch_sigint() -> Iterator[None]:
     """Within the block, SIGINT raises ``KeyboardInterrupt`` as usual and is also remembered
     (:func:`interrupted`, :func:`check`). Only in the main thread (where Python runs signal
     handlers); elsewhere the block runs unchanged. The previous handler is restored on exit."""
-    if threading.current_thread() is not threading.main_thread():
+    if threading.current_thread() is threading.main_thread():
+        _seen.clear()
+    with _on_sigint(raises=True):
         yield
-        return
-    _seen.clear()
-
-    def handler(signum, frame):
-        _seen.set()
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGINT, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 @contextlib.contextmanager
@@ -45,12 +35,22 @@ def deferred() -> Iterator[None]:
     """Within the block SIGINT is only remembered, not raised: files written together (a policy
     and its report) are all written; :func:`check` after the block raises it. Only in the main
     thread; elsewhere the block runs unchanged. The previous handler is restored on exit."""
+    with _on_sigint(raises=False):
+        yield
+
+
+@contextlib.contextmanager
+def _on_sigint(raises: bool) -> Iterator[None]:
+    """A SIGINT handler that remembers the signal (and raises ``KeyboardInterrupt`` if ``raises``)
+    for the block, in the main thread only; the previous handler is restored on exit."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def handler(signum, frame):
         _seen.set()
+        if raises:
+            raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGINT, handler)
     try:
