@@ -22,7 +22,15 @@ from dataclasses import dataclass, field
 from autoprec.measure import Comparison, Retire, Settled, Timing, compare
 from autoprec.policy import Policy
 
-__all__ = ["Contender", "Decision", "all_fp32", "decide", "out_of_the_running", "settled"]
+__all__ = ["EQUIVALENCE_MARGIN", "Contender", "Decision", "all_fp32", "decide", "out_of_the_running",
+           "settled"]
+
+#: Throughput differences within ±this fraction are not resolved by more rounds of the
+#: head-to-head (:func:`settled`): two configurations whose ratio's 95% band lies within it tie.
+#: The same configurations timed in two tunes of one model on one machine differed by more (fp32 +
+#: torch.compile of the 24-layer Qwen2 of benchmarks/depth_scaling.py: 822 and 908 tok/s, 10%), so a
+#: gain under 5% measured in one run would not be one a user could count on.
+EQUIVALENCE_MARGIN = 0.05
 
 
 @dataclass
@@ -182,16 +190,24 @@ def out_of_the_running(baselines: set[str], policies: set[str]) -> Retire:
 
 def settled(baselines: set[str], policies: set[str]) -> Settled:
     """The head-to-head's early stop (:func:`autoprec.measure.timing.time_interleaved`'s
-    ``settled``), from :func:`decide`'s rule: the decision is fixed once no contender still timed
-    ties with the fastest (:func:`autoprec.measure.timing.compare`: every ratio's 95% band
-    excludes 1.0). After :func:`out_of_the_running` those still timed are the fastest, the fastest
-    baseline, the fastest policy and the ties, so then the policy written and its verdict against
-    the fastest baseline ("beats" or "slower") are what more rounds would give too: they would
-    only narrow the bands. A configuration timed beside the contenders but not one of them is
-    ignored. The rule must hold after two rounds in a row, so one lucky round of six steps does not
-    end the timing (each look at the bands is another chance of a separation by noise). On the
-    24-layer Qwen2 of benchmarks/depth_scaling.py the band rule alone kept the two survivors timed
-    to ``max_rounds`` (torch.autocast + torch.compile's band stayed at ±4.6%).
+    ``settled``), from :func:`decide`'s rule: the decision is fixed once every contender still
+    timed either does not tie with the fastest (:func:`autoprec.measure.timing.compare`: its
+    ratio's 95% band excludes 1.0) or is equivalent to it (the band lies within
+    ``1 ± EQUIVALENCE_MARGIN``). After :func:`out_of_the_running` those still timed are the fastest,
+    the fastest baseline, the fastest policy and the ties, so once none ties, the policy written and
+    its verdict against the fastest baseline ("beats" or "slower") are what more rounds would give
+    too: they would only narrow the bands. An equivalent tie is settled as a tie (the lower-drift,
+    simpler of them is written): more rounds could at most show a difference under
+    :data:`EQUIVALENCE_MARGIN`, which is not pursued (the two one-sided tests of equivalence,
+    Schuirmann 1987, "A comparison of the two one-sided tests procedure and the power approach for
+    assessing the equivalence of average bioavailability", J. Pharmacokinet. Biopharm. 15(6), at the
+    band's 95%). A configuration timed beside the contenders but not one of them is ignored. The
+    rule must hold after two rounds in a row, so one lucky round of six steps does not end the
+    timing (each look at the bands is another chance of a separation by noise). On the 24-layer
+    Qwen2 of benchmarks/depth_scaling.py the band rule alone kept the two survivors timed to
+    ``max_rounds`` (torch.autocast + torch.compile's band stayed at ±4.6%), and two tied survivors
+    (fp32 + torch.compile and a bf16-storage policy, 908 against 903 tok/s) were timed until both
+    bands were ±3%.
 
     Args:
         baselines: Names of the contenders that are baselines (``Contender.baseline``).
@@ -207,11 +223,18 @@ def settled(baselines: set[str], policies: set[str]) -> Settled:
         nonlocal in_a_row
         timed = {n: t for n, t in timings.items() if t.step_times and n in baselines | policies}
         fastest = _fastest(timed, baselines | policies)
-        fixed = fastest is not None and not any(compare(t, timed[fastest]).tie
-                                                for n, t in timed.items() if n != fastest)
+        fixed = fastest is not None and all(_separated_or_equivalent(compare(t, timed[fastest]))
+                                            for n, t in timed.items() if n != fastest)
         in_a_row = in_a_row + 1 if fixed else 0
         return in_a_row >= 2
     return done
+
+
+def _separated_or_equivalent(c: Comparison) -> bool:
+    """Whether more rounds cannot change what :func:`decide` makes of this comparison: the band
+    excludes 1.0 (no tie), or it lies within ``1 ± EQUIVALENCE_MARGIN`` (a tie that stays one
+    unless the difference is under the margin)."""
+    return not c.tie or (c.band[0] >= 1 - EQUIVALENCE_MARGIN and c.band[1] <= 1 + EQUIVALENCE_MARGIN)
 
 
 def _fastest(timed: dict[str, Timing], names: set[str]) -> str | None:

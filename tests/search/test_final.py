@@ -9,9 +9,9 @@ import random
 import pytest
 
 from autoprec import Policy
-from autoprec.measure import Timing
+from autoprec.measure import Timing, compare
 from autoprec.policy import Rule
-from autoprec.search.final import Contender, decide, out_of_the_running, settled
+from autoprec.search.final import EQUIVALENCE_MARGIN, Contender, decide, out_of_the_running, settled
 from tests.conftest import ROOT
 
 TOKENS = 1024.0
@@ -198,13 +198,15 @@ def test_a_configuration_timed_beside_the_contenders_is_never_the_fastest_they_a
 def test_settled_once_no_contender_still_timed_ties_with_the_fastest():
     """The head-to-head may stop before the bands are narrow once decide()'s choice cannot change,
     two rounds in a row: trial 7 beats the twin and torch.autocast + torch.compile beyond the noise
-    (settled); a twin within the noise of trial 7 keeps it going; a configuration timed beside the
-    contenders (not one of them) is ignored, even when it ties."""
+    (settled); a twin within the noise of trial 7 keeps it going while the band is wider than the
+    equivalence margin; a configuration timed beside the contenders (not one of them) is ignored,
+    even when it ties."""
     field = _field(searched_s=0.100, twin_s=0.130)
     done = settled(*_roles(field))
     timings = {c.name: c.timing for c in field}
     assert not done(timings) and done(timings)  # fixed after two rounds in a row, not one
-    tied = {c.name: c.timing for c in _field(searched_s=0.100, twin_s=0.1002)}
+    tied = timings | {"autocast twin": _timing(0.100, noise=0.15, n=6, seed=2)}
+    assert compare(tied["autocast twin"], tied["trial 7"]).band[0] < 1 - EQUIVALENCE_MARGIN
     done = settled(*_roles(field))
     # a tie restarts the count
     assert not done(timings) and not done(tied) and not done(timings) and done(timings)
@@ -212,3 +214,24 @@ def test_settled_once_no_contender_still_timed_ties_with_the_fastest():
     assert not ignore(tied) and ignore(tied)
     done = settled(*_roles(field))
     assert not done({}) and not done({})
+
+
+def test_a_tie_whose_band_lies_within_the_equivalence_margin_is_settled_as_a_tie():
+    """Two contenders whose ratio's band contains 1.0 but lies within 1 ± EQUIVALENCE_MARGIN
+    (fp32 + torch.compile and a searched policy both at 0.400 s, ±1%): more rounds could at most
+    show a difference under the margin, so the rounds stop (two in a row) and decide() writes the
+    simpler one; a band reaching past the margin (the same speeds, ±15% noise) keeps them timed."""
+    fp32c = Contender("fp32 + torch.compile", Policy.fp32(), _timing(0.400, seed=4), 0.0, baseline=True)
+    close = Contender("trial 7", SEARCHED, _timing(0.401, seed=1), 7.3e-3)
+    c = compare(close.timing, fp32c.timing)
+    assert c.tie and 1 - EQUIVALENCE_MARGIN < c.band[0] and c.band[1] < 1 + EQUIVALENCE_MARGIN
+    roles = ({"fp32 + torch.compile"}, {"fp32 + torch.compile", "trial 7"})
+    done = settled(*roles)
+    timings = {"fp32 + torch.compile": fp32c.timing, "trial 7": close.timing}
+    assert not done(timings) and done(timings)
+    d = decide([fp32c, close])
+    assert d.chosen.name == "fp32 + torch.compile" and d.verdict == "tie"
+    wide = timings | {"trial 7": _timing(0.401, noise=0.15, n=6, seed=1)}
+    assert compare(wide["trial 7"], wide["fp32 + torch.compile"]).tie
+    done = settled(*roles)
+    assert not any(done(wide) for _ in range(4))
