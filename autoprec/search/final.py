@@ -17,13 +17,14 @@ how much the one written trails.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from autoprec.measure import Comparison, Retire, Settled, Timing, compare
 from autoprec.policy import Policy
 
 __all__ = ["EQUIVALENCE_MARGIN", "Contender", "Decision", "all_fp32", "decide", "out_of_the_running",
-           "settled"]
+           "settled", "tie_order"]
 
 #: Throughput differences within ±this fraction are not resolved by more rounds of the
 #: head-to-head (:func:`settled`): two configurations whose ratio's 95% band lies within it tie.
@@ -108,8 +109,13 @@ class Decision:
 
 def _simplicity(c: Contender) -> tuple[float, int]:
     """Sort key of a tie: lower drift, then fewer rules."""
-    g = c.grad_rel_l2 if math.isfinite(c.grad_rel_l2) else math.inf
-    return g, len(c.policy.rules) if c.policy is not None else 0
+    return _tie_key(c.policy, c.grad_rel_l2)
+
+
+def _tie_key(policy: Policy | None, grad_rel_l2: float) -> tuple[float, int]:
+    """:func:`_simplicity` of a policy and its drift."""
+    g = grad_rel_l2 if math.isfinite(grad_rel_l2) else math.inf
+    return g, len(policy.rules) if policy is not None else 0
 
 
 def all_fp32(pol: Policy) -> bool:
@@ -188,53 +194,75 @@ def out_of_the_running(baselines: set[str], policies: set[str]) -> Retire:
     return retire
 
 
-def settled(baselines: set[str], policies: set[str]) -> Settled:
+def settled(baselines: set[str], policies: set[str], tie_order: Sequence[str] | None = None) -> Settled:
     """The head-to-head's early stop (:func:`autoprec.measure.timing.time_interleaved`'s
     ``settled``), from :func:`decide`'s rule: the decision is fixed once every contender still
     timed either does not tie with the fastest (:func:`autoprec.measure.timing.compare`: its
-    ratio's 95% band excludes 1.0) or is equivalent to it (the band lies within
-    ``1 ± EQUIVALENCE_MARGIN``). After :func:`out_of_the_running` those still timed are the fastest,
+    ratio's 95% band excludes 1.0) or could change the decision only by a difference under
+    :data:`EQUIVALENCE_MARGIN`. After :func:`out_of_the_running` those still timed are the fastest,
     the fastest baseline, the fastest policy and the ties, so once none ties, the policy written and
     its verdict against the fastest baseline ("beats" or "slower") are what more rounds would give
-    too: they would only narrow the bands. An equivalent tie is settled as a tie (the lower-drift,
-    simpler of them is written): more rounds could at most show a difference under
-    :data:`EQUIVALENCE_MARGIN`, which is not pursued (the two one-sided tests of equivalence,
-    Schuirmann 1987, "A comparison of the two one-sided tests procedure and the power approach for
-    assessing the equivalence of average bioavailability", J. Pharmacokinet. Biopharm. 15(6), at the
-    band's 95%). A configuration timed beside the contenders but not one of them is ignored. The
-    rule must hold after two rounds in a row, so one lucky round of six steps does not end the
-    timing (each look at the bands is another chance of a separation by noise). On the 24-layer
-    Qwen2 of benchmarks/depth_scaling.py the band rule alone kept the two survivors timed to
-    ``max_rounds`` (torch.autocast + torch.compile's band stayed at ±4.6%), and two tied survivors
-    (fp32 + torch.compile and a bf16-storage policy, 908 against 903 tok/s) were timed until both
-    bands were ±3%.
+    too: they would only narrow the bands.
+
+    A tie is settled as a tie by the margin (the two one-sided tests of equivalence, Schuirmann 1987,
+    "A comparison of the two one-sided tests procedure and the power approach for assessing the
+    equivalence of average bioavailability", J. Pharmacokinet. Biopharm. 15(6), each side at the
+    band's 97.5%), on the side where more rounds could change what is written: a contender that
+    :func:`decide` would write before the fastest in a tie (earlier in ``tie_order``: lower drift,
+    fewer rules) is written as long as it ties, so only its falling behind by more than the margin
+    matters (band's low end >= 1 - margin); any other one changes the decision only by turning out
+    faster than the fastest (band's high end <= 1 + margin). Without ``tie_order``, and for the
+    policies tied with a fastest contender that has no policy (torch.autocast), both ends must lie
+    within the margin. A configuration timed beside the contenders but not one of them is ignored.
+    The rule must hold after two rounds in a row, so one lucky round of six steps does not end the
+    timing (each look at the bands is another chance of a separation by noise).
+
+    On the 24-layer Qwen2 of benchmarks/depth_scaling.py the band rule alone kept the two survivors
+    timed to ``max_rounds`` (torch.autocast + torch.compile's band stayed at ±4.6%); two tied
+    survivors (fp32 + torch.compile and a bf16-storage policy, 908 against 903 tok/s) were timed
+    until both bands were ±3%; and a searched policy at 0.94x fp32 + torch.compile (band 0.92-0.99
+    at the end) was timed 11 rounds, 43 s of finalists, until its band left 1.0, although from its
+    first rounds it could not have been over 5% faster.
 
     Args:
         baselines: Names of the contenders that are baselines (``Contender.baseline``).
         policies: Names of the contenders with a policy to write (``Contender.policy``).
+        tie_order: The names in ``policies`` in the order :func:`decide` prefers them in a tie
+            (:func:`tie_order`), or None.
 
     Returns:
         ``{name: Timing}`` of those still timed, once per round -> whether the decision has been
         fixed after this round and the one before (a fresh predicate per head-to-head).
     """
     in_a_row = 0
+    rank = {n: i for i, n in enumerate(tie_order)} if tie_order is not None else None
+
+    def settled_against(name: str, fastest: str, c: Comparison) -> bool:
+        """Whether more rounds of ``name`` against ``fastest`` cannot change the decision."""
+        low_ok, high_ok = c.band[0] >= 1 - EQUIVALENCE_MARGIN, c.band[1] <= 1 + EQUIVALENCE_MARGIN
+        if not c.tie:
+            return True
+        if rank is None or (name in rank and fastest not in rank):
+            return low_ok and high_ok
+        if name in rank and rank[name] < rank[fastest]:  # written while it ties
+            return low_ok
+        return high_ok
 
     def done(timings: dict[str, Timing]) -> bool:
         nonlocal in_a_row
         timed = {n: t for n, t in timings.items() if t.step_times and n in baselines | policies}
         fastest = _fastest(timed, baselines | policies)
-        fixed = fastest is not None and all(_separated_or_equivalent(compare(t, timed[fastest]))
+        fixed = fastest is not None and all(settled_against(n, fastest, compare(t, timed[fastest]))
                                             for n, t in timed.items() if n != fastest)
         in_a_row = in_a_row + 1 if fixed else 0
         return in_a_row >= 2
     return done
 
 
-def _separated_or_equivalent(c: Comparison) -> bool:
-    """Whether more rounds cannot change what :func:`decide` makes of this comparison: the band
-    excludes 1.0 (no tie), or it lies within ``1 ± EQUIVALENCE_MARGIN`` (a tie that stays one
-    unless the difference is under the margin)."""
-    return not c.tie or (c.band[0] >= 1 - EQUIVALENCE_MARGIN and c.band[1] <= 1 + EQUIVALENCE_MARGIN)
+def tie_order(candidates: Iterable[tuple[str, Policy, float]]) -> list[str]:
+    """Names of ``(name, policy, grad_rel_l2)`` in the order :func:`decide` prefers them in a tie:
+    lower drift, then fewer rules (:func:`settled`'s ``tie_order``)."""
+    return [name for name, pol, g in sorted(candidates, key=lambda c: _tie_key(c[1], c[2]))]
 
 
 def _fastest(timed: dict[str, Timing], names: set[str]) -> str | None:

@@ -23,7 +23,15 @@ from autoprec.policy import Policy
 from autoprec.search import attrs
 from autoprec.search.bar import measure_bar, no_bar
 from autoprec.search.budgets import format_bytes, over_memory, why_no_finalist
-from autoprec.search.final import Contender, Decision, all_fp32, decide, out_of_the_running, settled
+from autoprec.search.final import (
+    Contender,
+    Decision,
+    all_fp32,
+    decide,
+    out_of_the_running,
+    settled,
+    tie_order,
+)
 from autoprec.search.memory_fit import eager_fitting, fit_memory, lever
 from autoprec.search.phases import PhaseBar, phase_bar
 from autoprec.search.progress import log
@@ -271,7 +279,8 @@ class Selector:
         policies = {label for label, _pol, _fn, _m in survivors}
         self.timings = time_interleaved(self.h, configs, max_step_s=self.slow,
                                         retire=out_of_the_running(baselines, policies),
-                                        settled=settled(baselines, policies))
+                                        settled=settled(baselines, policies, tie_order(
+                                            (label, pol, m.grad_rel_l2) for label, pol, _fn, m in survivors)))
         contenders = []
         for label, pol, _fn, m in survivors:
             _take_timing(m, self.timings[label])

@@ -11,7 +11,14 @@ import pytest
 from autoprec import Policy
 from autoprec.measure import Timing, compare
 from autoprec.policy import Rule
-from autoprec.search.final import EQUIVALENCE_MARGIN, Contender, decide, out_of_the_running, settled
+from autoprec.search.final import (
+    EQUIVALENCE_MARGIN,
+    Contender,
+    decide,
+    out_of_the_running,
+    settled,
+    tie_order,
+)
 from tests.conftest import ROOT
 
 TOKENS = 1024.0
@@ -235,3 +242,31 @@ def test_a_tie_whose_band_lies_within_the_equivalence_margin_is_settled_as_a_tie
     assert compare(wide["trial 7"], wide["fp32 + torch.compile"]).tie
     done = settled(*roles)
     assert not any(done(wide) for _ in range(4))
+
+
+def test_a_tie_settles_on_the_side_where_more_rounds_could_change_what_is_written():
+    """A searched policy 0.96x fp32 + torch.compile, band 0.89-1.01 (a tie): fp32 + torch.compile is
+    written while they tie (lower drift), so only the policy turning out over 5% faster could change
+    that, and the band's high end excludes it: settled. Roles swapped (the searched policy the
+    fastest, fp32 + torch.compile 0.96x of it), fp32 + torch.compile is written as long as it ties,
+    and it may still fall 11% behind: timed on. Without a tie order both ends must lie within the
+    margin."""
+    fast, slow = _timing(0.400, noise=0.03, n=6, seed=4), _timing(0.412, noise=0.10, n=6, seed=1)
+    c = compare(slow, fast)
+    assert c.tie and c.band[0] < 1 - EQUIVALENCE_MARGIN and c.band[1] <= 1 + EQUIVALENCE_MARGIN
+    fp32c, searched = ("fp32 + torch.compile", Policy.fp32(), 0.0), ("trial 7", SEARCHED, 7.3e-3)
+    order = tie_order([searched, fp32c])
+    assert order == ["fp32 + torch.compile", "trial 7"]
+    roles = ({"fp32 + torch.compile", "fp32 eager"}, {"fp32 + torch.compile", "trial 7"})
+
+    done = settled(*roles, order)
+    timings = {"fp32 + torch.compile": fast, "trial 7": slow}
+    assert not done(timings) and done(timings)
+    assert decide([Contender(*fp32c[:2], fast, 0.0, baseline=True),
+                   Contender(*searched[:2], slow, 7.3e-3)]).chosen.name == "fp32 + torch.compile"
+    symmetric = settled(*roles)
+    assert not any(symmetric(timings) for _ in range(4))
+
+    swapped = {"fp32 + torch.compile": slow, "trial 7": fast}
+    done = settled(*roles, order)
+    assert not any(done(swapped) for _ in range(4))
