@@ -90,6 +90,9 @@ class Timing:
         note: Remarks that do not invalidate it (dropped by the slow-step rule, time cap reached).
         too_slow: Its timing was stopped by the slow-step rule
             (:func:`autoprec.training.steps.slow_step_guard`); ``note`` says when.
+        retired: The caller's ``retire`` rule stopped its timing (:func:`time_interleaved`):
+            its tokens/s is of the rounds before, which the others' later rounds need not match
+            on a machine whose speed drifts; ``note`` says why.
         peak_bytes: On CUDA, estimated peak allocated bytes of its steps (memory resident before
             timing + its own optimizer state + the most any of its rounds allocated on top);
             None on CPU.
@@ -105,6 +108,7 @@ class Timing:
     error: str | None = None
     note: str | None = None
     too_slow: bool = False
+    retired: bool = False
     peak_bytes: int | None = None
 
     @classmethod
@@ -217,6 +221,7 @@ class _Run:
         self.error: str | None = None
         self.note: str | None = None
         self.too_slow = False
+        self.retired = False
         self.recording = False
         self.peak_extra = 0
         self.hooks = [self._record] + ([slow_step_guard(max_step_s)] if max_step_s is not None else [])
@@ -377,7 +382,7 @@ def _retire(runs: list[_Run], retire: Retire, rel_band: float) -> None:
     """Stop timing the runs ``retire`` names (shown the Timings so far of those still timed)."""
     live = {r.cfg.name: r for r in runs if r.active}
     for name, why in retire(_live(runs, rel_band)).items():
-        live[name].note = why
+        live[name].note, live[name].retired = why, True
 
 
 def _live(runs: list[_Run], rel_band: float) -> dict[str, Timing]:
@@ -391,7 +396,7 @@ def _narrow(r: _Run, rel_band: float) -> bool:
 
 def _timing(r: _Run, rel_band: float, capped: bool, cap_s: float, base: int | None) -> Timing:
     t = Timing.from_steps(r.times if r.error is None else [], r.h.tokens, rounds=r.rounds)
-    t.error, t.note, t.too_slow = r.error, r.note, r.too_slow
+    t.error, t.note, t.too_slow, t.retired = r.error, r.note, r.too_slow, r.retired
     if capped and r.active and t.rel_half_width() > rel_band:
         t.note = (f"time cap {cap_s:g} s reached after {r.rounds} rounds "
                   f"(band ±{100 * t.rel_half_width():.1f}%)")

@@ -129,16 +129,20 @@ def decide(contenders: list[Contender]) -> Decision:
 
     Args:
         contenders: Finalists and baselines, each feasible (drift and memory checked by the
-            caller, which checks the trajectory of the choice); those without step times are
-            ignored.
+            caller, which checks the trajectory of the choice); those without step times, and
+            those the head-to-head retired (``Timing.retired``), are ignored.
 
     Returns:
         A :class:`Decision`.
 
     Raises:
-        ValueError: no contender with a policy was timed.
+        ValueError: no contender with a policy was timed (and not retired).
     """
-    timed = [c for c in contenders if c.timed]
+    # A retired contender was judged out of the running on the rounds it had; on a machine whose
+    # speed drifts, the others' later rounds need not agree with its rate (the table keeps it), so
+    # it is none of the roles below. The retire rule never retires the fastest, the fastest
+    # baseline or the fastest policy.
+    timed = [c for c in contenders if c.timed and not c.timing.retired]
     writable = [c for c in timed if c.policy is not None]
     if not writable:
         raise ValueError("no policy was timed in the final head-to-head")

@@ -270,3 +270,23 @@ def test_a_tie_settles_on_the_side_where_more_rounds_could_change_what_is_writte
     swapped = {"fp32 + torch.compile": slow, "trial 7": fast}
     done = settled(*roles, order)
     assert not any(done(swapped) for _ in range(4))
+
+
+def test_a_retired_contender_is_neither_the_fastest_nor_the_baseline_to_beat():
+    """fp32 eager, retired after 4 rounds at 0.91x fp32 + torch.compile, kept the rate of those
+    rounds (868 tok/s); fp32 + torch.compile's later rounds came out slower on a drifting machine
+    (847 tok/s over all 12). The retire rule judged fp32 eager out of the running, so the decision
+    compares with fp32 + torch.compile, not with a rate from other rounds (a 24-layer Qwen2's tune
+    had written "0.98x fp32 eager: tie" for the baseline itself)."""
+    fp32c = Contender("fp32 + torch.compile", Policy.fp32(), _timing(TOKENS / 847, n=24, seed=4), 0.0,
+                      baseline=True)
+    eager_t = _timing(TOKENS / 868, n=8, seed=5)
+    eager_t.retired, eager_t.note = True, "0.91x fp32 + torch.compile, band 0.80-0.94, after 4 rounds"
+    eager = Contender("fp32 eager", None, eager_t, 0.0, baseline=True)
+    searched = Contender("trial 8", SEARCHED, _timing(TOKENS / 819, noise=0.05, n=24, seed=1), 8.6e-4)
+    d = decide([searched, fp32c, eager])
+    assert eager.timing.tokens_per_s > fp32c.timing.tokens_per_s
+    assert d.fastest.name == d.best_baseline.name == d.chosen.name == "fp32 + torch.compile"
+    assert "fp32 eager" not in d.tied
+    eager_t.retired = False  # as before: the retired rate would be the bar
+    assert decide([searched, fp32c, eager]).best_baseline.name == "fp32 eager"

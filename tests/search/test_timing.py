@@ -121,6 +121,7 @@ def test_retired_configs_keep_their_times_and_are_timed_no_further(harness):
                            rel_band=0.0, retire=retire)
     assert seen == [{"A", "B", "C"}, {"A", "C"}, {"A", "C"}]  # after rounds 2, 3 and 4
     assert res["B"].note == "out of the running" and res["B"].rounds == 2 and len(res["B"].step_times) == 2
+    assert res["B"].retired and not res["A"].retired and not res["C"].retired
     assert res["A"].rounds == res["C"].rounds == 4 and res["A"].note is None
     assert calls == ["A", "B", "C"] + ["A", "B", "C"] * 2 + ["A", "C"] * 2
 
