@@ -27,7 +27,8 @@ __all__ = ["EQUIVALENCE_MARGIN", "Contender", "Decision", "all_fp32", "decide", 
            "settled", "tie_order"]
 
 #: Throughput differences within ±this fraction are not resolved by more rounds of the
-#: head-to-head (:func:`settled`): two configurations whose ratio's 95% band lies within it tie.
+#: head-to-head (:func:`settled`): a tie whose ratio's band cannot reach past it on the side that
+#: would change what is written stays a tie.
 #: The same configurations timed in two tunes of one model on one machine differed by more (fp32 +
 #: torch.compile of the 24-layer Qwen2 of benchmarks/depth_scaling.py: 822 and 908 tok/s, 10%), so a
 #: gain under 5% measured in one run would not be one a user could count on.
