@@ -3,7 +3,7 @@ time per attention call at a model's shape, fp32 and bf16, eager and compiled (i
 
 The configurations are timed in interleaved rounds (A B C D ... A B C D ...), so load that comes
 and goes spreads over all of them; each reports the median milliseconds of its calls and the
-bootstrap 95% band of that median (``autoprec.measure.timing.Timing.from_steps``), plus its
+bootstrap 95% band of that median (``autoprec.measure.noise.Timing.from_steps``), plus its
 output's relative L2 error against float64 fused SDPA on the same inputs. The machine's CPU flags
 go into ``machine.json`` beside the results.
 

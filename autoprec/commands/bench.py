@@ -24,7 +24,7 @@ back to set the slow-step limit ``max(max_step_ratio x fp32_eager's step, 1 s)``
 configuration that did not fail is timed in one :func:`autoprec.measure.timing.time_interleaved`
 call (rounds A B C ... A B C, :data:`STEPS_PER_ROUND` steps each), so every row's tokens/s comes
 from the same rounds and carries a bootstrap 95% band of its median, and the ``vs
-autocast+compile`` column says ``tie`` where :func:`autoprec.measure.timing.compare` finds the
+autocast+compile`` column says ``tie`` where :func:`autoprec.measure.noise.compare` finds the
 difference within the noise. A configuration whose steps are too slow against the limit (two
 steps in a row over it, or one step over 4x it: :func:`autoprec.training.steps.slow_step_guard`;
 e.g. bf16 on a CPU without native bf16 arithmetic) is dropped from later rounds, and its row

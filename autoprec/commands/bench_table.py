@@ -1,6 +1,6 @@
 """``autoprec bench``'s rows and table (docs/architecture.md#measurements): one JSON row per
 configuration from its drift :class:`~autoprec.measure.measurement.Measurement` and its interleaved
-:class:`~autoprec.measure.timing.Timing`, the throughput ratios between rows, and the Markdown table.
+:class:`~autoprec.measure.noise.Timing`, the throughput ratios between rows, and the Markdown table.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def failed_rows(result: dict[str, Any]) -> dict[str, str]:
 def add_ratios(rows: dict[str, dict[str, Any]], timings: dict[str, Timing] | None = None) -> None:
     """Set each row's ``ratio_vs_fp32_eager`` and ``ratio_vs_autocast_compiled`` (its tokens/s over
     theirs; None where either is not timed) and, given the timings and an ``autocast_compiled``
-    timing, ``vs_autocast_compiled``: :func:`autoprec.measure.timing.compare`'s ``{"ratio",
+    timing, ``vs_autocast_compiled``: :func:`autoprec.measure.noise.compare`'s ``{"ratio",
     "band", "tie", "winner"}`` (winner ``"row"``, ``"autocast_compiled"`` or None on a tie)."""
     base = rows["fp32_eager"]["tokens_per_s"]
     ac = rows.get("autocast_compiled", {}).get("tokens_per_s") or 0.0
@@ -102,7 +102,7 @@ def add_ratios(rows: dict[str, dict[str, Any]], timings: dict[str, Timing] | Non
 
 
 def _rate(r: dict[str, Any], tokens_per_step: float) -> str:
-    """``"6947 ±2.1%"`` (:func:`autoprec.measure.timing.format_rate`) from a row's step times."""
+    """``"6947 ±2.1%"`` (:func:`autoprec.measure.noise.format_rate`) from a row's step times."""
     if not r.get("tokens_per_s") or not r.get("step_times"):
         return "—"
     return format_rate(Timing.from_steps(r["step_times"], tokens_per_step))
@@ -120,7 +120,7 @@ def _vs_ac(name: str, r: dict[str, Any]) -> str:
 def format_bench_table(result: dict[str, Any]) -> str:
     """Markdown table of a :func:`autoprec.commands.bench.run_bench` result (one row per configuration):
     tokens/s with the relative half-width of its 95% band (``6947 ±2.1%``), and ``tie`` in the
-    ``vs autocast+compile`` column where :func:`autoprec.measure.timing.compare` finds no difference."""
+    ``vs autocast+compile`` column where :func:`autoprec.measure.noise.compare` finds no difference."""
     def num(x: float | None, fmt: str) -> str:
         return "—" if x is None else x if isinstance(x, str) else format(x, fmt)
 

@@ -1,8 +1,8 @@
 """Measurements (docs/architecture.md#measurements): the :class:`Harness` (throughput, drift against
 FP32 and memory of training steps on one set of weights and batches), drift over K batches
 (:mod:`autoprec.measure.drift`), what one measurement holds (:mod:`autoprec.measure.measurement`),
-the memory rule (:mod:`autoprec.measure.memory`), interleaved timing with a noise band
-(:mod:`autoprec.measure.timing`), a configuration's own training run taken in turns
+the memory rule (:mod:`autoprec.measure.memory`), interleaved timing (:mod:`autoprec.measure.timing`)
+with a noise band (:mod:`autoprec.measure.noise`), a configuration's own training run taken in turns
 (:mod:`autoprec.measure.train_run`) and the busy-machine check (:mod:`autoprec.measure.load`).
 
 The layer below the search (``autoprec tune``) and the bench commands: both measure through it, and
@@ -24,17 +24,8 @@ from autoprec.measure.harness import MIN_TIMED_STEPS, TIMED_BUDGET_S, Harness
 from autoprec.measure.load import BusyMachineError, LoadCheck, LoadMonitor
 from autoprec.measure.measurement import Measurement, describe_failure
 from autoprec.measure.memory import PeakBytes, SavedBytes, optimizer_state_bytes, training_state_bytes
-from autoprec.measure.timing import (
-    BOOTSTRAP_RESAMPLES,
-    Comparison,
-    Config,
-    Retire,
-    Settled,
-    Timing,
-    compare,
-    format_rate,
-    time_interleaved,
-)
+from autoprec.measure.noise import BOOTSTRAP_RESAMPLES, Comparison, Timing, compare, format_rate
+from autoprec.measure.timing import Config, Retire, Settled, time_interleaved
 from autoprec.measure.train_run import TrainRun, shareable
 
 __all__ = [

@@ -2,9 +2,9 @@
 "Throughput"; issue 19).
 
 Every tokens/s a table prints carries the bootstrap 95% band of its median step
-(:meth:`autoprec.measure.timing.Timing.from_steps`) as ``±`` the band's relative half-width, and
+(:meth:`autoprec.measure.noise.Timing.from_steps`) as ``±`` the band's relative half-width, and
 a row whose throughput is within the noise of the table's fastest (the band of the ratio contains
-1: :func:`autoprec.measure.timing.compare`) says ``tie``. Timings come from the step times a
+1: :func:`autoprec.measure.noise.compare`) says ``tie``. Timings come from the step times a
 measurement recorded; a row without them says why it has no band.
 """
 
@@ -29,7 +29,7 @@ def timing_of(step_times: Sequence[float] | None, tokens_per_s: float | None) ->
 
 
 def rate_text(tokens_per_s: float | None, timing: Timing | None = None) -> str:
-    """Tokens/s for a table: :func:`autoprec.measure.timing.format_rate` when ``timing`` has step
+    """Tokens/s for a table: :func:`autoprec.measure.noise.format_rate` when ``timing`` has step
     times (``"6947 ±2.1%"``, or ``"6947 (1 step: no band)"`` when the slow-step rule stopped it
     after one); ``"6947 (no band)"`` without step times (a study written before
     bands were recorded); ``""`` when not measured."""
@@ -42,7 +42,7 @@ def rate_text(tokens_per_s: float | None, timing: Timing | None = None) -> str:
 
 def ties_with_fastest(timings: Sequence[Timing | None], names: Sequence[str]) -> list[str | None]:
     """Per timing, the name of the fastest timing (by median tokens/s, two or more steps) when the
-    two tie within the noise (:func:`autoprec.measure.timing.compare`: the ratio's band contains
+    two tie within the noise (:func:`autoprec.measure.noise.compare`: the ratio's band contains
     1), else None; None for the fastest itself and for timings without two steps.
 
     Raises:

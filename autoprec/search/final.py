@@ -6,7 +6,7 @@ The contenders are the compiled finalists that passed the drift and memory check
 (the autocast twin and all-fp32 among them) and the baselines: torch.autocast + torch.compile,
 fp32 + torch.compile (the all-fp32 policy compiled) and fp32 eager. :func:`decide` takes the
 fastest; every contender whose throughput ties with it (the bootstrap band of the ratio contains
-1.0: :func:`autoprec.measure.timing.compare`) is as fast within the noise, and among those the one
+1.0: :func:`autoprec.measure.noise.compare`) is as fast within the noise, and among those the one
 with the lowest drift, then the fewest rules, is written: a tie goes to the lower-drift, simpler
 policy. torch.autocast is not a policy; when it is the fastest, the policy that ties with it (the
 twin, normally) is written, and when none does (fp32 eager fastest on a tiny model, say) the
@@ -167,7 +167,7 @@ def out_of_the_running(baselines: set[str], policies: set[str]) -> Retire:
     """The head-to-head's retire rule (:func:`autoprec.measure.timing.time_interleaved`), from
     :func:`decide`'s: the policy written is one that ties with the fastest contender, or, when none
     does, the fastest policy, and it is judged against the fastest baseline. So a contender slower
-    than the fastest beyond the noise (:func:`autoprec.measure.timing.compare`: the ratio's 95% band
+    than the fastest beyond the noise (:func:`autoprec.measure.noise.compare`: the ratio's 95% band
     excludes 1.0) is timed no further, unless it is the fastest baseline or the fastest policy. Its
     tokens/s keeps the rounds it was timed in, with their (wider) band. A configuration timed beside
     the contenders but not one of them (torch.autocast + torch.compile over the drift budget: a row
@@ -202,7 +202,7 @@ def out_of_the_running(baselines: set[str], policies: set[str]) -> Retire:
 def settled(baselines: set[str], policies: set[str], tie_order: Sequence[str] | None = None) -> Settled:
     """The head-to-head's early stop (:func:`autoprec.measure.timing.time_interleaved`'s
     ``settled``), from :func:`decide`'s rule: the decision is fixed once every contender still
-    timed either does not tie with the fastest (:func:`autoprec.measure.timing.compare`: its
+    timed either does not tie with the fastest (:func:`autoprec.measure.noise.compare`: its
     ratio's 95% band excludes 1.0) or could change the decision only by a difference under
     :data:`EQUIVALENCE_MARGIN`. After :func:`out_of_the_running` those still timed are the fastest,
     the fastest baseline, the fastest policy and the ties, so once none ties, the policy written and

@@ -99,7 +99,7 @@ class Selector:
             or None: the bar is then not run, nor the twin forced (unless the graph draws random numbers).
 
     Attributes:
-        timings: The final head-to-head's :class:`~autoprec.measure.timing.Timing` per contender.
+        timings: The final head-to-head's :class:`~autoprec.measure.noise.Timing` per contender.
         decision: The :class:`~autoprec.search.final.Decision` (None before :meth:`choose`).
         ac_label: torch.autocast's name in the head-to-head (:data:`AUTOCAST_COMPILED`, or
             :data:`AUTOCAST_EAGER` without compile).

@@ -1,0 +1,164 @@
+"""A timing's noise band, and whether one throughput beats another beyond the noise
+(docs/architecture.md#measurements, "Throughput").
+
+:class:`Timing` holds one configuration's step times with a bootstrap 95% percentile interval of
+their median (Efron & Tibshirani 1993, *An Introduction to the Bootstrap*, ch. 13) and their
+interquartile range; :func:`compare` gives the ratio of two throughputs with its bootstrap band
+(a tie when it contains 1.0); :func:`format_rate` writes a rate with its band for tables. The
+interleaved rounds that produce the step times are :mod:`autoprec.measure.timing`'s.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from autoprec.metrics import median
+
+__all__ = ["BOOTSTRAP_RESAMPLES", "CONFIDENCE", "Comparison", "Timing", "compare", "format_rate"]
+
+#: Bootstrap resamples for every band (Efron & Tibshirani 1993 suggest >= 1000 for percentile intervals).
+BOOTSTRAP_RESAMPLES = 1000
+#: Coverage of every band: a 95% percentile interval (the 2.5th and 97.5th percentiles).
+CONFIDENCE = 0.95
+
+
+@dataclass
+class Timing:
+    """Step times of one configuration and their noise band.
+
+    Attributes:
+        step_times: Every timed step's wall-clock seconds, in the order run.
+        step_s: Their median (:func:`autoprec.metrics.median`), seconds; inf when none.
+        band_s: ``(lo, hi)``: bootstrap 95% percentile interval of the median, seconds, widened to
+            contain ``step_s`` if it does not.
+        iqr_s: Interquartile range of the step times, seconds (quartiles interpolated linearly,
+            ``statistics.quantiles(method="inclusive")``, as ``torch.quantile`` in
+            torch.utils.benchmark's ``Measurement.iqr``).
+        tokens_per_s: Tokens per timed step / ``step_s`` (0.0 when not timed).
+        tokens_per_s_band: ``(tokens / hi, tokens / lo)``, tokens/s.
+        rounds: Rounds it was timed in.
+        error: Why its timing failed (the exception a step raised), else None.
+        note: Remarks that do not invalidate it (dropped by the slow-step rule, time cap reached).
+        too_slow: Its timing was stopped by the slow-step rule
+            (:func:`autoprec.training.steps.slow_step_guard`); ``note`` says when.
+        retired: The caller's ``retire`` rule stopped its timing (:func:`time_interleaved`):
+            its tokens/s is of the rounds before, which the others' later rounds need not match
+            on a machine whose speed drifts; ``note`` says why.
+        peak_bytes: On CUDA, estimated peak allocated bytes of its steps (memory resident before
+            timing + its own optimizer state + the most any of its rounds allocated on top);
+            None on CPU.
+    """
+
+    step_times: list[float] = field(default_factory=list)
+    step_s: float = math.inf
+    band_s: tuple[float, float] = (math.inf, math.inf)
+    iqr_s: float = math.inf
+    tokens_per_s: float = 0.0
+    tokens_per_s_band: tuple[float, float] = (0.0, 0.0)
+    rounds: int = 0
+    error: str | None = None
+    note: str | None = None
+    too_slow: bool = False
+    retired: bool = False
+    peak_bytes: int | None = None
+
+    @classmethod
+    def from_steps(cls, step_times: Sequence[float], tokens_per_step: float, rounds: int = 0,
+                   resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0) -> Timing:
+        """A timing of ``step_times`` (seconds) with ``tokens_per_step`` tokens each.
+
+        The band resamples the step times ``resamples`` times with ``random.Random(seed)`` (so the
+        same times give the same band) and takes the 2.5th and 97.5th percentiles of the resampled
+        medians (Efron & Tibshirani 1993, ch. 13). An empty ``step_times`` gives an untimed Timing.
+        """
+        t = cls(step_times=list(step_times), rounds=rounds)
+        if not t.step_times:
+            return t
+        t.step_s = median(t.step_times)
+        t.band_s = _band(t.step_times, median, resamples, seed)
+        t.band_s = (min(t.band_s[0], t.step_s), max(t.band_s[1], t.step_s))
+        if len(t.step_times) > 1:
+            q1, _q2, q3 = statistics.quantiles(t.step_times, n=4, method="inclusive")
+            t.iqr_s = q3 - q1
+        else:
+            t.iqr_s = 0.0
+        t.tokens_per_s = tokens_per_step / t.step_s if t.step_s > 0 else math.inf
+        lo, hi = t.band_s
+        t.tokens_per_s_band = (tokens_per_step / hi if hi > 0 else math.inf,
+                               tokens_per_step / lo if lo > 0 else math.inf)
+        return t
+
+    def rel_half_width(self) -> float:
+        """Half the band's width over the median (e.g. 0.021 for ±2.1%); inf when not timed."""
+        if not self.step_times or not math.isfinite(self.step_s) or self.step_s <= 0:
+            return math.inf
+        return (self.band_s[1] - self.band_s[0]) / 2 / self.step_s
+
+
+@dataclass
+class Comparison:
+    """Throughput of timing ``a`` against ``b`` (:func:`compare`).
+
+    Attributes:
+        ratio: a's tokens/s over b's, from the medians (> 1: a is faster).
+        band: Bootstrap 95% percentile interval of the ratio (both timings resampled).
+        tie: The band contains 1.0: the difference is within the noise.
+        winner: ``"a"``, ``"b"``, or None on a tie.
+    """
+
+    ratio: float
+    band: tuple[float, float]
+    tie: bool
+    winner: str | None
+
+
+def compare(a: Timing, b: Timing, resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0) -> Comparison:
+    """Whether ``a``'s throughput differs from ``b``'s beyond the noise.
+
+    The ratio's band: ``resamples`` times, both timings' step times are resampled with
+    replacement (``random.Random(seed)``) and the ratio of the resampled medians' throughputs is
+    taken; the 2.5th and 97.5th percentiles of those ratios bound it (the percentile bootstrap of
+    Efron & Tibshirani 1993, ch. 13, for a two-sample statistic).
+
+    Raises:
+        ValueError: either timing has no step times (failed or not timed).
+    """
+    if not a.step_times or not b.step_times:
+        raise ValueError("compare needs two timed configurations (one has no step times)")
+    tok_a, tok_b = a.tokens_per_s * a.step_s, b.tokens_per_s * b.step_s  # tokens per step
+    ratio = (tok_a / a.step_s) / (tok_b / b.step_s)
+    rng = random.Random(seed)
+    ratios = sorted((tok_a / median(rng.choices(a.step_times, k=len(a.step_times))))
+                    / (tok_b / median(rng.choices(b.step_times, k=len(b.step_times))))
+                    for _ in range(resamples))
+    lo, hi = _percentiles(ratios)
+    lo, hi = min(lo, ratio), max(hi, ratio)
+    tie = lo <= 1.0 <= hi
+    return Comparison(ratio, (lo, hi), tie, None if tie else ("a" if lo > 1.0 else "b"))
+
+
+def format_rate(t: Timing) -> str:
+    """Tokens/s with its noise band for tables: ``"6947 ±2.1%"`` (:meth:`Timing.rel_half_width`);
+    ``"6947 (1 step: no band)"`` when timed on one step (the slow-step rule); ``"—"`` when not timed."""
+    if not t.step_times or t.tokens_per_s <= 0:
+        return "—"
+    if len(t.step_times) == 1:
+        return f"{t.tokens_per_s:.0f} (1 step: no band)"
+    return f"{t.tokens_per_s:.0f} ±{100 * t.rel_half_width():.1f}%"
+
+
+def _percentiles(sorted_values: list[float]) -> tuple[float, float]:
+    """The (1 − CONFIDENCE)/2 and (1 + CONFIDENCE)/2 order statistics of sorted values."""
+    n = len(sorted_values)
+    alpha = (1 - CONFIDENCE) / 2
+    return sorted_values[min(int(alpha * n), n - 1)], sorted_values[max(math.ceil((1 - alpha) * n) - 1, 0)]
+
+
+def _band(values: list[float], stat: Callable[[list[float]], float], resamples: int,
+          seed: int) -> tuple[float, float]:
+    rng = random.Random(seed)
+    return _percentiles(sorted(stat(rng.choices(values, k=len(values))) for _ in range(resamples)))
