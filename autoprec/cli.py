@@ -259,7 +259,7 @@ def _cmd_bench_dist(a: argparse.Namespace) -> int:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
     with _naming_policy(a.policy):
         res = run_bench_dist(a.model, a.policy, steps=a.steps, warmup=a.warmup, device=a.device,
-                             json_path=a.json)
+                             json_path=a.json, force=a.force)
     if res is None:  # not rank 0
         return 0
     table = format_dist_table(res)

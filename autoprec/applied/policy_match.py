@@ -22,7 +22,7 @@ from autoprec.nodemeta import read_meta
 from autoprec.passes.assign import unmatched_rules
 from autoprec.policy import Policy
 
-__all__ = ["check_policy_matches", "tuned_elsewhere"]
+__all__ = ["check_policy_file", "check_policy_matches", "tuned_elsewhere"]
 
 #: Rules listed by name in the refusal message (the rest are counted).
 _SHOWN = 6
@@ -113,3 +113,18 @@ def tuned_elsewhere(policy: Policy, source: str | os.PathLike, gm: fx.GraphModul
                 f"not on this model {model_path} (graph {here}); its node rules may not match and its "
                 "measurements do not apply")
     return None
+
+
+def check_policy_file(policy: Policy, source: str | os.PathLike | None, gm: fx.GraphModule,
+                      model_path: str, force: bool = False) -> str | None:
+    """What ``train`` and ``bench`` (one process or ``--nproc``) check of a policy before using it
+    on the model captured as ``gm``: refuse the policy of another model (:func:`check_policy_matches`,
+    naming ``source``, unless ``force``), and return the warning to print when the policy file was
+    tuned on another graph (:func:`tuned_elsewhere`), else None (also when ``source`` is None: a
+    :class:`~autoprec.policy.Policy` given in Python has no file to name).
+
+    Raises:
+        PolicyError: as :func:`check_policy_matches`.
+    """
+    check_policy_matches(policy, gm, source, force)
+    return tuned_elsewhere(policy, source, gm, model_path) if source is not None else None

@@ -50,7 +50,7 @@ from autoprec._io import write_json
 from autoprec._torch_compat import compile_cache_counts
 from autoprec._version import __version__
 from autoprec.applied.compile import cache_report
-from autoprec.applied.policy_match import check_policy_matches, tuned_elsewhere
+from autoprec.applied.policy_match import check_policy_file
 from autoprec.capture import warmup_steps
 from autoprec.commands import bench_shapes as shapes
 from autoprec.commands.bench_configs import BenchConfig, build_configs, main_dtype
@@ -200,8 +200,7 @@ def _check_policy(pol: Policy, policy: Policy | str | os.PathLike, gm: Any, mode
         PolicyError: none of its module or node rules matches a node of ``gm``.
     """
     source = None if isinstance(policy, Policy) else policy
-    check_policy_matches(pol, gm, source, force)
-    if source is not None and (why := tuned_elsewhere(pol, source, gm, model_path)):
+    if why := check_policy_file(pol, source, gm, model_path, force):
         _log(f"warning: {why}", quiet)
     return source
 

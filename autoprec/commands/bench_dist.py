@@ -46,6 +46,7 @@ import torch.distributed as dist
 
 from autoprec._io import write_json
 from autoprec.applied.apply import apply
+from autoprec.applied.policy_match import check_policy_file
 from autoprec.device import describe_machine, resolve_device
 from autoprec.distributed.ranks import Ranks, close_ranks, init_ranks, rank_step_batch, ranks_from_env
 from autoprec.distributed.wrap import ddp, shard
@@ -133,11 +134,12 @@ def _full_grads(params: list[torch.Tensor], scale: float) -> list[torch.Tensor]:
 
 
 def _build(spec: Any, policy: Policy, wrapper: str, dev: torch.device) -> tuple[Any, TrainStep]:
-    """The row's model (rank 0's weights), applied, wrapped, and its :class:`TrainStep`."""
+    """The row's model (rank 0's weights), applied, wrapped, and its :class:`TrainStep`; the
+    policy is checked against the model once, by :func:`run_bench_dist`."""
     model = spec.build_model().to(dev)
     model.train()
     _broadcast_weights(model)
-    mp = apply(model, policy, spec.get_batch(0, dev), compile=False, dynamic=False)
+    mp = apply(model, policy, spec.get_batch(0, dev), compile=False, dynamic=False, force=True)
     module = ddp(mp, policy) if wrapper == "ddp" else shard(mp, policy=policy)
     params = [p for p in module.parameters() if p.requires_grad]
     return mp, TrainStep(module, params, spec.make_optimizer(params), spec.loss_fn,
@@ -145,12 +147,13 @@ def _build(spec: Any, policy: Policy, wrapper: str, dev: torch.device) -> tuple[
 
 
 def _reduced_grads(spec: Any, policy: Policy, wrapper: str, dev: torch.device,
-                   ranks: Ranks) -> list[torch.Tensor]:
+                   ranks: Ranks) -> tuple[list[torch.Tensor], torch.fx.GraphModule]:
     """Step 0's reduced gradients from the initial weights (unscaled), built apart from the
-    measured row so that gathering them counts in no peak."""
-    _, step = _build(spec, policy, wrapper, dev)
+    measured row so that gathering them counts in no peak; and the captured graph."""
+    mp, step = _build(spec, policy, wrapper, dev)
     step.forward_backward(rank_step_batch(spec.get_batch, dev, ranks)(0))
-    return _full_grads(step.params, step.scaler.get_scale() if step.scaler is not None else 1.0)
+    scale = step.scaler.get_scale() if step.scaler is not None else 1.0
+    return _full_grads(step.params, scale), mp.graph_module
 
 
 def _row(spec: Any, policy: Policy, wrapper: str, dev: torch.device, ranks: Ranks, steps: int,
@@ -187,7 +190,7 @@ def _row(spec: Any, policy: Policy, wrapper: str, dev: torch.device, ranks: Rank
 
 def run_bench_dist(model_path: str | os.PathLike, policy: Policy | str | os.PathLike, steps: int = 5,
                    warmup: int = 2, device: str = "auto", quiet: bool = False,
-                   json_path: str | os.PathLike | None = None) -> dict[str, Any] | None:
+                   json_path: str | os.PathLike | None = None, force: bool = False) -> dict[str, Any] | None:
     """Measure :data:`DIST_ROWS` on this rank (every rank of a torchrun group calls it).
 
     Args:
@@ -200,6 +203,9 @@ def run_bench_dist(model_path: str | os.PathLike, policy: Policy | str | os.Path
         device: ``auto``, ``cpu``, ``cuda`` (gloo on CPU, NCCL on CUDA: one GPU per rank).
         quiet: Print nothing (rank 0 prints a line per row otherwise).
         json_path: Rank 0 writes the result here (:func:`autoprec._io.write_json`).
+        force: Measure a policy none of whose module or node rules matches a node of this model
+            (``bench --force``, as one process's :func:`autoprec.commands.bench.run_bench`); rank 0
+            warns when the policy file was tuned on another graph either way.
 
     Returns:
         On rank 0 ``{"device", "machine", "torch", "autoprec", "date", "model", "policy", "world",
@@ -210,7 +216,8 @@ def run_bench_dist(model_path: str | os.PathLike, policy: Policy | str | os.Path
         policy's own ``grad_reduce_dtype``); ``None`` on the other ranks.
 
     Raises:
-        ModelSpecError, PolicyError: bad model or policy file. AutoprecError: no process group
+        ModelSpecError, PolicyError: bad model or policy file, or (without ``force``) a policy none
+            of whose module or node rules matches a node of this model. AutoprecError: no process group
         can be formed (``WORLD_SIZE`` < 2: run it through ``autoprec bench --nproc N``).
     """
     from autoprec._version import __version__
@@ -229,7 +236,12 @@ def run_bench_dist(model_path: str | os.PathLike, policy: Policy | str | os.Path
         rows, ref = {}, None
         for name, wrapper, reduce in DIST_ROWS:
             row_policy = dataclasses.replace(pol, grad_reduce_dtype=reduce)
-            grads = _reduced_grads(spec, row_policy, wrapper, dev, ranks)
+            grads, gm = _reduced_grads(spec, row_policy, wrapper, dev, ranks)
+            if ref is None:  # once, on every rank (each refuses): the graph captured for the first row
+                why = check_policy_file(pol, None if isinstance(policy, Policy) else policy, gm,
+                                        str(spec.path), force)
+                if why and ranks.lead and not quiet:
+                    print(f"[autoprec bench] warning: {why}", flush=True)
             ref = grads if ref is None else ref
             rows[name] = _row(spec, row_policy, wrapper, dev, ranks, steps, warmup)
             rows[name]["grad_rel_l2"] = grad_rel_l2(grads, ref)

@@ -25,7 +25,7 @@ from typing import Any
 from autoprec._torch_compat import compile_cache_counts
 from autoprec.applied.apply import apply
 from autoprec.applied.compile import cache_report, check_recompute
-from autoprec.applied.policy_match import check_policy_matches, tuned_elsewhere
+from autoprec.applied.policy_match import check_policy_file
 from autoprec.capture import PROBE_BATCHES, capture_for
 from autoprec.device import resolve_device
 from autoprec.distributed.ranks import (
@@ -141,8 +141,8 @@ def _train(spec: Any, policy: Policy, policy_path: str | os.PathLike, dev: Any, 
     model.train()
     first = spec.get_batch(0, dev)
     gm = capture_for(model, [first] + [spec.get_batch(i, dev) for i in range(1, PROBE_BATCHES)])
-    check_policy_matches(policy, gm, policy_path, force)  # a policy of another model: refused
-    if ranks.lead and (why := tuned_elsewhere(policy, policy_path, gm, str(spec.path))):
+    why = check_policy_file(policy, policy_path, gm, str(spec.path), force)  # another model's: refused
+    if ranks.lead and why:
         print(f"autoprec train: warning: {why}", file=sys.stderr, flush=True)
     if compile:  # refused by apply too; here the message names the policy file
         check_recompute(gm, policy.activation_memory_budget, source=policy_path)

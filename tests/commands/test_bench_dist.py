@@ -105,3 +105,26 @@ def test_bench_nproc_refuses_configs(tmp_path, capsys):
     Policy.fp32().save(policy)
     code = main(["bench", str(MODEL), "--policy", str(policy), "--nproc", "2", "--configs", "fp32_eager"])
     assert code == 2 and "--configs" in capsys.readouterr().err
+
+
+@pytest.mark.heavy
+def test_bench_nproc_refuses_the_policy_of_another_model_unless_forced(tmp_path, capfd):
+    """``bench --nproc 2`` took ``--force`` and ignored it: a policy whose module rules match no
+    node of this model (tuned on another) was refused even with it. Now it is refused without
+    (exit 2, the file named), and with ``--force`` both ranks measure it, rank 0 warning that it
+    was tuned on another graph, as one process's bench does."""
+    p = tmp_path / "other.json"
+    Policy.from_dict({**Policy.fp32().to_dict(),
+                      "rules": [{"module": "model.layers.0.*", "op_class": "matmul", "dtype": "bf16"}],
+                      "provenance": {"model": "other.py", "graph_fingerprint": "0123456789abcdef"}}).save(p)
+    argv = ["bench", str(MODEL), "--policy", str(p), "--nproc", "2", "--device", "cpu", "--steps", "1",
+            "--warmup", "0"]
+    assert main(argv) != 0
+    out, err = capfd.readouterr()
+    assert f"{p}: none of its 1 module/node rule matches" in out + err
+    code = main(argv + ["--force", "--json", str(tmp_path / "bench.json")])
+    out, err = capfd.readouterr()
+    assert code == 0, out + err
+    assert out.count(f"warning: {p} was tuned on other.py (graph 0123456789abcdef), not on this model") == 1
+    res = json.loads((tmp_path / "bench.json").read_text())
+    assert list(res["configs"]) == [name for name, _, _ in DIST_ROWS]
