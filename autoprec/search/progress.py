@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from autoprec.measure.load import LoadMonitor
 
-__all__ = ["Clock", "LoadClock", "failed_trial_logger", "log", "quiet_optuna_failures"]
+__all__ = ["REASON_CHARS", "Clock", "LoadClock", "failed_trial_logger", "log", "quiet_optuna_failures",
+           "shorten"]
 
 # Optuna's two warnings per failed trial (optuna/study/_optimize.py, _log_failed_trial).
 _OPTUNA_FAILED = re.compile(r"Trial \d+ failed with (parameters: .* because of the following error: |value )")
@@ -90,6 +91,20 @@ def quiet_optuna_failures() -> None:
         logger.addFilter(_DropOptunaFailures())
 
 
+#: Characters of a failed trial's reason in its log line (the study keeps the whole reason).
+REASON_CHARS = 300
+
+
+def shorten(text: str, limit: int = REASON_CHARS) -> str:
+    """``text`` cut to about ``limit`` characters by taking out its middle (`` … ``): a reason's
+    head says what failed and its tail where (the first non-finite node and the model's line,
+    :func:`autoprec.search.objective.name_nonfinite`), so both stay."""
+    if len(text) <= limit:
+        return text
+    head = limit // 2
+    return f"{text[:head]} … {text[len(text) - (limit - head):]}"
+
+
 def failed_trial_logger(progress: bool) -> Callable[[Any, Any], None]:
     """An Optuna callback ``(study, frozen_trial)`` that, for a trial that ended FAIL with an
     ``autoprec:error`` user attribute, says ``[autoprec] trial N failed: <reason>`` once (e.g.
@@ -107,8 +122,7 @@ def failed_trial_logger(progress: bool) -> Callable[[Any, Any], None]:
     def callback(_study: Any, trial: Any) -> None:
         if trial.state != optuna.trial.TrialState.FAIL or attrs.ERROR not in trial.user_attrs:
             return
-        reason = " ".join(str(trial.user_attrs[attrs.ERROR]).split())
-        text = f"trial {trial.number} failed: {reason[:300]}{'…' if len(reason) > 300 else ''}"
+        text = f"trial {trial.number} failed: {shorten(' '.join(str(trial.user_attrs[attrs.ERROR]).split()))}"
         if progress:
             from tqdm import tqdm
 

@@ -115,3 +115,18 @@ def test_optuna_failure_warnings_are_dropped_but_a_real_traceback_is_kept():
     assert keep(record("Trial 9 failed with parameters: {} because of the following error: "
                        "RuntimeError('boom').", RuntimeError("boom")))
     assert keep(record("Trial 4 finished with values: [1.0]"))
+
+
+def test_a_long_failure_reason_keeps_its_head_and_its_tail():
+    """A failed trial's log line was the reason's first 300 characters, so a long lowering or
+    overflow message lost its end: where it failed (the first non-finite node and the model's line).
+    Now the middle is taken out; short reasons are kept whole."""
+    from autoprec.search.progress import REASON_CHARS, shorten
+
+    reason = ("non-finite gradients on drift batch 2 after 4 loss-scale back-offs; " + "x" * 600
+              + "; first non-finite output: node model.layers.3.mlp/mul#1 (from model.py:88)")
+    short = shorten(reason)
+    assert short.startswith("non-finite gradients on drift batch 2")
+    assert short.endswith("node model.layers.3.mlp/mul#1 (from model.py:88)")
+    assert " … " in short and len(short) <= REASON_CHARS + len(" … ")
+    assert shorten("non-finite loss at step 0") == "non-finite loss at step 0"
