@@ -45,7 +45,8 @@ class Timing:
         note: Remarks that do not invalidate it (dropped by the slow-step rule, time cap reached).
         too_slow: Its timing was stopped by the slow-step rule
             (:func:`autoprec.training.steps.slow_step_guard`); ``note`` says when.
-        retired: The caller's ``retire`` rule stopped its timing (:func:`time_interleaved`):
+        retired: The caller's ``retire`` rule stopped its timing
+            (:func:`autoprec.measure.timing.time_interleaved`):
             its tokens/s is of the rounds before, which the others' later rounds need not match
             on a machine whose speed drifts; ``note`` says why.
         peak_bytes: On CUDA, estimated peak allocated bytes of its steps (memory resident before

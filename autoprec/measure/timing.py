@@ -159,8 +159,8 @@ def time_interleaved(harness: Harness, configs: Sequence[Config], *, min_rounds:
     the call began (the warm-up counts). From ``min_rounds`` rounds on, ``retire`` (when given)
     sees every configuration still timed, as a :class:`Timing` so far, after each round and names
     those that can no longer change the caller's decision, with the reason: they are timed no
-    further, keep their step times, and the reason becomes their ``note`` (the final choice
-    retires contenders slower than the fastest beyond the noise,
+    further, keep their step times, are marked ``retired``, and the reason becomes their ``note``
+    (the final choice retires contenders slower than the fastest beyond the noise,
     :func:`autoprec.search.final.out_of_the_running`), and ``settled`` (when given) may stop the
     rounds before the bands are narrow: once the caller's decision can no longer change
     (:func:`autoprec.search.final.settled`). A configuration whose steps trip

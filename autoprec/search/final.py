@@ -244,9 +244,9 @@ def settled(baselines: set[str], policies: set[str], tie_order: Sequence[str] | 
 
     def settled_against(name: str, fastest: str, c: Comparison) -> bool:
         """Whether more rounds of ``name`` against ``fastest`` cannot change the decision."""
-        low_ok, high_ok = c.band[0] >= 1 - EQUIVALENCE_MARGIN, c.band[1] <= 1 + EQUIVALENCE_MARGIN
         if not c.tie:
             return True
+        low_ok, high_ok = c.band[0] >= 1 - EQUIVALENCE_MARGIN, c.band[1] <= 1 + EQUIVALENCE_MARGIN
         if rank is None or (name in rank and fastest not in rank):
             return low_ok and high_ok
         if name in rank and rank[name] < rank[fastest]:  # written while it ties
