@@ -137,7 +137,7 @@ def _cmd_train(a: argparse.Namespace) -> int:
             return 2
         from autoprec.commands.launch import launch
 
-        return launch(a.argv, a.nproc)
+        return launch(a.cmd, a.argv, a.nproc)
     if a.compare is not None:
         with _naming_policy(a.policy):
             return _cmd_compare(a)
@@ -249,7 +249,7 @@ def _cmd_bench_dist(a: argparse.Namespace) -> int:
     if a.nproc > 1:
         from autoprec.commands.launch import launch
 
-        return launch(a.argv, a.nproc)
+        return launch(a.cmd, a.argv, a.nproc)
     from pathlib import Path
 
     from autoprec.commands.bench_dist import format_dist_table, run_bench_dist
@@ -299,6 +299,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _main(args: argparse.Namespace) -> int:
     from autoprec._interrupt import catch_sigint, interrupted
+    from autoprec.commands.launch import record_rank_error
     from autoprec.errors import LossScaleError
 
     t0 = time.perf_counter()
@@ -323,7 +324,8 @@ def _main(args: argparse.Namespace) -> int:
     except Exception as e:
         if not interrupted():  # else: an error on the way out of an interrupt (reported below)
             if isinstance(e, AutoprecError):
-                print(f"autoprec {args.cmd}: error: {e}", file=sys.stderr)
+                if not record_rank_error(e):  # under --nproc the launcher prints it, once
+                    print(f"autoprec {args.cmd}: error: {e}", file=sys.stderr)
                 return 1 if isinstance(e, LossScaleError) else 2
             raise
     except KeyboardInterrupt:

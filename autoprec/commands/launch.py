@@ -1,15 +1,36 @@
 """``--nproc N``: ``autoprec train`` and ``autoprec bench`` on N ranks of this machine, started
 with ``torch.distributed.run`` (torchrun); each rank finds its place in the environment torchrun
 sets (:func:`autoprec.distributed.ranks.ranks_from_env`), docs/architecture.md#runtime.
+
+A rank's error reaches the user once. Under :func:`launch` a rank does not print its
+:class:`~autoprec.errors.AutoprecError` (every rank checks the same input, so all would print the
+same line); it records it in torchelastic's error file (:func:`record_rank_error`, the file
+torchrun names in ``TORCHELASTIC_ERROR_FILE`` and reads back into its ``ChildFailedError``), and
+the launcher prints each distinct message once, naming the ranks that raised it, instead of
+torchrun's traceback (:func:`report_failure`).
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import os
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
+from typing import Any
 
-__all__ = ["launch", "strip_nproc"]
+__all__ = ["LAUNCHED_ENV", "launch", "record_rank_error", "report_failure", "strip_nproc"]
+
+#: Set in the ranks' environment by :func:`launch` to the subcommand (``train``, ``bench``): a rank
+#: records its errors for the launcher, which names the subcommand in them.
+LAUNCHED_ENV = "AUTOPREC_LAUNCHED"
+#: torchrun's variable naming each rank's error file (torch.distributed.elastic ``ErrorHandler``).
+_ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
+#: The key marking an error file :func:`record_rank_error` wrote (torchrun makes up a message for a
+#: rank that wrote none: a crash, a signal).
+_MARK = "autoprec"
 
 
 def strip_nproc(argv: Sequence[str]) -> list[str]:
@@ -25,26 +46,92 @@ def strip_nproc(argv: Sequence[str]) -> list[str]:
     return out
 
 
-#: The launcher a rank group runs in: torchrun's own parser for its options, the ranks' arguments
-#: set after parsing (torchrun's argparse would otherwise take ``--log`` for an ambiguous
-#: abbreviation of ``--log-dir``, though it comes after the script).
-_TORCHRUN = ("import json, sys\n"
-             "from torch.distributed.run import get_args_parser, run\n"
-             "args = get_args_parser().parse_args(sys.argv[2:] + ['-m', 'autoprec.cli'])\n"
-             "args.training_script_args = json.loads(sys.argv[1])\n"
-             "run(args)\n")
-
-
-def launch(argv: Sequence[str], nproc: int) -> int:
+def launch(cmd: str, argv: Sequence[str], nproc: int) -> int:
     """Run ``autoprec <argv>`` (``--nproc`` removed) on ``nproc`` ranks of this machine with
     torchrun (``torch.distributed.run --standalone --nproc-per-node N -m autoprec.cli``: a free
     port on localhost), and wait. Each rank finds its place with :func:`ranks_from_env`.
 
-    Returns:
-        torchrun's exit code (non-zero when any rank failed; torchrun then stops the others).
-    """
-    import json
+    The ranks get ``OMP_NUM_THREADS`` = this process's CPUs // ``nproc`` (at least 1) unless it is
+    set (torchrun would set 1 and warn), and :data:`LAUNCHED_ENV` = ``cmd``.
 
-    cmd = [sys.executable, "-c", _TORCHRUN, json.dumps(strip_nproc(argv)), "--standalone",
+    Returns:
+        0, or the exit code of the rank that failed first (2 for an autoprec error, 1 for a loss
+        scale that collapsed, 1 for a rank killed by a signal); the errors are printed once
+        (:func:`report_failure`).
+    """
+    env = {**os.environ, LAUNCHED_ENV: cmd}
+    env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // nproc)))
+    cmd = [sys.executable, "-m", "autoprec.commands.launch", json.dumps(strip_nproc(argv)), "--standalone",
            f"--nproc-per-node={nproc}"]
-    return subprocess.call(cmd)
+    return subprocess.call(cmd, env=env)
+
+
+def record_rank_error(e: BaseException) -> bool:
+    """On a rank started by :func:`launch`, write ``e``'s message to torchelastic's error file for
+    the launcher to print (True: the caller prints nothing); False elsewhere (the caller prints).
+    The file holds the string form of a message that ``torch.distributed.elastic``'s
+    ``ProcessFailure`` reads (``{"message": str(e), "timestamp": seconds}``), marked as autoprec's
+    (:data:`_MARK`)."""
+    path = os.environ.get(_ERROR_FILE_ENV)
+    if not path or not os.environ.get(LAUNCHED_ENV):
+        return False
+    data = {"message": str(e), "timestamp": str(int(time.time())), _MARK: True}
+    with open(path, "w") as f:
+        json.dump(data, f)
+    return True
+
+
+def report_failure(cmd: str, failures: dict[int, Any], first: int) -> tuple[str, int]:
+    """The lines to print for a failed rank group, and its exit code.
+
+    Args:
+        cmd: The subcommand (``train``, ``bench``), for the ``autoprec <cmd>: error:`` prefix.
+        failures: torchrun's ``ChildFailedError.failures``: global rank -> ``ProcessFailure``
+            (``exitcode``; ``message`` read from the rank's error file, or made up by torchrun;
+            ``error_file_data``, marked when :func:`record_rank_error` wrote it).
+        first: The rank that failed first (``ChildFailedError.get_first_failure()``).
+
+    Returns:
+        ``(text, code)``: each message a rank recorded (:func:`record_rank_error`), once, with the
+        ranks that recorded it; for the first failed rank when it recorded none (a crash: its
+        traceback is above), its exit code or signal; ranks torchrun stopped after it are not
+        named. ``code`` is the first failure's exit code, or 1 for a signal.
+    """
+    seen: dict[str, list[int]] = {}
+    for rank in sorted(failures):
+        f = failures[rank]
+        if f.error_file_data.get(_MARK):
+            seen.setdefault(str(f.message), []).append(rank)
+    lines = [f"autoprec {cmd}: error on rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {msg}"
+             for msg, r in seen.items()]
+    head = failures[first]
+    if not head.error_file_data.get(_MARK):
+        how = (f"exit code {head.exitcode}" if head.exitcode >= 0
+               else f"signal {-head.exitcode} ({head.signal_name()})")
+        lines.append(f"autoprec {cmd}: error: rank {first} failed ({how}); its output is above")
+    return "\n".join(lines), head.exitcode if head.exitcode > 0 else 1
+
+
+def _torchrun(argv: Sequence[str]) -> int:
+    """The launcher process: ``argv`` = the ranks' arguments (JSON) then torchrun's options. torchrun
+    parses its own options; the ranks' arguments are set after parsing (torchrun's argparse would
+    otherwise take ``--log`` for an ambiguous abbreviation of ``--log-dir``, though it comes after
+    the script)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    args = get_args_parser().parse_args([*argv[1:], "-m", "autoprec.cli"])
+    args.training_script_args = json.loads(argv[0])
+    # torchrun's own log lines (closing signals, "failed (exitcode: 2)") repeat what is printed below
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    try:
+        run(args)
+    except ChildFailedError as e:
+        text, code = report_failure(os.environ.get(LAUNCHED_ENV, "?"), e.failures, e.get_first_failure()[0])
+        print(text, file=sys.stderr)
+        return code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_torchrun(sys.argv[1:]))

@@ -1,0 +1,82 @@
+"""``--nproc N`` (autoprec/commands/launch.py): a rank's error is printed once, by the launcher,
+naming the ranks that raised it, with the failing rank's exit code and no torchrun traceback."""
+
+from __future__ import annotations
+
+import pytest
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+from autoprec.cli import main
+from autoprec.commands.launch import LAUNCHED_ENV, record_rank_error, report_failure
+from autoprec.errors import AutoprecError
+from autoprec.policy import Policy
+from tests.conftest import MODELS
+
+
+def _recorded(tmp_path, monkeypatch, rank: int, message: str | None, exitcode: int = 2) -> ProcessFailure:
+    """torchrun's record of a failed rank, its error file written as a rank under launch() writes it
+    (``message`` None: the rank recorded nothing, e.g. a crash or a signal)."""
+    path = tmp_path / f"error_{rank}.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+    monkeypatch.setenv(LAUNCHED_ENV, "train")
+    if message is not None:
+        assert record_rank_error(AutoprecError(message))
+    return ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=exitcode, error_file=str(path))
+
+
+def test_a_rank_outside_launch_prints_its_own_error(tmp_path, monkeypatch):
+    monkeypatch.delenv(LAUNCHED_ENV, raising=False)
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "e.json"))  # plain torchrun: not ours
+    assert not record_rank_error(AutoprecError("x"))
+    assert not (tmp_path / "e.json").exists()
+
+
+def test_the_same_error_on_every_rank_is_printed_once(tmp_path, monkeypatch):
+    failures = {r: _recorded(tmp_path, monkeypatch, r, "p.json: rules[1]: matches no node") for r in (0, 1)}
+    text, code = report_failure("train", failures, first=0)
+    assert text == "autoprec train: error on ranks 0, 1: p.json: rules[1]: matches no node"
+    assert code == 2
+
+
+def test_different_errors_each_name_their_rank_and_the_first_failures_code(tmp_path, monkeypatch):
+    failures = {0: _recorded(tmp_path, monkeypatch, 0, "a", exitcode=2),
+                1: _recorded(tmp_path, monkeypatch, 1, "loss scale collapsed", exitcode=1)}
+    text, code = report_failure("bench", failures, first=1)
+    assert text.splitlines() == ["autoprec bench: error on rank 0: a",
+                                 "autoprec bench: error on rank 1: loss scale collapsed"]
+    assert code == 1
+
+
+def test_a_crash_or_a_signal_names_the_rank_and_how_it_ended(tmp_path, monkeypatch):
+    crashed = {1: _recorded(tmp_path, monkeypatch, 1, None, exitcode=1),
+               0: _recorded(tmp_path, monkeypatch, 0, None, exitcode=-15)}  # stopped by torchrun after
+    text, code = report_failure("train", crashed, first=1)
+    assert text == "autoprec train: error: rank 1 failed (exit code 1); its output is above"
+    assert code == 1
+    killed = {0: _recorded(tmp_path, monkeypatch, 0, None, exitcode=-9)}
+    text, code = report_failure("train", killed, first=0)
+    assert text == "autoprec train: error: rank 0 failed (signal 9 (SIGKILL)); its output is above"
+    assert code == 1
+
+
+@pytest.mark.heavy
+def test_train_nproc_prints_a_one_rank_error_once_without_a_traceback(tmp_path, capfd):
+    """A model file that fails to import on rank 1 only (two real torchrun ranks): the launcher prints
+    rank 1's error once, exit 2, and neither torchrun's ChildFailedError traceback nor its
+    OMP_NUM_THREADS warning."""
+    model = tmp_path / "rank1_fails.py"
+    model.write_text(
+        "import os\n"
+        "if os.environ.get('RANK') == '1':\n"
+        "    raise RuntimeError('rank one cannot read its shard')\n"
+        + (MODELS / "ddp_mlp.py").read_text())
+    policy = tmp_path / "fp32.json"
+    Policy.fp32().save(policy)
+    code = main(["train", str(model), "--policy", str(policy), "--steps", "2", "--no-compile", "--device",
+                 "cpu", "--nproc", "2"])
+    out, err = capfd.readouterr()
+    assert code == 2, out + err
+    lines = [line for line in err.splitlines() if "error" in line]
+    assert len(lines) == 1 and lines[0].startswith("autoprec train: error on rank 1: "), err
+    assert "rank one cannot read its shard" in lines[0] and str(model) in lines[0]
+    assert "Traceback" not in err and "ChildFailedError" not in err and "OMP_NUM_THREADS" not in err
