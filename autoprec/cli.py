@@ -299,7 +299,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _main(args: argparse.Namespace) -> int:
     from autoprec._interrupt import catch_sigint, interrupted
-    from autoprec.commands.launch import record_rank_error
+    from autoprec.commands.launch import launched_rank, record_rank_error
     from autoprec.errors import LossScaleError
 
     t0 = time.perf_counter()
@@ -343,7 +343,8 @@ def _main(args: argparse.Namespace) -> int:
                       "continues"
                       if getattr(args, "compare", None) else
                       "; with --checkpoint, --resume continues from the last checkpoint")}.get(args.cmd, "")
-    print(f"autoprec {args.cmd}: interrupted after {time.perf_counter() - t0:.0f}s{kept}", file=sys.stderr)
+    if not launched_rank():  # under --nproc the launcher says it, once
+        print(f"autoprec {args.cmd}: interrupted after {time.perf_counter() - t0:.0f}s{kept}", file=sys.stderr)
     return 130
 
 

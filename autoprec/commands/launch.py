@@ -15,13 +15,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["LAUNCHED_ENV", "launch", "record_rank_error", "report_failure", "strip_nproc"]
+__all__ = ["LAUNCHED_ENV", "launch", "launched_rank", "record_rank_error", "report_failure", "strip_nproc"]
 
 #: Set in the ranks' environment by :func:`launch` to the subcommand (``train``, ``bench``): a rank
 #: records its errors for the launcher, which names the subcommand in them.
@@ -31,6 +32,10 @@ _ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 #: The key marking an error file :func:`record_rank_error` wrote (torchrun makes up a message for a
 #: rank that wrote none: a crash, a signal).
 _MARK = "autoprec"
+#: Seconds torchrun gets to stop its ranks after Ctrl-C before it is killed.
+_STOP_S = 60.0
+#: The exit code of a process that Ctrl-C stopped (128 + SIGINT), the CLI's.
+_INTERRUPTED = 130
 
 
 def strip_nproc(argv: Sequence[str]) -> list[str]:
@@ -57,13 +62,32 @@ def launch(cmd: str, argv: Sequence[str], nproc: int) -> int:
     Returns:
         0, or the exit code of the rank that failed first (2 for an autoprec error, 1 for a loss
         scale that collapsed, 1 for a rank killed by a signal); the errors are printed once
-        (:func:`report_failure`).
+        (:func:`report_failure`). 130 when Ctrl-C reached the ranks but not this process.
+
+    Raises:
+        KeyboardInterrupt: Ctrl-C here, once torchrun has stopped the ranks (SIGINT to it; killed
+            after :data:`_STOP_S` seconds).
     """
     env = {**os.environ, LAUNCHED_ENV: cmd}
     env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // nproc)))
-    cmd = [sys.executable, "-m", "autoprec.commands.launch", json.dumps(strip_nproc(argv)), "--standalone",
-           f"--nproc-per-node={nproc}"]
-    return subprocess.call(cmd, env=env)
+    args = [sys.executable, "-m", "autoprec.commands.launch", json.dumps(strip_nproc(argv)), "--standalone",
+            f"--nproc-per-node={nproc}"]
+    with subprocess.Popen(args, env=env) as p:
+        try:
+            return p.wait()
+        except BaseException:  # Ctrl-C: torchrun stops its ranks on SIGINT (never SIGKILL it: they would run on)
+            p.send_signal(signal.SIGINT)
+            try:
+                p.wait(timeout=_STOP_S)
+            except subprocess.TimeoutExpired:
+                p.kill()
+            raise
+
+
+def launched_rank() -> bool:
+    """Whether this process is a rank that :func:`launch` started (:data:`LAUNCHED_ENV` set): it
+    leaves its errors and interrupts to the launcher to report."""
+    return bool(os.environ.get(LAUNCHED_ENV))
 
 
 def record_rank_error(e: BaseException) -> bool:
@@ -73,7 +97,7 @@ def record_rank_error(e: BaseException) -> bool:
     ``ProcessFailure`` reads (``{"message": str(e), "timestamp": seconds}``), marked as autoprec's
     (:data:`_MARK`)."""
     path = os.environ.get(_ERROR_FILE_ENV)
-    if not path or not os.environ.get(LAUNCHED_ENV):
+    if not path or not launched_rank():
         return False
     data = {"message": str(e), "timestamp": str(int(time.time())), _MARK: True}
     with open(path, "w") as f:
@@ -117,17 +141,26 @@ def _torchrun(argv: Sequence[str]) -> int:
     parses its own options; the ranks' arguments are set after parsing (torchrun's argparse would
     otherwise take ``--log`` for an ambiguous abbreviation of ``--log-dir``, though it comes after
     the script)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
     args = get_args_parser().parse_args([*argv[1:], "-m", "autoprec.cli"])
     args.training_script_args = json.loads(argv[0])
-    # torchrun's own log lines (closing signals, "failed (exitcode: 2)") repeat what is printed below
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    # torchrun's own log lines (closing signals, "failed (exitcode: 2)", "Received 2 death signal")
+    # repeat what is printed here; each of its loggers sets its own level (LOGLEVEL, WARNING)
+    for name in list(logging.Logger.manager.loggerDict):
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
         run(args)
+    except SignalException:  # Ctrl-C: torchrun has stopped the ranks; the caller says so
+        return _INTERRUPTED
     except ChildFailedError as e:
-        text, code = report_failure(os.environ.get(LAUNCHED_ENV, "?"), e.failures, e.get_first_failure()[0])
+        first, failure = e.get_first_failure()
+        if failure.exitcode == _INTERRUPTED and not failure.error_file_data.get(_MARK):
+            return _INTERRUPTED  # the ranks had Ctrl-C first (one process group)
+        text, code = report_failure(os.environ.get(LAUNCHED_ENV, "?"), e.failures, first)
         print(text, file=sys.stderr)
         return code
     return 0

@@ -3,6 +3,14 @@ naming the ranks that raised it, with the failing rank's exit code and no torchr
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
 import pytest
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
@@ -80,3 +88,45 @@ def test_train_nproc_prints_a_one_rank_error_once_without_a_traceback(tmp_path, 
     assert len(lines) == 1 and lines[0].startswith("autoprec train: error on rank 1: "), err
     assert "rank one cannot read its shard" in lines[0] and str(model) in lines[0]
     assert "Traceback" not in err and "ChildFailedError" not in err and "OMP_NUM_THREADS" not in err
+
+
+def _tagged(tag: str) -> list[int]:
+    """PIDs of the live processes whose environment holds ``AUTOPREC_TEST_TAG=tag`` (Linux /proc)."""
+    pids = []
+    for env in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if f"AUTOPREC_TEST_TAG={tag}".encode() in env.read_bytes().split(b"\0"):
+                pids.append(int(env.parent.name))
+        except OSError:  # gone meanwhile, or not ours
+            continue
+    return pids
+
+
+@pytest.mark.heavy
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="reads /proc")
+def test_ctrl_c_on_the_launcher_stops_every_rank(tmp_path):
+    """SIGINT to ``autoprec train --nproc 2`` alone (not its process group): the launcher had been
+    SIGKILLed on its way out and the ranks trained on, orphaned. Now torchrun stops them: exit 130,
+    one "interrupted" line, no process of the run left."""
+    policy = tmp_path / "fp32.json"
+    Policy.fp32().save(policy)
+    tag = uuid.uuid4().hex
+    env = {**os.environ, "AUTOPREC_TEST_TAG": tag, "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "autoprec.cli", "train", str(MODELS / "ddp_mlp.py"), "--policy", str(policy),
+           "--steps", "100000000", "--no-compile", "--device", "cpu", "--nproc", "2", "--log-every", "1000"]
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().startswith("step"), p.stderr.read()  # the ranks train
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=90)
+        deadline = time.monotonic() + 10
+        while _tagged(tag) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = _tagged(tag)
+    finally:
+        p.kill()
+        for pid in _tagged(tag):  # a failed run leaves nothing behind either
+            os.kill(pid, signal.SIGKILL)
+    assert p.returncode == 130, err
+    assert err.count("interrupted after") == 1, err
+    assert left == []
