@@ -344,7 +344,8 @@ def _main(args: argparse.Namespace) -> int:
                       if getattr(args, "compare", None) else
                       "; with --checkpoint, --resume continues from the last checkpoint")}.get(args.cmd, "")
     if not launched_rank():  # under --nproc the launcher says it, once
-        print(f"autoprec {args.cmd}: interrupted after {time.perf_counter() - t0:.0f}s{kept}", file=sys.stderr)
+        took = time.perf_counter() - t0
+        print(f"autoprec {args.cmd}: interrupted after {took:.0f}s{kept}", file=sys.stderr)
     return 130
 
 

@@ -75,7 +75,7 @@ def launch(cmd: str, argv: Sequence[str], nproc: int) -> int:
     with subprocess.Popen(args, env=env) as p:
         try:
             return p.wait()
-        except BaseException:  # Ctrl-C: torchrun stops its ranks on SIGINT (never SIGKILL it: they would run on)
+        except BaseException:  # Ctrl-C: torchrun stops its ranks on SIGINT (SIGKILLed, it leaves them)
             p.send_signal(signal.SIGINT)
             try:
                 p.wait(timeout=_STOP_S)
