@@ -19,7 +19,7 @@ from torch import fx
 from autoprec.errors import PolicyError
 from autoprec.nodekeys import graph_fingerprint
 from autoprec.nodemeta import read_meta
-from autoprec.passes.assign import unmatched_rules
+from autoprec.passes.assign import nearest_node_key, unmatched_rules
 from autoprec.policy import Policy
 
 __all__ = ["check_policy_file", "check_policy_matches", "tuned_elsewhere"]
@@ -44,8 +44,9 @@ def check_policy_matches(policy: Policy, gm: fx.GraphModule, source: str | os.Pa
 
     Raises:
         PolicyError: every module or node rule matches no node; the message names the policy file, each rule
-            that matched nothing, the graph the policy was tuned on against this graph's
-            fingerprint (:func:`autoprec.nodekeys.graph_fingerprint`), and ``--force``.
+            that matched nothing (a node rule with the nearest node key), the graph the policy was
+            tuned on against this graph's fingerprint (:func:`autoprec.nodekeys.graph_fingerprint`;
+            the same graph: rules edited by hand, not another model's policy), and ``--force``.
     """
     specific = [i for i, r in enumerate(policy.rules) if r.module is not None or r.node is not None]
     if force or not specific:
@@ -54,16 +55,22 @@ def check_policy_matches(policy: Policy, gm: fx.GraphModule, source: str | os.Pa
     if len(unmatched) < len(specific):
         return
     name = os.fspath(source) if source is not None else "the policy"
-    shown = "; ".join(f"rules[{i}] {policy.rules[i].describe()}" for i in unmatched[:_SHOWN])
+    shown = "; ".join(f"rules[{i}] {policy.rules[i].describe()}{_near(policy.rules[i].node, gm)}"
+                      for i in unmatched[:_SHOWN])
     more = f"; … (+{len(unmatched) - _SHOWN} more)" if len(unmatched) > _SHOWN else ""
     here = graph_fingerprint(gm)
     prov = dict(policy.provenance or {})
     tuned = prov.get("graph_fingerprint")
-    if tuned and tuned != here:
+    s = "s" if len(specific) > 1 else ""
+    if tuned == here:  # tuned on this very graph: the rules were edited since
+        raise PolicyError(
+            f"{name}: none of its {len(specific)} module/node rule{s} matches a node of this model's graph "
+            f"({shown}{more}), though it was tuned on this graph (fingerprint {here}): the rule{s} "
+            "changed by hand since. Fix them (autoprec show POLICY --model MODEL lists each node's key and "
+            "module), or pass --force (train, bench) / force=True (apply) to train without them")
+    if tuned:
         where = (f"it was tuned on {prov.get('model', 'another model')} (graph fingerprint {tuned}), "
                  f"this model's graph is {here}")
-    elif tuned:
-        where = f"its graph fingerprint {tuned} is this model's"
     else:
         where = f"it records no graph fingerprint (this model's graph is {here})"
     wrapped = _wrapper_prefix(policy, gm, specific)
@@ -72,11 +79,18 @@ def check_policy_matches(policy: Policy, gm: fx.GraphModule, source: str | os.Pa
               "wrapped model (peft: model.get_base_model(), whose modules hold the adapters)."
               if wrapped else "")
     raise PolicyError(
-        f"{name}: none of its {len(specific)} module/node rule{'s' if len(specific) > 1 else ''} matches a "
+        f"{name}: none of its {len(specific)} module/node rule{s} matches a "
         f"node of this model's graph ({shown}{more}); {where}. It would train by default_dtype "
         f"{policy.default_dtype} and op-class rules alone, not as its "
         f"file says: it looks like the policy of another model.{inside} Tune this model (autoprec tune), or "
         "pass --force (train, bench) / force=True (apply) to train with it anyway")
+
+
+def _near(node: str | None, gm: fx.GraphModule) -> str:
+    """`` (did you mean 'key'?)`` for a node rule naming ``node`` with a near key in ``gm``
+    (:func:`autoprec.passes.assign.nearest_node_key`), else empty."""
+    near = nearest_node_key(node, gm.graph.nodes) if node is not None else None
+    return f" (did you mean {near!r}?)" if near else ""
 
 
 def _wrapper_prefix(policy: Policy, gm: fx.GraphModule, specific: list[int]) -> tuple[str, int] | None:

@@ -23,6 +23,7 @@ dtype: ``insert_casts`` rounds the inputs through the storage dtype and stores t
 
 from __future__ import annotations
 
+import difflib
 import operator
 import warnings
 from collections.abc import Iterable
@@ -68,6 +69,14 @@ def unmatched_rules(policy: Policy, nodes: Iterable[fx.Node]) -> list[int]:
             if (rule.node not in keys if rule.node is not None else not any(rule.matches(*n) for n in keyed))]
 
 
+def nearest_node_key(name: str, nodes: Iterable[fx.Node]) -> str | None:
+    """The node key of ``nodes`` closest to ``name`` (``difflib.get_close_matches``, cutoff 0.6; a
+    node rule with a typo: ``lm_head/linear#7`` -> ``lm_head/linear#0``), or None."""
+    keys = [k for n in nodes if n.op == "call_function" and (k := read_meta(n).key) is not None]
+    close = difflib.get_close_matches(name, keys, n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
 def _check_node_rules(policy: Policy, nodes: list[fx.Node]) -> None:
     by_key = {read_meta(n).key: n for n in nodes if read_meta(n).key is not None}
     inputs = {str(name) for n in nodes if n.op == "placeholder" for name in (n.name, n.target)}
@@ -86,8 +95,9 @@ def _check_node_rules(policy: Policy, nodes: list[fx.Node]) -> None:
             warnings.warn(f"autoprec: policy rules[{i}] names {rule.node!r}, a graph input; inputs are never "
                           "cast (the rule has no effect)", stacklevel=3)
         elif n is None:
-            warnings.warn(f"autoprec: policy rules[{i}] names node {rule.node!r}, which is not in the graph",
-                          stacklevel=3)
+            near = nearest_node_key(rule.node, nodes)
+            warnings.warn(f"autoprec: policy rules[{i}] names node {rule.node!r}, which is not in the graph"
+                          + (f" (did you mean {near!r}?)" if near else ""), stacklevel=3)
         elif sets_own_dtype(n) and read_meta(n).op_class != "nonfloat":
             warnings.warn(f"autoprec: policy rules[{i}] names node {rule.node!r}, whose op sets its own "
                           f"dtype ({read_meta(n).op or n.target}: a cast, a factory or a dtype= argument); "

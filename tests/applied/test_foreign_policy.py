@@ -113,3 +113,29 @@ def test_a_policy_of_the_wrapped_model_names_the_wrapper_prefix():
     with pytest.raises(PolicyError) as err:  # no prefix helps a policy of another model
         apply(inner, Policy.from_dict(_OTHER), batch, compile=False)
     assert "Under the module prefix" not in str(err.value)
+
+
+def test_a_mistyped_node_rule_of_this_models_policy_is_a_hand_edit_with_the_nearest_key(tmp_path):
+    """A policy tuned on this very graph whose only node rule names a key the graph lacks
+    (``lm_head/linear#7`` for ``#0``) is not "the policy of another model": the refusal says the
+    rules were edited since, names the nearest node key, and --force; the warning of a policy that
+    trains anyway names it too."""
+    from autoprec.capture.trace import capture
+    from autoprec.nodekeys import graph_fingerprint
+    from autoprec.nodemeta import read_meta
+
+    torch.manual_seed(0)
+    model, batch = Block(), (torch.randint(0, 100, (2, 8)),)
+    gm = capture(model, batch)
+    key = next(k for n in gm.graph.nodes if (k := read_meta(n).key) and k.endswith("linear#0"))
+    typo = key[:-1] + "7"
+    edited = {**Policy.fp32().to_dict(), "rules": [{"node": typo, "dtype": "bf16"}],
+              "provenance": {"model": "m.py", "graph_fingerprint": graph_fingerprint(gm)}}
+    with pytest.raises(PolicyError) as e:
+        apply(model, Policy.from_dict(edited), batch, compile=False, graph_module=gm)
+    msg = str(e.value)
+    assert f"did you mean {key!r}?" in msg and "changed by hand" in msg and "--force" in msg, msg
+    assert "another model" not in msg, msg
+    partly = {**edited, "rules": [*edited["rules"], {"module": "fc1", "dtype": "bf16"}]}
+    with pytest.warns(UserWarning, match=rf"names node '{typo}', which is not in the graph \(did you mean"):
+        apply(model, Policy.from_dict(partly), batch, compile=False, graph_module=gm)
