@@ -217,8 +217,9 @@ FINAL_STEPS = 5
 def report(res: TrainResult) -> int:
     """``autoprec train``'s last words and exit code: on the lead rank (rank 0 speaks for all under
     ``train --nproc``) the final loss line, and an error line on stderr when the final loss is not
-    finite; 0, or 1 for a non-finite final loss (also 0 for a run ``--resume`` found complete,
-    which :func:`train` reported)."""
+    finite, naming the first non-finite forward nodes the monitor diagnosed and the model's lines
+    that made them (or saying the forward was finite: the loss is not); 0, or 1 for a non-finite
+    final loss (also 0 for a run ``--resume`` found complete, which :func:`train` reported)."""
     if res.complete:
         return 0
     lead, n = ranks_from_env().lead, min(FINAL_STEPS, len(res.losses))
@@ -228,9 +229,14 @@ def report(res: TrainResult) -> int:
     if math.isfinite(res.final_loss):
         return 0
     if lead:
+        nodes = res.summary.get("first_nonfinite_nodes") or []
+        sources = res.summary.get("first_nonfinite_sources") or {}
+        where = ("; first non-finite output: " + ", ".join(
+            f"node {k}" + (f" (from {sources[k]})" if k in sources else "") for k in nodes[:3])
+                 if nodes else "; the forward's outputs were finite on the steps checked: the loss computed "
+                 "from them (loss_fn) is not")
         print(f"autoprec train: error: the loss of the last {n} steps is not finite ({res.skipped} of "
-              f"{len(res.losses)} steps skipped); check the model's loss (loss_fn) and batches (autoprec "
-              "tune names the first non-finite node)", file=sys.stderr)
+              f"{len(res.losses)} steps skipped){where}", file=sys.stderr)
     return 1
 
 

@@ -194,3 +194,27 @@ def test_train_whose_loss_is_not_finite_says_so_and_exits_1(tmp_path, capsys):
                  "--no-compile"]) == 1
     err = capsys.readouterr().err
     assert "autoprec train: error: the loss of the last 2 steps is not finite" in err, err
+    assert "the forward's outputs were finite on the steps checked: the loss computed from them" in err
+
+
+def test_train_whose_forward_is_not_finite_names_the_node_and_line(tmp_path, capsys):
+    """It said "autoprec tune names the first non-finite node" though its own monitor had found it
+    (in the --log file): now the error names the node and the model's line."""
+    from autoprec.cli import main
+    from autoprec.policy import Policy
+
+    model = tmp_path / "nan_forward.py"
+    model.write_text(
+        "import torch\nfrom torch import nn\n\n\nclass M(nn.Module):\n"
+        "    def __init__(self):\n        super().__init__()\n        self.fc = nn.Linear(8, 8)\n\n"
+        "    def forward(self, x):\n        h = self.fc(x)\n        h = h / (h - h)\n        return h\n\n\n"
+        "def build_model():\n    torch.manual_seed(0)\n    return M()\n\n\n"
+        "def get_batch(step, device):\n"
+        "    return torch.randn(4, 8, generator=torch.Generator().manual_seed(step)).to(device)\n\n\n"
+        "def loss_fn(out, batch):\n    return out.float().pow(2).mean()\n")
+    Policy.fp32().save(tmp_path / "p.json")
+    assert main(["train", str(model), "--policy", str(tmp_path / "p.json"), "--steps", "2",
+                 "--no-compile"]) == 1
+    err = capsys.readouterr().err
+    assert "first non-finite output: node div#0 (from " in err, err
+    assert "nan_forward.py:12 (forward): h = h / (h - h)" in err, err
