@@ -75,6 +75,7 @@ class Decision:
             without a baseline).
         rejected: Names of earlier choices rejected on their trajectory (set by the caller, which
             timed the others again without them); :meth:`describe` names them.
+        unwritable: Names in ``tied`` without a policy to write (fp32 eager), ``chosen`` aside.
     """
 
     chosen: Contender
@@ -84,6 +85,7 @@ class Decision:
     tied: list[str]
     verdict: str
     rejected: list[str] = field(default_factory=list)
+    unwritable: list[str] = field(default_factory=list)
 
     def describe(self) -> str:
         """One log line, e.g. ``"chosen: trial 7, 1.08x torch.autocast + torch.compile (band
@@ -101,8 +103,12 @@ class Decision:
                     "the noise")
         text = f"chosen: {self.chosen.name}, {c.ratio:.2f}x {b} (band {c.band[0]:.2f}-{c.band[1]:.2f})"
         if self.verdict == "tie":
-            ties = [n for n in self.tied if n != self.chosen.name]
-            return text + f": tie, the lower-drift, simpler of {', '.join([self.chosen.name, *ties])}"
+            ties = [n for n in self.tied if n != self.chosen.name and n not in self.unwritable]
+            simpler = f", the lower-drift, simpler of {', '.join([self.chosen.name, *ties])}" if ties else ""
+            other = self.unwritable
+            also = (f"; {', '.join(other)} tie{'s' if len(other) == 1 else ''} too, but "
+                    f"{'is' if len(other) == 1 else 'are'} no policy to write" if other else "")
+            return text + f": tie{simpler}{also}"
         if self.verdict == "slower":
             return text + f": no policy was as fast as {b} within the noise"
         return text + f": beats {b}"
@@ -156,11 +162,13 @@ def decide(contenders: list[Contender]) -> Decision:
     chosen = min(pool, key=_simplicity)
     baselines = [c for c in timed if c.baseline]
     best = max(baselines, key=lambda c: c.timing.tokens_per_s) if baselines else None
+    names = [c.name for c in tied]
+    unwritable = [c.name for c in tied if c.policy is None]
     if best is None:
-        return Decision(chosen, fastest, None, None, [c.name for c in tied], "beats")
+        return Decision(chosen, fastest, None, None, names, "beats", unwritable=unwritable)
     vs = compare(chosen.timing, best.timing)
     verdict = "tie" if vs.tie else ("beats" if vs.winner == "a" else "slower")
-    return Decision(chosen, fastest, best, vs, [c.name for c in tied], verdict)
+    return Decision(chosen, fastest, best, vs, names, verdict, unwritable=unwritable)
 
 
 def out_of_the_running(baselines: set[str], policies: set[str]) -> Retire:
@@ -193,8 +201,10 @@ def out_of_the_running(baselines: set[str], policies: set[str]) -> Retire:
         for n, t in timed.items():
             c = compare(t, timed[fastest])
             if n not in keep and c.winner == "b":
-                out[n] = (f"{c.ratio:.2f}x {fastest}, band {c.band[0]:.2f}-{c.band[1]:.2f}, after "
-                          f"{t.rounds} rounds: out of the running, timed no further")
+                there = timed[fastest].tokens_per_s
+                out[n] = (f"{c.ratio:.2f}x {fastest}, band {c.band[0]:.2f}-{c.band[1]:.2f}, in the "
+                          f"{t.rounds} rounds both ran ({fastest}: {there:.0f} tok/s there): out of the "
+                          "running, timed no further")
         return out
     return retire
 

@@ -239,7 +239,9 @@ def lever_section(points: list[dict[str, Any]]) -> str:
     <dtype>``, ``recompute <budget>``), tokens/s with its noise band (``step_times``) and a tie
     with the fastest kept point; ``*`` marks the Pareto front on (tokens/s ↑, peak ↓) among the
     timed points without an error (a point only counted for memory has no tokens/s); the note is
-    the point's ``error`` and why it was ``rejected`` (drift, memory, ``traj_rel``)."""
+    the point's ``error``, why it was ``rejected`` (drift, memory, ``traj_rel``) and its
+    measurement's ``note`` (a contender the head-to-head ``retired``: at what ratio, over which
+    rounds; a retired point is never the fastest a tie is named against)."""
     if not points:
         return ""
     ok = [q for q in points if q["tokens_per_s"] and q["error"] is None]
@@ -252,12 +254,14 @@ def lever_section(points: list[dict[str, Any]]) -> str:
              "| policy | lever | tokens/s | grad_rel_l2 | peak MiB | Pareto | note |",
              "|---|---|---:|---:|---:|---|---|"]
     timings = [timing_of(q.get("step_times"), q["tokens_per_s"]) for q in points]
-    ties = ties_with_fastest([t if q["error"] is None and not q.get("rejected") else None
-                              for q, t in zip(points, timings)], [q["policy"] for q in points])
+    ranked = [t if q["error"] is None and not q.get("rejected") and not q.get("retired") else None
+              for q, t in zip(points, timings)]
+    ties = ties_with_fastest(ranked, [q["policy"] for q in points])
     for q, t, tie in zip(points, timings, ties):
         tps = (rate_text(q["tokens_per_s"], t) + (f" (tie with {tie})" if tie else "")) if q["tokens_per_s"] \
             else "(memory only)"
-        note = "; ".join(x for x in (q["error"], q.get("rejected") and f"rejected: {q['rejected']}") if x)
+        note = "; ".join(x for x in (q["error"], q.get("rejected") and f"rejected: {q['rejected']}",
+                                     q.get("note")) if x)
         lines.append(f"| {q['policy']} | {q['lever']} | {tps} | {q['grad_rel_l2']:.2e} | "
                      f"{q['peak_bytes'] / 2**20:.1f} | {'*' if id(q) in front else ''} | {note} |")
     return "\n".join(lines) + "\n"

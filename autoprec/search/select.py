@@ -285,10 +285,11 @@ class Selector:
         for label, pol, _fn, m in survivors:
             _take_timing(m, self.timings[label])
             i = self._point_index.get(pol.training_key())
+            point = self._point_of(pol, m, retired=self.timings[label].retired)
             if i is None:
-                self.points.append(self._point_of(pol, m))
+                self.points.append(point)
             else:
-                self.points[i] = self._point_of(pol, m)
+                self.points[i] = point
             contenders.append(Contender(label, pol, self.timings[label], m.grad_rel_l2,
                                         baseline=label in baselines))
         if ac_timed:
@@ -342,11 +343,14 @@ class Selector:
         self._point_index[pol.training_key()] = len(self.points) - 1  # the head-to-head fills its speed in
 
     @staticmethod
-    def _point_of(pol: Policy, m: Measurement, timed: bool = True) -> dict[str, Any]:
+    def _point_of(pol: Policy, m: Measurement, timed: bool = True, retired: bool = False) -> dict[str, Any]:
+        """A finalist's row of the report (``retired``: the head-to-head timed it no further, and
+        its ``note`` says at what ratio over which rounds)."""
         return {"policy": pol.summary(), "key": pol.training_key(), "lever": lever(pol),
                 "tokens_per_s": m.tokens_per_s if timed else None,
                 "step_times": list(m.step_times) if timed else [],  # the report's noise band
-                "grad_rel_l2": m.grad_rel_l2, "peak_bytes": m.peak_bytes, "error": m.error}
+                "grad_rel_l2": m.grad_rel_l2, "peak_bytes": m.peak_bytes, "error": m.error,
+                "note": m.note, "retired": retired}
 
     def _fits(self, m: Measurement) -> bool:
         return m.error is None and m.peak_bytes <= self.memory_budget and self.budget.feasible(m)

@@ -96,3 +96,21 @@ def test_finalist_rejected_on_traj_rel_has_the_reason_in_the_report(tmp_path, mo
     assert f"rejected: {why}" in lever_line
     trial_line = next(line for line in md.split("## Trials")[1].splitlines() if line.startswith("| 0 |"))
     assert f"finalist rejected: {why}" in trial_line
+
+
+def test_a_retired_finalist_is_no_fastest_to_tie_with_and_its_note_says_over_which_rounds():
+    """The head-to-head retired a finalist after 3 rounds at 0.84x the fastest; the fastest's later
+    rounds (a busier machine) came out slower than the retired one's 3. The report had called the
+    written policy "tie with" the retired one and shown no reason; now the retired row carries the
+    head-to-head's note and the written policy is not called a tie with it."""
+    def point(name: str, step_s: float, n: int, retired: bool = False, note: str | None = None) -> dict:
+        return {"policy": name, "key": name, "lever": "-", "tokens_per_s": 1000 / step_s,
+                "step_times": [step_s * (1 + 0.05 * (i % 3)) for i in range(n)], "grad_rel_l2": 1e-3,
+                "peak_bytes": 2**20, "error": None, "note": note, "retired": retired}
+
+    why = "0.84x all-fp32, band 0.76-0.92, in the 3 rounds both ran (all-fp32: 13660 tok/s there)"
+    md = report_mod.lever_section([point("all-fp32", 0.0890, 12),
+                                   point("trial 14", 0.0872, 6, retired=True, note=why)])
+    rows = {line.split(" | ")[0][2:]: line for line in md.splitlines() if line.startswith("| ")}
+    assert "tie with" not in rows["all-fp32"], md
+    assert why in rows["trial 14"], md
