@@ -15,6 +15,7 @@ from autoprec.policy.fields import (
     check_mapping,
     check_number,
     check_str,
+    described,
     fail,
     type_name,
 )
@@ -64,7 +65,7 @@ def check_fields(p: Any, source: str) -> None:
         raise fail(source, "rules", f"expected a list of rules, got {type_name(p.rules)}")
     for i, rule in enumerate(p.rules):
         if not isinstance(rule, Rule):
-            raise fail(source, f"rules[{i}]", f"expected a Rule, got {type_name(rule)} {rule!r}")
+            raise fail(source, f"rules[{i}]", f"expected a Rule, got {described(rule)}")
     check_choice(p.accumulate, ACCUMULATE_MODES, "accumulate mode", source, "accumulate")
     if not isinstance(p.loss_scaling, LossScalingConfig):
         raise fail(source, "loss_scaling", f"expected a LossScalingConfig, got {type_name(p.loss_scaling)}")
@@ -85,9 +86,9 @@ def check_fields(p: Any, source: str) -> None:
     check_mapping(p.provenance, source, "provenance")
     for k, v in check_mapping(p.measured, source, "measured").items():
         if not isinstance(k, str):
-            raise fail(source, "measured", f"keys must be strings, got {type_name(k)} {k!r}")
+            raise fail(source, "measured", f"keys must be strings, got {described(k)}")
         if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise fail(source, f"measured.{k}", f"expected a number, got {type_name(v)} {v!r}")
+            raise fail(source, f"measured.{k}", f"expected a number, got {described(v)}")
         if not math.isfinite(v):
             raise fail(source, f"measured.{k}", f"{v!r} is not a finite number")
     if p.loss_scaling.mode == "none" and p.needs_loss_scaling:
@@ -111,7 +112,7 @@ def rules_from_json(rules: Any, source: str, version: int) -> list[Rule]:
         PolicyError: naming ``source`` and ``rules[i]``'s field at fault.
     """
     if not isinstance(rules, list):
-        raise fail(source, "rules", f"expected a list, got {type_name(rules)} {rules!r}")
+        raise fail(source, "rules", f"expected a list, got {described(rules)}")
     out = []
     for i, raw in enumerate(rules):
         path = f"rules[{i}]"

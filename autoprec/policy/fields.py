@@ -35,10 +35,15 @@ def type_name(value: Any) -> str:
     return "null" if value is None else type(value).__name__
 
 
+def described(value: Any) -> str:
+    """``value`` for an error message: its type and repr (``str 'bf17'``), or ``null`` alone."""
+    return "null" if value is None else f"{type_name(value)} {value!r}"
+
+
 def check_str(value: Any, source: str, path: str) -> str:
     """``value`` as a str. Raises: PolicyError: it is not a string."""
     if not isinstance(value, str):
-        raise fail(source, path, f"expected a string, got {type_name(value)} {value!r}")
+        raise fail(source, path, f"expected a string, got {described(value)}")
     return str(value)
 
 
@@ -57,7 +62,7 @@ def check_number(value: Any, source: str, path: str) -> float:
         PolicyError: not a number, or inf/NaN.
     """
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise fail(source, path, f"expected a number, got {type_name(value)} {value!r}")
+        raise fail(source, path, f"expected a number, got {described(value)}")
     if not math.isfinite(value):
         raise fail(source, path, f"{value!r} is not a finite number")
     return float(value)
@@ -75,7 +80,7 @@ def check_keys(d: Mapping, valid: tuple[str, ...], what: str, source: str, path:
 def check_mapping(value: Any, source: str, path: str) -> Mapping:
     """``value`` if it is a mapping. Raises: PolicyError: it is not (a JSON object)."""
     if not isinstance(value, Mapping):
-        raise fail(source, path, f"expected a JSON object, got {type_name(value)} {value!r}")
+        raise fail(source, path, f"expected a JSON object, got {described(value)}")
     return value
 
 
@@ -104,10 +109,10 @@ def jsonable(value: Any, source: str, path: str, depth: int = 0) -> Any:
         out = {}
         for k, v in value.items():
             if not isinstance(k, str):
-                raise fail(source, path, f"keys must be strings, got {type_name(k)} {k!r}")
+                raise fail(source, path, f"keys must be strings, got {described(k)}")
             out[str(k)] = jsonable(v, source, join(path, k), depth + 1)
         return out
-    raise fail(source, path, f"{type_name(value)} {value!r} is not JSON-serialisable; convert it to str")
+    raise fail(source, path, f"{described(value)} is not JSON-serialisable; convert it to str")
 
 
 def build(cls: type, values: Mapping[str, Any], source: str, path: str = "") -> Any:

@@ -233,7 +233,8 @@ REJECTIONS = [
     ({"provenance": "x"}, "provenance", "expected a JSON object"),
     ({"measured": []}, "measured", "expected a JSON object"),
     ({"measured": {"tokens_per_s": "fast"}}, "measured.tokens_per_s", "expected a number"),
-    ({"measured": {"ok": True}}, "measured.ok", "expected a number"),
+    ({"measured": {"ok": True}}, "measured.ok", "expected a number, got bool True"),
+    ({"default_dtype": None}, "default_dtype", "expected a string, got null"),  # not "null None"
     ({"default_dtype": "fp16", "loss_scaling": {"mode": "none"}}, "loss_scaling.mode",
      "fp16 without a loss scaler"),
     ({"rules": [{"node": "m/linear#0", "dtype": "fp16"}], "loss_scaling": {"mode": "none"}},
@@ -247,7 +248,7 @@ def test_rejections_name_file_and_field(tmp_path, mutation, field, text):
     with pytest.raises(PolicyError) as e:
         Policy.load(path)
     msg = str(e.value)
-    assert msg.startswith(f"{path}: {field}: ") and text in msg, msg
+    assert msg.startswith(f"{path}: {field}: ") and text in msg and "null None" not in msg, msg
     with pytest.raises(PolicyError, match=r"^p\.json: " + field.replace("[", r"\[").replace(".", r"\.")):
         Policy.from_dict(base(**mutation), source="p.json")
 
