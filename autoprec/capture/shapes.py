@@ -139,7 +139,10 @@ class InputShapes:
                                         f"gives {', '.join(unknown)}" if unknown else "") if x)
         hint = ("; Hugging Face Trainer calls the model without labels when it computes the loss "
                 "itself (label_smoothing_factor > 0, compute_loss_func): apply the model with an example "
-                "batch without labels, so the module returns the logits" if "labels" in missing else "")
+                "batch without labels, so the module returns the logits" if "labels" in missing else
+                f": apply the policy with an example batch that holds {', '.join(unknown)} as the "
+                "training batches do (autoprec.apply(model, policy, batch)), so the graph takes them"
+                if unknown else "")
         raise TypeError(f"{self.what} was captured on the inputs {', '.join(self._args)} (the example "
                         f"batch's; the graph takes every one) and this call {why}{hint}")
 
