@@ -174,7 +174,20 @@ def _explain(e: BaseException, model: nn.Module, eager: Exception | None = None)
                        "unbacked sizes), or move it out of forward().")
     first = str(e).strip().splitlines()[0] if str(e).strip() else ""
     return (f"torch.export could not capture {type(model).__name__}: {cause}, at {where}.\n"
-            f"  {type(e).__name__}: {first}\n  What to do: {todo}")
+            f"  {type(e).__name__}: {first}\n  What to do: {todo}{_experts_hint(model)}")
+
+
+def _experts_hint(model: nn.Module) -> str:
+    """For a Hugging Face mixture-of-experts model built with ``experts_implementation="eager"`` (a
+    Python loop over the experts the tokens were routed to: data-dependent), the setting that
+    captures: transformers' default (``"grouped_mm"``, else ``"batched_mm"``); else empty."""
+    config = getattr(model, "config", None)
+    if getattr(config, "_experts_implementation", None) != "eager":
+        return ""
+    return (" This model's config sets experts_implementation='eager', a Python loop over the experts "
+            "the tokens were routed to, whose count depends on the data: build it with transformers' "
+            "default experts implementation (no experts_implementation argument; 'grouped_mm' or "
+            "'batched_mm'), which torch.export captures.")
 
 
 _DATA_DEPENDENT_SIZE = "a value read from a tensor (.item(), int(tensor)) used as a size or an index"

@@ -44,6 +44,10 @@ def _hf(name):
         model = tf.MistralForCausalLM(tf.MistralConfig(sliding_window=None, **llama_like))
     elif name == "gemma":
         model = tf.GemmaForCausalLM(tf.GemmaConfig(head_dim=16, **llama_like))
+    elif name == "qwen2_moe":  # mixture of experts, transformers' default (grouped_mm) experts
+        model = tf.Qwen2MoeForCausalLM(tf.Qwen2MoeConfig(
+            moe_intermediate_size=32, shared_expert_intermediate_size=64, num_experts=4,
+            num_experts_per_tok=2, decoder_sparse_step=1, output_router_logits=False, **llama_like))
     elif name == "gpt2":
         model = tf.GPT2LMHeadModel(tf.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=64,
                                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
@@ -77,7 +81,7 @@ def _nanogpt():
     return model, (ids, torch.roll(ids, -1, 1)), mod.loss_fn
 
 
-ARCHS = ["qwen2", "llama", "mistral", "gemma", "gpt2", "bert", "t5", "nanogpt"]
+ARCHS = ["qwen2", "llama", "mistral", "gemma", "qwen2_moe", "gpt2", "bert", "t5", "nanogpt"]
 
 
 def _build(name):

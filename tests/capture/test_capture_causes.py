@@ -175,3 +175,19 @@ def test_a_model_that_fails_eagerly_is_named_as_the_cause_not_export():
     assert "torch.export cannot trace" not in msg
     torch.manual_seed(3)
     assert torch.equal(torch.rand(1), before)
+
+
+def test_a_moe_model_with_eager_experts_is_told_the_experts_implementation_that_captures():
+    """transformers' ``experts_implementation="eager"`` loops over the experts the tokens were routed
+    to (a data-dependent count): the error says so and names the default implementation, which
+    captures (tests/capture/test_archs.py, qwen2_moe)."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_local_experts=4,
+                           num_experts_per_tok=2, num_hidden_layers=1, num_attention_heads=4,
+                           num_key_value_heads=2, use_cache=False, experts_implementation="eager")
+    ids = torch.randint(0, 64, (2, 8))
+    msg = _message(tf.MixtralForCausalLM(cfg).train(), {"input_ids": ids, "labels": ids})
+    assert "MixtralExperts" in msg and "experts_implementation='eager'" in msg, msg
+    assert "no experts_implementation argument; 'grouped_mm' or 'batched_mm'" in msg, msg
