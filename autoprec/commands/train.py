@@ -65,6 +65,9 @@ class TrainResult:
         summary: :meth:`Monitor.summary` of the steps run.
         complete: The run was already complete: ``resume`` found a checkpoint at step ``steps`` or
             beyond, so no model was built and no step ran (``start_step`` is the checkpoint's step).
+        nonfinite: With a non-finite final loss, where the last batch's forward first goes
+            non-finite in the trained weights (``"first non-finite output on the last batch: node
+            div#0 (from m.py:8 (forward): ...)"``), or that its outputs are finite; else empty.
     """
 
     losses: list[float] = field(default_factory=list)
@@ -75,6 +78,7 @@ class TrainResult:
     start_step: int = 0
     summary: dict[str, Any] = field(default_factory=dict)
     complete: bool = False
+    nonfinite: str = ""
 
 
 def train(model_path: str | os.PathLike, policy_path: str | os.PathLike, steps: int = 50,
@@ -217,9 +221,9 @@ FINAL_STEPS = 5
 def report(res: TrainResult) -> int:
     """``autoprec train``'s last words and exit code: on the lead rank (rank 0 speaks for all under
     ``train --nproc``) the final loss line, and an error line on stderr when the final loss is not
-    finite, naming the first non-finite forward nodes the monitor diagnosed and the model's lines
-    that made them (or saying the forward was finite: the loss is not); 0, or 1 for a non-finite
-    final loss (also 0 for a run ``--resume`` found complete, which :func:`train` reported)."""
+    finite, with where the last batch first goes non-finite (``TrainResult.nonfinite``); 0, or 1
+    for a non-finite final loss (also 0 for a run ``--resume`` found complete, which :func:`train`
+    reported)."""
     if res.complete:
         return 0
     lead, n = ranks_from_env().lead, min(FINAL_STEPS, len(res.losses))
@@ -229,12 +233,7 @@ def report(res: TrainResult) -> int:
     if math.isfinite(res.final_loss):
         return 0
     if lead:
-        nodes = res.summary.get("first_nonfinite_nodes") or []
-        sources = res.summary.get("first_nonfinite_sources") or {}
-        where = ("; first non-finite output: " + ", ".join(
-            f"node {k}" + (f" (from {sources[k]})" if k in sources else "") for k in nodes[:3])
-                 if nodes else "; the forward's outputs were finite on the steps checked: the loss computed "
-                 "from them (loss_fn) is not")
+        where = f"; {res.nonfinite}" if res.nonfinite else ""
         print(f"autoprec train: error: the loss of the last {n} steps is not finite ({res.skipped} of "
               f"{len(res.losses)} steps skipped){where}", file=sys.stderr)
     return 1
@@ -314,4 +313,21 @@ def _result(done: list[tuple[StepStats, float]], start: int, step: TrainStep,
         tail = res.losses[-min(FINAL_STEPS, len(res.losses)):]
         res.final_loss = sum(tail) / len(tail)
         res.tokens_per_s = res.summary["median_tokens_per_s"]  # the monitor's rule (tokens_per_s)
+        if not math.isfinite(res.final_loss):
+            res.nonfinite = _nonfinite(monitor)
     return res
+
+
+def _nonfinite(monitor: Monitor) -> str:
+    """Where the forward of the last batch run first goes non-finite in the weights trained so far
+    (:meth:`Monitor.diagnoser`, one eager forward of the captured graph), with the model's line;
+    or that its outputs are finite, so the loss computed from them is not."""
+    try:
+        key = monitor.diagnoser()()
+    except Exception as e:  # noqa: BLE001 - a diagnosis must not hide the error it explains
+        return f"its first non-finite node could not be found ({type(e).__name__}: {e})"
+    if key is None:
+        return ("the forward's outputs on the last batch are finite: the loss computed from them (loss_fn) "
+                "is not")
+    src = monitor.source_of(key)
+    return f"first non-finite output on the last batch: node {key}" + (f" (from {src})" if src else "")

@@ -189,9 +189,7 @@ class Monitor:
         Returns:
             ``steps``, ``overflow_steps`` (steps with non-finite gradients or loss), ``skipped_steps``,
             ``skip_rate`` (skipped / steps, 0 for no steps), ``first_nonfinite_nodes`` (distinct
-            diagnosed keys, in order), ``first_nonfinite_sources`` (key -> the model's line that
-            made that node, :func:`autoprec.source.node_source`, where known),
-            ``final_loss_scale``, ``max_grad_norm`` (over finite norms),
+            diagnosed keys, in order), ``final_loss_scale``, ``max_grad_norm`` (over finite norms),
             ``median_tokens_per_s`` (mean tokens per step / :func:`autoprec.metrics.median` of the
             step seconds, over the steps after the first, which may include compilation: the
             throughput rule of ``tune`` and ``bench``).
@@ -209,19 +207,16 @@ class Monitor:
         return json_safe({
             "steps": n, "overflow_steps": len(overflow), "skipped_steps": skipped,
             "skip_rate": skipped / n if n else 0.0, "first_nonfinite_nodes": keys,
-            "first_nonfinite_sources": self._sources(keys),
             "final_loss_scale": recs[-1].loss_scale if recs else None,
             "max_grad_norm": max(norms) if norms else None,
             "median_tokens_per_s": tokens_per_s(timed),
         })
 
-    def _sources(self, keys: list[str]) -> dict[str, str]:
-        """``{key: source line}`` of the nodes of :attr:`graph_module` keyed ``keys`` that have one."""
-        if not keys or self.graph_module is None:
-            return {}
-        found = {read_meta(n).key: node_source(n) for n in self.graph_module.graph.nodes
-                 if read_meta(n).key in keys}
-        return {k: v for k, v in found.items() if v is not None}
+    def source_of(self, key: str) -> str | None:
+        """The model's source line that made the node of :attr:`graph_module` keyed ``key``
+        (:func:`autoprec.source.node_source`), or None (no graph, no such node, no line)."""
+        nodes = self.graph_module.graph.nodes if self.graph_module is not None else []
+        return next((node_source(n) for n in nodes if read_meta(n).key == key), None)
 
     def close(self) -> None:
         """Close the JSONL file (idempotent)."""

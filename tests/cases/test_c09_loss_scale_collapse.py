@@ -194,7 +194,7 @@ def test_train_whose_loss_is_not_finite_says_so_and_exits_1(tmp_path, capsys):
                  "--no-compile"]) == 1
     err = capsys.readouterr().err
     assert "autoprec train: error: the loss of the last 2 steps is not finite" in err, err
-    assert "the forward's outputs were finite on the steps checked: the loss computed from them" in err
+    assert "the forward's outputs on the last batch are finite: the loss computed from them (loss_fn)" in err
 
 
 def test_train_whose_forward_is_not_finite_names_the_node_and_line(tmp_path, capsys):
@@ -216,5 +216,5 @@ def test_train_whose_forward_is_not_finite_names_the_node_and_line(tmp_path, cap
     assert main(["train", str(model), "--policy", str(tmp_path / "p.json"), "--steps", "2",
                  "--no-compile"]) == 1
     err = capsys.readouterr().err
-    assert "first non-finite output: node div#0 (from " in err, err
+    assert "first non-finite output on the last batch: node div#0 (from " in err, err
     assert "nan_forward.py:12 (forward): h = h / (h - h)" in err, err
