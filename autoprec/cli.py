@@ -299,7 +299,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _main(args: argparse.Namespace) -> int:
     from autoprec._interrupt import catch_sigint, interrupted
-    from autoprec.commands.launch import launched_rank, record_rank_error
+    from autoprec.commands.launch import launched_rank, peer_left, record_rank_error
     from autoprec.errors import LossScaleError
 
     t0 = time.perf_counter()
@@ -327,6 +327,8 @@ def _main(args: argparse.Namespace) -> int:
                 if not record_rank_error(e):  # under --nproc the launcher prints it, once
                     print(f"autoprec {args.cmd}: error: {e}", file=sys.stderr)
                 return 1 if isinstance(e, LossScaleError) else 2
+            if launched_rank() and peer_left(e) and record_rank_error(e, peer=True):
+                return 1  # another rank failed and left: the launcher names it, not this echo
             raise
     except KeyboardInterrupt:
         pass

@@ -35,6 +35,7 @@ reduced gradients of step 0 come from a separate build of the row, so gathering 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import gc
@@ -48,7 +49,7 @@ from autoprec._io import write_json
 from autoprec.applied.apply import apply
 from autoprec.applied.policy_match import check_policy_file
 from autoprec.device import describe_machine, resolve_device
-from autoprec.distributed.ranks import Ranks, close_ranks, init_ranks, rank_step_batch, ranks_from_env
+from autoprec.distributed.ranks import Ranks, init_ranks, joined, rank_step_batch, ranks_from_env
 from autoprec.distributed.wrap import ddp, shard
 from autoprec.measure.memory import PeakBytes
 from autoprec.metrics import grad_rel_l2, median
@@ -232,7 +233,7 @@ def run_bench_dist(model_path: str | os.PathLike, policy: Policy | str | os.Path
     spec = load_model_spec(model_path)
     own = not dist.is_initialized()
     dev = init_ranks(resolve_device(device), ranks)
-    try:
+    with joined(ranks) if own else contextlib.nullcontext():  # a rank that fails leaves at once
         rows, ref = {}, None
         for name, wrapper, reduce in DIST_ROWS:
             row_policy = dataclasses.replace(pol, grad_reduce_dtype=reduce)
@@ -252,9 +253,6 @@ def run_bench_dist(model_path: str | os.PathLike, policy: Policy | str | os.Path
                 print(f"[autoprec bench] {name}: {r['step_s']:.4f} s/step, grad_rel_l2 "
                       f"{r['grad_rel_l2']:.2e}, peak {max(r['peak_bytes_per_rank']) / 2**20:.2f} MiB/rank "
                       f"(predicted {r['predicted_peak_bytes'] / 2**20:.2f})", flush=True)
-    finally:
-        if own:
-            close_ranks(ranks)
     if not ranks.lead:
         return None
     machine = describe_machine(dev)

@@ -22,7 +22,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["LAUNCHED_ENV", "launch", "launched_rank", "record_rank_error", "report_failure", "strip_nproc"]
+__all__ = ["LAUNCHED_ENV", "launch", "launched_rank", "peer_left", "record_rank_error", "report_failure",
+           "strip_nproc"]
 
 #: Set in the ranks' environment by :func:`launch` to the subcommand (``train``, ``bench``): a rank
 #: records its errors for the launcher, which names the subcommand in them.
@@ -32,6 +33,8 @@ _ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 #: The key marking an error file :func:`record_rank_error` wrote (torchrun makes up a message for a
 #: rank that wrote none: a crash, a signal).
 _MARK = "autoprec"
+#: The key marking a rank's error as another rank's leaving (:func:`peer_left`).
+_PEER = "peer_left"
 #: Seconds torchrun gets to stop its ranks after Ctrl-C before it is killed.
 _STOP_S = 60.0
 #: The exit code of a process that Ctrl-C stopped (128 + SIGINT), the CLI's.
@@ -90,19 +93,31 @@ def launched_rank() -> bool:
     return bool(os.environ.get(LAUNCHED_ENV))
 
 
-def record_rank_error(e: BaseException) -> bool:
+def record_rank_error(e: BaseException, peer: bool = False) -> bool:
     """On a rank started by :func:`launch`, write ``e``'s message to torchelastic's error file for
     the launcher to print (True: the caller prints nothing); False elsewhere (the caller prints).
     The file holds the string form of a message that ``torch.distributed.elastic``'s
     ``ProcessFailure`` reads (``{"message": str(e), "timestamp": seconds}``), marked as autoprec's
-    (:data:`_MARK`)."""
+    (:data:`_MARK`); ``peer``: ``e`` only says another rank left (:func:`peer_left`), and the
+    launcher names that rank instead."""
     path = os.environ.get(_ERROR_FILE_ENV)
     if not path or not launched_rank():
         return False
-    data = {"message": str(e), "timestamp": str(int(time.time())), _MARK: True}
+    data = {"message": str(e), "timestamp": str(int(time.time())), _MARK: True, _PEER: peer}
     with open(path, "w") as f:
         json.dump(data, f)
     return True
+
+
+#: What a collective's error says when the rank at the other end exited (gloo; NCCL).
+_PEER_LEFT = ("Connection closed by peer", "Connection reset by peer", "remote process exited")
+
+
+def peer_left(e: BaseException) -> bool:
+    """Whether ``e`` is a collective that broke because another rank exited (a failure there,
+    whose own error is the one to read): gloo's "Connection closed by peer", NCCL's "remote
+    process exited"."""
+    return isinstance(e, RuntimeError) and any(m in str(e) for m in _PEER_LEFT)
 
 
 def report_failure(cmd: str, failures: dict[int, Any], first: int) -> tuple[str, int]:
@@ -118,16 +133,20 @@ def report_failure(cmd: str, failures: dict[int, Any], first: int) -> tuple[str,
     Returns:
         ``(text, code)``: each message a rank recorded (:func:`record_rank_error`), once, with the
         ranks that recorded it; for the first failed rank when it recorded none (a crash: its
-        traceback is above), its exit code or signal; ranks torchrun stopped after it are not
-        named. ``code`` is the first failure's exit code, or 1 for a signal.
+        traceback is above), its exit code or signal; ranks torchrun stopped after it, and ranks
+        whose collective broke because it left (:func:`peer_left`), are not named. ``code`` is
+        the first failure's exit code, or 1 for a signal.
     """
     seen: dict[str, list[int]] = {}
     for rank in sorted(failures):
         f = failures[rank]
-        if f.error_file_data.get(_MARK):
+        if f.error_file_data.get(_MARK) and not f.error_file_data.get(_PEER):
             seen.setdefault(str(f.message), []).append(rank)
     lines = [f"autoprec {cmd}: error on rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {msg}"
              for msg, r in seen.items()]
+    if failures[first].error_file_data.get(_PEER):  # it lost a rank that failed: name that one
+        causes = [r for r in failures if not failures[r].error_file_data.get(_PEER)]
+        first = min(causes, key=lambda r: failures[r].timestamp) if causes else first
     head = failures[first]
     if not head.error_file_data.get(_MARK):
         how = (f"exit code {head.exitcode}" if head.exitcode >= 0

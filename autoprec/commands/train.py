@@ -29,8 +29,8 @@ from autoprec.applied.policy_match import check_policy_file
 from autoprec.capture import PROBE_BATCHES, capture_for
 from autoprec.device import resolve_device
 from autoprec.distributed.ranks import (
-    close_ranks,
     init_ranks,
+    joined,
     mean_loss_hook,
     rank_step_batch,
     ranks_from_env,
@@ -128,12 +128,10 @@ def train(model_path: str | os.PathLike, policy_path: str | os.PathLike, steps: 
         if done is not None:
             return done
     dev = init_ranks(resolve_device(device), ranks)
-    try:
+    with joined(ranks):  # a rank that fails leaves at once; torchrun stops the others
         return _train(spec, policy, policy_path, dev, ranks, steps, compile, log_every,
                       quiet or not ranks.lead, checkpoint, resume, checkpoint_every, log_path,
                       max_grad_norm, force)
-    finally:
-        close_ranks(ranks)
 
 
 def _train(spec: Any, policy: Policy, policy_path: str | os.PathLike, dev: Any, ranks: Any, steps: int,

@@ -1,7 +1,8 @@
 """Where this process stands among the ranks, and the rank's batches (docs/architecture.md#runtime).
 
 * :class:`Ranks` and :func:`ranks_from_env`: the rank, world size and local rank torchrun sets.
-* :func:`init_ranks` / :func:`close_ranks` join and leave the default process group.
+* :func:`init_ranks` / :func:`close_ranks` join and leave the default process group;
+  :func:`joined` leaves it only when its block ends normally (a failing rank exits at once).
 * :func:`rank_step_batch` is the data rule of ``autoprec train --nproc N``: rank ``r`` of ``N`` at
   step ``k`` trains on ``get_batch(k * N + r)``, so N ranks x batch B see the batches one rank sees
   in N x as many steps, and their averaged gradient is that of the N batches concatenated.
@@ -13,9 +14,10 @@ The wrappers over an applied module are :mod:`autoprec.distributed.wrap`; the la
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +27,8 @@ import torch.distributed as dist
 from autoprec.errors import AutoprecError
 from autoprec.training.train import StepStats
 
-__all__ = ["Ranks", "close_ranks", "init_ranks", "mean_loss_hook", "rank_step_batch", "ranks_from_env"]
+__all__ = ["Ranks", "close_ranks", "init_ranks", "joined", "mean_loss_hook", "rank_step_batch",
+           "ranks_from_env"]
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,17 @@ def init_ranks(device: torch.device, ranks: Ranks) -> torch.device:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=ranks.rank,
                                 world_size=ranks.world)
     return device
+
+
+@contextlib.contextmanager
+def joined(ranks: Ranks) -> Iterator[None]:
+    """Run the block in the process group :func:`init_ranks` joined, and leave it after
+    (:func:`close_ranks`) when the block ends normally. A rank whose block raises leaves at once,
+    without the barrier: the others may be waiting in a step's collective (DDP's all-reduce) that
+    it will never join, and a barrier there waited for them forever (gloo's 30-minute timeout);
+    the rank exits with its error, and torchrun stops the others (docs/distributed.md)."""
+    yield
+    close_ranks(ranks)
 
 
 def close_ranks(ranks: Ranks) -> None:

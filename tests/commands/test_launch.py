@@ -15,7 +15,7 @@ import pytest
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from autoprec.cli import main
-from autoprec.commands.launch import LAUNCHED_ENV, record_rank_error, report_failure
+from autoprec.commands.launch import LAUNCHED_ENV, peer_left, record_rank_error, report_failure
 from autoprec.errors import AutoprecError
 from autoprec.policy import Policy
 from tests.conftest import MODELS
@@ -130,3 +130,44 @@ def test_ctrl_c_on_the_launcher_stops_every_rank(tmp_path):
     assert p.returncode == 130, err
     assert err.count("interrupted after") == 1, err
     assert left == []
+
+
+def test_a_rank_whose_collective_broke_because_another_left_is_not_named(tmp_path, monkeypatch):
+    """Rank 0's all-reduce broke because rank 1 failed and exited ("Connection closed by peer"), and
+    rank 0's exit reached torchrun first: the launcher names rank 1, whose error is the cause."""
+    peer = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:34230")
+    assert peer_left(peer) and not peer_left(RuntimeError("shape mismatch"))
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error_0.json"))
+    monkeypatch.setenv(LAUNCHED_ENV, "train")
+    assert record_rank_error(peer, peer=True)
+    echo = ProcessFailure(local_rank=0, pid=1000, exitcode=1, error_file=str(tmp_path / "error_0.json"))
+    crashed = _recorded(tmp_path, monkeypatch, 1, None, exitcode=1)
+    text, code = report_failure("train", {0: echo, 1: crashed}, first=0)
+    assert text == "autoprec train: error: rank 1 failed (exit code 1); its output is above"
+    assert code == 1
+
+
+@pytest.mark.heavy
+def test_a_rank_failing_mid_training_ends_the_run_with_its_error(tmp_path):
+    """Rank 1's get_batch raises at step 3, while rank 0 waits in the step's all-reduce: the run
+    hung (rank 1 waited in a barrier rank 0 never reached; gloo's timeout is 30 minutes). Now rank 1
+    exits with its traceback, rank 0's broken all-reduce is not printed, and the launcher names
+    rank 1: exit 1 within the deadline."""
+    model = tmp_path / "rank1_step_fails.py"
+    text = (MODELS / "ddp_mlp.py").read_text()
+    assert "def get_batch(step" in text
+    model.write_text(text.replace("def get_batch(step", "def _get_batch(step") + (
+        "\n\ndef get_batch(step, device):\n"
+        "    import os\n"
+        "    if os.environ.get('RANK') == '1' and step >= 6:\n"
+        "        raise ValueError(f'shard of step {step} is corrupt')\n"
+        "    return _get_batch(step, device)\n"))
+    policy = tmp_path / "fp32.json"
+    Policy.fp32().save(policy)
+    cmd = [sys.executable, "-m", "autoprec.cli", "train", str(model), "--policy", str(policy), "--steps", "10",
+           "--no-compile", "--device", "cpu", "--nproc", "2"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, r.stderr
+    assert "ValueError: shard of step 7 is corrupt" in r.stderr, r.stderr
+    assert r.stderr.rstrip().endswith("autoprec train: error: rank 1 failed (exit code 1); its output is above")
+    assert "[rank0]" not in r.stderr and "Connection closed" not in r.stderr, r.stderr
