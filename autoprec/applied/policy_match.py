@@ -78,12 +78,14 @@ def check_policy_matches(policy: Policy, gm: fx.GraphModule, source: str | os.Pa
               "one the policy was tuned on (peft's PeftModel adds 'base_model.model.'); apply it to the "
               "wrapped model (peft: model.get_base_model(), whose modules hold the adapters)."
               if wrapped else "")
+    edited = (", or one whose rules were edited by hand (a node rule has a near key here)"
+              if "(did you mean" in shown else "")
     raise PolicyError(
         f"{name}: none of its {len(specific)} module/node rule{s} matches a "
         f"node of this model's graph ({shown}{more}); {where}. It would train by default_dtype "
         f"{policy.default_dtype} and op-class rules alone, not as its "
-        f"file says: it looks like the policy of another model.{inside} Tune this model (autoprec tune), or "
-        "pass --force (train, bench) / force=True (apply) to train with it anyway")
+        f"file says: it looks like the policy of another model{edited}.{inside} Tune this model (autoprec "
+        "tune), or pass --force (train, bench) / force=True (apply) to train with it anyway")
 
 
 def _near(node: str | None, gm: fx.GraphModule) -> str:

@@ -280,6 +280,7 @@ def show_nodes(policy: Policy, model_path: str | os.PathLike) -> str:
     from autoprec.capture import capture
     from autoprec.modelspec import load_model_spec
     from autoprec.ops import classify
+    from autoprec.passes.assign import nearest_node_key
 
     spec = load_model_spec(model_path)
     model = spec.build_model()
@@ -294,8 +295,10 @@ def show_nodes(policy: Policy, model_path: str | os.PathLike) -> str:
                 if rule.matches(read_meta(n).key, classify(n), read_meta(n).module)]
         shown = ", ".join(hits[:8]) + (f", … (+{len(hits) - 8})" if len(hits) > 8 else "")
         count = f"{len(hits)} node{'' if len(hits) == 1 else 's'}"
+        near = nearest_node_key(rule.node, nodes) if rule.node is not None and not hits else None
         lines.append(f"rules[{i}] {rule.describe()}: {count}"
-                     + (f": {shown}" if hits else "  (matches no node)"))
+                     + (f": {shown}" if hits else "  (matches no node" + (f"; did you mean {near!r}?)" if near
+                                                                         else ")")))
     try:
         check_recompute(gm, policy.activation_memory_budget)
     except PolicyError as e:

@@ -136,6 +136,20 @@ def test_a_mistyped_node_rule_of_this_models_policy_is_a_hand_edit_with_the_near
     msg = str(e.value)
     assert f"did you mean {key!r}?" in msg and "changed by hand" in msg and "--force" in msg, msg
     assert "another model" not in msg, msg
+    # apply's default dynamic capture has another fingerprint (symbolic shapes) than tune's static one:
+    # the near key still makes it say the rules may have been edited
+    with pytest.raises(PolicyError, match=r"did you mean .*or one whose rules were edited by hand"):
+        apply(model, Policy.from_dict(edited), batch, compile=False)
     partly = {**edited, "rules": [*edited["rules"], {"module": "fc1", "dtype": "bf16"}]}
     with pytest.warns(UserWarning, match=rf"names node '{typo}', which is not in the graph \(did you mean"):
         apply(model, Policy.from_dict(partly), batch, compile=False, graph_module=gm)
+
+
+def test_show_names_the_nearest_key_of_a_node_rule_that_matches_nothing(tmp_path, capsys):
+    p = tmp_path / "typo.json"
+    typo = {**Policy.fp32().to_dict(), "rules": [{"node": "head/linear#7", "dtype": "bf16"}]}
+    Policy.from_dict(typo).save(p)
+    assert main(["show", str(p), "--model", MICRO]) == 0
+    out = capsys.readouterr().out
+    assert "rules[0] head/linear#7->bf16: 0 nodes  (matches no node; did you mean 'head/linear#0'?)" \
+        in out, out

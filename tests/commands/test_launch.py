@@ -164,10 +164,11 @@ def test_a_rank_failing_mid_training_ends_the_run_with_its_error(tmp_path):
         "    return _get_batch(step, device)\n"))
     policy = tmp_path / "fp32.json"
     Policy.fp32().save(policy)
-    cmd = [sys.executable, "-m", "autoprec.cli", "train", str(model), "--policy", str(policy), "--steps", "10",
-           "--no-compile", "--device", "cpu", "--nproc", "2"]
+    cmd = [sys.executable, "-m", "autoprec.cli", "train", str(model), "--policy", str(policy),
+           "--steps", "10", "--no-compile", "--device", "cpu", "--nproc", "2"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert r.returncode == 1, r.stderr
     assert "ValueError: shard of step 7 is corrupt" in r.stderr, r.stderr
-    assert r.stderr.rstrip().endswith("autoprec train: error: rank 1 failed (exit code 1); its output is above")
+    last = r.stderr.rstrip().splitlines()[-1]
+    assert last == "autoprec train: error: rank 1 failed (exit code 1); its output is above", r.stderr
     assert "[rank0]" not in r.stderr and "Connection closed" not in r.stderr, r.stderr
