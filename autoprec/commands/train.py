@@ -156,6 +156,8 @@ def _train(spec: Any, policy: Policy, policy_path: str | os.PathLike, dev: Any, 
     def diagnose() -> str | None:
         return monitor.diagnoser()() if monitor is not None else None
 
+    diagnose.source_of = lambda key: monitor.source_of(key) if monitor is not None else None  # type: ignore
+
     optimizer = spec.make_optimizer(params)
     step = TrainStep(module, params, optimizer, spec.loss_fn, scaler=make_scaler(policy, diagnose),
                      device_type=dev.type, max_grad_norm=max_grad_norm, max_skips=MAX_SKIPS_AT_FLOOR,

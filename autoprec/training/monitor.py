@@ -166,7 +166,8 @@ class Monitor:
         It re-runs :attr:`last_batch` through :func:`first_nonfinite_node` on :attr:`graph_module`.
         The scaler raises inside ``update()``, before the step is recorded, so a training loop sets
         ``monitor.last_batch = batch`` before each step (``autoprec.commands.train`` does, through
-        :func:`~autoprec.training.steps.run_steps`'s ``before`` hook).
+        :func:`~autoprec.training.steps.run_steps`'s ``before`` hook). Its ``source_of`` attribute is
+        :meth:`source_of`, with which the scaler's error names the model's line of the node.
 
         Raises:
             ValueError: the monitor has no ``graph_module``.
@@ -180,6 +181,7 @@ class Monitor:
                 return None
             return first_nonfinite_node(self.graph_module, self.last_batch)
 
+        diagnose.source_of = self.source_of  # type: ignore[attr-defined]  # the scaler's message names the line
         return diagnose
 
     # -------------------------------------------------------------------------- summary

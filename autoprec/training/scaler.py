@@ -372,8 +372,9 @@ class DynamicLossScaler:
 
 def forward_nonfinite_message(head: str, diagnose: Callable[[], str | None] | None) -> str:
     """``head`` (why the steps are given up: case C09) and where the non-finite values start: the
-    first forward node ``diagnose()`` names (e.g. :meth:`autoprec.Monitor.diagnoser`), or how to
-    find it when there is no ``diagnose`` or it finds none."""
+    first forward node ``diagnose()`` names (e.g. :meth:`autoprec.Monitor.diagnoser`, whose
+    ``source_of`` adds the model's line that made it), or how to find it when there is no
+    ``diagnose`` or it finds none."""
     hint = ("To name the first node that produced one, create "
             "monitor = autoprec.Monitor(graph_module=mp.graph_module) (mp: the module autoprec.apply "
             "returned), pass diagnose=monitor.diagnoser() to DynamicLossScaler and set "
@@ -390,4 +391,7 @@ def forward_nonfinite_message(head: str, diagnose: Callable[[], str | None] | No
         return (f"{head} diagnose() found no node with a non-finite output: the forward pass of the "
                 "batch it ran is finite, so the inf/NaN arise in the backward pass or that batch is not "
                 f"one that overflows. {hint}")
-    return f"{head} First node that produced a non-finite value: {str(node)!r}."
+    source = getattr(diagnose, "source_of", None)  # Monitor.diagnoser()'s: the model's line of a node
+    src = source(str(node)) if callable(source) else None
+    where = f" (from {src})" if src else ""
+    return f"{head} First node that produced a non-finite value: {str(node)!r}{where}."

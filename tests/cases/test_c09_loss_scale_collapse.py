@@ -218,3 +218,10 @@ def test_train_whose_forward_is_not_finite_names_the_node_and_line(tmp_path, cap
     err = capsys.readouterr().err
     assert "first non-finite output on the last batch: node div#0 (from " in err, err
     assert "nan_forward.py:12 (forward): h = h / (h - h)" in err, err
+    # a longer run stops after 8 skipped steps in a row (case C09); that error names the line too
+    assert main(["train", str(model), "--policy", str(tmp_path / "p.json"), "--steps", "20",
+                 "--no-compile"]) == 1
+    err = capsys.readouterr().err
+    assert "consecutive optimizer steps were skipped" in err, err
+    assert "First node that produced a non-finite value: 'div#0' (from " in err, err
+    assert "nan_forward.py:12 (forward): h = h / (h - h))." in err, err
