@@ -291,10 +291,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         with warnings.catch_warnings():  # the caller's filters and formatwarning come back on return
             # torch.export's pytree deprecation notice is noise for users of the CLI.
             warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+            if not _speaks():  # under --nproc, rank 0 speaks for all: the others' copies are noise
+                warnings.filterwarnings("ignore", message="autoprec: ")
+                log.setLevel(logging.WARNING)
             return _main(args)
     finally:
         log.removeHandler(handler)
         log.setLevel(level)
+
+
+def _speaks() -> bool:
+    """Whether this process prints autoprec's warnings and log lines: not a rank other than 0 that
+    ``--nproc`` started (:func:`autoprec.commands.launch.launched_rank`)."""
+    from autoprec.commands.launch import launched_rank
+
+    return not launched_rank() or os.environ.get("RANK", "0") == "0"
 
 
 def _main(args: argparse.Namespace) -> int:
@@ -304,12 +315,18 @@ def _main(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     plain = warnings.formatwarning
+    shown: set[str] = set()
 
     def formatwarning(message, category, filename, lineno, line=None):
-        """autoprec's own warnings (about the user's files) read as CLI messages, no source line; one
-        about a rule of the policy names the policy file (``P.json: rules[2] ... matches no node``)."""
+        """autoprec's own warnings (about the user's files) read as CLI messages, no source line, each
+        once per command (bench applies a policy once per row; the "once" filter would not do: the
+        registry it keeps is cleared whenever filters change, as each capture's do); one about a
+        rule of the policy names the policy file (``P.json: rules[2] ... matches no node``)."""
         text = str(message)
         if text.startswith("autoprec: "):
+            if text in shown:
+                return ""  # showwarning writes nothing
+            shown.add(text)
             text = text[len("autoprec: "):]
             policy = getattr(args, "policy", None)  # train, bench, show
             if policy and text.startswith("policy rules["):

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -158,3 +159,41 @@ def test_show_gives_the_speed_against_the_baseline_to_beat_first_and_once(tmp_pa
          "speedup_vs_autocast": 1.1 if vs == 1.1 else 24.0, "peak_bytes": 2.0**20}).save(p)
     assert main(["show", str(p)]) == 0
     assert shown in capsys.readouterr().out
+
+
+
+#: A command warning as bench's rows do (the same warning once per apply, each apply's capture
+#: changing the filters), run by the real CLI in a subprocess (pytest records warnings instead).
+_WARNS_TWICE = """
+import logging, sys, warnings
+import autoprec.cli as cli
+
+def warns(_args):
+    for text in ("autoprec: the same thing", "autoprec: the same thing", "autoprec: another thing"):
+        warnings.warn(text, stacklevel=1)
+        with warnings.catch_warnings():  # as each capture does: Python's "once" registry is cleared
+            warnings.filterwarnings("ignore", message="unrelated")
+    logging.getLogger("autoprec").info("capturing")
+    return 0
+
+cli._COMMANDS["show"] = warns
+sys.exit(cli.main(["show", sys.argv[1]]))
+"""
+
+
+def test_each_autoprec_warning_is_printed_once_and_by_rank_0_only(tmp_path):
+    """bench --nproc 2 printed one warning 16 times: once per row's apply, on both ranks."""
+    p = tmp_path / "p.json"
+    Policy.fp32().save(p)
+
+    def run(**env: str) -> str:
+        r = subprocess.run([sys.executable, "-c", _WARNS_TWICE, str(p)], capture_output=True, text=True,
+                           timeout=120, env={**os.environ, **env})
+        assert r.returncode == 0, r.stderr
+        return r.stderr
+
+    err = run()
+    assert err.count("autoprec show: warning: the same thing") == 1, err
+    assert err.count("autoprec show: warning: another thing") == 1 and "[autoprec] capturing" in err, err
+    assert run(AUTOPREC_LAUNCHED="show", RANK="1") == ""  # a rank other than 0: rank 0 speaks for it
+    assert run(AUTOPREC_LAUNCHED="show", RANK="0").count("warning: the same thing") == 1
