@@ -318,3 +318,26 @@ def test_autocasts_trajectory_with_gemms_in_fp32_is_its_native_one(monkeypatch):
     assert traj_rel(native, fp32) > 1e-5
     assert traj_rel(emulated, fp32) == pytest.approx(traj_rel(native, fp32), rel=0.25)
     assert traj_rel(emulated, native) < 0.25 * traj_rel(native, fp32)
+
+
+def test_torch_autocast_over_the_budget_gets_its_log_line_too(monkeypatch, capsys):
+    """torch.autocast + torch.compile over the drift budget is timed beside the contenders for the
+    table; the log announced it in the head-to-head but printed no line for it."""
+    speeds = {"A": 0.050, "fp32 + torch.compile": 0.100, "torch.autocast + torch.compile": 0.060,
+              "fp32 eager": 0.200}
+
+    def scripted(h, configs, retire, settled, **kw):
+        return {c.name: Timing.from_steps([speeds[c.name] * (1 + 0.01 * i) for i in range(6)], 100.0,
+                                          rounds=3) for c in configs}
+
+    monkeypatch.setattr(select_mod, "time_interleaved", scripted)
+    sel = Selector(_TrajHarness(), DriftBudget.fixed(1e-3), True, torch.bfloat16, None, 0, Clock(), False)
+    sel._autocast_fn = _Fn(1.0)
+    sel.autocast_compiled = Measurement(grad_rel_l2=5e-3, grad_rel_l2_batches=[5e-3] * 4)  # over 1e-3
+    survivors = [("A", Policy.fp32(), _Fn(1.0), Measurement(grad_rel_l2=0.0)),
+                 ("fp32 + torch.compile", Policy.fp32(), _Fn(1.0), Measurement(grad_rel_l2=0.0))]
+    names = [c.name for c in sel._time_contenders(survivors)]
+    assert "torch.autocast + torch.compile" not in names  # no bar, no contender
+    out = capsys.readouterr().out
+    assert "[autoprec]   torch.autocast + torch.compile: 1" in out, out
+    assert "(over the drift or memory budget: not a bar)" in out, out
