@@ -80,7 +80,9 @@ def _tune(a: argparse.Namespace) -> int:
     print(format_table(res.table))
     m = res.policy.measured
     print(f"\nchosen: {res.policy.summary()}")
-    bar = "torch.autocast + torch.compile" if not a.no_compile else "torch.autocast eager"
+    from autoprec.search.select import AUTOCAST_COMPILED, AUTOCAST_EAGER
+
+    bar = AUTOCAST_COMPILED if not a.no_compile else AUTOCAST_EAGER
     best = res.policy.provenance.get("baseline")
     speeds = [(m[k], n) for k, n in (("speedup_vs_autocast", bar), ("speedup_vs_fp32", "fp32 eager"))
               if k in m and k != baseline_own_ratio(m, best)]

@@ -330,8 +330,13 @@ def policy_summary(policy: Policy, path: str | os.PathLike, rules: bool = True) 
             shown.append(f"{m.pop('tokens_per_s'):.0f} tokens/s")
         best = str(prov.get("baseline", "the fastest baseline"))
         same = baseline_own_ratio(m, best)
+        from autoprec.search.select import AUTOCAST_COMPILED, AUTOCAST_EAGER
+
+        # the torch.autocast it was timed against: compiled or eager, as the policy was tuned
+        autocast = {True: AUTOCAST_COMPILED, False: AUTOCAST_EAGER}.get(prov.get("compiled"),
+                                                                         "torch.autocast")
         for key, label in (("speedup_vs_baseline", f"{best} (the baseline to beat)"),
-                           ("speedup_vs_fp32", "fp32 eager"), ("speedup_vs_autocast", "torch.autocast")):
+                           ("speedup_vs_fp32", "fp32 eager"), ("speedup_vs_autocast", autocast)):
             if key in m and key != same:
                 shown.append(f"{m.pop(key):.2f}x {label}")
         m.pop(same, None)

@@ -134,7 +134,8 @@ def test_show_without_model_summarises(capsys):
     assert '"schema_version"' not in out
     assert out.startswith(f"{path}: {pol.summary()}\n")
     assert "tuned: model examples/qwen2_tiny.py, graph_fingerprint f62b0d9951a236e6" in out
-    assert "measured: 1241 tokens/s, 1.01x fp32 eager, 27.74x torch.autocast, peak 360.6 MiB" in out
+    assert ("measured: 1241 tokens/s, 1.01x fp32 eager, 27.74x torch.autocast + torch.compile, peak 360.6 MiB"
+            in out)  # a compiled tune: its autocast bar was compiled too
     for i, rule in enumerate(pol.rules):
         assert f"rules[{i}] {rule.describe()}\n" in out
     assert "matched nodes" not in out
@@ -197,3 +198,16 @@ def test_each_autoprec_warning_is_printed_once_and_by_rank_0_only(tmp_path):
     assert err.count("autoprec show: warning: another thing") == 1 and "[autoprec] capturing" in err, err
     assert run(AUTOPREC_LAUNCHED="show", RANK="1") == ""  # a rank other than 0: rank 0 speaks for it
     assert run(AUTOPREC_LAUNCHED="show", RANK="0").count("warning: the same thing") == 1
+
+
+@pytest.mark.parametrize("compiled, name", [(True, "torch.autocast + torch.compile"),
+                                            (False, "torch.autocast eager")])
+def test_show_names_the_torch_autocast_the_policy_was_timed_against(tmp_path, capsys, compiled, name):
+    """An eager-tuned policy's autocast ratio is against torch.autocast eager; show said
+    "torch.autocast" whichever it was."""
+    p = tmp_path / "p.json"
+    Policy.fp32().with_provenance(baseline="fp32 eager", compiled=compiled).with_measured(
+        {"tokens_per_s": 1600.0, "speedup_vs_baseline": 1.0, "speedup_vs_fp32": 1.0,
+         "speedup_vs_autocast": 5.17}).save(p)
+    assert main(["show", str(p)]) == 0
+    assert f"5.17x {name}\n" in capsys.readouterr().out
