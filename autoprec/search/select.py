@@ -301,12 +301,12 @@ class Selector:
         # fastest, the decision says "slower" and the log suggests --no-compile); without, the all-fp32
         # policy computes what it computes and ties with it
         contenders.append(Contender(FP32_EAGER, None, self.timings[FP32_EAGER], 0.0, baseline=True))
-        shown = [(c.name, c.timing) for c in contenders]
+        shown = [(c.name, c.timing, "") for c in contenders]
         if ac_timed and not ac_ok:  # timed beside them for the table: a row of the log too
-            shown.insert(-1, (self.ac_label, self.timings[self.ac_label]))
-        for name, t in shown:
-            why = "; ".join(x for x in (t.error or t.note, "" if name != self.ac_label or ac_ok else
-                                        "over the drift or memory budget: not a bar") if x)
+            shown.insert(-1, (self.ac_label, self.timings[self.ac_label],
+                              "over the drift or memory budget: not a bar"))
+        for name, t, extra in shown:
+            why = "; ".join(x for x in (t.error or t.note, extra) if x)
             log(f"  {name}: {format_rate(t)} tok/s" + (f" ({why})" if why else ""), self.quiet)
         return contenders
 
