@@ -28,6 +28,7 @@ Run::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -200,11 +201,14 @@ def main() -> None:
     ap.add_argument("--out", required=True, help="output directory")
     ap.add_argument("--layers", type=int, nargs="*", default=[2, 8, 24])
     ap.add_argument("--tune-layers", type=int, nargs="*", default=[4, 24])
+    ap.add_argument("--work", help="keep the model folders, studies and Inductor caches here "
+                                   "(default: a temporary folder, removed)")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "machine.json"), "w") as f:
         json.dump(describe_machine(torch.device("cpu")), f, indent=2)
-    with tempfile.TemporaryDirectory() as work:
+    with (contextlib.nullcontext(a.work) if a.work else tempfile.TemporaryDirectory()) as work:
+        os.makedirs(work, exist_ok=True)
         res = {"first_step": first_steps(work, a.layers), "tune": tune_then_train(work, a.tune_layers, a.out)}
     with open(os.path.join(a.out, "depth.json"), "w") as f:
         json.dump(res, f, indent=2)

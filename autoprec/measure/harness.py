@@ -30,7 +30,7 @@ from autoprec.measure.drift import (
     measure_drift,
     take_grads,
 )
-from autoprec.measure.measurement import Measurement, describe_failure
+from autoprec.measure.measurement import Accepted, Measurement, describe_failure
 from autoprec.measure.memory import SavedBytes, training_state_bytes
 from autoprec.metrics import median
 from autoprec.modelspec import ModelSpec
@@ -193,7 +193,7 @@ class Harness:
 
     def drift(self, fn: Callable[..., Any], scaler: DynamicLossScaler | None = None,
               autocast_dtype: torch.dtype | None = None,
-              stop: Callable[[Measurement], str | None] | None = None,
+              stop: Callable[[Measurement], str | Accepted | None] | None = None,
               fp32_gemms: bool = False) -> Measurement:
         """Drift of ``fn`` against the FP32 reference on the K drift batches (fewer: ``stop``).
 
@@ -211,10 +211,10 @@ class Harness:
 
         ``stop``, when given, sees the Measurement of the batches run so far after each finite
         batch but the last, and before a back-off search (:func:`~autoprec.measure.drift.measure_drift`);
-        a reason (not None) ends the passes there and becomes ``cut``. ``fp32_gemms``: the passes
-        compute ``autocast_dtype``'s GEMMs as fp32 products rounded to it
-        (:class:`autoprec.kernels.fp32_gemms.Fp32ComputeGemms`: the same roundings where the native
-        kernel is slow; an ``fn`` compiled runs eagerly under it).
+        a reason ends the passes there: ``cut``, or ``accepted`` for an :class:`Accepted`.
+        ``fp32_gemms``: the passes compute ``autocast_dtype``'s GEMMs as fp32 products rounded to
+        it (:class:`autoprec.kernels.fp32_gemms.Fp32ComputeGemms`: the same roundings where the
+        native kernel is slow; an ``fn`` compiled runs eagerly under it).
 
         Raises:
             Exception: whatever running ``fn`` raises (compile errors, out of memory).
@@ -231,7 +231,7 @@ class Harness:
             loss, grads = self._grads(fn, scaler, autocast_dtype, counter, k, seconds, fp32_gemms)
             return loss, grads, counter.total if counter is not None else 0
 
-        reason: list[str] = []
+        reason: list[str | Accepted] = []
 
         def stopped(d: Drift) -> bool:
             why = stop(as_measurement(d, seconds, scaler, self.state_bytes))
@@ -242,7 +242,8 @@ class Harness:
         if d.first_backoffs:  # the next policy likely backs off about as far
             self.backoff_hint = d.first_backoffs
         m = as_measurement(d, seconds, scaler, self.state_bytes)
-        m.cut = reason[-1] if d.stopped else None
+        why = reason[-1] if d.stopped else None
+        m.accepted, m.cut = (why.why, None) if isinstance(why, Accepted) else (None, why)
         return m
 
     @property
@@ -257,7 +258,7 @@ class Harness:
                 scaler_factory: Callable[[], DynamicLossScaler | None] = lambda: None,
                 autocast_dtype: torch.dtype | None = None, timing: bool = True,
                 max_step_s: float | None = None, screen: bool = False,
-                cut: Callable[[Measurement], str | None] | None = None,
+                cut: Callable[[Measurement], str | Accepted | None] | None = None,
                 fp32_gemms: bool = False) -> Measurement:
         """Drift, memory and (optionally) median step time of full training steps of ``fn``.
 
@@ -277,7 +278,7 @@ class Harness:
                 elsewhere it times steps as ``timing`` does.
             cut: A screening cut: given the measurement so far (step times filled as ``screen``
                 fills them) after each drift batch but the last, and before a back-off search;
-                a reason stops the passes there and is the result's ``cut`` (:meth:`drift`'s ``stop``).
+                a reason stops the passes there (:meth:`drift`'s ``stop``: ``cut`` or ``accepted``).
             fp32_gemms: The drift passes compute ``autocast_dtype``'s GEMMs as fp32 products (its
                 numerics, where its native GEMMs are slow: :meth:`drift`); the steps are timed
                 natively (``timing``), never from those passes.
@@ -374,8 +375,7 @@ class Harness:
             self.batches.append(self.spec.get_batch(len(self.batches), self.device))
 
     def _timed_tokens(self, n: int, warm: int) -> float:
-        """Mean tokens per step of the first ``n`` timed steps after ``warm`` warm-up steps (the
-        batches they cycled through)."""
+        """Mean tokens per step of the ``n`` timed steps after ``warm`` warm-up steps (their batches)."""
         timed = [self.batches[k % len(self.batches)] for k in range(warm, warm + n)]
         return sum(self.spec.tokens_per_batch(b) for b in timed) / max(len(timed), 1)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-__all__ = ["Measurement", "describe_failure"]
+__all__ = ["Accepted", "Measurement", "describe_failure"]
 
 
 @dataclass
@@ -45,6 +45,11 @@ class Measurement:
         cut: Why the drift passes stopped before the K-th batch (a search trial's screening cut,
             ``Harness.measure(..., cut=...)``); None when every batch ran. The other fields then
             hold what the batches run so far measured.
+        accepted: Why the drift passes stopped before the K-th batch with the trial accepted, not
+            cut: the batches run so far put its drift within the budget beyond noise (the
+            screening's early acceptance, :mod:`autoprec.search.screen_cut`). It is judged on
+            those batches and stands for the whole: such a trial can be a finalist, and a
+            finalist is measured again on all K.
     """
 
     step_s: float = math.inf
@@ -59,12 +64,22 @@ class Measurement:
     error: str | None = None
     note: str | None = None
     cut: str | None = None
+    accepted: str | None = None
 
     def add_note(self, remark: str | None, first: bool = False) -> None:
         """Join ``remark`` to :attr:`note` with ``"; "`` (before it when ``first``); None or "" adds
         nothing."""
         parts = (remark, self.note) if first else (self.note, remark)
         self.note = "; ".join(x for x in parts if x) or None
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """What a drift measurement's stop (``Harness.measure``'s ``cut``) returns to end the passes
+    without a cut: ``why`` becomes :attr:`Measurement.accepted` (a plain string returned becomes
+    :attr:`Measurement.cut`)."""
+
+    why: str
 
 
 def describe_failure(e: BaseException) -> str:

@@ -9,10 +9,10 @@ as these strings do not change.
 from __future__ import annotations
 
 __all__ = [
-    "ATTR", "CASTS", "CONSTRAINT", "CUT", "DRIFT_BUDGET", "DRIFT_RULE", "ERROR", "FINGERPRINT", "GRAD_REL_L2",
-    "GRAD_REL_L2_BATCHES", "GRAD_SQNR_DB_MIN", "GRAPH", "INFEASIBLE", "INTERRUPTED", "LOSS_REL", "MEASURED",
-    "MEASURE_VERSION", "NOTE", "PEAK_BYTES", "POLICY", "RESULT", "REUSED_FROM", "SENSITIVITY", "SPACE",
-    "STEP_S", "STEP_TIMES", "TOKENS_PER_S", "TOKENS_PER_S_BAND", "WORKER",
+    "ACCEPTED", "ATTR", "CASTS", "CONSTRAINT", "CUT", "DRIFT_BUDGET", "DRIFT_RULE", "ERROR", "FINGERPRINT",
+    "GRAD_REL_L2", "GRAD_REL_L2_BATCHES", "GRAD_SQNR_DB_MIN", "GRAPH", "INFEASIBLE", "INTERRUPTED",
+    "LOSS_REL", "MEASURED", "MEASURE_VERSION", "NOTE", "PEAK_BYTES", "POLICY", "RESULT", "REUSED_FROM",
+    "SENSITIVITY", "SPACE", "STEP_S", "STEP_TIMES", "TOKENS_PER_S", "TOKENS_PER_S_BAND", "WORKER",
 ]
 
 #: Namespace of every user attribute autoprec writes.
@@ -27,6 +27,9 @@ ERROR = ATTR + "error"  #: why the trial failed (lowering error, non-finite valu
 NOTE = ATTR + "note"  #: a remark that does not invalidate the measurement
 #: why the trial's drift passes stopped early (search/screen_cut.py): measured in part, never a finalist
 CUT = ATTR + "cut"
+#: why the trial's drift passes stopped early with the trial accepted (search/screen_cut.py): its drift is
+#: within the budget beyond noise on the batches it ran; a finalist candidate like any whole measurement
+ACCEPTED = ATTR + "accepted"
 WORKER = ATTR + "worker"  #: ``host:pid`` of the process measuring it (objective.is_dead_worker)
 INTERRUPTED = ATTR + "interrupted"  #: cut short by Ctrl-C or a killed worker: not counted
 REUSED_FROM = ATTR + "reused_from"  #: number of the trial whose measurement of the same graph it copies

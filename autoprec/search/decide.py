@@ -177,6 +177,27 @@ class DriftBudget:
         """``excess(m) <= 0``."""
         return self.excess(m) <= 0
 
+    def upper(self, m: Any) -> float:
+        """The upper one-sided 95% bound of the rule's statistic, as a multiple of the budget (≤ 1:
+        within it beyond noise; the mirror of the test :meth:`feasible` applies): auto,
+        exp(mean(r) + t_{0.95,n−1} · sd(r) / √n) / (1 + margin) on the n paired batches; fixed,
+        (mean(g) + t_{0.95,n−1} · sd(g) / √n) / X. inf with fewer than 2 values (no sd), a
+        non-finite one, or values not paired with the reference's batches (auto).
+
+        The screening's early acceptance (:mod:`autoprec.search.screen_cut`) stops a trial's drift
+        passes once this is ≤ 1 on its first batches: more batches could still move the estimate,
+        but past the budget only against a 95% bound."""
+        values = _values(m)
+        n = len(values)
+        if n < 2 or not all(math.isfinite(g) for g in values) or (
+                self.rule == "auto" and n != len(self.reference)):
+            return math.inf
+        if self.rule == "fixed":
+            half = t95(n - 1) * statistics.stdev(values) / math.sqrt(n)
+            return (statistics.fmean(values) + half) / self.max_drift
+        mean, lower, _n = self._stats(values)
+        return math.exp(2 * mean - lower) / (1 + self.margin)  # mean + t·sd/√n: the lower bound mirrored
+
     def explain(self, m: Any) -> str:
         """The comparison behind :meth:`feasible`, in words, for log and rejection messages: e.g.
         ``"grad_rel_l2 1.2e-02 vs torch.autocast's 9.5e-03 on the same 4 batches: ratio 1.26 (95%

@@ -24,7 +24,7 @@ import optuna
 import torch
 
 from autoprec.applied.saved import saved_eager
-from autoprec.measure import Harness, Measurement, Timing
+from autoprec.measure import Accepted, Harness, Measurement, Timing
 from autoprec.nodemeta import read_meta
 from autoprec.passes import lowering_passes
 from autoprec.search import attrs
@@ -122,19 +122,14 @@ class Objective:
         prior = _find_measured(trial.study, fp, trial.number)
         cut = (None if self.finalists is None else
                screening_cut(trial.study, self.finalists, self.budget, self.max_step_s))
-        if prior is not None and attrs.CUT in prior.user_attrs:
-            # measured in part: copied while the cut, asked now, stops its passes again
+        again = None
+        if prior is not None and _in_part(prior):
+            # measured in part: copied while the cut, asked now, stops or accepts its passes again
+            # (under the budget of this run, which may differ from the one they were judged by)
             again = cut(recorded(prior)) if cut is not None else None
             prior = None if again is None else prior
         if prior is not None:
-            for k, v in prior.user_attrs.items():
-                if k.startswith(attrs.ATTR) and k not in (attrs.POLICY, attrs.FINGERPRINT):
-                    trial.set_user_attr(k, v)
-            if attrs.CUT in prior.user_attrs:
-                trial.set_user_attr(attrs.CUT, again)  # why, on the study as it is now
-            _constrain(trial, float(prior.user_attrs.get(attrs.CONSTRAINT, attrs.INFEASIBLE)))
-            trial.set_user_attr(attrs.REUSED_FROM, prior.number)
-            return tuple(prior.values) if prior.values else math.nan
+            return self._copy(trial, prior, again)
         why = self.cannot_win(assigned.graph_module) if cut is not None and self.cannot_win else None
         if why is not None:  # its first pass would trip the slow-step limit: not run
             _record(trial, Measurement(cut=f"{why}: not run"), self.budget)
@@ -154,6 +149,28 @@ class Objective:
         if m.error is not None:
             return math.nan
         return m.tokens_per_s, m.grad_rel_l2, float(m.peak_bytes)
+
+
+    def _copy(self, trial: optuna.Trial, prior: optuna.trial.FrozenTrial,
+              again: str | Accepted | None) -> tuple[float, ...] | float:
+        """Record ``prior``'s measurement of the same graph as ``trial``'s (``REUSED_FROM``) and
+        return its values. For a ``prior`` measured in part (cut or accepted), ``again`` is what the
+        cut says of its recorded passes now: why it stops them (the copy is cut), or an
+        :class:`Accepted` (the copy is accepted); either way the copy is judged on those batches
+        under the budget of this run."""
+        part = {attrs.CUT, attrs.ACCEPTED} if again is not None else set()
+        for k, v in prior.user_attrs.items():
+            if k.startswith(attrs.ATTR) and k not in {attrs.POLICY, attrs.FINGERPRINT, *part}:
+                trial.set_user_attr(k, v)
+        constraint = float(prior.user_attrs.get(attrs.CONSTRAINT, attrs.INFEASIBLE))
+        if again is not None:  # why, on the study as it is now
+            trial.set_user_attr(*((attrs.ACCEPTED, again.why) if isinstance(again, Accepted)
+                                  else (attrs.CUT, again)))
+            m = recorded(prior)
+            constraint = self.budget.on_batches(len(m.grad_rel_l2_batches)).excess(m)
+        _constrain(trial, constraint)
+        trial.set_user_attr(attrs.REUSED_FROM, prior.number)
+        return tuple(prior.values) if prior.values else math.nan
 
 
 def name_nonfinite(m: Measurement, gm: torch.fx.GraphModule, batches: list[Any]) -> str | None:
@@ -205,24 +222,28 @@ def _record(trial: optuna.Trial, m: Measurement, budget: DriftBudget) -> None:
     if m.step_times and m.step_s > 0 and math.isfinite(m.step_s):  # the noise band of its tokens/s
         band = Timing.from_steps(m.step_times, m.tokens_per_s * m.step_s).tokens_per_s_band
         trial.set_user_attr(attrs.TOKENS_PER_S_BAND, [finite(x) for x in band])
-    # a cut measurement is judged on the batches it ran, against the budget on the same batches
-    _constrain(trial, budget.on_batches(len(m.grad_rel_l2_batches)).excess(m) if m.cut else budget.excess(m))
+    # a cut or accepted measurement is judged on the batches it ran, against the budget on the same batches
+    part = m.cut is not None or m.accepted is not None
+    _constrain(trial, (budget.on_batches(len(m.grad_rel_l2_batches)) if part else budget).excess(m))
     if m.error is not None:
         trial.set_user_attr(attrs.ERROR, m.error)
     if m.note is not None:
         trial.set_user_attr(attrs.NOTE, m.note)
     if m.cut is not None:
         trial.set_user_attr(attrs.CUT, m.cut)
+    if m.accepted is not None:
+        trial.set_user_attr(attrs.ACCEPTED, m.accepted)
 
 
 def recorded(trial: optuna.trial.FrozenTrial) -> Measurement:
     """The :class:`Measurement` a trial recorded with :func:`_record`, as far as its attributes hold
     it: the fields of :data:`attrs.MEASURED` (a non-finite value, recorded as None, is inf in a
-    list and the field's default alone: a drift value is then inf), its cut and note."""
+    list and the field's default alone: a drift value is then inf), its cut, acceptance and note."""
     ua = trial.user_attrs
     fields = {f: ([math.inf if x is None else x for x in ua[k]] if isinstance(ua[k], list) else ua[k])
               for f, k in attrs.MEASURED.items() if ua.get(k) is not None}
-    return Measurement(**fields, cut=ua.get(attrs.CUT), note=ua.get(attrs.NOTE))
+    return Measurement(**fields, cut=ua.get(attrs.CUT), accepted=ua.get(attrs.ACCEPTED),
+                       note=ua.get(attrs.NOTE))
 
 
 def _find_measured(study: optuna.Study, fp: str, number: int, wait_s: float = 900.0,
@@ -236,9 +257,10 @@ def _find_measured(study: optuna.Study, fp: str, number: int, wait_s: float = 90
     numbers a trial), so the rule holds across machines. A trial whose worker died is given up
     while waiting (:func:`reap_dead_trials`), so nobody waits for it.
 
-    A trial measured in full (or failed with an error) is returned first; failing that, the
-    first trial of the graph that the screening cut stopped (measured in part: the caller copies
-    it only while the cut, asked now, would stop its recorded passes again).
+    A trial measured in full (or failed with an error) is returned first; failing that, of the
+    trials of the graph that the screening cut stopped or accepted (measured in part: the caller
+    copies one only while the cut, asked now, would stop or accept its recorded passes again), the
+    first with the most drift batches measured.
     """
     deadline = time.monotonic() + wait_s
     while True:
@@ -251,14 +273,27 @@ def _find_measured(study: optuna.Study, fp: str, number: int, wait_s: float = 90
                 running = True  # measuring this graph, or not yet lowered: wait and look again
             if t.number == number or other != fp:
                 continue
-            if t.state == optuna.trial.TrialState.COMPLETE and attrs.CUT in t.user_attrs:
-                cut = cut or t  # the first, whose passes ran: a later one copies it or ran again
+            if t.state == optuna.trial.TrialState.COMPLETE and _in_part(t):
+                if cut is None or _passes(t) > _passes(cut):  # the first with the most passes run
+                    cut = t
             elif t.state == optuna.trial.TrialState.FAIL and attrs.ERROR in t.user_attrs or (
                     t.state == optuna.trial.TrialState.COMPLETE):
                 return t
         if not running or time.monotonic() > deadline:
             return cut
         time.sleep(poll_s)
+
+
+def _passes(t: optuna.trial.FrozenTrial) -> int:
+    """Drift batches ``t`` measured."""
+    return len(t.user_attrs.get(attrs.GRAD_REL_L2_BATCHES) or [])
+
+
+def _in_part(t: optuna.trial.FrozenTrial) -> bool:
+    """Whether ``t`` measured its graph in part: the screening cut stopped or accepted its drift
+    passes before the K-th batch (:mod:`autoprec.search.screen_cut`), a verdict of the budget it ran
+    under."""
+    return attrs.CUT in t.user_attrs or attrs.ACCEPTED in t.user_attrs
 
 
 #: A RUNNING trial older than this (seconds) that names no worker was orphaned: its worker was

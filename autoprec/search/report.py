@@ -84,6 +84,7 @@ def trial_rows(study: optuna.Study) -> list[dict[str, Any]]:
             "policy": Policy.from_dict(pol).summary() if pol else "", "error": ua.get(attrs.ERROR),
             "key": Policy.from_dict(pol).training_key() if pol else None,
             "reused_from": ua.get(attrs.REUSED_FROM), "cut": ua.get(attrs.CUT),
+            "accepted": ua.get(attrs.ACCEPTED),
         })
     return rows
 
@@ -137,6 +138,8 @@ def _markdown(rows, front, table, policy, timings, shapes=None, decision=None, r
         note = r["error"] or (f"same graph as #{r['reused_from']}" if r["reused_from"] is not None else "")
         if r.get("cut"):
             note = "; ".join(x for x in (note, f"screening cut: {r['cut']}") if x)
+        if r.get("accepted"):
+            note = "; ".join(x for x in (note, f"accepted early: {r['accepted']}") if x)
         if (rejected or {}).get(r["key"]):
             note = "; ".join(x for x in (note, f"finalist rejected: {rejected[r['key']]}") if x)
         lines.append(f"| {r['number']} | {r['state']} | {tok} | {g} | {mem} | "

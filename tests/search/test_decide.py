@@ -64,6 +64,30 @@ def test_paired_t_bound_by_hand():
     assert b.excess([a * x for a, x in zip(AC, ratios)]) == pytest.approx(expected)
 
 
+def test_upper_bound_by_hand_is_the_mirror_of_the_test():
+    """upper = exp(mean(r) + t_{0.95,n-1} sd(r)/sqrt(n)) / 1.02 on the n paired batches (auto),
+    (mean + t sd/sqrt(n)) / X (fixed); within the budget beyond noise (<= 1) implies feasible."""
+    ratios = (0.50, 0.60)
+    r = [math.log(x) for x in ratios]
+    mean, sd = sum(r) / 2, abs(r[0] - r[1]) / math.sqrt(2)
+    b = DriftBudget.auto(AC).on_batches(2)
+    g = [a * x for a, x in zip(AC, ratios)]
+    assert b.upper(g) == pytest.approx(math.exp(mean + 6.314 * sd / math.sqrt(2)) / 1.02)
+    assert b.upper(g) <= 1 and b.feasible(g)  # 0.55x autocast on two close batches: settled
+    assert DriftBudget.auto(AC).on_batches(2).upper([a * x for a, x in zip(AC, (0.5, 1.0))]) > 1  # in doubt
+    fixed = DriftBudget.fixed(1e-2)
+    assert fixed.upper([4e-3, 6e-3]) == pytest.approx((5e-3 + 6.314 * math.sqrt(2e-6) / math.sqrt(2)) / 1e-2)
+    for values in ([1e-3], [1e-3, math.inf], []):  # no sd, non-finite, nothing: never settled
+        assert fixed.upper(values) == math.inf
+    assert DriftBudget.auto(AC).upper(g) == math.inf  # 2 values against 4 batches: not paired
+    # across noise levels the bound is above the estimate, and <= 1 only where the test passes
+    for spread in (0.0, 0.05, 0.3):
+        vals = [a * 0.7 * math.exp(spread * (-1) ** k) for k, a in enumerate(AC)]
+        full = DriftBudget.auto(AC)
+        assert full.upper(vals) >= full.ratio(vals) / 1.02
+        assert full.upper(vals) > 1 or full.feasible(vals)
+
+
 def test_one_outlier_batch_is_noise_not_a_verdict():
     """One batch 3x torch.autocast's, the others equal, does not show the policy worse beyond
     noise (the lower bound is below 1.02, though the geometric-mean ratio is 1.32); the same 3x

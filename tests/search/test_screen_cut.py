@@ -9,7 +9,7 @@ import optuna
 import pytest
 import torch
 
-from autoprec.measure import DRIFT_BATCHES, Harness, Measurement
+from autoprec.measure import DRIFT_BATCHES, Accepted, Harness, Measurement
 from autoprec.measure.drift import measure_drift
 from autoprec.modelspec import load_model_spec
 from autoprec.policy import Policy
@@ -86,6 +86,12 @@ def _m(grads, step_times=(0.1,)):
                        step_times=list(step_times))
 
 
+def _near(n):
+    """n drift values around a 1e-2 budget, 10% either side: within the drift rule, not within the
+    budget beyond noise (no early acceptance), so only the speed and slow-step rules decide."""
+    return [1e-2 * (0.9 if k % 2 == 0 else 1.1) for k in range(n)]
+
+
 def _study_with(tokens_per_s, cut=(), infeasible=(), step_times=None):
     study = optuna.create_study(directions=["maximize", "minimize", "minimize"])
     for i, tps in enumerate(tokens_per_s):
@@ -107,17 +113,17 @@ def test_speed_rule_compares_steps_batch_for_batch_with_the_kth_fastest_feasible
     assert kth_feasible(study, 3) is None
     cut = screening_cut(study, 2, budget)
     limit = 1 / (1 - SPEED_MARGIN)
-    slow = _m([1e-3, 1e-3], step_times=[0.1 * limit * 1.01])
+    slow = _m(_near(2), step_times=[0.1 * limit * 1.01])
     assert "the step time of trial 3 (the 2nd fastest feasible)" in cut(slow)
-    assert cut(_m([1e-3, 1e-3], step_times=[0.1 * limit * 0.99])) is None
+    assert cut(_m(_near(2), step_times=[0.1 * limit * 0.99])) is None
     # batch 2 holds more tokens: its 0.33 s step is as fast as the k-th's 0.3 s, not 3.3x its batch 1
-    assert cut(_m([1e-3] * 3, step_times=[0.1 * limit * 1.5, 0.33])) is None
-    assert cut(_m([1e-3] * 3, step_times=[0.1 * limit * 1.5, 0.3 * limit * 1.1])) is not None
+    assert cut(_m(_near(3), step_times=[0.1 * limit * 1.5, 0.33])) is None
+    assert cut(_m(_near(3), step_times=[0.1 * limit * 1.5, 0.3 * limit * 1.1])) is not None
     # from batch 0 on, the first pass of both: a trial 1.3x slower learns nothing from a second
     assert "the step time of trial 3" in cut(_m([1e-3], step_times=[0.1 * limit * 1.01]))
     assert cut(_m([1e-3], step_times=[0.1 * limit * 0.99])) is None
     assert screening_cut(study, 3, budget)(slow) is None  # fewer than k feasible: no speed rule
-    assert cut(_m([1e-3, 1e-3], step_times=[])) is None  # no screening times (CUDA): no speed rule
+    assert cut(_m(_near(2), step_times=[])) is None  # no screening times (CUDA): no speed rule
     no_times = _study_with([1000, 800], step_times={1: []})
     assert screening_cut(no_times, 2, budget)(slow) is None  # nor without the k-th's
 
@@ -132,8 +138,48 @@ def test_slow_step_limit_cuts_from_batch_0_before_any_kth_trial_exists():
     assert why == "a step took 9.20 s, over 4 x the 1.00 s limit (the slow-step limit of timed steps)"
     assert cut(_m([1e-3], step_times=[1.5])) is None  # one step over the limit: noise, go on
     assert "2 steps in a row took over the 1.00 s limit" in cut(_m([1e-3] * 2, step_times=[1.5, 1.2]))
-    assert cut(_m([1e-3] * 2, step_times=[1.5, 0.9])) is None
+    assert cut(_m(_near(2), step_times=[1.5, 0.9])) is None
     assert screening_cut(study, 2, budget)(_m([1e-3], step_times=[9.2])) is None  # no limit given
+
+
+def test_a_trial_within_the_budget_beyond_noise_is_accepted_after_min_batches():
+    """Early acceptance: from MIN_BATCHES batches on, an uncut trial whose drift's upper 95% bound is
+    within the budget stops its passes, accepted (not cut); in doubt, or with a batch left before a
+    loss-scale back-off, it goes on; a cut rule that applies wins."""
+    budget = DriftBudget.auto([1e-2] * 4)
+    cut = screening_cut(_study_with([]), 2, budget)
+    assert cut(_m([3e-3])) is None  # one batch: no sd, no verdict
+    why = cut(_m([3e-3, 3.3e-3]))
+    assert isinstance(why, Accepted) and why.why.startswith("drift within the budget on its first 2 batches")
+    assert cut(_m(_near(2))) is None and cut(_m(_near(3))) is None  # in doubt: all K batches decide
+    pending = _m([3e-3, 3.3e-3])
+    pending.pass_times = [0.1, 0.1, 0.1]  # batch 2 overflowed: its back-off search is next
+    assert cut(pending) is None
+    # clearly slower than the k-th fastest: cut, however small its drift
+    study = _study_with([1000, 900])
+    assert isinstance(screening_cut(study, 2, budget)(_m([3e-3, 3.3e-3], step_times=[0.5, 0.5])), str)
+    fixed = screening_cut(_study_with([]), 2, DriftBudget.fixed(1e-2))
+    assert isinstance(fixed(_m([3e-3, 3.3e-3])), Accepted) and fixed(_m([9e-3, 1.1e-2])) is None
+
+
+def test_speed_rule_against_an_accepted_kth_trial_compares_the_batches_both_timed():
+    budget = DriftBudget.auto([1e-2] * 4)
+    study = _study_with([1000, 800], step_times={1: [0.125, 0.125]})  # the 2nd, accepted after 2 passes
+    cut = screening_cut(study, 2, budget)
+    limit = 1 / (1 - SPEED_MARGIN)
+    assert cut(_m(_near(3), step_times=[0.125 * limit * 1.1, 0.125 * limit * 1.1, 0.01])) is not None
+    assert cut(_m(_near(3), step_times=[0.125, 0.125 * limit * 1.1, 9.0])) is None  # batch 0 as fast
+
+
+def test_harness_stops_an_accepted_measurement_without_a_cut(harness):
+    from autoprec.passes import run_pipeline
+
+    pol = Policy.default("bf16")
+    low = run_pipeline(harness.graph_module, pol).graph_module
+    settle = lambda m: Accepted("settled") if len(m.grad_rel_l2_batches) == MIN_BATCHES else None  # noqa: E731
+    m = harness.measure(low, lambda: make_scaler(pol), screen=True, cut=settle)
+    assert m.accepted == "settled" and m.cut is None and m.error is None
+    assert len(m.grad_rel_l2_batches) == MIN_BATCHES == len(m.step_times) and m.tokens_per_s > 0
 
 
 def test_drift_rule_is_the_budgets_paired_ratio_on_the_same_batches():
@@ -159,12 +205,14 @@ def test_cut_trial_is_complete_marked_measured_in_part_and_never_a_finalist(tmp_
     study.enqueue_trial({"matmul": "bf16", "sensitive": "bf16", "follow": "bf16"})
     study.enqueue_trial({"matmul": "bf16", "sensitive": "bf16", "follow": "auto"})  # #1's graph too
     study.enqueue_trial({"matmul": "bf16", "sensitive": "bf16", "follow": "bf16"})  # #1's graph again
-    # a budget bf16 cannot meet: the all-fp32 trial (drift ~1e-7) runs in full, the bf16 ones are cut
+    # a budget bf16 cannot meet: the all-fp32 trial (drift 0) is accepted after 2 batches, within the
+    # budget beyond noise, the bf16 ones are cut
     budget = DriftBudget.fixed(1e-5)
     study.optimize(Objective(harness, space, budget, max_step_s=60.0, finalists=2), n_trials=4)
     fp32, low, low2, again = study.trials
-    assert attrs.CUT not in fp32.user_attrs
-    assert len(fp32.user_attrs[attrs.GRAD_REL_L2_BATCHES]) == DRIFT_BATCHES
+    assert attrs.CUT not in fp32.user_attrs and fp32.user_attrs[attrs.CONSTRAINT] <= 0
+    assert fp32.user_attrs[attrs.ACCEPTED].startswith("drift within the budget on its first 2 batches")
+    assert len(fp32.user_attrs[attrs.GRAD_REL_L2_BATCHES]) == MIN_BATCHES
     for t in (low, low2, again):
         assert t.state == optuna.trial.TrialState.COMPLETE
         assert "x the drift budget on its first 2 batches (over 2x)" in t.user_attrs[attrs.CUT]
@@ -175,20 +223,40 @@ def test_cut_trial_is_complete_marked_measured_in_part_and_never_a_finalist(tmp_
         assert t.user_attrs[attrs.FINGERPRINT] == low.user_attrs[attrs.FINGERPRINT]
         assert t.user_attrs[attrs.REUSED_FROM] == low.number and t.values == low.values
     assert [t.number for t in feasible(study)] == [0]
-    assert summary(study, 2).startswith("screening cut: 3 of 4 complete trials (drift passes run after 2: 1;"
-                                        " 2 copied from a cut trial of the same graph), steps over 1.18x")
-    # under a budget its recorded drift meets, the cut would not stop it: measured again, in full
+    line = summary(study, 2)
+    assert line.startswith("screening cut: 3 of 4 complete trials (drift passes run after 2: 1;"
+                           " 2 copied from a cut trial of the same graph), steps over 1.18x")
+    assert line.endswith("; 1 accepted early, their drift within the budget beyond noise after 2 passes")
+    # under a budget its recorded drift meets beyond noise, the cut accepts its recorded passes: a
+    # copy, accepted, judged under that budget; the all-fp32 graph is copied, accepted too
     study.enqueue_trial({"matmul": "bf16", "sensitive": "bf16", "follow": "bf16"})
+    study.enqueue_trial({"matmul": "fp32", "sensitive": "fp32", "follow": "fp32"})
     loosened = Objective(harness, space, DriftBudget.fixed(1.0), max_step_s=60.0, finalists=2)
-    study.optimize(loosened, n_trials=1)
-    loose = study.trials[-1]
+    study.optimize(loosened, n_trials=2)
+    loose, fp32_again = study.trials[-2:]
     assert loose.user_attrs[attrs.FINGERPRINT] == low.user_attrs[attrs.FINGERPRINT]
-    assert attrs.REUSED_FROM not in loose.user_attrs and attrs.CUT not in loose.user_attrs
-    assert len(loose.user_attrs[attrs.GRAD_REL_L2_BATCHES]) == DRIFT_BATCHES
+    assert loose.user_attrs[attrs.REUSED_FROM] == low.number and attrs.CUT not in loose.user_attrs
+    assert attrs.ACCEPTED in loose.user_attrs and loose.user_attrs[attrs.CONSTRAINT] <= 0
+    assert loose.user_attrs[attrs.GRAD_REL_L2_BATCHES] == low.user_attrs[attrs.GRAD_REL_L2_BATCHES]
+    # under a budget its passes neither exceed by 2x nor meet beyond noise: measured again
+    mid = 0.8 * float(sum(low.user_attrs[attrs.GRAD_REL_L2_BATCHES]) / MIN_BATCHES)  # 1.25x, not 2x
+    study.enqueue_trial({"matmul": "bf16", "sensitive": "bf16", "follow": "bf16"})
+    tight = Objective(harness, space, DriftBudget.fixed(mid), max_step_s=60.0, finalists=2)
+    study.optimize(tight, n_trials=1)
+    remeasured = study.trials[-1]
+    assert attrs.REUSED_FROM not in remeasured.user_attrs and attrs.CUT not in remeasured.user_attrs
+    assert len(remeasured.user_attrs[attrs.GRAD_REL_L2_BATCHES]) == DRIFT_BATCHES
+    assert fp32_again.user_attrs[attrs.REUSED_FROM] == fp32.number and attrs.ACCEPTED in fp32_again.user_attrs
+    assert {t.number for t in feasible(study)} == {0, loose.number}  # accepted: finalist candidates
     from autoprec.search.report import pareto_front, trial_rows
 
     rows = {r["number"]: r for r in trial_rows(study)}
     assert rows[1]["cut"] and not rows[1]["feasible"] and rows[0]["cut"] is None
+    assert rows[0]["accepted"].startswith("drift within the budget") and rows[0]["feasible"]
+    from autoprec.search.report import report_study
+
+    md = next(p for p in report_study(study, tmp_path / "r") if p.suffix == ".md").read_text()
+    assert "| accepted early: drift within the budget on its first 2 batches" in md
     assert rows[3]["cut"] and rows[3]["reused_from"] == 1 and not rows[3]["feasible"]
     # measured in part: off the front (trial 4, measured in full under a looser budget, is on it)
     assert 1 not in {r["number"] for r in pareto_front(list(rows.values()))}
