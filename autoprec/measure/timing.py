@@ -11,7 +11,9 @@ narrow enough, the stop rule of torch.utils.benchmark's ``Timer.adaptive_autoran
 ``stop_hook(times)`` says the spread is small, ``Measurement.iqr / median < threshold``, or a
 time limit is reached), with the bootstrap band instead of the IQR as the spread, or once the
 caller says its decision is settled. The bands, and whether one configuration's throughput beats
-another's beyond the noise, are :mod:`autoprec.measure.noise`'s.
+another's beyond the noise (paired round by round: each timing keeps its rounds' step times,
+``Timing.round_steps``, so a drift of the machine's speed between rounds cancels), are
+:mod:`autoprec.measure.noise`'s.
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ class _Run:
         self.step: TrainStep | None = None
         self.k = 0  # next batch index (cycling through the harness's batches)
         self.times: list[float] = []
+        self.round_steps: list[list[float]] = []  # the times of each recorded round
         self.rounds = 0
         self.error: str | None = None
         self.note: str | None = None
@@ -92,6 +95,7 @@ class _Run:
         configuration's ``run``; failures end this run's timing."""
         h = self.h
         self.recording = record
+        before = len(self.times)
         cuda = h.device.type == "cuda"
         try:
             c = self.cfg
@@ -124,6 +128,8 @@ class _Run:
         finally:
             self.k += n
             self.recording = False
+            if record and len(self.times) > before:
+                self.round_steps.append(self.times[before:])
 
     def state_bytes(self) -> int:
         """Bytes of this configuration's own optimizer state tensors
@@ -248,7 +254,8 @@ def _narrow(r: _Run, rel_band: float) -> bool:
 
 
 def _timing(r: _Run, rel_band: float, capped: bool, cap_s: float, base: int | None) -> Timing:
-    t = Timing.from_steps(r.times if r.error is None else [], r.h.tokens, rounds=r.rounds)
+    t = Timing.from_steps(r.times if r.error is None else [], r.h.tokens, rounds=r.rounds,
+                          round_steps=r.round_steps if r.error is None else ())
     t.error, t.note, t.too_slow, t.retired = r.error, r.note, r.too_slow, r.retired
     if capped and r.active and t.rel_half_width() > rel_band:
         t.note = (f"time cap {cap_s:g} s reached after {r.rounds} rounds "

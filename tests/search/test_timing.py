@@ -42,6 +42,7 @@ def test_rounds_alternate(harness):
     assert calls == warm + ["A", "A", "B", "B", "C", "C"] * 3
     for t in res.values():
         assert t.rounds == 3 and len(t.step_times) == 6 and t.error is None
+        assert t.round_steps == [t.step_times[0:2], t.step_times[2:4], t.step_times[4:6]]
 
 
 def test_weights_restored_and_same_start(harness):
@@ -172,6 +173,32 @@ def test_compare_tie_and_winner():
     assert compare(slow, a).winner == "b"
     with pytest.raises(ValueError):
         compare(a, Timing())
+
+
+def _rounds(per_round, factor=1.0):
+    """A Timing of rounds of two steps each, round r's steps ``per_round[r] * factor`` seconds."""
+    rounds = [[x * factor, x * factor * 1.01] for x in per_round]
+    return Timing.from_steps([x for r in rounds for x in r], 100.0, rounds=len(rounds), round_steps=rounds)
+
+
+def test_compare_pairs_rounds_so_a_drifting_machine_cancels():
+    """The machine's speed drifts 0.57-0.68 s between rounds; a is 4% faster in every round. Unpaired,
+    the drift widens both bands into a tie; paired round by round, a wins."""
+    drift = [0.57, 0.60, 0.59, 0.66, 0.68, 0.58, 0.63, 0.65]
+    a, b = _rounds(drift, 1 / 1.04), _rounds(drift)
+    c = compare(a, b)
+    assert c.winner == "a" and c.ratio == pytest.approx(1.04) and c.band[0] > 1.0
+    unpaired = compare(Timing.from_steps(a.step_times, 100.0), Timing.from_steps(b.step_times, 100.0))
+    assert unpaired.tie
+    # the rounds both ran, from the first: b retired after 3 rounds is paired on those
+    assert compare(a, _rounds(drift[:3])).winner == "a"
+    # under PAIRED_MIN_ROUNDS rounds in common: the two-sample rule
+    two = compare(a, _rounds(drift[:2]))
+    assert two.ratio == pytest.approx(compare(Timing.from_steps(a.step_times, 100.0),
+                                              Timing.from_steps(_rounds(drift[:2]).step_times, 100.0)).ratio)
+    # rounds whose ratio scatters around 1 stay a tie
+    jitter = [1.03, 0.97, 1.02, 0.98, 1.01, 0.99, 1.0, 1.02]
+    assert compare(_rounds([d * j for d, j in zip(drift, jitter)]), b).tie
 
 
 def test_compare_sleep_based_fakes(harness):
