@@ -28,8 +28,9 @@ __all__ = ["SENSITIVITY_BATCHES", "enqueue_baselines", "finished", "optimize", "
 WAIT_FOR_OTHERS_S = 600.0
 #: Drift batches a region's sensitivity is measured on (of K): a ranking, and on a deep model each
 #: batch is a forward and backward of the whole model per region. On a 24-layer Qwen2 the regions'
-#: values spread 4x (7.5e-3 to 1.9e-3) against ±5% between batches.
-SENSITIVITY_BATCHES = 2
+#: values spread 4x (7.5e-3 to 1.9e-3, and 9.3e-4 to 2.0e-4) against ±5% between batches, so one
+#: batch ranks them (it orders the local moves queued from the twin, ``enqueue_baselines``).
+SENSITIVITY_BATCHES = 1
 #: Rounds of "run trials, wait for the others": a trial given up while waiting (its worker died)
 #: no longer counts, so the survivors run its retry in another round.
 _ROUNDS = 4
