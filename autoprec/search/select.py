@@ -7,6 +7,7 @@ gets eagerly: torch.autocast eager and fp32 eager."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -277,10 +278,13 @@ class Selector:
         baselines = {label for label, pol, _fn, _m in survivors if all_fp32(pol)}
         baselines |= ({self.ac_label} if ac_ok else set()) | {FP32_EAGER}
         policies = {label for label, _pol, _fn, _m in survivors}
+        start = time.perf_counter()
         self.timings = time_interleaved(self.h, configs, max_step_s=self.slow,
                                         retire=out_of_the_running(baselines, policies),
                                         settled=settled(baselines, policies, tie_order(
                                             (label, pol, m.grad_rel_l2) for label, pol, _fn, m in survivors)))
+        rounds = max((t.rounds for t in self.timings.values()), default=0)
+        log(f"  {rounds} rounds in {time.perf_counter() - start:.0f} s, warm-up included", self.quiet)
         contenders = []
         for label, pol, _fn, m in survivors:
             _take_timing(m, self.timings[label])
