@@ -30,9 +30,8 @@ from autoprec.measure.train_run import TrainRun, shareable
 
 __all__ = [
     "BOOTSTRAP_RESAMPLES", "DRIFT_BATCHES", "MAX_BACKOFFS", "MIN_TIMED_STEPS", "TIMED_BUDGET_S", "Accepted",
-    "BatchDrift",
-    "BusyMachineError", "Comparison", "Config", "Drift", "Harness", "LoadCheck", "LoadMonitor", "Measurement",
-    "PeakBytes", "References", "Retire", "SavedBytes", "Settled", "Timing", "TrainRun", "batch_drift",
-    "batch_shapes", "compare", "describe_failure", "format_rate", "is_compiled",
+    "BatchDrift", "BusyMachineError", "Comparison", "Config", "Drift", "Harness", "LoadCheck",
+    "LoadMonitor", "Measurement", "PeakBytes", "References", "Retire", "SavedBytes", "Settled", "Timing",
+    "TrainRun", "batch_drift", "batch_shapes", "compare", "describe_failure", "format_rate", "is_compiled",
     "measure_drift", "optimizer_state_bytes", "shareable", "time_interleaved", "training_state_bytes",
 ]
