@@ -150,7 +150,6 @@ class Objective:
             return math.nan
         return m.tokens_per_s, m.grad_rel_l2, float(m.peak_bytes)
 
-
     def _copy(self, trial: optuna.Trial, prior: optuna.trial.FrozenTrial,
               again: str | Accepted | None) -> tuple[float, ...] | float:
         """Record ``prior``'s measurement of the same graph as ``trial``'s (``REUSED_FROM``) and
