@@ -264,7 +264,7 @@ def _find_measured(study: optuna.Study, fp: str, number: int, wait_s: float = 90
     deadline = time.monotonic() + wait_s
     while True:
         reap_dead_trials(study)
-        running, cut = False, None
+        running, part = False, None
         for t in study.get_trials(deepcopy=False):
             other = t.user_attrs.get(attrs.FINGERPRINT)
             if (t.number < number and t.state == optuna.trial.TrialState.RUNNING and other in (None, fp)
@@ -273,13 +273,13 @@ def _find_measured(study: optuna.Study, fp: str, number: int, wait_s: float = 90
             if t.number == number or other != fp:
                 continue
             if t.state == optuna.trial.TrialState.COMPLETE and _in_part(t):
-                if cut is None or _passes(t) > _passes(cut):  # the first with the most passes run
-                    cut = t
+                if part is None or _passes(t) > _passes(part):  # the first with the most passes run
+                    part = t
             elif t.state == optuna.trial.TrialState.FAIL and attrs.ERROR in t.user_attrs or (
                     t.state == optuna.trial.TrialState.COMPLETE):
                 return t
         if not running or time.monotonic() > deadline:
-            return cut
+            return part
         time.sleep(poll_s)
 
 
