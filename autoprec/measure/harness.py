@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -37,7 +37,7 @@ from autoprec.modelspec import ModelSpec
 from autoprec.randomness import draws_random
 from autoprec.training.rng import MEASURE_SEED, StepRng, same_rng
 from autoprec.training.scaler import DynamicLossScaler
-from autoprec.training.steps import StepsTooSlow, run_steps, slow_step_guard
+from autoprec.training.steps import StepHook, StepsTooSlow, run_steps, slow_step_guard
 from autoprec.training.train import GradientsOnly, TrainStep
 
 __all__ = ["MIN_TIMED_STEPS", "TIMED_BUDGET_S", "Harness"]
@@ -85,8 +85,7 @@ class Harness:
             parameter).
 
     Attributes:
-        drift_batches: K (see Args).
-        ref_loss, ref_grads: The eager FP32 reference loss and gradients on batch 0.
+        drift_batches: K (see Args). ref_loss, ref_grads: eager FP32's loss and gradients on batch 0.
         optimizer_name: Class name of the model file's optimizer (e.g. ``"AdamW"``), whose state
             :attr:`state_bytes` counts.
         backoff_hint: Batch 0's loss-scale back-offs in the last drift measurement that made any (1
@@ -381,9 +380,10 @@ class Harness:
 
     def trajectory(self, fn: Callable[..., Any], scaler_factory: Callable[[], DynamicLossScaler | None]
                    = lambda: None, autocast_dtype: torch.dtype | None = None, steps: int = 20,
-                   fp32_gemms: bool = False) -> list[float]:
+                   fp32_gemms: bool = False, after: Sequence[StepHook] = ()) -> list[float]:
         """Losses of ``steps`` optimizer steps on batches ``get_batch(0..steps-1)`` from the initial
-        weights (restored afterwards; ``fp32_gemms`` as :meth:`measure`'s). Non-finite losses are kept.
+        weights (restored afterwards; ``fp32_gemms`` as :meth:`measure`'s; ``after``: hooks of
+        :func:`run_steps`, whose exception ends the run early). Non-finite losses are kept.
 
         Step k runs from RNG seed ``MEASURE_SEED + k`` (``StepRng(MEASURE_SEED, per_step=True)``,
         :mod:`autoprec.training.rng`), so every configuration sees the same dropout masks at step k
@@ -394,7 +394,7 @@ class Harness:
             gemms = Fp32ComputeGemms(autocast_dtype) if fp32_gemms else contextlib.nullcontext()
             with self._eager_random(fn), gemms:  # a first call compiles here too: eager's masks, as drift's
                 done = run_steps(step, self.batches.__getitem__, 0, steps,
-                                 rng=StepRng(MEASURE_SEED, per_step=True), device=self.device)
+                                 rng=StepRng(MEASURE_SEED, per_step=True), device=self.device, after=after)
             return [stats.loss for stats, _seconds in done]
         finally:
             self.restore()

@@ -244,8 +244,10 @@ class Selector:
             rejected.append(label)
             survivors = [s for s in survivors if s[0] != label]
         if pol.training_key() in self.trajectory.traj:  # measured: it lowers something, K > 0
-            log(f"  {label}: traj_rel {self.trajectory.of(pol):.3g} over {self.trajectory.steps} steps "
-                f"(torch.autocast's {self.trajectory.budget:.3g})", self.quiet)
+            t = self.trajectory
+            log(f"  {label}: traj_rel {t.of(pol):.3g} over {t.steps} steps (torch.autocast's {t.budget:.3g}"
+                + ("" if t.budget_steps >= t.steps else f" or more: {t.budget_steps} of its steps decided")
+                + ")", self.quiet)
         decision.rejected = rejected
         self.decision = decision
         log(decision.describe(), self.quiet)

@@ -4,6 +4,7 @@ steps. :class:`autoprec.search.select.Selector` runs it on the policy it would w
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -26,6 +27,23 @@ __all__ = ["TRAJ_FACTOR", "TrajectoryCheck"]
 #: computes torch.autocast's dtypes, measured 1.34x autocast's traj_rel (1.37e-3 vs 1.02e-3) from
 #: summation order alone (tests/passes/test_autocast_twin.py), compounded over 20 steps.
 TRAJ_FACTOR = 2.0
+
+
+class _Enough(Exception):
+    """Raised by :meth:`TrajectoryCheck._autocast_until`'s step hook: the steps run decide the check."""
+
+
+class _Budget:
+    """One reference's K losses (``ref``) and torch.autocast's losses run so far (``ac``) against it:
+    ``fn``, its module, run with its GEMMs in fp32 where ``emulate``."""
+
+    def __init__(self, ref: list[float], fn: Callable[..., Any], emulate: bool) -> None:
+        self.ref, self.fn, self.emulate = ref, fn, emulate
+        self.ac: list[float] = []
+
+    def value(self) -> float:
+        """torch.autocast's ``traj_rel`` over the steps it has run (0.0 before any)."""
+        return traj_rel(self.ac, self.ref[:len(self.ac)])
 
 
 class TrajectoryCheck:
@@ -59,7 +77,9 @@ class TrajectoryCheck:
 
     Attributes:
         traj: ``Policy.training_key()`` -> its ``traj_rel``.
-        budget: torch.autocast's ``traj_rel`` of the last check (None before one).
+        budget: torch.autocast's ``traj_rel`` over its first :attr:`budget_steps` steps in the last
+            check (None before one): over all K where that check failed, else a lower bound of it.
+        budget_steps: How many of torch.autocast's K steps :attr:`budget` is over.
         runs: ``(id(module), autocast dtype)`` -> its :class:`TrainRun` from :meth:`share`.
     """
 
@@ -71,8 +91,9 @@ class TrajectoryCheck:
         self._compiled_autocast, self._compiled_fp32 = compiled_autocast, compiled_fp32
         self.traj: dict[str, float] = {}
         self.budget: float | None = None
-        # id(reference fn) -> (losses, budget); the harness keeps each reference fn alive
-        self._refs: dict[int, tuple[list[float], float]] = {}
+        self.budget_steps = 0
+        # id(reference fn) -> its losses and torch.autocast's so far; the harness keeps each alive
+        self._refs: dict[int, _Budget] = {}
         self.runs: dict[tuple[int, torch.dtype | None], TrainRun] = {}
         self._shareable: bool | None = None
 
@@ -98,16 +119,15 @@ class TrajectoryCheck:
         """Drop the runs of :meth:`share` (their weights and optimizer state)."""
         self.runs.clear()
 
-    def _losses(self, fn: Callable[..., Any], scaler_factory: Callable[[], DynamicLossScaler | None],
-                autocast_dtype: torch.dtype | None = None, fp32_gemms: bool = False) -> list[float]:
+    def _losses(self, fn: Callable[..., Any], scaler_factory: Callable[[], DynamicLossScaler | None]
+                ) -> list[float]:
         """``fn``'s K losses: from its shared run, or :meth:`Harness.trajectory` when it has none
-        (or its run broke); with ``fp32_gemms`` always the latter, with the GEMMs in fp32."""
-        run = None if fp32_gemms else self.runs.get((id(fn), autocast_dtype))
+        (or its run broke)."""
+        run = self.runs.get((id(fn), None))
         got = run.trajectory(self.steps) if run is not None else None
         if got is not None:
             return got
-        return self.h.trajectory(fn, scaler_factory, autocast_dtype=autocast_dtype, steps=self.steps,
-                                 fp32_gemms=fp32_gemms)
+        return self.h.trajectory(fn, scaler_factory, steps=self.steps)
 
     def of(self, policy: Policy) -> float:
         """``traj_rel`` measured for ``policy`` (by content), 0.0 when it was not checked (it
@@ -126,8 +146,16 @@ class TrajectoryCheck:
         sides are then compiled, and its steps cost what a compiled step costs (a 24-layer Qwen2
         on 2 cores: 0.53 s against 0.80 s eager). Against a compiled reference torch.autocast's
         budget is taken compiled too (eagerly with its GEMMs in fp32 where ``fp32_gemms``). Each
-        reference's trajectories are run once, or read from the runs the head-to-head timed
+        reference's trajectory is run once, or read from the runs the head-to-head timed
         (:meth:`share`).
+
+        torch.autocast's steps run after ``fn``'s, and only as many as the verdict needs: its
+        ``traj_rel`` over its first j steps is a lower bound of its ``traj_rel`` over K (a max
+        over steps), so once :data:`TRAJ_FACTOR` x that bound reaches ``fn``'s ``traj_rel`` the
+        check passes, as it would after K. Only a failing ``fn`` needs all K (a 24-layer Qwen2 on
+        an AVX2-only CPU: ~1.3 s per step of torch.autocast with its GEMMs in fp32). What was run
+        is kept per reference, and continued for a later ``fn`` that needs more (:attr:`budget`,
+        :attr:`budget_steps`).
         """
         if not (policy.dtypes_used() - {"fp32"}) or self.steps <= 0:
             return True
@@ -135,15 +163,42 @@ class TrajectoryCheck:
         if ref_fn is self.h.graph_module and is_compiled(fn):
             ref_fn = self._compiled_fp32() or ref_fn
         if id(ref_fn) not in self._refs:
-            ref = self._losses(ref_fn, lambda: None)
             emulate = self.fp32_gemms and not self.h.random
             ac_fn = self.h.model if ref_fn is self.h.graph_module or emulate else self._compiled_autocast()
-            ac = self._losses(ac_fn, autocast_scaler(self.ac_dtype), self.ac_dtype, emulate)
-            self._refs[id(ref_fn)] = (ref, traj_rel(ac, ref))
-        ref, self.budget = self._refs[id(ref_fn)]
-        tr = traj_rel(self._losses(fn, lambda: make_scaler(policy)), ref)
+            self._refs[id(ref_fn)] = _Budget(self._losses(ref_fn, lambda: None), ac_fn, emulate)
+        b = self._refs[id(ref_fn)]
+        tr = traj_rel(self._losses(fn, lambda: make_scaler(policy)), b.ref)
         self.traj[policy.training_key()] = tr
+        self._autocast_until(b, tr / TRAJ_FACTOR)
+        self.budget, self.budget_steps = b.value(), len(b.ac)
         return tr <= max(self.budget * TRAJ_FACTOR, 1e-12)
+
+    def _autocast_until(self, b: _Budget, need: float) -> None:
+        """Run torch.autocast's trajectory for ``b`` until its ``traj_rel`` so far reaches ``need``
+        or it has K steps (at least one): from the shared run's losses, continued a step at a time,
+        or :meth:`Harness.trajectory` stopped by a step hook (run again from step 0 when more are
+        needed than a stopped run gave)."""
+        def enough() -> bool:
+            return len(b.ac) >= self.steps or (len(b.ac) > 0 and b.value() >= need)
+
+        run = None if b.emulate else self.runs.get((id(b.fn), self.ac_dtype))
+        while run is not None and not enough():
+            got = run.trajectory(max(len(b.ac) + 1, min(len(run.losses), self.steps)))
+            if got is None:
+                break  # a broken run: run the trajectory on its own below
+            b.ac = got
+        if enough():
+            return
+
+        def hook(_k: int, _batch: Any, stats: Any, _seconds: float) -> None:
+            b.ac.append(stats.loss)
+            if enough():
+                raise _Enough
+
+        b.ac = []
+        with contextlib.suppress(_Enough):
+            self.h.trajectory(b.fn, autocast_scaler(self.ac_dtype), autocast_dtype=self.ac_dtype,
+                              steps=self.steps, fp32_gemms=b.emulate, after=[hook])
 
     def reason(self, policy: Policy) -> str:
         """Why ``policy`` failed :meth:`ok` (the log's and the report's words)."""

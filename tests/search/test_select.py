@@ -3,6 +3,8 @@ the policy's content, never by object identity."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -29,12 +31,20 @@ class _TrajHarness:
     def reference_fn(self, fn):
         return self.graph_module
 
-    def trajectory(self, fn, scaler_factory=None, autocast_dtype=None, steps=3, fp32_gemms=False):
+    def trajectory(self, fn, scaler_factory=None, autocast_dtype=None, steps=3, fp32_gemms=False, after=()):
         if fn is self.graph_module:
-            return [1.0] * steps
+            return _steps([1.0] * steps, after)
         if autocast_dtype is not None:
-            return [1.01] * steps
-        return [fn.loss] * steps
+            return _steps([1.01] * steps, after)
+        return _steps([fn.loss] * steps, after)
+
+
+def _steps(losses, after):
+    """``losses`` as run_steps gives them: each step's hooks run after it (and may stop the run)."""
+    for k, loss in enumerate(losses):
+        for hook in after:
+            hook(k, None, SimpleNamespace(loss=loss), 0.0)
+    return losses
 
 
 class _Fn:
@@ -67,13 +77,14 @@ def test_a_compiled_policys_trajectory_is_judged_against_compiled_fp32_and_autoc
     ran = []
 
     class H(_TrajHarness):
-        def trajectory(self, fn, scaler_factory=None, autocast_dtype=None, steps=3, fp32_gemms=False):
+        def trajectory(self, fn, scaler_factory=None, autocast_dtype=None, steps=3, fp32_gemms=False,
+                       after=()):
             ran.append(fn)
             if fn is fp32_c:
-                return [1.0] * steps
+                return _steps([1.0] * steps, after)
             if fn is ac_c:
-                return [1.02] * steps
-            return super().trajectory(fn, scaler_factory, autocast_dtype, steps)
+                return _steps([1.02] * steps, after)
+            return super().trajectory(fn, scaler_factory, autocast_dtype, steps, after=after)
 
     h = H()
     fp32_c, ac_c = _Fn(1.0), _Fn(1.0)
@@ -81,14 +92,14 @@ def test_a_compiled_policys_trajectory_is_judged_against_compiled_fp32_and_autoc
     cand.compiled = True
     check = TrajectoryCheck(h, torch.bfloat16, 3, lambda: ac_c, lambda: fp32_c)
     assert check.ok(Policy.default("bf16"), cand) and check.budget == pytest.approx(0.02)
-    assert ran == [fp32_c, ac_c, cand]
+    assert ran == [fp32_c, cand, ac_c]
     ran.clear()
     eager = _Fn(1.01)
     assert check.ok(Policy.default("fp16"), eager) and check.budget == pytest.approx(0.01)
-    assert ran == [h.graph_module, h.model, eager]
+    assert ran == [h.graph_module, eager, h.model]
     ran.clear()
     none = TrajectoryCheck(h, torch.bfloat16, 3, lambda: ac_c)  # no compiled fp32 graph
-    assert none.ok(Policy.default("bf16"), cand) and ran == [h.graph_module, h.model, cand]
+    assert none.ok(Policy.default("bf16"), cand) and ran == [h.graph_module, cand, h.model]
 
 
 def test_training_key_ignores_measurements_and_provenance():
@@ -183,7 +194,8 @@ def test_only_the_choice_pays_its_trajectory_and_a_rejected_choice_gives_way(mon
     assert "after A failed the trajectory check" in sel.decision.describe()
     assert timed == [["A", "B", "C", "fp32 + torch.compile", "fp32 eager"],
                      ["B", "C", "fp32 + torch.compile", "fp32 eager"]]
-    assert ran == [h.graph_module, h.model, fns["A"], fns["B"]]  # reference, torch.autocast, A, B
+    # reference, A, torch.autocast (all K steps: A fails), B (torch.autocast's steps are kept)
+    assert ran == [h.graph_module, fns["A"], h.model, fns["B"]]
     assert sel.trajectory.of(c) == 0.0 and abs(sel.trajectory.of(b) - 1e-3) < 1e-12
     point = next(p for p in sel.points if p["key"] == a.training_key())
     assert point["rejected"] == "traj_rel 0.5 > 2x torch.autocast's 0.01"
@@ -277,11 +289,12 @@ def test_with_slow_native_gemms_autocasts_trajectory_runs_eagerly_with_its_gemms
     class H(_TrajHarness):
         random = False
 
-        def trajectory(self, fn, scaler_factory=None, autocast_dtype=None, steps=3, fp32_gemms=False):
+        def trajectory(self, fn, scaler_factory=None, autocast_dtype=None, steps=3, fp32_gemms=False,
+                       after=()):
             ran.append((fn, fp32_gemms))
             if fn is fp32_c:
-                return [1.0] * steps
-            return super().trajectory(fn, scaler_factory, autocast_dtype, steps)
+                return _steps([1.0] * steps, after)
+            return super().trajectory(fn, scaler_factory, autocast_dtype, steps, after=after)
 
     h = H()
     fp32_c, cand = _Fn(1.0), _Fn(1.01)
@@ -289,13 +302,13 @@ def test_with_slow_native_gemms_autocasts_trajectory_runs_eagerly_with_its_gemms
     check = TrajectoryCheck(h, torch.bfloat16, 3, lambda: pytest.fail("compiled torch.autocast"),
                             lambda: fp32_c, fp32_gemms=True)
     assert check.ok(Policy.default("bf16"), cand) and check.budget == pytest.approx(0.01)
-    assert ran == [(fp32_c, False), (h.model, True), (cand, False)]
+    assert ran == [(fp32_c, False), (cand, False), (h.model, True)]
     ran.clear()
     H.random = True
     ac_c = _Fn(1.02)
     check = TrajectoryCheck(h, torch.bfloat16, 3, lambda: ac_c, lambda: fp32_c, fp32_gemms=True)
     check.ok(Policy.default("bf16"), cand)
-    assert ran[1] == (ac_c, False)
+    assert ran[2] == (ac_c, False)
 
 
 def test_autocasts_trajectory_with_gemms_in_fp32_is_its_native_one(monkeypatch):
@@ -341,3 +354,38 @@ def test_torch_autocast_over_the_budget_gets_its_log_line_too(monkeypatch, capsy
     out = capsys.readouterr().out
     assert "[autoprec]   torch.autocast + torch.compile: 1" in out, out
     assert "(over the drift or memory budget: not a bar)" in out, out
+
+
+def test_autocasts_trajectory_runs_only_the_steps_the_verdict_needs():
+    """torch.autocast's ``traj_rel`` over its first j steps bounds its K-step one from below, so its
+    steps stop once 2x that bound reaches the candidate's ``traj_rel``; a later candidate that needs
+    more runs them again, further; a failing one needs all K, and its verdict and budget are the
+    K-step ones. Scripted: FP32 1.0 each step, torch.autocast 1.001, 1.002, 1.004, 1.008."""
+    ac_losses = [1.001, 1.002, 1.004, 1.008]
+    ran: list[int] = []
+
+    class H(_TrajHarness):
+        def trajectory(self, fn, scaler_factory=None, autocast_dtype=None, steps=3, fp32_gemms=False,
+                       after=()):
+            if autocast_dtype is None:
+                return super().trajectory(fn, scaler_factory, autocast_dtype, steps, after=after)
+            done: list[float] = []
+            try:
+                for loss in ac_losses[:steps]:
+                    done.append(loss)
+                    _steps([loss], after)
+            finally:
+                ran.append(len(done))
+            return done
+
+    check = TrajectoryCheck(H(), torch.bfloat16, 4, lambda: None)
+    assert check.ok(Policy.default("bf16"), _Fn(1.001))  # needs autocast's >= 0.0005: one step
+    assert ran == [1] and check.budget_steps == 1 and check.budget == pytest.approx(0.001)
+    assert check.ok(Policy.default("fp16"), _Fn(1.007))  # needs >= 0.0035: three steps
+    assert ran == [1, 3] and check.budget_steps == 3 and check.budget == pytest.approx(0.004)
+    assert check.ok(Policy.default("fp16"), _Fn(1.0005))  # the steps kept decide: none run
+    assert ran == [1, 3] and check.budget == pytest.approx(0.004)
+    assert not check.ok(Policy.autocast("bf16"), _Fn(1.02))  # 0.02 > 2 x 0.008 after all four
+    assert ran == [1, 3, 4] and check.budget_steps == 4 and check.budget == pytest.approx(0.008)
+    assert check.reason(Policy.autocast("bf16")) == "traj_rel 0.02 > 2x torch.autocast's 0.008"
+    assert check.ok(Policy.default("bf16"), _Fn(1.016)) and ran == [1, 3, 4]  # 0.016 <= 2 x 0.008

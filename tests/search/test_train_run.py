@@ -86,9 +86,36 @@ def test_the_check_reads_the_runs_it_shared_and_runs_only_the_missing_steps(tmp_
     time_interleaved(h, configs, min_rounds=1, max_rounds=1, steps_per_round=2, warmup=1)
     h.trajectory = lambda *a, **kw: pytest.fail("a trajectory run again")
     assert check.ok(pol, fn)
-    assert check.of(pol) == separate.of(pol) > 0 and check.budget == separate.budget > 0
+    assert check.of(pol) == separate.of(pol) > 0
+    # torch.autocast's shared run had 3 steps already: the budget is over those, the separate one's
+    # over the one step that decided
+    assert (check.budget_steps, separate.budget_steps) == (3, 1) and check.budget >= separate.budget > 0
     check.release()
     assert check.runs == {}
+
+
+def test_the_budget_stops_torch_autocasts_steps_once_they_decide_and_the_verdict_is_the_k_step_one(tmp_path):
+    """On a real run the check stops torch.autocast's trajectory (its own, or the shared run's,
+    continued a step at a time) once 2x its traj_rel so far reaches the policy's; the verdict is the
+    one all K steps give, and the budget is torch.autocast's traj_rel over the steps run, at most its
+    K-step one."""
+    h = _harness(tmp_path)
+    pol = Policy.default("bf16")
+    fn = run_pipeline(h.graph_module, pol).graph_module
+    ac = autocast_scaler(torch.bfloat16)
+    ref = h.trajectory(h.graph_module, steps=K)
+    full = traj_rel(h.trajectory(h.model, ac, autocast_dtype=torch.bfloat16, steps=K), ref)
+    mine = traj_rel(h.trajectory(fn, lambda: make_scaler(pol), steps=K), ref)
+    assert 0 < mine <= 2 * full
+    separate = TrajectoryCheck(h, torch.bfloat16, K, lambda: None)
+    assert separate.ok(pol, fn) and separate.of(pol) == mine
+    assert 1 <= separate.budget_steps < K and mine <= 2 * separate.budget <= 2 * full
+    shared = TrajectoryCheck(h, torch.bfloat16, K, lambda: None)
+    runs = {"autocast": shared.share(h.model, ac, torch.bfloat16)}
+    assert shared.ok(pol, fn) and shared.of(pol) == mine
+    assert runs["autocast"].losses[:shared.budget_steps] == h.trajectory(
+        h.model, ac, autocast_dtype=torch.bfloat16, steps=shared.budget_steps)
+    assert shared.budget_steps == separate.budget_steps and shared.budget == separate.budget
 
 
 @pytest.mark.parametrize("extra, rows", [("nn.Dropout(0.1), ", "8"), ("", "8 + step % 2")])
