@@ -27,6 +27,9 @@ from autoprec.training.scaler import DynamicLossScaler
 __all__ = ["DRIFT_BATCHES", "MAX_BACKOFFS", "BatchDrift", "Drift", "References", "as_measurement",
            "batch_drift", "is_compiled", "measure_drift", "take_grads"]
 
+#: One forward/backward's ``(loss, unscaled gradients, saved bytes)`` (:func:`measure_drift`'s ``step``).
+_Pass = tuple[float, list[torch.Tensor], int]
+
 #: K, the batches ``get_batch(0..K-1)`` every drift measurement runs on (``Harness(...,
 #: drift_batches=K)`` overrides it). Four gives the paired t-test of
 #: :class:`autoprec.search.decide.DriftBudget` three degrees of freedom (t₀.₉₅ = 2.353) for four
@@ -143,7 +146,8 @@ def measure_drift(step: Callable[[int, bool], tuple[float, list[torch.Tensor], i
     while the scale backs off (``torch.amp.GradScaler``'s rule): the batch is measured at the scale
     where that back-off stops (at most :data:`MAX_BACKOFFS` back-offs, found by an exponential
     search, on batch 0 from ``backoff_hint`` back-offs (the previous measurement's
-    ``first_backoffs``), on later batches from one:
+    ``first_backoffs``; its first pass one back-off short of them: :func:`_first_pass`), on later
+    batches from one:
     :meth:`autoprec.training.scaler.DynamicLossScaler.search_back_off`); only gradients non-finite
     at the scaler's floor count as a failure, and measuring stops at that batch. A non-finite loss
     is a failure at once: the scale multiplies the loss after the forward, so no back-off can
@@ -160,7 +164,7 @@ def measure_drift(step: Callable[[int, bool], tuple[float, list[torch.Tensor], i
     """
     out = Drift()
     for k, (ref_loss, ref_grads) in enumerate(refs):
-        first = step(k, k == 0)
+        first, over = _first_pass(step, scaler, backoff_hint) if k == 0 else (step(k, False), 0)
         if k == 0:
             out.saved_bytes = first[2]
         if scaler is not None and math.isfinite(first[0]) and not _finite(first[0], first[1]):
@@ -171,7 +175,7 @@ def measure_drift(step: Callable[[int, bool], tuple[float, list[torch.Tensor], i
             out.unmeasured = None
             first, tries = scaler.search_back_off(
                 lambda k=k: step(k, k == 0), lambda r: _finite(r[0], r[1]), first,
-                MAX_BACKOFFS, hint=backoff_hint if k == 0 else 1)  # later: from batch 0's scale
+                MAX_BACKOFFS, hint=backoff_hint if k == 0 else 1, overflowed=over)  # later: batch 0's scale
             out.backoffs += tries
             if k == 0:
                 out.first_backoffs = tries
@@ -186,6 +190,30 @@ def measure_drift(step: Callable[[int, bool], tuple[float, list[torch.Tensor], i
             out.stopped = True
             break
     return out
+
+
+def _first_pass(step: Callable[[int, bool], _Pass], scaler: DynamicLossScaler | None,
+                hint: int) -> tuple[_Pass, int]:
+    """Batch 0's first pass and its scale's back-offs: at the scaler's scale, or, where the hint
+    says 2 or more back-offs, one back-off short of the hint (the scaler's state restored after).
+    Overflowing there, the pass stands for the scaler's own scale, which overflows too (overflow
+    grows with the scale), and the search starts past it: the hint's pass settles it, 2 passes
+    where 3 were run (a 24-layer Qwen2's fp16 trials back off 4 times each). Finite there, the
+    policy backs off less than the hint: that pass is spent and batch 0 runs at the scaler's scale."""
+    scales = scaler.back_off_scales(MAX_BACKOFFS) if scaler is not None and hint >= 2 else []
+    over = min(hint - 1, len(scales) - 2)
+    if over < 1:
+        return step(0, True), 0
+    state = scaler.state_dict()
+    scaler.load_state_dict({**state, "scale": scales[over]})
+    try:
+        first = step(0, True)
+    finally:
+        scaler.load_state_dict(state)
+    if not math.isfinite(first[0]) or not _finite(first[0], first[1]):
+        return first, over  # a non-finite loss fails whatever the scale
+    del first
+    return step(0, True), 0
 
 
 def as_measurement(d: Drift, seconds: dict[int, float], scaler: DynamicLossScaler | None,

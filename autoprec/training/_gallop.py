@@ -43,12 +43,12 @@ def first_true(holds: Callable[[int], bool], lo: int, hi: int, start: int) -> in
 
 
 def first_finite_run(run_at: Callable[[int], R], finite: Callable[[R], bool], last: int,
-                     start: int) -> tuple[R, int]:
-    """``(run_at(j), j)`` for the least ``j`` in ``1..last`` whose run is finite, ``run_at(0)`` being
-    known non-finite and finiteness monotone in ``j``; ``(run_at(last), last)`` when even
+                     start: int, lo: int = 0) -> tuple[R, int]:
+    """``(run_at(j), j)`` for the least ``j`` in ``lo+1..last`` whose run is finite, ``run_at(lo)``
+    being known non-finite and finiteness monotone in ``j``; ``(run_at(last), last)`` when even
     ``run_at(last)`` is not finite.
 
-    ``run_at(start)`` first (``start`` clamped to ``1..last``); when it is not finite,
+    ``run_at(start)`` first (``start`` clamped to ``lo+1..last``); when it is not finite,
     ``run_at(last)`` next, so a range that never turns finite costs two runs; then
     :func:`first_true` from ``start``. Only the finite run at the smallest ``j`` so far is kept
     (one result alive besides the one being made: a run may hold a whole set of gradients).
@@ -64,9 +64,9 @@ def first_finite_run(run_at: Callable[[int], R], finite: Callable[[R], bool], la
         kept[j] = r  # runs that hold come at ever smaller j
         return True
 
-    start = min(max(start, 1), last)
+    start = min(max(start, lo + 1), last)
     if holds(start):
-        lo, hi = 0, start
+        hi = start
     elif start == last or not holds(last):
         return kept[-1], last
     else:

@@ -292,7 +292,7 @@ class DynamicLossScaler:
         return scales
 
     def search_back_off(self, run: Callable[[], R], finite: Callable[[R], bool], first: R,
-                        max_backoffs: int, hint: int = 1) -> tuple[R, int]:
+                        max_backoffs: int, hint: int = 1, overflowed: int = 0) -> tuple[R, int]:
         """The run at the scale where training's back-off stops, found by exponential search.
 
         Training halves the scale after each overflowing step (``torch.amp.GradScaler``'s rule) and
@@ -301,16 +301,19 @@ class DynamicLossScaler:
         so instead of one forward/backward per back-off: ``j = hint`` first (non-finite there, the
         floor next, and non-finite at the floor is a failure at once), then an exponential search
         from it (:func:`autoprec.training._gallop.first_finite_run`): about ``2·log2(|j - hint| + 1)``
-        runs, 2 when the hint is right (a search passes its previous policy's back-offs). Only the
-        scale changes: the rest of the state (growth tracker, skip counters) is as it was.
+        runs, 2 when the hint is right (a search passes its previous policy's back-offs), 1 when
+        ``first`` ran one back-off short of it. Only the scale changes: the rest of the state
+        (growth tracker, skip counters) is as it was.
 
         Args:
             run: One forward/backward at this scaler's current scale.
             finite: Whether a run's loss and gradients are finite.
-            first: The run at ``s_0`` (the current scale), whose gradients were not finite.
+            first: The run at ``s_overflowed`` (``s_0``: the current scale), whose gradients were
+                not finite (so neither are those of any larger scale: the answer is past it).
             max_backoffs: The most back-offs training would make (≥ 0).
             hint: The ``j`` tried first (clamped to the scales there are; the result does not
                 depend on it, only the number of runs).
+            overflowed: The back-offs of ``first``'s scale (< the scales there are).
 
         Returns:
             ``(run, j)``: the run at the first finite scale (or at the last scale tried, non-finite,
@@ -326,7 +329,7 @@ class DynamicLossScaler:
             self.load_state_dict({**state, "scale": scales[j]})
             return run()
 
-        r, j = first_finite_run(at, finite, len(scales) - 1, hint)
+        r, j = first_finite_run(at, finite, len(scales) - 1, hint, lo=overflowed)
         self.load_state_dict({**state, "scale": scales[j]})
         return r, j
 

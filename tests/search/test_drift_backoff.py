@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from autoprec.measure import Harness, measure_drift
+from autoprec.measure.drift import MAX_BACKOFFS
 from autoprec.modelspec import load_model_spec
 from autoprec.passes import run_pipeline
 from autoprec.policy import Policy, Rule
@@ -48,6 +49,32 @@ def test_fp16_storage_drift_backs_off_instead_of_failing(tmp_path):
     assert not fp32.note
 
 
+def test_a_second_policy_starts_one_back_off_short_of_the_first_ones_and_measures_the_same(
+        tmp_path, monkeypatch):
+    """The next fp16 policy's batch 0 runs first one back-off short of the hint (the last policy's
+    back-offs), where it overflows, then at the hint: one pass fewer, the same drift and scale."""
+    f = tmp_path / "m.py"
+    f.write_text(MODEL)
+    h = Harness(load_model_spec(f), torch.device("cpu"), warmup=0, steps=1)
+    pol = Policy(default_dtype="fp32", rules=(Rule(op_class="follow", dtype="fp16", compute="fp32"),))
+    gm = run_pipeline(h.graph_module, pol).graph_module
+    scales: list[float] = []
+    grads = h._grads
+    monkeypatch.setattr(h, "_grads", lambda fn, scaler, *a: scales.append(scaler.get_scale()) or
+                        grads(fn, scaler, *a))
+    first = h.drift(gm, make_scaler(pol))
+    j = int(first.note.split()[0])
+    assert h.backoff_hint == j >= 2
+    scales.clear()
+    scaler = make_scaler(pol)
+    s = scaler.back_off_scales(MAX_BACKOFFS)
+    again = h.drift(gm, scaler)
+    # batch 0 at s_{j-1} (overflows: so would s_0), then at s_j; batches 1-3 at s_j: no pass at s_0
+    assert scales == [s[j - 1], s[j]] + [s[j]] * (h.drift_batches - 1)
+    assert (again.grad_rel_l2_batches, again.note) == (first.grad_rel_l2_batches, first.note)
+    assert scaler.get_scale() == s[j]
+
+
 def _sequential_backoffs(scale: float, threshold: float, factor: float, floor: float) -> tuple[float, int]:
     """Training's rule, one step per back-off: halve until the gradients are finite or the floor."""
     j = 0
@@ -75,12 +102,17 @@ def test_backoff_search_lands_where_halving_does_in_log_steps(threshold, hint):
     want_scale, want_j = _sequential_backoffs(2.0 ** 16, threshold, 0.5, 1.0)
     assert scaler.get_scale() == want_scale and d.backoffs == want_j  # whatever the hint
     assert all(b.finite for b in d.batches) and len(d.batches) == 2
-    # batch 0: one run at 2^16, then the hint (the floor too when the hint overflows) and about
-    # 2 log2(|j - hint| + 1) runs of the search; batch 1 starts at the found scale
-    search = len(calls) - 2
+    # batch 0: one run at 2^16, or, with a hint of 2 or more, one back-off short of the hint (spent
+    # when that is finite: fewer back-offs than the hint), then the hint (the floor too when the
+    # hint overflows) and about 2 log2(|j - hint| + 1) runs of the search; batch 1 starts at the
+    # found scale
+    scales = DynamicLossScaler(init_scale=2.0 ** 16, min_scale=1.0).back_off_scales(MAX_BACKOFFS)
+    assert calls[0] == (scales[hint - 1] if hint >= 2 else 2.0 ** 16)
+    spent = int(hint >= 2 and want_j < hint - 1)
+    search = len(calls) - 2 - spent
     assert search <= (2 * math.ceil(math.log2(abs(want_j - hint) + 1)) + 2 if want_j else 0)
     if want_j and want_j == hint:
-        assert search == (1 if want_j == 1 else 2)  # the hint, and the scale above it
+        assert len(calls) - 1 == 2  # the hint, and the scale above it (run first where hint >= 2)
 
 
 @pytest.mark.parametrize("start", [1, 2, 5, 9, 15, 40, -3])
@@ -118,7 +150,7 @@ def test_back_off_scales_are_updates_rule_and_the_search_changes_only_the_scale(
     from autoprec.policy.loss_scaling import to_fp32
 
     scaler = DynamicLossScaler(init_scale=2.0 ** 10, backoff_factor=0.3, min_scale=1.0)
-    scales = scaler.back_off_scales(24)
+    scales = scaler.back_off_scales(MAX_BACKOFFS)
     assert scales[0] == 2.0 ** 10 and scales[-1] == 1.0 and all(to_fp32(s) == s for s in scales)
     assert all(b == max(to_fp32(a * 0.3), 1.0) for a, b in zip(scales, scales[1:]))
     assert len(scaler.back_off_scales(2)) == 3 and DynamicLossScaler(enabled=False).back_off_scales(5) == []
