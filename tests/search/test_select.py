@@ -161,7 +161,7 @@ def test_where_autocast_cannot_win_the_twin_is_a_finalist_only_as_a_trial():
     assert labels == ["autocast twin", "autocast twin, math attention", "fp32 + torch.compile"]
 
 
-def test_only_the_choice_pays_its_trajectory_and_a_rejected_choice_gives_way(monkeypatch):
+def test_only_the_choice_pays_its_trajectory_and_a_rejected_choice_gives_way(monkeypatch, capsys):
     """The head-to-head (scripted: A fastest, B next, the twin C slower, then all-fp32) chooses A;
     A's trajectory fails (traj_rel 0.5 > 2x torch.autocast's 0.01), so A is rejected with the
     reason in its point, and the others are timed again without A (retire and stop rules that
@@ -181,7 +181,7 @@ def test_only_the_choice_pays_its_trajectory_and_a_rejected_choice_gives_way(mon
     ran: list[object] = []
     trajectory = h.trajectory
     h.trajectory = lambda fn, *a, **kw: ran.append(fn) or trajectory(fn, *a, **kw)
-    sel = Selector(h, DriftBudget.fixed(1.0), True, torch.bfloat16, None, 3, Clock(), True)
+    sel = Selector(h, DriftBudget.fixed(1.0), True, torch.bfloat16, None, 3, Clock(), False)
     a, b, c = Policy.default("bf16"), Policy.default("fp16"), Policy.autocast("bf16")
     fns = {"A": _Fn(1.5), "B": _Fn(1.001), "C": _Fn(9.0)}
     for pol in (a, b, c, Policy.fp32()):
@@ -197,6 +197,9 @@ def test_only_the_choice_pays_its_trajectory_and_a_rejected_choice_gives_way(mon
     # reference, A, torch.autocast (all K steps: A fails), B (torch.autocast's steps are kept)
     assert ran == [h.graph_module, fns["A"], h.model, fns["B"]]
     assert sel.trajectory.of(c) == 0.0 and abs(sel.trajectory.of(b) - 1e-3) < 1e-12
+    out = capsys.readouterr().out
+    assert "A -> rejected: traj_rel 0.5 > 2x torch.autocast's 0.01; the others timed again" in out
+    assert "B: traj_rel 0.001 over 3 steps (torch.autocast's 0.01)" in out  # all 3 steps ran for A
     point = next(p for p in sel.points if p["key"] == a.training_key())
     assert point["rejected"] == "traj_rel 0.5 > 2x torch.autocast's 0.01"
 
@@ -356,11 +359,12 @@ def test_torch_autocast_over_the_budget_gets_its_log_line_too(monkeypatch, capsy
     assert "(over the drift or memory budget: not a bar)" in out, out
 
 
-def test_autocasts_trajectory_runs_only_the_steps_the_verdict_needs():
+def test_autocasts_trajectory_runs_only_the_steps_the_verdict_needs(monkeypatch, capsys):
     """torch.autocast's ``traj_rel`` over its first j steps bounds its K-step one from below, so its
     steps stop once 2x that bound reaches the candidate's ``traj_rel``; a later candidate that needs
     more runs them again, further; a failing one needs all K, and its verdict and budget are the
-    K-step ones. Scripted: FP32 1.0 each step, torch.autocast 1.001, 1.002, 1.004, 1.008."""
+    K-step ones; the head-to-head's log line says over how many steps the budget was taken.
+    Scripted: FP32 1.0 each step, torch.autocast 1.001, 1.002, 1.004, 1.008."""
     ac_losses = [1.001, 1.002, 1.004, 1.008]
     ran: list[int] = []
 
@@ -383,6 +387,13 @@ def test_autocasts_trajectory_runs_only_the_steps_the_verdict_needs():
     assert ran == [1] and check.budget_steps == 1 and check.budget == pytest.approx(0.001)
     assert check.ok(Policy.default("fp16"), _Fn(1.007))  # needs >= 0.0035: three steps
     assert ran == [1, 3] and check.budget_steps == 3 and check.budget == pytest.approx(0.004)
+    sel = Selector(H(), DriftBudget.fixed(1.0), False, torch.bfloat16, None, 4, Clock(), False)
+    sel.trajectory = check
+    monkeypatch.setattr(select_mod, "time_interleaved", lambda h, configs, **kw: {
+        c.name: Timing.from_steps([0.1] * 6, 100.0, rounds=3) for c in configs})
+    sel._head_to_head([("B", Policy.default("fp16"), _Fn(1.007), Measurement(grad_rel_l2=1e-3))])
+    assert "B: traj_rel 0.007 over 4 steps (torch.autocast's 0.004 or more: 3 of its steps decided)" in \
+        capsys.readouterr().out
     assert check.ok(Policy.default("fp16"), _Fn(1.0005))  # the steps kept decide: none run
     assert ran == [1, 3] and check.budget == pytest.approx(0.004)
     assert not check.ok(Policy.autocast("bf16"), _Fn(1.02))  # 0.02 > 2 x 0.008 after all four
