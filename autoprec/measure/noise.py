@@ -122,12 +122,15 @@ class Comparison:
             both timings' steps otherwise).
         tie: The band contains 1.0: the difference is within the noise.
         winner: ``"a"``, ``"b"``, or None on a tie.
+        rounds: The rounds paired (0: unpaired). A paired ratio need not be the ratio of the two
+            timings' median tokens/s, which tables and policy files give.
     """
 
     ratio: float
     band: tuple[float, float]
     tie: bool
     winner: str | None
+    rounds: int = 0
 
 
 def compare(a: Timing, b: Timing, resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0) -> Comparison:
@@ -168,7 +171,8 @@ def compare(a: Timing, b: Timing, resamples: int = BOOTSTRAP_RESAMPLES, seed: in
     lo, hi = _percentiles(ratios)
     lo, hi = min(lo, ratio), max(hi, ratio)
     tie = lo <= 1.0 <= hi
-    return Comparison(ratio, (lo, hi), tie, None if tie else ("a" if lo > 1.0 else "b"))
+    return Comparison(ratio, (lo, hi), tie, None if tie else ("a" if lo > 1.0 else "b"),
+                      len(paired) if len(paired) >= PAIRED_MIN_ROUNDS else 0)
 
 
 def format_rate(t: Timing) -> str:

@@ -101,7 +101,9 @@ class Decision:
         if self.chosen is self.best_baseline:
             return (f"chosen: {self.chosen.name}, the fastest baseline: no searched policy beat it beyond "
                     "the noise")
-        text = f"chosen: {self.chosen.name}, {c.ratio:.2f}x {b} (band {c.band[0]:.2f}-{c.band[1]:.2f})"
+        paired = f", {c.rounds} rounds paired" if c.rounds else ""  # not the tables' ratio of medians
+        text = f"chosen: {self.chosen.name}, {c.ratio:.2f}x {b} (band {c.band[0]:.2f}-{c.band[1]:.2f}" \
+            f"{paired})"
         if self.verdict == "tie":
             ties = [n for n in self.tied if n != self.chosen.name and n not in self.unwritable]
             simpler = f", the lower-drift, simpler of {', '.join([self.chosen.name, *ties])}" if ties else ""

@@ -119,7 +119,9 @@ def _row(name: str, m: Measurement, fp32_m: Measurement, timing: Timing | None =
     (:func:`autoprec.search.bands.timing_of`): ``band`` (the 95% band's relative half-width, with
     ``timed_steps``), ``vs_fp32_tie`` (its ratio to fp32 eager's, ``fp32``'s timing or
     ``fp32_m``'s steps, has a band containing 1). With the bar's torch.autocast timing
-    (``autocast``) also ``vs_autocast`` (ratio) and ``vs_autocast_tie`` (its band contains 1)."""
+    (``autocast``) also ``vs_autocast`` (the ratio of the two tokens/s, as ``speedup_vs_fp32`` and
+    the policy file's ratios are) and ``vs_autocast_tie`` (:func:`compare`'s band, paired by round
+    where both were timed in the head-to-head's rounds, contains 1)."""
     row = {"config": name, "tokens_per_s": m.tokens_per_s,
            "speedup_vs_fp32": m.tokens_per_s / fp32_m.tokens_per_s if fp32_m.tokens_per_s else 0.0,
            "grad_rel_l2": m.grad_rel_l2 if math.isfinite(m.grad_rel_l2) else None,
@@ -134,8 +136,7 @@ def _row(name: str, m: Measurement, fp32_m: Measurement, timing: Timing | None =
         row["band"], row["timed_steps"] = timing.rel_half_width(), len(timing.step_times)
         if m is not fp32_m and len(timing.step_times) > 1 and len(fp32.step_times) > 1:
             row["vs_fp32_tie"] = compare(timing, fp32).tie
-        if autocast is not None and autocast.step_times:
-            c = compare(timing, autocast)
-            row["vs_autocast"] = c.ratio
-            row["vs_autocast_tie"] = c.tie and timing is not autocast
+        if autocast is not None and autocast.step_times:  # the ratio of the tokens/s the table gives
+            row["vs_autocast"] = m.tokens_per_s / autocast.tokens_per_s
+            row["vs_autocast_tie"] = compare(timing, autocast).tie and timing is not autocast
     return row

@@ -307,3 +307,20 @@ def test_a_tie_with_fp32_eager_does_not_claim_the_tie_rule_chose_over_it():
     text = d.describe()
     assert text.endswith(": tie; fp32 eager ties too, but is no policy to write"), text
     assert "simpler of" not in text
+
+
+def test_the_decision_line_says_when_its_ratio_is_paired_by_round():
+    """Contenders timed in the same rounds are compared round by round (a geometric mean of the
+    per-round ratios, not the ratio of medians the tables give): the decision line says over how
+    many rounds; two-sample comparisons say nothing more."""
+    def rounds(step_s: float) -> Timing:
+        r = [[step_s * (1 + 0.01 * i), step_s * (1 + 0.01 * i) * 1.005] for i in range(4)]
+        return Timing.from_steps([x for y in r for x in y], TOKENS, rounds=4, round_steps=r)
+
+    paired = decide([Contender("trial 7", SEARCHED, rounds(0.120), 7.3e-3),
+                     Contender("fp32 + torch.compile", Policy.fp32(), rounds(0.150), 0.0, baseline=True),
+                     Contender("fp32 eager", Policy.fp32(), rounds(0.200), 0.0, baseline=True)])
+    assert paired.chosen.name == "trial 7" and paired.vs_baseline.rounds == 4
+    assert paired.describe().startswith("chosen: trial 7, 1.25x fp32 + torch.compile (band 1.25-1.25, "
+                                        "4 rounds paired)")
+    assert "rounds paired" not in decide(_field(searched_s=0.120, twin_s=0.150)).describe()

@@ -196,3 +196,25 @@ def test_compiled_the_table_has_both_bars_fp32_compiled_too():
                           "autoprec policy + compile"]
     assert abs(rows["fp32 + compile"]["vs_autocast"] - 0.5) < 0.02
     assert "| fp32 + compile |" in format_table(list(rows.values()))
+
+
+def test_the_tables_ratio_to_autocast_is_the_ratio_of_the_tokens_per_s_it_shows():
+    """A user divides the table's tokens/s and must get its ratio, as the policy file's
+    ``speedup_vs_autocast`` and ``speedup_vs_fp32`` give it. Timed in paired rounds where a is 2x
+    faster in three rounds and as fast in two, the paired ratio (the tie rule's, and the decision
+    line's) is 2^(3/5) = 1.52x while the medians' ratio is 2x: the table gives 2x."""
+    from autoprec.measure import Timing
+    from autoprec.measure.noise import compare
+
+    def rounds(per_round):
+        r = [[x, x * 1.01] for x in per_round]
+        return Timing.from_steps([x for y in r for x in y], TOKENS, rounds=len(r), round_steps=r)
+
+    a, ac = rounds([0.5, 0.5, 0.5, 2.0, 2.0]), rounds([1.0, 1.0, 1.0, 2.0, 2.0])
+    m = _measurement(a.step_times)
+    c = compare(a, ac)
+    assert c.rounds == 5 and c.ratio == pytest.approx(2 ** 0.6, rel=1e-3)
+    row = _row("policy", m, _measurement(SLOW), a, ac)
+    assert row["vs_autocast"] == pytest.approx(m.tokens_per_s / ac.tokens_per_s)
+    assert row["vs_autocast"] == pytest.approx(2.0, rel=0.02)
+    assert row["vs_autocast_tie"] == c.tie

@@ -187,13 +187,14 @@ def test_compare_pairs_rounds_so_a_drifting_machine_cancels():
     drift = [0.57, 0.60, 0.59, 0.66, 0.68, 0.58, 0.63, 0.65]
     a, b = _rounds(drift, 1 / 1.04), _rounds(drift)
     c = compare(a, b)
-    assert c.winner == "a" and c.ratio == pytest.approx(1.04) and c.band[0] > 1.0
+    assert c.winner == "a" and c.ratio == pytest.approx(1.04) and c.band[0] > 1.0 and c.rounds == 8
     unpaired = compare(Timing.from_steps(a.step_times, 100.0), Timing.from_steps(b.step_times, 100.0))
-    assert unpaired.tie
+    assert unpaired.tie and unpaired.rounds == 0
     # the rounds both ran, from the first: b retired after 3 rounds is paired on those
-    assert compare(a, _rounds(drift[:3])).winner == "a"
+    assert compare(a, _rounds(drift[:3])).winner == "a" and compare(a, _rounds(drift[:3])).rounds == 3
     # under PAIRED_MIN_ROUNDS rounds in common: the two-sample rule
     two = compare(a, _rounds(drift[:2]))
+    assert two.rounds == 0
     assert two.ratio == pytest.approx(compare(Timing.from_steps(a.step_times, 100.0),
                                               Timing.from_steps(_rounds(drift[:2]).step_times, 100.0)).ratio)
     # rounds whose ratio scatters around 1 stay a tie
