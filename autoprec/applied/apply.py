@@ -10,6 +10,7 @@ from typing import Any
 from torch import fx, nn
 
 from autoprec.applied.compile import CompiledGraph, compile_graph
+from autoprec.applied.loss_scale_check import UnscaledBackwardCheck
 from autoprec.applied.model_facade import (
     ModelFacade,
     ParameterSnapshot,
@@ -20,10 +21,9 @@ from autoprec.applied.model_facade import (
 )
 from autoprec.applied.outputs import flat_output_graph, rebuild
 from autoprec.applied.policy_match import check_policy_matches
+from autoprec.applied.recapture import Recapture, Routed
 from autoprec.applied.saved import apply_saved, saved_activation_context
 from autoprec.applied.shape_cache import CompileLog, ShapeCache, is_dynamic
-from autoprec.applied.unscaled import UnscaledBackwardCheck
-from autoprec.applied.widen import Recapture, Routed
 from autoprec.capture import (
     CALL_KWARGS_META,
     PLAN_META,
@@ -57,7 +57,7 @@ class MixedPrecisionModule(ModelFacade):
     any batch size and sequence length in the ranges of :mod:`autoprec.capture.dims` (one dynamic graph,
     or one graph per shape: :mod:`autoprec.applied.shape_cache`); a later batch outside those
     ranges is served too, by a re-capture with wider ranges or a graph of its own (logged;
-    :mod:`autoprec.applied.widen`), unless ``apply(..., strict_shapes=True)``, which raises
+    :mod:`autoprec.applied.recapture`), unless ``apply(..., strict_shapes=True)``, which raises
     ``ValueError`` for it; :attr:`shape_stats` counts its captures and compiles.
 
     When ``policy.needs_loss_scaling`` is True (the policy computes something in fp16), train it
@@ -144,7 +144,7 @@ class MixedPrecisionModule(ModelFacade):
                 Or the model's Parameters were replaced since ``apply`` (:class:`ParameterSnapshot`).
                 In eval mode only the FSDP2 one; the rest is the model's own forward's. The first
                 backward through the loss of an fp16 policy's output raises ``ValueError`` when
-                nothing scaled the loss (:class:`~autoprec.applied.unscaled.UnscaledBackwardCheck`).
+                nothing scaled the loss (:class:`~autoprec.applied.loss_scale_check.UnscaledBackwardCheck`).
         """
         check_not_fully_sharded(self, self._what)
         if not self.training:
@@ -170,8 +170,8 @@ class MixedPrecisionModule(ModelFacade):
         dynamic=True)``) ``{"mode": "dynamic", "captures": 1, "compiles", "compile_seconds"}`` /
         ``{"mode": "per_shape", "captures", "capture_seconds", "shapes"}`` (see
         :mod:`autoprec.applied.shape_cache`) / ``{"mode": "dynamic+per_shape", ...}`` (shapes below
-        a range, :class:`autoprec.applied.widen.Routed`); ``"recaptures"``: times a batch outside
-        the ranges made it capture again with wider ones (:mod:`autoprec.applied.widen`)."""
+        a range, :class:`autoprec.applied.recapture.Routed`); ``"recaptures"``: times a batch outside
+        the ranges made it capture again with wider ones (:mod:`autoprec.applied.recapture`)."""
         fn = self._fn.compile_log if isinstance(self._fn, CompiledGraph) else self._fn
         stats = fn.stats if isinstance(fn, (CompileLog, ShapeCache, Routed)) else None
         out = stats() if stats is not None else {
@@ -201,7 +201,7 @@ def apply(model: nn.Module, policy: Policy, example_batch: Any, compile: bool = 
             per input shape, built on first use (:class:`autoprec.applied.shape_cache.ShapeCache`,
             at most ``MAX_SHAPES``). New compiles and shapes are logged (``autoprec`` logger, INFO).
             A later batch outside the ranges is served by a capture with wider ranges (a compiled
-            module compiles again) or by a graph of its own (:mod:`autoprec.applied.widen`, which
+            module compiles again) or by a graph of its own (:mod:`autoprec.applied.recapture`, which
             refuses a sequence past ``max_position_embeddings``), logged.
         strict_shapes: With ``dynamic=True``, raise ``ValueError`` (naming the input, its shape
             and the range) for a batch outside the ranges instead of capturing again.
@@ -223,7 +223,7 @@ def apply(model: nn.Module, policy: Policy, example_batch: Any, compile: bool = 
 
     Loss scaling: when ``policy.needs_loss_scaling`` is True (any node computes in fp16), the
     module must be trained with a dynamic loss scaler, or small fp16 gradients flush to zero
-    (case C07; a first backward through an unscaled loss raises, :mod:`autoprec.applied.unscaled`);
+    (case C07; a first backward through an unscaled loss raises, :mod:`autoprec.applied.loss_scale_check`);
     ``apply`` does not see the training loop. Build it from the policy's ``loss_scaling``::
 
         scaler = autoprec.make_scaler(policy)  # a DynamicLossScaler, or None without fp16
@@ -249,11 +249,11 @@ def apply(model: nn.Module, policy: Policy, example_batch: Any, compile: bool = 
     mp = MixedPrecisionModule(model, result.graph_module, policy, result.stats, compile)
     static = lambda batch: apply(model, policy, batch, compile, placement, dynamic=False, force=True)._fn  # noqa: E731
     # static because the capture's batches did not vary (capture_for), not because export refused
-    # dynamic dimensions (PLAN_META): another shape tries one dynamic capture first (widen.Recapture)
+    # dynamic dimensions (PLAN_META): another shape tries one dynamic capture first (recapture.Recapture)
     untried = graph_module is not None and PLAN_META not in gm.meta and not strict_shapes
     if dynamic and not is_dynamic(gm) and not untried:  # one graph per shape, the example's first
         _use_shape_cache(mp, example_batch, static, strict_shapes, gm.meta.get(PLAN_META))
-    elif dynamic and not strict_shapes:  # a batch outside the ranges: capture again (autoprec.applied.widen)
+    elif dynamic and not strict_shapes:  # a batch outside the ranges: capture again (applied.recapture)
         again = lambda g: apply(model, policy, example_batch, compile, placement, graph_module=g,  # noqa: E731
                                 force=True, strict_shapes=True)
         object.__setattr__(mp, "_recapture", Recapture(model, example_batch, again, static))

@@ -21,7 +21,7 @@ from torch import fx, nn
 from autoprec._torch_compat import child_module
 from autoprec.applied.apply import MixedPrecisionModule
 from autoprec.applied.compile import CompiledGraph
-from autoprec.applied.widen import Routed
+from autoprec.applied.recapture import Routed
 from autoprec.errors import AutoprecError
 from autoprec.policy import Policy
 

@@ -254,7 +254,7 @@ class _PolicyForward:
 @contextlib.contextmanager
 def _own_forward(inner: nn.Module, orig: Callable[..., Any]) -> Iterator[None]:
     """The model's own ``forward`` in place of the plugin's while autoprec captures it (the first
-    capture, and a re-capture for a batch outside the captured ranges, ``autoprec.applied.widen``):
+    capture, and a re-capture for a batch outside the captured ranges, ``autoprec.applied.recapture``):
     torch.export must trace the model, not the policy's graph that the plugin's forward calls."""
     ours = inner.__dict__["forward"]
     inner.forward = orig

@@ -64,7 +64,7 @@ class Config:
     run: TrainRun | None = None
 
 
-class _Run:
+class _TimedConfig:
     """One configuration's state during :func:`time_interleaved`: its step, batches, times."""
 
     def __init__(self, cfg: Config, harness: Harness, max_step_s: float | None) -> None:
@@ -201,7 +201,7 @@ def time_interleaved(harness: Harness, configs: Sequence[Config], *, min_rounds:
     if min_rounds < 1 or steps_per_round < 1:
         raise ValueError("min_rounds and steps_per_round must be at least 1")
     t0 = time.perf_counter()
-    runs = [_Run(c, harness, max_step_s) for c in configs]
+    runs = [_TimedConfig(c, harness, max_step_s) for c in configs]
     cuda = harness.device.type == "cuda"
     base = torch.cuda.memory_allocated(harness.device) if cuda else 0
     capped = False
@@ -227,7 +227,7 @@ def time_interleaved(harness: Harness, configs: Sequence[Config], *, min_rounds:
     return {r.cfg.name: _timing(r, rel_band, capped, time_cap_s, base if cuda else None) for r in runs}
 
 
-def _stop(runs: list[_Run], rel_band: float, retire: Retire | None, settled: Settled | None) -> bool:
+def _stop(runs: list[_TimedConfig], rel_band: float, retire: Retire | None, settled: Settled | None) -> bool:
     """After a round from ``min_rounds`` on: retire what ``retire`` names, then whether to stop
     (``settled`` says the decision is fixed, or every band of those still timed is narrow)."""
     if retire is not None:
@@ -237,23 +237,23 @@ def _stop(runs: list[_Run], rel_band: float, retire: Retire | None, settled: Set
     return all(_narrow(r, rel_band) for r in runs if r.active)
 
 
-def _retire(runs: list[_Run], retire: Retire, rel_band: float) -> None:
+def _retire(runs: list[_TimedConfig], retire: Retire, rel_band: float) -> None:
     """Stop timing the runs ``retire`` names (shown the Timings so far of those still timed)."""
     live = {r.cfg.name: r for r in runs if r.active}
     for name, why in retire(_live(runs, rel_band)).items():
         live[name].note, live[name].retired = why, True
 
 
-def _live(runs: list[_Run], rel_band: float) -> dict[str, Timing]:
+def _live(runs: list[_TimedConfig], rel_band: float) -> dict[str, Timing]:
     """The Timings so far of the runs still timed."""
     return {r.cfg.name: _timing(r, rel_band, False, 0.0, None) for r in runs if r.active}
 
 
-def _narrow(r: _Run, rel_band: float) -> bool:
+def _narrow(r: _TimedConfig, rel_band: float) -> bool:
     return Timing.from_steps(r.times, 1.0).rel_half_width() <= rel_band
 
 
-def _timing(r: _Run, rel_band: float, capped: bool, cap_s: float, base: int | None) -> Timing:
+def _timing(r: _TimedConfig, rel_band: float, capped: bool, cap_s: float, base: int | None) -> Timing:
     t = Timing.from_steps(r.times if r.error is None else [], r.h.tokens, rounds=r.rounds,
                           round_steps=r.round_steps if r.error is None else ())
     t.error, t.note, t.too_slow, t.retired = r.error, r.note, r.too_slow, r.retired

@@ -237,14 +237,14 @@ def test_warm_up_is_the_harness_rule_unless_given(monkeypatch):
 
     h = Harness(load_model_spec(SGD), torch.device("cpu"), warmup=3, steps=2)
     warm: dict[str, int] = {}
-    real = timing_mod._Run.run
+    real = timing_mod._TimedConfig.run
 
     def run(self, n, record):
         if not record:
             warm[self.cfg.name] = n
         return real(self, n, record)
 
-    monkeypatch.setattr(timing_mod._Run, "run", run)
+    monkeypatch.setattr(timing_mod._TimedConfig, "run", run)
     cfgs = [Config("eager", h.model), Config("compiled", torch.compile(h.model, backend="eager"))]
     time_interleaved(h, cfgs, min_rounds=1, max_rounds=1)
     assert warm == {"eager": 1, "compiled": 3} and len(h.shapes) == 1
