@@ -124,6 +124,56 @@ def test_paths_named_in_the_repository_exist():
     assert not bad, bad[:20]
 
 
+#: A module path as the pages write it, relative to autoprec/ and between backticks: ``capture/dims``,
+#: ``applied/apply.py``, ``measure/drift._first_pass`` (a name in the module); Python identifiers only,
+#: so globs, placeholders and file names with dots (``out/x.policy.json``) are left to ``_PATH_REF``.
+_MODULE_REF = re.compile(r"(?<!`)`{1,2}([a-z_]\w*(?:/[a-z_]\w*)+(?:\.[A-Za-z_]\w*)?)`{1,2}(?!`)")
+
+#: A rate between backticks (``tokens/s``) reads as a module path but names none.
+_RATE = re.compile(r"/(?:s|ms|us|ns|min|h)$")
+
+
+def _module_path_resolves(ref: str, folder: Path) -> bool:
+    """Whether ``ref`` (a :data:`_MODULE_REF` match) is a file or folder under ``folder`` (the page's
+    own), the repository root or autoprec/: as written, with ``.py``, or without its last ``.name``
+    (``measure/drift._first_pass`` names ``autoprec/measure/drift.py``)."""
+    stem = ref[:-3] if ref.endswith(".py") else ref.rsplit(".", 1)[0]
+    return any((base / name).exists() for base in (folder, ROOT, PACKAGE)
+               for name in (ref, stem, stem + ".py"))
+
+
+def _unresolved_module_paths(text: str, folder: Path) -> list[str]:
+    """``"line: ref"`` for each module path of ``text`` (a Markdown page in ``folder``) that
+    :func:`_module_path_resolves` does not find, e.g. ``runtime/outputs`` after ``runtime/`` became
+    ``applied/``."""
+    return [f"{i}: {ref}" for i, line in enumerate(text.splitlines(), 1)
+            for ref in _MODULE_REF.findall(line)
+            if not _RATE.search(ref) and not _module_path_resolves(ref, folder)]
+
+
+def test_module_paths_named_in_pages_exist():
+    """Every module path a Markdown page names the short way, relative to autoprec/ (a table's
+    ``capture/dims``, a design note's ``applied/saved.py``), exists: ``_PATH_REF`` sees only paths
+    that start at the repository root (``autoprec/...``), so a moved module's short name went stale
+    unnoticed (docs/architecture.md named ``runtime/outputs`` after ``runtime/`` became ``applied/``)."""
+    bad = [f"{p.relative_to(ROOT)}:{where}" for p in _tracked_text_files() if p.suffix == ".md"
+           for where in _unresolved_module_paths(p.read_text(encoding="utf-8", errors="replace"), p.parent)]
+    assert not bad, bad[:20]
+
+
+def test_module_path_check_catches_a_moved_module():
+    """The check of module paths in pages: a package that no longer exists (``runtime/``) fails,
+    with or without ``.py``; the module's new place, a name in a module, a page-relative file
+    and a rate pass."""
+    page = ROOT / "docs"
+    old = "| `pytree` | ... | `capture/dims`, `runtime/outputs`, ``runtime/saved.py`` |"
+    assert _unresolved_module_paths(old, page) == ["1: runtime/outputs", "1: runtime/saved.py"]
+    new = ("| `pytree` | ... | `capture/dims`, `applied/outputs`, ``applied/saved.py`` |\n"
+           "`measure/drift._first_pass`, `applied/nowhere.py`, 18 `tokens/s`, `autoprec/applied/apply.py`")
+    assert _unresolved_module_paths(new, page) == ["2: applied/nowhere.py"]
+    assert _unresolved_module_paths("`results/tiny`", ROOT / "benchmarks") == []
+
+
 def test_design_references_resolve():
     """Every ``architecture.md#anchor`` reference names a heading of docs/architecture.md, and
     every ``#anchor`` in a reference list such as ``(docs/architecture.md#search, #measurements)``."""
