@@ -66,8 +66,6 @@ def _cmd_tune(a: argparse.Namespace) -> int:
 def _tune(a: argparse.Namespace) -> int:
     from autoprec._torch_compat import compile_cache_counts
     from autoprec.applied.compile import cache_report
-    from autoprec.search.attrs import DRIFT_RULE
-    from autoprec.search.decide import DriftBudget
     from autoprec.search.report import baseline_own_ratio, format_table
     from autoprec.search.study import tune
 
@@ -80,7 +78,7 @@ def _tune(a: argparse.Namespace) -> int:
     print(format_table(res.table))
     m = res.policy.measured
     print(f"\nchosen: {res.policy.summary()}")
-    from autoprec.search.select import AUTOCAST_COMPILED, AUTOCAST_EAGER
+    from autoprec.search.contest import AUTOCAST_COMPILED, AUTOCAST_EAGER
 
     bar = AUTOCAST_COMPILED if not a.no_compile else AUTOCAST_EAGER
     best = res.policy.provenance.get("baseline")
@@ -88,7 +86,7 @@ def _tune(a: argparse.Namespace) -> int:
               if k in m and k != baseline_own_ratio(m, best)]
     if best is not None and "speedup_vs_baseline" in m:  # first: the choice must not fall below it
         speeds.insert(0, (m["speedup_vs_baseline"], f"{best} (the baseline to beat)"))
-    rule = DriftBudget.from_dict(res.study.user_attrs[DRIFT_RULE]).describe()
+    rule = res.budget.describe()
     print(f"wrote {a.out}: {m['tokens_per_s']:.0f} tokens/s, " + ", ".join(f"{r:.2f}x {n}" for r, n in speeds)
           + f", grad_rel_l2 {m['grad_rel_l2']:.3g} (budget: {rule}), "
           f"peak {m['peak_bytes'] / 2**20:.1f} MiB"

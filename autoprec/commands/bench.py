@@ -63,7 +63,7 @@ from autoprec.commands.bench_mfu import (
 from autoprec.commands.bench_table import add_ratios, format_bench_table, make_row, skipped_row
 from autoprec.device import autocast_dtype, describe_machine, resolve_device
 from autoprec.dtypes import NAMES
-from autoprec.measure import Config, Harness, Measurement, format_rate, time_interleaved
+from autoprec.measure import Config, Harness, Measurement, Outcome, format_rate, time_interleaved
 from autoprec.measure.load import LoadMonitor
 from autoprec.modelspec import load_model_spec
 from autoprec.passes import run_pipeline
@@ -238,7 +238,8 @@ def _drift_all(names: Sequence[str], cfgs: dict[str, BenchConfig], result: dict[
                 fn = cfg.fn()
                 m = cfg.harness.measure(fn, cfg.scaler, cfg.autocast, timing=name == "fp32_eager")
             except Exception as e:  # noqa: BLE001 - a configuration that cannot run is reported, not fatal
-                m = Measurement(error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+                m = Measurement(outcome=Outcome.failed(
+                    f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"))
             finally:
                 cfg.harness.restore()
             out[name] = (m, fn)

@@ -58,7 +58,7 @@ from autoprec.kernels.fp32_gemms import Fp32ComputeGemms
 from autoprec.metrics import median, traj_rel
 from autoprec.modelspec import ModelSpec, call_model, load_model_spec
 from autoprec.policy import Policy
-from autoprec.search.kernel_choice import EMULATE_AT
+from autoprec.search.autocast_baseline import EMULATE_AT
 from autoprec.training.checkpoint import load_checkpoint, save_checkpoint
 from autoprec.training.rng import StepRng
 from autoprec.training.steps import every, run_steps

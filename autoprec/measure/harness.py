@@ -30,8 +30,9 @@ from autoprec.measure.drift import (
     measure_drift,
     take_grads,
 )
-from autoprec.measure.measurement import Accepted, Measurement, describe_failure
+from autoprec.measure.measurement import Measurement, describe_failure
 from autoprec.measure.memory import SavedBytes, training_state_bytes
+from autoprec.measure.outcome import Outcome
 from autoprec.metrics import median
 from autoprec.modelspec import ModelSpec
 from autoprec.randomness import draws_random
@@ -192,7 +193,7 @@ class Harness:
 
     def drift(self, fn: Callable[..., Any], scaler: DynamicLossScaler | None = None,
               autocast_dtype: torch.dtype | None = None,
-              stop: Callable[[Measurement], str | Accepted | None] | None = None,
+              stop: Callable[[Measurement], Outcome] | None = None,
               fp32_gemms: bool = False) -> Measurement:
         """Drift of ``fn`` against the FP32 reference on the K drift batches (fewer: ``stop``).
 
@@ -210,7 +211,8 @@ class Harness:
 
         ``stop``, when given, sees the Measurement of the batches run so far after each finite
         batch but the last, and before a back-off search (:func:`~autoprec.measure.drift.measure_drift`);
-        a reason ends the passes there: ``cut``, or ``accepted`` for an :class:`Accepted`.
+        an :class:`~autoprec.measure.outcome.Outcome` other than ``CONTINUE`` (cut or accepted) ends
+        the passes there and becomes the Measurement's ``outcome``.
         ``fp32_gemms``: the passes compute ``autocast_dtype``'s GEMMs as fp32 products rounded to
         it (:class:`autoprec.kernels.fp32_gemms.Fp32ComputeGemms`: the same roundings where the
         native kernel is slow; an ``fn`` compiled runs eagerly under it).
@@ -230,19 +232,18 @@ class Harness:
             loss, grads = self._grads(fn, scaler, autocast_dtype, counter, k, seconds, fp32_gemms)
             return loss, grads, counter.total if counter is not None else 0
 
-        reason: list[str | Accepted] = []
+        ended: list[Outcome] = []
 
         def stopped(d: Drift) -> bool:
-            why = stop(as_measurement(d, seconds, scaler, self.state_bytes))
-            reason.extend([why] if why is not None else [])
-            return why is not None
+            ended.append(stop(as_measurement(d, seconds, scaler, self.state_bytes)))
+            return not ended[-1].going_on
 
         d = measure_drift(step, refs, scaler, self.backoff_hint, stopped if stop is not None else None)
         if d.first_backoffs:  # the next policy likely backs off about as far
             self.backoff_hint = d.first_backoffs
         m = as_measurement(d, seconds, scaler, self.state_bytes)
-        why = reason[-1] if d.stopped else None
-        m.accepted, m.cut = (why.why, None) if isinstance(why, Accepted) else (None, why)
+        if d.stopped and m.outcome.going_on:
+            m.outcome = ended[-1]
         return m
 
     @property
@@ -257,7 +258,7 @@ class Harness:
                 scaler_factory: Callable[[], DynamicLossScaler | None] = lambda: None,
                 autocast_dtype: torch.dtype | None = None, timing: bool = True,
                 max_step_s: float | None = None, screen: bool = False,
-                cut: Callable[[Measurement], str | Accepted | None] | None = None,
+                cut: Callable[[Measurement], Outcome] | None = None,
                 fp32_gemms: bool = False) -> Measurement:
         """Drift, memory and (optionally) median step time of full training steps of ``fn``.
 
@@ -277,7 +278,7 @@ class Harness:
                 elsewhere it times steps as ``timing`` does.
             cut: A screening cut: given the measurement so far (step times filled as ``screen``
                 fills them) after each drift batch but the last, and before a back-off search;
-                a reason stops the passes there (:meth:`drift`'s ``stop``: ``cut`` or ``accepted``).
+                an outcome other than ``CONTINUE`` stops the passes there (:meth:`drift`'s ``stop``).
             fp32_gemms: The drift passes compute ``autocast_dtype``'s GEMMs as fp32 products (its
                 numerics, where its native GEMMs are slow: :meth:`drift`); the steps are timed
                 natively (``timing``), never from those passes.
@@ -288,7 +289,7 @@ class Harness:
         scaler = scaler_factory()
 
         def screened(m: Measurement) -> Measurement:  # every drift pass timed, batch 0's too
-            if screen and timing and not fp32_gemms and m.error is None and m.pass_times and \
+            if screen and timing and not fp32_gemms and not m.failed and m.pass_times and \
                     screening.applies(self.device, fn, self.drift_batches):
                 screening.from_drift_passes(m, self._timed_tokens(len(m.pass_times), 0),
                                             self.update_seconds(scaled=scaler is not None))
@@ -299,15 +300,15 @@ class Harness:
             m = self.drift(fn, scaler, autocast_dtype, stop, fp32_gemms)
         except Exception as e:  # compile errors, OOM, kernels missing for a dtype
             self.restore()
-            return Measurement(error=describe_failure(e))
-        if m.error is not None or not timing or screened(m).step_times or m.cut is not None:
+            return Measurement(outcome=Outcome.failed(describe_failure(e)))
+        if m.failed or not timing or screened(m).step_times or m.cut is not None:
             return m  # screened(m) fills m's step times where the timed passes give them
         try:
             m.step_times = self._time(fn, scaler_factory(), autocast_dtype, max_step_s)
         except StepsTooSlow as e:
             m.step_times, m.note = [e.seconds], str(e)
         except Exception as e:
-            m.error = describe_failure(e)
+            m.fail(describe_failure(e))
             return m
         finally:
             self.restore()

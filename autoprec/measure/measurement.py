@@ -7,7 +7,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-__all__ = ["Accepted", "Measurement", "describe_failure"]
+from autoprec.measure.outcome import Outcome, Stage
+
+__all__ = ["Measurement", "describe_failure"]
 
 
 @dataclass
@@ -22,7 +24,7 @@ class Measurement:
             :attr:`grad_rel_l2_batches` (inf if any is non-finite).
         grad_rel_l2_batches: ‖g − g₃₂‖/‖g₃₂‖ on each drift batch ``get_batch(0..K-1)``
             (K = :attr:`Harness.drift_batches`), in batch order; fewer than K when a batch was
-            non-finite (the last value, inf). :class:`autoprec.search.decide.DriftBudget` judges these.
+            non-finite (the last value, inf). :class:`autoprec.search.drift_budget.DriftBudget` judges these.
         loss_rel: |L − L₃₂| / |L₃₂|, the mean over the K drift batches.
         grad_sqnr_db_min: Minimum per-parameter gradient SQNR in dB, the min over the K drift batches.
         peak_bytes: CUDA peak allocated bytes; on CPU (the rule of :mod:`autoprec.measure.memory`)
@@ -39,17 +41,16 @@ class Measurement:
         pass_times: Wall-clock seconds of each drift batch's forward+backward (the last pass run on
             it, after any back-offs), in batch order; batch 0's pass also counts the tensors saved
             for backward (memory hooks: 0-2% of a 24-layer Qwen2's pass).
-        error: Why the measurement failed (non-finite values, compile error, out of memory).
+        outcome: How the measurement ended (:class:`~autoprec.measure.outcome.Outcome`): went on
+            through every batch (``CONTINUE``); failed (``FAILED``: non-finite values, compile error,
+            out of memory); or its drift passes stopped before the K-th batch, a search trial's
+            screening cut (``CUT``: ``Harness.measure(..., cut=...)``) or early acceptance
+            (``ACCEPTED``: the batches run so far put its drift within the budget beyond noise,
+            :mod:`autoprec.search.screen_cut`; it stands for the whole, so such a trial can be a
+            finalist, and a finalist is measured again on all K). When stopped, the other fields
+            hold what the batches run so far measured.
         note: Remarks that do not invalidate it (e.g. timing stopped by the slow-step rule of
             :func:`autoprec.training.steps.slow_step_guard`, timed on its last step only).
-        cut: Why the drift passes stopped before the K-th batch (a search trial's screening cut,
-            ``Harness.measure(..., cut=...)``); None when every batch ran. The other fields then
-            hold what the batches run so far measured.
-        accepted: Why the drift passes stopped before the K-th batch with the trial accepted, not
-            cut: the batches run so far put its drift within the budget beyond noise (the
-            screening's early acceptance, :mod:`autoprec.search.screen_cut`). It is judged on
-            those batches and stands for the whole: such a trial can be a finalist, and a
-            finalist is measured again on all K.
     """
 
     step_s: float = math.inf
@@ -61,25 +62,38 @@ class Measurement:
     peak_bytes: int = 0
     step_times: list[float] = field(default_factory=list)
     pass_times: list[float] = field(default_factory=list)
-    error: str | None = None
+    outcome: Outcome = field(default_factory=Outcome.go_on)
     note: str | None = None
-    cut: str | None = None
-    accepted: str | None = None
+
+    @property
+    def failed(self) -> bool:
+        """Whether the measurement failed (:attr:`Stage.FAILED`)."""
+        return self.outcome.stage is Stage.FAILED
+
+    @property
+    def error(self) -> str | None:
+        """Why it failed (the log's and the report's words), None when it did not."""
+        return self.outcome.reason_if(Stage.FAILED)
+
+    @property
+    def cut(self) -> str | None:
+        """Why the screening cut stopped its drift passes, None when it did not."""
+        return self.outcome.reason_if(Stage.CUT)
+
+    @property
+    def accepted(self) -> str | None:
+        """Why the screening accepted it early, None when it did not."""
+        return self.outcome.reason_if(Stage.ACCEPTED)
+
+    def fail(self, reason: str) -> None:
+        """Mark it failed with ``reason`` (it replaces a cut or an acceptance)."""
+        self.outcome = Outcome.failed(reason)
 
     def add_note(self, remark: str | None, first: bool = False) -> None:
         """Join ``remark`` to :attr:`note` with ``"; "`` (before it when ``first``); None or "" adds
         nothing."""
         parts = (remark, self.note) if first else (self.note, remark)
         self.note = "; ".join(x for x in parts if x) or None
-
-
-@dataclass(frozen=True)
-class Accepted:
-    """What a drift measurement's stop (``Harness.measure``'s ``cut``) returns to end the passes
-    without a cut: ``why`` becomes :attr:`Measurement.accepted` (a plain string returned becomes
-    :attr:`Measurement.cut`)."""
-
-    why: str
 
 
 def describe_failure(e: BaseException) -> str:

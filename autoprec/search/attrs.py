@@ -21,7 +21,7 @@ ATTR = "autoprec:"
 # Trial attributes.
 POLICY = ATTR + "policy"  #: the sampled policy, ``Policy.to_dict()``
 FINGERPRINT = ATTR + "fingerprint"  #: hash of the per-node dtypes (objective.policy_fingerprint)
-#: DriftBudget.excess of the measurement (search/decide.py); feasible when <= 0
+#: DriftBudget.excess of the measurement (search/drift_budget.py); feasible when <= 0
 CONSTRAINT = ATTR + "constraint"
 ERROR = ATTR + "error"  #: why the trial failed (lowering error, non-finite values, ...)
 NOTE = ATTR + "note"  #: a remark that does not invalidate the measurement
@@ -30,7 +30,7 @@ CUT = ATTR + "cut"
 #: why the trial's drift passes stopped early with the trial accepted (search/screen_cut.py): its drift is
 #: within the budget beyond noise on the batches it ran; a finalist candidate like any whole measurement
 ACCEPTED = ATTR + "accepted"
-WORKER = ATTR + "worker"  #: ``host:pid`` of the process measuring it (objective.is_dead_worker)
+WORKER = ATTR + "worker"  #: ``host:pid`` of the process measuring it (workers.is_dead_worker)
 INTERRUPTED = ATTR + "interrupted"  #: cut short by Ctrl-C or a killed worker: not counted
 REUSED_FROM = ATTR + "reused_from"  #: number of the trial whose measurement of the same graph it copies
 CASTS = ATTR + "casts"  #: casts the placement inserted

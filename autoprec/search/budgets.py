@@ -171,7 +171,7 @@ def why_no_finalist(measured: list[Measurement], budget: Any, memory_budget: flo
 
     Args:
         measured: The finalists' measurements (compiled unless ``compile`` is False).
-        budget: The :class:`autoprec.search.decide.DriftBudget`.
+        budget: The :class:`autoprec.search.drift_budget.DriftBudget`.
         memory_budget: Bytes, or None without ``--max-memory``.
         compile: Whether the finalists were compiled.
         random: Whether the graph draws random numbers (:func:`over_memory`)."""

@@ -2,7 +2,8 @@
 #measurements).
 
 Objectives (multi-objective study): maximise tokens/s, minimise ``grad_rel_l2``, minimise peak
-bytes. Constraint (``Trial.set_constraint``): ``DriftBudget.excess(m) ≤ 0`` (:mod:`autoprec.search.decide`:
+bytes. Constraint (``Trial.set_constraint``): ``DriftBudget.excess(m) ≤ 0``
+(:mod:`autoprec.search.drift_budget`:
 mean over the drift batches − X, or the paired t-test against torch.autocast). Trial attributes live
 under ``autoprec:`` keys (optuna-integration's LightGBMTuner style). A failed trial (lowering
 error, non-finite values, too slow, compile error, out of memory) returns NaN, which Optuna
@@ -11,7 +12,6 @@ records as FAIL, with the reason in ``autoprec:error``; the study goes on.
 
 from __future__ import annotations
 
-import datetime
 import hashlib
 import math
 import os
@@ -24,28 +24,25 @@ import optuna
 import torch
 
 from autoprec.applied.saved import saved_eager
-from autoprec.measure import Accepted, Harness, Measurement, Timing
+from autoprec.measure import Harness, Measurement, Outcome, Stage, Timing
 from autoprec.nodemeta import read_meta
 from autoprec.passes import lowering_passes
 from autoprec.search import attrs
-from autoprec.search.decide import DriftBudget
+from autoprec.search.drift_budget import DriftBudget
 from autoprec.search.screen_cut import screening_cut
 from autoprec.search.space import SearchSpace
+from autoprec.search.workers import beat, is_dead_worker, reap_dead_trials
 from autoprec.source import node_source
 from autoprec.training.monitor import first_nonfinite_node
 from autoprec.training.train import make_scaler
 
-__all__ = ["Objective", "policy_fingerprint", "DIRECTIONS", "MAX_RETRIES", "is_dead_worker",
-           "name_nonfinite", "reap_dead_trials", "recorded", "requeue_trial", "retried_numbers", "retry_of"]
+__all__ = ["DIRECTIONS", "Objective", "name_nonfinite", "policy_fingerprint", "recorded"]
 
 #: Study directions: tokens/s (max), grad_rel_l2 (min), peak bytes (min).
 DIRECTIONS = ("maximize", "minimize", "minimize")
-#: How many times the parameters of a trial whose worker died are queued again (a policy that
-#: kills every worker measuring it, e.g. by running out of host memory, is given up after that).
-MAX_RETRIES = 2
-#: Optuna's system attribute listing the trials a retry re-runs (the key Optuna's
-#: ``RetryHeartbeatStaleTrialCallback`` writes, so its ``retry_history`` reads ours).
-_RETRY_HISTORY = "retry_history"
+#: The trial attribute each stopped :class:`~autoprec.measure.outcome.Outcome` is stored under: the
+#: keys studies written before the typed outcome hold, so they keep loading (:func:`recorded`).
+_STAGE_ATTRS = {Stage.FAILED: attrs.ERROR, Stage.CUT: attrs.CUT, Stage.ACCEPTED: attrs.ACCEPTED}
 
 
 def policy_fingerprint(lowered: torch.fx.GraphModule) -> str:
@@ -104,7 +101,7 @@ class Objective:
             raise
 
     def _measure(self, trial: optuna.Trial) -> tuple[float, float, float] | float:
-        _beat(trial)
+        beat(trial)
         trial.set_user_attr(attrs.WORKER, f"{socket.gethostname()}:{os.getpid()}")  # see is_dead_worker
         params = self.space.suggest(trial)
         policy = self.space.to_policy(params)
@@ -122,17 +119,17 @@ class Objective:
         prior = _find_measured(trial.study, fp, trial.number)
         cut = (None if self.finalists is None else
                screening_cut(trial.study, self.finalists, self.budget, self.max_step_s))
-        again = None
+        again = Outcome.go_on()
         if prior is not None and _in_part(prior):
             # measured in part: copied while the cut, asked now, stops or accepts its passes again
             # (under the budget of this run, which may differ from the one they were judged by)
-            again = cut(recorded(prior)) if cut is not None else None
-            prior = None if again is None else prior
+            again = cut(recorded(prior)) if cut is not None else Outcome.go_on()
+            prior = None if again.going_on else prior
         if prior is not None:
             return self._copy(trial, prior, again)
         why = self.cannot_win(assigned.graph_module) if cut is not None and self.cannot_win else None
         if why is not None:  # its first pass would trip the slow-step limit: not run
-            _record(trial, Measurement(cut=f"{why}: not run"), self.budget)
+            _record(trial, Measurement(outcome=Outcome.cut(f"{why}: not run")), self.budget)
             trial.set_user_attr(attrs.PEAK_BYTES, None)  # not measured
             return 0.0, math.inf, math.inf
         try:
@@ -144,27 +141,26 @@ class Objective:
         fn = saved_eager(lowered.graph_module)  # the policy's saved dtypes (the memory lever), eagerly
         m = self.harness.measure(fn, lambda: make_scaler(policy), max_step_s=self.max_step_s, screen=True,
                                  cut=cut)
-        m.error = name_nonfinite(m, lowered.graph_module, self.harness.batches)
+        if m.failed:
+            m.fail(name_nonfinite(m, lowered.graph_module, self.harness.batches))
         _record(trial, m, self.budget)
-        if m.error is not None:
+        if m.failed:
             return math.nan
         return m.tokens_per_s, m.grad_rel_l2, float(m.peak_bytes)
 
     def _copy(self, trial: optuna.Trial, prior: optuna.trial.FrozenTrial,
-              again: str | Accepted | None) -> tuple[float, ...] | float:
+              again: Outcome) -> tuple[float, ...] | float:
         """Record ``prior``'s measurement of the same graph as ``trial``'s (``REUSED_FROM``) and
         return its values. For a ``prior`` measured in part (cut or accepted), ``again`` is what the
-        cut says of its recorded passes now: why it stops them (the copy is cut), or an
-        :class:`Accepted` (the copy is accepted); either way the copy is judged on those batches
-        under the budget of this run."""
-        part = {attrs.CUT, attrs.ACCEPTED} if again is not None else set()
+        cut says of its recorded passes now (cut or accepted; ``CONTINUE`` for a ``prior``
+        measured in full); the copy is judged on those batches under the budget of this run."""
+        part = {attrs.CUT, attrs.ACCEPTED} if not again.going_on else set()
         for k, v in prior.user_attrs.items():
             if k.startswith(attrs.ATTR) and k not in {attrs.POLICY, attrs.FINGERPRINT, *part}:
                 trial.set_user_attr(k, v)
         constraint = float(prior.user_attrs.get(attrs.CONSTRAINT, attrs.INFEASIBLE))
-        if again is not None:  # why, on the study as it is now
-            trial.set_user_attr(*((attrs.ACCEPTED, again.why) if isinstance(again, Accepted)
-                                  else (attrs.CUT, again)))
+        if not again.going_on:  # why, on the study as it is now
+            trial.set_user_attr(_STAGE_ATTRS[again.stage], again.reason)
             m = recorded(prior)
             constraint = self.budget.on_batches(len(m.grad_rel_l2_batches)).excess(m)
         _constrain(trial, constraint)
@@ -173,11 +169,11 @@ class Objective:
 
 
 def name_nonfinite(m: Measurement, gm: torch.fx.GraphModule, batches: list[Any]) -> str | None:
-    """``m.error``, and where its non-finite values start when that is why it failed (case C01:
-    name the node): the first forward node of ``gm`` with an inf or NaN output on the last drift
-    batch ``m`` ran (:func:`autoprec.training.monitor.first_nonfinite_node`, one eager forward) and
-    the model's line that made it (:func:`autoprec.source.node_source`); or, the forward being
-    finite, that the loss computed from its outputs is not (the model file's ``loss_fn``), or that
+    """``m.error`` (None when ``m`` did not fail), and where its non-finite values start when that is why
+    it failed (case C01: name the node): the first forward node of ``gm`` with an inf or NaN output on
+    the last drift batch ``m`` ran (:func:`autoprec.training.monitor.first_nonfinite_node`, one eager
+    forward) and the model's line that made it (:func:`autoprec.source.node_source`); or, the forward
+    being finite, that the loss computed from its outputs is not (the model file's ``loss_fn``), or that
     the overflow is in the backward pass (a finite loss)."""
     if m.error is None or not m.error.startswith("non-finite"):
         return m.error
@@ -195,22 +191,6 @@ def name_nonfinite(m: Measurement, gm: torch.fx.GraphModule, batches: list[Any])
     return f"{m.error}; {where}"
 
 
-def _beat(trial: optuna.Trial) -> None:
-    """On a storage with heartbeats, record this trial's heartbeat now, before the trial names its
-    worker. Optuna's heartbeat thread records its first one concurrently with the objective, and
-    ``fail_stale_trials`` passes over a RUNNING trial that has none: a worker on another machine
-    killed in between left a named trial that no rule could give up (:func:`reap_dead_trials`; the
-    orphan rule covers unnamed ones). So a named trial always has a heartbeat."""
-    storage = trial.study._storage
-    if _has_heartbeats(storage):
-        storage.record_heartbeat(trial._trial_id)
-
-
-def _has_heartbeats(storage: optuna.storages.BaseStorage) -> bool:
-    """Whether ``storage`` records Optuna heartbeats (a database server: ``storage.rdb_storage``)."""
-    return getattr(storage, "get_heartbeat_interval", lambda: None)() is not None
-
-
 def _record(trial: optuna.Trial, m: Measurement, budget: DriftBudget) -> None:
     """Store ``m``'s fields (:data:`attrs.MEASURED`; non-finite floats as None), the noise band of its
     tokens/s (:data:`attrs.TOKENS_PER_S_BAND`, from its step times) and its constraint."""
@@ -222,16 +202,12 @@ def _record(trial: optuna.Trial, m: Measurement, budget: DriftBudget) -> None:
         band = Timing.from_steps(m.step_times, m.tokens_per_s * m.step_s).tokens_per_s_band
         trial.set_user_attr(attrs.TOKENS_PER_S_BAND, [finite(x) for x in band])
     # a cut or accepted measurement is judged on the batches it ran, against the budget on the same batches
-    part = m.cut is not None or m.accepted is not None
+    part = m.outcome.stage in (Stage.CUT, Stage.ACCEPTED)
     _constrain(trial, (budget.on_batches(len(m.grad_rel_l2_batches)) if part else budget).excess(m))
-    if m.error is not None:
-        trial.set_user_attr(attrs.ERROR, m.error)
+    if not m.outcome.going_on:  # the storage's keys of studies written before the typed outcome
+        trial.set_user_attr(_STAGE_ATTRS[m.outcome.stage], m.outcome.reason)
     if m.note is not None:
         trial.set_user_attr(attrs.NOTE, m.note)
-    if m.cut is not None:
-        trial.set_user_attr(attrs.CUT, m.cut)
-    if m.accepted is not None:
-        trial.set_user_attr(attrs.ACCEPTED, m.accepted)
 
 
 def recorded(trial: optuna.trial.FrozenTrial) -> Measurement:
@@ -241,8 +217,9 @@ def recorded(trial: optuna.trial.FrozenTrial) -> Measurement:
     ua = trial.user_attrs
     fields = {f: ([math.inf if x is None else x for x in ua[k]] if isinstance(ua[k], list) else ua[k])
               for f, k in attrs.MEASURED.items() if ua.get(k) is not None}
-    return Measurement(**fields, cut=ua.get(attrs.CUT), accepted=ua.get(attrs.ACCEPTED),
-                       note=ua.get(attrs.NOTE))
+    stage = next((st for st, key in _STAGE_ATTRS.items() if ua.get(key) is not None), None)
+    outcome = Outcome(stage, ua[_STAGE_ATTRS[stage]]) if stage is not None else Outcome.go_on()
+    return Measurement(**fields, outcome=outcome, note=ua.get(attrs.NOTE))
 
 
 def _find_measured(study: optuna.Study, fp: str, number: int, wait_s: float = 900.0,
@@ -293,84 +270,6 @@ def _in_part(t: optuna.trial.FrozenTrial) -> bool:
     passes before the K-th batch (:mod:`autoprec.search.screen_cut`), a verdict of the budget it ran
     under."""
     return attrs.CUT in t.user_attrs or attrs.ACCEPTED in t.user_attrs
-
-
-#: A RUNNING trial older than this (seconds) that names no worker was orphaned: its worker was
-#: killed between Optuna creating the trial and the objective's first line, which names it.
-ORPHAN_AFTER_S = 60.0
-
-
-def is_dead_worker(trial: optuna.trial.FrozenTrial) -> bool:
-    """True if ``trial`` was started by a process of this host that no longer exists (killed), or
-    is RUNNING without naming a worker for over :data:`ORPHAN_AFTER_S` seconds (a worker killed
-    before it could name itself)."""
-    if attrs.WORKER not in trial.user_attrs:
-        start = trial.datetime_start
-        return (trial.state == optuna.trial.TrialState.RUNNING and start is not None
-                and (datetime.datetime.now() - start).total_seconds() > ORPHAN_AFTER_S)
-    host, _, pid = str(trial.user_attrs.get(attrs.WORKER, "")).rpartition(":")
-    if host != socket.gethostname() or not pid.isdigit():
-        return False
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
-
-
-def reap_dead_trials(study: optuna.Study) -> None:
-    """Give up the RUNNING trials whose worker is gone, so no worker waits for them.
-
-    Two rules find them, in this order: a process of this host that no longer exists
-    (:func:`is_dead_worker`; the trial is marked ``autoprec:interrupted`` and failed), and, on a
-    storage with heartbeats (a database server, :func:`autoprec.search.storage.rdb_storage`), a
-    trial whose heartbeat is older than the grace period, whatever machine ran it (Optuna's
-    ``fail_stale_trials``, which fails it and calls :func:`requeue_trial`). On a storage with heartbeats a
-    trial of a dead local process is queued again too (:func:`requeue_trial`); SQLite only fails it. Two
-    workers reaping one trial at once is fine: only the one whose FAIL lands queues it again.
-    """
-    storage = study._storage
-    heartbeat = _has_heartbeats(storage)
-    for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
-        if not is_dead_worker(t):
-            continue
-        try:
-            storage.set_trial_user_attr(t._trial_id, attrs.INTERRUPTED, True)
-            storage.set_trial_state_values(t._trial_id, optuna.trial.TrialState.FAIL)
-        except optuna.exceptions.UpdateFinishedTrialError:
-            continue  # another worker gave it up first
-        if heartbeat:
-            requeue_trial(study, t)
-    if heartbeat:  # after the pid rule: a trial of this host is marked interrupted
-        optuna.storages.fail_stale_trials(study)
-
-
-def requeue_trial(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
-    """Queue the parameters of ``trial``, failed because its worker died, as a new WAITING trial
-    that the next free worker runs; at most :data:`MAX_RETRIES` times for one original trial.
-
-    The new trial's system attributes ``failed_trial`` and ``retry_history`` (the trial numbers
-    it re-runs) follow Optuna's ``RetryHeartbeatStaleTrialCallback``; no user attribute is
-    copied (the retry measures afresh). Also the storage's ``heartbeat_stale_trial_callback``.
-    """
-    history = [*trial.system_attrs.get(_RETRY_HISTORY, []), trial.number]
-    if len(history) > MAX_RETRIES:
-        return
-    study.add_trial(optuna.trial.create_trial(
-        state=optuna.trial.TrialState.WAITING, params=trial.params, distributions=trial.distributions,
-        system_attrs={"failed_trial": history[0], _RETRY_HISTORY: history}))
-
-
-def retry_of(trial: optuna.trial.FrozenTrial) -> list[int]:
-    """Numbers of the trials that ``trial`` re-runs (:func:`requeue_trial`); empty if none."""
-    return list(trial.system_attrs.get(_RETRY_HISTORY, []))
-
-
-def retried_numbers(trials: list[optuna.trial.FrozenTrial]) -> set[int]:
-    """Numbers of the trials that a later trial re-runs (:func:`requeue_trial`): they do not count."""
-    return {n for t in trials for n in retry_of(t)}
 
 
 def _constrain(trial: optuna.Trial, value: float) -> None:

@@ -1,7 +1,7 @@
 """Reports: markdown table of trials, Pareto-front plot, per-layer dtype map, ``show`` listing.
 
 Plots live in :mod:`autoprec.search.plots` (matplotlib's Agg backend, no display needed); every
-tokens/s in the tables carries its noise band (:mod:`autoprec.search.bands`).
+tokens/s in the tables carries its noise band (:mod:`autoprec.search.rate_bands`).
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from autoprec.errors import PolicyError
 from autoprec.nodemeta import NodeMeta, read_meta
 from autoprec.policy import Policy
 from autoprec.search import attrs
-from autoprec.search.bands import rate_text, ties_with_fastest, timing_of
+from autoprec.search.finalist_pool import is_feasible
 from autoprec.search.plots import dtype_map_figure, pareto_figure, save_figure
-from autoprec.search.pool import is_feasible
+from autoprec.search.rate_bands import rate_text, ties_with_fastest, timing_of
 
 __all__ = ["baseline_own_ratio", "format_table", "report_study", "write_report", "trial_rows", "pareto_front",
            "show_nodes", "dtype_map", "node_label", "lever_section", "policy_summary"]
@@ -203,11 +203,11 @@ def write_report(study: optuna.Study, stem: str | os.PathLike, table: list[dict[
 
     ``shapes`` lists the distinct batch shapes the measurements ran on
     (:func:`autoprec.capture.batch_shapes`); the report names them. ``levers`` are the
-    compiled finalist measurements (``Selector.points``), memory-lever tries included: the report
+    compiled finalist measurements (``Contest.finalists``), memory-lever tries included: the report
     lists them with the lever each used and marks their speed/memory Pareto front; a finalist's
     ``rejected`` reason is also the note of the trial it came from. The Pareto plot marks the
     trial whose policy was written (by training key) with its compiled speedup. ``decision``
-    is the final head-to-head's verdict (:meth:`autoprec.search.final.Decision.describe`)."""
+    is the final head-to-head's verdict (:meth:`autoprec.search.race.Decision.describe`)."""
     stem = Path(stem)
     rows = trial_rows(study)
     front = pareto_front(rows)
@@ -333,7 +333,7 @@ def policy_summary(policy: Policy, path: str | os.PathLike, rules: bool = True) 
             shown.append(f"{m.pop('tokens_per_s'):.0f} tokens/s")
         best = str(prov.get("baseline", "the fastest baseline"))
         same = baseline_own_ratio(m, best)
-        from autoprec.search.select import AUTOCAST_COMPILED, AUTOCAST_EAGER
+        from autoprec.search.contest import AUTOCAST_COMPILED, AUTOCAST_EAGER
 
         # the torch.autocast it was timed against: compiled or eager, as the policy was tuned
         autocast = {True: AUTOCAST_COMPILED, False: AUTOCAST_EAGER}.get(prov.get("compiled"),

@@ -4,30 +4,33 @@ eager and vs torch.autocast + torch.compile, or torch.autocast eager without com
 note when an eager run was faster.
 
 ``run`` below is ``tune``'s phase state (``autoprec.search.study._Run``: ``fp32``, ``autocast``,
-``ac_dtype``, ``budget``, ``quiet``); ``sel`` its :class:`~autoprec.search.select.Selector`.
+``ac_dtype``, ``budget``, ``quiet``); ``sel`` its :class:`~autoprec.search.contest.Contest`.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autoprec.dtypes import NAMES
 from autoprec.measure import Measurement, Timing, compare
 from autoprec.policy import Policy
-from autoprec.search.bands import timing_of
-from autoprec.search.final import all_fp32
+from autoprec.search.contest import AUTOCAST_EAGER, FP32_COMPILED, FP32_EAGER, FP32_GRAPH, Contest
 from autoprec.search.progress import log
-from autoprec.search.select import AUTOCAST_EAGER, FP32_COMPILED, FP32_EAGER, FP32_GRAPH
+from autoprec.search.race import all_fp32
+from autoprec.search.rate_bands import timing_of
+
+if TYPE_CHECKING:
+    from autoprec.search.study import _Run
 
 __all__ = ["baseline_to_beat", "measured_block", "note_if_eager_was_faster", "side_by_side"]
 
 
-def baseline_to_beat(sel: Any, compile: bool) -> tuple[str, float] | None:
+def baseline_to_beat(sel: Contest, compile: bool) -> tuple[str, float] | None:
     """The fastest baseline of the final head-to-head and its tokens/s: what a user gets without
     autoprec, the faster of torch.autocast + torch.compile and fp32 + torch.compile (fp32 eager
     too, should it be faster; without compile torch.autocast eager and the all-fp32 graph), timed
-    side by side with the choice (:func:`autoprec.search.final.decide`'s ``best_baseline``).
+    side by side with the choice (:func:`autoprec.search.race.decide`'s ``best_baseline``).
     The all-fp32 finalist is named what it is, ``"fp32 + torch.compile"``, whichever trial it
     was. None when no baseline was timed."""
     d = sel.decision
@@ -39,7 +42,8 @@ def baseline_to_beat(sel: Any, compile: bool) -> tuple[str, float] | None:
     return name, b.timing.tokens_per_s
 
 
-def measured_block(run: Any, sel: Any, chosen: Policy, m: Measurement, compile: bool) -> dict[str, float]:
+def measured_block(run: _Run, sel: Contest, chosen: Policy, m: Measurement,
+                   compile: bool) -> dict[str, float]:
     """The policy file's ``measured`` block (finite numbers only: docs/architecture.md#policy-file);
     ``speedup_vs_baseline`` is against :func:`baseline_to_beat` (whose name the provenance holds)."""
     ref = sel.autocast_bar or run.autocast
@@ -62,7 +66,7 @@ def measured_block(run: Any, sel: Any, chosen: Policy, m: Measurement, compile: 
     }
 
 
-def side_by_side(run: Any, sel: Any, chosen_m: Measurement, compile: bool) -> list[dict[str, Any]]:
+def side_by_side(run: _Run, sel: Contest, chosen_m: Measurement, compile: bool) -> list[dict[str, Any]]:
     """Rows of the side-by-side table: FP32 eager, torch.autocast eager (and compiled), fp32 +
     torch.compile (the all-fp32 finalist, compiled), the policy.
     Each row's ``bar`` names the column its ``vs_autocast`` ratio is against: torch.autocast +
@@ -84,7 +88,7 @@ def side_by_side(run: Any, sel: Any, chosen_m: Measurement, compile: bool) -> li
     return [r | {"bar": bar} for r in table]
 
 
-def note_if_eager_was_faster(run: Any, sel: Any, chosen: Policy, chosen_m: Measurement,
+def note_if_eager_was_faster(run: _Run, sel: Contest, chosen: Policy, chosen_m: Measurement,
                              compile: bool) -> None:
     """Say so when an eager run beat the compiled policy by over 10% (not for a recomputing
     policy, which trades speed for memory on purpose). fp32 eager's speed is the head-to-head's
@@ -116,7 +120,7 @@ def _row(name: str, m: Measurement, fp32_m: Measurement, timing: Timing | None =
          autocast: Timing | None = None, fp32: Timing | None = None) -> dict[str, Any]:
     """One table row; a non-finite ``grad_rel_l2`` is None (printed as inf). Its tokens/s band
     comes from the final head-to-head's ``timing``, else from ``m``'s own step times
-    (:func:`autoprec.search.bands.timing_of`): ``band`` (the 95% band's relative half-width, with
+    (:func:`autoprec.search.rate_bands.timing_of`): ``band`` (the 95% band's relative half-width, with
     ``timed_steps``), ``vs_fp32_tie`` (its ratio to fp32 eager's, ``fp32``'s timing or
     ``fp32_m``'s steps, has a band containing 1). With the bar's torch.autocast timing
     (``autocast``) also ``vs_autocast`` (the ratio of the two tokens/s, as ``speedup_vs_fp32`` and

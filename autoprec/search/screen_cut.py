@@ -25,7 +25,7 @@ would cost more passes); a trial cut there has no drift for that batch (none at 
 A cut trial is recorded COMPLETE with what its passes measured (the sampler learns it is slow or
 drifts), its constraint judged on the batches it ran (``DriftBudget.on_batches``), and
 :data:`autoprec.search.attrs.CUT` saying why; it is never a finalist
-(:func:`autoprec.search.pool.feasible`). A later trial of the same graph copies it while the cut,
+(:func:`autoprec.search.finalist_pool.feasible`). A later trial of the same graph copies it while the cut,
 asked then on the study as it is, stops its recorded passes again (the k-th fastest feasible trial
 only gets faster as trials finish, so it mostly does); otherwise, e.g. in a study resumed with a
 larger ``--finalists`` or a looser budget, it measures the graph again (``Objective``,
@@ -50,10 +50,10 @@ from collections.abc import Callable
 import optuna
 
 from autoprec.applied.shape_cache import ordinal
-from autoprec.measure import Accepted, Measurement
+from autoprec.measure import Measurement, Outcome
 from autoprec.search import attrs
-from autoprec.search.decide import DriftBudget
-from autoprec.search.pool import feasible
+from autoprec.search.drift_budget import DriftBudget
+from autoprec.search.finalist_pool import feasible
 from autoprec.training.steps import slow_steps
 
 __all__ = ["DRIFT_FACTOR", "MIN_BATCHES", "SPEED_MARGIN", "kth_feasible", "screening_cut", "summary"]
@@ -78,18 +78,19 @@ DRIFT_FACTOR = 2.0
 
 def kth_feasible(study: optuna.Study, k: int) -> optuna.trial.FrozenTrial | None:
     """The k-th fastest feasible, uncut trial of ``study`` by screening tokens/s (one per graph
-    fingerprint: the finalists' own rule, :func:`autoprec.search.pool.feasible`), None while fewer
+    fingerprint: the finalists' own rule, :func:`autoprec.search.finalist_pool.feasible`), None while fewer
     than ``k`` are known."""
     ranked = feasible(study)
     return ranked[k - 1] if k >= 1 and len(ranked) >= k else None
 
 
 def screening_cut(study: optuna.Study, k: int, budget: DriftBudget,
-                  max_step_s: float | None = None) -> Callable[[Measurement], str | None]:
+                  max_step_s: float | None = None) -> Callable[[Measurement], Outcome]:
     """The cut for the next trial of ``study``: a function of the measurement so far (its
     ``step_times``, seconds, one per drift batch 0, 1, ... run, when the device gives screening
-    times) that returns why to stop, or None to go on: the slow-step limit and the speed rule from
-    batch 0 on, the drift rule from :data:`MIN_BATCHES` batches on.
+    times) that returns its :class:`~autoprec.measure.outcome.Outcome`: cut (why), accepted (why), or
+    go on; the slow-step limit and the speed rule from batch 0 on, the drift rule and early
+    acceptance from :data:`MIN_BATCHES` batches on.
 
     The speed rule needs the k-th trial's screening step times (``autoprec:step_times``, batches
     0..K-1 in order); where they are missing (a device that times separate steps, CUDA) only the
@@ -104,28 +105,29 @@ def screening_cut(study: optuna.Study, k: int, budget: DriftBudget,
     kth = kth_feasible(study, k)
     ref = list(kth.user_attrs.get(attrs.STEP_TIMES) or []) if kth is not None else []
 
-    def cut(m: Measurement) -> str | Accepted | None:
+    def cut(m: Measurement) -> Outcome:
         n = len(m.grad_rel_l2_batches)
         judge = budget.on_batches(n)
         ratio = judge.ratio(m) if n >= MIN_BATCHES else 0.0
         if ratio > DRIFT_FACTOR:
-            return (f"grad_rel_l2 {ratio:.3g}x the drift budget on its first {n} batches "
-                    f"(over {DRIFT_FACTOR:g}x)")
+            return Outcome.cut(f"grad_rel_l2 {ratio:.3g}x the drift budget on its first {n} batches "
+                               f"(over {DRIFT_FACTOR:g}x)")
         timed = m.step_times
         if max_step_s is not None and (slow := slow_steps(timed, max_step_s)) is not None:
-            return f"{slow.why} (the slow-step limit of timed steps)"
+            return Outcome.cut(f"{slow.why} (the slow-step limit of timed steps)")
         both = min(len(timed), len(ref))  # the batches both timed (an accepted k-th timed fewer)
         if both and all(r is not None and r > 0 for r in ref[:both]):
             best = min(t / r for t, r in zip(timed[:both], ref, strict=False))  # its best batch vs the k-th's
             if best > 1 / (1 - SPEED_MARGIN):
-                return (f"{best:.2f}x the step time of trial {kth.number} (the {ordinal(k)} fastest "
-                        f"feasible) on its best timed batch, over {1 / (1 - SPEED_MARGIN):.3g}x")
+                return Outcome.cut(f"{best:.2f}x the step time of trial {kth.number} (the {ordinal(k)} "
+                                   f"fastest feasible) on its best timed batch, over "
+                                   f"{1 / (1 - SPEED_MARGIN):.3g}x")
         # accepted: every batch measured (none left before a back-off) and its drift within the budget
         # beyond noise; more passes would only narrow its speed, which the finalists re-time
         if n >= MIN_BATCHES and len(m.pass_times) <= n and (upper := judge.upper(m)) <= 1.0:
-            return Accepted(f"drift within the budget on its first {n} batches (95% upper bound "
-                            f"{upper:.2f}x the budget)")
-        return None
+            return Outcome.accepted(f"drift within the budget on its first {n} batches (95% upper bound "
+                                    f"{upper:.2f}x the budget)")
+        return Outcome.go_on()
 
     return cut
 

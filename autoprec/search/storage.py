@@ -24,8 +24,9 @@ from torch import fx
 from autoprec.errors import AutoprecError, SearchError
 from autoprec.nodekeys import graph_fingerprint
 from autoprec.search import attrs
-from autoprec.search.objective import DIRECTIONS, reap_dead_trials, requeue_trial
+from autoprec.search.objective import DIRECTIONS
 from autoprec.search.space import SearchSpace
+from autoprec.search.workers import reap_dead_trials, requeue_trial
 
 __all__ = ["GRACE_BEATS", "HEARTBEAT_S", "MEASURE_VERSION", "check_sqlite_file", "check_storage_url",
            "check_study", "default_storage", "default_study_name", "heartbeat_interval",
@@ -36,7 +37,7 @@ __all__ = ["GRACE_BEATS", "HEARTBEAT_S", "MEASURE_VERSION", "check_sqlite_file",
 #: trials' numbers incomparable with new ones; a study holding trials of another version is not
 #: resumed. 2: a parameter saved for backward counts once in the CPU peak bytes. 3: drift is the
 #: mean over K = 4 drift batches (measure/drift.py), and the constraint the DriftBudget rule
-#: (search/decide.py). 4: a screening trial's step times are all K drift passes', batch 0's too
+#: (search/drift_budget.py). 4: a screening trial's step times are all K drift passes', batch 0's too
 #: (measure/screening.py), which the screening cut compares batch for batch.
 MEASURE_VERSION = 4
 
@@ -139,11 +140,11 @@ def heartbeat_interval() -> int:
 
 def rdb_storage(url: str) -> str | optuna.storages.RDBStorage:
     """The Optuna storage of a URL. SQLite: the URL itself, as Optuna opens it (one machine; a
-    killed worker is found by its pid, :func:`autoprec.search.objective.is_dead_worker`). A
+    killed worker is found by its pid, :func:`autoprec.search.workers.is_dead_worker`). A
     database server: an ``RDBStorage`` whose running trials record a heartbeat every
     :func:`heartbeat_interval` seconds; one silent for :data:`GRACE_BEATS` intervals (server
     time) is failed by the next worker that looks and queued again
-    (:func:`autoprec.search.objective.requeue_trial`), so any worker re-runs it. Workers creating
+    (:func:`autoprec.search.workers.requeue_trial`), so any worker re-runs it. Workers creating
     the schema of a new database at the same moment race; the loser retries.
 
     Raises:
@@ -309,7 +310,7 @@ def open_study(storage: str, study_name: str, seed: int = 0) -> optuna.Study:
     multivariate=True, group=True)``). Trials left RUNNING by a dead worker (a killed process of
     this host; on a database server also one whose heartbeat stopped) are marked FAIL, so a
     resumed run neither waits for nor counts them; on a database server they are queued again
-    (:func:`autoprec.search.objective.reap_dead_trials`).
+    (:func:`autoprec.search.workers.reap_dead_trials`).
     """
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)

@@ -8,7 +8,7 @@ steps, ``grad_rel_l2`` and memory; a per-node dtype assignment already measured 
 reused; :mod:`autoprec.search.trials`) -> finalists (the fastest feasible trials compiled with
 Inductor, or eager with ``--no-compile``, and measured again, drift included, with ``max_memory``
 fitted to the memory budget, timed head to head with the baselines, the choice checked on
-``traj_rel`` over K optimizer steps; :mod:`autoprec.search.select`) -> write (report, then the policy file).
+``traj_rel`` over K optimizer steps; :mod:`autoprec.search.contest`) -> write (report, then the policy file).
 
 Screening eagerly and compiling only finalists keeps a trial to a few eager steps instead of an
 Inductor compile per trial (docs/architecture.md#design-choices); the finalists' compiled numbers
@@ -39,6 +39,7 @@ from autoprec.modelspec import ModelSpec, load_model_spec
 from autoprec.nodekeys import graph_fingerprint
 from autoprec.policy import Policy
 from autoprec.search import attrs, screen_cut
+from autoprec.search.autocast_baseline import AutocastBaseline
 from autoprec.search.budgets import (
     check_memory_floor,
     memory_budget,
@@ -46,10 +47,12 @@ from autoprec.search.budgets import (
     parse_max_drift,
     parse_max_memory,
 )
-from autoprec.search.decide import MAX_AUTO_REFERENCE, DriftBudget
+from autoprec.search.contest import FP32_EAGER, Contest
+from autoprec.search.drift_budget import MAX_AUTO_REFERENCE, DriftBudget
+from autoprec.search.finalist_pool import feasible
 from autoprec.search.kernel_choice import (
+    KernelChoice,
     adopt_study_kernels,
-    measure_autocast_eager,
     probe_decision,
     probe_phase,
     sensitivity_gemms,
@@ -57,10 +60,9 @@ from autoprec.search.kernel_choice import (
 )
 from autoprec.search.objective import Objective, name_nonfinite
 from autoprec.search.phases import accounted, phase_bar
-from autoprec.search.pool import feasible
 from autoprec.search.progress import Clock, LoadClock, log
+from autoprec.search.race import Decision
 from autoprec.search.results import baseline_to_beat, measured_block, note_if_eager_was_faster, side_by_side
-from autoprec.search.select import FP32_EAGER, Selector
 from autoprec.search.space import (
     ATTENTION_BASELINE,
     SAVED_LEVERS,
@@ -103,6 +105,10 @@ class TuneResult:
             ``sensitivity_s``, ``trials_s``, ``finalists_s``, ``compile_s``, ``total_s``); the
             Inductor compiles the finalists trigger lazily are in ``compile_s``, not ``finalists_s``.
         probes: Per-dtype matmul probe results.
+        budget: The drift budget of the search (:class:`DriftBudget`, the study's
+            ``autoprec:drift_rule``: the rule the ``wrote`` line describes).
+        decision: The final head-to-head's :class:`~autoprec.search.race.Decision` (what was
+            chosen, against which baseline, the verdict); None when none was made.
     """
 
     policy: Policy
@@ -110,6 +116,8 @@ class TuneResult:
     table: list[dict[str, Any]]
     timings: dict[str, float] = field(default_factory=dict)
     probes: dict[str, Any] = field(default_factory=dict)
+    budget: DriftBudget | None = None
+    decision: Decision | None = None
 
 
 @dataclass
@@ -122,20 +130,31 @@ class _Run:
     clock: Clock
     quiet: bool
     progress: bool = False  # a bar over each long phase (autoprec.search.phases)
-    probes: dict[str, Any] = field(default_factory=dict)
-    space: SearchSpace = field(default_factory=lambda: SearchSpace([]))
-    ac_dtype: torch.dtype = torch.bfloat16
+    kernels: KernelChoice | None = None  # the probe phase's (or the study's) choice
     fp32: Measurement = field(default_factory=Measurement)
     autocast: Measurement = field(default_factory=Measurement)
     slow: float = math.inf  # max_step_s of every timed measurement after the fp32 baseline
-    slow_gemms: str | None = None  # why torch.autocast's native GEMMs are not run in drift passes
-    ac_cannot_win: str | None = None  # why torch.autocast's native steps are not run at all
+    baseline: AutocastBaseline | None = None  # torch.autocast on this device, set by _baselines
     budget: DriftBudget | None = None  # the drift budget, set by _baselines
-    forced: list[str] | None = None  # --dtypes, or None (the probe decides)
 
     @property
     def gm(self) -> torch.fx.GraphModule:
         return self.harness.graph_module
+
+    @property
+    def probes(self) -> dict[str, Any]:
+        """The kernel probe's results (empty before the probe phase)."""
+        return self.kernels.probes if self.kernels is not None else {}
+
+    @property
+    def space(self) -> SearchSpace:
+        """The search space (empty before the probe phase)."""
+        return self.kernels.space if self.kernels is not None else SearchSpace([])
+
+    @property
+    def ac_dtype(self) -> torch.dtype:
+        """torch.autocast's low dtype (bf16 before the probe phase)."""
+        return self.kernels.ac_dtype if self.kernels is not None else torch.bfloat16
 
 
 def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: float | None = None,
@@ -153,7 +172,7 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
         timeout: Stop sampling new trials after this many seconds.
         max_drift: ``"auto"``: not worse than ``torch.autocast`` at the device's default low dtype,
             measured in this run on the same drift batches, beyond noise (a paired t-test on the
-            per-batch ``grad_rel_l2``, 2% margin: :class:`autoprec.search.decide.DriftBudget`);
+            per-batch ``grad_rel_l2``, 2% margin: :class:`autoprec.search.drift_budget.DriftBudget`);
             or a number, a hard limit on the mean ``grad_rel_l2`` over the drift batches.
         device: ``auto``, ``cpu`` or ``cuda``.
         storage: Optuna storage URL (default: SQLite file beside ``out``). Any RDB URL works,
@@ -206,18 +225,19 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
     if memory_arg is not None and memory_arg[0] == "bytes":  # as the CLI: an impossible budget before capture
         check_memory_floor(memory_arg, spec.build_model(), spec.make_optimizer, option="max_memory")
     run = _capture(spec, device, quiet, strict_timing, progress and not quiet and sys.stderr.isatty())
-    probe_phase(run, forced, SAVED_LEVERS if memory_arg is not None else ())
+    levers = SAVED_LEVERS if memory_arg is not None else ()
+    run.kernels = probe_phase(run.gm, run.dev, run.clock, forced, levers, run.quiet)
     storage = storage or default_storage(out)
     study_name = study_name or default_study_name(run.spec.path, run.gm, run.dev, forced)
-    adopt_study_kernels(run, study_choices(storage, study_name))  # a shared study's kernels
+    _adopt(run, study_choices(storage, study_name))  # a shared study's kernels
     precheck_study(storage, study_name, run.space, _graph(run))  # a study this run cannot resume fails now
     _baselines(run, drift_arg, memory_arg)
     # the screening cut keeps the k fastest feasible; a memory budget may pass over them (--no-compile)
     study = _search(run, storage, study_name, seed, trials, timeout, run.progress,
                     finalists if memory_arg is None or compile else None)
-    sel = _selector(run, compile, traj_steps)
-    chosen, chosen_m = _finalists(run, sel, study, finalists, memory_arg)
-    return _write(run, study, sel, chosen, chosen_m, compile, out, report)
+    contest = _contest(run, compile, traj_steps)
+    chosen, chosen_m = _finalists(run, contest, study, finalists, memory_arg)
+    return _write(run, study, contest, chosen, chosen_m, compile, out, report)
 
 
 def _capture(spec: ModelSpec, device: str, quiet: bool, strict_timing: bool = False,
@@ -245,20 +265,21 @@ def _baselines(run: _Run, drift_arg: float | None, memory_arg: tuple[str, float]
     Raises:
         SearchError: the fp32 training step itself fails (non-finite: names the first node), the
             drift budget is not finite or torch.autocast's drift is not rounding
-            (:data:`~autoprec.search.decide.MAX_AUTO_REFERENCE`), or the memory budget is impossible.
+            (:data:`~autoprec.search.drift_budget.MAX_AUTO_REFERENCE`), or the memory budget is impossible.
         BusyMachineError: under ``strict_timing``, the machine is busy after the baselines.
     """
     h = run.harness
     with run.clock("baselines_s"), phase_bar("baselines", 2, run.progress) as bar:
         bar.step("fp32 eager")  # screened (its speed sets `slow`; the head-to-head's is reported)
         run.fp32 = h.measure(h.model, screen=True)
-        if run.fp32.error is not None:  # nothing to tune against (case C09's always-inf forward)
+        if run.fp32.failed:  # nothing to tune against (case C09's always-inf forward)
             why = name_nonfinite(run.fp32, h.graph_module, h.batches)
             raise SearchError(f"{run.spec.path}: the model's own fp32 training step fails ({why}); autoprec "
                               "tunes a model that trains in fp32: fix the model or its batches first")
         run.slow = max(SLOW_RATIO * run.fp32.step_s, SLOW_FLOOR_S)
+        run.baseline = run.kernels.autocast(run.slow)
         bar.step(f"torch.autocast({run.ac_dtype}) eager")
-        run.autocast = measure_autocast_eager(run)
+        run.autocast = run.baseline.measure_eager(h, run.slow, run.quiet)
     ac = run.autocast
     if drift_arg is None and not (math.isfinite(ac.grad_rel_l2) and ac.grad_rel_l2_batches):
         raise SearchError(f"drift budget is not finite (torch.autocast: {ac.error}); pass --max-drift X")
@@ -287,16 +308,17 @@ def _search(run: _Run, storage: str, study_name: str, seed: int, trials: int | N
     the screening cut for ``cut_k`` finalists unless None: :mod:`autoprec.search.screen_cut`)."""
     study = open_study(storage, study_name, seed)
     stamped = lambda: (study.user_attrs.get(attrs.SPACE) or {}).get("dtypes")  # noqa: E731
-    adopt_study_kernels(run, stamped())  # another worker's
+    _adopt(run, stamped())  # another worker's
     check_study(study, storage, run.space, probe=probe_decision(run.probes), graph=_graph(run))
-    adopt_study_kernels(run, stamped())  # one that stamped at the same moment
+    _adopt(run, stamped())  # one that stamped at the same moment
     study.set_user_attr(attrs.DRIFT_BUDGET, run.budget.value)
     study.set_user_attr(attrs.DRIFT_RULE, run.budget.to_dict())
     if not study.trials:  # a new study: rank regions, then queue the baselines (resumes skip this)
         regions = len(run.space.region_params()) if run.space.low_dtypes else 0
         with (run.clock("sensitivity_s"),
               phase_bar("sensitivity", regions, run.progress and regions > 0) as bar):
-            sens = region_sensitivity(run.harness, run.space, bar.step, sensitivity_gemms(run))
+            gemms = sensitivity_gemms(run.kernels, run.quiet)
+            sens = region_sensitivity(run.harness, run.space, bar.step, gemms)
         if sens:
             study.set_user_attr(attrs.SENSITIVITY, sens)
             log("sensitivity (grad_rel_l2 with only that region lowered): "
@@ -317,18 +339,23 @@ def _search(run: _Run, storage: str, study_name: str, seed: int, trials: int | N
     return study
 
 
-def _selector(run: _Run, compile: bool, traj_steps: int) -> Selector:
-    """Phase 5's selector: the autocast twin, and the twin with math attention when attention is
+def _adopt(run: _Run, choices: list[str] | None) -> None:
+    """Search a study's kernels where they differ from this run's probe's
+    (:func:`~autoprec.search.kernel_choice.adopt_study_kernels`)."""
+    run.kernels = adopt_study_kernels(run.kernels, run.gm, run.dev, choices, run.quiet)
+
+
+def _contest(run: _Run, compile: bool, traj_steps: int) -> Contest:
+    """Phase 5's contest: the autocast twin, and the twin with math attention when attention is
     searched, always among the finalists."""
     twin, math_twin = run.space.twin(), run.space.attention_twin()
     also = [(run.space.to_policy(math_twin), ATTENTION_BASELINE[0])] if math_twin is not None else []
-    return Selector(run.harness, run.budget, compile, run.ac_dtype, run.slow, traj_steps, run.clock,
-                    run.quiet, twin=run.space.to_policy(twin) if twin is not None else None,
-                    progress=run.progress, also=also, slow_gemms=run.slow_gemms,
-                    cannot_win=run.ac_cannot_win)
+    return Contest(run.harness, run.budget, compile, run.baseline, run.slow, traj_steps, run.clock,
+                   run.quiet, twin=run.space.to_policy(twin) if twin is not None else None,
+                   progress=run.progress, also=also)
 
 
-def _finalists(run: _Run, sel: Selector, study: optuna.Study, k: int,
+def _finalists(run: _Run, sel: Contest, study: optuna.Study, k: int,
                memory_arg: tuple[str, float] | None) -> tuple[Policy, Measurement]:
     """Phase 5: the selector's pick among the ``k`` fastest feasible trials, the autocast twin and
     all-fp32, timed head to head with torch.autocast + torch.compile (torch.autocast eager without
@@ -342,7 +369,7 @@ def _finalists(run: _Run, sel: Selector, study: optuna.Study, k: int,
         return memory_budget(memory_arg, run.fp32, ref, h.state_bytes, h.optimizer_name)
 
     with accounted(run.clock, "finalists_s"):  # the finalists' lazy Inductor compiles go to compile_s
-        chosen, chosen_m = sel.choose(feasible(study), k, budget)
+        chosen, chosen_m = sel.run(feasible(study), k, budget)
     t = sel.timings.get(FP32_EAGER)  # timed in the head-to-head's rounds
     if t is None or not t.step_times:  # full steps again: the baselines phase screened its passes
         with run.clock("baselines_s"):
@@ -353,7 +380,7 @@ def _finalists(run: _Run, sel: Selector, study: optuna.Study, k: int,
     return chosen, chosen_m
 
 
-def _write(run: _Run, study: optuna.Study, sel: Selector, chosen: Policy, chosen_m: Measurement,
+def _write(run: _Run, study: optuna.Study, sel: Contest, chosen: Policy, chosen_m: Measurement,
            compile: bool, out: str | os.PathLike, report: bool) -> TuneResult:
     """Phase 6: the policy's ``measured`` and ``provenance`` blocks, the side-by-side table, the
     report and the policy file (atomic, last), written together: a Ctrl-C while they are written
@@ -370,7 +397,8 @@ def _write(run: _Run, study: optuna.Study, sel: Selector, chosen: Policy, chosen
     note_if_eager_was_faster(run, sel, chosen, chosen_m, compile)
     # what the report shows beyond the trials, kept in the study for ``autoprec report`` (the last run's)
     result = {"table": table, "policy": policy.to_dict(), "timings": timings, "shapes": run.harness.shapes,
-              "levers": sel.points, "decision": sel.decision.describe() if sel.decision is not None else None}
+              "levers": sel.finalists.rows,
+              "decision": sel.decision.describe() if sel.decision is not None else None}
     study.set_user_attr(attrs.RESULT, result)
     check_interrupt()  # never begin writing after Ctrl-C, even one Python swallowed
     with deferred_interrupt():
@@ -382,7 +410,7 @@ def _write(run: _Run, study: optuna.Study, sel: Selector, chosen: Policy, chosen
             log("report: " + ", ".join(str(p) for p in paths), run.quiet)
         policy.save(out)  # atomic; the last file written
     check_interrupt()  # a Ctrl-C that came while writing: both files are complete
-    return TuneResult(policy, study, table, timings, run.probes)
+    return TuneResult(policy, study, table, timings, run.probes, run.budget, sel.decision)
 
 
 def _graph(run: _Run) -> dict:
@@ -390,5 +418,5 @@ def _graph(run: _Run) -> dict:
     return {"fingerprint": graph_fingerprint(run.gm), "model": str(run.spec.path)}
 
 
-def _ok(m: Measurement | None) -> bool:  # measured (not skipped: autocast_cannot_win), without error
-    return m is not None and m.error is None and m.peak_bytes > 0
+def _ok(m: Measurement | None) -> bool:  # measured (not skipped: it cannot win), without error
+    return m is not None and not m.failed and m.peak_bytes > 0

@@ -1,6 +1,7 @@
 """The finalists' trajectory check (docs/architecture.md#search): ``traj_rel`` of a policy's K
 training steps against FP32's, at most :data:`TRAJ_FACTOR` times torch.autocast's over the same
-steps. :class:`autoprec.search.select.Selector` runs it on the policy it would write."""
+steps. The finalists' contest asks it of the policy it would write
+(:class:`autoprec.search.contest.TrajectoryGate`)."""
 
 from __future__ import annotations
 
@@ -14,15 +15,16 @@ from autoprec.measure import Harness, is_compiled
 from autoprec.measure.train_run import TrainRun, shareable
 from autoprec.metrics import traj_rel
 from autoprec.policy import Policy
+from autoprec.search.autocast_baseline import AutocastBaseline
 from autoprec.training.scaler import DynamicLossScaler
-from autoprec.training.train import autocast_scaler, make_scaler
+from autoprec.training.train import make_scaler
 
 __all__ = ["TRAJ_FACTOR", "TrajectoryCheck"]
 
 #: The trajectory check passes a policy whose ``traj_rel`` is at most this many times torch.autocast's
 #: over the same K steps. It catches policies that train differently (fp16 gradients flushed to zero,
 #: a stalled or diverging loss: orders of magnitude over autocast's), not precision differences, which
-#: the paired drift rule over the drift batches ranks (autoprec.search.decide). A trajectory is one
+#: the paired drift rule over the drift batches ranks (autoprec.search.drift_budget). A trajectory is one
 #: run with no noise band of its own: on the 24-layer examples/qwen2_deep.py the autocast twin, which
 #: computes torch.autocast's dtypes, measured 1.34x autocast's traj_rel (1.37e-3 vs 1.02e-3) from
 #: summation order alone (tests/passes/test_autocast_twin.py), compounded over 20 steps.
@@ -56,20 +58,17 @@ class TrajectoryCheck:
 
     Args:
         harness: The run's :class:`Harness` (weights, batches, model file).
-        ac_dtype: torch.autocast's low dtype.
+        autocast: torch.autocast on this device (:class:`AutocastBaseline`): its dtype, and whether
+            its trajectory runs eagerly with its GEMMs computed in fp32, rounded as native ones
+            round (:meth:`AutocastBaseline.trajectory_emulated`: its native GEMMs are slow), as its
+            drift passes do, instead of K native steps (a 24-layer Qwen2 on an AVX2-only CPU:
+            ~9.5 s each against ~0.6 s).
         steps: K (0: every policy passes, nothing is run).
         compiled_autocast: Gives torch.autocast's module as compiled for its baseline; called
             only when the reference is compiled.
         compiled_fp32: Gives the all-fp32 graph as compiled for its own baseline (fp32 +
             torch.compile), or None when there is none: a compiled policy's reference then (see
             :meth:`ok`).
-        fp32_gemms: torch.autocast's native GEMMs are slow (the drift's rule,
-            :func:`autoprec.search.kernel_choice.autocast_gemms_in_fp32`): its trajectory runs
-            eagerly with them computed in fp32, rounded as native ones round
-            (:class:`autoprec.kernels.fp32_gemms.Fp32ComputeGemms`), as its drift passes do,
-            instead of K native steps (a 24-layer Qwen2 on an AVX2-only CPU: ~9.5 s each
-            against ~0.6 s); not on a graph that draws random numbers, whose compiled reference
-            needs torch.autocast compiled (Inductor's masks).
 
     The losses of a module that the final head-to-head timed as a training run of its own
     (:meth:`share`) are read from that run, continued to K steps where it has fewer, instead of
@@ -83,11 +82,11 @@ class TrajectoryCheck:
         runs: ``(id(module), autocast dtype)`` -> its :class:`TrainRun` from :meth:`share`.
     """
 
-    def __init__(self, harness: Harness, ac_dtype: torch.dtype, steps: int,
+    def __init__(self, harness: Harness, autocast: AutocastBaseline, steps: int,
                  compiled_autocast: Callable[[], Any],
-                 compiled_fp32: Callable[[], Any] = lambda: None, fp32_gemms: bool = False) -> None:
-        self.h, self.ac_dtype, self.steps = harness, ac_dtype, steps
-        self.fp32_gemms = fp32_gemms
+                 compiled_fp32: Callable[[], Any] = lambda: None) -> None:
+        self.h, self.autocast, self.steps = harness, autocast, steps
+        self.ac_dtype = autocast.dtype
         self._compiled_autocast, self._compiled_fp32 = compiled_autocast, compiled_fp32
         self.traj: dict[str, float] = {}
         self.budget: float | None = None
@@ -145,7 +144,8 @@ class TrajectoryCheck:
         the fp32 + torch.compile baseline's graph (``compiled_fp32``, when there is one): both
         sides are then compiled, and its steps cost what a compiled step costs (a 24-layer Qwen2
         on 2 cores: 0.53 s against 0.80 s eager). Against a compiled reference torch.autocast's
-        budget is taken compiled too (eagerly with its GEMMs in fp32 where ``fp32_gemms``). Each
+        budget is taken compiled too (eagerly with its GEMMs in fp32 where the baseline's trajectory is
+        emulated, :meth:`AutocastBaseline.trajectory_emulated`). Each
         reference's trajectory is run once, or read from the runs the head-to-head timed
         (:meth:`share`).
 
@@ -163,7 +163,7 @@ class TrajectoryCheck:
         if ref_fn is self.h.graph_module and is_compiled(fn):
             ref_fn = self._compiled_fp32() or ref_fn
         if id(ref_fn) not in self._refs:
-            emulate = self.fp32_gemms and not self.h.random
+            emulate = self.autocast.trajectory_emulated(self.h.random)
             ac_fn = self.h.model if ref_fn is self.h.graph_module or emulate else self._compiled_autocast()
             self._refs[id(ref_fn)] = _Budget(self._losses(ref_fn, lambda: None), ac_fn, emulate)
         b = self._refs[id(ref_fn)]
@@ -197,7 +197,7 @@ class TrajectoryCheck:
 
         b.ac = []
         with contextlib.suppress(_Enough):
-            self.h.trajectory(b.fn, autocast_scaler(self.ac_dtype), autocast_dtype=self.ac_dtype,
+            self.h.trajectory(b.fn, self.autocast.scaler_factory(), autocast_dtype=self.ac_dtype,
                               steps=self.steps, fp32_gemms=b.emulate, after=[hook])
 
     def reason(self, policy: Policy) -> str:

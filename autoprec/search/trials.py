@@ -1,6 +1,6 @@
 """The search phase of ``tune``: rank regions by sensitivity, queue the baselines, run Optuna
 trials until the (possibly shared) study holds enough (docs/architecture.md#search); the feasible
-ones are listed by :func:`autoprec.search.pool.feasible`."""
+ones are listed by :func:`autoprec.search.finalist_pool.feasible`."""
 
 from __future__ import annotations
 
@@ -14,12 +14,13 @@ import torch
 
 from autoprec._interrupt import check as check_interrupt
 from autoprec.kernels.fp32_gemms import Fp32ComputeGemms
-from autoprec.measure import Harness, Measurement
+from autoprec.measure import Harness, Measurement, Outcome
 from autoprec.passes import run_pipeline
 from autoprec.search import attrs
-from autoprec.search.objective import Objective, is_dead_worker, reap_dead_trials, retried_numbers, retry_of
+from autoprec.search.objective import Objective
 from autoprec.search.progress import failed_trial_logger, quiet_optuna_failures
 from autoprec.search.space import SearchSpace
+from autoprec.search.workers import is_dead_worker, reap_dead_trials, retried_numbers, retry_of
 from autoprec.training.train import make_scaler
 
 __all__ = ["SENSITIVITY_BATCHES", "enqueue_baselines", "finished", "optimize", "region_sensitivity"]
@@ -48,7 +49,7 @@ def region_sensitivity(harness: Harness, space: SearchSpace,
     :data:`attrs.INFEASIBLE` (one that overflows only on a later batch ranks by its first ones; the
     trials measure all K). ``on_region(name)`` is called as each region begins (a progress bar's
     step). ``fp32_gemms``: the low kernel is native and slow here (the probe's rule,
-    :func:`autoprec.search.kernel_choice.autocast_gemms_in_fp32`), so its GEMMs in this dtype are
+    :func:`autoprec.search.autocast_baseline.autocast_gemms_in_fp32`), so its GEMMs in this dtype are
     computed as fp32 products rounded once to it (:class:`autoprec.kernels.fp32_gemms.Fp32ComputeGemms`:
     the same roundings; ``tune --dtypes bf16`` on an AVX2 CPU, where a native bf16 pass of a 24-layer
     Qwen2 takes ~9 s)."""
@@ -72,9 +73,10 @@ def region_sensitivity(harness: Harness, space: SearchSpace,
     return out
 
 
-def _ranked(m: Measurement) -> str | None:
-    """``Harness.drift``'s stop for a sensitivity: enough batches to rank a region."""
-    return "ranked" if len(m.grad_rel_l2_batches) >= SENSITIVITY_BATCHES else None
+def _ranked(m: Measurement) -> Outcome:
+    """``Harness.drift``'s stop for a sensitivity: enough batches to rank a region (accepted)."""
+    enough = len(m.grad_rel_l2_batches) >= SENSITIVITY_BATCHES
+    return Outcome.accepted("ranked") if enough else Outcome.go_on()
 
 
 def enqueue_baselines(study: optuna.Study, space: SearchSpace,
@@ -95,7 +97,7 @@ def enqueue_baselines(study: optuna.Study, space: SearchSpace,
 def finished(study: optuna.Study) -> int:
     """Trials that count towards ``--trials``: complete, pruned, or failed by their measurement
     (non-finite drift, a lowering error); not those cut short by Ctrl-C or a killed worker, nor
-    those a retry re-runs (:func:`autoprec.search.objective.requeue_trial`)."""
+    those a retry re-runs (:func:`autoprec.search.workers.requeue_trial`)."""
     states = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL, optuna.trial.TrialState.PRUNED)
     trials = study.get_trials(deepcopy=False)
     retried = retried_numbers(trials)
@@ -108,7 +110,7 @@ def optimize(study: optuna.Study, objective: Objective, target: int, timeout: fl
     """Run trials until the study holds ``target`` finished ones (shared with other workers),
     then wait (at most :data:`WAIT_FOR_OTHERS_S`) for other live workers' running trials, so
     every worker selects from the same trials. A trial whose worker died is given up
-    (:func:`autoprec.search.objective.reap_dead_trials`) and its retry run in another round, even
+    (:func:`autoprec.search.workers.reap_dead_trials`) and its retry run in another round, even
     once the study holds ``target``: its worker would have finished it had it lived."""
     t_end = None if timeout is None else time.monotonic() + timeout
     for _ in range(_ROUNDS):

@@ -1,6 +1,6 @@
-"""The final choice of ``tune``: compiled contenders head to head with the baselines a user has
-without autoprec, timed in the same interleaved rounds (docs/architecture.md#search, "Final
-choice").
+"""The race rule of ``tune``'s final choice (:class:`Race`): compiled contenders head to head with
+the baselines a user has without autoprec, timed in the same interleaved rounds
+(docs/architecture.md#how-a-policy-is-chosen).
 
 The contenders are the compiled finalists that passed the drift and memory checks
 (the autocast twin and all-fp32 among them) and the baselines: torch.autocast + torch.compile,
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from autoprec.measure import Comparison, Retire, Settled, Timing, compare
 from autoprec.policy import Policy
 
-__all__ = ["EQUIVALENCE_MARGIN", "Contender", "Decision", "all_fp32", "decide", "out_of_the_running",
+__all__ = ["EQUIVALENCE_MARGIN", "Contender", "Decision", "Race", "all_fp32", "decide", "out_of_the_running",
            "settled", "tie_order"]
 
 #: Throughput differences within ±this fraction are not resolved by more rounds of the
@@ -280,6 +280,50 @@ def tie_order(candidates: Iterable[tuple[str, Policy, float]]) -> list[str]:
     """Names of ``(name, policy, grad_rel_l2)`` in the order :func:`decide` prefers them in a tie:
     lower drift, then fewer rules (:func:`settled`'s ``tie_order``)."""
     return [name for name, pol, g in sorted(candidates, key=lambda c: _tie_key(c[1], c[2]))]
+
+
+@dataclass(frozen=True)
+class Race:
+    """The race rule of one head-to-head, in one object: which contenders are baselines, which have a
+    policy to write, and the order a tie is broken in; from these, the retire rule
+    (:func:`out_of_the_running`), the early stop (:func:`settled`) and the verdict (:func:`decide`)
+    all follow :func:`decide`'s rule (the module docstring).
+
+    Attributes:
+        baselines: Names of the baselines (``Contender.baseline``).
+        policies: Names of the contenders with a policy to write (``Contender.policy``).
+        order: ``policies`` in the order :func:`decide` prefers them in a tie (:func:`tie_order`).
+    """
+
+    baselines: frozenset[str]
+    policies: frozenset[str]
+    order: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, contenders: Iterable[Contender]) -> Race:
+        """The race of ``contenders`` (their timings unused: the race is fixed before timing)."""
+        field = list(contenders)
+        writable = [(c.name, c.policy, c.grad_rel_l2) for c in field if c.policy is not None]
+        return cls(frozenset(c.name for c in field if c.baseline), frozenset(n for n, _p, _g in writable),
+                   tuple(tie_order(writable)))
+
+    def retire(self) -> Retire:
+        """A fresh retire rule for :func:`autoprec.measure.timing.time_interleaved`
+        (:func:`out_of_the_running`)."""
+        return out_of_the_running(set(self.baselines), set(self.policies))
+
+    def settled(self) -> Settled:
+        """A fresh early stop for :func:`autoprec.measure.timing.time_interleaved` (:func:`settled`)."""
+        return settled(set(self.baselines), set(self.policies), list(self.order))
+
+    @staticmethod
+    def decide(contenders: list[Contender]) -> Decision:
+        """The verdict among the timed ``contenders`` (:func:`decide`).
+
+        Raises:
+            ValueError: no contender with a policy was timed (and not retired).
+        """
+        return decide(contenders)
 
 
 def _fastest(timed: dict[str, Timing], names: set[str]) -> str | None:

@@ -1,0 +1,597 @@
+"""The finalists' contest: how ``tune`` chooses the policy it writes
+(docs/architecture.md#how-a-policy-is-chosen).
+
+It reads as four parts:
+
+- **Candidates** (:class:`Candidate`), each with its :class:`Role`: a policy that may be written (the
+  fastest feasible trials, the autocast twin and its variants), a baseline to beat (torch.autocast
+  + torch.compile, fp32 + torch.compile, fp32 eager), or shown only (torch.autocast + torch.compile
+  over the drift or memory budget: a row of the table, no bar). :meth:`Contest.candidates` builds
+  the list; torch.autocast comes from :class:`~autoprec.search.autocast_baseline.AutocastBaseline`,
+  the one place the device's emulation is decided.
+- **Gates** (:class:`Gate`): one protocol that turns an :class:`Entry` (a candidate, its module and
+  its measurement) into an :class:`~autoprec.measure.outcome.Outcome`: :class:`DriftGate`,
+  :class:`MemoryGate`, :class:`TrajectoryGate`. The screening of search trials uses the same
+  outcome type (:mod:`autoprec.search.screen_cut`) and the same drift rule.
+- **One race rule** (:class:`~autoprec.search.race.Race`): retire, settled, tie order and the verdict.
+- :meth:`Contest.run`: measure, gate, race, check the choice on its trajectory, race again without a
+  rejected one, and record everything the report reads (:class:`FinalistRows`, the head-to-head's
+  timings, the :class:`~autoprec.search.race.Decision`).
+
+Finalists are compiled with Inductor unless ``--no-compile`` (then they run eagerly, and the bars
+are torch.autocast eager and fp32 eager); with ``--max-memory`` a compiled finalist over the budget
+is fitted first (:mod:`autoprec.search.memory_fit`).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import optuna
+
+from autoprec._interrupt import check as check_interrupt
+from autoprec.applied.compile import compile_graph
+from autoprec.applied.saved import saved_eager
+from autoprec.capture import autocast_dynamic
+from autoprec.errors import SearchError
+from autoprec.measure import Config, Harness, Measurement, Outcome, Timing, format_rate, time_interleaved
+from autoprec.passes import run_pipeline
+from autoprec.policy import Policy
+from autoprec.search import attrs
+from autoprec.search.autocast_baseline import AutocastBaseline
+from autoprec.search.budgets import format_bytes, over_memory, why_no_finalist
+from autoprec.search.drift_budget import DriftBudget
+from autoprec.search.memory_fit import MemoryFit, eager_fitting, lever
+from autoprec.search.phases import PhaseBar, phase_bar
+from autoprec.search.progress import Clock, log
+from autoprec.search.race import Contender, Decision, Race, all_fp32
+from autoprec.search.trajectory import TrajectoryCheck
+from autoprec.training.train import make_scaler
+
+#: Names of the baselines in the final head-to-head (and its log lines); without compile
+#: torch.autocast's is ``AUTOCAST_EAGER`` and the all-fp32 policy's ``FP32_GRAPH``.
+AUTOCAST_COMPILED = "torch.autocast + torch.compile"
+AUTOCAST_EAGER = "torch.autocast eager"
+FP32_COMPILED = "fp32 + torch.compile"
+FP32_GRAPH = "all-fp32"
+FP32_EAGER = "fp32 eager"
+
+__all__ = ["AUTOCAST_COMPILED", "AUTOCAST_EAGER", "FP32_COMPILED", "FP32_EAGER", "FP32_GRAPH", "Candidate",
+           "Contest", "DriftGate", "Entry", "FinalistRows", "Gate", "MemoryGate", "Role", "TrajectoryGate",
+           "contenders", "fitted_label"]
+
+
+class Role(enum.Enum):
+    """What a candidate is in the contest.
+
+    ``POLICY``: a policy that may be written (a trial, the autocast twin and its variants).
+    ``BASELINE``: a baseline to beat, what a user gets without autoprec; fp32 + torch.compile (the
+    all-fp32 policy compiled) is one that may also be written, since it has a policy.
+    ``SHOWN``: timed beside them for the table only (torch.autocast over the drift or memory budget).
+    """
+
+    POLICY = "policy"
+    BASELINE = "baseline"
+    SHOWN = "shown"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One finalist or baseline of the contest.
+
+    Attributes:
+        name: Its label in the log and the report (``"trial 6 (eager 5281 tok/s)"``,
+            ``"autocast twin"``, ``"fp32 + torch.compile, trial 0 (eager 867 tok/s)"``).
+        role: Its :class:`Role`.
+        policy: The policy to write if it wins; None for torch.autocast and fp32 eager (not policies).
+    """
+
+    name: str
+    role: Role
+    policy: Policy | None = None
+
+
+@dataclass
+class Entry:
+    """A candidate as measured: its module, its measurement and the gates' outcome.
+
+    Attributes:
+        candidate: The candidate (after a memory fit, the fitted one: another policy and label).
+        fn: Its module as trained (compiled unless ``--no-compile``).
+        measurement: Drift, memory (and, once timed, speed) of ``fn``.
+        outcome: The first gate's outcome that is not ``CONTINUE``, else ``CONTINUE``.
+    """
+
+    candidate: Candidate
+    fn: Any
+    measurement: Measurement
+    outcome: Outcome = field(default_factory=Outcome.go_on)
+
+    @property
+    def name(self) -> str:
+        """The candidate's name."""
+        return self.candidate.name
+
+
+class Gate(Protocol):
+    """A check of an :class:`Entry`: ``CONTINUE`` passes it; ``FAILED`` (with the reason the log and
+    the report print) rejects it."""
+
+    def judge(self, entry: Entry) -> Outcome:
+        """The entry's outcome at this gate."""
+        ...
+
+
+@dataclass(frozen=True)
+class DriftGate:
+    """Within the drift budget (:class:`~autoprec.search.drift_budget.DriftBudget`); a failed
+    measurement fails here with its own error."""
+
+    budget: DriftBudget
+
+    def judge(self, entry: Entry) -> Outcome:
+        """``FAILED`` with the measurement's error or the budget's explanation, else ``CONTINUE``."""
+        m = entry.measurement
+        if m.failed:
+            return m.outcome
+        return Outcome.go_on() if self.budget.feasible(m) else Outcome.failed(self.budget.explain(m))
+
+
+@dataclass(frozen=True)
+class MemoryGate:
+    """Within the memory budget (bytes; None: no budget). ``compile`` and ``random`` choose the hint
+    the rejection gives (recomputation is a compiled lever, and not on a graph that draws random
+    numbers: :func:`autoprec.search.budgets.over_memory`)."""
+
+    budget: float | None
+    compile: bool = True
+    random: bool = False
+
+    def fits(self, m: Measurement) -> bool:
+        """Whether ``m``'s peak is within the budget (always, without one)."""
+        return self.budget is None or m.peak_bytes <= self.budget
+
+    def judge(self, entry: Entry) -> Outcome:
+        """``FAILED`` with the peak against the budget, else ``CONTINUE``."""
+        m = entry.measurement
+        if self.fits(m):
+            return Outcome.go_on()
+        return Outcome.failed(
+            f"peak {format_bytes(m.peak_bytes)} > memory budget {format_bytes(self.budget)}"
+            + (over_memory(self.random) if self.compile else
+               " (without --no-compile, recomputation in backward can lower the peak)"))
+
+
+@dataclass(frozen=True)
+class TrajectoryGate:
+    """The choice's trajectory: ``traj_rel`` over K optimizer steps at most
+    :data:`~autoprec.search.trajectory.TRAJ_FACTOR` x torch.autocast's
+    (:class:`~autoprec.search.trajectory.TrajectoryCheck`). Asked of the policy the race would
+    write only (its K steps cost a training run)."""
+
+    check: TrajectoryCheck
+
+    def judge(self, entry: Entry) -> Outcome:
+        """``FAILED`` with ``traj_rel`` against the budget, else ``CONTINUE``; a candidate without a
+        policy passes."""
+        pol = entry.candidate.policy
+        if pol is None or self.check.ok(pol, entry.fn):
+            return Outcome.go_on()
+        return Outcome.failed(self.check.reason(pol))
+
+
+def first_failure(entry: Entry, gates: list[Gate]) -> Outcome:
+    """The first gate's outcome that is not ``CONTINUE`` (``CONTINUE`` when all pass)."""
+    for gate in gates:
+        if not (outcome := gate.judge(entry)).going_on:
+            return outcome
+    return Outcome.go_on()
+
+
+def contenders(survivors: list[Entry], autocast: Entry | None,
+               timings: dict[str, Timing] | None = None) -> list[Contender]:
+    """The contenders the race decides among: the gated ``survivors`` (a baseline when their role
+    is), torch.autocast (``autocast``) when its role is :attr:`Role.BASELINE` (a :attr:`Role.SHOWN`
+    one is timed for the table only), and fp32 eager (:data:`FP32_EAGER`), each with its timing in
+    ``timings`` (untimed when missing: the roles alone fix the :class:`Race`)."""
+    timings = timings or {}
+    of = lambda name: timings.get(name, Timing())  # noqa: E731
+    out = [Contender(e.name, e.candidate.policy, of(e.name), e.measurement.grad_rel_l2,
+                     baseline=e.candidate.role is Role.BASELINE) for e in survivors]
+    if autocast is not None and autocast.candidate.role is Role.BASELINE:
+        out.append(Contender(autocast.name, None, of(autocast.name), autocast.measurement.grad_rel_l2,
+                             baseline=True))
+    # a bar, not a choice: with compile the policy file is trained compiled (when fp32 eager is the
+    # fastest, the decision says "slower" and the log suggests --no-compile); without, the all-fp32
+    # policy computes what it computes and ties with it
+    out.append(Contender(FP32_EAGER, None, of(FP32_EAGER), 0.0, baseline=True))
+    return out
+
+
+def fitted_label(label: str, pol: Policy) -> str:
+    """A finalist's label once the memory fit has given its policy a lever
+    (:func:`autoprec.search.memory_fit.lever`): the lever named, and no longer called fp32 +
+    torch.compile (a baseline, :func:`autoprec.search.race.all_fp32`) when the lever makes it
+    another computation, e.g. ``"fp32 + torch.compile, trial 0 (eager 867 tok/s)"`` ->
+    ``"trial 0 (eager 867 tok/s) with saved bf16"``. Unchanged when ``pol`` has no lever."""
+    if lever(pol) == "none":
+        return label
+    for base in (FP32_COMPILED, FP32_GRAPH):
+        if label.startswith(base + ", ") and not all_fp32(pol):
+            label = label[len(base) + 2:]
+    return f"{label} with {lever(pol)}"
+
+
+class FinalistRows:
+    """Every finalist measurement (compiled unless ``--no-compile``), memory-lever tries included:
+    the report's lever table. A row is keyed by the policy's content (:meth:`Policy.training_key`),
+    never by object identity: a rejected policy can be freed and its ``id`` reused by another.
+
+    Attributes:
+        rows: ``{"policy", "key", "lever", "tokens_per_s", "step_times", "grad_rel_l2",
+            "peak_bytes", "error", "note", "retired"}`` per measurement, and ``rejected`` (why a
+            finalist was not kept, when not its ``error``).
+    """
+
+    def __init__(self) -> None:
+        self.rows: list[dict[str, Any]] = []
+        self._index: dict[str, int] = {}  # Policy.training_key() -> its last row
+
+    def add(self, pol: Policy, m: Measurement, timed: bool = True) -> None:
+        """A new row for ``pol``'s measurement (``timed``: its speed is known)."""
+        self.rows.append(self._row(pol, m, timed))
+        self._index[pol.training_key()] = len(self.rows) - 1  # the head-to-head fills its speed in
+
+    def timed(self, pol: Policy, m: Measurement, retired: bool) -> None:
+        """``pol``'s row with the head-to-head's speed (``retired``: timed no further, its ``note``
+        says at what ratio over which rounds)."""
+        row = self._row(pol, m, True, retired)
+        i = self._index.get(pol.training_key())
+        if i is None:
+            self.rows.append(row)
+        else:
+            self.rows[i] = row
+
+    def reject(self, pol: Policy, why: str) -> None:
+        """Record why a finalist was rejected (the report's note: drift, memory, traj_rel)."""
+        if (i := self._index.get(pol.training_key())) is not None:
+            self.rows[i]["rejected"] = why
+
+    @staticmethod
+    def _row(pol: Policy, m: Measurement, timed: bool = True, retired: bool = False) -> dict[str, Any]:
+        return {"policy": pol.summary(), "key": pol.training_key(), "lever": lever(pol),
+                "tokens_per_s": m.tokens_per_s if timed else None,
+                "step_times": list(m.step_times) if timed else [],  # the report's noise band
+                "grad_rel_l2": m.grad_rel_l2, "peak_bytes": m.peak_bytes, "error": m.error,
+                "note": m.note, "retired": retired}
+
+
+class Contest:
+    """Re-measures the fastest feasible trials as training will run them, with the baselines, and
+    picks the policy to write (the module docstring).
+
+    Args:
+        harness: The run's :class:`Harness`.
+        budget: The drift budget.
+        compile: Compile finalists with Inductor (else they run eagerly, and the bar is torch.autocast
+            eager).
+        autocast: torch.autocast on this device (:class:`AutocastBaseline`: its dtype, whether its
+            drift is emulated, whether it cannot win).
+        slow: ``max_step_s`` for every timed measurement (seconds).
+        traj_steps: K of the ``traj_rel`` check (0: off).
+        clock: The run's :class:`Clock` (compile seconds are added to ``compile_s``).
+        quiet: No log lines.
+        twin: The autocast twin (``Policy.autocast`` at the search's fastest low kernel), always a
+            finalist; None when no low kernel is searched.
+        also: More always-compiled finalists, ``(policy, label)``: variants of the twin whose gain
+            only compiling shows, so eager screening cannot rank them (the twin with math
+            attention: slower than the fused kernel eagerly, faster compiled where low-precision
+            GEMMs are; ``benchmarks/results/attention_math_2026-12-02``).
+        progress: Show a bar over the finalists (and the head-to-head) and one over each memory fit.
+
+    Attributes:
+        timings: The final head-to-head's :class:`~autoprec.measure.noise.Timing` per contender.
+        decision: The :class:`~autoprec.search.race.Decision` (None before :meth:`run`).
+        ac_label: torch.autocast's name in the head-to-head (:data:`AUTOCAST_COMPILED`, or
+            :data:`AUTOCAST_EAGER` without compile).
+        autocast_compiled, autocast_eager: torch.autocast's measurement as the bar (compiled, or
+            eager without compile; the other is None), with the head-to-head's speed.
+        fp32_compiled: The all-fp32 finalist's measurement, compiled (fp32 + torch.compile).
+        memory_budget: The byte budget (None: none).
+        trajectory: The :class:`~autoprec.search.trajectory.TrajectoryCheck` (``traj_rel`` per
+            policy checked).
+        eager_tokens_per_s: ``Policy.training_key()`` -> the trial's eager (screening) tokens/s.
+        finalists: The report's rows (:class:`FinalistRows`).
+    """
+
+    def __init__(self, harness: Harness, budget: DriftBudget, compile: bool, autocast: AutocastBaseline,
+                 slow: float | None, traj_steps: int, clock: Clock, quiet: bool, twin: Policy | None = None,
+                 progress: bool = False, also: list[tuple[Policy, str]] | tuple = ()) -> None:
+        self.h, self.budget, self.compile, self.autocast = harness, budget, compile, autocast
+        self.slow, self.clock, self.quiet = slow, clock, quiet
+        self.twin, self.also, self.progress = twin, list(also), progress
+        self._fit_bar: PhaseBar | None = None  # the memory fit's bar while it runs: each compile is a try
+        self.timings: dict[str, Timing] = {}
+        self.decision: Decision | None = None
+        self.ac_label = AUTOCAST_COMPILED if compile else AUTOCAST_EAGER
+        self.autocast_compiled: Measurement | None = None
+        self.autocast_eager: Measurement | None = None
+        self.fp32_compiled: Measurement | None = None
+        self.memory_budget: float | None = None
+        self.eager_tokens_per_s: dict[str, float] = {}
+        self.finalists = FinalistRows()
+        self._autocast_fn: Any = None  # torch.autocast's module as compiled for its baseline
+        self._fp32_fn: Any = None  # the all-fp32 finalist as compiled (fp32 + torch.compile), once measured
+        self.trajectory = TrajectoryCheck(harness, autocast, traj_steps, lambda: (
+            self._autocast_fn if self._autocast_fn is not None else self.build(self.h.model)),
+            lambda: self._fp32_fn)
+        self._notes: dict[str, str | None] = {}  # a contender's note before any head-to-head
+
+    @property
+    def autocast_bar(self) -> Measurement | None:
+        """torch.autocast's measurement as the head-to-head's bar: :attr:`autocast_compiled`, or
+        :attr:`autocast_eager` without compile (None before :meth:`run`)."""
+        return self.autocast_compiled if self.compile else self.autocast_eager
+
+    @property
+    def gates(self) -> list[Gate]:
+        """The gates every finalist (and torch.autocast as a bar) passes before the race: drift, memory."""
+        return [DriftGate(self.budget), MemoryGate(self.memory_budget, self.compile, self.h.random)]
+
+    def build(self, gm: Any, activation_memory_budget: float = 1.0) -> Any:
+        """``gm`` as the contest trains it: compiled with Inductor (the model itself, torch.autocast's
+        baseline, dynamic if its batch shapes vary), or with its saved dtypes eagerly without compile."""
+        if self._fit_bar is not None:
+            self._fit_bar.step(f"activation memory budget {activation_memory_budget:g}")
+        if not self.compile:
+            return saved_eager(gm)
+        with self.clock("compile_s"):
+            dynamic = autocast_dynamic(self.h.batches) if gm is self.h.model else None
+            return compile_graph(gm, activation_memory_budget, dynamic=dynamic)
+
+    def measure(self, pol: Policy) -> tuple[Any, Measurement]:
+        """``pol``'s module as the contest trains it (:meth:`build`, Inductor's default activation
+        memory budget: the memory fit lowers it) and its measurement: drift and memory, timed now
+        only on CUDA (elsewhere in the head-to-head's rounds)."""
+        fn = self.build(run_pipeline(self.h.graph_module, pol).graph_module)
+        return fn, self._measure_fn(fn, pol, timing=self.h.device.type == "cuda")
+
+    def _measure_fn(self, fn: Any, pol: Policy, timing: bool = True) -> Measurement:
+        return self.h.measure(fn, lambda: make_scaler(pol), timing=timing, max_step_s=self.slow)
+
+    def run(self, feasible: list[optuna.trial.FrozenTrial], k: int,
+            memory_budget: Callable[[], float | None] = lambda: None) -> tuple[Policy, Measurement]:
+        """The policy to write, with its measurement: the candidates measured, gated on drift and
+        memory, raced head to head with the baselines, the choice checked on its trajectory and the
+        race run again without it when it fails. ``memory_budget`` is called once torch.autocast
+        is measured (``--max-memory auto`` refers to it) and gives the byte budget or None.
+
+        Raises:
+            SearchError: no feasible trial; no finalist passed the gates (the message says why
+                each failed); no policy was timed, or every one timed failed its trajectory.
+        """
+        if not feasible:
+            raise SearchError("no trial met the drift budget, not even all-fp32 (see the study's "
+                              "autoprec:error attributes)")
+        with phase_bar("finalists", None, self.progress) as bar:
+            return self._run(feasible, k, memory_budget, bar)
+
+    def _run(self, feasible, k, memory_budget, bar: PhaseBar) -> tuple[Policy, Measurement]:
+        bar.step(self.ac_label)
+        self._measure_autocast()
+        self.memory_budget = memory_budget()
+        if self.memory_budget is not None:
+            log(f"memory budget {format_bytes(self.memory_budget)}", self.quiet)
+            feasible = feasible if self.compile else eager_fitting(feasible, self.memory_budget)
+        survivors: list[Entry] = []
+        measured: list[Measurement] = []
+        candidates = self.candidates(feasible, k)
+        bar.set_total(len(candidates) + 2)  # torch.autocast's compile, the finalists, the head-to-head
+        for cand in candidates:
+            check_interrupt()
+            log(f"finalist {cand.name}: {cand.policy.summary()}", self.quiet)
+            bar.step(cand.name)
+            entry = self._enter(cand)
+            measured.append(entry.measurement)
+            how = "compiled" if self.compile else "eager"
+            why = entry.outcome.reason if not entry.outcome.going_on else None
+            log(f"  {how}: grad_rel_l2 {entry.measurement.grad_rel_l2:.3g}"
+                + (f" -> rejected: {why}" if why else ""), self.quiet)
+            if why is None:
+                survivors.append(entry)
+            elif not entry.measurement.failed:
+                self.finalists.reject(entry.candidate.policy, why)
+        if not survivors:
+            raise SearchError(why_no_finalist(measured, self.budget, self.memory_budget, self.compile,
+                                              self.h.random))
+        bar.step("head-to-head")
+        try:
+            return self._race(survivors)
+        finally:
+            self.trajectory.release()  # the head-to-head's training runs (TrajectoryCheck.share)
+
+    def _measure_autocast(self) -> None:
+        """Build torch.autocast + torch.compile (eager without compile), the comparison users care
+        about, and measure its drift and memory; where it is not in the contest
+        (:meth:`AutocastBaseline.in_contest`) nothing runs and, with compile, its row says why."""
+        if not self.autocast.in_contest(self.h.random):
+            log(f"{self.ac_label}: not {'compiled' if self.compile else 'timed'}, "
+                f"{self.autocast.cannot_win}: it cannot be the baseline to beat", self.quiet)
+            if self.compile:
+                self.autocast_compiled = self.autocast.not_run()
+            return
+        if self.compile:
+            log("compiling the torch.autocast baseline with Inductor", self.quiet)
+        self._autocast_fn = self.build(self.h.model) if self.compile else self.h.model
+        ac = self.autocast.measure_compiled(self.h, self._autocast_fn, self.compile, self.slow)
+        if not self.compile:
+            self.autocast_eager = ac
+            return
+        self.autocast_compiled = ac
+        compiled = AutocastBaseline.compiled_budget(ac, self.budget, self.h.random)
+        if compiled is not None:
+            self.budget = compiled
+            log(f"the graph draws random numbers: compiled finalists are judged against torch.autocast + "
+                f"torch.compile's drift (mean {ac.grad_rel_l2:.3g}), both compiled", self.quiet)
+
+    def _enter(self, cand: Candidate) -> Entry:
+        """Measure ``cand``, fit it to the memory budget where it is over it (compiled only), and
+        gate it on drift and memory."""
+        pol = cand.policy
+        fn, m = self.measure(pol)
+        self.finalists.add(pol, m, timed=bool(m.step_times))
+        entry = Entry(cand, fn, m)
+        if (self.compile and self.memory_budget is not None and not m.failed and self.budget.feasible(m)
+                and m.peak_bytes > self.memory_budget):
+            with phase_bar("memory fit", None, self.progress) as self._fit_bar:
+                try:
+                    pol, fn, m = self._memory_fit().fit(pol, m)
+                finally:
+                    self._fit_bar = None
+            role = Role.BASELINE if all_fp32(pol) else Role.POLICY  # a lever makes fp32 another computation
+            entry = Entry(Candidate(fitted_label(cand.name, pol), role, pol), fn, m)
+        if self.compile and all_fp32(pol) and not m.failed:  # the trajectory check's reference
+            self._fp32_fn, self.fp32_compiled = fn, m
+        entry.outcome = first_failure(entry, self.gates)
+        return entry
+
+    def _memory_fit(self) -> MemoryFit:
+        return MemoryFit(self.h, self.build, self._measure_fn, self.budget.feasible, self.memory_budget,
+                         self.finalists.add, self.quiet)
+
+    def _race(self, survivors: list[Entry]) -> tuple[Policy, Measurement]:
+        """Time the surviving finalists with the baselines (:meth:`_time`) and pick by the race
+        rule; the choice must pass the :class:`TrajectoryGate`. One that fails is rejected (the
+        report's note) and the rest are timed again without it, so the next decision rests on rounds
+        whose retire and stop rules never saw the rejected policy; only a rejection pays a second
+        head-to-head.
+
+        Raises:
+            SearchError: no policy was timed, or every one timed failed the trajectory check."""
+        rejected: list[str] = []
+        gate = TrajectoryGate(self.trajectory)
+        while True:
+            field, race = self._time(survivors)
+            try:
+                decision = race.decide(field)
+            except ValueError:
+                self.decision = None
+                raise SearchError("no finalist was timed in the final head-to-head" + (
+                    f" after {', '.join(rejected)} failed the trajectory check" if rejected else "")
+                    + " (see the log)") from None
+            chosen = next(e for e in survivors if e.name == decision.chosen.name)
+            outcome = gate.judge(chosen)
+            if outcome.going_on:
+                break
+            log(f"  {chosen.name} -> rejected: {outcome.reason}; the others timed again without it",
+                self.quiet)
+            self.finalists.reject(chosen.candidate.policy, outcome.reason)
+            rejected.append(chosen.name)
+            survivors = [e for e in survivors if e.name != chosen.name]
+        pol = chosen.candidate.policy
+        if pol.training_key() in self.trajectory.traj:  # measured: it lowers something, K > 0
+            t = self.trajectory
+            log(f"  {chosen.name}: traj_rel {t.of(pol):.3g} over {t.steps} steps (torch.autocast's "
+                f"{t.budget:.3g}" + ("" if t.budget_steps >= t.steps else
+                                     f" or more: {t.budget_steps} of its steps decided") + ")", self.quiet)
+        decision.rejected = rejected
+        self.decision = decision
+        log(decision.describe(), self.quiet)
+        return pol, chosen.measurement
+
+    def _time(self, survivors: list[Entry]) -> tuple[list[Contender], Race]:
+        """Time ``survivors`` beside torch.autocast (a bar when within the drift and memory budgets,
+        else shown) and fp32 eager in one interleaved run (:func:`time_interleaved`, with the
+        race's retire and settled rules); every measurement (the baselines' included) takes its
+        speed from those rounds, so the ratios the report and the policy file give are side by
+        side in one process. Returns the contenders and their race."""
+        ac = self.autocast_bar
+        for name, m in [(e.name, e.measurement) for e in survivors] + [(self.ac_label, ac)]:
+            if m is not None:  # a timing again (after a rejection) drops the last one's note
+                m.note = self._notes.setdefault(name, m.note)
+        autocast = self._autocast_entry()
+        configs = [self._config(e.name, e.fn, lambda p=e.candidate.policy: make_scaler(p)) for e in survivors]
+        if autocast is not None:  # timed either way: the side-by-side table reports it
+            configs.append(self._config(self.ac_label, self._autocast_fn, self.autocast.scaler_factory(),
+                                        self.autocast.dtype))
+        configs.append(Config(FP32_EAGER, self.h.model))
+        log(f"final head-to-head, interleaved: {', '.join(c.name for c in configs)}", self.quiet)
+        race = Race.of(contenders(survivors, autocast))  # the roles, before any timing
+        start = time.perf_counter()
+        self.timings = time_interleaved(self.h, configs, max_step_s=self.slow, retire=race.retire(),
+                                        settled=race.settled())
+        rounds = max((t.rounds for t in self.timings.values()), default=0)
+        log(f"  {rounds} rounds in {time.perf_counter() - start:.0f} s, warm-up included", self.quiet)
+        for e in survivors:
+            _take_timing(e.measurement, self.timings[e.name])
+            self.finalists.timed(e.candidate.policy, e.measurement, retired=self.timings[e.name].retired)
+        if autocast is not None:
+            _take_timing(ac, self.timings[self.ac_label])
+        field = contenders(survivors, autocast, self.timings)
+        shown = [(c.name, c.timing, "") for c in field]
+        if autocast is not None and autocast.candidate.role is Role.SHOWN:  # a row of the log too
+            shown.insert(-1, (self.ac_label, self.timings[self.ac_label],
+                              "over the drift or memory budget: not a bar"))
+        for name, t, extra in shown:
+            why = "; ".join(x for x in (t.error or t.note, extra) if x)
+            log(f"  {name}: {format_rate(t)} tok/s" + (f" ({why})" if why else ""), self.quiet)
+        return field, race
+
+    def _autocast_entry(self) -> Entry | None:
+        """torch.autocast in the head-to-head (None where it was not run or failed): a baseline
+        when it passes the drift and memory gates as the finalists do (judged batch for batch when
+        its drift ran on batch 0 only, :meth:`AutocastBaseline.drift_on_batch_0`), else shown."""
+        ac = self.autocast_bar
+        if self._autocast_fn is None or ac is None or ac.failed:
+            return None
+        drift = self.budget.on_batches(len(ac.grad_rel_l2_batches)) if ac.cut else self.budget
+        entry = Entry(Candidate(self.ac_label, Role.SHOWN), self._autocast_fn, ac)
+        entry.outcome = first_failure(entry, [DriftGate(drift), MemoryGate(self.memory_budget)])
+        if entry.outcome.going_on:
+            entry.candidate = Candidate(self.ac_label, Role.BASELINE)
+        return entry
+
+    def _config(self, label: str, fn: Any, scaler_factory: Any, autocast_dtype: Any = None) -> Config:
+        """A head-to-head configuration whose timed steps are one training run from the initial
+        weights, whose losses the trajectory check reads if it needs them (TrajectoryCheck.share)."""
+        run = self.trajectory.share(fn, scaler_factory, autocast_dtype)
+        return Config(label, fn, scaler_factory, autocast_dtype, run=run)
+
+    def candidates(self, feasible: list[optuna.trial.FrozenTrial], k: int) -> list[Candidate]:
+        """The k fastest feasible trials, plus the autocast twin (the fallback when nothing beats
+        torch.autocast + torch.compile), the ``also`` policies (compiled only) and all-fp32 (fp32 +
+        torch.compile, a baseline; :data:`FP32_GRAPH` without compile), each once: a lowered policy
+        must beat both measured the same way to be chosen. Where torch.autocast is not in the
+        contest (:meth:`AutocastBaseline.in_contest`) the twin and ``also`` have nothing to match
+        (their gain was fast low-precision GEMMs): they are finalists only as trials, by their
+        eager speed."""
+        base = FP32_COMPILED if self.compile else FP32_GRAPH
+        out = []
+        for t in feasible[:k]:
+            pol = Policy.from_dict(t.user_attrs[attrs.POLICY])
+            self.eager_tokens_per_s[pol.training_key()] = t.values[0]
+            name = f"trial {t.number} (eager {t.values[0]:.0f} tok/s)"  # all-fp32: a baseline, said so
+            out.append(Candidate(f"{base}, {name}", Role.BASELINE, pol) if all_fp32(pol)
+                       else Candidate(name, Role.POLICY, pol))
+        keys = {c.policy.training_key() for c in out}
+        also = self.also if self.compile else []  # their gain only compiling shows
+        twin = [(self.twin, "autocast twin")] if self.twin is not None else []
+        forced = twin + also if self.autocast.in_contest(self.h.random) else []
+        for pol, label in forced:
+            if pol.training_key() not in keys:
+                out.append(Candidate(label, Role.POLICY, pol))
+                keys.add(pol.training_key())
+        if not any(all_fp32(c.policy) for c in out):
+            out.append(Candidate(base, Role.BASELINE, Policy.fp32()))
+        return out
+
+
+def _take_timing(m: Measurement, t: Timing) -> None:
+    """Give ``m`` the head-to-head's step times and speed (its drift and memory stay)."""
+    if t.step_times:
+        m.step_times, m.step_s, m.tokens_per_s = list(t.step_times), t.step_s, t.tokens_per_s
+    m.add_note(t.error or t.note)
