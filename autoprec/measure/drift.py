@@ -20,6 +20,7 @@ import torch
 
 from autoprec._torch_compat import amp_unscale_, is_dynamo_optimized
 from autoprec.applied.compile import CompiledGraph
+from autoprec.measure.backoff import search_back_off
 from autoprec.measure.measurement import Measurement
 from autoprec.metrics import grad_errors, grad_rel_l2, grad_sqnr_db_min
 from autoprec.training.scaler import DynamicLossScaler
@@ -147,8 +148,7 @@ def measure_drift(step: Callable[[int, bool], tuple[float, list[torch.Tensor], i
     where that back-off stops (at most :data:`MAX_BACKOFFS` back-offs, found by an exponential
     search, on batch 0 from ``backoff_hint`` back-offs (the previous measurement's
     ``first_backoffs``; its first pass one back-off short of them: :func:`_first_pass`), on later
-    batches from one:
-    :meth:`autoprec.training.scaler.DynamicLossScaler.search_back_off`); only gradients non-finite
+    batches from one: :func:`autoprec.measure.backoff.search_back_off`); only gradients non-finite
     at the scaler's floor count as a failure, and measuring stops at that batch. A non-finite loss
     is a failure at once: the scale multiplies the loss after the forward, so no back-off can
     change it.
@@ -173,8 +173,8 @@ def measure_drift(step: Callable[[int, bool], tuple[float, list[torch.Tensor], i
                 out.stopped = True
                 break
             out.unmeasured = None
-            first, tries = scaler.search_back_off(
-                lambda k=k: step(k, k == 0), lambda r: _finite(r[0], r[1]), first,
+            first, tries = search_back_off(
+                scaler, lambda k=k: step(k, k == 0), lambda r: _finite(r[0], r[1]), first,
                 MAX_BACKOFFS, hint=backoff_hint if k == 0 else 1, overflowed=over)  # later: batch 0's scale
             out.backoffs += tries
             if k == 0:

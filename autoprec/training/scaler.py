@@ -1,9 +1,11 @@
 """Dynamic loss scaling for fp16 training, with a floor and a diagnosis (docs/architecture.md#runtime, cases
-C07/C09/C14).
+C07/C09/C14): :class:`DynamicLossScaler`, the GradScaler kernels it reproduces in Python, and the checks
+of its configuration and of the state dicts it loads.
 
 :class:`DynamicLossScaler` is a drop-in for :class:`torch.amp.GradScaler` (same method names, same
-scale trajectory bit for bit, a compatible ``state_dict``) with three additions taken from DeepSpeed's
-fp16 ``DynamicLossScaler`` (``min_loss_scale``) and from failures seen in practice:
+scale trajectory bit for bit, a compatible ``state_dict``) with four additions taken from DeepSpeed's
+fp16 ``DynamicLossScaler`` (``min_loss_scale``), from torch's ``ShardedGradScaler`` and from failures
+seen in practice:
 
 * the scale is clamped to ``[min_scale, max_scale]``, so it can neither collapse to ~1e-15 while every
   step is skipped nor grow towards ``inf`` on a tiny loss (case C09);
@@ -11,31 +13,35 @@ fp16 ``DynamicLossScaler`` (``min_loss_scale``) and from failures seen in practi
   problem: after ``max_skips_at_floor`` such steps a :class:`~autoprec.errors.LossScaleError` says that
   the non-finite values come from the forward pass and names the first node that produced one;
 * the whole state (scale, growth tracker, skip counters) is plain JSON, so a resumed run continues
-  bit-identically (case C14);
+  bit-identically (case C14); a loaded state is validated whole before any of it is set;
 * under ``torch.distributed`` (DDP, FSDP2) every rank makes the same decision: the inf/NaN flag of each
   ``unscale_`` is all-reduced (MAX) over the process group, so one rank's non-finite gradient (or
   gradient shard) makes every rank skip and back off together, as torch's ``ShardedGradScaler``
   (torch/distributed/fsdp/sharded_grad_scaler.py, ``unscale_``) does (:mod:`autoprec.training.rank_flag`).
 
-:meth:`DynamicLossScaler.search_back_off` finds, by an exponential search, the scale where training's
-first steps stop backing off: what a drift measurement runs at
-(:func:`autoprec.measure.drift.measure_drift`). The checks of the configuration and of a loaded state
-dict are :mod:`autoprec.training._scaler_state`.
+:meth:`DynamicLossScaler.back_off_scales` lists the scales training's first steps try while they
+overflow (``update``'s rule); the search for the one where they stop backing off, which a drift
+measurement runs at, is :func:`autoprec.measure.backoff.search_back_off`. :func:`unscaled_grad_norm`
+is the gradient norm to log or clip by after ``unscale_``.
 
 Sources:
     * ``torch.amp.GradScaler`` (torch/amp/grad_scaler.py) and its ATen kernels
-      ``_amp_foreach_non_finite_check_and_unscale_`` / ``_amp_update_scale_``.
+      ``_amp_foreach_non_finite_check_and_unscale_`` / ``_amp_update_scale_`` (the fused unscale is
+      called through :func:`autoprec._torch_compat.amp_unscale_`).
     * DeepSpeed ``deepspeed/runtime/fp16/loss_scaler.py`` (``DynamicLossScaler``, ``min_loss_scale``).
     * ``torch.distributed.fsdp.ShardedGradScaler`` (found_inf all-reduced before the step).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, TypeVar
+import math
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
+from autoprec._torch_compat import amp_unscale_, sparse_values
 from autoprec.errors import LossScaleError
 from autoprec.policy.loss_scaling import (
     BACKOFF_FACTOR,
@@ -44,16 +50,13 @@ from autoprec.policy.loss_scaling import (
     INIT_SCALE,
     MAX_SCALE,
     MIN_SCALE,
+    check_fp32_exact,
+    check_loss_scaling,
     to_fp32,
 )
-from autoprec.training._amp import amp_update_scale, unscale_grads_, unscaled_grad_norm
-from autoprec.training._gallop import first_finite_run
-from autoprec.training._scaler_state import check_config, check_state
 from autoprec.training.rank_flag import any_rank, grad_device
 
 __all__ = ["MAX_SKIPS_AT_FLOOR", "DynamicLossScaler", "forward_nonfinite_message", "unscaled_grad_norm"]
-
-R = TypeVar("R")  # what a back-off search's run returns
 
 #: Default ``max_skips_at_floor``: consecutive skipped steps at ``min_scale`` before ``update``
 #: raises (autoprec's choice; GradScaler has no floor).
@@ -125,7 +128,7 @@ class DynamicLossScaler:
                  max_skips_at_floor: int = MAX_SKIPS_AT_FLOOR, enabled: bool = True,
                  diagnose: Callable[[], str | None] | None = None, process_group: Any = None) -> None:
         (scale, self._growth_factor, self._backoff_factor, self._growth_interval, self._min_scale,
-         self._max_scale, self._max_skips_at_floor) = check_config(
+         self._max_scale, self._max_skips_at_floor) = _check_config(
             "init_scale", init_scale, growth_factor, backoff_factor, growth_interval, min_scale,
             max_scale, max_skips_at_floor)
         if diagnose is not None and not callable(diagnose):
@@ -170,7 +173,7 @@ class DynamicLossScaler:
                 "unscale_() has already been called on this optimizer since the last update().")
         if state["stage"] == _STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
-        found_inf = unscale_grads_(optimizer, 1.0 / self._scale)
+        found_inf = _unscale_grads_(optimizer, 1.0 / self._scale)
         state["found_inf"] = any_rank(found_inf, self._process_group, grad_device(optimizer))
         state["stage"] = _UNSCALED
 
@@ -218,7 +221,7 @@ class DynamicLossScaler:
         self._per_optimizer = {}
         self._found_inf = found_inf
         at_floor = self._scale <= self._min_scale
-        scale, self._growth_tracker = amp_update_scale(
+        scale, self._growth_tracker = _update_scale(
             self._scale, self._growth_tracker, found_inf, self._growth_factor, self._backoff_factor,
             self._growth_interval)
         self._scale = min(max(scale, self._min_scale), self._max_scale)
@@ -286,52 +289,10 @@ class DynamicLossScaler:
             return []
         scales = [self._scale]
         while scales[-1] > self._min_scale and len(scales) <= max_backoffs:
-            s, _tracker = amp_update_scale(scales[-1], 0, True, self._growth_factor, self._backoff_factor,
-                                           self._growth_interval)
+            s, _tracker = _update_scale(scales[-1], 0, True, self._growth_factor, self._backoff_factor,
+                                        self._growth_interval)
             scales.append(max(s, self._min_scale))
         return scales
-
-    def search_back_off(self, run: Callable[[], R], finite: Callable[[R], bool], first: R,
-                        max_backoffs: int, hint: int = 1, overflowed: int = 0) -> tuple[R, int]:
-        """The run at the scale where training's back-off stops, found by exponential search.
-
-        Training halves the scale after each overflowing step (``torch.amp.GradScaler``'s rule) and
-        keeps the first scale whose gradients are finite: ``s_j`` of :meth:`back_off_scales`, ``j``
-        at most ``max_backoffs``. Overflow grows with the scale (finite at ``s_j``, finite below),
-        so instead of one forward/backward per back-off: ``j = hint`` first (non-finite there, the
-        floor next, and non-finite at the floor is a failure at once), then an exponential search
-        from it (:func:`autoprec.training._gallop.first_finite_run`): about ``2·log2(|j - hint| + 1)``
-        runs, 2 when the hint is right (a search passes its previous policy's back-offs), 1 when
-        ``first`` ran one back-off short of it. Only the scale changes: the rest of the state
-        (growth tracker, skip counters) is as it was.
-
-        Args:
-            run: One forward/backward at this scaler's current scale.
-            finite: Whether a run's loss and gradients are finite.
-            first: The run at ``s_overflowed`` (``s_0``: the current scale), whose gradients were
-                not finite (so neither are those of any larger scale: the answer is past it).
-            max_backoffs: The most back-offs training would make (≥ 0).
-            hint: The ``j`` tried first (clamped to the scales there are; the result does not
-                depend on it, only the number of runs).
-            overflowed: The back-offs of ``first``'s scale (< the scales there are).
-
-        Returns:
-            ``(run, j)``: the run at the first finite scale (or at the last scale tried, non-finite,
-            when even the floor overflows) and the number of back-offs ``j`` training would make.
-            The scaler is left at that scale; disabled, or already at the floor: ``(first, 0)``.
-        """
-        scales = self.back_off_scales(max_backoffs)
-        if len(scales) < 2:
-            return first, 0
-        state = self.state_dict()
-
-        def at(j: int) -> R:
-            self.load_state_dict({**state, "scale": scales[j]})
-            return run()
-
-        r, j = first_finite_run(at, finite, len(scales) - 1, hint, lo=overflowed)
-        self.load_state_dict({**state, "scale": scales[j]})
-        return r, j
 
     # ----------------------------------------------------------------- checkpointing
     def state_dict(self) -> dict[str, Any]:
@@ -367,7 +328,7 @@ class DynamicLossScaler:
             return
         own = {"min_scale": self._min_scale, "max_scale": self._max_scale,
                "max_skips_at_floor": self._max_skips_at_floor}
-        config, counters = check_state(state_dict, own)
+        config, counters = _check_state(state_dict, own)
         (self._scale, self._growth_factor, self._backoff_factor, self._growth_interval, self._min_scale,
          self._max_scale, self._max_skips_at_floor) = config
         self._growth_tracker, self._skipped_steps, self._consecutive_skips, self._skips_at_floor = counters
@@ -398,3 +359,171 @@ def forward_nonfinite_message(head: str, diagnose: Callable[[], str | None] | No
     src = source(str(node)) if callable(source) else None
     where = f" (from {src})" if src else ""
     return f"{head} First node that produced a non-finite value: {str(node)!r}{where}."
+
+
+# ----------------------------------------------------------------- GradScaler's kernels in Python
+# The scale update rule, the fused unscale and the gradient norm (torch/amp/grad_scaler.py).
+def _update_scale(scale: float, tracker: int, found_inf: bool, growth_factor: float,
+                  backoff_factor: float, growth_interval: int) -> tuple[float, int]:
+    """One step of GradScaler's ATen kernel ``_amp_update_scale_``, bit for bit.
+
+    The kernel multiplies the float32 scale by the (double) factor in double precision and rounds the
+    product to float32; a growth that would overflow float32 to ``inf`` is dropped (the scale is kept)
+    but still resets the tracker.
+    """
+    if found_inf:
+        return to_fp32(scale * backoff_factor), 0
+    tracker += 1
+    if tracker == growth_interval:
+        grown = to_fp32(scale * growth_factor)
+        return (grown if math.isfinite(grown) else scale), 0
+    return scale, tracker
+
+
+def _grads_of(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The dense gradient tensors of every parameter in ``optimizer.param_groups`` (coalesced if sparse)."""
+    grads = []
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if param.grad is None:
+                continue
+            if param.grad.is_sparse:
+                if not param.grad.is_coalesced():
+                    param.grad = param.grad.coalesce()  # duplicates are summed before the check
+                grads.append(sparse_values(param.grad))
+            else:
+                grads.append(param.grad)
+    return grads
+
+
+def _unscale_grads_(optimizer: torch.optim.Optimizer, inv_scale: float) -> bool:
+    """Multiplies every gradient by ``inv_scale`` in place (computed in fp32); True if any is inf/NaN."""
+    by_device_dtype: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
+    for grad in _grads_of(optimizer):
+        by_device_dtype[(grad.device, grad.dtype)].append(grad)
+    found = []
+    with torch.no_grad():
+        for (device, _), grads in by_device_dtype.items():
+            found_inf = torch.zeros((), dtype=torch.float32, device=device)
+            inv = torch.full((), inv_scale, dtype=torch.float32, device=device)
+            # GradScaler's fused kernel: flags non-finite values, then grad = float(grad) * inv.
+            amp_unscale_(grads, found_inf, inv)
+            found.append(found_inf)
+    return any(bool(f.item()) for f in found)
+
+
+def unscaled_grad_norm(parameters: torch.Tensor | Iterable[torch.Tensor]) -> float:
+    """Total L2 norm of the parameters' gradients, computed in fp32; ``inf`` if any is inf/NaN.
+
+    Call it after ``DynamicLossScaler.unscale_`` so the norm is that of the true gradients (as
+    ``torch.nn.utils.clip_grad_norm_`` would see them). Parameters without a gradient are ignored.
+
+    Args:
+        parameters: A tensor or an iterable of tensors (e.g. ``model.parameters()``).
+
+    Returns:
+        ``sqrt(sum_i ||grad_i||_2^2)`` as a Python float (0.0 if no parameter has a gradient);
+        ``math.inf`` if any gradient element is non-finite (or the fp32 norm overflows).
+    """
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    norms = []
+    for p in parameters:
+        grad = p.grad
+        if grad is None:
+            continue
+        if grad.is_sparse:
+            grad = sparse_values(grad.coalesce())
+        norms.append(torch.linalg.vector_norm(grad.detach(), 2, dtype=torch.float32))
+    if not norms:
+        return 0.0
+    device = norms[0].device
+    total = float(torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), 2))
+    return total if math.isfinite(total) else math.inf
+
+
+# ----------------------------------------------------------------- configuration and state checks
+# Every value is validated before any is set, each error naming its key. The scale settings are
+# checked by the policy's loss-scaling rules (:func:`autoprec.policy.loss_scaling.check_loss_scaling`,
+# the one home of their ranges); the skip counters and the growth tracker against each other here.
+#: Keys ``GradScaler.state_dict()`` writes (required on load).
+_GRADSCALER_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+#: Keys autoprec adds (optional on load).
+_AUTOPREC_KEYS = ("min_scale", "max_scale", "max_skips_at_floor", "skipped_steps", "consecutive_skips",
+                  "skips_at_floor")
+
+#: ``(scale, growth_factor, backoff_factor, growth_interval, min_scale, max_scale, max_skips_at_floor)``.
+_Config = tuple[float, float, float, int, float, float, int]
+#: ``(growth_tracker, skipped_steps, consecutive_skips, skips_at_floor)``.
+_Counters = tuple[int, int, int, int]
+
+
+def _as_int(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an int, got {value!r}")  # noqa: TRY004 (bad value)
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value!r}")
+    return value
+
+
+def _check_config(scale_name: str, scale: Any, growth_factor: Any, backoff_factor: Any,
+                  growth_interval: Any, min_scale: Any, max_scale: Any, max_skips_at_floor: Any) -> _Config:
+    """The scaler's configuration, validated with the policy's loss-scaling ranges
+    (:func:`autoprec.policy.loss_scaling.check_loss_scaling`; the scale named ``scale_name``).
+
+    Raises:
+        ValueError: a value is out of range; the message names the argument.
+    """
+    v = check_loss_scaling({scale_name: scale, "growth_factor": growth_factor,
+                            "backoff_factor": backoff_factor, "growth_interval": growth_interval,
+                            "min_scale": min_scale, "max_scale": max_scale}, scale_name=scale_name)
+    max_skips_at_floor = _as_int("max_skips_at_floor", max_skips_at_floor, 1)
+    return (v[scale_name], v["growth_factor"], v["backoff_factor"], v["growth_interval"], v["min_scale"],
+            v["max_scale"], max_skips_at_floor)
+
+
+def _check_state(state_dict: dict[str, Any], defaults: dict[str, Any]) -> tuple[_Config, _Counters]:
+    """A state dict's configuration and counters, validated (nothing is set here).
+
+    Args:
+        state_dict: A ``DynamicLossScaler.state_dict()`` or a ``GradScaler.state_dict()``.
+        defaults: The loading scaler's ``min_scale``, ``max_scale`` and ``max_skips_at_floor``, used
+            for keys a ``GradScaler`` state lacks (its skip counters then start at 0).
+
+    Raises:
+        ValueError: The dict is empty, has an unknown or missing key, or an invalid value (e.g. a
+            scale outside ``[min_scale, max_scale]`` or not a float32 value); the message names the key.
+    """
+    if not state_dict:
+        raise ValueError("the scaler state dict is empty, possibly because it was saved from a "
+                         "disabled scaler")
+    unknown = sorted(set(state_dict) - set(_GRADSCALER_KEYS) - set(_AUTOPREC_KEYS))
+    if unknown:
+        raise ValueError(f"unknown key {unknown[0]!r} in scaler state dict; valid keys: "
+                         f"{list(_GRADSCALER_KEYS + _AUTOPREC_KEYS)}")
+    missing = [k for k in _GRADSCALER_KEYS if k not in state_dict]
+    if missing:
+        raise ValueError(f"missing key {missing[0]!r} in scaler state dict")
+    d = {**defaults, "skipped_steps": 0, "consecutive_skips": 0, "skips_at_floor": 0, **state_dict}
+    config = _check_config("scale", d["scale"], d["growth_factor"], d["backoff_factor"],
+                          d["growth_interval"], d["min_scale"], d["max_scale"], d["max_skips_at_floor"])
+    check_fp32_exact("scale", config[0])
+    return config, _check_counters(d, growth_interval=config[3])
+
+
+def _check_counters(d: dict[str, Any], growth_interval: int) -> _Counters:
+    """Validates the tracker and skip counters of a state dict against each other."""
+    tracker = _as_int("_growth_tracker", d["_growth_tracker"], 0)
+    if tracker >= growth_interval:
+        raise ValueError(f"_growth_tracker must be < growth_interval ({growth_interval}), got {tracker}")
+    skipped = _as_int("skipped_steps", d["skipped_steps"], 0)
+    consecutive = _as_int("consecutive_skips", d["consecutive_skips"], 0)
+    if consecutive > skipped:
+        raise ValueError(f"consecutive_skips ({consecutive}) must be <= skipped_steps ({skipped})")
+    if consecutive and tracker:
+        raise ValueError(f"_growth_tracker must be 0 after a skipped step (consecutive_skips={consecutive}), "
+                         f"got {tracker}")
+    at_floor = _as_int("skips_at_floor", d["skips_at_floor"], 0)
+    if at_floor > consecutive:
+        raise ValueError(f"skips_at_floor ({at_floor}) must be <= consecutive_skips ({consecutive})")
+    return tracker, skipped, consecutive, at_floor

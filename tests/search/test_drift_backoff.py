@@ -118,7 +118,7 @@ def test_backoff_search_lands_where_halving_does_in_log_steps(threshold, hint):
 @pytest.mark.parametrize("start", [1, 2, 5, 9, 15, 40, -3])
 @pytest.mark.parametrize("answer", [1, 2, 6, 11, 16])
 def test_first_true_finds_the_first_index_without_probing_twice(answer, start):
-    from autoprec.training._gallop import first_true
+    from autoprec.measure.backoff import first_true
 
     probes: list[int] = []
 
@@ -147,6 +147,7 @@ def test_backoff_fails_after_a_run_at_the_hint_and_one_at_the_floor_and_at_once_
 def test_back_off_scales_are_updates_rule_and_the_search_changes_only_the_scale():
     """``back_off_scales`` rounds each back-off to float32 as ``update`` does (0.3 is not a power of 2),
     stops at the floor, and ``search_back_off`` leaves every other state entry as it was."""
+    from autoprec.measure.backoff import search_back_off
     from autoprec.policy.loss_scaling import to_fp32
 
     scaler = DynamicLossScaler(init_scale=2.0 ** 10, backoff_factor=0.3, min_scale=1.0)
@@ -155,7 +156,7 @@ def test_back_off_scales_are_updates_rule_and_the_search_changes_only_the_scale(
     assert all(b == max(to_fp32(a * 0.3), 1.0) for a, b in zip(scales, scales[1:]))
     assert len(scaler.back_off_scales(2)) == 3 and DynamicLossScaler(enabled=False).back_off_scales(5) == []
     before = scaler.state_dict()
-    run, j = scaler.search_back_off(lambda: scaler.get_scale(), lambda s: s <= 5.0, 2.0 ** 10, 24)
+    run, j = search_back_off(scaler, lambda: scaler.get_scale(), lambda s: s <= 5.0, 2.0 ** 10, 24)
     assert run == scales[j] == scaler.get_scale() and scales[j - 1] > 5.0 >= scales[j]
     assert {**scaler.state_dict(), "scale": before["scale"]} == before
 
