@@ -33,7 +33,7 @@ _Pass = tuple[float, list[torch.Tensor], int]
 
 #: K, the batches ``get_batch(0..K-1)`` every drift measurement runs on (``Harness(...,
 #: drift_batches=K)`` overrides it). Four gives the paired t-test of
-#: :class:`autoprec.search.decide.DriftBudget` three degrees of freedom (t₀.₉₅ = 2.353) for four
+#: :class:`autoprec.search.drift_budget.DriftBudget` three degrees of freedom (t₀.₉₅ = 2.353) for four
 #: forward/backward passes a trial, where one batch alone could not tell a policy from noise.
 DRIFT_BATCHES = 4
 #: Loss-scale backoffs a drift measurement tries per batch (2^16, the default, halves to 1 in 16).
@@ -246,7 +246,7 @@ def as_measurement(d: Drift, seconds: dict[int, float], scaler: DynamicLossScale
     if not d.finite and d.unmeasured is None:
         m.grad_rel_l2 = math.inf
         what = "loss" if not math.isfinite(d.batches[-1].loss_rel) else "gradients"
-        m.error = f"non-finite {what} (drift batch {len(d.batches) - 1})"
+        m.fail(f"non-finite {what} (drift batch {len(d.batches) - 1})")
     return m
 
 

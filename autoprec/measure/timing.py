@@ -167,9 +167,9 @@ def time_interleaved(harness: Harness, configs: Sequence[Config], *, min_rounds:
     those that can no longer change the caller's decision, with the reason: they are timed no
     further, keep their step times, are marked ``retired``, and the reason becomes their ``note``
     (the final choice retires contenders slower than the fastest beyond the noise,
-    :func:`autoprec.search.final.out_of_the_running`), and ``settled`` (when given) may stop the
+    :func:`autoprec.search.race.out_of_the_running`), and ``settled`` (when given) may stop the
     rounds before the bands are narrow: once the caller's decision can no longer change
-    (:func:`autoprec.search.final.settled`). A configuration whose steps trip
+    (:func:`autoprec.search.race.settled`). A configuration whose steps trip
     :func:`~autoprec.training.steps.slow_step_guard` (two in a row over ``max_step_s``, or one over
     4x; warm-up steps count) is dropped from later rounds with a ``note``; one whose step raises
     gets ``error`` and the others go on. The harness's weights are restored at the end.

@@ -382,7 +382,7 @@ class Contest:
 
     def _run(self, feasible, k, memory_budget, bar: PhaseBar) -> tuple[Policy, Measurement]:
         bar.step(self.ac_label)
-        self._measure_autocast()
+        self.measure_autocast()
         self.memory_budget = memory_budget()
         if self.memory_budget is not None:
             log(f"memory budget {format_bytes(self.memory_budget)}", self.quiet)
@@ -410,14 +410,17 @@ class Contest:
                                               self.h.random))
         bar.step("head-to-head")
         try:
-            return self._race(survivors)
+            return self.race(survivors)
         finally:
             self.trajectory.release()  # the head-to-head's training runs (TrajectoryCheck.share)
 
-    def _measure_autocast(self) -> None:
+    def measure_autocast(self) -> None:
         """Build torch.autocast + torch.compile (eager without compile), the comparison users care
-        about, and measure its drift and memory; where it is not in the contest
-        (:meth:`AutocastBaseline.in_contest`) nothing runs and, with compile, its row says why."""
+        about, and measure its drift and memory (:attr:`autocast_compiled`, or :attr:`autocast_eager`
+        without compile); on a graph that draws random numbers the drift budget becomes its compiled
+        one (:meth:`AutocastBaseline.compiled_budget`). Where it is not in the contest
+        (:meth:`AutocastBaseline.in_contest`) nothing runs and, with compile, its row says why.
+        The first step of :meth:`run`."""
         if not self.autocast.in_contest(self.h.random):
             log(f"{self.ac_label}: not {'compiled' if self.compile else 'timed'}, "
                 f"{self.autocast.cannot_win}: it cannot be the baseline to beat", self.quiet)
@@ -463,9 +466,9 @@ class Contest:
         return MemoryFit(self.h, self.build, self._measure_fn, self.budget.feasible, self.memory_budget,
                          self.finalists.add, self.quiet)
 
-    def _race(self, survivors: list[Entry]) -> tuple[Policy, Measurement]:
-        """Time the surviving finalists with the baselines (:meth:`_time`) and pick by the race
-        rule; the choice must pass the :class:`TrajectoryGate`. One that fails is rejected (the
+    def race(self, survivors: list[Entry]) -> tuple[Policy, Measurement]:
+        """Time the surviving finalists (gated entries) with the baselines (:meth:`_time`) and pick
+        by the race rule; the choice must pass the :class:`TrajectoryGate`. One that fails is rejected (the
         report's note) and the rest are timed again without it, so the next decision rests on rounds
         whose retire and stop rules never saw the rejected policy; only a rejection pays a second
         head-to-head.

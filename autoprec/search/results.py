@@ -3,14 +3,14 @@ policy file's ``measured`` block, the side-by-side table (tokens/s with its nois
 eager and vs torch.autocast + torch.compile, or torch.autocast eager without compile) and the
 note when an eager run was faster.
 
-``run`` below is ``tune``'s phase state (``autoprec.search.study._Run``: ``fp32``, ``autocast``,
-``ac_dtype``, ``budget``, ``quiet``); ``sel`` its :class:`~autoprec.search.contest.Contest`.
+``run`` below is ``tune``'s phase state (:class:`~autoprec.search.tune_state.TuneState`: ``fp32``,
+``autocast``, ``ac_dtype``, ``budget``, ``quiet``); ``sel`` its :class:`~autoprec.search.contest.Contest`.
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from autoprec.dtypes import NAMES
 from autoprec.measure import Measurement, Timing, compare
@@ -19,9 +19,7 @@ from autoprec.search.contest import AUTOCAST_EAGER, FP32_COMPILED, FP32_EAGER, F
 from autoprec.search.progress import log
 from autoprec.search.race import all_fp32
 from autoprec.search.rate_bands import timing_of
-
-if TYPE_CHECKING:
-    from autoprec.search.study import _Run
+from autoprec.search.tune_state import TuneState
 
 __all__ = ["baseline_to_beat", "measured_block", "note_if_eager_was_faster", "side_by_side"]
 
@@ -42,7 +40,7 @@ def baseline_to_beat(sel: Contest, compile: bool) -> tuple[str, float] | None:
     return name, b.timing.tokens_per_s
 
 
-def measured_block(run: _Run, sel: Contest, chosen: Policy, m: Measurement,
+def measured_block(run: TuneState, sel: Contest, chosen: Policy, m: Measurement,
                    compile: bool) -> dict[str, float]:
     """The policy file's ``measured`` block (finite numbers only: docs/architecture.md#policy-file);
     ``speedup_vs_baseline`` is against :func:`baseline_to_beat` (whose name the provenance holds)."""
@@ -66,7 +64,7 @@ def measured_block(run: _Run, sel: Contest, chosen: Policy, m: Measurement,
     }
 
 
-def side_by_side(run: _Run, sel: Contest, chosen_m: Measurement, compile: bool) -> list[dict[str, Any]]:
+def side_by_side(run: TuneState, sel: Contest, chosen_m: Measurement, compile: bool) -> list[dict[str, Any]]:
     """Rows of the side-by-side table: FP32 eager, torch.autocast eager (and compiled), fp32 +
     torch.compile (the all-fp32 finalist, compiled), the policy.
     Each row's ``bar`` names the column its ``vs_autocast`` ratio is against: torch.autocast +
@@ -88,7 +86,7 @@ def side_by_side(run: _Run, sel: Contest, chosen_m: Measurement, compile: bool) 
     return [r | {"bar": bar} for r in table]
 
 
-def note_if_eager_was_faster(run: _Run, sel: Contest, chosen: Policy, chosen_m: Measurement,
+def note_if_eager_was_faster(run: TuneState, sel: Contest, chosen: Policy, chosen_m: Measurement,
                              compile: bool) -> None:
     """Say so when an eager run beat the compiled policy by over 10% (not for a recomputing
     policy, which trades speed for memory on purpose). fp32 eager's speed is the head-to-head's

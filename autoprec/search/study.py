@@ -39,7 +39,6 @@ from autoprec.modelspec import ModelSpec, load_model_spec
 from autoprec.nodekeys import graph_fingerprint
 from autoprec.policy import Policy
 from autoprec.search import attrs, screen_cut
-from autoprec.search.autocast_baseline import AutocastBaseline
 from autoprec.search.budgets import (
     check_memory_floor,
     memory_budget,
@@ -51,7 +50,6 @@ from autoprec.search.contest import FP32_EAGER, Contest
 from autoprec.search.drift_budget import MAX_AUTO_REFERENCE, DriftBudget
 from autoprec.search.finalist_pool import feasible
 from autoprec.search.kernel_choice import (
-    KernelChoice,
     adopt_study_kernels,
     probe_decision,
     probe_phase,
@@ -60,13 +58,12 @@ from autoprec.search.kernel_choice import (
 )
 from autoprec.search.objective import Objective, name_nonfinite
 from autoprec.search.phases import accounted, phase_bar
-from autoprec.search.progress import Clock, LoadClock, log
+from autoprec.search.progress import LoadClock, log
 from autoprec.search.race import Decision
 from autoprec.search.results import baseline_to_beat, measured_block, note_if_eager_was_faster, side_by_side
 from autoprec.search.space import (
     ATTENTION_BASELINE,
     SAVED_LEVERS,
-    SearchSpace,
 )
 from autoprec.search.storage import (
     check_study,
@@ -77,6 +74,7 @@ from autoprec.search.storage import (
     study_choices,
 )
 from autoprec.search.trials import enqueue_baselines, optimize, region_sensitivity
+from autoprec.search.tune_state import TuneState
 
 __all__ = ["TuneResult", "tune"]
 
@@ -118,43 +116,6 @@ class TuneResult:
     probes: dict[str, Any] = field(default_factory=dict)
     budget: DriftBudget | None = None
     decision: Decision | None = None
-
-
-@dataclass
-class _Run:
-    """What the phases of one :func:`tune` call hand on to each other."""
-
-    spec: ModelSpec
-    dev: torch.device
-    harness: Harness
-    clock: Clock
-    quiet: bool
-    progress: bool = False  # a bar over each long phase (autoprec.search.phases)
-    kernels: KernelChoice | None = None  # the probe phase's (or the study's) choice
-    fp32: Measurement = field(default_factory=Measurement)
-    autocast: Measurement = field(default_factory=Measurement)
-    slow: float = math.inf  # max_step_s of every timed measurement after the fp32 baseline
-    baseline: AutocastBaseline | None = None  # torch.autocast on this device, set by _baselines
-    budget: DriftBudget | None = None  # the drift budget, set by _baselines
-
-    @property
-    def gm(self) -> torch.fx.GraphModule:
-        return self.harness.graph_module
-
-    @property
-    def probes(self) -> dict[str, Any]:
-        """The kernel probe's results (empty before the probe phase)."""
-        return self.kernels.probes if self.kernels is not None else {}
-
-    @property
-    def space(self) -> SearchSpace:
-        """The search space (empty before the probe phase)."""
-        return self.kernels.space if self.kernels is not None else SearchSpace([])
-
-    @property
-    def ac_dtype(self) -> torch.dtype:
-        """torch.autocast's low dtype (bf16 before the probe phase)."""
-        return self.kernels.ac_dtype if self.kernels is not None else torch.bfloat16
 
 
 def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: float | None = None,
@@ -225,8 +186,7 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
     if memory_arg is not None and memory_arg[0] == "bytes":  # as the CLI: an impossible budget before capture
         check_memory_floor(memory_arg, spec.build_model(), spec.make_optimizer, option="max_memory")
     run = _capture(spec, device, quiet, strict_timing, progress and not quiet and sys.stderr.isatty())
-    levers = SAVED_LEVERS if memory_arg is not None else ()
-    run.kernels = probe_phase(run.gm, run.dev, run.clock, forced, levers, run.quiet)
+    run.kernels = probe_phase(run.gm, run.dev, run.clock, forced, SAVED_LEVERS if memory_arg else (), quiet)
     storage = storage or default_storage(out)
     study_name = study_name or default_study_name(run.spec.path, run.gm, run.dev, forced)
     _adopt(run, study_choices(storage, study_name))  # a shared study's kernels
@@ -241,7 +201,7 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
 
 
 def _capture(spec: ModelSpec, device: str, quiet: bool, strict_timing: bool = False,
-             progress: bool = False) -> _Run:
+             progress: bool = False) -> TuneState:
     """Phase 1: check the machine's load (:mod:`autoprec.measure.load`; again after the baselines and,
     through the clock, when the finalists begin), capture the loaded model file and compute the
     FP32 reference (``Harness``).
@@ -255,10 +215,10 @@ def _capture(spec: ModelSpec, device: str, quiet: bool, strict_timing: bool = Fa
         harness = Harness(spec, dev)
     log(f"captured {spec.path}: {len(harness.graph_module.graph.nodes)} nodes, "
         f"{harness.tokens} tokens/batch, device {device_name(dev)}", quiet)
-    return _Run(spec, dev, harness, clock, quiet, progress)
+    return TuneState(spec, dev, harness, clock, quiet, progress)
 
 
-def _baselines(run: _Run, drift_arg: float | None, memory_arg: tuple[str, float] | None) -> None:
+def _baselines(run: TuneState, drift_arg: float | None, memory_arg: tuple[str, float] | None) -> None:
     """Phase 3: FP32 and torch.autocast as users run them (their own module, eager), and the
     drift budget; a memory budget known now (not ``auto``) is checked before any trial.
 
@@ -302,8 +262,8 @@ def _baselines(run: _Run, drift_arg: float | None, memory_arg: tuple[str, float]
         run.clock.monitor.check("after baselines")
 
 
-def _search(run: _Run, storage: str, study_name: str, seed: int, trials: int | None, timeout: float | None,
-            progress: bool, cut_k: int | None) -> optuna.Study:
+def _search(run: TuneState, storage: str, study_name: str, seed: int, trials: int | None,
+            timeout: float | None, progress: bool, cut_k: int | None) -> optuna.Study:
     """Phase 4: open (or resume) the study, queue the baselines in a new one, run the trials (with
     the screening cut for ``cut_k`` finalists unless None: :mod:`autoprec.search.screen_cut`)."""
     study = open_study(storage, study_name, seed)
@@ -339,13 +299,13 @@ def _search(run: _Run, storage: str, study_name: str, seed: int, trials: int | N
     return study
 
 
-def _adopt(run: _Run, choices: list[str] | None) -> None:
+def _adopt(run: TuneState, choices: list[str] | None) -> None:
     """Search a study's kernels where they differ from this run's probe's
     (:func:`~autoprec.search.kernel_choice.adopt_study_kernels`)."""
     run.kernels = adopt_study_kernels(run.kernels, run.gm, run.dev, choices, run.quiet)
 
 
-def _contest(run: _Run, compile: bool, traj_steps: int) -> Contest:
+def _contest(run: TuneState, compile: bool, traj_steps: int) -> Contest:
     """Phase 5's contest: the autocast twin, and the twin with math attention when attention is
     searched, always among the finalists."""
     twin, math_twin = run.space.twin(), run.space.attention_twin()
@@ -355,7 +315,7 @@ def _contest(run: _Run, compile: bool, traj_steps: int) -> Contest:
                    progress=run.progress, also=also)
 
 
-def _finalists(run: _Run, sel: Contest, study: optuna.Study, k: int,
+def _finalists(run: TuneState, sel: Contest, study: optuna.Study, k: int,
                memory_arg: tuple[str, float] | None) -> tuple[Policy, Measurement]:
     """Phase 5: the selector's pick among the ``k`` fastest feasible trials, the autocast twin and
     all-fp32, timed head to head with torch.autocast + torch.compile (torch.autocast eager without
@@ -380,7 +340,7 @@ def _finalists(run: _Run, sel: Contest, study: optuna.Study, k: int,
     return chosen, chosen_m
 
 
-def _write(run: _Run, study: optuna.Study, sel: Contest, chosen: Policy, chosen_m: Measurement,
+def _write(run: TuneState, study: optuna.Study, sel: Contest, chosen: Policy, chosen_m: Measurement,
            compile: bool, out: str | os.PathLike, report: bool) -> TuneResult:
     """Phase 6: the policy's ``measured`` and ``provenance`` blocks, the side-by-side table, the
     report and the policy file (atomic, last), written together: a Ctrl-C while they are written
@@ -413,7 +373,7 @@ def _write(run: _Run, study: optuna.Study, sel: Contest, chosen: Policy, chosen_
     return TuneResult(policy, study, table, timings, run.probes, run.budget, sel.decision)
 
 
-def _graph(run: _Run) -> dict:
+def _graph(run: TuneState) -> dict:
     """The study's :data:`attrs.GRAPH` stamp of this run: its captured graph and model file."""
     return {"fingerprint": graph_fingerprint(run.gm), "model": str(run.spec.path)}
 

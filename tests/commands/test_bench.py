@@ -230,9 +230,10 @@ def test_an_error_from_the_harness_is_reported_as_is():
     """A measurement's ``error`` is the row's error as it is, even one that begins with "too slow":
     only the slow-step rule (``Timing.too_slow``, the test below) marks a row capped."""
     from autoprec.commands.bench_table import make_row
-    from autoprec.measure import Measurement
+    from autoprec.measure import Measurement, Outcome
 
-    row = make_row(Measurement(error="too slow: 3 s"), "fp32", False, None, flops=1.0, peak=1.0, ratio=10.0)
+    failed = Measurement(outcome=Outcome.failed("too slow: 3 s"))
+    row = make_row(failed, "fp32", False, None, flops=1.0, peak=1.0, ratio=10.0)
     assert row["error"] == "too slow: 3 s" and row["capped"] is False and row["note"] is None
 
 

@@ -72,7 +72,7 @@ def test_tune_writes_policy_resumes_and_trains(tmp_path, capsys):
     assert "fp32 eager" in text and "autocast" in text and "autoprec policy" in text
     pol = Policy.load(out)
     m = pol.measured
-    assert m["drift_budget"] > 0  # torch.autocast's mean grad_rel_l2 (the rule: search/decide.py)
+    assert m["drift_budget"] > 0  # torch.autocast's mean grad_rel_l2 (the rule: search/drift_budget.py)
     assert m["tokens_per_s"] > 0 and pol.provenance["model"].endswith("tiny_mlp.py")
     # the ratio that decides first, against the faster bar timed beside the choice, named
     best = pol.provenance["baseline"]

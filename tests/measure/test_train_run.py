@@ -11,6 +11,7 @@ from autoprec.metrics import traj_rel
 from autoprec.modelspec import load_model_spec
 from autoprec.passes import run_pipeline
 from autoprec.policy import Policy
+from autoprec.search.autocast_baseline import AutocastBaseline
 from autoprec.search.trajectory import TrajectoryCheck
 from autoprec.training.train import autocast_scaler, make_scaler
 
@@ -75,9 +76,9 @@ def test_the_check_reads_the_runs_it_shared_and_runs_only_the_missing_steps(tmp_
     h = _harness(tmp_path)
     pol = Policy.default("bf16")
     fn = run_pipeline(h.graph_module, pol).graph_module
-    separate = TrajectoryCheck(h, torch.bfloat16, K, lambda: None)
+    separate = TrajectoryCheck(h, AutocastBaseline(torch.bfloat16), K, lambda: None)
     assert separate.ok(pol, fn)
-    check = TrajectoryCheck(h, torch.bfloat16, K, lambda: None)
+    check = TrajectoryCheck(h, AutocastBaseline(torch.bfloat16), K, lambda: None)
     ac = autocast_scaler(torch.bfloat16)
     configs = [Config("policy", fn, lambda: make_scaler(pol), run=check.share(fn, lambda: make_scaler(pol))),
                Config("fp32", h.graph_module, run=check.share(h.graph_module, lambda: None)),
@@ -107,10 +108,10 @@ def test_the_budget_stops_torch_autocasts_steps_once_they_decide_and_the_verdict
     full = traj_rel(h.trajectory(h.model, ac, autocast_dtype=torch.bfloat16, steps=K), ref)
     mine = traj_rel(h.trajectory(fn, lambda: make_scaler(pol), steps=K), ref)
     assert 0 < mine <= 2 * full
-    separate = TrajectoryCheck(h, torch.bfloat16, K, lambda: None)
+    separate = TrajectoryCheck(h, AutocastBaseline(torch.bfloat16), K, lambda: None)
     assert separate.ok(pol, fn) and separate.of(pol) == mine
     assert 1 <= separate.budget_steps < K and mine <= 2 * separate.budget <= 2 * full
-    shared = TrajectoryCheck(h, torch.bfloat16, K, lambda: None)
+    shared = TrajectoryCheck(h, AutocastBaseline(torch.bfloat16), K, lambda: None)
     runs = {"autocast": shared.share(h.model, ac, torch.bfloat16)}
     assert shared.ok(pol, fn) and shared.of(pol) == mine
     assert runs["autocast"].losses[:shared.budget_steps] == h.trajectory(
@@ -125,5 +126,5 @@ def test_no_run_is_shared_on_a_graph_with_random_ops_or_several_batch_shapes(tmp
     warm-up did not. Either way the check runs its trajectories on its own."""
     h = _harness(tmp_path, extra, rows)
     assert not shareable(h, K)
-    check = TrajectoryCheck(h, torch.bfloat16, K, lambda: None)
+    check = TrajectoryCheck(h, AutocastBaseline(torch.bfloat16), K, lambda: None)
     assert check.share(h.graph_module, lambda: None) is None and check.runs == {}

@@ -81,7 +81,7 @@ def test_twin_drift_equals_autocast_drift(qwen2):
     # The forward is bit-identical; backward sums differ in order: the twin casts a tensor once
     # for all its consumers (its gradient summed in bf16), autocast once per consumer, and even
     # autocast on the module and on the graph differ by a few % per batch. Hence the paired
-    # noise rule of autoprec.search.decide, and a 5% tolerance on the mean here.
+    # noise rule of autoprec.search.drift_budget, and a 5% tolerance on the mean here.
     twin = lower(gm, Policy.autocast("bf16"))
     ac, tw = [], []
     for seed in range(4):

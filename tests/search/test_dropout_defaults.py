@@ -8,9 +8,9 @@ the budget no longer meant "as accurate as torch.autocast". The Harness now runs
 passes on graphs with random ops under ``torch._inductor.config.fallback_random`` (eager's random
 ops, eager's masks for every dtype; ``autoprec/measure/harness.py``, ``Harness._grads``).
 
-Checked with the project's own rule (:class:`autoprec.search.decide.DriftBudget`, the paired
+Checked with the project's own rule (:class:`autoprec.search.drift_budget.DriftBudget`, the paired
 one-sided t-test over the K = 4 drift batches, 2% margin) and the selector's own path for compiled
-finalists (``autoprec.search.bar.judge_compiled_like_autocast``, ``Selector._reject_reason``):
+finalists (``AutocastBaseline.compiled_budget``, the contest's drift gate):
 
 * (a) compiled and eager torch.autocast agree: neither is worse than the other beyond the noise
   (T5). On GPT-2 compiled torch.autocast is the more accurate one by ~5% on every batch, so only
@@ -36,11 +36,11 @@ from autoprec.measure import Harness
 from autoprec.modelspec import load_model_spec
 from autoprec.passes import run_pipeline
 from autoprec.policy import Policy
-from autoprec.search.bar import judge_compiled_like_autocast
-from autoprec.search.decide import DriftBudget
+from autoprec.search.autocast_baseline import AutocastBaseline
+from autoprec.search.contest import Candidate, Contest, Entry, Role, first_failure
+from autoprec.search.drift_budget import DriftBudget
 from autoprec.search.progress import Clock
-from autoprec.search.select import Selector
-from autoprec.training.train import autocast_scaler, make_scaler
+from autoprec.training.train import make_scaler
 from tests.conftest import DRIFT
 
 pytest.importorskip("transformers")
@@ -89,8 +89,8 @@ _cache: dict[str, dict] = {}
 @pytest.fixture(params=[pytest.param(name, marks=pytest.mark.slow) for name in ("gpt2", "t5")])
 def measured(request, tmp_path_factory):
     """Per model (measured once per session): the harness, eager torch.autocast's drift, the
-    selector after its compiled torch.autocast baseline (budget re-based by
-    ``judge_compiled_like_autocast``), and the compiled twin's function and drift."""
+    contest after its compiled torch.autocast baseline (budget re-based by
+    ``AutocastBaseline.compiled_budget``), and the compiled twin's function and drift."""
     name = request.param
     if name not in _cache:
         path = tmp_path_factory.mktemp(name) / f"{name}_model.py"
@@ -99,13 +99,11 @@ def measured(request, tmp_path_factory):
             warnings.simplefilter("ignore")
             h = Harness(load_model_spec(path), torch.device("cpu"), warmup=1, steps=1)
         eager = h.drift(h.model, None, BF16)
-        sel = Selector(h, DriftBudget.auto(eager.grad_rel_l2_batches), True, BF16, None, 0, Clock(), True)
-        sel._autocast_fn = sel._fn(h.model)  # as Selector.choose compiles its baseline
-        sel.autocast_compiled = h.measure(sel._autocast_fn, autocast_scaler(BF16), autocast_dtype=BF16,
-                                          timing=False)
-        judge_compiled_like_autocast(sel)
+        sel = Contest(h, DriftBudget.auto(eager.grad_rel_l2_batches), True, AutocastBaseline(BF16), None, 0,
+                      Clock(), True)
+        sel.measure_autocast()  # compiled as the contest compiles its baseline; the budget re-based
         twin = Policy.autocast("bf16")
-        twin_fn = sel._fn(run_pipeline(h.graph_module, twin).graph_module)
+        twin_fn = sel.build(run_pipeline(h.graph_module, twin).graph_module)
         twin_m = h.measure(twin_fn, lambda: make_scaler(twin), timing=False)
         print(f"{name}: grad_rel_l2 per batch: eager autocast {eager.grad_rel_l2_batches}, compiled autocast "
               f"{sel.autocast_compiled.grad_rel_l2_batches}, compiled twin {twin_m.grad_rel_l2_batches}")
@@ -138,11 +136,12 @@ def test_compiled_and_eager_autocast_drift_agree_within_the_noise(measured):
 
 def test_compiled_twin_is_feasible_under_auto_as_the_selector_judges_it(measured):
     """(b) The selector re-based ``auto`` on torch.autocast + torch.compile (same masks, same
-    per-batch rule), and the compiled autocast twin passes it: ``_reject_reason`` gives None."""
+    per-batch rule), and the compiled autocast twin passes its gates."""
     sel, twin_m = measured["sel"], measured["twin_m"]
     assert sel.budget.rule == "auto"
     assert sel.budget.reference == tuple(sel.autocast_compiled.grad_rel_l2_batches)
     assert twin_m.error is None
-    assert sel._reject_reason(twin_m) is None, sel.budget.explain(twin_m)
+    entry = Entry(Candidate("autocast twin", Role.POLICY, measured["twin"]), measured["twin_fn"], twin_m)
+    assert first_failure(entry, sel.gates).going_on, sel.budget.explain(twin_m)
     # and it is bf16-sized against eager torch.autocast too (not mask-sized: ~0.5)
     assert DriftBudget.auto(measured["eager"].grad_rel_l2_batches, margin=0.10).feasible(twin_m)

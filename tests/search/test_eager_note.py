@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 from autoprec.measure import Measurement, Timing
 from autoprec.policy import Policy
+from autoprec.search.contest import FP32_EAGER
 from autoprec.search.results import note_if_eager_was_faster
-from autoprec.search.select import FP32_EAGER
 
 
 def _note(capsys, chosen, screening, h2h_fp32, compiled=7583.0):
@@ -37,8 +37,8 @@ def test_without_compile_a_policy_slower_than_the_model_as_it_is_says_so(capsys)
     """``tune --no-compile`` on a Mixtral wrote an all-fp32 policy the head-to-head timed at 0.86x
     fp32 eager (band 0.78-0.98) and said only that no policy was as fast; now a note tells the user
     to train the model as it is. A tie says nothing."""
-    from autoprec.search.final import Contender, decide
-    from autoprec.search.select import FP32_GRAPH
+    from autoprec.search.contest import FP32_GRAPH
+    from autoprec.search.race import Contender, decide
 
     def timing(step_s):
         return Timing.from_steps([step_s * (1 + i / 100) for i in range(8)], 1000.0)

@@ -21,7 +21,6 @@ from autoprec.modelspec import load_model_spec
 from autoprec.passes import run_pipeline
 from autoprec.policy import Policy
 from autoprec.randomness import draws_random
-from autoprec.search.bar import judge_compiled_like_autocast
 from autoprec.training.train import make_scaler
 from tests.conftest import RTOL
 
@@ -176,11 +175,15 @@ def test_selector_checks_a_compiled_lowered_finalist_on_a_dropout_model(harness)
     reference is the compiled FP32 graph and the budget torch.autocast as compiled for its
     baseline (an OptimizedModule, which must not be truth-tested: its __len__ raises). Both
     trajectories are bf16-sized apart from the reference, not mask-sized (~0.2 against eager)."""
-    from autoprec.search.decide import DriftBudget
+    from autoprec.search.autocast_baseline import AutocastBaseline
+    from autoprec.search.contest import Contest
+    from autoprec.search.drift_budget import DriftBudget
     from autoprec.search.progress import Clock
-    from autoprec.search.select import Selector
+    from autoprec.search.trajectory import TrajectoryCheck
 
-    sel = Selector(harness, DriftBudget.fixed(1.0), True, torch.bfloat16, None, 2, Clock(), True)
+    autocast = AutocastBaseline(torch.bfloat16)
+    contest = Contest(harness, DriftBudget.fixed(1.0), True, autocast, None, 2, Clock(), True)
+
     class NoLen(torch.nn.Module):  # a user's model class: unlike Sequential, no __len__
         def __init__(self, m):
             super().__init__()
@@ -189,34 +192,31 @@ def test_selector_checks_a_compiled_lowered_finalist_on_a_dropout_model(harness)
         def forward(self, *args):
             return self.m(*args)
 
-    sel._autocast_fn = sel._fn(NoLen(harness.model))  # as choose() leaves it
+    ac_fn = contest.build(NoLen(harness.model))  # torch.autocast as compiled for its baseline
+    check = TrajectoryCheck(harness, autocast, 2, lambda: ac_fn)
     pol = Policy.default("bf16")
-    fn = sel._fn(run_pipeline(harness.graph_module, pol).graph_module)
-    sel.trajectory.ok(pol, fn)
-    assert sel.trajectory.of(pol) < RTOL[torch.bfloat16] and sel.trajectory.budget < RTOL[torch.bfloat16]
+    fn = contest.build(run_pipeline(harness.graph_module, pol).graph_module)
+    check.ok(pol, fn)
+    assert check.of(pol) < RTOL[torch.bfloat16] and check.budget < RTOL[torch.bfloat16]
 
 
 def test_compiled_finalists_on_a_dropout_model_are_judged_against_compiled_autocast(harness):
     """Issue 19.2: Inductor draws its own dropout masks, so with ``--max-drift auto`` the selector
     re-bases the budget on torch.autocast as compiled (measured against the compiled FP32 graph,
     the same masks); the compiled autocast twin is then within it."""
-    from autoprec.search.decide import DriftBudget
+    from autoprec.search.autocast_baseline import AutocastBaseline
+    from autoprec.search.contest import Contest
+    from autoprec.search.drift_budget import DriftBudget
     from autoprec.search.progress import Clock
-    from autoprec.search.select import Selector
-    from autoprec.training.train import autocast_scaler
 
     eager = harness.drift(harness.model, None, torch.bfloat16)
-    sel = Selector(harness, DriftBudget.auto(eager.grad_rel_l2_batches), True, torch.bfloat16, None, 0,
-                   Clock(), True)
-    sel._autocast_fn = sel._fn(harness.model)
-    sel.autocast_compiled = harness.measure(sel._autocast_fn, autocast_scaler(torch.bfloat16),
-                                            autocast_dtype=torch.bfloat16, timing=False)
-    judge_compiled_like_autocast(sel)
-    assert sel.budget.reference == tuple(sel.autocast_compiled.grad_rel_l2_batches)
+    auto = DriftBudget.auto(eager.grad_rel_l2_batches)
+    contest = Contest(harness, auto, True, AutocastBaseline(torch.bfloat16), None, 0, Clock(), True)
+    contest.measure_autocast()  # compiled, measured, and the budget re-based on it
+    ac = contest.autocast_compiled
+    assert contest.budget.reference == tuple(ac.grad_rel_l2_batches) != auto.reference
     twin = Policy.autocast("bf16")
-    m = harness.drift(sel._fn(run_pipeline(harness.graph_module, twin).graph_module), make_scaler(twin))
-    assert sel.budget.feasible(m), sel.budget.explain(m)
-    fixed = Selector(harness, DriftBudget.fixed(0.5), True, torch.bfloat16, None, 0, Clock(), True)
-    fixed.autocast_compiled = sel.autocast_compiled
-    judge_compiled_like_autocast(fixed)
-    assert fixed.budget == DriftBudget.fixed(0.5)  # a hard --max-drift stays as given
+    m = harness.drift(contest.build(run_pipeline(harness.graph_module, twin).graph_module), make_scaler(twin))
+    assert contest.budget.feasible(m), contest.budget.explain(m)
+    # a hard --max-drift stays as given
+    assert AutocastBaseline.compiled_budget(ac, DriftBudget.fixed(0.5), harness.random) is None

@@ -228,7 +228,7 @@ def test_a_finalist_fitted_with_a_lever_is_named_by_it_and_not_as_the_fp32_basel
     "fp32 + torch.compile" and names the lever; a policy without a lever keeps its label."""
     import dataclasses
 
-    from autoprec.search.select import fitted_label
+    from autoprec.search.contest import fitted_label
     from autoprec.search.space import with_saved
 
     base = "fp32 + torch.compile, trial 0 (eager 867 tok/s)"

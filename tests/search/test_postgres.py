@@ -182,7 +182,7 @@ def test_two_workers_measure_each_assignment_once(tmp_path, study_name):
     for out in outs:
         pol = Policy.load(out)
         assert pol.provenance["study"] == study_name
-        # feasible by the drift rule (search/decide.py), not grad_rel_l2 <= the mean: as test_search
+        # feasible by the drift rule (search/drift_budget.py), not grad_rel_l2 <= the mean: as test_search
         assert pol.dtypes_used() == {"fp32"} or form(pol.to_dict()) in feasible
 
 
@@ -264,14 +264,14 @@ def test_a_named_trial_has_a_heartbeat_so_a_lost_worker_is_found(monkeypatch, st
     """The objective records a heartbeat before it names its worker: Optuna's ``fail_stale_trials``
     passes over a RUNNING trial without one, so a worker on another machine killed between starting
     a trial and its heartbeat thread's first beat left a trial nobody could give up."""
-    from autoprec.search.objective import _beat, reap_dead_trials
     from autoprec.search.storage import GRACE_BEATS, open_study
+    from autoprec.search.workers import beat, reap_dead_trials
 
     monkeypatch.setenv("AUTOPREC_HEARTBEAT_S", "1")
     study = open_study(URL, study_name)
     try:
         beaten, silent = study.ask(), study.ask()  # ask() starts no heartbeat thread
-        _beat(beaten)
+        beat(beaten)
         for t in (beaten, silent):
             study._storage.set_trial_user_attr(t._trial_id, WORKER, "a-machine-that-is-gone:1")
         time.sleep(GRACE_BEATS + 1.5)
@@ -279,7 +279,7 @@ def test_a_named_trial_has_a_heartbeat_so_a_lost_worker_is_found(monkeypatch, st
         states = {t.number: t.state for t in study.get_trials(deepcopy=False)}
         assert states[beaten.number] == optuna.trial.TrialState.FAIL  # given up, and queued again:
         assert optuna.trial.TrialState.WAITING in states.values()
-        assert states[silent.number] == optuna.trial.TrialState.RUNNING  # the hole _beat closes
+        assert states[silent.number] == optuna.trial.TrialState.RUNNING  # the hole beat closes
     finally:
         study._storage._backend.engine.dispose()
 

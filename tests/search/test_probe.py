@@ -238,23 +238,21 @@ def test_joining_worker_adopts_the_studys_kernels():
     """A worker whose probe (--dtypes auto) kept other kernels than the study was created with
     searches the study's (Optuna cannot change a parameter's choices), ordered by its own probe;
     with --dtypes forced it keeps its own space (check_study then refuses a mismatch)."""
-    from types import SimpleNamespace
 
-    from autoprec.search.kernel_choice import adopt_study_kernels
+    from autoprec.search.kernel_choice import KernelChoice, adopt_study_kernels
     from autoprec.search.space import SearchSpace
 
     probes = {"kernels": {"bf16": {"ms": 5.0}, "bf16:fp32": {"ms": 20.0}}}
-    run = SimpleNamespace(forced=None, probes=probes, space=SearchSpace(["bf16"], ["b.0"], ["head/linear#0"]),
-                          quiet=True, dev=CPU, ac_dtype=torch.float16)
-    adopt_study_kernels(run, ["fp32", "bf16", "bf16:fp32"])
+    own = KernelChoice(probes, SearchSpace(["bf16"], ["b.0"], ["head/linear#0"]), torch.float16)
+    run = adopt_study_kernels(own, None, CPU, ["fp32", "bf16", "bf16:fp32"], quiet=True)
+    assert own.space.dtypes == ["fp32", "bf16"]  # frozen: a new choice, the probe's own unchanged
     assert run.space.dtypes == ["fp32", "bf16", "bf16:fp32"]
     assert run.space.low_kernels == ["bf16", "bf16:fp32"]
     assert run.space.blocks == ["b.0"] and run.space.nodes == ["head/linear#0"]
     assert run.ac_dtype == torch.bfloat16  # torch.autocast over the study's storage dtypes
     assert run.space.twin_dtype == "bf16" and run.space.twin()["matmul"] == "bf16"
-    forced = SimpleNamespace(forced=["bf16"], probes=probes, space=SearchSpace(["bf16"]), quiet=True)
-    adopt_study_kernels(forced, ["fp32", "bf16", "bf16:fp32"])
-    assert forced.space.dtypes == ["fp32", "bf16"]
+    forced = KernelChoice(probes, SearchSpace(["bf16"]), torch.bfloat16, forced=["bf16"])
+    assert adopt_study_kernels(forced, None, CPU, ["fp32", "bf16", "bf16:fp32"], quiet=True) is forced
 
 
 def test_memory_lever_is_a_search_parameter_under_max_memory():

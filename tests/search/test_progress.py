@@ -18,13 +18,17 @@ from autoprec.measure import Harness, Measurement, Timing
 from autoprec.modelspec import load_model_spec
 from autoprec.policy import Policy
 from autoprec.search import attrs
-from autoprec.search import select as select_mod
+from autoprec.search import contest as contest_mod
 from autoprec.search import study as study_mod
-from autoprec.search.decide import DriftBudget
+from autoprec.search.autocast_baseline import AutocastBaseline
+from autoprec.search.contest import FP32_EAGER, Contest
+from autoprec.search.drift_budget import DriftBudget
 from autoprec.search.objective import DIRECTIONS
 from autoprec.search.progress import Clock
-from autoprec.search.select import FP32_EAGER, Selector
 from tests.conftest import MODELS
+
+#: torch.autocast(bf16) running natively (no emulation, it can win).
+AC = AutocastBaseline(torch.bfloat16)
 
 MICRO = MODELS / "micro_lm.py"
 
@@ -53,17 +57,17 @@ def test_the_finalists_lazy_compiles_are_counted_in_compile_s():
     """The compile happens in the first call of a compiled function, inside the finalists phase:
     its seconds leave ``finalists_s`` for ``compile_s``."""
 
-    class CompilingSelector:
+    class CompilingContest:
         timings = {FP32_EAGER: Timing.from_steps([0.1, 0.1], 10.0)}
 
-        def choose(self, feasible, k, budget):
+        def run(self, feasible, k, budget):
             fn = torch.compile(lambda x: torch.tanh(x) @ x.T, backend="eager")
             fn(torch.ones(4, 4, requires_grad=True)).sum().backward()  # compiles now, lazily
             return Policy.fp32(), Measurement()
 
     clock = Clock()
     run = SimpleNamespace(harness=None, clock=clock, fp32=Measurement(), autocast=Measurement())
-    study_mod._finalists(run, CompilingSelector(), optuna.create_study(directions=list(DIRECTIONS)), 1, None)
+    study_mod._finalists(run, CompilingContest(), optuna.create_study(directions=list(DIRECTIONS)), 1, None)
     t = clock.done()
     assert t.get("compile_s", 0.0) > 0.0, t
     assert t["finalists_s"] >= 0.0
@@ -81,19 +85,19 @@ def test_tune_shows_a_bar_over_each_long_phase(tmp_path, capsys, monkeypatch):
 def test_the_memory_fit_and_the_finalists_have_bars(capsys, monkeypatch):
     """Compiling is stubbed (graphs run eagerly, so recomputation frees nothing): a budget just
     above the fp32 state sends every finalist through the memory fit, whose tries get a bar."""
-    monkeypatch.setattr(select_mod, "compile_graph", lambda gm, budget=1.0, dynamic=None: gm)
+    monkeypatch.setattr(contest_mod, "compile_graph", lambda gm, budget=1.0, dynamic=None: gm)
     torch.manual_seed(0)
     harness = Harness(load_model_spec(MICRO), torch.device("cpu"), steps=2)
     study = optuna.create_study(directions=list(DIRECTIONS))
     study.add_trial(optuna.trial.create_trial(
         values=[1000.0, 0.01, 2**20], state=optuna.trial.TrialState.COMPLETE,
         user_attrs={attrs.POLICY: Policy.default("bf16").to_dict(), attrs.CONSTRAINT: -1.0}))
-    sel = Selector(harness, DriftBudget.fixed(1.0), True, torch.bfloat16, None, 0, Clock(), True,
+    sel = Contest(harness, DriftBudget.fixed(1.0), True, AC, None, 0, Clock(), True,
                    progress=True)
     with pytest.raises(SearchError,
                        match=r"no feasible finalist fits the memory budget \(.*even with full "
                              r"recomputation\)"):
-        sel.choose(study.trials, 1, lambda: harness.state_bytes + 1)
+        sel.run(study.trials, 1, lambda: harness.state_bytes + 1)
     err = capsys.readouterr().err
     assert "[autoprec] finalists" in err and "[autoprec] memory fit" in err, err[-3000:]
     assert "activation memory budget" in err

@@ -11,15 +11,19 @@ from autoprec.measure import Harness, Timing
 from autoprec.modelspec import load_model_spec
 from autoprec.policy import Policy
 from autoprec.search import attrs
+from autoprec.search import contest as contest_mod
 from autoprec.search import report as report_mod
-from autoprec.search import select as select_mod
-from autoprec.search.decide import DriftBudget
+from autoprec.search.autocast_baseline import AutocastBaseline
+from autoprec.search.contest import Contest
+from autoprec.search.drift_budget import DriftBudget
 from autoprec.search.objective import DIRECTIONS
 from autoprec.search.plots import NO_NODES, dtype_map_figure
 from autoprec.search.progress import Clock
-from autoprec.search.select import Selector
 from autoprec.search.trajectory import TrajectoryCheck
 from tests.conftest import MODELS
+
+#: torch.autocast(bf16) running natively (no emulation, it can win).
+AC = AutocastBaseline(torch.bfloat16)
 
 MICRO = MODELS / "micro_lm.py"
 
@@ -65,13 +69,13 @@ def test_finalist_rejected_on_traj_rel_has_the_reason_in_the_report(tmp_path, mo
     twice as fast as the rest, so it is the choice); the trajectory check rejects every lowered
     finalist: the choice gives way to all-fp32, and its reason reaches the lever table's note and
     the trial's note."""
-    monkeypatch.setattr(select_mod, "compile_graph", lambda gm, budget=1.0, dynamic=None: gm)
+    monkeypatch.setattr(contest_mod, "compile_graph", lambda gm, budget=1.0, dynamic=None: gm)
 
     def scripted(harness, configs, **_kw):
         return {c.name: Timing.from_steps([(0.05 if c.name.startswith("trial") else 0.1) * (1 + 0.01 * i)
                                            for i in range(6)], 100.0) for c in configs}
 
-    monkeypatch.setattr(select_mod, "time_interleaved", scripted)
+    monkeypatch.setattr(contest_mod, "time_interleaved", scripted)
 
     def traj_fails(self, pol, fn):
         if not (pol.dtypes_used() - {"fp32"}):
@@ -84,13 +88,14 @@ def test_finalist_rejected_on_traj_rel_has_the_reason_in_the_report(tmp_path, mo
     harness = Harness(load_model_spec(MICRO), torch.device("cpu"), steps=2)
     bf16 = Policy.default("bf16")
     study = _study([bf16])
-    sel = Selector(harness, DriftBudget.fixed(1.0), True, torch.bfloat16, None, 20, Clock(), True)
-    chosen, _m = sel.choose(study.trials, 1)
+    sel = Contest(harness, DriftBudget.fixed(1.0), True, AC, None, 20, Clock(), True)
+    chosen, _m = sel.run(study.trials, 1)
     assert not (chosen.dtypes_used() - {"fp32"})
     why = "traj_rel 0.5 > 2x torch.autocast's 0.01"
-    point = next(q for q in sel.points if q["key"] == bf16.training_key())
+    point = next(q for q in sel.finalists.rows if q["key"] == bf16.training_key())
     assert point["rejected"] == why
-    md = report_mod.write_report(study, tmp_path / "r", policy=chosen, levers=sel.points)[0].read_text()
+    md = report_mod.write_report(study, tmp_path / "r", policy=chosen,
+                                 levers=sel.finalists.rows)[0].read_text()
     lever_line = next(line for line in md.split("## Finalists, with memory levers")[1].splitlines()
                       if line.startswith(f"| {bf16.summary()} |"))
     assert f"rejected: {why}" in lever_line

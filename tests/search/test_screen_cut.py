@@ -9,14 +9,14 @@ import optuna
 import pytest
 import torch
 
-from autoprec.measure import DRIFT_BATCHES, Accepted, Harness, Measurement
+from autoprec.measure import DRIFT_BATCHES, Harness, Measurement, Outcome, Stage
 from autoprec.measure.drift import measure_drift
 from autoprec.modelspec import load_model_spec
 from autoprec.policy import Policy
 from autoprec.search import attrs
-from autoprec.search.decide import DriftBudget
+from autoprec.search.drift_budget import DriftBudget
+from autoprec.search.finalist_pool import feasible
 from autoprec.search.objective import Objective
-from autoprec.search.pool import feasible
 from autoprec.search.screen_cut import (
     MIN_BATCHES,
     SPEED_MARGIN,
@@ -67,7 +67,7 @@ def test_harness_cut_runs_no_more_passes_and_keeps_what_the_first_measured(harne
 
     def cut(m):
         seen.append((len(m.grad_rel_l2_batches), list(m.step_times)))
-        return "enough" if len(m.grad_rel_l2_batches) == MIN_BATCHES else None
+        return Outcome.cut("enough") if len(m.grad_rel_l2_batches) == MIN_BATCHES else Outcome.go_on()
 
     part = harness.measure(low, lambda: make_scaler(pol), screen=True, cut=cut)
     assert full.cut is None and len(full.grad_rel_l2_batches) == DRIFT_BATCHES
@@ -114,18 +114,18 @@ def test_speed_rule_compares_steps_batch_for_batch_with_the_kth_fastest_feasible
     cut = screening_cut(study, 2, budget)
     limit = 1 / (1 - SPEED_MARGIN)
     slow = _m(_near(2), step_times=[0.1 * limit * 1.01])
-    assert "the step time of trial 3 (the 2nd fastest feasible)" in cut(slow)
-    assert cut(_m(_near(2), step_times=[0.1 * limit * 0.99])) is None
+    assert "the step time of trial 3 (the 2nd fastest feasible)" in cut(slow).reason
+    assert cut(_m(_near(2), step_times=[0.1 * limit * 0.99])).going_on
     # batch 2 holds more tokens: its 0.33 s step is as fast as the k-th's 0.3 s, not 3.3x its batch 1
-    assert cut(_m(_near(3), step_times=[0.1 * limit * 1.5, 0.33])) is None
-    assert cut(_m(_near(3), step_times=[0.1 * limit * 1.5, 0.3 * limit * 1.1])) is not None
+    assert cut(_m(_near(3), step_times=[0.1 * limit * 1.5, 0.33])).going_on
+    assert not cut(_m(_near(3), step_times=[0.1 * limit * 1.5, 0.3 * limit * 1.1])).going_on
     # from batch 0 on, the first pass of both: a trial 1.3x slower learns nothing from a second
-    assert "the step time of trial 3" in cut(_m([1e-3], step_times=[0.1 * limit * 1.01]))
-    assert cut(_m([1e-3], step_times=[0.1 * limit * 0.99])) is None
-    assert screening_cut(study, 3, budget)(slow) is None  # fewer than k feasible: no speed rule
-    assert cut(_m(_near(2), step_times=[])) is None  # no screening times (CUDA): no speed rule
+    assert "the step time of trial 3" in cut(_m([1e-3], step_times=[0.1 * limit * 1.01])).reason
+    assert cut(_m([1e-3], step_times=[0.1 * limit * 0.99])).going_on
+    assert screening_cut(study, 3, budget)(slow).going_on  # fewer than k feasible: no speed rule
+    assert cut(_m(_near(2), step_times=[])).going_on  # no screening times (CUDA): no speed rule
     no_times = _study_with([1000, 800], step_times={1: []})
-    assert screening_cut(no_times, 2, budget)(slow) is None  # nor without the k-th's
+    assert screening_cut(no_times, 2, budget)(slow).going_on  # nor without the k-th's
 
 
 def test_slow_step_limit_cuts_from_batch_0_before_any_kth_trial_exists():
@@ -135,11 +135,12 @@ def test_slow_step_limit_cuts_from_batch_0_before_any_kth_trial_exists():
     study = _study_with([1000])  # one feasible trial: no 2nd fastest to compare with
     cut = screening_cut(study, 2, budget, max_step_s=1.0)
     why = cut(_m([1e-3], step_times=[9.2]))  # the autocast twin's native bf16 step on AVX2
-    assert why == "a step took 9.20 s, over 4 x the 1.00 s limit (the slow-step limit of timed steps)"
-    assert cut(_m([1e-3], step_times=[1.5])) is None  # one step over the limit: noise, go on
-    assert "2 steps in a row took over the 1.00 s limit" in cut(_m([1e-3] * 2, step_times=[1.5, 1.2]))
-    assert cut(_m(_near(2), step_times=[1.5, 0.9])) is None
-    assert screening_cut(study, 2, budget)(_m([1e-3], step_times=[9.2])) is None  # no limit given
+    assert why == Outcome.cut("a step took 9.20 s, over 4 x the 1.00 s limit (the slow-step limit of timed "
+                              "steps)")
+    assert cut(_m([1e-3], step_times=[1.5])).going_on  # one step over the limit: noise, go on
+    assert "2 steps in a row took over the 1.00 s limit" in cut(_m([1e-3] * 2, step_times=[1.5, 1.2])).reason
+    assert cut(_m(_near(2), step_times=[1.5, 0.9])).going_on
+    assert screening_cut(study, 2, budget)(_m([1e-3], step_times=[9.2])).going_on  # no limit given
 
 
 def test_a_trial_within_the_budget_beyond_noise_is_accepted_after_min_batches():
@@ -148,18 +149,19 @@ def test_a_trial_within_the_budget_beyond_noise_is_accepted_after_min_batches():
     loss-scale back-off, it goes on; a cut rule that applies wins."""
     budget = DriftBudget.auto([1e-2] * 4)
     cut = screening_cut(_study_with([]), 2, budget)
-    assert cut(_m([3e-3])) is None  # one batch: no sd, no verdict
+    assert cut(_m([3e-3])).going_on  # one batch: no sd, no verdict
     why = cut(_m([3e-3, 3.3e-3]))
-    assert isinstance(why, Accepted) and why.why.startswith("drift within the budget on its first 2 batches")
-    assert cut(_m(_near(2))) is None and cut(_m(_near(3))) is None  # in doubt: all K batches decide
+    assert why.stage is Stage.ACCEPTED
+    assert why.reason.startswith("drift within the budget on its first 2 batches")
+    assert cut(_m(_near(2))).going_on and cut(_m(_near(3))).going_on  # in doubt: all K batches decide
     pending = _m([3e-3, 3.3e-3])
     pending.pass_times = [0.1, 0.1, 0.1]  # batch 2 overflowed: its back-off search is next
-    assert cut(pending) is None
+    assert cut(pending).going_on
     # clearly slower than the k-th fastest: cut, however small its drift
     study = _study_with([1000, 900])
-    assert isinstance(screening_cut(study, 2, budget)(_m([3e-3, 3.3e-3], step_times=[0.5, 0.5])), str)
+    assert screening_cut(study, 2, budget)(_m([3e-3, 3.3e-3], step_times=[0.5, 0.5])).stage is Stage.CUT
     fixed = screening_cut(_study_with([]), 2, DriftBudget.fixed(1e-2))
-    assert isinstance(fixed(_m([3e-3, 3.3e-3])), Accepted) and fixed(_m([9e-3, 1.1e-2])) is None
+    assert fixed(_m([3e-3, 3.3e-3])).stage is Stage.ACCEPTED and fixed(_m([9e-3, 1.1e-2])).going_on
 
 
 def test_speed_rule_against_an_accepted_kth_trial_compares_the_batches_both_timed():
@@ -167,8 +169,8 @@ def test_speed_rule_against_an_accepted_kth_trial_compares_the_batches_both_time
     study = _study_with([1000, 800], step_times={1: [0.125, 0.125]})  # the 2nd, accepted after 2 passes
     cut = screening_cut(study, 2, budget)
     limit = 1 / (1 - SPEED_MARGIN)
-    assert cut(_m(_near(3), step_times=[0.125 * limit * 1.1, 0.125 * limit * 1.1, 0.01])) is not None
-    assert cut(_m(_near(3), step_times=[0.125, 0.125 * limit * 1.1, 9.0])) is None  # batch 0 as fast
+    assert not cut(_m(_near(3), step_times=[0.125 * limit * 1.1, 0.125 * limit * 1.1, 0.01])).going_on
+    assert cut(_m(_near(3), step_times=[0.125, 0.125 * limit * 1.1, 9.0])).going_on  # batch 0 as fast
 
 
 def test_harness_stops_an_accepted_measurement_without_a_cut(harness):
@@ -176,7 +178,8 @@ def test_harness_stops_an_accepted_measurement_without_a_cut(harness):
 
     pol = Policy.default("bf16")
     low = run_pipeline(harness.graph_module, pol).graph_module
-    settle = lambda m: Accepted("settled") if len(m.grad_rel_l2_batches) == MIN_BATCHES else None  # noqa: E731
+    settle = lambda m: (Outcome.accepted("settled") if len(m.grad_rel_l2_batches) == MIN_BATCHES  # noqa: E731
+                        else Outcome.go_on())
     m = harness.measure(low, lambda: make_scaler(pol), screen=True, cut=settle)
     assert m.accepted == "settled" and m.cut is None and m.error is None
     assert len(m.grad_rel_l2_batches) == MIN_BATCHES == len(m.step_times) and m.tokens_per_s > 0
@@ -187,15 +190,15 @@ def test_drift_rule_is_the_budgets_paired_ratio_on_the_same_batches():
     cut = screening_cut(_study_with([]), 2, budget)
     # the mean (1.2e-2) is over 2x the first two batches' mean (5.5e-3), but batch for batch the
     # ratios are 1 and 2.3 (geometric mean 1.52): the budget's rule could still pass it
-    assert cut(_m([1e-3, 2.3e-2])) is None
+    assert cut(_m([1e-3, 2.3e-2])).going_on
     assert budget.on_batches(2).ratio([1e-3, 2.3e-2]) == pytest.approx(math.sqrt(2.3))
     over = _m([2.1e-3, 2.1e-2])  # 2.1x on both
-    assert "2.1x the drift budget on its first 2 batches (over 2x)" in cut(over)
+    assert "2.1x the drift budget on its first 2 batches (over 2x)" in cut(over).reason
     assert budget.on_batches(2).reference == (1e-3, 1e-2) and budget.on_batches(9) is budget
     fixed = screening_cut(_study_with([]), 2, DriftBudget.fixed(1e-2))
-    assert fixed(_m([0.03, 0.03])) is not None and fixed(_m([0.015, 0.015])) is None
+    assert not fixed(_m([0.03, 0.03])).going_on and fixed(_m([0.015, 0.015])).going_on
     assert DriftBudget.fixed(1e-2).on_batches(2) == DriftBudget.fixed(1e-2)
-    assert cut(_m([math.inf, 1.0])) is not None
+    assert not cut(_m([math.inf, 1.0])).going_on
 
 
 def test_cut_trial_is_complete_marked_measured_in_part_and_never_a_finalist(tmp_path, harness):
@@ -278,7 +281,7 @@ def test_a_cut_trials_constraint_is_judged_on_the_batches_it_ran():
 
     budget = DriftBudget.auto([1e-3, 1e-3, 1e-1, 1e-1])
     m = _m([3e-3, 3e-3])
-    m.cut = "drift"
+    m.outcome = Outcome.cut("drift")
     assert budget.excess(m) < 0 < budget.on_batches(2).excess(m)
     study = optuna.create_study(directions=["maximize", "minimize", "minimize"])
     trial = study.ask()
@@ -330,7 +333,7 @@ def test_recorded_reads_back_what_record_stored_non_finite_drift_as_inf():
 
     budget = DriftBudget.fixed(1e-2)
     m = _m([3e-3, math.inf], step_times=[0.2, 0.3])
-    m.cut, m.tokens_per_s, m.step_s = "slow", 1234.0, 0.25
+    m.outcome, m.tokens_per_s, m.step_s = Outcome.cut("slow"), 1234.0, 0.25
     study = optuna.create_study(directions=["maximize", "minimize", "minimize"])
     trial = study.ask()
     _record(trial, m, budget)

@@ -17,7 +17,7 @@ from autoprec.measure import DRIFT_BATCHES, Harness
 from autoprec.modelspec import load_model_spec
 from autoprec.policy import Policy
 from autoprec.search.attrs import ATTR
-from autoprec.search.decide import DriftBudget
+from autoprec.search.drift_budget import DriftBudget
 from autoprec.search.objective import Objective
 from autoprec.search.space import SearchSpace, find_blocks, outside_matmuls
 from autoprec.search.storage import open_study
@@ -63,7 +63,7 @@ def test_nan_candidate_recorded_failed_and_study_continues(tmp_path, overflow_sp
         f"; first non-finite output: node up/linear#0 (from {OVERFLOW_MODEL}:18 (forward): "
         "h = self.up(x) + x[:, :1])")
     # Never exported: no failed trial counts as feasible.
-    from autoprec.search.pool import feasible as _feasible
+    from autoprec.search.finalist_pool import feasible as _feasible
 
     feasible = {t.number: t for t in _feasible(study)}
     assert 0 in feasible and all_low.number not in feasible  # all-fp32 is within any budget; C01 is not
@@ -190,7 +190,7 @@ def test_two_workers_share_one_study(tmp_path):
                                                                                           1.0) <= 0}
     for p in (tmp_path / "p0.json", tmp_path / "p1.json"):
         pol = Policy.load(p)
-        # feasible by the drift rule (search/decide.py: a paired test against torch.autocast, so the
+        # feasible by the drift rule (search/drift_budget.py: a paired test against torch.autocast, so the
         # mean grad_rel_l2 may be a little above the budget's value, torch.autocast's mean)
         assert pol.dtypes_used() == {"fp32"} or form(pol.to_dict()) in feasible
 
@@ -249,7 +249,7 @@ def test_a_running_trial_that_names_no_worker_is_orphaned_after_a_minute():
     leaves a RUNNING trial nobody could identify; a resumed tune must not wait 900 s for it."""
     import datetime
 
-    from autoprec.search.objective import ORPHAN_AFTER_S, is_dead_worker
+    from autoprec.search.workers import ORPHAN_AFTER_S, is_dead_worker
 
     def running(age_s: float, **user_attrs) -> optuna.trial.FrozenTrial:
         return optuna.trial.FrozenTrial(

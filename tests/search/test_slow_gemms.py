@@ -1,7 +1,7 @@
 """Where torch.autocast's native GEMMs are slow (an AVX2-only CPU: bf16 ~60-90x fp32), its drift is
 measured with them computed in fp32 (the same roundings) and its speed natively, in one step; where
 they alone exceed the slow-step limit it is not timed or compiled at all (autoprec/search/kernel_choice.py,
-Harness.measure's ``fp32_gemms``, autoprec/search/bar.py: the bar on batch 0, or not run)."""
+Harness.measure's ``fp32_gemms``, autoprec/search/autocast_baseline.py: its drift on batch 0, or not run)."""
 
 from __future__ import annotations
 
@@ -12,12 +12,14 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from autoprec.measure import Harness
 from autoprec.measure import harness as harness_mod
 from autoprec.modelspec import load_model_spec
-from autoprec.search.bar import bar_on_batch_0, measure_bar
-from autoprec.search.decide import DriftBudget
-from autoprec.search.kernel_choice import EMULATE_AT, autocast_gemms_in_fp32
+from autoprec.search.autocast_baseline import EMULATE_AT, AutocastBaseline, autocast_gemms_in_fp32
+from autoprec.search.contest import Contest
+from autoprec.search.drift_budget import DriftBudget
 from autoprec.search.progress import Clock
-from autoprec.search.select import Selector
 from tests.conftest import MODELS, spy_fp32_gemms
+
+#: torch.autocast(bf16) running natively (no emulation, it can win).
+AC = AutocastBaseline(torch.bfloat16)
 
 
 def _probes(native_band, fp32c_band, native_error=""):
@@ -77,22 +79,13 @@ def test_the_compiled_bar_stops_after_batch_0_only_where_that_loses_nothing():
     reason names the probe's numbers), except without compile, when its timed steps would be
     skipped (CUDA) and on a graph that draws random numbers (its full drift is the compiled
     budget there)."""
-
-    class H:
-        random = False
-        graph_module = model = object()
-
     why = "native bf16 GEMMs measured 63.5x fp32's time, fp32-compute 1.08x"
-    sel = Selector(H(), DriftBudget.fixed(1.0), True, torch.bfloat16, None, 0, Clock(), True, slow_gemms=why)
-    assert bar_on_batch_0(sel, False) == f"drift on batch 0 only ({why})"
-    assert bar_on_batch_0(sel, True) is None
-    H.random = True
-    assert bar_on_batch_0(sel, False) is None
-    H.random = False
-    assert bar_on_batch_0(Selector(H(), DriftBudget.fixed(1.0), False, torch.bfloat16, None, 0, Clock(), True,
-                                   slow_gemms=why), False) is None
-    assert bar_on_batch_0(Selector(H(), DriftBudget.fixed(1.0), True, torch.bfloat16, None, 0, Clock(), True),
-                          False) is None
+    emulated = AutocastBaseline(torch.bfloat16, emulated=why)
+    assert emulated.drift_on_batch_0(True, False, False) == f"drift on batch 0 only ({why})"
+    assert emulated.drift_on_batch_0(True, True, False) is None  # timed (CUDA)
+    assert emulated.drift_on_batch_0(True, False, True) is None  # random numbers
+    assert emulated.drift_on_batch_0(False, False, False) is None  # not compiled
+    assert AC.drift_on_batch_0(True, False, False) is None  # native GEMMs not slow
 
 
 def test_a_bar_drifting_on_batch_0_only_is_judged_on_batch_0(monkeypatch):
@@ -101,27 +94,42 @@ def test_a_bar_drifting_on_batch_0_only_is_judged_on_batch_0(monkeypatch):
     batch 0's, over the 2% margin, though under the 4-batch mean (2.5e-3); 1.0e-3 is a bar."""
     from autoprec.measure import Measurement, Timing
     from autoprec.policy import Policy
-    from autoprec.search import select as select_mod
+    from autoprec.search import contest as contest_mod
 
     speeds = {"twin": 0.060, "torch.autocast + torch.compile": 0.050, "fp32 eager": 0.100}
-    monkeypatch.setattr(select_mod, "time_interleaved", lambda h, configs, **kw: {
+    monkeypatch.setattr(contest_mod, "time_interleaved", lambda h, configs, **kw: {
         c.name: Timing.from_steps([speeds[c.name] * (1 + 0.01 * i) for i in range(6)], 100.0, rounds=3)
         for c in configs})
+
+    from autoprec.measure import Outcome
+    from autoprec.search.contest import Candidate, Entry, Role
+
+    monkeypatch.setattr(contest_mod, "compile_graph", lambda gm, budget=1.0, dynamic=None: gm)
 
     class H:
         random = False
         graph_module = model = object()
+        device = torch.device("cpu")
+        batches: list = []
+
+        def measure(self, fn, scaler_factory=None, autocast_dtype=None, cut=None, **kw):
+            m = Measurement(grad_rel_l2=self.bar_drift, grad_rel_l2_batches=[self.bar_drift])
+            stop = cut(m)  # the baseline's own stop: after batch 0
+            m.outcome = stop
+            return m
 
     budget = DriftBudget.auto([1e-3, 3e-3, 3e-3, 3e-3])
     twin = Policy.autocast("bf16")
 
     def best_baseline(bar_drift: float) -> str:
-        sel = Selector(H(), budget, True, torch.bfloat16, None, 0, Clock(), True, slow_gemms="slow")
-        sel._autocast_fn = object()
-        sel.autocast_compiled = Measurement(grad_rel_l2=bar_drift, grad_rel_l2_batches=[bar_drift],
-                                            cut="drift on batch 0 only (slow)")
-        sel._head_to_head([("twin", twin, object(), Measurement(grad_rel_l2=1e-3,
-                                                                grad_rel_l2_batches=[1e-3] + [3e-3] * 3))])
+        h = H()
+        h.bar_drift = bar_drift
+        emulated = AutocastBaseline(torch.bfloat16, emulated="slow")
+        sel = Contest(h, budget, True, emulated, None, 0, Clock(), True)
+        sel.measure_autocast()
+        assert sel.autocast_compiled.outcome == Outcome.cut("drift on batch 0 only (slow)")
+        twin_m = Measurement(grad_rel_l2=1e-3, grad_rel_l2_batches=[1e-3] + [3e-3] * 3)
+        sel.race([Entry(Candidate("twin", Role.POLICY, twin), object(), twin_m)])
         return sel.decision.best_baseline.name
 
     assert best_baseline(1.1e-3) == "fp32 eager"
@@ -133,7 +141,7 @@ def test_autocast_cannot_win_when_its_native_gemms_alone_exceed_the_slow_step_li
     Qwen2: fp32 170 ms, native bf16 39.5-43.3x) is over a 1.70 s limit (6.7 s) and the reason gives
     the numbers; under a 10 s limit, with a fast native kernel (AMX-like 0.17x), a failed or unprobed
     kernel, or no fp32 time, it may win (None); fp16's autocast looks at fp16's kernel."""
-    from autoprec.search.kernel_choice import autocast_cannot_win
+    from autoprec.search.autocast_baseline import autocast_cannot_win
 
     probes = {**_probes((39.5, 43.3), (1.10, 1.27)), "fp32": {"ms": 170.0}}
     why = autocast_cannot_win(probes, torch.bfloat16, 1.70)
@@ -160,8 +168,9 @@ def test_a_bar_that_cannot_win_is_neither_compiled_nor_timed_and_its_row_says_wh
     draws random numbers the bar is compiled and measured as before (its drift is the budget)."""
     from autoprec.measure import Measurement, Timing
     from autoprec.policy import Policy
+    from autoprec.search import contest as contest_mod
     from autoprec.search import results
-    from autoprec.search import select as select_mod
+    from autoprec.search.contest import Candidate, Entry, Role
     from autoprec.search.report import format_table
 
     timed: list[list[str]] = []
@@ -171,7 +180,7 @@ def test_a_bar_that_cannot_win_is_neither_compiled_nor_timed_and_its_row_says_wh
         return {c.name: Timing.from_steps([0.05 * (1 + 0.01 * i) for i in range(6)], 100.0, rounds=3)
                 for c in configs}
 
-    monkeypatch.setattr(select_mod, "time_interleaved", interleaved)
+    monkeypatch.setattr(contest_mod, "time_interleaved", interleaved)
 
     class H:
         random = False
@@ -184,17 +193,17 @@ def test_a_bar_that_cannot_win_is_neither_compiled_nor_timed_and_its_row_says_wh
             return Measurement(grad_rel_l2=1e-3, grad_rel_l2_batches=[1e-3])
 
     why = "its native bf16 GEMMs alone take 6.71 s or more per step"
-    sel = Selector(H(), DriftBudget.fixed(1.0), True, torch.bfloat16, None, 0, Clock(), True,
-                   slow_gemms="slow", cannot_win=why)
-    monkeypatch.setattr(sel, "_fn", lambda gm, *a: pytest.fail("compiled torch.autocast"))
-    measure_bar(sel)
-    assert H.measured == 0 and sel._autocast_fn is None
+    cannot = AutocastBaseline(torch.bfloat16, emulated="slow", cannot_win=why)
+    sel = Contest(H(), DriftBudget.fixed(1.0), True, cannot, None, 0, Clock(), True)
+    monkeypatch.setattr(contest_mod, "compile_graph", lambda *a, **kw: pytest.fail("compiled torch.autocast"))
+    sel.measure_autocast()
+    assert H.measured == 0
     assert sel.autocast_compiled.note == f"not compiled: {why}"
     from autoprec.search import study as study_mod
     assert not study_mod._ok(sel.autocast_compiled)  # --max-memory auto: torch.autocast eager's peak then
     fp32 = Policy.fp32()
     m = Measurement(grad_rel_l2=0.0, grad_rel_l2_batches=[0.0] * 4)
-    pol, chosen_m = sel._head_to_head([("fp32 + torch.compile", fp32, object(), m)])
+    pol, chosen_m = sel.race([Entry(Candidate("fp32 + torch.compile", Role.BASELINE, fp32), object(), m)])
     assert timed == [["fp32 + torch.compile", "fp32 eager"]]
 
     class Run:
@@ -215,11 +224,12 @@ def test_a_bar_that_cannot_win_is_neither_compiled_nor_timed_and_its_row_says_wh
     assert eager_line.startswith("| autocast bf16 eager | — | — |  | 1.00e-03 |")
 
     H.random = True
-    sel = Selector(H(), DriftBudget.fixed(1.0), True, torch.bfloat16, None, 0, Clock(), True, cannot_win=why)
-    compiled = object()
-    monkeypatch.setattr(sel, "_fn", lambda gm, *a: compiled)
-    measure_bar(sel)
-    assert H.measured == 1 and sel._autocast_fn is compiled and sel.autocast_compiled.note is None
+    H.batches = []
+    sel = Contest(H(), DriftBudget.fixed(1.0), True, AutocastBaseline(torch.bfloat16, cannot_win=why), None,
+                  0, Clock(), True)
+    monkeypatch.setattr(contest_mod, "compile_graph", lambda gm, budget=1.0, dynamic=None: gm)
+    sel.measure_autocast()
+    assert H.measured == 1 and sel.autocast_compiled.note is None
 
 
 def test_tune_where_autocast_cannot_win_times_no_native_step_and_writes_no_ratio_to_it(tmp_path, monkeypatch,

@@ -10,10 +10,14 @@ from autoprec.capture import warmup_steps
 from autoprec.commands.bench_shapes import CompileWatch
 from autoprec.measure import Harness
 from autoprec.modelspec import load_model_spec
-from autoprec.search.decide import DriftBudget
+from autoprec.search.autocast_baseline import AutocastBaseline
+from autoprec.search.contest import Contest
+from autoprec.search.drift_budget import DriftBudget
 from autoprec.search.progress import Clock
-from autoprec.search.select import Selector
 from tests.conftest import MODELS
+
+#: torch.autocast(bf16) running natively (no emulation, it can win).
+AC = AutocastBaseline(torch.bfloat16)
 
 
 @pytest.mark.heavy
@@ -24,8 +28,8 @@ def test_autocast_baseline_compiles_dynamic_and_times_no_compile():
     batches vary, the warm-up meets every shape, and no timed step compiles."""
     h = Harness(load_model_spec(str(MODELS / "varlen_lm.py")), torch.device("cpu"), warmup=1, steps=6)
     assert len(h.shapes) == 5 and h.warmup_steps(lambda: None) == warmup_steps(h.batches, 1) == 5
-    sel = Selector(h, DriftBudget.fixed(1.0), True, torch.bfloat16, None, 0, Clock(), True)
-    fn = sel._fn(h.model)
+    sel = Contest(h, DriftBudget.fixed(1.0), True, AC, None, 0, Clock(), True)
+    fn = sel.build(h.model)
     assert fn.dynamic and fn.target is h.model
     watch = CompileWatch(fn)
     m = h.measure(watch, lambda: None, autocast_dtype=torch.bfloat16)

@@ -3,13 +3,14 @@ message names the budget at fault and the number that would pass it."""
 
 from __future__ import annotations
 
-from autoprec.measure import Measurement
+from autoprec.measure import Measurement, Outcome
 from autoprec.search.budgets import why_no_finalist
-from autoprec.search.decide import DriftBudget
+from autoprec.search.drift_budget import DriftBudget
 
 
 def _m(g: float, peak: int = 2**20, error: str | None = None) -> Measurement:
-    return Measurement(grad_rel_l2=g, grad_rel_l2_batches=[g] * 4, peak_bytes=peak, error=error)
+    return Measurement(grad_rel_l2=g, grad_rel_l2_batches=[g] * 4, peak_bytes=peak,
+                       outcome=Outcome.failed(error) if error else Outcome.go_on())
 
 
 def test_a_drift_budget_below_even_all_fp32_compiled_says_so_with_the_smallest_drift():

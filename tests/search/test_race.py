@@ -1,4 +1,4 @@
-"""The final choice rule (autoprec.search.final.decide), both ways, on synthetic and committed
+"""The final choice rule (autoprec.search.race.decide), both ways, on synthetic and committed
 timings (issue 18: never lose to a measured baseline)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 from autoprec import Policy
 from autoprec.measure import Timing, compare
 from autoprec.policy import Rule
-from autoprec.search.final import (
+from autoprec.search.race import (
     EQUIVALENCE_MARGIN,
     Contender,
     decide,

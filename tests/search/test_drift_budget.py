@@ -1,4 +1,4 @@
-"""The drift decision rule (autoprec/search/decide.py) and drift over K batches (measure/drift.py).
+"""The drift decision rule (autoprec/search/drift_budget.py) and drift over K batches (measure/drift.py).
 
 A policy computing what torch.autocast computes measured 7.16e-3 against a one-batch budget of
 7.11e-3 and was rejected for 0.7%, which is noise (issue 18). The rule is now a paired one-sided
@@ -20,7 +20,7 @@ from autoprec.modelspec import call_model, load_model_spec
 from autoprec.passes import run_pipeline
 from autoprec.policy import Policy
 from autoprec.search import attrs
-from autoprec.search.decide import _T95, MARGIN, DriftBudget, t95
+from autoprec.search.drift_budget import _T95, MARGIN, DriftBudget, t95
 from autoprec.training.rng import same_rng
 from autoprec.training.train import make_scaler
 

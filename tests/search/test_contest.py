@@ -1,5 +1,6 @@
-"""Finalist selection (autoprec/search/select.py): what it remembers about a policy is keyed by
-the policy's content, never by object identity."""
+"""The finalists' contest (autoprec/search/contest.py), scripted: what it remembers about a policy is
+keyed by the policy's content, never by object identity; candidates and their roles; the race
+run again without a choice its trajectory rejects; torch.autocast as a bar or only shown."""
 
 from __future__ import annotations
 
@@ -11,12 +12,18 @@ import torch
 from autoprec.errors import SearchError
 from autoprec.measure import Measurement, Timing
 from autoprec.policy import Policy
-from autoprec.search import select as select_mod
+from autoprec.search import contest as contest_mod
 from autoprec.search import trajectory as trajectory_mod
-from autoprec.search.decide import DriftBudget
+from autoprec.search.autocast_baseline import AutocastBaseline
+from autoprec.search.contest import Candidate, Contest, Entry, Role
+from autoprec.search.drift_budget import DriftBudget
 from autoprec.search.progress import Clock
-from autoprec.search.select import Selector
+from autoprec.search.race import all_fp32
 from autoprec.search.trajectory import TrajectoryCheck
+
+AUTOCAST = "torch.autocast + torch.compile"
+#: torch.autocast(bf16) running natively (no emulation, it can win).
+AC = AutocastBaseline(torch.bfloat16)
 
 
 class _TrajHarness:
@@ -24,9 +31,16 @@ class _TrajHarness:
     candidate function the loss its ``loss`` attribute says."""
 
     random = True  # timed steps are never a trajectory here (TrajectoryCheck.share gives no run)
+    device = torch.device("cpu")
+    batches: list = []
 
-    def __init__(self):
+    def __init__(self, autocast: Measurement | None = None):
         self.graph_module, self.model = object(), object()
+        self.autocast = autocast  # what measuring torch.autocast gives (Contest.measure_autocast)
+
+    def measure(self, fn, scaler_factory=None, autocast_dtype=None, **kw):
+        assert autocast_dtype is not None and self.autocast is not None, "only torch.autocast is measured"
+        return self.autocast
 
     def reference_fn(self, fn):
         return self.graph_module
@@ -52,12 +66,18 @@ class _Fn:
         self.loss = loss
 
 
+def _entry(name, pol, fn, grad_rel_l2):
+    """A gated finalist: a baseline when it computes in fp32 (fp32 + torch.compile), else a policy."""
+    role = Role.BASELINE if all_fp32(pol) else Role.POLICY
+    return Entry(Candidate(name, role, pol), fn, Measurement(grad_rel_l2=grad_rel_l2))
+
+
 def test_traj_rel_is_kept_per_policy_content_even_when_ids_collide(monkeypatch):
     """Bookkeeping keyed by ``id(Policy)`` reported another trial's ``traj_rel`` when a rejected
     policy was freed and its id reused (e.g. by ``Policy.fp32()``). With every ``id()`` in the
     module made equal, each policy still gets its own number, and an equal-content copy finds it."""
     monkeypatch.setattr(trajectory_mod, "id", lambda _obj: 7, raising=False)  # every object "reuses" one id
-    check = TrajectoryCheck(_TrajHarness(), torch.bfloat16, 3, lambda: None)
+    check = TrajectoryCheck(_TrajHarness(), AutocastBaseline(torch.bfloat16), 3, lambda: None)
     rejected = Policy.default("bf16")
     assert not check.ok(rejected, _Fn(1.5))  # traj_rel 0.5 > torch.autocast's 0.01
     assert abs(check.of(rejected) - 0.5) < 1e-12
@@ -90,7 +110,7 @@ def test_a_compiled_policys_trajectory_is_judged_against_compiled_fp32_and_autoc
     fp32_c, ac_c = _Fn(1.0), _Fn(1.0)
     cand = _Fn(1.01)
     cand.compiled = True
-    check = TrajectoryCheck(h, torch.bfloat16, 3, lambda: ac_c, lambda: fp32_c)
+    check = TrajectoryCheck(h, AutocastBaseline(torch.bfloat16), 3, lambda: ac_c, lambda: fp32_c)
     assert check.ok(Policy.default("bf16"), cand) and check.budget == pytest.approx(0.02)
     assert ran == [fp32_c, cand, ac_c]
     ran.clear()
@@ -98,7 +118,7 @@ def test_a_compiled_policys_trajectory_is_judged_against_compiled_fp32_and_autoc
     assert check.ok(Policy.default("fp16"), eager) and check.budget == pytest.approx(0.01)
     assert ran == [h.graph_module, eager, h.model]
     ran.clear()
-    none = TrajectoryCheck(h, torch.bfloat16, 3, lambda: ac_c)  # no compiled fp32 graph
+    none = TrajectoryCheck(h, AutocastBaseline(torch.bfloat16), 3, lambda: ac_c)  # no compiled fp32 graph
     assert none.ok(Policy.default("bf16"), cand) and ran == [h.graph_module, cand, h.model]
 
 
@@ -121,16 +141,16 @@ def test_candidates_always_include_twin_also_and_fp32_once():
 
     twin = Policy.autocast("bf16")
     math = dataclasses.replace(twin, attention="math")
-    sel = Selector(_TrajHarness(), DriftBudget.fixed(1.0), True, torch.bfloat16, None, 0, Clock(), True,
+    sel = Contest(_TrajHarness(), DriftBudget.fixed(1.0), True, AC, None, 0, Clock(), True,
                    twin=twin, also=[(math, "autocast twin, math attention")])
     trial = optuna.trial.create_trial(values=[100.0, 1e-3, 1.0], user_attrs={attrs.POLICY: math.to_dict()},
                                       distributions={}, params={})
     for feasible, expect in (([], ["autocast twin", "autocast twin, math attention"]),
                              # the trial is the math twin
                              ([trial], ["trial -1 (eager 100 tok/s)", "autocast twin"])):
-        labels = [label for _p, label in sel._candidates(feasible, 2)]
+        labels = [c.name for c in sel.candidates(feasible, 2)]
         assert labels == [*expect, "fp32 + torch.compile"]
-        keys = [p.training_key() for p, _l in sel._candidates(feasible, 2)]
+        keys = [c.policy.training_key() for c in sel.candidates(feasible, 2)]
         assert len(keys) == len(set(keys)) and Policy.fp32().training_key() in keys
 
 
@@ -149,15 +169,16 @@ def test_where_autocast_cannot_win_the_twin_is_a_finalist_only_as_a_trial():
     math = dataclasses.replace(twin, attention="math")
     h = _TrajHarness()
     h.random = False
-    sel = Selector(h, DriftBudget.fixed(1.0), True, torch.bfloat16, None, 0, Clock(), True,
-                   twin=twin, also=[(math, "autocast twin, math attention")], cannot_win="too slow")
+    cannot = AutocastBaseline(torch.bfloat16, cannot_win="too slow")
+    sel = Contest(h, DriftBudget.fixed(1.0), True, cannot, None, 0, Clock(), True, twin=twin,
+                  also=[(math, "autocast twin, math attention")])
     trial = optuna.trial.create_trial(values=[100.0, 1e-3, 1.0], user_attrs={attrs.POLICY: math.to_dict()},
                                       distributions={}, params={})
-    assert [label for _p, label in sel._candidates([], 2)] == ["fp32 + torch.compile"]
-    assert [label for _p, label in sel._candidates([trial], 2)] == ["trial -1 (eager 100 tok/s)",
+    assert [c.name for c in sel.candidates([], 2)] == ["fp32 + torch.compile"]
+    assert [c.name for c in sel.candidates([trial], 2)] == ["trial -1 (eager 100 tok/s)",
                                                                    "fp32 + torch.compile"]
     h.random = True
-    labels = [label for _p, label in sel._candidates([], 2)]
+    labels = [c.name for c in sel.candidates([], 2)]
     assert labels == ["autocast twin", "autocast twin, math attention", "fp32 + torch.compile"]
 
 
@@ -176,20 +197,19 @@ def test_only_the_choice_pays_its_trajectory_and_a_rejected_choice_gives_way(mon
         return {c.name: Timing.from_steps([speeds[c.name] * (1 + 0.01 * i) for i in range(6)], 100.0,
                                           rounds=3) for c in configs}
 
-    monkeypatch.setattr(select_mod, "time_interleaved", scripted)
+    monkeypatch.setattr(contest_mod, "time_interleaved", scripted)
     h = _TrajHarness()
     ran: list[object] = []
     trajectory = h.trajectory
     h.trajectory = lambda fn, *a, **kw: ran.append(fn) or trajectory(fn, *a, **kw)
-    sel = Selector(h, DriftBudget.fixed(1.0), True, torch.bfloat16, None, 3, Clock(), False)
+    sel = Contest(h, DriftBudget.fixed(1.0), True, AC, None, 3, Clock(), False)
     a, b, c = Policy.default("bf16"), Policy.default("fp16"), Policy.autocast("bf16")
     fns = {"A": _Fn(1.5), "B": _Fn(1.001), "C": _Fn(9.0)}
     for pol in (a, b, c, Policy.fp32()):
-        sel._point(pol, Measurement(grad_rel_l2=1e-3))
-    survivors = [(name, pol, fns[name], Measurement(grad_rel_l2=1e-3))
-                 for name, pol in (("A", a), ("B", b), ("C", c))]
-    survivors.append(("fp32 + torch.compile", Policy.fp32(), _Fn(1.0), Measurement(grad_rel_l2=0.0)))
-    chosen, _m = sel._head_to_head(survivors)
+        sel.finalists.add(pol, Measurement(grad_rel_l2=1e-3))
+    survivors = [_entry(name, pol, fns[name], 1e-3) for name, pol in (("A", a), ("B", b), ("C", c))]
+    survivors.append(_entry("fp32 + torch.compile", Policy.fp32(), _Fn(1.0), 0.0))
+    chosen, _m = sel.race(survivors)
     assert chosen is b and sel.decision.chosen.name == "B" and sel.decision.rejected == ["A"]
     assert "after A failed the trajectory check" in sel.decision.describe()
     assert timed == [["A", "B", "C", "fp32 + torch.compile", "fp32 eager"],
@@ -200,19 +220,19 @@ def test_only_the_choice_pays_its_trajectory_and_a_rejected_choice_gives_way(mon
     out = capsys.readouterr().out
     assert "A -> rejected: traj_rel 0.5 > 2x torch.autocast's 0.01; the others timed again" in out
     assert "B: traj_rel 0.001 over 3 steps (torch.autocast's 0.01)" in out  # all 3 steps ran for A
-    point = next(p for p in sel.points if p["key"] == a.training_key())
+    point = next(p for p in sel.finalists.rows if p["key"] == a.training_key())
     assert point["rejected"] == "traj_rel 0.5 > 2x torch.autocast's 0.01"
 
 
 def test_a_head_to_head_whose_every_policy_fails_the_trajectory_is_a_search_error(monkeypatch):
     """Every lowered contender fails and the all-fp32 one errored: a SearchError that names the
     rejected, and no decision is left behind."""
-    monkeypatch.setattr(select_mod, "time_interleaved", lambda h, configs, **kw: {
+    monkeypatch.setattr(contest_mod, "time_interleaved", lambda h, configs, **kw: {
         c.name: Timing.from_steps([0.1] * 6, 100.0) for c in configs})
-    sel = Selector(_TrajHarness(), DriftBudget.fixed(1.0), True, torch.bfloat16, None, 3, Clock(), True)
-    survivors = [("A", Policy.default("bf16"), _Fn(1.5), Measurement(grad_rel_l2=1e-3))]
+    sel = Contest(_TrajHarness(), DriftBudget.fixed(1.0), True, AC, None, 3, Clock(), True)
+    survivors = [_entry("A", Policy.default("bf16"), _Fn(1.5), 1e-3)]
     with pytest.raises(SearchError, match="after A failed the trajectory check"):
-        sel._head_to_head(survivors)
+        sel.race(survivors)
     assert sel.decision is None
 
 
@@ -230,15 +250,15 @@ def test_without_compile_the_bar_is_torch_autocast_eager(monkeypatch):
         return {c.name: Timing.from_steps([speeds[c.name] * (1 + 0.01 * i) for i in range(6)], 100.0,
                                           rounds=3) for c in configs}
 
-    monkeypatch.setattr(select_mod, "time_interleaved", scripted)
-    h = _TrajHarness()
-    sel = Selector(h, DriftBudget.fixed(1.0), False, torch.bfloat16, None, 0, Clock(), True)
+    monkeypatch.setattr(contest_mod, "time_interleaved", scripted)
+    h = _TrajHarness(autocast=Measurement(grad_rel_l2=1e-3))
+    sel = Contest(h, DriftBudget.fixed(1.0), False, AC, None, 0, Clock(), True)
     assert sel.ac_label == "torch.autocast eager"
-    sel._autocast_fn, sel.autocast_eager = h.model, Measurement(grad_rel_l2=1e-3)
+    sel.measure_autocast()
+    assert sel.autocast_eager is h.autocast and sel.autocast_compiled is None
     twin = Policy.autocast("bf16")
-    survivors = [("twin", twin, _Fn(1.0), Measurement(grad_rel_l2=1e-3)),
-                 ("all-fp32", Policy.fp32(), _Fn(1.0), Measurement(grad_rel_l2=0.0))]
-    chosen, _m = sel._head_to_head(survivors)
+    survivors = [_entry("twin", twin, _Fn(1.0), 1e-3), _entry("all-fp32", Policy.fp32(), _Fn(1.0), 0.0)]
+    chosen, _m = sel.race(survivors)
     assert timed == [["twin", "all-fp32", "torch.autocast eager", "fp32 eager"]]
     assert chosen is twin and sel.decision.verdict == "slower"
     assert sel.decision.best_baseline.name == "torch.autocast eager"
@@ -246,7 +266,7 @@ def test_without_compile_the_bar_is_torch_autocast_eager(monkeypatch):
     assert line.startswith("chosen: twin, 0.83x torch.autocast eager (band 0.8")
     assert line.endswith("no policy was as fast as torch.autocast eager within the noise")
     assert sel.autocast_eager.tokens_per_s == sel.timings["torch.autocast eager"].tokens_per_s  # its speed
-    labels = [label for _p, label in sel._candidates([], 2)]
+    labels = [c.name for c in sel.candidates([], 2)]
     assert labels == ["all-fp32"]
 
 
@@ -257,9 +277,9 @@ def test_without_compile_the_also_policies_are_left_out():
 
     twin = Policy.autocast("bf16")
     math = dataclasses.replace(twin, attention="math")
-    sel = Selector(_TrajHarness(), DriftBudget.fixed(1.0), False, torch.bfloat16, None, 0, Clock(), True,
+    sel = Contest(_TrajHarness(), DriftBudget.fixed(1.0), False, AC, None, 0, Clock(), True,
                    twin=twin, also=[(math, "autocast twin, math attention")])
-    assert [label for _p, label in sel._candidates([], 2)] == ["autocast twin", "all-fp32"]
+    assert [c.name for c in sel.candidates([], 2)] == ["autocast twin", "all-fp32"]
 
 
 def test_torch_autocast_over_the_memory_budget_is_no_bar(monkeypatch):
@@ -267,22 +287,21 @@ def test_torch_autocast_over_the_memory_budget_is_no_bar(monkeypatch):
     fastest but over the budget, is timed (the table reports it) but not decided against, so the
     twin is written as beating the best admissible baseline (fp32 eager), not as a tie with it."""
     speeds = {"twin": 0.060, "torch.autocast eager": 0.050, "fp32 eager": 0.100}
-    monkeypatch.setattr(select_mod, "time_interleaved", lambda h, configs, **kw: {
+    monkeypatch.setattr(contest_mod, "time_interleaved", lambda h, configs, **kw: {
         c.name: Timing.from_steps([speeds[c.name] * (1 + 0.01 * i) for i in range(6)], 100.0, rounds=3)
         for c in configs})
-    h = _TrajHarness()
-    sel = Selector(h, DriftBudget.fixed(1.0), False, torch.bfloat16, None, 0, Clock(), True)
-    sel._autocast_fn = h.model
-    sel.autocast_eager = Measurement(grad_rel_l2=1e-3, peak_bytes=300 * 2**20)
+    h = _TrajHarness(autocast=Measurement(grad_rel_l2=1e-3, peak_bytes=300 * 2**20))
+    sel = Contest(h, DriftBudget.fixed(1.0), False, AC, None, 0, Clock(), True)
+    sel.measure_autocast()
     sel.memory_budget = 200 * 2**20
     twin = Policy.autocast("bf16")
-    chosen, _m = sel._head_to_head([("twin", twin, _Fn(1.0), Measurement(grad_rel_l2=1e-3))])
+    chosen, _m = sel.race([_entry("twin", twin, _Fn(1.0), 1e-3)])
     assert chosen is twin and "torch.autocast eager" in sel.timings
     assert sel.decision.best_baseline.name == "fp32 eager" and sel.decision.verdict == "beats"
 
 
 def test_with_slow_native_gemms_autocasts_trajectory_runs_eagerly_with_its_gemms_in_fp32(monkeypatch):
-    """``fp32_gemms`` (the drift's rule: native GEMMs slow): torch.autocast's trajectory, the budget,
+    """An emulated baseline (the drift's rule: native GEMMs slow): torch.autocast's trajectory, the budget,
     runs eagerly under Fp32ComputeGemms even against the compiled fp32 graph, never compiling it
     (K native steps cost ~9.5 s each on a 24-layer Qwen2 on an AVX2-only CPU); on a graph that draws
     random numbers the compiled bar runs as before (its masks are Inductor's)."""
@@ -302,14 +321,14 @@ def test_with_slow_native_gemms_autocasts_trajectory_runs_eagerly_with_its_gemms
     h = H()
     fp32_c, cand = _Fn(1.0), _Fn(1.01)
     cand.compiled = True
-    check = TrajectoryCheck(h, torch.bfloat16, 3, lambda: pytest.fail("compiled torch.autocast"),
-                            lambda: fp32_c, fp32_gemms=True)
+    emulated = AutocastBaseline(torch.bfloat16, emulated="native bf16 GEMMs slow")
+    check = TrajectoryCheck(h, emulated, 3, lambda: pytest.fail("compiled torch.autocast"), lambda: fp32_c)
     assert check.ok(Policy.default("bf16"), cand) and check.budget == pytest.approx(0.01)
     assert ran == [(fp32_c, False), (cand, False), (h.model, True)]
     ran.clear()
     H.random = True
     ac_c = _Fn(1.02)
-    check = TrajectoryCheck(h, torch.bfloat16, 3, lambda: ac_c, lambda: fp32_c, fp32_gemms=True)
+    check = TrajectoryCheck(h, emulated, 3, lambda: ac_c, lambda: fp32_c)
     check.ok(Policy.default("bf16"), cand)
     assert ran[2] == (ac_c, False)
 
@@ -346,14 +365,17 @@ def test_torch_autocast_over_the_budget_gets_its_log_line_too(monkeypatch, capsy
         return {c.name: Timing.from_steps([speeds[c.name] * (1 + 0.01 * i) for i in range(6)], 100.0,
                                           rounds=3) for c in configs}
 
-    monkeypatch.setattr(select_mod, "time_interleaved", scripted)
-    sel = Selector(_TrajHarness(), DriftBudget.fixed(1e-3), True, torch.bfloat16, None, 0, Clock(), False)
-    sel._autocast_fn = _Fn(1.0)
-    sel.autocast_compiled = Measurement(grad_rel_l2=5e-3, grad_rel_l2_batches=[5e-3] * 4)  # over 1e-3
-    survivors = [("A", Policy.fp32(), _Fn(1.0), Measurement(grad_rel_l2=0.0)),
-                 ("fp32 + torch.compile", Policy.fp32(), _Fn(1.0), Measurement(grad_rel_l2=0.0))]
-    names = [c.name for c in sel._time_contenders(survivors)]
-    assert "torch.autocast + torch.compile" not in names  # no bar, no contender
+    monkeypatch.setattr(contest_mod, "time_interleaved", scripted)
+    monkeypatch.setattr(contest_mod, "compile_graph", lambda gm, budget=1.0, dynamic=None: gm)
+    over = Measurement(grad_rel_l2=5e-3, grad_rel_l2_batches=[5e-3] * 4)  # over 1e-3
+    sel = Contest(_TrajHarness(autocast=over), DriftBudget.fixed(1e-3), True, AC,
+                  None, 0, Clock(), False)
+    sel.measure_autocast()
+    survivors = [_entry("A", Policy.fp32(), _Fn(1.0), 0.0),
+                 _entry("fp32 + torch.compile", Policy.fp32(), _Fn(1.0), 0.0)]
+    sel.race(survivors)
+    assert "torch.autocast + torch.compile" in sel.timings  # timed for the table ...
+    assert sel.decision.best_baseline.name != "torch.autocast + torch.compile"  # ... no bar, no contender
     out = capsys.readouterr().out
     assert "[autoprec]   torch.autocast + torch.compile: 1" in out, out
     assert "(over the drift or memory budget: not a bar)" in out, out
@@ -382,16 +404,16 @@ def test_autocasts_trajectory_runs_only_the_steps_the_verdict_needs(monkeypatch,
                 ran.append(len(done))
             return done
 
-    check = TrajectoryCheck(H(), torch.bfloat16, 4, lambda: None)
+    check = TrajectoryCheck(H(), AutocastBaseline(torch.bfloat16), 4, lambda: None)
     assert check.ok(Policy.default("bf16"), _Fn(1.001))  # needs autocast's >= 0.0005: one step
     assert ran == [1] and check.budget_steps == 1 and check.budget == pytest.approx(0.001)
     assert check.ok(Policy.default("fp16"), _Fn(1.007))  # needs >= 0.0035: three steps
     assert ran == [1, 3] and check.budget_steps == 3 and check.budget == pytest.approx(0.004)
-    sel = Selector(H(), DriftBudget.fixed(1.0), False, torch.bfloat16, None, 4, Clock(), False)
+    sel = Contest(H(), DriftBudget.fixed(1.0), False, AC, None, 4, Clock(), False)
     sel.trajectory = check
-    monkeypatch.setattr(select_mod, "time_interleaved", lambda h, configs, **kw: {
+    monkeypatch.setattr(contest_mod, "time_interleaved", lambda h, configs, **kw: {
         c.name: Timing.from_steps([0.1] * 6, 100.0, rounds=3) for c in configs})
-    sel._head_to_head([("B", Policy.default("fp16"), _Fn(1.007), Measurement(grad_rel_l2=1e-3))])
+    sel.race([_entry("B", Policy.default("fp16"), _Fn(1.007), 1e-3)])
     assert "B: traj_rel 0.007 over 4 steps (torch.autocast's 0.004 or more: 3 of its steps decided)" in \
         capsys.readouterr().out
     assert check.ok(Policy.default("fp16"), _Fn(1.0005))  # the steps kept decide: none run
@@ -400,3 +422,101 @@ def test_autocasts_trajectory_runs_only_the_steps_the_verdict_needs(monkeypatch,
     assert ran == [1, 3, 4] and check.budget_steps == 4 and check.budget == pytest.approx(0.008)
     assert check.reason(Policy.autocast("bf16")) == "traj_rel 0.02 > 2x torch.autocast's 0.008"
     assert check.ok(Policy.default("bf16"), _Fn(1.016)) and ran == [1, 3, 4]  # 0.016 <= 2 x 0.008
+
+
+def _rates(speeds, retired=()):
+    """A scripted ``time_interleaved``: each configuration's six steps at its step time (seconds),
+    3 rounds; those named in ``retired`` stopped by the retire rule."""
+    def scripted(h, configs, retire, settled, **kw):
+        out = {}
+        for c in configs:
+            t = Timing.from_steps([speeds[c.name] * (1 + 0.01 * i) for i in range(6)], 100.0, rounds=3)
+            t.retired = c.name in retired
+            out[c.name] = t
+        return out
+    return scripted
+
+
+def test_gates_give_one_typed_outcome_each_and_the_first_failure_wins():
+    """The drift gate passes a failed measurement's own outcome on and explains a drift over the
+    budget; the memory gate gives the peak against the budget with the lever to try; the first
+    gate that fails decides."""
+    from autoprec.measure import Outcome, Stage
+    from autoprec.search.contest import DriftGate, MemoryGate, first_failure
+
+    pol = Policy.default("bf16")
+    def entry(name, **m):
+        return Entry(Candidate(name, Role.POLICY, pol), None, Measurement(**m))
+
+    ok = entry("A", grad_rel_l2=1e-3, peak_bytes=100 * 2**20)
+    over = entry("B", grad_rel_l2=5e-2, peak_bytes=300 * 2**20)
+    broken = entry("C", outcome=Outcome.failed("non-finite loss"))
+    drift, memory = DriftGate(DriftBudget.fixed(1e-2)), MemoryGate(200 * 2**20, compile=True, random=False)
+    assert drift.judge(ok).going_on and memory.judge(ok).going_on
+    assert drift.judge(broken) == Outcome.failed("non-finite loss")
+    assert drift.judge(over).stage is Stage.FAILED and "--max-drift 1.00e-02" in drift.judge(over).reason
+    assert memory.judge(over).reason.startswith("peak 300.0 MiB > memory budget 200.0 MiB")
+    assert "recomputation" in memory.judge(over).reason
+    assert "--no-compile" in MemoryGate(200 * 2**20, compile=False).judge(over).reason
+    assert first_failure(over, [drift, memory]) == drift.judge(over)  # drift first, as the log says
+    assert first_failure(over, [memory, drift]) == memory.judge(over)
+    assert first_failure(ok, [drift, memory]).going_on and MemoryGate(None).judge(over).going_on
+
+
+def test_a_tie_goes_to_the_lower_drift_policy_and_says_tie(monkeypatch, capsys):
+    """Two policies as fast as torch.autocast + torch.compile within the noise: the lower-drift one
+    is written, and the decision says tie (with torch.autocast, which is no policy)."""
+    speeds = {"searched": 0.1000, "twin": 0.1002, AUTOCAST: 0.1001, "fp32 + torch.compile": 0.2,
+              "fp32 eager": 0.3}
+    monkeypatch.setattr(contest_mod, "time_interleaved", _rates(speeds))
+    monkeypatch.setattr(contest_mod, "compile_graph", lambda gm, budget=1.0, dynamic=None: gm)
+    h = _TrajHarness(autocast=Measurement(grad_rel_l2=7e-3, grad_rel_l2_batches=[7e-3] * 4))
+    h.random = False
+    sel = Contest(h, DriftBudget.auto([7e-3] * 4), True, AC, None, 0, Clock(), True)
+    sel.measure_autocast()
+    survivors = [_entry("searched", Policy.default("bf16"), _Fn(1.0), 7.2e-3),
+                 _entry("twin", Policy.autocast("bf16"), _Fn(1.0), 7.0e-3),
+                 _entry("fp32 + torch.compile", Policy.fp32(), _Fn(1.0), 0.0)]
+    chosen, _m = sel.race(survivors)
+    d = sel.decision
+    assert d.chosen.name == "twin" and chosen == Policy.autocast("bf16") and d.verdict == "tie"
+    assert d.best_baseline.name == AUTOCAST
+    assert "tie, the lower-drift, simpler of twin, searched" in d.describe()
+
+
+def test_a_retired_contender_is_never_the_choice_even_if_its_rounds_were_faster(monkeypatch):
+    """The race retired A after its rounds (on a machine whose speed drifts its rate may stand above
+    the others' later ones): it takes no role in the decision; B is written."""
+    speeds = {"A": 0.05, "B": 0.06, "fp32 + torch.compile": 0.2, "fp32 eager": 0.3}
+    monkeypatch.setattr(contest_mod, "time_interleaved", _rates(speeds, retired={"A"}))
+    sel = Contest(_TrajHarness(), DriftBudget.fixed(1.0), False, AC, None, 0, Clock(), True)
+    survivors = [_entry("A", Policy.default("bf16"), _Fn(1.0), 1e-3),
+                 _entry("B", Policy.default("fp16"), _Fn(1.0), 1e-3),
+                 _entry("fp32 + torch.compile", Policy.fp32(), _Fn(1.0), 0.0)]
+    sel.race(survivors)
+    assert sel.decision.chosen.name == "B" and sel.decision.fastest.name == "B"
+    assert sel.timings["A"].retired and "A" not in sel.decision.tied
+
+
+def test_the_emulated_avx2_baseline_is_not_raced_and_fp32_compile_is_the_bar(monkeypatch):
+    """An AVX2-only CPU: torch.autocast's native GEMMs cannot win (the probe's bound), so the
+    contest neither compiles nor times it, its row says why, the twin is no forced finalist, and
+    fp32 + torch.compile is the baseline to beat."""
+    monkeypatch.setattr(contest_mod, "compile_graph", lambda *a, **kw: pytest.fail("compiled torch.autocast"))
+    speeds = {"trial 3": 0.105, "fp32 + torch.compile": 0.100, "fp32 eager": 0.130}
+    monkeypatch.setattr(contest_mod, "time_interleaved", _rates(speeds))
+    why = "its native bf16 GEMMs alone take 7.07 s or more per step"
+    avx2 = AutocastBaseline(torch.bfloat16, emulated="native bf16 GEMMs measured 33.4x fp32's time",
+                            cannot_win=why)
+    h = _TrajHarness()
+    h.random = False
+    sel = Contest(h, DriftBudget.auto([8e-3] * 4), True, avx2, None, 0, Clock(), True,
+                  twin=Policy.autocast("bf16"))
+    sel.measure_autocast()
+    assert sel.autocast_compiled.note == f"not compiled: {why}"
+    assert [c.name for c in sel.candidates([], 2)] == ["fp32 + torch.compile"]  # the twin is not forced
+    sel.race([_entry("trial 3", Policy.default("bf16"), _Fn(1.0), 3e-4),
+              _entry("fp32 + torch.compile", Policy.fp32(), _Fn(1.0), 0.0)])
+    assert AUTOCAST not in sel.timings
+    d = sel.decision
+    assert d.chosen.name == "fp32 + torch.compile" and d.chosen is d.best_baseline

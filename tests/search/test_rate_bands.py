@@ -6,10 +6,10 @@ from __future__ import annotations
 import optuna
 import pytest
 
-from autoprec.measure import Measurement
+from autoprec.measure import Measurement, Outcome
 from autoprec.policy import Policy
 from autoprec.search import attrs
-from autoprec.search.decide import DriftBudget
+from autoprec.search.drift_budget import DriftBudget
 from autoprec.search.objective import DIRECTIONS, _record
 from autoprec.search.report import format_table, lever_section, write_report
 from autoprec.search.results import _row
@@ -81,7 +81,7 @@ def test_side_by_side_row_without_head_to_head_timing_has_a_band_and_a_tie():
 
 def test_side_by_side_says_when_there_is_no_band():
     one = _measurement([0.5])
-    untimed = Measurement(error="failed")
+    untimed = Measurement(outcome=Outcome.failed("failed"))
     table = format_table([_row("a", one, one), _row("b", untimed, one)]).splitlines()[2:]
     assert "(1 step: no band)" in table[0] and "| — |" in table[1]
 
@@ -102,7 +102,7 @@ def test_lever_table_bands_and_ties():
 @pytest.mark.parametrize("times", [FAST])
 def test_format_of_the_band_is_the_timing_helpers(times):
     from autoprec.measure import format_rate
-    from autoprec.search.bands import rate_text, timing_of
+    from autoprec.search.rate_bands import rate_text, timing_of
 
     m = _measurement(times)
     t = timing_of(m.step_times, m.tokens_per_s)
@@ -118,7 +118,8 @@ def _tune_state(compile: bool, twin_steps, fp32_compiled=None):
     import torch
 
     from autoprec.measure import Timing
-    from autoprec.search.final import Contender
+    from autoprec.search.autocast_baseline import AutocastBaseline
+    from autoprec.search.race import Contender
     from autoprec.search.trajectory import TrajectoryCheck
 
     label = "torch.autocast + torch.compile" if compile else "torch.autocast eager"
@@ -131,7 +132,7 @@ def _tune_state(compile: bool, twin_steps, fp32_compiled=None):
                           decision=SimpleNamespace(chosen=SimpleNamespace(name="twin"),
                                                    best_baseline=Contender(label, None, timings[label], 0.0,
                                                                            baseline=True)),
-                          trajectory=TrajectoryCheck(None, torch.bfloat16, 0, lambda: None))
+                          trajectory=TrajectoryCheck(None, AutocastBaseline(torch.bfloat16), 0, lambda: None))
     run = SimpleNamespace(ac_dtype=torch.bfloat16, fp32=_measurement(SLOW), autocast=_measurement(SLOW),
                           budget=DriftBudget.fixed(1.0))
     return run, sel
@@ -165,7 +166,7 @@ def test_the_speedup_that_decides_is_against_the_faster_bar_named_as_such():
     all-fp32 finalist chosen, while ``speedup_vs_autocast`` reads 2x) and it is named as itself, not
     as the trial that measured it; without a timed baseline the block has no such key."""
     from autoprec.measure import Timing
-    from autoprec.search.final import Contender
+    from autoprec.search.race import Contender
     from autoprec.search.results import baseline_to_beat, measured_block
 
     run, sel = _tune_state(True, FAST)
