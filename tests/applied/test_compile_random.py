@@ -11,7 +11,7 @@ from autoprec.applied.compile import compile_graph
 from autoprec.measure import Harness
 from autoprec.modelspec import load_model_spec
 from autoprec.training.rng import same_rng
-from tests.search.test_measure_rng import DROPOUT_MODEL
+from tests.measure.test_measure_rng import DROPOUT_MODEL
 
 
 def _loss(h: Harness, fn) -> float:

@@ -15,7 +15,7 @@ from torch import nn
 import autoprec
 from autoprec.errors import PolicyError, SearchError
 from autoprec.policy import Policy
-from tests.search.test_measure_rng import DROPOUT_MODEL
+from tests.measure.test_measure_rng import DROPOUT_MODEL
 
 
 class Drop(nn.Module):

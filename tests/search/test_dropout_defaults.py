@@ -85,7 +85,7 @@ BF16 = torch.bfloat16
 _cache: dict[str, dict] = {}
 
 
-# both slow (gpt2: 80 s of compiles); tests/search/test_measure_rng.py checks a compiled dropout finalist
+# both slow (gpt2: 80 s of compiles); tests/measure/test_measure_rng.py checks a compiled dropout finalist
 @pytest.fixture(params=[pytest.param(name, marks=pytest.mark.slow) for name in ("gpt2", "t5")])
 def measured(request, tmp_path_factory):
     """Per model (measured once per session): the harness, eager torch.autocast's drift, the
