@@ -20,7 +20,7 @@ to ``convergence.json`` and ``convergence.png`` (matplotlib, Agg backend).
 
 On a CPU without native bf16 torch.autocast's bf16 GEMMs run ~60x slower than fp32's (AVX2 only;
 ``benchmarks/results/avx2_autocast_2026-12-05``): when its first timed step takes
-:data:`~autoprec.search.kernel_choice.EMULATE_AT` times fp32's median step or more, its later steps
+:data:`~autoprec.search.autocast_baseline.EMULATE_AT` times fp32's median step or more, its later steps
 compute those GEMMs as fp32 products rounded once to its dtype (:class:`Fp32ComputeGemms`, the
 roundings of a native kernel), so its curve keeps torch.autocast's numerics at near fp32's speed
 (1.6x fp32's step on ``examples/qwen2_tiny.py``, against 23x natively); its ``seconds_per_step`` is

@@ -34,6 +34,7 @@ Sources:
 
 from __future__ import annotations
 
+import enum
 import math
 from collections import defaultdict
 from collections.abc import Callable, Iterable
@@ -62,8 +63,17 @@ __all__ = ["MAX_SKIPS_AT_FLOOR", "DynamicLossScaler", "forward_nonfinite_message
 #: raises (autoprec's choice; GradScaler has no floor).
 MAX_SKIPS_AT_FLOOR = 8
 
-# Per-optimizer stage within one iteration (GradScaler's OptState).
-_READY, _UNSCALED, _STEPPED = "ready", "unscaled", "stepped"
+
+class _OptState(enum.Enum):
+    """Per-optimizer stage within one iteration (``torch.amp.grad_scaler.OptState``)."""
+
+    READY = "ready"
+    UNSCALED = "unscaled"
+    STEPPED = "stepped"
+
+
+_READY, _UNSCALED, _STEPPED = _OptState.READY, _OptState.UNSCALED, _OptState.STEPPED
+
 
 class DynamicLossScaler:
     """Dynamic loss scaler with ``torch.amp.GradScaler`` semantics plus a floor, a cap and a diagnosis.

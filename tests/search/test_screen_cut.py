@@ -296,7 +296,7 @@ def test_a_trial_cut_for_speed_before_its_loss_scale_back_off_runs_one_pass(tmp_
     from autoprec.passes import run_pipeline
     from autoprec.policy import Rule
     from autoprec.search.objective import _record
-    from tests.search.test_drift_backoff import MODEL as OVERFLOW  # fp16 gradients overflow at 2^16
+    from tests.measure.test_drift_backoff import MODEL as OVERFLOW  # fp16 gradients overflow at 2^16
 
     f = tmp_path / "m.py"
     f.write_text(OVERFLOW)
@@ -311,7 +311,7 @@ def test_a_trial_cut_for_speed_before_its_loss_scale_back_off_runs_one_pass(tmp_
 
     def cut(m):
         seen.append((len(m.grad_rel_l2_batches), list(m.step_times), m.error))
-        return "slow" if m.step_times else None
+        return Outcome.cut("slow") if m.step_times else Outcome.go_on()
 
     passes.clear()
     m = h.measure(gm, lambda: make_scaler(pol), screen=True, cut=cut)
