@@ -96,3 +96,34 @@ def test_a_load_average_left_by_processes_that_ended_is_not_busy(monkeypatch):
     samples.clear()
     monkeypatch.setattr(load, "_others_during_sleep", lambda s: samples.append(s) or 0.0)
     assert not mon.check("finalists").stale_avg and samples == [load.SAMPLE_S]
+
+
+def test_a_slow_calibration_on_an_idle_machine_is_re_timed_and_no_alarm(monkeypatch, caplog):
+    """Issue 52: a fresh ``make tune`` on an idle machine warned "busy" with other processes at 0.00
+    cores and the calibration at 2.71x its fastest. A slow calibration is re-timed (the fastest
+    counts); where the load readings say no other process uses the cores it is this process's own
+    doing and never a warning, however slow. Only where no reading exists does it decide alone."""
+    import logging
+
+    from autoprec.measure import load
+
+    monkeypatch.setattr(load, "_FASTEST", {})
+    monkeypatch.setattr(load, "CALIB_PAUSE_S", 0.0)
+    monkeypatch.setattr(load.os, "getloadavg", lambda: (0.1, 0.1, 0.1))
+    monkeypatch.setattr(load, "_others_during_sleep", lambda s: 0.0)
+    times = iter([0.004, 0.011, 0.0043])  # start; then slow once, re-timed as fast as before
+    calls = []
+    monkeypatch.setattr(load, "_calibrate", lambda device: calls.append(1) or next(times))
+    mon = LoadMonitor(torch.device("cpu"), strict=True)
+    mon.check("start")
+    c = mon.check("after baselines")
+    assert len(calls) == 3 and not c.busy and c.slowdown == pytest.approx(0.0043 / 0.004), c.describe()
+    monkeypatch.setattr(load, "_calibrate", lambda device: 0.02)  # slow every time: 5x
+    with caplog.at_level(logging.WARNING, logger="autoprec"):
+        c = mon.check("after trials")
+    assert not c.busy and c.slowdown == pytest.approx(5.0) and not caplog.records, c.describe()
+    # with no load reading at all (no load average, no /proc/stat) the calibration decides
+    monkeypatch.delattr(load.os, "getloadavg")
+    monkeypatch.setattr(load, "_others_during_sleep", lambda s: None)
+    with pytest.raises(BusyMachineError, match=r"no load average .* 5\.00x the fastest"):
+        mon.check("finalists")
