@@ -73,7 +73,7 @@ def _tune(a: argparse.Namespace) -> int:
     res = tune(a.model, trials=a.trials, timeout=a.timeout, max_drift=a.max_drift, device=a.device,
                storage=a.storage, study_name=a.study_name, compile=not a.no_compile, out=a.out,
                seed=a.seed, dtypes=a.dtypes, traj_steps=a.traj_steps, finalists=a.finalists,
-               max_memory=a.max_memory, strict_timing=a.strict_timing)
+               max_memory=a.max_memory, strict_timing=a.strict_timing, compile_variants=a.compile_variants)
     print()
     print(format_table(res.table))
     m = res.policy.measured

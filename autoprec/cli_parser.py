@@ -100,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--storage", default=None, help="Optuna storage URL (default: SQLite beside --out)")
     t.add_argument("--study-name", default=None, help="Optuna study name (default: derived from the model)")
     t.add_argument("--no-compile", action="store_true", help="measure eagerly, no torch.compile")
+    t.add_argument("--compile-variants", action="store_true",
+                   help="time the chosen policy compiled flat and with fp32 intermediates against it "
+                        "(one compile each) and write the fastest's compile options")
     t.add_argument("--dtypes", default="auto",
                    help="low dtypes to search: 'auto' (those the device runs faster than fp32, measured) "
                         "or a list such as bf16,fp16")

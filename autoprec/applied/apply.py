@@ -101,8 +101,10 @@ class MixedPrecisionModule(ModelFacade):
         if not compile:  # nodes' ``saved`` dtypes (autoprec.applied.saved; compile_graph handles compiled)
             apply_saved(flat, compiled=False)
         object.__setattr__(self, "_saved", saved_activation_context(flat) if not compile else nullcontext())
-        object.__setattr__(self, "_fn",
-                           compile_graph(flat, policy.activation_memory_budget) if compile else flat)
+        options = policy.compiled_as  # no say: as torch.compile(model) compiles
+        object.__setattr__(self, "_fn", compile_graph(
+            flat, policy.activation_memory_budget, regional=options.regional,
+            emulate_precision_casts=options.emulate_precision_casts) if compile else flat)
         object.__setattr__(self, "_inputs", InputShapes(graph_module, what=type(self).__name__))
         object.__setattr__(self, "_params", ParameterSnapshot(model))  # None under FSDP2 (autoprec.shard)
         self._fixed = dict(graph_module.meta.get(CALL_KWARGS_META, {}))
@@ -190,8 +192,9 @@ def apply(model: nn.Module, policy: Policy, example_batch: Any, compile: bool = 
         policy: The dtype policy (e.g. ``Policy.load("policy.json")``).
         example_batch: A batch as ``get_batch`` returns it (dict, tuple or tensor); fixes the
             call structure and shapes.
-        compile: Compile with ``torch.compile`` (Inductor) and :data:`INDUCTOR_OPTIONS`, under the
-            policy's ``activation_memory_budget`` (see :func:`compile_graph`).
+        compile: Compile with ``torch.compile`` (Inductor) under the policy's
+            ``activation_memory_budget`` and ``Policy.compiled_as`` (its ``compile_options``, what
+            ``tune`` measured; without them as ``torch.compile(model)``: :func:`compile_graph`).
         placement: Cast placement mode for ``follow`` nodes (``mincut``, ``paint``, ``naive``).
         graph_module: An already captured graph of ``model`` (skips the capture).
         dynamic: Accept batches of other batch sizes and sequence lengths (docs/architecture.md#runtime):

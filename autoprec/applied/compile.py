@@ -97,7 +97,7 @@ def check_recompute(gm: nn.Module, activation_memory_budget: float, source: Any 
 
 
 def compile_graph(gm: nn.Module, activation_memory_budget: float = 1.0, dynamic: bool | None = None,
-                  regional: bool = True) -> CompiledGraph:
+                  regional: bool = True, emulate_precision_casts: bool = True) -> CompiledGraph:
     """``torch.compile`` a lowered graph with Inductor and :data:`INDUCTOR_OPTIONS`, or a module
     (the ``torch.autocast`` + ``torch.compile`` baseline) with Inductor's defaults, as a user's
     ``torch.compile(model)`` compiles it: the bar is what users get without autoprec.
@@ -135,6 +135,8 @@ def compile_graph(gm: nn.Module, activation_memory_budget: float = 1.0, dynamic:
             regions (a 4-layer Qwen2 of hidden 512 at 0.5: peak 182 MiB regional, full
             recomputation's 181, against 248 MiB flat), and the memory fit of ``tune
             --max-memory`` aims on measured peaks.
+        emulate_precision_casts: For a graph, Inductor's option (on: casts round as eager's, the
+            default; off: fp32 intermediates in fused kernels; ``Policy.compile_options``).
 
     A graph that draws random numbers (dropout) compiles with :data:`RANDOM_OPTIONS` too: eager's
     random ops, as ``tune`` measured it.
@@ -166,13 +168,21 @@ def compile_graph(gm: nn.Module, activation_memory_budget: float = 1.0, dynamic:
     saved = graph and has_saved(flat)
     target = apply_saved(flat, compiled=True) if saved else flat
     target, plan, layout = _layout(target, regional and graph, saved, activation_memory_budget)
-    # a module is the torch.autocast + torch.compile baseline: Inductor's defaults, as users compile
-    options = ({**INDUCTOR_OPTIONS, **(REGION_OPTIONS if plan is not None and plan.blocks else {}),
-                **(RANDOM_OPTIONS if random_nodes(flat) else {})} if graph else {})
+    options = _inductor_options(flat, plan, emulate_precision_casts) if graph else {}  # a module: defaults
     compiled = torch.compile(target, backend="inductor", options=options, dynamic=dynamic)
     return CompiledGraph(gm, target, compiled, plan, layout, bool(dynamic), activation_memory_budget,
                          saved_activation_context(flat) if saved else None,
                          "the dynamic-shape graph" if graph else type(gm).__name__, out_spec)
+
+
+def _inductor_options(flat: fx.GraphModule, plan: RegionPlan | None, emulate: bool) -> dict[str, Any]:
+    """A lowered graph's Inductor options: :data:`INDUCTOR_OPTIONS` (``emulate_precision_casts`` as
+    ``emulate`` says), :data:`REGION_OPTIONS` when ``plan`` outlined blocks, :data:`RANDOM_OPTIONS`
+    when it draws random numbers. (A module, torch.autocast + torch.compile, gets Inductor's
+    defaults, as users compile it.)"""
+    return {**INDUCTOR_OPTIONS, "emulate_precision_casts": bool(emulate),
+            **(REGION_OPTIONS if plan is not None and plan.blocks else {}),
+            **(RANDOM_OPTIONS if random_nodes(flat) else {})}
 
 
 def _layout(gm: nn.Module, regional: bool, saved: bool,

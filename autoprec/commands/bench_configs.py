@@ -81,6 +81,7 @@ def build_configs(h: Harness, policy: Policy, low: torch.dtype, names: Sequence[
     low_scaler = autocast_scaler(low)
     lname, pdt = NAMES[low], main_dtype(lowered, policy)
     plow = pure_low(h, low) if any(n.startswith("pure_low") for n in names) else None
+    how = policy.compiled_as  # the compile options tune measured (as apply compiles the policy)
     table = {
         "fp32_eager": lambda: BenchConfig(lambda: h.model, h, lambda: None, None, "fp32", False),
         "fp32_compiled": lambda: BenchConfig(lambda: compile_graph(h.graph_module), h, lambda: None, None,
@@ -97,6 +98,8 @@ def build_configs(h: Harness, policy: Policy, low: torch.dtype, names: Sequence[
             plow, low_scaler, None, lname, True),
         "policy_eager": lambda: BenchConfig(lambda: lowered, h, pol_scaler, None, pdt, False),
         "policy_compiled": lambda: BenchConfig(
-            lambda: compile_graph(lowered, policy.activation_memory_budget), h, pol_scaler, None, pdt, True),
+            lambda: compile_graph(lowered, policy.activation_memory_budget, regional=how.regional,
+                                  emulate_precision_casts=how.emulate_precision_casts),
+            h, pol_scaler, None, pdt, True),
     }
     return {n: table[n]() for n in names}

@@ -8,6 +8,7 @@ import math
 from typing import Any
 
 from autoprec.dtypes import DTYPES
+from autoprec.policy.compile_options import CompileOptions
 from autoprec.policy.fields import (
     build,
     check_choice,
@@ -25,11 +26,12 @@ from autoprec.policy.rule import RULE_KEYS, SCHEMA2_RULE_KEYS, Rule
 __all__ = ["ACCUMULATE_MODES", "FOLLOW_PLACEMENTS", "FP8_SCALINGS", "GRAD_REDUCE_DTYPES", "READ_VERSIONS",
            "SCHEMA_VERSION", "TOP_LEVEL_KEYS", "check_fields", "rules_from_json", "versions"]
 
-#: The policy file format version this module writes when a policy uses a schema-2 field (a rule's
-#: ``compute`` or ``saved``, or fp8); others are written as version 1, which older readers take.
-SCHEMA_VERSION = 2
-#: The versions :meth:`Policy.from_dict` reads (schema 1 loads unchanged).
-READ_VERSIONS: tuple[int, ...] = (1, 2)
+#: The newest policy file format version: 3 when a policy records ``compile_options`` (what ``tune``
+#: writes); a policy without them is written as 2 when it uses a schema-2 field (a rule's
+#: ``compute`` or ``saved``, or fp8), else 1, which older readers take (``Policy.schema``).
+SCHEMA_VERSION = 3
+#: The versions :meth:`Policy.from_dict` reads (schemas 1 and 2 load unchanged).
+READ_VERSIONS: tuple[int, ...] = (1, 2, 3)
 ACCUMULATE_MODES: tuple[str, ...] = ("fp32", "none")
 #: dtypes gradients may be communicated in across ranks (``Policy.grad_reduce_dtype``).
 GRAD_REDUCE_DTYPES: tuple[str, ...] = ("fp32", "bf16")
@@ -50,7 +52,7 @@ ATTENTION_IMPLS: tuple[str, ...] = ("fused", "math")
 TOP_LEVEL_KEYS: tuple[str, ...] = (
     "schema_version", "default_dtype", "rules", "accumulate", "loss_scaling",
     "master_weights", "optimizer_state", "activation_memory_budget", "grad_reduce_dtype", "fp8_scaling",
-    "follow_placement", "attention", "provenance", "measured",
+    "follow_placement", "attention", "compile_options", "provenance", "measured",
 )
 
 
@@ -83,6 +85,9 @@ def check_fields(p: Any, source: str) -> None:
     check_choice(p.fp8_scaling, FP8_SCALINGS, "fp8 scaling", source, "fp8_scaling")
     check_choice(p.follow_placement, FOLLOW_PLACEMENTS, "follow placement", source, "follow_placement")
     check_choice(p.attention, ATTENTION_IMPLS, "attention implementation", source, "attention")
+    if p.compile_options is not None and not isinstance(p.compile_options, CompileOptions):
+        raise fail(source, "compile_options",
+                   f"expected a CompileOptions, got {described(p.compile_options)}")
     check_mapping(p.provenance, source, "provenance")
     for k, v in check_mapping(p.measured, source, "measured").items():
         if not isinstance(k, str):
@@ -100,8 +105,9 @@ def check_fields(p: Any, source: str) -> None:
 
 
 def versions() -> str:
-    """The readable schema versions, for messages: ``"1 and 2"``."""
-    return " and ".join(map(str, READ_VERSIONS))
+    """The readable schema versions, for messages: ``"1, 2 and 3"``."""
+    *head, last = map(str, READ_VERSIONS)
+    return f"{', '.join(head)} and {last}" if head else last
 
 
 def rules_from_json(rules: Any, source: str, version: int) -> list[Rule]:

@@ -28,6 +28,7 @@ from autoprec.policy.checks import (
 from autoprec.policy.checks import check_fields as _check_fields
 from autoprec.policy.checks import rules_from_json as _rules_from_json
 from autoprec.policy.checks import versions as _versions
+from autoprec.policy.compile_options import REGIONAL_EMULATED, TORCH_COMPILE, CompileOptions
 from autoprec.policy.fields import (
     MAX_DEPTH,
     DuplicateKey,
@@ -103,6 +104,7 @@ class Policy:
     fp8_scaling: str = "tensorwise"
     follow_placement: str = "mincut"
     attention: str = "fused"
+    compile_options: CompileOptions | None = None
     provenance: Mapping[str, Any] = field(default_factory=dict)
     measured: Mapping[str, float] = field(default_factory=dict)
 
@@ -234,7 +236,25 @@ class Policy:
             parts.append(f"follow {self.follow_placement}")
         if self.attention != "fused":
             parts.append(f"attention {self.attention}")
+        if self.compile_options is not None:
+            parts.append(f"compiled {self.compile_options.describe()}")
         return "; ".join(parts)
+
+    @property
+    def compiled_as(self) -> CompileOptions:
+        """How the policy's graph is compiled: its ``compile_options``; for a file ``tune`` wrote
+        compiled before the field existed (``provenance.compiled`` true), what that tune measured
+        (:data:`~autoprec.policy.compile_options.REGIONAL_EMULATED`); otherwise, without a say, as
+        ``torch.compile(model)`` compiles (:data:`autoprec.policy.compile_options.TORCH_COMPILE`)."""
+        if self.compile_options is not None:
+            return self.compile_options
+        return REGIONAL_EMULATED if self.provenance.get("compiled") is True else TORCH_COMPILE
+
+    @property
+    def schema(self) -> int:
+        """The file version :meth:`to_dict` writes: 3 with ``compile_options``, 2 with another
+        schema-2 field (:attr:`schema2`), else 1 (older readers take what they can)."""
+        return 3 if self.compile_options is not None else (2 if self.schema2 else 1)
 
     @property
     def schema2(self) -> bool:
@@ -255,7 +275,7 @@ class Policy:
         the fields (and keeps its ``training_key``).
         """
         d = {
-            "schema_version": SCHEMA_VERSION if self.schema2 else 1,
+            "schema_version": self.schema,
             "default_dtype": self.default_dtype,
             "rules": [r.to_dict() for r in self.rules],
             "accumulate": self.accumulate,
@@ -273,6 +293,8 @@ class Policy:
             d["follow_placement"] = self.follow_placement
         if self.attention != "fused":
             d["attention"] = self.attention
+        if self.compile_options is not None:
+            d["compile_options"] = self.compile_options.to_dict()
         return d | {"provenance": jsonable(self.provenance, "Policy", "provenance"),
                     "measured": dict(self.measured)}
 
@@ -306,6 +328,11 @@ class Policy:
         for key in ("fp8_scaling", "follow_placement", "attention"):
             if version < 2 and key in d:
                 raise fail(source, key, "needs schema_version 2 (a schema-2 field); this file says 1")
+        if "compile_options" in d:
+            if version < 3:
+                raise fail(source, "compile_options",
+                           f"needs schema_version 3 (a schema-3 field); this file says {version}")
+            kw["compile_options"] = CompileOptions.from_dict(d["compile_options"], source)
         if "loss_scaling" in d:
             ls = check_mapping(d["loss_scaling"], source, "loss_scaling")
             check_keys(ls, LOSS_SCALING_KEYS, "loss_scaling", source, "loss_scaling")

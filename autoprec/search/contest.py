@@ -3,16 +3,17 @@
 
 It reads as four parts:
 
-- **Candidates** (:class:`Candidate`), each with its :class:`Role`: a policy that may be written (the
+- **Candidates** (``Candidate``), each with its ``Role``: a policy that may be written (the
   fastest feasible trials, the autocast twin and its variants), a baseline to beat (torch.autocast
   + torch.compile, fp32 + torch.compile, fp32 eager), or shown only (torch.autocast + torch.compile
   over the drift or memory budget: a row of the table, no bar). :meth:`Contest.candidates` builds
   the list; torch.autocast comes from :class:`~autoprec.search.autocast_baseline.AutocastBaseline`,
   the one place the device's emulation is decided.
-- **Gates** (:class:`Gate`): one protocol that turns an :class:`Entry` (a candidate, its module and
-  its measurement) into an :class:`~autoprec.measure.outcome.Outcome`: :class:`DriftGate`,
-  :class:`MemoryGate`, :class:`TrajectoryGate`. The screening of search trials uses the same
-  outcome type (:mod:`autoprec.search.screen_cut`) and the same drift rule.
+- **Gates** (:class:`~autoprec.search.gates.Gate`, in :mod:`autoprec.search.gates` with the
+  candidate types): one protocol that turns an ``Entry`` (a candidate, its module and its
+  measurement) into an :class:`~autoprec.measure.outcome.Outcome`: ``DriftGate``, ``MemoryGate``,
+  ``TrajectoryGate``. The screening of search trials uses the same outcome type
+  (:mod:`autoprec.search.screen_cut`) and the same drift rule.
 - **One race rule** (:class:`~autoprec.search.race.Race`): retire, settled, tie order and the verdict.
 - :meth:`Contest.run`: measure, gate, race, check the choice on its trajectory, race again without a
   rejected one, and record everything the report reads (:class:`FinalistRows`, the head-to-head's
@@ -25,11 +26,10 @@ is fitted first (:mod:`autoprec.search.memory_fit`).
 
 from __future__ import annotations
 
-import enum
+import dataclasses
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import optuna
 
@@ -38,13 +38,24 @@ from autoprec.applied.compile import compile_graph
 from autoprec.applied.saved import saved_eager
 from autoprec.capture import autocast_dynamic
 from autoprec.errors import SearchError
-from autoprec.measure import Config, Harness, Measurement, Outcome, Timing, format_rate, time_interleaved
+from autoprec.measure import Config, Harness, Measurement, Timing, format_rate, time_interleaved
 from autoprec.passes import run_pipeline
-from autoprec.policy import Policy
+from autoprec.policy import REGIONAL_EMULATED, CompileOptions, Policy
 from autoprec.search import attrs
 from autoprec.search.autocast_baseline import AutocastBaseline
-from autoprec.search.budgets import format_bytes, over_memory, why_no_finalist
+from autoprec.search.budgets import format_bytes, why_no_finalist
 from autoprec.search.drift_budget import DriftBudget
+from autoprec.search.finalist_rows import FinalistRows
+from autoprec.search.gates import (
+    Candidate,
+    DriftGate,
+    Entry,
+    Gate,
+    MemoryGate,
+    Role,
+    TrajectoryGate,
+    first_failure,
+)
 from autoprec.search.memory_fit import MemoryFit, eager_fitting, lever
 from autoprec.search.phases import PhaseBar, phase_bar
 from autoprec.search.progress import Clock, log
@@ -60,136 +71,24 @@ FP32_COMPILED = "fp32 + torch.compile"
 FP32_GRAPH = "all-fp32"
 FP32_EAGER = "fp32 eager"
 
-__all__ = ["AUTOCAST_COMPILED", "AUTOCAST_EAGER", "FP32_COMPILED", "FP32_EAGER", "FP32_GRAPH", "Candidate",
-           "Contest", "DriftGate", "Entry", "FinalistRows", "Gate", "MemoryGate", "Role", "TrajectoryGate",
-           "contenders", "fitted_label"]
+__all__ = ["AUTOCAST_COMPILED", "AUTOCAST_EAGER", "FP32_COMPILED", "FP32_EAGER", "FP32_GRAPH", "Contest",
+           "contenders", "fitted_label", "variant_options"]
 
 
-class Role(enum.Enum):
-    """What a candidate is in the contest.
-
-    ``POLICY``: a policy that may be written (a trial, the autocast twin and its variants).
-    ``BASELINE``: a baseline to beat, what a user gets without autoprec; fp32 + torch.compile (the
-    all-fp32 policy compiled) is one that may also be written, since it has a policy.
-    ``SHOWN``: timed beside them for the table only (torch.autocast over the drift or memory budget).
-    """
-
-    POLICY = "policy"
-    BASELINE = "baseline"
-    SHOWN = "shown"
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One finalist or baseline of the contest.
-
-    Attributes:
-        name: Its label in the log and the report (``"trial 6 (eager 5281 tok/s)"``,
-            ``"autocast twin"``, ``"fp32 + torch.compile, trial 0 (eager 867 tok/s)"``).
-        role: Its :class:`Role`.
-        policy: The policy to write if it wins; None for torch.autocast and fp32 eager (not policies).
-    """
-
-    name: str
-    role: Role
-    policy: Policy | None = None
-
-
-@dataclass
-class Entry:
-    """A candidate as measured: its module, its measurement and the gates' outcome.
-
-    Attributes:
-        candidate: The candidate (after a memory fit, the fitted one: another policy and label).
-        fn: Its module as trained (compiled unless ``--no-compile``).
-        measurement: Drift, memory (and, once timed, speed) of ``fn``.
-        outcome: The first gate's outcome that is not ``CONTINUE``, else ``CONTINUE``.
-    """
-
-    candidate: Candidate
-    fn: Any
-    measurement: Measurement
-    outcome: Outcome = field(default_factory=Outcome.go_on)
-
-    @property
-    def name(self) -> str:
-        """The candidate's name."""
-        return self.candidate.name
-
-
-class Gate(Protocol):
-    """A check of an :class:`Entry`: ``CONTINUE`` passes it; ``FAILED`` (with the reason the log and
-    the report print) rejects it."""
-
-    def judge(self, entry: Entry) -> Outcome:
-        """The entry's outcome at this gate."""
-        ...
-
-
-@dataclass(frozen=True)
-class DriftGate:
-    """Within the drift budget (:class:`~autoprec.search.drift_budget.DriftBudget`); a failed
-    measurement fails here with its own error."""
-
-    budget: DriftBudget
-
-    def judge(self, entry: Entry) -> Outcome:
-        """``FAILED`` with the measurement's error or the budget's explanation, else ``CONTINUE``."""
-        m = entry.measurement
-        if m.failed:
-            return m.outcome
-        return Outcome.go_on() if self.budget.feasible(m) else Outcome.failed(self.budget.explain(m))
-
-
-@dataclass(frozen=True)
-class MemoryGate:
-    """Within the memory budget (bytes; None: no budget). ``compile`` and ``random`` choose the hint
-    the rejection gives (recomputation is a compiled lever, and not on a graph that draws random
-    numbers: :func:`autoprec.search.budgets.over_memory`)."""
-
-    budget: float | None
-    compile: bool = True
-    random: bool = False
-
-    def fits(self, m: Measurement) -> bool:
-        """Whether ``m``'s peak is within the budget (always, without one)."""
-        return self.budget is None or m.peak_bytes <= self.budget
-
-    def judge(self, entry: Entry) -> Outcome:
-        """``FAILED`` with the peak against the budget, else ``CONTINUE``."""
-        m = entry.measurement
-        if self.fits(m):
-            return Outcome.go_on()
-        return Outcome.failed(
-            f"peak {format_bytes(m.peak_bytes)} > memory budget {format_bytes(self.budget)}"
-            + (over_memory(self.random) if self.compile else
-               " (without --no-compile, recomputation in backward can lower the peak)"))
-
-
-@dataclass(frozen=True)
-class TrajectoryGate:
-    """The choice's trajectory: ``traj_rel`` over K optimizer steps at most
-    :data:`~autoprec.search.trajectory.TRAJ_FACTOR` x torch.autocast's
-    (:class:`~autoprec.search.trajectory.TrajectoryCheck`). Asked of the policy the race would
-    write only (its K steps cost a training run)."""
-
-    check: TrajectoryCheck
-
-    def judge(self, entry: Entry) -> Outcome:
-        """``FAILED`` with ``traj_rel`` against the budget, else ``CONTINUE``; a candidate without a
-        policy passes."""
-        pol = entry.candidate.policy
-        if pol is None or self.check.ok(pol, entry.fn):
-            return Outcome.go_on()
-        return Outcome.failed(self.check.reason(pol))
-
-
-def first_failure(entry: Entry, gates: list[Gate]) -> Outcome:
-    """The first gate's outcome that is not ``CONTINUE`` (``CONTINUE`` when all pass)."""
-    for gate in gates:
-        if not (outcome := gate.judge(entry)).going_on:
-            return outcome
-    return Outcome.go_on()
+def variant_options(pol: Policy, fn: Any) -> list[CompileOptions]:
+    """The compile variants worth timing against ``pol`` compiled as ``fn`` (a
+    :class:`~autoprec.applied.compile.CompiledGraph`), not a cross product: one flat graph where
+    ``fn`` compiled repeated blocks as regions (published: 21.5% slower regional on an H100,
+    bghira/SimpleTuner PR #3152), and fp32 intermediates (``emulate_precision_casts`` off: its
+    cast chains stay in Triton code otherwise, pytorch/pytorch #196958) where ``pol`` lowers
+    anything (an all-fp32 graph has no casts to emulate). Empty for a policy that names its options."""
+    if pol.compile_options is not None:
+        return []
+    regions = getattr(fn, "regions", None)  # a CompiledGraph's outlining plan (None: compiled flat)
+    out = [CompileOptions(regional=False, emulate_precision_casts=True)] if regions and regions.blocks else []
+    if pol.dtypes_used() - {"fp32"}:
+        out.append(CompileOptions(regional=True, emulate_precision_casts=False))
+    return out
 
 
 def contenders(survivors: list[Entry], autocast: Entry | None,
@@ -226,50 +125,6 @@ def fitted_label(label: str, pol: Policy) -> str:
     return f"{label} with {lever(pol)}"
 
 
-class FinalistRows:
-    """Every finalist measurement (compiled unless ``--no-compile``), memory-lever tries included:
-    the report's lever table. A row is keyed by the policy's content (:meth:`Policy.training_key`),
-    never by object identity: a rejected policy can be freed and its ``id`` reused by another.
-
-    Attributes:
-        rows: ``{"policy", "key", "lever", "tokens_per_s", "step_times", "grad_rel_l2",
-            "peak_bytes", "error", "note", "retired"}`` per measurement, and ``rejected`` (why a
-            finalist was not kept, when not its ``error``).
-    """
-
-    def __init__(self) -> None:
-        self.rows: list[dict[str, Any]] = []
-        self._index: dict[str, int] = {}  # Policy.training_key() -> its last row
-
-    def add(self, pol: Policy, m: Measurement, timed: bool = True) -> None:
-        """A new row for ``pol``'s measurement (``timed``: its speed is known)."""
-        self.rows.append(self._row(pol, m, timed))
-        self._index[pol.training_key()] = len(self.rows) - 1  # the head-to-head fills its speed in
-
-    def timed(self, pol: Policy, m: Measurement, retired: bool) -> None:
-        """``pol``'s row with the head-to-head's speed (``retired``: timed no further, its ``note``
-        says at what ratio over which rounds)."""
-        row = self._row(pol, m, True, retired)
-        i = self._index.get(pol.training_key())
-        if i is None:
-            self.rows.append(row)
-        else:
-            self.rows[i] = row
-
-    def reject(self, pol: Policy, why: str) -> None:
-        """Record why a finalist was rejected (the report's note: drift, memory, traj_rel)."""
-        if (i := self._index.get(pol.training_key())) is not None:
-            self.rows[i]["rejected"] = why
-
-    @staticmethod
-    def _row(pol: Policy, m: Measurement, timed: bool = True, retired: bool = False) -> dict[str, Any]:
-        return {"policy": pol.summary(), "key": pol.training_key(), "lever": lever(pol),
-                "tokens_per_s": m.tokens_per_s if timed else None,
-                "step_times": list(m.step_times) if timed else [],  # the report's noise band
-                "grad_rel_l2": m.grad_rel_l2, "peak_bytes": m.peak_bytes, "error": m.error,
-                "note": m.note, "retired": retired}
-
-
 class Contest:
     """Re-measures the fastest feasible trials as training will run them, with the baselines, and
     picks the policy to write (the module docstring).
@@ -292,6 +147,10 @@ class Contest:
             attention: slower than the fused kernel eagerly, faster compiled where low-precision
             GEMMs are; ``benchmarks/results/attention_math_2026-12-02``).
         progress: Show a bar over the finalists (and the head-to-head) and one over each memory fit.
+        compile_variants: Once the race has chosen, time the choice against its compile variants
+            (:func:`variant_options`: flat where it compiled in regions, fp32 intermediates where it
+            lowers anything) in a second head-to-head, and keep the fastest (ties: the choice as
+            first compiled). Compiled only.
 
     Attributes:
         timings: The final head-to-head's :class:`~autoprec.measure.noise.Timing` per contender.
@@ -310,10 +169,12 @@ class Contest:
 
     def __init__(self, harness: Harness, budget: DriftBudget, compile: bool, autocast: AutocastBaseline,
                  slow: float | None, traj_steps: int, clock: Clock, quiet: bool, twin: Policy | None = None,
-                 progress: bool = False, also: list[tuple[Policy, str]] | tuple = ()) -> None:
+                 progress: bool = False, also: list[tuple[Policy, str]] | tuple = (),
+                 compile_variants: bool = False) -> None:
         self.h, self.budget, self.compile, self.autocast = harness, budget, compile, autocast
         self.slow, self.clock, self.quiet = slow, clock, quiet
         self.twin, self.also, self.progress = twin, list(also), progress
+        self.compile_variants = compile_variants and compile
         self._fit_bar: PhaseBar | None = None  # the memory fit's bar while it runs: each compile is a try
         self.timings: dict[str, Timing] = {}
         self.decision: Decision | None = None
@@ -342,22 +203,27 @@ class Contest:
         """The gates every finalist (and torch.autocast as a bar) passes before the race: drift, memory."""
         return [DriftGate(self.budget), MemoryGate(self.memory_budget, self.compile, self.h.random)]
 
-    def build(self, gm: Any, activation_memory_budget: float = 1.0) -> Any:
-        """``gm`` as the contest trains it: compiled with Inductor (the model itself, torch.autocast's
-        baseline, dynamic if its batch shapes vary), or with its saved dtypes eagerly without compile."""
+    def build(self, gm: Any, activation_memory_budget: float = 1.0,
+              options: CompileOptions = REGIONAL_EMULATED) -> Any:
+        """``gm`` as the contest trains it: compiled with Inductor under ``options`` (a lowered
+        graph; the model itself, torch.autocast's baseline, with Inductor's defaults, dynamic if its
+        batch shapes vary), or with its saved dtypes eagerly without compile."""
         if self._fit_bar is not None:
             self._fit_bar.step(f"activation memory budget {activation_memory_budget:g}")
         if not self.compile:
             return saved_eager(gm)
         with self.clock("compile_s"):
             dynamic = autocast_dynamic(self.h.batches) if gm is self.h.model else None
-            return compile_graph(gm, activation_memory_budget, dynamic=dynamic)
+            return compile_graph(gm, activation_memory_budget, dynamic=dynamic, regional=options.regional,
+                                 emulate_precision_casts=options.emulate_precision_casts)
 
     def measure(self, pol: Policy) -> tuple[Any, Measurement]:
         """``pol``'s module as the contest trains it (:meth:`build`, Inductor's default activation
-        memory budget: the memory fit lowers it) and its measurement: drift and memory, timed now
-        only on CUDA (elsewhere in the head-to-head's rounds)."""
-        fn = self.build(run_pipeline(self.h.graph_module, pol).graph_module)
+        memory budget: the memory fit lowers it; its ``compile_options``, regional with emulated
+        casts where it has none) and its measurement: drift and memory, timed now only on CUDA
+        (elsewhere in the head-to-head's rounds)."""
+        fn = self.build(run_pipeline(self.h.graph_module, pol).graph_module,
+                        options=pol.compile_options or REGIONAL_EMULATED)
         return fn, self._measure_fn(fn, pol, timing=self.h.device.type == "cuda")
 
     def _measure_fn(self, fn: Any, pol: Policy, timing: bool = True) -> Measurement:
@@ -495,6 +361,8 @@ class Contest:
             self.finalists.reject(chosen.candidate.policy, outcome.reason)
             rejected.append(chosen.name)
             survivors = [e for e in survivors if e.name != chosen.name]
+        if self.compile_variants:
+            chosen, decision = self._vary(chosen, survivors, decision)
         pol = chosen.candidate.policy
         if pol.training_key() in self.trajectory.traj:  # measured: it lowers something, K > 0
             t = self.trajectory
@@ -505,6 +373,39 @@ class Contest:
         self.decision = decision
         log(decision.describe(), self.quiet)
         return pol, chosen.measurement
+
+    def _vary(self, chosen: Entry, survivors: list[Entry], decision: Decision) -> tuple[Entry, Decision]:
+        """The choice against its compile variants (:func:`variant_options`), each measured and gated
+        as the finalists are, timed in a second head-to-head with the baselines among ``survivors``;
+        the race decides again (a tie keeps the choice as first compiled: earlier in the field, same
+        drift and rules). A variant chosen must pass the trajectory gate too, else the first
+        decision stands. Returns the choice and its decision."""
+        pol = chosen.candidate.policy
+        variants = []
+        for options in variant_options(pol, chosen.fn):
+            vpol = dataclasses.replace(pol, compile_options=options)
+            fn, m = self.measure(vpol)
+            self.finalists.add(vpol, m, timed=bool(m.step_times))
+            e = Entry(Candidate(f"{chosen.name}, compiled {options.describe()}", chosen.candidate.role, vpol),
+                      fn, m)
+            e.outcome = first_failure(e, self.gates)
+            log(f"  compile variant {e.name}: grad_rel_l2 {m.grad_rel_l2:.3g}"
+                + ("" if e.outcome.going_on else f" -> rejected: {e.outcome.reason}"), self.quiet)
+            variants += [e] if e.outcome.going_on else []
+        if not variants:
+            return chosen, decision
+        log(decision.describe(), self.quiet)  # the first decision, before its variants race it
+        bars = [e for e in survivors if e.candidate.role is Role.BASELINE and e is not chosen]
+        field = [chosen, *variants, *bars]
+        contenders_, race = self._time(field)
+        again = race.decide(contenders_)
+        winner = next(e for e in field if e.name == again.chosen.name)
+        if winner in variants and not TrajectoryGate(self.trajectory).judge(winner).going_on:
+            log(f"  {winner.name} -> rejected: {self.trajectory.reason(winner.candidate.policy)}; "
+                f"{chosen.name} stands", self.quiet)
+            return chosen, decision
+        again.rejected = decision.rejected
+        return winner, again
 
     def _time(self, survivors: list[Entry]) -> tuple[list[Contender], Race]:
         """Time ``survivors`` beside torch.autocast (a bar when within the drift and memory budgets,

@@ -17,6 +17,7 @@ are what the policy file reports.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import sys
@@ -37,7 +38,7 @@ from autoprec.measure import Harness, Measurement
 from autoprec.measure.load import LoadMonitor
 from autoprec.modelspec import ModelSpec, load_model_spec
 from autoprec.nodekeys import graph_fingerprint
-from autoprec.policy import Policy
+from autoprec.policy import REGIONAL_EMULATED, Policy
 from autoprec.search import attrs, screen_cut
 from autoprec.search.budgets import (
     check_memory_floor,
@@ -123,7 +124,8 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
          study_name: str | None = None, compile: bool = True, out: str | os.PathLike = "policy.json",
          seed: int = 0, finalists: int = 2, quiet: bool = False, progress: bool = True,
          dtypes: str | list[str] = "auto", traj_steps: int = 20, report: bool = True,
-         max_memory: str | float | None = None, strict_timing: bool = False) -> TuneResult:
+         max_memory: str | float | None = None, strict_timing: bool = False,
+         compile_variants: bool = False) -> TuneResult:
     """Search for the fastest policy within a drift budget and write it to ``out``.
 
     Args:
@@ -159,15 +161,14 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
             (docs/architecture.md#measurements): ``None`` (none), ``"auto"`` (torch.autocast's
             peak measured in this run: with ``compile``, that of torch.autocast + torch.compile),
             ``"<r>x"`` (r times FP32 eager's peak), or bytes (a number, or a string with a
-            ``KiB``/``MiB``/``GiB`` suffix). With ``compile``, a finalist over it gets an
-            ``activation_memory_budget`` that fits, aimed 10% under the memory budget (Inductor
-            recomputes the rest of the activations in backward; see ``fit_memory`` in
-            autoprec/search/memory_fit.py); without compile, trials whose screening peak is over it
-            are not finalists, nor finalists whose re-measured peak is.
+            ``KiB``/``MiB``/``GiB`` suffix). With ``compile``, a finalist over it is fitted by its
+            memory levers (:class:`autoprec.search.memory_fit.MemoryFit`); without compile, trials
+            whose screening peak is over it are not finalists, nor finalists whose peak is.
+        compile_variants: Race the compiled choice against its compile variants, one compile each
+            (:func:`autoprec.search.contest.variant_options`), and write the fastest's options.
         strict_timing: Raise :class:`~autoprec.measure.load.BusyMachineError` when the machine is
-            busy instead of warning: other processes use over half a core, or the calibration
-            matmul runs 1.5x slower than at its fastest (checked at the start, after the baselines
-            and after the trials: :mod:`autoprec.measure.load`).
+            busy instead of warning (:mod:`autoprec.measure.load`: at the start, after the baselines
+            and after the trials).
 
     Returns:
         :class:`TuneResult`.
@@ -195,7 +196,7 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
     # the screening cut keeps the k fastest feasible; a memory budget may pass over them (--no-compile)
     study = _search(run, storage, study_name, seed, trials, timeout, run.progress,
                     finalists if memory_arg is None or compile else None)
-    contest = _contest(run, compile, traj_steps)
+    contest = _contest(run, compile, traj_steps, compile_variants)
     chosen, chosen_m = _finalists(run, contest, study, finalists, memory_arg)
     return _write(run, study, contest, chosen, chosen_m, compile, out, report)
 
@@ -305,14 +306,14 @@ def _adopt(run: TuneState, choices: list[str] | None) -> None:
     run.kernels = adopt_study_kernels(run.kernels, run.gm, run.dev, choices, run.quiet)
 
 
-def _contest(run: TuneState, compile: bool, traj_steps: int) -> Contest:
+def _contest(run: TuneState, compile: bool, traj_steps: int, compile_variants: bool = False) -> Contest:
     """Phase 5's contest: the autocast twin, and the twin with math attention when attention is
     searched, always among the finalists."""
     twin, math_twin = run.space.twin(), run.space.attention_twin()
     also = [(run.space.to_policy(math_twin), ATTENTION_BASELINE[0])] if math_twin is not None else []
     return Contest(run.harness, run.budget, compile, run.baseline, run.slow, traj_steps, run.clock,
                    run.quiet, twin=run.space.to_policy(twin) if twin is not None else None,
-                   progress=run.progress, also=also)
+                   progress=run.progress, also=also, compile_variants=compile_variants)
 
 
 def _finalists(run: TuneState, sel: Contest, study: optuna.Study, k: int,
@@ -348,7 +349,10 @@ def _write(run: TuneState, study: optuna.Study, sel: Contest, chosen: Policy, ch
     report never describes a policy that was not written (an older one at ``out``, say)."""
     timings = run.clock.done()
     best = baseline_to_beat(sel, compile)
-    policy = chosen.with_measured(measured_block(run, sel, chosen, chosen_m, compile)).with_provenance(
+    # compiled: the options the contest compiled it with (REGIONAL_EMULATED unless a variant won)
+    options = (chosen.compile_options or REGIONAL_EMULATED) if compile else None
+    policy = dataclasses.replace(chosen, compile_options=options).with_measured(
+        measured_block(run, sel, chosen, chosen_m, compile)).with_provenance(
         model=str(run.spec.path), graph_fingerprint=graph_fingerprint(run.gm), device=device_name(run.dev),
         torch=torch.__version__, autoprec=__version__, created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         study=study.study_name, compiled=compile, **({"baseline": best[0]} if best is not None else {}),

@@ -51,3 +51,44 @@ def test_an_unloadable_fx_cache_entry_is_one_info_line_not_a_traceback(caplog):
             "with dynamic shapes in shared regions); recompiled") in texts
     codecache.warning("fx graph cache unable to load compiled graph")  # outside the block: torch's own
     assert caplog.records[-1].name == "torch._inductor.codecache"
+
+
+def test_apply_compiles_what_the_policy_records_and_as_torch_compile_without_a_say(monkeypatch, caplog):
+    """Issue 52: ``apply`` compiles with the policy's ``compile_options`` (what ``tune`` measured);
+    a policy without them compiles as ``torch.compile(model)``: one flat graph, Inductor's defaults
+    (no emulated casts); a file ``tune`` wrote compiled before the field existed, as that tune
+    measured it (regional, emulated casts)."""
+    import dataclasses
+    import logging
+
+    import autoprec
+    from autoprec.policy import REGIONAL_EMULATED, TORCH_COMPILE, CompileOptions, Policy
+
+    seen = []
+    monkeypatch.setattr(compile_mod.torch, "compile", lambda target, **kw: seen.append(kw) or target)
+
+    class Deep(nn.Module):  # three blocks of one structure: regions to outline
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.GELU()) for _ in range(3))
+
+        def forward(self, x):
+            for b in self.blocks:
+                x = x + b(x)
+            return x.sum()
+
+    model, x = Deep(), torch.randn(4, 8)
+    bf16 = Policy.default("bf16")
+    flat = CompileOptions(False, True)
+    cases = [(bf16, TORCH_COMPILE, None),  # flat: no outlining, no "compile:" line
+             (dataclasses.replace(bf16, compile_options=REGIONAL_EMULATED), REGIONAL_EMULATED, "in 1 region"),
+             (dataclasses.replace(bf16, compile_options=flat), flat, None),
+             (bf16.with_provenance(compiled=True), REGIONAL_EMULATED, "in 1 region")]
+    for policy, how, line in cases:
+        assert policy.compiled_as == how
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="autoprec"):
+            autoprec.apply(model, policy, x, dynamic=False)
+        assert seen[-1]["options"]["emulate_precision_casts"] is how.emulate_precision_casts
+        lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("compile:")]
+        assert (any(line in x for x in lines) if line else not lines), lines

@@ -79,7 +79,7 @@ def test_to_dict_layout_matches_design():
     d2 = dataclasses.replace(complex_policy(), activation_memory_budget=0.5).to_dict()
     assert list(d2)[7:] == ["activation_memory_budget", "provenance", "measured"]
     # no schema-2 field is used, so the file is written as schema 1 (older readers take it)
-    assert d["schema_version"] == 1 and SCHEMA_VERSION == 2
+    assert d["schema_version"] == 1 and SCHEMA_VERSION == 3
     assert d["rules"][0] == {"op_class": "sensitive", "dtype": "fp32"}
     assert d["rules"][1] == {"module": "model.layers.0.*", "op_class": "matmul", "dtype": "fp32"}
     assert d["rules"][3] == {"node": "model.layers.3.mlp.down_proj/linear#0", "dtype": "fp16"}
@@ -169,7 +169,7 @@ def test_summary():
 
 REJECTIONS = [
     # (mutation of the default policy dict, field named in the message, extra text expected)
-    ({"schema_version": 3}, "schema_version", "versions 1 and 2"),
+    ({"schema_version": 4}, "schema_version", "versions 1, 2 and 3"),
     ({"schema_version": "1"}, "schema_version", "not supported"),
     ({"schema_version": True}, "schema_version", "not supported"),
     ({"extra": 1}, "extra", "unknown top-level key"),
@@ -716,3 +716,35 @@ def test_saved_fp16_needs_no_loss_scaler_and_summary_names_fp8_scaling():
     q = Policy(default_dtype="fp32", fp8_scaling="rowwise",
                rules=(Rule(op_class="matmul", dtype="fp8_e4m3"),))
     assert "fp8 scaling rowwise" in q.summary()
+
+
+def test_compile_options_round_trip_as_schema_3_and_older_files_load_unchanged(tmp_path):
+    """Issue 52: a policy that records how it is compiled is written as schema 3; schemas 1 and 2
+    (no ``compile_options``) load as before, with no say; a schema-2 file naming them, an unknown
+    or missing option and a non-bool value are refused naming the file and the field."""
+    import dataclasses
+    import json
+
+    from autoprec.errors import PolicyError
+    from autoprec.policy import CompileOptions, Policy
+
+    tuned = dataclasses.replace(Policy.default("bf16"), compile_options=CompileOptions(False, True))
+    path = tmp_path / "p.json"
+    tuned.save(path)
+    d = json.loads(path.read_text())
+    assert d["schema_version"] == 3
+    assert d["compile_options"] == {"regional": False, "emulate_precision_casts": True}
+    assert Policy.load(path) == tuned and "compiled flat" in tuned.summary()
+    old = Policy.default("bf16").to_dict()
+    assert old["schema_version"] == 1 and "compile_options" not in old
+    assert Policy.from_dict(old).compile_options is None
+    bad = [({**old, "compile_options": d["compile_options"]}, "compile_options: needs schema_version 3"),
+           ({**d, "compile_options": {"regional": False}},
+            "compile_options.emulate_precision_casts: missing"),
+           ({**d, "compile_options": {**d["compile_options"], "flat": True}},
+            "compile_options.flat: unknown"),
+           ({**d, "compile_options": {**d["compile_options"], "regional": "no"}},
+            "compile_options.regional: expected true or false")]
+    for doc, match in bad:
+        with pytest.raises(PolicyError, match=f"^x.json: {match}"):
+            Policy.from_dict(doc, "x.json")

@@ -15,8 +15,9 @@ from autoprec.policy import Policy
 from autoprec.search import contest as contest_mod
 from autoprec.search import trajectory as trajectory_mod
 from autoprec.search.autocast_baseline import AutocastBaseline
-from autoprec.search.contest import Candidate, Contest, Entry, Role
+from autoprec.search.contest import Contest
 from autoprec.search.drift_budget import DriftBudget
+from autoprec.search.gates import Candidate, Entry, Role
 from autoprec.search.progress import Clock
 from autoprec.search.race import all_fp32
 from autoprec.search.trajectory import TrajectoryCheck
@@ -442,7 +443,7 @@ def test_gates_give_one_typed_outcome_each_and_the_first_failure_wins():
     budget; the memory gate gives the peak against the budget with the lever to try; the first
     gate that fails decides."""
     from autoprec.measure import Outcome, Stage
-    from autoprec.search.contest import DriftGate, MemoryGate, first_failure
+    from autoprec.search.gates import DriftGate, MemoryGate, first_failure
 
     pol = Policy.default("bf16")
     def entry(name, **m):
@@ -520,3 +521,54 @@ def test_the_emulated_avx2_baseline_is_not_raced_and_fp32_compile_is_the_bar(mon
     assert AUTOCAST not in sel.timings
     d = sel.decision
     assert d.chosen.name == "fp32 + torch.compile" and d.chosen is d.best_baseline
+
+
+def test_compile_variants_race_the_choice_and_the_faster_variants_options_are_written(monkeypatch, capsys):
+    """``compile_variants``: the choice, compiled in regions with emulated casts, against itself
+    flat and with fp32 intermediates (each measured and gated), in a second head-to-head with the
+    baselines; the fastest's options are the written policy's, and a tie keeps the choice."""
+    import dataclasses
+
+    from autoprec.policy import REGIONAL_EMULATED, CompileOptions
+
+    built = []
+
+    class Compiled(_Fn):
+        def __init__(self, options):
+            super().__init__(1.0)
+            self.options, self.regions = options, SimpleNamespace(blocks=3)
+
+    def compile_graph(gm, budget=1.0, dynamic=None, regional=True, emulate_precision_casts=True):
+        built.append(CompileOptions(regional, emulate_precision_casts))
+        return Compiled(built[-1])
+
+    class H(_TrajHarness):
+        random = False
+
+        def measure(self, fn, scaler_factory=None, autocast_dtype=None, **kw):
+            return Measurement(grad_rel_l2=7e-3, grad_rel_l2_batches=[7e-3] * 4)
+
+    monkeypatch.setattr(contest_mod, "compile_graph", compile_graph)
+    monkeypatch.setattr(contest_mod, "run_pipeline", lambda gm, pol: SimpleNamespace(graph_module=gm))
+
+    def tune(flat_s):
+        speeds = {"twin": 0.10, "twin, compiled flat": flat_s, "fp32 + torch.compile": 0.20,
+                  "fp32 eager": 0.30, "twin, compiled regional, fp32 intermediates": 0.11}
+        monkeypatch.setattr(contest_mod, "time_interleaved", _rates(speeds))
+        built.clear()
+        sel = Contest(H(), DriftBudget.fixed(1.0), True, AC, None, 0, Clock(), False, compile_variants=True)
+        twin = Entry(Candidate("twin", Role.POLICY, Policy.autocast("bf16")), Compiled(REGIONAL_EMULATED),
+                     Measurement(grad_rel_l2=7e-3))
+        fp32 = _entry("fp32 + torch.compile", Policy.fp32(), _Fn(1.0), 0.0)
+        return sel, sel.race([twin, fp32])
+
+    sel, (chosen, _m) = tune(flat_s=0.08)
+    assert built == [CompileOptions(False, True), CompileOptions(True, False)]  # one compile per variant
+    assert chosen == dataclasses.replace(Policy.autocast("bf16"), compile_options=CompileOptions(False, True))
+    assert sel.decision.chosen.name == "twin, compiled flat" and sel.decision.verdict == "beats"
+    assert "compile variant twin, compiled flat: grad_rel_l2 0.007" in capsys.readouterr().out
+    _sel, (chosen, _m) = tune(flat_s=0.1001)  # a tie: the choice as first compiled
+    assert chosen == Policy.autocast("bf16")
+    flat = [CompileOptions(False, True)]
+    assert contest_mod.variant_options(Policy.fp32(), Compiled(REGIONAL_EMULATED)) == flat  # no casts
+    assert contest_mod.variant_options(Policy.autocast("bf16"), _Fn(1.0)) == [CompileOptions(True, False)]

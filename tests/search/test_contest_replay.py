@@ -25,8 +25,9 @@ from autoprec.measure import Measurement, Timing
 from autoprec.policy import Policy
 from autoprec.search import contest as contest_mod
 from autoprec.search.autocast_baseline import AutocastBaseline
-from autoprec.search.contest import Candidate, Contest, DriftGate, Entry, Role
+from autoprec.search.contest import Contest
 from autoprec.search.drift_budget import DriftBudget
+from autoprec.search.gates import Candidate, DriftGate, Entry, Role
 from autoprec.search.progress import Clock
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"

@@ -37,8 +37,9 @@ from autoprec.modelspec import load_model_spec
 from autoprec.passes import run_pipeline
 from autoprec.policy import Policy
 from autoprec.search.autocast_baseline import AutocastBaseline
-from autoprec.search.contest import Candidate, Contest, Entry, Role, first_failure
+from autoprec.search.contest import Contest
 from autoprec.search.drift_budget import DriftBudget
+from autoprec.search.gates import Candidate, Entry, Role, first_failure
 from autoprec.search.progress import Clock
 from autoprec.training.train import make_scaler
 from tests.conftest import DRIFT

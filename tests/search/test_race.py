@@ -155,8 +155,8 @@ def test_committed_native_bf16_runs_replayed_the_written_policy_beats_autocast_c
     assert d.vs_baseline.ratio == pytest.approx(ratio, abs=0.01) and d.vs_baseline.band[0] > 1.0
     # and today's drift gate passes it against torch.autocast's drift (the auto rule on the means)
     from autoprec.measure import Measurement
-    from autoprec.search.contest import Candidate, DriftGate, Entry, Role
     from autoprec.search.drift_budget import DriftBudget
+    from autoprec.search.gates import Candidate, DriftGate, Entry, Role
 
     g, ac = cfg["policy_compiled"]["grad_rel_l2"], cfg["autocast_compiled"]["grad_rel_l2"]
     written = Entry(Candidate("written policy", Role.POLICY, Policy.autocast("bf16")), None,

@@ -102,7 +102,7 @@ def test_a_bar_drifting_on_batch_0_only_is_judged_on_batch_0(monkeypatch):
         for c in configs})
 
     from autoprec.measure import Outcome
-    from autoprec.search.contest import Candidate, Entry, Role
+    from autoprec.search.gates import Candidate, Entry, Role
 
     monkeypatch.setattr(contest_mod, "compile_graph", lambda gm, budget=1.0, dynamic=None: gm)
 
@@ -170,7 +170,7 @@ def test_a_bar_that_cannot_win_is_neither_compiled_nor_timed_and_its_row_says_wh
     from autoprec.policy import Policy
     from autoprec.search import contest as contest_mod
     from autoprec.search import results
-    from autoprec.search.contest import Candidate, Entry, Role
+    from autoprec.search.gates import Candidate, Entry, Role
     from autoprec.search.report import format_table
 
     timed: list[list[str]] = []
