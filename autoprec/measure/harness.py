@@ -32,7 +32,7 @@ from autoprec.measure.drift import (
 )
 from autoprec.measure.measurement import Measurement, describe_failure
 from autoprec.measure.memory import SavedBytes, training_state_bytes
-from autoprec.measure.outcome import Outcome
+from autoprec.measure.outcome import Outcome, Stage
 from autoprec.metrics import median
 from autoprec.modelspec import ModelSpec
 from autoprec.randomness import draws_random
@@ -301,7 +301,7 @@ class Harness:
         except Exception as e:  # compile errors, OOM, kernels missing for a dtype
             self.restore()
             return Measurement(outcome=Outcome.failed(describe_failure(e)))
-        if m.failed or not timing or screened(m).step_times or m.cut is not None:
+        if m.failed or not timing or screened(m).step_times or m.outcome.stage is Stage.CUT:
             return m  # screened(m) fills m's step times where the timed passes give them
         try:
             m.step_times = self._time(fn, scaler_factory(), autocast_dtype, max_step_s)

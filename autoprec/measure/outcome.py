@@ -3,8 +3,10 @@
 A search trial's drift passes, a finalist's measurement and every gate of the finalists' contest
 (drift, memory, trajectory) end in one :class:`Outcome`: go on, cut, accepted, or failed, each
 with its reason in words. Control flow reads :attr:`Outcome.stage`, never which optional string
-is set. The model is Optuna's ``TrialState`` (an enum of how a trial ended) with the reason the
-log and the report print beside it.
+is set (the reason is words for the log and the report; the one reader of a failure's words is the
+diagnosis that names the first non-finite node of a ``non-finite`` failure). The model is Optuna's
+``TrialState`` (an enum of how a trial ended) with the reason the log and the report print beside
+it.
 """
 
 from __future__ import annotations

@@ -158,7 +158,7 @@ class AutocastBaseline:
             m.add_note(f"not timed: {self.cannot_win}")
         return m
 
-    def measure_compiled(self, h: Harness, fn: Any, compile: bool, slow_s: float) -> Measurement:
+    def measure_in_contest(self, h: Harness, fn: Any, compile: bool, slow_s: float) -> Measurement:
         """torch.autocast's measurement in the contest: ``fn`` (its module, compiled unless
         ``compile`` is False) measured for drift and memory (its speed is taken in the
         head-to-head's rounds; on CUDA also timed now, whose peak is read after timed steps), its

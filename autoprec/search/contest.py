@@ -38,7 +38,7 @@ from autoprec.applied.compile import compile_graph
 from autoprec.applied.saved import saved_eager
 from autoprec.capture import autocast_dynamic
 from autoprec.errors import SearchError
-from autoprec.measure import Config, Harness, Measurement, Timing, format_rate, time_interleaved
+from autoprec.measure import Config, Harness, Measurement, Stage, Timing, format_rate, time_interleaved
 from autoprec.passes import run_pipeline
 from autoprec.policy import REGIONAL_EMULATED, CompileOptions, Policy
 from autoprec.search import attrs
@@ -296,7 +296,7 @@ class Contest:
         if self.compile:
             log("compiling the torch.autocast baseline with Inductor", self.quiet)
         self._autocast_fn = self.build(self.h.model) if self.compile else self.h.model
-        ac = self.autocast.measure_compiled(self.h, self._autocast_fn, self.compile, self.slow)
+        ac = self.autocast.measure_in_contest(self.h, self._autocast_fn, self.compile, self.slow)
         if not self.compile:
             self.autocast_eager = ac
             return
@@ -344,9 +344,9 @@ class Contest:
         rejected: list[str] = []
         gate = TrajectoryGate(self.trajectory)
         while True:
-            field, race = self._time(survivors)
+            lineup, race = self._time(survivors)
             try:
-                decision = race.decide(field)
+                decision = race.decide(lineup)
             except ValueError:
                 self.decision = None
                 raise SearchError("no finalist was timed in the final head-to-head" + (
@@ -377,7 +377,7 @@ class Contest:
     def _vary(self, chosen: Entry, survivors: list[Entry], decision: Decision) -> tuple[Entry, Decision]:
         """The choice against its compile variants (:func:`variant_options`), each measured and gated
         as the finalists are, timed in a second head-to-head with the baselines among ``survivors``;
-        the race decides again (a tie keeps the choice as first compiled: earlier in the field, same
+        the race decides again (a tie keeps the choice as first compiled: earlier in the lineup, same
         drift and rules). A variant chosen must pass the trajectory gate too, else the first
         decision stands. Returns the choice and its decision."""
         pol = chosen.candidate.policy
@@ -396,10 +396,10 @@ class Contest:
             return chosen, decision
         log(decision.describe(), self.quiet)  # the first decision, before its variants race it
         bars = [e for e in survivors if e.candidate.role is Role.BASELINE and e is not chosen]
-        field = [chosen, *variants, *bars]
-        contenders_, race = self._time(field)
-        again = race.decide(contenders_)
-        winner = next(e for e in field if e.name == again.chosen.name)
+        entries = [chosen, *variants, *bars]
+        lineup, race = self._time(entries)
+        again = race.decide(lineup)
+        winner = next(e for e in entries if e.name == again.chosen.name)
         if winner in variants and not TrajectoryGate(self.trajectory).judge(winner).going_on:
             log(f"  {winner.name} -> rejected: {self.trajectory.reason(winner.candidate.policy)}; "
                 f"{chosen.name} stands", self.quiet)
@@ -435,15 +435,15 @@ class Contest:
             self.finalists.timed(e.candidate.policy, e.measurement, retired=self.timings[e.name].retired)
         if autocast is not None:
             _take_timing(ac, self.timings[self.ac_label])
-        field = contenders(survivors, autocast, self.timings)
-        shown = [(c.name, c.timing, "") for c in field]
+        lineup = contenders(survivors, autocast, self.timings)
+        shown = [(c.name, c.timing, "") for c in lineup]
         if autocast is not None and autocast.candidate.role is Role.SHOWN:  # a row of the log too
             shown.insert(-1, (self.ac_label, self.timings[self.ac_label],
                               "over the drift or memory budget: not a bar"))
         for name, t, extra in shown:
             why = "; ".join(x for x in (t.error or t.note, extra) if x)
             log(f"  {name}: {format_rate(t)} tok/s" + (f" ({why})" if why else ""), self.quiet)
-        return field, race
+        return lineup, race
 
     def _autocast_entry(self) -> Entry | None:
         """torch.autocast in the head-to-head (None where it was not run or failed): a baseline
@@ -452,7 +452,8 @@ class Contest:
         ac = self.autocast_bar
         if self._autocast_fn is None or ac is None or ac.failed:
             return None
-        drift = self.budget.on_batches(len(ac.grad_rel_l2_batches)) if ac.cut else self.budget
+        cut = ac.outcome.stage is Stage.CUT  # its drift ran on batch 0 only
+        drift = self.budget.on_batches(len(ac.grad_rel_l2_batches)) if cut else self.budget
         entry = Entry(Candidate(self.ac_label, Role.SHOWN), self._autocast_fn, ac)
         entry.outcome = first_failure(entry, [DriftGate(drift), MemoryGate(self.memory_budget)])
         if entry.outcome.going_on:

@@ -105,8 +105,9 @@ def adopt_study_kernels(kc: KernelChoice, gm: torch.fx.GraphModule, dev: torch.d
     nodes = kc.space.nodes or outside_matmuls(gm, blocks)
     storage_lows = list(dict.fromkeys(kernel_fields(k)[0] for k in lows if kernel_fields(k)[0] in LOW_DTYPES))
     ac_dtype = autocast_dtype(dev, storage_lows)
+    # the graph's attention, not this run's space's: a space without low kernels has no attention choice
     space = SearchSpace(lows, blocks, nodes, saved=kc.space.saved[1:],
-                        attention=bool(kc.space.attention), twin_dtype=NAMES[ac_dtype])
+                        attention=has_attention(gm), twin_dtype=NAMES[ac_dtype])
     return KernelChoice(kc.probes, space, ac_dtype, kc.forced)
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from autoprec.measure import Comparison, Retire, Settled, Timing, compare
 from autoprec.policy import Policy
@@ -89,7 +89,8 @@ class Decision:
 
     def describe(self) -> str:
         """One log line, e.g. ``"chosen: trial 7, 1.08x torch.autocast + torch.compile (band
-        1.03-1.12): beats it"``, with the rejected earlier choices after it."""
+        1.03-1.12, 6 rounds paired): beats torch.autocast + torch.compile"``, with the rejected
+        earlier choices after it."""
         after = (f" (after {', '.join(self.rejected)} failed the trajectory check)" if self.rejected
                  else "")
         return self._describe() + after
@@ -302,9 +303,9 @@ class Race:
     @classmethod
     def of(cls, contenders: Iterable[Contender]) -> Race:
         """The race of ``contenders`` (their timings unused: the race is fixed before timing)."""
-        field = list(contenders)
-        writable = [(c.name, c.policy, c.grad_rel_l2) for c in field if c.policy is not None]
-        return cls(frozenset(c.name for c in field if c.baseline), frozenset(n for n, _p, _g in writable),
+        lineup = list(contenders)
+        writable = [(c.name, c.policy, c.grad_rel_l2) for c in lineup if c.policy is not None]
+        return cls(frozenset(c.name for c in lineup if c.baseline), frozenset(n for n, _p, _g in writable),
                    tuple(tie_order(writable)))
 
     def retire(self) -> Retire:
@@ -316,14 +317,14 @@ class Race:
         """A fresh early stop for :func:`autoprec.measure.timing.time_interleaved` (:func:`settled`)."""
         return settled(set(self.baselines), set(self.policies), list(self.order))
 
-    @staticmethod
-    def decide(contenders: list[Contender]) -> Decision:
-        """The verdict among the timed ``contenders`` (:func:`decide`).
+    def decide(self, contenders: list[Contender]) -> Decision:
+        """The verdict among the timed ``contenders`` (:func:`decide`), each a baseline as this race
+        says (:attr:`baselines`: the roles the retire and stop rules timed them by).
 
         Raises:
             ValueError: no contender with a policy was timed (and not retired).
         """
-        return decide(contenders)
+        return decide([replace(c, baseline=c.name in self.baselines) for c in contenders])
 
 
 def _fastest(timed: dict[str, Timing], names: set[str]) -> str | None:

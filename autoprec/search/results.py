@@ -56,7 +56,7 @@ def measured_block(run: TuneState, sel: Contest, chosen: Policy, m: Measurement,
         "peak_bytes": m.peak_bytes,
         # only when measured: 0.0 would read as a perfect trajectory (--traj-steps 0, or all-fp32)
         **({"traj_rel": sel.trajectory.of(chosen)} if chosen.training_key() in sel.trajectory.traj else {}),
-        "drift_budget": run.budget.value,
+        "drift_budget": sel.budget.value,  # the budget the finalists were judged by (compiled, with dropout)
         # left out when torch.autocast itself overflowed (a policy file holds finite numbers only)
         **({"autocast_grad_rel_l2": run.autocast.grad_rel_l2}
            if math.isfinite(run.autocast.grad_rel_l2) else {}),

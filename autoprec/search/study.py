@@ -104,8 +104,10 @@ class TuneResult:
             ``sensitivity_s``, ``trials_s``, ``finalists_s``, ``compile_s``, ``total_s``); the
             Inductor compiles the finalists trigger lazily are in ``compile_s``, not ``finalists_s``.
         probes: Per-dtype matmul probe results.
-        budget: The drift budget of the search (:class:`DriftBudget`, the study's
-            ``autoprec:drift_rule``: the rule the ``wrote`` line describes).
+        budget: The drift budget the written policy was judged by (:class:`DriftBudget`: the
+            search's, the study's ``autoprec:drift_rule``, except on a graph that draws random
+            numbers, whose compiled finalists are judged against torch.autocast + torch.compile's
+            drift); the ``wrote`` line describes it.
         decision: The final head-to-head's :class:`~autoprec.search.race.Decision` (what was
             chosen, against which baseline, the verdict); None when none was made.
     """
@@ -374,7 +376,7 @@ def _write(run: TuneState, study: optuna.Study, sel: Contest, chosen: Policy, ch
             log("report: " + ", ".join(str(p) for p in paths), run.quiet)
         policy.save(out)  # atomic; the last file written
     check_interrupt()  # a Ctrl-C that came while writing: both files are complete
-    return TuneResult(policy, study, table, timings, run.probes, run.budget, sel.decision)
+    return TuneResult(policy, study, table, timings, run.probes, sel.budget, sel.decision)
 
 
 def _graph(run: TuneState) -> dict:

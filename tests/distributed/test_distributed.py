@@ -27,7 +27,7 @@ from autoprec.commands.launch import strip_nproc
 from autoprec.commands.train import train
 from autoprec.distributed.wrap import ddp, shard
 from autoprec.errors import PolicyError
-from autoprec.policy import Policy
+from autoprec.policy import REGIONAL_EMULATED, Policy
 from autoprec.training.rank_flag import any_rank
 from autoprec.training.scaler import DynamicLossScaler
 from tests.conftest import DRIFT, MODELS
@@ -246,7 +246,9 @@ def test_any_rank_without_process_group_is_the_flag():
 def _fsdp_worker(rank: int, world: int, compile: bool, reduce: str) -> dict:
     torch.manual_seed(0)
     model = _mlp()
-    policy = dataclasses.replace(Policy.default("bf16"), grad_reduce_dtype=reduce)
+    # compiled with emulated casts (as tune compiles and records): the one-process reference is eager
+    policy = dataclasses.replace(Policy.default("bf16"), grad_reduce_dtype=reduce,
+                                 compile_options=REGIONAL_EMULATED)
     root = shard(autoprec.apply(model, policy, (torch.randn(4, 8),), compile=compile, dynamic=False))
     opt = torch.optim.AdamW(root.parameters(), lr=1e-2)
     local = sum(p.to_local().numel() * p.element_size() for p in root.parameters())

@@ -367,7 +367,7 @@ def test_torch_autocast_over_the_budget_gets_its_log_line_too(monkeypatch, capsy
                                           rounds=3) for c in configs}
 
     monkeypatch.setattr(contest_mod, "time_interleaved", scripted)
-    monkeypatch.setattr(contest_mod, "compile_graph", lambda gm, budget=1.0, dynamic=None: gm)
+    monkeypatch.setattr(contest_mod, "compile_graph", lambda gm, budget=1.0, dynamic=None, **kw: gm)
     over = Measurement(grad_rel_l2=5e-3, grad_rel_l2_batches=[5e-3] * 4)  # over 1e-3
     sel = Contest(_TrajHarness(autocast=over), DriftBudget.fixed(1e-3), True, AC,
                   None, 0, Clock(), False)
@@ -470,7 +470,7 @@ def test_a_tie_goes_to_the_lower_drift_policy_and_says_tie(monkeypatch, capsys):
     speeds = {"searched": 0.1000, "twin": 0.1002, AUTOCAST: 0.1001, "fp32 + torch.compile": 0.2,
               "fp32 eager": 0.3}
     monkeypatch.setattr(contest_mod, "time_interleaved", _rates(speeds))
-    monkeypatch.setattr(contest_mod, "compile_graph", lambda gm, budget=1.0, dynamic=None: gm)
+    monkeypatch.setattr(contest_mod, "compile_graph", lambda gm, budget=1.0, dynamic=None, **kw: gm)
     h = _TrajHarness(autocast=Measurement(grad_rel_l2=7e-3, grad_rel_l2_batches=[7e-3] * 4))
     h.random = False
     sel = Contest(h, DriftBudget.auto([7e-3] * 4), True, AC, None, 0, Clock(), True)

@@ -186,7 +186,7 @@ def test_a_committed_tune_replayed_through_the_contest_writes_what_it_wrote(log,
     timings = {name: _timing(*r) for name, r in rec.rates.items()}
     monkeypatch.setattr(contest_mod, "time_interleaved", lambda h, configs, **kw: {
         c.name: timings[c.name] for c in configs})
-    monkeypatch.setattr(contest_mod, "compile_graph", lambda gm, budget=1.0, dynamic=None: gm)
+    monkeypatch.setattr(contest_mod, "compile_graph", lambda gm, budget=1.0, dynamic=None, **kw: gm)
     mean = rec.budget.value
     ac = Measurement(grad_rel_l2=mean, grad_rel_l2_batches=list(rec.budget.reference) or [mean])
     baseline = AutocastBaseline(torch.bfloat16, emulated="replayed" if rec.cannot_win else None,

@@ -234,7 +234,7 @@ def test_real_probe_at_tiny_shapes_has_the_documented_structure():
         assert bool(v["kept"]) != bool(v["reason"]), dtype  # kept kernels, or the reason why not
 
 
-def test_joining_worker_adopts_the_studys_kernels():
+def test_joining_worker_adopts_the_studys_kernels(monkeypatch):
     """A worker whose probe (--dtypes auto) kept other kernels than the study was created with
     searches the study's (Optuna cannot change a parameter's choices), ordered by its own probe;
     with --dtypes forced it keeps its own space (check_study then refuses a mismatch)."""
@@ -243,8 +243,14 @@ def test_joining_worker_adopts_the_studys_kernels():
     from autoprec.search.space import SearchSpace
 
     probes = {"kernels": {"bf16": {"ms": 5.0}, "bf16:fp32": {"ms": 20.0}}}
+    from autoprec.search import kernel_choice
+
+    # the graph has attention; this run's space, as one whose probe kept no low kernel, has no choice of it
+    monkeypatch.setattr(kernel_choice, "has_attention", lambda gm: True)
     own = KernelChoice(probes, SearchSpace(["bf16"], ["b.0"], ["head/linear#0"]), torch.float16)
+    assert not own.space.attention
     run = adopt_study_kernels(own, None, CPU, ["fp32", "bf16", "bf16:fp32"], quiet=True)
+    assert run.space.attention  # the study's space searched attention: a resume does too (a user's GPT-2)
     assert own.space.dtypes == ["fp32", "bf16"]  # frozen: a new choice, the probe's own unchanged
     assert run.space.dtypes == ["fp32", "bf16", "bf16:fp32"]
     assert run.space.low_kernels == ["bf16", "bf16:fp32"]

@@ -85,7 +85,7 @@ def test_tune_shows_a_bar_over_each_long_phase(tmp_path, capsys, monkeypatch):
 def test_the_memory_fit_and_the_finalists_have_bars(capsys, monkeypatch):
     """Compiling is stubbed (graphs run eagerly, so recomputation frees nothing): a budget just
     above the fp32 state sends every finalist through the memory fit, whose tries get a bar."""
-    monkeypatch.setattr(contest_mod, "compile_graph", lambda gm, budget=1.0, dynamic=None: gm)
+    monkeypatch.setattr(contest_mod, "compile_graph", lambda gm, budget=1.0, dynamic=None, **kw: gm)
     torch.manual_seed(0)
     harness = Harness(load_model_spec(MICRO), torch.device("cpu"), steps=2)
     study = optuna.create_study(directions=list(DIRECTIONS))

@@ -69,7 +69,7 @@ def test_finalist_rejected_on_traj_rel_has_the_reason_in_the_report(tmp_path, mo
     twice as fast as the rest, so it is the choice); the trajectory check rejects every lowered
     finalist: the choice gives way to all-fp32, and its reason reaches the lever table's note and
     the trial's note."""
-    monkeypatch.setattr(contest_mod, "compile_graph", lambda gm, budget=1.0, dynamic=None: gm)
+    monkeypatch.setattr(contest_mod, "compile_graph", lambda gm, budget=1.0, dynamic=None, **kw: gm)
 
     def scripted(harness, configs, **_kw):
         return {c.name: Timing.from_steps([(0.05 if c.name.startswith("trial") else 0.1) * (1 + 0.01 * i)

@@ -104,7 +104,7 @@ def test_a_bar_drifting_on_batch_0_only_is_judged_on_batch_0(monkeypatch):
     from autoprec.measure import Outcome
     from autoprec.search.gates import Candidate, Entry, Role
 
-    monkeypatch.setattr(contest_mod, "compile_graph", lambda gm, budget=1.0, dynamic=None: gm)
+    monkeypatch.setattr(contest_mod, "compile_graph", lambda gm, budget=1.0, dynamic=None, **kw: gm)
 
     class H:
         random = False
@@ -227,7 +227,7 @@ def test_a_bar_that_cannot_win_is_neither_compiled_nor_timed_and_its_row_says_wh
     H.batches = []
     sel = Contest(H(), DriftBudget.fixed(1.0), True, AutocastBaseline(torch.bfloat16, cannot_win=why), None,
                   0, Clock(), True)
-    monkeypatch.setattr(contest_mod, "compile_graph", lambda gm, budget=1.0, dynamic=None: gm)
+    monkeypatch.setattr(contest_mod, "compile_graph", lambda gm, budget=1.0, dynamic=None, **kw: gm)
     sel.measure_autocast()
     assert H.measured == 1 and sel.autocast_compiled.note is None
 
