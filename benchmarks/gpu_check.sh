@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One prepared GPU check: tune a Qwen2-0.5B-shaped model, bench it, write JSON and logs.
+# One prepared GPU check: tune a Qwen2-0.5B-shaped model, time the autocast twin's compile options
+# against torch.autocast + torch.compile, bench the policy, write JSON and logs.
 #
 # Usage: benchmarks/gpu_check.sh OUTDIR [--dry-run] [--fp8]
 #
@@ -14,10 +15,12 @@
 # shapes twice, 2.08x and 2.31x fp32's time, and the bench needs ~260 s: left out by default).
 #
 # --dry-run: the same steps on the CPU with a tiny model (AUTOPREC_QWEN2_05B_TINY=1) and tiny
-# budgets, eager configurations only (< 1 min), to check the script before spending GPU time.
+# budgets, eager configurations and one compiled twin row (~1.5 min), to check the script before
+# spending GPU time (tests/project/test_gpu_check.py runs it in make test).
 #
 # Writes into OUTDIR: gpu_check.log (everything), env.json (device, torch, CUDA), nvidia-smi.txt,
-# policy.json, tune.log, bench.json (partial if the budget cut it), bench.md, bench.log,
+# policy.json, tune.log, twin/twin_vs_autocast.json, twin.log, bench.json (partial if the budget cut
+# it), bench.md, bench.log,
 # fp8/{policy.json, tune.log, bench.json, bench.md, bench.log},
 # summary.json ({"dry_run", "steps": {name: {"rc", "seconds"}}, "policy_source"}).
 set -uo pipefail
@@ -38,9 +41,10 @@ if [ "$DRY" = 1 ]; then
   export AUTOPREC_QWEN2_05B_TINY=1
   DEVICE=cpu
   # Idle 2-core CPU: ~60 s in all. The limits are generous for a loaded CI box.
-  T_WHEELS=60; T_ENV=60; T_TUNE=150; T_BENCH=120; T_FP8=120; T_FP8_BENCH=60; DEADLINE=480
+  T_WHEELS=60; T_ENV=60; T_TUNE=150; T_TWIN=120; T_BENCH=120; T_FP8=120; T_FP8_BENCH=60; DEADLINE=600
   TUNE_ARGS=(--trials 1 --timeout 5 --no-compile --traj-steps 0 --finalists 1)
   BENCH_ARGS=(--steps 1 --warmup 0 --configs fp32_eager policy_eager autocast_eager pure_low_eager)
+  TWIN_ARGS=(--steps 1 --warmup 0 --rows autocast_eager twin_eager twin_tuned)
   FP8_BENCH_ARGS=(--steps 1 --warmup 0 --configs fp32_eager policy_eager)
 else
   DEVICE=cuda
@@ -49,7 +53,9 @@ else
   # 40 s (policy, regional), 77 s (torch.autocast, whole model), 26 s (fp32) before its timing.
   # The second run (gpu_h200_2026-12-04b): bench's three compiles took 54, 72 and 43 s, its start and
   # eager drift ~40 s, so its timing rounds began after ~210 s: 230 s cut them off.
-  T_WHEELS=45; T_ENV=45; T_TUNE=160; T_BENCH=300; T_FP8=100; T_FP8_BENCH=60; DEADLINE=560
+  # The twin rows (issue 52): not yet run on a GPU; 4 compiles of the 24-layer model at the 40-77 s
+  # bench measured each, then 13 interleaved rounds. bench gets what is left of the deadline.
+  T_WHEELS=45; T_ENV=45; T_TUNE=160; T_TWIN=220; T_BENCH=300; T_FP8=100; T_FP8_BENCH=60; DEADLINE=560
   # Tune screens and picks eagerly (seconds per trial on an H200; each Inductor compile of the
   # 24-layer graph costs 1-2 minutes, spent in bench instead), sampling for at most 45 s.
   TUNE_ARGS=(--trials 24 --timeout 45 --no-compile --finalists 2 --traj-steps 10)
@@ -60,6 +66,9 @@ else
   BENCH_ARGS=(--steps 10 --warmup 3 --configs fp32_eager policy_eager autocast_eager
               policy_compiled autocast_compiled fp32_compiled)
   FP8_BENCH_ARGS=(--steps 10 --warmup 3 --configs fp32_eager policy_eager autocast_eager)
+  # The autocast twin compiled as torch.compile would (no say), as tune records it (regions, emulated
+  # casts) and flat with emulated casts, against torch.autocast + torch.compile.
+  TWIN_ARGS=(--steps 10 --warmup 3 --rows autocast_compiled twin_compiled twin_tuned twin_tuned_flat)
 fi
 MODEL=examples/qwen2_05b.py
 STEPS_JSON=""
@@ -135,11 +144,17 @@ if [ ! -s "$OUT/policy.json" ]; then  # tune failed or ran out of time: bench th
   "$PY" -c "import sys, autoprec; autoprec.Policy.default('bf16').save(sys.argv[1])" "$OUT/policy.json"
 fi
 
-# 4. Bench (JSON written after every configuration).
+# 4. The compile options' costs: the twin against torch.autocast + torch.compile, one factor at a time.
+if [ $env_rc -eq 0 ]; then
+  step twin "$T_TWIN" "$PY" benchmarks/twin_vs_autocast.py "$OUT/twin" --device "$DEVICE" "${TWIN_ARGS[@]}" \
+      > >(tee "$OUT/twin.log") 2>&1
+fi
+
+# 5. Bench (JSON written after every configuration).
 step bench "$T_BENCH" "$PY" -m autoprec.cli bench "$MODEL" --device "$DEVICE" --policy "$OUT/policy.json" \
     --json "$OUT/bench.json" --md "$OUT/bench.md" "${BENCH_ARGS[@]}" > >(tee "$OUT/bench.log") 2>&1
 
-# 5. --fp8: the same tune with fp8 matmuls searched beside bf16, then its bench (eager rows first).
+# 6. --fp8: the same tune with fp8 matmuls searched beside bf16, then its bench (eager rows first).
 mkdir -p "$OUT/fp8"
 if [ $env_rc -eq 0 ] && [ "$FP8" = 1 ]; then
   step tune_fp8 "$T_FP8" "$PY" -m autoprec.cli tune "$MODEL" --device "$DEVICE" --out "$OUT/fp8/policy.json" \
