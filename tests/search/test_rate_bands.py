@@ -128,7 +128,7 @@ def _tune_state(compile: bool, twin_steps, fp32_compiled=None):
                "twin": Timing.from_steps(twin_steps, TOKENS)}
     sel = SimpleNamespace(timings=timings, ac_label=label, autocast_compiled=ac if compile else None,
                           fp32_compiled=fp32_compiled, autocast_eager=None if compile else ac,
-                          autocast_bar=ac, memory_budget=None,
+                          autocast_bar=ac, memory_budget=None, budget=DriftBudget.fixed(1.0),
                           decision=SimpleNamespace(chosen=SimpleNamespace(name="twin"),
                                                    best_baseline=Contender(label, None, timings[label], 0.0,
                                                                            baseline=True)),
