@@ -15,8 +15,8 @@
 # shapes twice, 2.08x and 2.31x fp32's time, and the bench needs ~260 s: left out by default).
 #
 # --dry-run: the same steps on the CPU with a tiny model (AUTOPREC_QWEN2_05B_TINY=1) and tiny
-# budgets, eager configurations and one compiled twin row (~1.5 min), to check the script before
-# spending GPU time (tests/project/test_gpu_check.py runs it in make test).
+# budgets, eager configurations only (~1.5 min), to check the script before spending GPU time
+# (tests/project/test_gpu_check.py runs it in make test).
 #
 # Writes into OUTDIR: gpu_check.log (everything), env.json (device, torch, CUDA), nvidia-smi.txt,
 # policy.json, tune.log, twin/twin_vs_autocast.json, twin.log, bench.json (partial if the budget cut
@@ -44,7 +44,7 @@ if [ "$DRY" = 1 ]; then
   T_WHEELS=60; T_ENV=60; T_TUNE=150; T_TWIN=120; T_BENCH=120; T_FP8=120; T_FP8_BENCH=60; DEADLINE=600
   TUNE_ARGS=(--trials 1 --timeout 5 --no-compile --traj-steps 0 --finalists 1)
   BENCH_ARGS=(--steps 1 --warmup 0 --configs fp32_eager policy_eager autocast_eager pure_low_eager)
-  TWIN_ARGS=(--steps 1 --warmup 0 --rows autocast_eager twin_eager twin_tuned)
+  TWIN_ARGS=(--steps 1 --warmup 0 --rows autocast_eager twin_eager)  # the wiring: no compile on a CPU
   FP8_BENCH_ARGS=(--steps 1 --warmup 0 --configs fp32_eager policy_eager)
 else
   DEVICE=cuda
