@@ -217,13 +217,18 @@ class Contest:
             return compile_graph(gm, activation_memory_budget, dynamic=dynamic, regional=options.regional,
                                  emulate_precision_casts=options.emulate_precision_casts)
 
+    @staticmethod
+    def compiled_as(pol: Policy) -> CompileOptions:
+        """The options the contest compiles ``pol`` with, and the ones a written policy records: its
+        own (a compile variant's), else :data:`~autoprec.policy.compile_options.REGIONAL_EMULATED`."""
+        return pol.compile_options or REGIONAL_EMULATED
+
     def measure(self, pol: Policy) -> tuple[Any, Measurement]:
         """``pol``'s module as the contest trains it (:meth:`build`, Inductor's default activation
         memory budget: the memory fit lowers it; its ``compile_options``, regional with emulated
         casts where it has none) and its measurement: drift and memory, timed now only on CUDA
         (elsewhere in the head-to-head's rounds)."""
-        fn = self.build(run_pipeline(self.h.graph_module, pol).graph_module,
-                        options=pol.compile_options or REGIONAL_EMULATED)
+        fn = self.build(run_pipeline(self.h.graph_module, pol).graph_module, options=self.compiled_as(pol))
         return fn, self._measure_fn(fn, pol, timing=self.h.device.type == "cuda")
 
     def _measure_fn(self, fn: Any, pol: Policy, timing: bool = True) -> Measurement:

@@ -4,7 +4,7 @@ eager and vs torch.autocast + torch.compile, or torch.autocast eager without com
 note when an eager run was faster.
 
 ``run`` below is ``tune``'s phase state (:class:`~autoprec.search.tune_state.TuneState`: ``fp32``,
-``autocast``, ``ac_dtype``, ``budget``, ``quiet``); ``sel`` its :class:`~autoprec.search.contest.Contest`.
+``autocast``, ``ac_dtype``, ``budget``, ``quiet``); ``contest`` its :class:`~autoprec.search.contest.Contest`.
 """
 
 from __future__ import annotations
@@ -24,14 +24,14 @@ from autoprec.search.tune_state import TuneState
 __all__ = ["baseline_to_beat", "measured_block", "note_if_eager_was_faster", "side_by_side"]
 
 
-def baseline_to_beat(sel: Contest, compile: bool) -> tuple[str, float] | None:
+def baseline_to_beat(contest: Contest, compile: bool) -> tuple[str, float] | None:
     """The fastest baseline of the final head-to-head and its tokens/s: what a user gets without
     autoprec, the faster of torch.autocast + torch.compile and fp32 + torch.compile (fp32 eager
     too, should it be faster; without compile torch.autocast eager and the all-fp32 graph), timed
     side by side with the choice (:func:`autoprec.search.race.decide`'s ``best_baseline``).
     The all-fp32 finalist is named what it is, ``"fp32 + torch.compile"``, whichever trial it
     was. None when no baseline was timed."""
-    d = sel.decision
+    d = contest.decision
     if d is None or d.best_baseline is None or not d.best_baseline.timing.tokens_per_s:
         return None
     b = d.best_baseline
@@ -40,12 +40,12 @@ def baseline_to_beat(sel: Contest, compile: bool) -> tuple[str, float] | None:
     return name, b.timing.tokens_per_s
 
 
-def measured_block(run: TuneState, sel: Contest, chosen: Policy, m: Measurement,
+def measured_block(run: TuneState, contest: Contest, chosen: Policy, m: Measurement,
                    compile: bool) -> dict[str, float]:
     """The policy file's ``measured`` block (finite numbers only: docs/architecture.md#policy-file);
     ``speedup_vs_baseline`` is against :func:`baseline_to_beat` (whose name the provenance holds)."""
-    ref = sel.autocast_bar or run.autocast
-    best = baseline_to_beat(sel, compile)
+    ref = contest.autocast_bar or run.autocast
+    best = baseline_to_beat(contest, compile)
     return {
         "tokens_per_s": m.tokens_per_s,
         **({"speedup_vs_baseline": m.tokens_per_s / best[1]} if best is not None else {}),
@@ -55,38 +55,41 @@ def measured_block(run: TuneState, sel: Contest, chosen: Policy, m: Measurement,
         "grad_rel_l2": m.grad_rel_l2, "loss_rel": m.loss_rel,
         "peak_bytes": m.peak_bytes,
         # only when measured: 0.0 would read as a perfect trajectory (--traj-steps 0, or all-fp32)
-        **({"traj_rel": sel.trajectory.of(chosen)} if chosen.training_key() in sel.trajectory.traj else {}),
-        "drift_budget": sel.budget.value,  # the budget the finalists were judged by (compiled, with dropout)
+        **({"traj_rel": contest.trajectory.of(chosen)}
+           if chosen.training_key() in contest.trajectory.traj else {}),
+        "drift_budget": contest.budget.value,  # what judged the finalists (compiled, with dropout)
         # left out when torch.autocast itself overflowed (a policy file holds finite numbers only)
         **({"autocast_grad_rel_l2": run.autocast.grad_rel_l2}
            if math.isfinite(run.autocast.grad_rel_l2) else {}),
-        **({"memory_budget_bytes": sel.memory_budget} if sel.memory_budget is not None else {}),
+        **({"memory_budget_bytes": contest.memory_budget} if contest.memory_budget is not None else {}),
     }
 
 
-def side_by_side(run: TuneState, sel: Contest, chosen_m: Measurement, compile: bool) -> list[dict[str, Any]]:
+def side_by_side(run: TuneState, contest: Contest, chosen_m: Measurement,
+                 compile: bool) -> list[dict[str, Any]]:
     """Rows of the side-by-side table: FP32 eager, torch.autocast eager (and compiled), fp32 +
     torch.compile (the all-fp32 finalist, compiled), the policy.
     Each row's ``bar`` names the column its ``vs_autocast`` ratio is against: torch.autocast +
-    torch.compile, or torch.autocast eager without compile (the head-to-head's ``sel.ac_label``)."""
+    torch.compile, or torch.autocast eager without compile (the head-to-head's ``contest.ac_label``)."""
     ac = NAMES.get(run.ac_dtype, str(run.ac_dtype))
-    t, ref = sel.timings, sel.timings.get(sel.ac_label)
-    chosen_t = t.get(sel.decision.chosen.name) if sel.decision is not None else None
+    t, ref = contest.timings, contest.timings.get(contest.ac_label)
+    chosen_t = t.get(contest.decision.chosen.name) if contest.decision is not None else None
     fp32_t = t.get(FP32_EAGER)
     table = [_row("fp32 eager", run.fp32, run.fp32, fp32_t, ref),
-             _row(f"autocast {ac} eager", sel.autocast_eager or run.autocast, run.fp32, t.get(AUTOCAST_EAGER),
+             _row(f"autocast {ac} eager", contest.autocast_eager or run.autocast, run.fp32,
+                  t.get(AUTOCAST_EAGER),
                   None if compile else ref, fp32_t)]
-    if sel.autocast_compiled is not None:
-        table.append(_row(f"autocast {ac} + compile", sel.autocast_compiled, run.fp32, ref, ref, fp32_t))
-    if sel.fp32_compiled is not None:  # the other bar: the all-fp32 finalist, compiled
-        table.append(_row("fp32 + compile", sel.fp32_compiled, run.fp32, None, ref, fp32_t))
+    if contest.autocast_compiled is not None:
+        table.append(_row(f"autocast {ac} + compile", contest.autocast_compiled, run.fp32, ref, ref, fp32_t))
+    if contest.fp32_compiled is not None:  # the other bar: the all-fp32 finalist, compiled
+        table.append(_row("fp32 + compile", contest.fp32_compiled, run.fp32, None, ref, fp32_t))
     name = "autoprec policy" + (" + compile" if compile else " (eager)")
     table.append(_row(name, chosen_m, run.fp32, chosen_t, ref, fp32_t))
     bar = "autocast+compile" if compile else "autocast eager"
     return [r | {"bar": bar} for r in table]
 
 
-def note_if_eager_was_faster(run: TuneState, sel: Contest, chosen: Policy, chosen_m: Measurement,
+def note_if_eager_was_faster(run: TuneState, contest: Contest, chosen: Policy, chosen_m: Measurement,
                              compile: bool) -> None:
     """Say so when an eager run beat the compiled policy by over 10% (not for a recomputing
     policy, which trades speed for memory on purpose). fp32 eager's speed is the head-to-head's
@@ -94,9 +97,9 @@ def note_if_eager_was_faster(run: TuneState, sel: Contest, chosen: Policy, chose
     (timed alone, and noisier), counts only for a policy that lowers something: an all-fp32
     policy eager is fp32 eager, and a screening number must not contradict the head-to-head.
     Without compile, say so when the head-to-head found the model as it is (fp32 eager, no
-    autoprec) faster than the written policy beyond the noise (``sel.decision``'s verdict
+    autoprec) faster than the written policy beyond the noise (``contest.decision``'s verdict
     "slower"): applying it would only cost speed (a Mixtral's graph ran at 0.86x, band 0.78-0.98)."""
-    d = getattr(sel, "decision", None)
+    d = getattr(contest, "decision", None)
     if (not compile and d is not None and d.verdict == "slower" and d.vs_baseline is not None
             and d.best_baseline is not None and d.best_baseline.name == FP32_EAGER):
         c = d.vs_baseline
@@ -104,8 +107,8 @@ def note_if_eager_was_faster(run: TuneState, sel: Contest, chosen: Policy, chose
             f"({c.ratio:.2f}x, band {c.band[0]:.2f}-{c.band[1]:.2f}); for this model train it without the "
             "policy, or tune and train with compile", run.quiet)
         return
-    fp32_t = sel.timings.get(FP32_EAGER)
-    own = 0.0 if all_fp32(chosen) else sel.eager_tokens_per_s.get(chosen.training_key()) or 0.0
+    fp32_t = contest.timings.get(FP32_EAGER)
+    own = 0.0 if all_fp32(chosen) else contest.eager_tokens_per_s.get(chosen.training_key()) or 0.0
     eager = max([(own, "this policy eager"),
                  (fp32_t.tokens_per_s if fp32_t is not None else run.fp32.tokens_per_s, "fp32 eager")])
     if compile and eager[0] > 1.1 * chosen_m.tokens_per_s and chosen.activation_memory_budget >= 1.0:

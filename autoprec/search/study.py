@@ -38,7 +38,7 @@ from autoprec.measure import Harness, Measurement
 from autoprec.measure.load import LoadMonitor
 from autoprec.modelspec import ModelSpec, load_model_spec
 from autoprec.nodekeys import graph_fingerprint
-from autoprec.policy import REGIONAL_EMULATED, Policy
+from autoprec.policy import Policy
 from autoprec.search import attrs, screen_cut
 from autoprec.search.budgets import (
     check_memory_floor,
@@ -318,7 +318,7 @@ def _contest(run: TuneState, compile: bool, traj_steps: int, compile_variants: b
                    progress=run.progress, also=also, compile_variants=compile_variants)
 
 
-def _finalists(run: TuneState, sel: Contest, study: optuna.Study, k: int,
+def _finalists(run: TuneState, contest: Contest, study: optuna.Study, k: int,
                memory_arg: tuple[str, float] | None) -> tuple[Policy, Measurement]:
     """Phase 5: the selector's pick among the ``k`` fastest feasible trials, the autocast twin and
     all-fp32, timed head to head with torch.autocast + torch.compile (torch.autocast eager without
@@ -328,12 +328,12 @@ def _finalists(run: TuneState, sel: Contest, study: optuna.Study, k: int,
     h = run.harness
 
     def budget() -> float | None:  # --max-memory auto refers to torch.autocast as compiled, if it was
-        ref = sel.autocast_compiled if _ok(sel.autocast_compiled) else run.autocast
+        ref = contest.autocast_compiled if _ok(contest.autocast_compiled) else run.autocast
         return memory_budget(memory_arg, run.fp32, ref, h.state_bytes, h.optimizer_name)
 
     with accounted(run.clock, "finalists_s"):  # the finalists' lazy Inductor compiles go to compile_s
-        chosen, chosen_m = sel.run(feasible(study), k, budget)
-    t = sel.timings.get(FP32_EAGER)  # timed in the head-to-head's rounds
+        chosen, chosen_m = contest.run(feasible(study), k, budget)
+    t = contest.timings.get(FP32_EAGER)  # timed in the head-to-head's rounds
     if t is None or not t.step_times:  # full steps again: the baselines phase screened its passes
         with run.clock("baselines_s"):
             t = h.measure(h.model)
@@ -343,28 +343,27 @@ def _finalists(run: TuneState, sel: Contest, study: optuna.Study, k: int,
     return chosen, chosen_m
 
 
-def _write(run: TuneState, study: optuna.Study, sel: Contest, chosen: Policy, chosen_m: Measurement,
+def _write(run: TuneState, study: optuna.Study, contest: Contest, chosen: Policy, chosen_m: Measurement,
            compile: bool, out: str | os.PathLike, report: bool) -> TuneResult:
     """Phase 6: the policy's ``measured`` and ``provenance`` blocks, the side-by-side table, the
     report and the policy file (atomic, last), written together: a Ctrl-C while they are written
     is held back until both are (:func:`autoprec._interrupt.deferred`; it then raises), so a
     report never describes a policy that was not written (an older one at ``out``, say)."""
     timings = run.clock.done()
-    best = baseline_to_beat(sel, compile)
-    # compiled: the options the contest compiled it with (REGIONAL_EMULATED unless a variant won)
-    options = (chosen.compile_options or REGIONAL_EMULATED) if compile else None
+    best = baseline_to_beat(contest, compile)
+    options = contest.compiled_as(chosen) if compile else None  # how what was measured was compiled
     policy = dataclasses.replace(chosen, compile_options=options).with_measured(
-        measured_block(run, sel, chosen, chosen_m, compile)).with_provenance(
+        measured_block(run, contest, chosen, chosen_m, compile)).with_provenance(
         model=str(run.spec.path), graph_fingerprint=graph_fingerprint(run.gm), device=device_name(run.dev),
         torch=torch.__version__, autoprec=__version__, created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         study=study.study_name, compiled=compile, **({"baseline": best[0]} if best is not None else {}),
     )
-    table = side_by_side(run, sel, chosen_m, compile)
-    note_if_eager_was_faster(run, sel, chosen, chosen_m, compile)
+    table = side_by_side(run, contest, chosen_m, compile)
+    note_if_eager_was_faster(run, contest, chosen, chosen_m, compile)
     # what the report shows beyond the trials, kept in the study for ``autoprec report`` (the last run's)
     result = {"table": table, "policy": policy.to_dict(), "timings": timings, "shapes": run.harness.shapes,
-              "levers": sel.finalists.rows,
-              "decision": sel.decision.describe() if sel.decision is not None else None}
+              "levers": contest.finalists.rows,
+              "decision": contest.decision.describe() if contest.decision is not None else None}
     study.set_user_attr(attrs.RESULT, result)
     check_interrupt()  # never begin writing after Ctrl-C, even one Python swallowed
     with deferred_interrupt():
@@ -376,7 +375,7 @@ def _write(run: TuneState, study: optuna.Study, sel: Contest, chosen: Policy, ch
             log("report: " + ", ".join(str(p) for p in paths), run.quiet)
         policy.save(out)  # atomic; the last file written
     check_interrupt()  # a Ctrl-C that came while writing: both files are complete
-    return TuneResult(policy, study, table, timings, run.probes, sel.budget, sel.decision)
+    return TuneResult(policy, study, table, timings, run.probes, contest.budget, contest.decision)
 
 
 def _graph(run: TuneState) -> dict:
