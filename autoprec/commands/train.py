@@ -6,6 +6,11 @@ step k sees exactly the batches the uninterrupted run sees from k on. The steps 
 each step draws from the global generators as the previous one left them, and a checkpoint saves
 and restores that state, so a resumed run continues the same random stream.
 
+A policy with ``batching`` (``tune --global-batch``) trains each optimizer step on its global batch as
+``accumulation`` micro-batches (:mod:`autoprec.modelspec.micro_batches`: step k's global batch is built
+from the model file and split along dimension 0); gradients accumulate in fp32 and the optimizer steps
+once per global batch.
+
 Under torchrun (``autoprec train --nproc N``, :mod:`autoprec.distributed`) each rank trains
 the applied module under DDP on its own batches (rank r at step k: ``get_batch(k * N + r)``), with
 the same RNG stream on every rank; the loss logged is the mean over the ranks, and only rank 0
@@ -14,6 +19,7 @@ prints, writes the monitor log and saves checkpoints (every rank loads one on ``
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -38,6 +44,7 @@ from autoprec.distributed.ranks import (
 from autoprec.distributed.wrap import ddp
 from autoprec.errors import AutoprecError
 from autoprec.modelspec import load_model_spec
+from autoprec.modelspec.micro_batches import count_tokens, one_micro_batch, step_batches
 from autoprec.policy import Policy
 from autoprec.training.checkpoint import load_checkpoint, peek_checkpoint, save_checkpoint
 from autoprec.training.monitor import Monitor
@@ -141,8 +148,10 @@ def _train(spec: Any, policy: Policy, policy_path: str | os.PathLike, dev: Any, 
     """:func:`train` once the files are loaded and this rank's device is known."""
     model = spec.build_model().to(dev)
     model.train()
-    first = spec.get_batch(0, dev)
-    gm = capture_for(model, [first] + [spec.get_batch(i, dev) for i in range(1, PROBE_BATCHES)])
+    source = step_batches(spec, policy.batching, dev)  # the policy's micro-batch and accumulation
+    batch_at = (lambda i: source.micro(i, dev)) if source is not None else (lambda i: spec.get_batch(i, dev))
+    first = batch_at(0)
+    gm = capture_for(model, [first] + [batch_at(i) for i in range(1, PROBE_BATCHES)])
     why = check_policy_file(policy, policy_path, gm, str(spec.path), force)  # another model's: refused
     if ranks.lead and why:
         print(f"autoprec train: warning: {why}", file=sys.stderr, flush=True)
@@ -170,17 +179,21 @@ def _train(spec: Any, policy: Policy, policy_path: str | os.PathLike, dev: Any, 
         save_checkpoint(checkpoint, model, optimizer, step.scaler, policy, step=done,
                         extra={WORLD_SIZE: ranks.world})
 
-    hooks = [mean_loss_hook(ranks), _recorder(monitor, spec.tokens_per_batch),
+    tokens = functools.partial(count_tokens, spec.tokens_per_batch)
+    hooks = [mean_loss_hook(ranks), _recorder(monitor, tokens),
              _printer(steps, log_every, quiet)]
     if compile and not quiet:
         hooks.append(_first_step_cache(start, compile_cache_counts()))
     if checkpoint is not None:
         hooks.append(every(checkpoint_every, save, stop=steps))
-    batches = rank_step_batch(spec.get_batch, dev, ranks) if ranks.world > 1 else (
-        lambda k: first if k == 0 else spec.get_batch(k, dev))
+    get_step = source.step if source is not None else spec.get_batch
+    batches = rank_step_batch(get_step, dev, ranks) if ranks.world > 1 else (
+        (lambda k: first if k == 0 else spec.get_batch(k, dev)) if source is None else
+        (lambda k: source.step(k, dev)))
     try:
         done = run_steps(step, batches, start, steps,
-                         before=lambda _k, batch: setattr(monitor, "last_batch", batch), after=hooks)
+                         before=lambda _k, batch: setattr(monitor, "last_batch", one_micro_batch(batch)),
+                         after=hooks)
         if checkpoint is not None:
             save(max(steps, start))
     finally:
@@ -275,9 +288,11 @@ def _resume(checkpoint: str | os.PathLike, policy_path: str | os.PathLike, polic
 
 
 def _recorder(monitor: Monitor, tokens_per_batch: Any) -> StepHook:
-    """Hook recording each step in ``monitor`` (tokens from the model file's ``tokens_per_batch``)."""
+    """Hook recording each step in ``monitor`` (tokens from the model file's ``tokens_per_batch``,
+    summed over an accumulated step's micro-batches; an overflow is diagnosed on its first)."""
     def hook(k: int, batch: Any, stats: StepStats, seconds: float) -> None:
-        monitor.record(k, stats, tokens=tokens_per_batch(batch), seconds=seconds, batch=batch)
+        monitor.record(k, stats, tokens=tokens_per_batch(batch), seconds=seconds,
+                       batch=one_micro_batch(batch))
 
     return hook
 

@@ -1,4 +1,4 @@
-"""Precision policies: frozen dataclasses, JSON schema v3 (v1 and v2 read unchanged), atomic save,
+"""Precision policies: frozen dataclasses, JSON schema v4 (v1 to v3 read unchanged), atomic save,
 validated load (docs/architecture.md#policy-file).
 
 A :class:`Policy` says which dtype each graph node stores its output in, computes in and saves
@@ -16,11 +16,13 @@ Modules: :mod:`~autoprec.policy.core` (:class:`Policy`, load and save),
 :mod:`~autoprec.policy.rule` (:class:`Rule`), :mod:`~autoprec.policy.loss_scaling`
 (:class:`LossScalingConfig` and the one home of the loss-scaling defaults and ranges, which
 ``training.scaler`` uses too), :mod:`~autoprec.policy.compile_options` (:class:`CompileOptions`:
-how the graph is compiled) and :mod:`~autoprec.policy.fields` (the field checks).
+how the graph is compiled), :mod:`~autoprec.policy.batching` (:class:`Batching`: micro-batch and
+accumulation) and :mod:`~autoprec.policy.fields` (the field checks).
 """
 
 from __future__ import annotations
 
+from autoprec.policy.batching import Batching
 from autoprec.policy.compile_options import REGIONAL_EMULATED, TORCH_COMPILE, CompileOptions
 from autoprec.policy.core import (
     ACCUMULATE_MODES,
@@ -36,5 +38,5 @@ from autoprec.policy.rule import FP8, OP_CLASSES, RULE_KEYS, RULE_OP_CLASSES, Ru
 __all__ = [
     "ACCUMULATE_MODES", "FP8", "GRAD_REDUCE_DTYPES", "LOSS_SCALING_KEYS", "LOSS_SCALING_MODES", "OP_CLASSES",
     "RULE_KEYS", "READ_VERSIONS", "RULE_OP_CLASSES", "SCHEMA_VERSION", "TOP_LEVEL_KEYS", "LossScalingConfig",
-    "Policy", "REGIONAL_EMULATED", "Rule", "TORCH_COMPILE", "CompileOptions",
+    "Policy", "REGIONAL_EMULATED", "Rule", "TORCH_COMPILE", "Batching", "CompileOptions",
 ]

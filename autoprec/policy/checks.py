@@ -8,6 +8,7 @@ import math
 from typing import Any
 
 from autoprec.dtypes import DTYPES
+from autoprec.policy.batching import Batching
 from autoprec.policy.compile_options import CompileOptions
 from autoprec.policy.fields import (
     build,
@@ -26,12 +27,13 @@ from autoprec.policy.rule import RULE_KEYS, SCHEMA2_RULE_KEYS, Rule
 __all__ = ["ACCUMULATE_MODES", "FOLLOW_PLACEMENTS", "FP8_SCALINGS", "GRAD_REDUCE_DTYPES", "READ_VERSIONS",
            "SCHEMA_VERSION", "TOP_LEVEL_KEYS", "check_fields", "rules_from_json", "versions"]
 
-#: The newest policy file format version: 3 when a policy records ``compile_options`` (what ``tune``
-#: writes); a policy without them is written as 2 when it uses a schema-2 field (a rule's
-#: ``compute`` or ``saved``, or fp8), else 1, which older readers take (``Policy.schema``).
-SCHEMA_VERSION = 3
-#: The versions :meth:`Policy.from_dict` reads (schemas 1 and 2 load unchanged).
-READ_VERSIONS: tuple[int, ...] = (1, 2, 3)
+#: The newest policy file format version: 4 when a policy records ``batching`` (``tune
+#: --global-batch``), 3 when it records ``compile_options`` (what ``tune`` writes compiled); a policy
+#: without them is written as 2 when it uses a schema-2 field (a rule's ``compute`` or ``saved``, or
+#: fp8), else 1, which older readers take (``Policy.schema``).
+SCHEMA_VERSION = 4
+#: The versions :meth:`Policy.from_dict` reads (schemas 1 to 3 load unchanged).
+READ_VERSIONS: tuple[int, ...] = (1, 2, 3, 4)
 ACCUMULATE_MODES: tuple[str, ...] = ("fp32", "none")
 #: dtypes gradients may be communicated in across ranks (``Policy.grad_reduce_dtype``).
 GRAD_REDUCE_DTYPES: tuple[str, ...] = ("fp32", "bf16")
@@ -52,7 +54,7 @@ ATTENTION_IMPLS: tuple[str, ...] = ("fused", "math")
 TOP_LEVEL_KEYS: tuple[str, ...] = (
     "schema_version", "default_dtype", "rules", "accumulate", "loss_scaling",
     "master_weights", "optimizer_state", "activation_memory_budget", "grad_reduce_dtype", "fp8_scaling",
-    "follow_placement", "attention", "compile_options", "provenance", "measured",
+    "follow_placement", "attention", "compile_options", "batching", "provenance", "measured",
 )
 
 
@@ -88,6 +90,8 @@ def check_fields(p: Any, source: str) -> None:
     if p.compile_options is not None and not isinstance(p.compile_options, CompileOptions):
         raise fail(source, "compile_options",
                    f"expected a CompileOptions, got {described(p.compile_options)}")
+    if p.batching is not None and not isinstance(p.batching, Batching):
+        raise fail(source, "batching", f"expected a Batching, got {described(p.batching)}")
     check_mapping(p.provenance, source, "provenance")
     for k, v in check_mapping(p.measured, source, "measured").items():
         if not isinstance(k, str):
@@ -105,7 +109,7 @@ def check_fields(p: Any, source: str) -> None:
 
 
 def versions() -> str:
-    """The readable schema versions, for messages: ``"1, 2 and 3"``."""
+    """The readable schema versions, for messages: ``"1, 2, 3 and 4"``."""
     *head, last = map(str, READ_VERSIONS)
     return f"{', '.join(head)} and {last}" if head else last
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from autoprec._io import atomic_write
 from autoprec.errors import PolicyError
+from autoprec.policy.batching import Batching
 from autoprec.policy.checks import (
     ACCUMULATE_MODES,
     FOLLOW_PLACEMENTS,
@@ -86,6 +87,10 @@ class Policy:
             softmax, :mod:`autoprec.kernels.attention`; faster than the fused kernel where native
             low-precision GEMMs are, and measured by the search). A schema-2 field, written only
             when ``"math"``.
+        compile_options: How the graph is compiled (:class:`CompileOptions`; None: no say, as
+            ``torch.compile(model)``). A schema-3 field.
+        batching: The micro-batch and gradient accumulation training runs (:class:`Batching`,
+            ``tune --global-batch``; None: the model file's batch, no accumulation). A schema-4 field.
         provenance: Read-only JSON-ready mapping (model, graph fingerprint, device, versions, ...).
         measured: Read-only mapping of finite numbers (tokens_per_s, grad_rel_l2, peak_bytes, ...).
 
@@ -105,6 +110,7 @@ class Policy:
     follow_placement: str = "mincut"
     attention: str = "fused"
     compile_options: CompileOptions | None = None
+    batching: Batching | None = None
     provenance: Mapping[str, Any] = field(default_factory=dict)
     measured: Mapping[str, float] = field(default_factory=dict)
 
@@ -238,6 +244,8 @@ class Policy:
             parts.append(f"attention {self.attention}")
         if self.compile_options is not None:
             parts.append(f"compiled {self.compile_options.describe()}")
+        if self.batching is not None:
+            parts.append(self.batching.describe())
         return "; ".join(parts)
 
     @property
@@ -252,8 +260,10 @@ class Policy:
 
     @property
     def schema(self) -> int:
-        """The file version :meth:`to_dict` writes: 3 with ``compile_options``, 2 with another
-        schema-2 field (:attr:`schema2`), else 1 (older readers take what they can)."""
+        """The file version :meth:`to_dict` writes: 4 with ``batching``, 3 with ``compile_options``,
+        2 with another schema-2 field (:attr:`schema2`), else 1 (older readers take what they can)."""
+        if self.batching is not None:
+            return 4
         return 3 if self.compile_options is not None else (2 if self.schema2 else 1)
 
     @property
@@ -295,6 +305,8 @@ class Policy:
             d["attention"] = self.attention
         if self.compile_options is not None:
             d["compile_options"] = self.compile_options.to_dict()
+        if self.batching is not None:
+            d["batching"] = self.batching.to_dict()
         return d | {"provenance": jsonable(self.provenance, "Policy", "provenance"),
                     "measured": dict(self.measured)}
 
@@ -333,6 +345,11 @@ class Policy:
                 raise fail(source, "compile_options",
                            f"needs schema_version 3 (a schema-3 field); this file says {version}")
             kw["compile_options"] = CompileOptions.from_dict(d["compile_options"], source)
+        if "batching" in d:
+            if version < 4:
+                raise fail(source, "batching",
+                           f"needs schema_version 4 (a schema-4 field); this file says {version}")
+            kw["batching"] = Batching.from_dict(d["batching"], source)
         if "loss_scaling" in d:
             ls = check_mapping(d["loss_scaling"], source, "loss_scaling")
             check_keys(ls, LOSS_SCALING_KEYS, "loss_scaling", source, "loss_scaling")

@@ -29,6 +29,7 @@ from torch import nn
 
 from autoprec.errors import LossScaleError
 from autoprec.modelspec import call_model
+from autoprec.modelspec.micro_batches import Accumulated
 from autoprec.policy import Policy
 from autoprec.training.scaler import DynamicLossScaler, forward_nonfinite_message, unscaled_grad_norm
 
@@ -133,18 +134,22 @@ class TrainStep:
             return contextlib.nullcontext()
         return torch.autocast(self.device_type, dtype=self.autocast_dtype)
 
-    def forward_backward(self, batch: Any) -> torch.Tensor:
-        """Forward, loss and (scaled) backward; gradients accumulate into ``param.grad`` (fp32).
+    def forward_backward(self, batch: Any, weight: float = 1.0) -> torch.Tensor:
+        """Forward, loss and (scaled) backward of ``loss * weight``; gradients accumulate into
+        ``param.grad`` (fp32).
 
-        Returns the unscaled loss (detached). Call it several times before :meth:`finish` for
-        gradient accumulation across micro-batches: accumulation happens in the fp32 ``.grad``
-        of the master weights whatever the compute dtype (case C06).
+        Returns the unscaled, unweighted loss (detached). Call it several times before :meth:`finish`
+        for gradient accumulation across micro-batches (``weight = 1 / micro-batches``, the mean):
+        accumulation happens in the fp32 ``.grad`` of the master weights whatever the compute dtype
+        (case C06), and the loss scaler unscales and checks once, in :meth:`finish`, as
+        ``torch.amp.GradScaler`` does with accumulation.
         """
         with self._context():
             out = call_model(self.module, batch)
             loss = self.loss_fn(out, batch)
         loss = loss.float()
-        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+        weighted = loss * weight if weight != 1.0 else loss
+        (self.scaler.scale(weighted) if self.scaler is not None else weighted).backward()
         return loss.detach()
 
     def finish(self) -> tuple[bool, float, float, int]:
@@ -179,9 +184,15 @@ class TrainStep:
         return skipped, scale, norm, bad
 
     def __call__(self, batch: Any) -> StepStats:
-        """One step on ``batch``. Without a scaler a step with non-finite gradients is skipped too
-        (no NaN is ever written into the weights)."""
-        loss = self.forward_backward(batch)
+        """One optimizer step on ``batch``; on an :class:`~autoprec.modelspec.micro_batches.Accumulated`
+        one, a forward/backward per micro-batch (each loss weighted by 1/A, the reported loss their
+        mean) and one optimizer step. Without a scaler a step with non-finite gradients is skipped
+        too (no NaN is ever written into the weights)."""
+        if isinstance(batch, Accumulated):
+            w = 1.0 / len(batch.parts)
+            loss = torch.stack([self.forward_backward(p, w) for p in batch.parts]).mean()
+        else:
+            loss = self.forward_backward(batch)
         skipped, scale, norm, bad = self.finish()
         return StepStats(float(loss), skipped, scale, norm, bad)
 

@@ -79,7 +79,7 @@ def test_to_dict_layout_matches_design():
     d2 = dataclasses.replace(complex_policy(), activation_memory_budget=0.5).to_dict()
     assert list(d2)[7:] == ["activation_memory_budget", "provenance", "measured"]
     # no schema-2 field is used, so the file is written as schema 1 (older readers take it)
-    assert d["schema_version"] == 1 and SCHEMA_VERSION == 3
+    assert d["schema_version"] == 1 and SCHEMA_VERSION == 4
     assert d["rules"][0] == {"op_class": "sensitive", "dtype": "fp32"}
     assert d["rules"][1] == {"module": "model.layers.0.*", "op_class": "matmul", "dtype": "fp32"}
     assert d["rules"][3] == {"node": "model.layers.3.mlp.down_proj/linear#0", "dtype": "fp16"}
@@ -169,7 +169,7 @@ def test_summary():
 
 REJECTIONS = [
     # (mutation of the default policy dict, field named in the message, extra text expected)
-    ({"schema_version": 4}, "schema_version", "versions 1, 2 and 3"),
+    ({"schema_version": 5}, "schema_version", "versions 1, 2, 3 and 4"),
     ({"schema_version": "1"}, "schema_version", "not supported"),
     ({"schema_version": True}, "schema_version", "not supported"),
     ({"extra": 1}, "extra", "unknown top-level key"),
@@ -748,3 +748,40 @@ def test_compile_options_round_trip_as_schema_3_and_older_files_load_unchanged(t
     for doc, match in bad:
         with pytest.raises(PolicyError, match=f"^x.json: {match}"):
             Policy.from_dict(doc, "x.json")
+
+
+def test_batching_round_trips_as_schema_4_and_older_files_load_unchanged(tmp_path):
+    """Issue 51: a policy that records its micro-batch and accumulation is written as schema 4
+    (``tune --global-batch``); a file without ``batching`` keeps its version and loads with none;
+    a schema-3 file naming it, a missing key, an unknown key and a non-integer or zero value are
+    refused naming the file and the field."""
+    import dataclasses
+    import json
+
+    from autoprec.errors import PolicyError
+    from autoprec.policy import Batching, CompileOptions, Policy
+
+    tuned = dataclasses.replace(Policy.default("bf16"), compile_options=CompileOptions(True, True),
+                                batching=Batching(micro_batch=8, accumulation=2))
+    path = tmp_path / "p.json"
+    tuned.save(path)
+    d = json.loads(path.read_text())
+    assert d["schema_version"] == 4 and d["batching"] == {"micro_batch": 8, "accumulation": 2}
+    assert Policy.load(path) == tuned and tuned.batching.global_batch == 16
+    assert "micro-batch 8 x 2 accumulated (global batch 16)" in tuned.summary()
+    assert tuned.training_key() != dataclasses.replace(tuned, batching=None).training_key()
+    three = dataclasses.replace(tuned, batching=None).to_dict()
+    assert three["schema_version"] == 3 and "batching" not in three
+    assert Policy.from_dict(three).batching is None
+    bad = [({**three, "batching": d["batching"]}, "batching: needs schema_version 4"),
+           ({**d, "batching": {"micro_batch": 8}}, "batching.accumulation: missing"),
+           ({**d, "batching": {**d["batching"], "global": 16}}, "batching.global: unknown"),
+           ({**d, "batching": {**d["batching"], "micro_batch": 0}},
+            "batching.micro_batch: expected an integer >= 1, got int 0"),
+           ({**d, "batching": {**d["batching"], "accumulation": 2.0}},
+            "batching.accumulation: expected an integer >= 1")]
+    for doc, match in bad:
+        with pytest.raises(PolicyError, match=f"^x.json: {match}"):
+            Policy.from_dict(doc, "x.json")
+    with pytest.raises(PolicyError, match="micro_batch: expected an integer >= 1, got bool True"):
+        Batching(micro_batch=True)
