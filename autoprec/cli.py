@@ -73,7 +73,8 @@ def _tune(a: argparse.Namespace) -> int:
     res = tune(a.model, trials=a.trials, timeout=a.timeout, max_drift=a.max_drift, device=a.device,
                storage=a.storage, study_name=a.study_name, compile=not a.no_compile, out=a.out,
                seed=a.seed, dtypes=a.dtypes, traj_steps=a.traj_steps, finalists=a.finalists,
-               max_memory=a.max_memory, strict_timing=a.strict_timing, compile_variants=a.compile_variants)
+               max_memory=a.max_memory, strict_timing=a.strict_timing, compile_variants=a.compile_variants,
+               global_batch=a.global_batch)
     print()
     print(format_table(res.table))
     m = res.policy.measured
@@ -91,6 +92,13 @@ def _tune(a: argparse.Namespace) -> int:
           + f", grad_rel_l2 {m['grad_rel_l2']:.3g} (budget: {rule}), "
           f"peak {m['peak_bytes'] / 2**20:.1f} MiB"
           + (f" (budget {m['memory_budget_bytes'] / 2**20:.1f} MiB)" if "memory_budget_bytes" in m else ""))
+    if "micro_batch_tokens_per_s" in m:
+        base = (f", {m['speedup_vs_baseline_at_global_batch']:.2f}x the baseline to beat at its own "
+                f"micro-batch {m['baseline_micro_batch']:.0f} ({m['baseline_micro_batch_tokens_per_s']:.0f} "
+                "tokens/s)" if "baseline_micro_batch" in m else "")
+        print(f"at global batch {m['global_batch']:.0f}: {res.policy.batching.describe()}, "
+              f"{m['micro_batch_tokens_per_s']:.0f} tokens/s, "
+              f"peak {m['micro_batch_peak_bytes'] / 2**20:.1f} MiB" + base)
     print("time: " + ", ".join(f"{k} {v:.0f}s" for k, v in res.timings.items()))
     print(cache_report(caches))
     return 0

@@ -93,8 +93,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "over 4 batches) or a number (a hard limit on the mean)")
     t.add_argument("--max-memory", default=None, metavar="M",
                    help="memory budget for the policy's peak bytes: 'auto' (torch.autocast's, measured in "
-                        "this run), '0.8x' (of FP32 eager's), or bytes ('300MiB', '2GiB'); compiled policies "
-                        "over it recompute activations in backward (default: none)")
+                        "this run), '0.8x' (of FP32 eager's), '90%%' (of the device's memory) or bytes "
+                        "('300MiB', '2GiB'); compiled policies over it save activations in bf16 or recompute "
+                        "them in backward (default: none; with --global-batch on CUDA, 90%% of the device's)")
+    t.add_argument("--global-batch", type=_int_at_least(1), default=None, metavar="N",
+                   help="examples per optimizer step (the model file's batch unit): search the micro-batch "
+                        "dividing it with the policy, within --max-memory, and write it with its gradient "
+                        "accumulation (default: the model file's batch, no search)")
     t.add_argument("--device", default="auto", help="auto | cpu | cuda")
     t.add_argument("--out", default="policy.json", help="policy file to write (default policy.json)")
     t.add_argument("--storage", default=None, help="Optuna storage URL (default: SQLite beside --out)")

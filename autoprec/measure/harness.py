@@ -33,7 +33,7 @@ from autoprec.measure.drift import (
 from autoprec.measure.measurement import Measurement, describe_failure
 from autoprec.measure.memory import SavedBytes, training_state_bytes
 from autoprec.measure.outcome import Outcome, Stage
-from autoprec.metrics import median
+from autoprec.metrics import grad_rel_l2, median
 from autoprec.modelspec import ModelSpec
 from autoprec.randomness import draws_random
 from autoprec.training.rng import MEASURE_SEED, StepRng, same_rng
@@ -245,6 +245,51 @@ class Harness:
         if d.stopped and m.outcome.going_on:
             m.outcome = ended[-1]
         return m
+
+    def global_drift(self, fn: Callable[..., Any], accumulation: int,
+                     scaler_factory: Callable[[], DynamicLossScaler | None] = lambda: None,
+                     autocast_dtype: torch.dtype | None = None, global_steps: int = 2,
+                     fp32_gemms: bool = False) -> list[float]:
+        """``grad_rel_l2`` of ``fn``'s accumulated gradients on each of ``global_steps`` global
+        batches against the FP32 reference's (:meth:`reference_fn`), accumulated the same way: on
+        a harness whose batches are micro-batches (``MicroBatches.micro_spec()``), global batch g is
+        micro-batches ``g*A .. g*A + A-1`` (``A = accumulation``), each loss weighted by 1/A, the
+        gradients summed in the fp32 ``.grad`` of the master weights (``tune --global-batch``'s drift,
+        docs/architecture.md#measurements). Micro-batch j of every global batch runs from RNG seed
+        ``MEASURE_SEED + j`` in both. References are cached per (reference, A, g).
+
+        Returns:
+            One value per global batch (dimensionless; inf where the gradients are non-finite).
+
+        Raises:
+            Exception: whatever running ``fn`` raises (compile errors, out of memory).
+        """
+        ref_fn = self.reference_fn(fn)
+        kind = "eager" if ref_fn is self.graph_module else f"compiled:{id(ref_fn)}"
+        out = []
+        for g in range(global_steps):
+            ref = self._refs.get(f"{kind}/A{accumulation}", g, lambda g=g: self._accumulated(
+                ref_fn, None, None, accumulation, g, False))
+            grads = self._accumulated(fn, scaler_factory(), autocast_dtype, accumulation, g, fp32_gemms)
+            out.append(grad_rel_l2(grads[1], ref[1]))
+        return out
+
+    def _accumulated(self, fn: Callable[..., Any], scaler: DynamicLossScaler | None,
+                     autocast_dtype: torch.dtype | None, accumulation: int, g: int,
+                     fp32_gemms: bool) -> Grads:
+        """Mean loss and unscaled fp32 gradients of global batch ``g`` (:meth:`global_drift`)."""
+        self.restore()
+        step = TrainStep(fn, self.params, GradientsOnly(), self.spec.loss_fn, scaler=scaler,
+                         autocast_dtype=autocast_dtype, device_type=self.device.type)
+        gemms = Fp32ComputeGemms(autocast_dtype) if fp32_gemms else contextlib.nullcontext()
+        losses = []
+        with self._eager_random(fn), gemms:
+            for j in range(accumulation):
+                with same_rng(self.device, MEASURE_SEED + j):
+                    batch = self.spec.get_batch(g * accumulation + j, self.device)
+                    losses.append(float(step.forward_backward(batch, 1.0 / accumulation)))
+        scale = scaler.get_scale() if scaler is not None else 1.0
+        return sum(losses) / accumulation, take_grads(self.params, scale)
 
     @property
     def state_bytes(self) -> int:

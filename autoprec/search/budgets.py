@@ -12,8 +12,15 @@ from autoprec.dtypes import FP8_COMPUTE, LOW_DTYPES
 from autoprec.errors import SearchError
 from autoprec.measure import Measurement
 
-__all__ = ["check_memory_floor", "format_bytes", "memory_budget", "parse_dtypes", "parse_max_drift",
+__all__ = ["DEVICE_MARGIN", "check_memory_floor", "default_device_budget", "device_memory_bytes",
+           "format_bytes", "memory_budget", "parse_dtypes", "parse_max_drift",
            "over_memory", "parse_max_memory", "why_no_finalist"]
+
+#: Under ``--global-batch`` on CUDA without ``--max-memory``, the budget is the device's memory less
+#: this fraction: room for the CUDA context, the caching allocator's fragmentation and the peak's
+#: step-to-step variation, which ``torch.cuda.max_memory_allocated`` does not count (PyTorch docs,
+#: "CUDA semantics: memory management"). A guess, not measured here; pass ``--max-memory`` to set it.
+DEVICE_MARGIN = 0.10
 
 _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
 
@@ -57,7 +64,9 @@ def parse_dtypes(dtypes: str | list[str]) -> list[str] | None:
 
 def parse_max_memory(max_memory: str | float | None) -> tuple[str, float] | None:
     """Parse ``--max-memory``: ``None``/``"none"`` -> None; ``"auto"`` -> ``("autocast", 1.0)``;
-    ``"0.8x"`` -> ``("fp32", 0.8)``; ``"300MiB"``, ``"2GiB"``, ``"5e8"`` or a number -> ``("bytes", n)``.
+    ``"0.8x"`` -> ``("fp32", 0.8)``; ``"90%"`` -> ``("device", 0.9)`` (a fraction of the device's
+    memory, :func:`device_memory_bytes`); ``"300MiB"``, ``"2GiB"``, ``"5e8"`` or a number ->
+    ``("bytes", n)``.
 
     Raises:
         SearchError: anything else, or a non-positive value (the message lists the accepted forms).
@@ -67,14 +76,37 @@ def parse_max_memory(max_memory: str | float | None) -> tuple[str, float] | None
     if max_memory == "auto":
         return ("autocast", 1.0)
     text = str(max_memory).strip().lower().replace(" ", "")
+    pct = re.fullmatch(r"([0-9]*\.?[0-9]+)%", text)
+    if pct is not None and 0 < float(pct.group(1)) <= 100:
+        return ("device", float(pct.group(1)) / 100)
     m = re.fullmatch(r"([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)(x|[kmg]i?b|b)?", text)
     if m is not None:
         value, unit = float(m.group(1)), m.group(2) or ""
         scaled = value if unit == "x" else value * _UNITS[unit]
         if value > 0 and math.isfinite(scaled) and scaled < 2.0**62:
             return ("fp32", value) if unit == "x" else ("bytes", scaled)
-    raise SearchError("--max-memory: expected 'auto', 'none', a multiple of FP32's peak like '0.8x', or "
-                      f"bytes like '300MiB', '2GiB' or '5e8'; got {max_memory!r}")
+    raise SearchError("--max-memory: expected 'auto', 'none', a multiple of FP32's peak like '0.8x', a "
+                      "share of the device's memory like '90%', or bytes like '300MiB', '2GiB' or '5e8'; "
+                      f"got {max_memory!r}")
+
+
+def device_memory_bytes(device: Any) -> int:
+    """The device's memory, bytes: CUDA's ``total_memory`` (``torch.cuda.get_device_properties``),
+    else the machine's physical memory (``os.sysconf``: pages x page size)."""
+    import os
+
+    import torch
+
+    if getattr(device, "type", str(device)) == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def default_device_budget(device: Any) -> tuple[str, float] | None:
+    """``--global-batch``'s memory budget when ``--max-memory`` is not given: on CUDA the device's
+    memory less :data:`DEVICE_MARGIN` (``("device", 0.9)``); elsewhere None (the CPU's budget
+    stays explicit: the machine's RAM is shared with everything else it runs)."""
+    return ("device", 1.0 - DEVICE_MARGIN) if getattr(device, "type", str(device)) == "cuda" else None
 
 
 def format_bytes(n: float) -> str:
@@ -117,12 +149,13 @@ def check_memory_floor(arg: tuple[str, float] | None, model: Any, make_optimizer
 
 
 def memory_budget(arg: tuple[str, float] | None, fp32: Measurement, autocast: Measurement,
-                  state_bytes: int, optimizer: str = "optimizer") -> float | None:
+                  state_bytes: int, optimizer: str = "optimizer", device: Any = "cpu") -> float | None:
     """Bytes allowed by the parsed ``--max-memory`` given this run's baselines.
 
     Args:
         arg: :func:`parse_max_memory`'s result.
         fp32, autocast: The FP32 and torch.autocast baselines (their ``peak_bytes``).
+        device: The device whose memory a ``("device", f)`` budget is a share of.
         state_bytes: Bytes of the fp32 parameters, their gradients and the optimizer's state
             (``Harness.state_bytes``), which every policy keeps (master weights,
             docs/architecture.md#runtime).
@@ -137,6 +170,8 @@ def memory_budget(arg: tuple[str, float] | None, fp32: Measurement, autocast: Me
     kind, value = arg
     if kind == "bytes":
         budget = value
+    elif kind == "device":
+        budget = value * device_memory_bytes(device)
     else:
         ref = autocast if kind == "autocast" else fp32
         if ref.error is not None or ref.peak_bytes <= 0:

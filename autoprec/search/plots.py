@@ -120,3 +120,44 @@ def save_figure(fig: Any, path: str | Path) -> None:
     plt = _pyplot()
     fig.savefig(path, bbox_inches="tight")
     plt.close(fig)
+
+
+def micro_batch_figure(block: dict[str, Any]) -> Any:
+    """Tokens/s against peak memory of every configuration ``tune --global-batch`` measured
+    (:meth:`autoprec.search.batch_phase.BatchChoice.report`): each timed point labelled with its
+    micro-batch (``m x accumulation``), one colour per configuration, the memory budget a vertical
+    line, the chosen point a star and the baseline to beat ringed. Points only measured for memory
+    (over the budget, or smaller than the largest that fits) sit at 0 tokens/s.
+
+    Returns:
+        A matplotlib Figure (x: peak MiB; y: tokens/s per global step).
+    """
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 4.4), dpi=110)
+    rows = [r for r in block["rows"] if r["error"] is None]
+    names = list(dict.fromkeys(r["config"] for r in rows))
+    for i, name in enumerate(names):
+        pts = [r for r in rows if r["config"] == name]
+        ax.scatter([r["peak_bytes"] / 2**20 for r in pts], [r["tokens_per_s"] for r in pts],
+                   color=f"C{i}", s=36, label=name)
+        for r in pts:
+            ax.annotate(f"{r['micro_batch']}x{r['accumulation']}",
+                        (r["peak_bytes"] / 2**20, r["tokens_per_s"]),
+                        textcoords="offset points", xytext=(4, 3), fontsize=7)
+    label = lambda r: f"{r['config']} @ {r['micro_batch']}x{r['accumulation']}"  # noqa: E731
+    for r in rows:
+        if label(r) == block.get("chosen"):
+            ax.scatter([r["peak_bytes"] / 2**20], [r["tokens_per_s"]], marker="*", s=260, color="gold",
+                       edgecolors="black", zorder=3, label=f"chosen: {label(r)}")
+        if label(r) == block.get("baseline"):
+            ax.scatter([r["peak_bytes"] / 2**20], [r["tokens_per_s"]], s=160, facecolors="none",
+                       edgecolors="red", zorder=3, label=f"baseline to beat: {label(r)}")
+    if block.get("memory_budget"):
+        ax.axvline(block["memory_budget"] / 2**20, color="grey", ls="--", lw=1,
+                   label=f"memory budget {block['memory_budget'] / 2**20:.1f} MiB")
+    ax.set_xlabel("peak memory of a micro-step (MiB)")
+    ax.set_ylabel("tokens/s per global step")
+    ax.set_title("micro-batch x memory lever (global batch fixed)")
+    ax.legend(loc="best", fontsize=7)
+    fig.tight_layout()
+    return fig

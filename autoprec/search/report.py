@@ -23,7 +23,7 @@ from autoprec.nodemeta import NodeMeta, read_meta
 from autoprec.policy import Policy
 from autoprec.search import attrs
 from autoprec.search.finalist_pool import is_feasible
-from autoprec.search.plots import dtype_map_figure, pareto_figure, save_figure
+from autoprec.search.plots import dtype_map_figure, micro_batch_figure, pareto_figure, save_figure
 from autoprec.search.rate_bands import rate_text, ties_with_fastest, timing_of
 
 __all__ = ["baseline_own_ratio", "format_table", "report_study", "write_report", "trial_rows", "pareto_front",
@@ -197,7 +197,8 @@ def report_study(study: optuna.Study, stem: str | os.PathLike) -> list[Path]:
 def write_report(study: optuna.Study, stem: str | os.PathLike, table: list[dict[str, Any]] | None = None,
                  policy: Policy | None = None, gm: fx.GraphModule | None = None,
                  timings: dict[str, float] | None = None, shapes: list[str] | None = None,
-                 levers: list[dict[str, Any]] | None = None, decision: str | None = None) -> list[Path]:
+                 levers: list[dict[str, Any]] | None = None, decision: str | None = None,
+                 micro_batches: dict[str, Any] | None = None) -> list[Path]:
     """Write ``<stem>.report.md``, ``<stem>.pareto.png`` and (with ``gm`` and ``policy``)
     ``<stem>.dtype_map.png``; returns the paths written.
 
@@ -207,7 +208,9 @@ def write_report(study: optuna.Study, stem: str | os.PathLike, table: list[dict[
     lists them with the lever each used and marks their speed/memory Pareto front; a finalist's
     ``rejected`` reason is also the note of the trial it came from. The Pareto plot marks the
     trial whose policy was written (by training key) with its compiled speedup. ``decision``
-    is the final head-to-head's verdict (:meth:`autoprec.search.race.Decision.describe`)."""
+    is the final head-to-head's verdict (:meth:`autoprec.search.race.Decision.describe`).
+    ``micro_batches`` (``tune --global-batch``: :meth:`autoprec.search.batch_phase.BatchChoice.report`)
+    adds a section and ``<stem>.micro_batch.png`` (tokens/s against peak memory)."""
     stem = Path(stem)
     rows = trial_rows(study)
     front = pareto_front(rows)
@@ -215,7 +218,7 @@ def write_report(study: optuna.Study, stem: str | os.PathLike, table: list[dict[
     md = stem.with_name(stem.name + ".report.md")
     rejected = {q["key"]: q["rejected"] for q in levers or [] if q.get("rejected") and q.get("key")}
     md.write_text(_markdown(rows, front, table, policy, timings, shapes, decision, rejected)
-                  + lever_section(levers or []))
+                  + lever_section(levers or []) + micro_batch_section(micro_batches))
     png = stem.with_name(stem.name + ".pareto.png")
     chosen = _chosen_row(rows, policy)
     compiled = (policy.measured or {}).get("speedup_vs_fp32") if policy is not None else None
@@ -226,7 +229,35 @@ def write_report(study: optuna.Study, stem: str | os.PathLike, table: list[dict[
         dm = stem.with_name(stem.name + ".dtype_map.png")
         save_figure(dtype_map_figure(dtype_map(gm, policy)), dm)
         paths.append(dm)
+    if micro_batches:
+        mb = stem.with_name(stem.name + ".micro_batch.png")
+        save_figure(micro_batch_figure(micro_batches), mb)
+        paths.append(mb)
     return paths
+
+
+def micro_batch_section(block: dict[str, Any] | None) -> str:
+    """Markdown: every configuration and micro-batch ``tune --global-batch`` measured (peak, fits,
+    accumulated drift, tokens/s per global step; why it is not a candidate), the chosen one and the
+    baseline to beat at its own largest fitting micro-batch."""
+    if not block:
+        return ""
+    budget = block.get("memory_budget")
+    lines = ["", "## Micro-batch and memory lever", "",
+             f"Memory budget: {f'{budget / 2**20:.1f} MiB' if budget else 'none'}. "
+             f"Chosen: {block['chosen']}; "
+             f"baseline to beat: {block['baseline'] or 'none fits'}. Tokens/s per global step: A x the timed "
+             "micro-step less (A - 1) updates.", "",
+             "| configuration | micro-batch x accumulation | peak MiB | fits | grad_rel_l2 (accumulated) | "
+             "tokens/s | note |", "|---|---|---:|---|---:|---:|---|"]
+    for r in block["rows"]:
+        drift = f"{r['grad_rel_l2']:.2e}" if r["grad_rel_l2"] is not None else ""
+        tps = f"{r['tokens_per_s']:.0f}" if r["tokens_per_s"] else ""
+        note = "; ".join(x for x in (r["error"], r["note"]) if x)
+        lines.append(f"| {r['config']} | {r['micro_batch']}x{r['accumulation']} | "
+                     f"{r['peak_bytes'] / 2**20:.1f} | {'yes' if r['fits'] else 'no'} | {drift} | {tps} | "
+                     f"{note} |")
+    return "\n".join(lines) + "\n"
 
 
 def _chosen_row(rows: list[dict[str, Any]], policy: Policy | None) -> dict[str, Any] | None:

@@ -40,8 +40,10 @@ from autoprec.modelspec import ModelSpec, load_model_spec
 from autoprec.nodekeys import graph_fingerprint
 from autoprec.policy import Policy
 from autoprec.search import attrs, screen_cut
+from autoprec.search.batch_phase import BatchChoice, check_global_batch, micro_batch_phase
 from autoprec.search.budgets import (
     check_memory_floor,
+    default_device_budget,
     memory_budget,
     parse_dtypes,
     parse_max_drift,
@@ -127,7 +129,7 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
          seed: int = 0, finalists: int = 2, quiet: bool = False, progress: bool = True,
          dtypes: str | list[str] = "auto", traj_steps: int = 20, report: bool = True,
          max_memory: str | float | None = None, strict_timing: bool = False,
-         compile_variants: bool = False) -> TuneResult:
+         compile_variants: bool = False, global_batch: int | None = None) -> TuneResult:
     """Search for the fastest policy within a drift budget and write it to ``out``.
 
     Args:
@@ -168,6 +170,12 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
             whose screening peak is over it are not finalists, nor finalists whose peak is.
         compile_variants: Race the compiled choice against its compile variants, one compile each
             (:func:`autoprec.search.contest.variant_options`), and write the fastest's options.
+        global_batch: Examples per optimizer step (the model file's batch unit): the micro-batch
+            dividing it is searched with the policy's memory lever, each configuration at its
+            largest micro-batch within ``max_memory`` (:mod:`autoprec.search.micro_batch`), and the
+            policy records it (``Policy.batching``). None (default): the model file's batch, as
+            before. On CUDA without ``max_memory`` the budget is the device's memory less
+            :data:`~autoprec.search.budgets.DEVICE_MARGIN`.
         strict_timing: Raise :class:`~autoprec.measure.load.BusyMachineError` when the machine is
             busy instead of warning (:mod:`autoprec.measure.load`: at the start, after the baselines
             and after the trials).
@@ -186,6 +194,9 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
     drift_arg, memory_arg, forced = (parse_max_drift(max_drift), parse_max_memory(max_memory),
                                      parse_dtypes(dtypes))
     spec = load_model_spec(model_path)
+    if global_batch is not None:  # a file that cannot give its micro-batches fails before capture
+        check_global_batch(spec, global_batch, resolve_device(device))
+        memory_arg = memory_arg or default_device_budget(resolve_device(device))
     if memory_arg is not None and memory_arg[0] == "bytes":  # as the CLI: an impossible budget before capture
         check_memory_floor(memory_arg, spec.build_model(), spec.make_optimizer, option="max_memory")
     run = _capture(spec, device, quiet, strict_timing, progress and not quiet and sys.stderr.isatty())
@@ -200,7 +211,11 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
                     finalists if memory_arg is None or compile else None)
     contest = _contest(run, compile, traj_steps, compile_variants)
     chosen, chosen_m = _finalists(run, contest, study, finalists, memory_arg)
-    return _write(run, study, contest, chosen, chosen_m, compile, out, report)
+    batches = None
+    if global_batch is not None:
+        batches = micro_batch_phase(run, contest, chosen, global_batch, compile)
+        chosen = batches.policy
+    return _write(run, study, contest, chosen, chosen_m, compile, out, report, batches)
 
 
 def _capture(spec: ModelSpec, device: str, quiet: bool, strict_timing: bool = False,
@@ -255,7 +270,7 @@ def _baselines(run: TuneState, drift_arg: float | None, memory_arg: tuple[str, f
     run.budget = (DriftBudget.auto(ac.grad_rel_l2_batches) if drift_arg is None
                   else DriftBudget.fixed(drift_arg))
     if memory_arg is not None and memory_arg[0] != "autocast":  # known now: fail before the trials
-        memory_budget(memory_arg, run.fp32, ac, h.state_bytes, h.optimizer_name)
+        memory_budget(memory_arg, run.fp32, ac, h.state_bytes, h.optimizer_name, run.dev)
     note = f" ({ac.error or ac.note})" if ac.error or ac.note else ""
     log(f"fp32 eager {run.fp32.tokens_per_s:.0f} tok/s; autocast({run.ac_dtype}) eager "
         + (f"{ac.tokens_per_s:.0f} tok/s" if ac.tokens_per_s else "not timed")
@@ -329,7 +344,7 @@ def _finalists(run: TuneState, contest: Contest, study: optuna.Study, k: int,
 
     def budget() -> float | None:  # --max-memory auto refers to torch.autocast as compiled, if it was
         ref = contest.autocast_compiled if _ok(contest.autocast_compiled) else run.autocast
-        return memory_budget(memory_arg, run.fp32, ref, h.state_bytes, h.optimizer_name)
+        return memory_budget(memory_arg, run.fp32, ref, h.state_bytes, h.optimizer_name, run.dev)
 
     with accounted(run.clock, "finalists_s"):  # the finalists' lazy Inductor compiles go to compile_s
         chosen, chosen_m = contest.run(feasible(study), k, budget)
@@ -344,7 +359,8 @@ def _finalists(run: TuneState, contest: Contest, study: optuna.Study, k: int,
 
 
 def _write(run: TuneState, study: optuna.Study, contest: Contest, chosen: Policy, chosen_m: Measurement,
-           compile: bool, out: str | os.PathLike, report: bool) -> TuneResult:
+           compile: bool, out: str | os.PathLike, report: bool,
+           batches: BatchChoice | None = None) -> TuneResult:
     """Phase 6: the policy's ``measured`` and ``provenance`` blocks, the side-by-side table, the
     report and the policy file (atomic, last), written together: a Ctrl-C while they are written
     is held back until both are (:func:`autoprec._interrupt.deferred`; it then raises), so a
@@ -352,8 +368,9 @@ def _write(run: TuneState, study: optuna.Study, contest: Contest, chosen: Policy
     timings = run.clock.done()
     best = baseline_to_beat(contest, compile)
     options = contest.compiled_as(chosen) if compile else None  # how what was measured was compiled
-    policy = dataclasses.replace(chosen, compile_options=options).with_measured(
-        measured_block(run, contest, chosen, chosen_m, compile)).with_provenance(
+    measured = measured_block(run, contest, chosen, chosen_m, compile) | (
+        batches.measured() if batches is not None else {})
+    policy = dataclasses.replace(chosen, compile_options=options).with_measured(measured).with_provenance(
         model=str(run.spec.path), graph_fingerprint=graph_fingerprint(run.gm), device=device_name(run.dev),
         torch=torch.__version__, autoprec=__version__, created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         study=study.study_name, compiled=compile, **({"baseline": best[0]} if best is not None else {}),
@@ -364,6 +381,8 @@ def _write(run: TuneState, study: optuna.Study, contest: Contest, chosen: Policy
     result = {"table": table, "policy": policy.to_dict(), "timings": timings, "shapes": run.harness.shapes,
               "levers": contest.finalists.rows,
               "decision": contest.decision.describe() if contest.decision is not None else None}
+    if batches is not None:
+        result["micro_batches"] = batches.report()
     study.set_user_attr(attrs.RESULT, result)
     check_interrupt()  # never begin writing after Ctrl-C, even one Python swallowed
     with deferred_interrupt():

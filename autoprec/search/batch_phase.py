@@ -1,0 +1,114 @@
+"""``tune --global-batch``'s phase after the finalists' contest: the contest's policy, its memory
+levers and the baselines, each at its largest micro-batch within the memory budget
+(:class:`autoprec.search.micro_batch.BatchSearch`), and what the policy file and report record of it
+(docs/architecture.md#micro-batch-and-memory-budget)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from autoprec.errors import SearchError
+from autoprec.modelspec import ModelSpec
+from autoprec.modelspec.micro_batches import MicroBatches
+from autoprec.policy import Policy
+from autoprec.search.budgets import format_bytes
+from autoprec.search.contest import Contest
+from autoprec.search.micro_batch import BatchPoint, BatchSearch
+from autoprec.search.phases import accounted
+from autoprec.search.progress import log
+from autoprec.search.tune_state import TuneState
+
+__all__ = ["BatchChoice", "check_global_batch", "micro_batch_phase"]
+
+
+@dataclass(frozen=True)
+class BatchChoice:
+    """What the micro-batch phase chose.
+
+    Attributes:
+        policy: The policy to write, with its ``batching`` (and memory lever).
+        best: Its point (micro-batch, peak, accumulated drift, global tokens/s).
+        bar: The baseline to beat's point at its own largest fitting micro-batch (None: none fits).
+        points: Every point measured (the report's table and plot).
+        memory_budget: Bytes, or None.
+    """
+
+    policy: Policy
+    best: BatchPoint
+    bar: BatchPoint | None
+    points: tuple[BatchPoint, ...]
+    memory_budget: float | None
+
+    @property
+    def ratio(self) -> float:
+        """The policy's global tokens/s over the baseline to beat's (nan without one)."""
+        return self.best.tokens_per_s / self.bar.tokens_per_s if self.bar is not None else float("nan")
+
+    def measured(self) -> dict[str, float]:
+        """The policy file's ``measured`` entries (finite numbers): ``global_batch``,
+        ``micro_batch_tokens_per_s`` (tokens/s per global step, the formula of
+        :func:`~autoprec.search.micro_batch.global_step_seconds`), ``micro_batch_peak_bytes``,
+        ``micro_batch_grad_rel_l2`` (accumulated, mean over the global batches) and, with a
+        baseline, ``baseline_micro_batch``, ``baseline_micro_batch_tokens_per_s`` and
+        ``speedup_vs_baseline_at_global_batch``."""
+        b = self.best
+        out = {"global_batch": float(b.micro_batch * b.accumulation),
+               "micro_batch_tokens_per_s": b.tokens_per_s,
+               "micro_batch_peak_bytes": float(b.peak_bytes),
+               "micro_batch_grad_rel_l2": sum(b.drift) / len(b.drift)}
+        if self.memory_budget is not None:
+            out["memory_budget_bytes"] = float(self.memory_budget)
+        if self.bar is not None:
+            out |= {"baseline_micro_batch": float(self.bar.micro_batch),
+                    "baseline_micro_batch_tokens_per_s": self.bar.tokens_per_s,
+                    "speedup_vs_baseline_at_global_batch": self.ratio}
+        return out
+
+    def report(self) -> dict[str, Any]:
+        """The report's block: the budget, the points' rows, the chosen and the baseline's labels."""
+        return {"memory_budget": self.memory_budget, "rows": [p.row() for p in self.points],
+                "chosen": self.best.label, "baseline": self.bar.label if self.bar is not None else None}
+
+
+def check_global_batch(spec: ModelSpec, global_batch: int, device: torch.device) -> None:
+    """Refuse, before any capture, a ``--global-batch`` the model file cannot give.
+
+    Raises:
+        SearchError: ``global_batch`` < 1, or the model file's batches cannot be resized to it
+            (:class:`~autoprec.modelspec.micro_batches.MicroBatches`'s message, naming the entry)."""
+    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
+        raise SearchError(f"--global-batch: expected an integer >= 1, got {global_batch!r}")
+    from autoprec.errors import ModelSpecError
+
+    try:
+        MicroBatches(spec, global_batch, 1, device)
+    except ModelSpecError as e:
+        raise SearchError(f"--global-batch {global_batch}: {e}") from None
+
+
+def micro_batch_phase(run: TuneState, contest: Contest, chosen: Policy, global_batch: int,
+                      compile: bool) -> BatchChoice:
+    """Search the micro-batch of ``chosen``, its memory levers and the baselines at the contest's
+    memory budget and drift rule, and log the choice against the baseline to beat.
+
+    Raises:
+        SearchError: no policy configuration fits (:meth:`BatchSearch.run`)."""
+    budget = contest.memory_budget
+    log(f"micro-batch: global batch {global_batch}"
+        + (f", memory budget {format_bytes(budget)}" if budget else ""), run.quiet)
+    search = BatchSearch(run.spec, run.dev, global_batch, contest.memory_budget, compile, run.baseline,
+                         contest.budget, None, run.quiet)
+    with accounted(run.clock, "micro_batch_s"):
+        policy, best, bar = search.run(chosen)
+    choice = BatchChoice(policy, best, bar, tuple(search.points), contest.memory_budget)
+    vs = (f"; the baseline to beat, {bar.label}: {bar.tokens_per_s:.0f} tok/s -> {choice.ratio:.2f}x"
+          if bar is not None else "; no baseline fits the budget")
+    log(f"micro-batch: {best.label} {best.tokens_per_s:.0f} tok/s, peak {format_bytes(best.peak_bytes)}{vs}",
+        run.quiet)
+    if bar is not None and choice.ratio < 1.0:
+        log(f"warning: at global batch {global_batch} the policy is slower than {bar.config.name} at its own "
+            "largest micro-batch", run.quiet)
+    return choice
