@@ -90,20 +90,20 @@ def check_global_batch(spec: ModelSpec, global_batch: int, device: torch.device)
 
 
 def micro_batch_phase(run: TuneState, contest: Contest, chosen: Policy, global_batch: int,
-                      compile: bool) -> BatchChoice:
-    """Search the micro-batch of ``chosen``, its memory levers and the baselines at the contest's
-    memory budget and drift rule, and log the choice against the baseline to beat.
+                      compile: bool, budget: float | None) -> BatchChoice:
+    """Search the micro-batch of ``chosen``, its memory levers and the baselines within ``budget``
+    (bytes per micro-step, or None) and the contest's drift rule, and log the choice against the
+    baseline to beat.
 
     Raises:
         SearchError: no policy configuration fits (:meth:`BatchSearch.run`)."""
-    budget = contest.memory_budget
     log(f"micro-batch: global batch {global_batch}"
         + (f", memory budget {format_bytes(budget)}" if budget else ""), run.quiet)
-    search = BatchSearch(run.spec, run.dev, global_batch, contest.memory_budget, compile, run.baseline,
+    search = BatchSearch(run.spec, run.dev, global_batch, budget, compile, run.baseline,
                          contest.budget, None, run.quiet)
     with accounted(run.clock, "micro_batch_s"):
         policy, best, bar = search.run(chosen)
-    choice = BatchChoice(policy, best, bar, tuple(search.points), contest.memory_budget)
+    choice = BatchChoice(policy, best, bar, tuple(search.points), budget)
     vs = (f"; the baseline to beat, {bar.label}: {bar.tokens_per_s:.0f} tok/s -> {choice.ratio:.2f}x"
           if bar is not None else "; no baseline fits the budget")
     log(f"micro-batch: {best.label} {best.tokens_per_s:.0f} tok/s, peak {format_bytes(best.peak_bytes)}{vs}",

@@ -11,9 +11,10 @@ accumulated per optimizer step (:mod:`autoprec.modelspec.micro_batches`).
   (Lightning's ``BatchSizeFinder``, accelerate's ``find_executable_batch_size``). Peaks are
   measured at the largest divisor of ``N`` not above the model file's batch and the next one
   above; the peak is close to affine in the micro-batch (activations scale with it, the fp32
-  state does not), so the line through them predicts the largest fitting divisor, which is then
-  measured; a prediction decides nothing until measured (a larger divisor is tried while the
-  measured ones fit, a smaller one when the prediction is over).
+  state does not), so the line through them predicts the largest fitting divisor, which is measured
+  next. A prediction decides nothing: the micro-batch chosen fits, measured, and the next divisor of
+  ``N`` does not, measured (or it is ``N``); a smaller divisor is measured when the predicted one is
+  over, a larger one while the measured ones fit.
 - **Drift.** Each fitted configuration's gradients accumulated over its ``A`` micro-batches are
   compared with the FP32 reference's on the same global batches (:meth:`Harness.global_drift`);
   with ``--max-drift auto`` the rule is the tune's rule against torch.autocast's accumulated drift

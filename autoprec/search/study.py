@@ -207,13 +207,16 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
     precheck_study(storage, study_name, run.space, _graph(run))  # a study this run cannot resume fails now
     _baselines(run, drift_arg, memory_arg)
     # the screening cut keeps the k fastest feasible; a memory budget may pass over them (--no-compile)
+    # with --global-batch the memory budget binds each micro-batch (the micro-batch phase), not the file's
+    contest_memory = memory_arg if global_batch is None else None
     study = _search(run, storage, study_name, seed, trials, timeout, run.progress,
-                    finalists if memory_arg is None or compile else None)
+                    finalists if contest_memory is None or compile else None)
     contest = _contest(run, compile, traj_steps, compile_variants)
-    chosen, chosen_m = _finalists(run, contest, study, finalists, memory_arg)
+    chosen, chosen_m = _finalists(run, contest, study, finalists, contest_memory)
     batches = None
     if global_batch is not None:
-        batches = micro_batch_phase(run, contest, chosen, global_batch, compile)
+        batches = micro_batch_phase(run, contest, chosen, global_batch, compile,
+                                    _memory_bytes(run, contest, memory_arg))
         chosen = batches.policy
     return _write(run, study, contest, chosen, chosen_m, compile, out, report, batches)
 
@@ -341,13 +344,8 @@ def _finalists(run: TuneState, contest: Contest, study: optuna.Study, k: int,
     steps only if the head-to-head did not time it), so every ratio rests on timings taken side by
     side and none on the baselines' screened passes."""
     h = run.harness
-
-    def budget() -> float | None:  # --max-memory auto refers to torch.autocast as compiled, if it was
-        ref = contest.autocast_compiled if _ok(contest.autocast_compiled) else run.autocast
-        return memory_budget(memory_arg, run.fp32, ref, h.state_bytes, h.optimizer_name, run.dev)
-
     with accounted(run.clock, "finalists_s"):  # the finalists' lazy Inductor compiles go to compile_s
-        chosen, chosen_m = contest.run(feasible(study), k, budget)
+        chosen, chosen_m = contest.run(feasible(study), k, lambda: _memory_bytes(run, contest, memory_arg))
     t = contest.timings.get(FP32_EAGER)  # timed in the head-to-head's rounds
     if t is None or not t.step_times:  # full steps again: the baselines phase screened its passes
         with run.clock("baselines_s"):
@@ -356,6 +354,14 @@ def _finalists(run: TuneState, contest: Contest, study: optuna.Study, k: int,
         run.fp32.step_times, run.fp32.step_s = list(t.step_times), t.step_s
         run.fp32.tokens_per_s = t.tokens_per_s
     return chosen, chosen_m
+
+
+def _memory_bytes(run: TuneState, contest: Contest, memory_arg: tuple[str, float] | None) -> float | None:
+    """The byte budget ``--max-memory`` means once the baselines are measured (``auto`` refers to
+    torch.autocast as compiled, if it was; :func:`~autoprec.search.budgets.memory_budget`)."""
+    h = run.harness
+    ref = contest.autocast_compiled if _ok(contest.autocast_compiled) else run.autocast
+    return memory_budget(memory_arg, run.fp32, ref, h.state_bytes, h.optimizer_name, run.dev)
 
 
 def _write(run: TuneState, study: optuna.Study, contest: Contest, chosen: Policy, chosen_m: Measurement,
