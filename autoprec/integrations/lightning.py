@@ -25,6 +25,19 @@
   resumed with ``Trainer.fit(..., ckpt_path=...)`` is bit-identical to an uninterrupted one
   (``tests/integrations/test_lightning.py``).
 
+* A policy with ``batching`` (``tune --global-batch``, :class:`autoprec.policy.Batching`) trains at
+  its micro-batch and accumulation. Lightning's gradient accumulation is a ``Trainer`` setting the
+  plugin can set, its batch size the user's ``DataLoader``'s, which the plugin cannot change: at the
+  start of ``fit`` (:meth:`~AutoprecPrecision.convert_module`) a ``Trainer`` at Lightning's default
+  ``accumulate_grad_batches=1`` is set to ``batching.accumulation`` with a warning that names both
+  (passing ``accumulate_grad_batches=<accumulation>`` to the ``Trainer`` says so and silences it);
+  another value, or a ``GradientAccumulationScheduler``, is refused; and every training forward of
+  the inner model is checked against ``batching.micro_batch`` (the first must hold that many
+  examples, a later one no more), so a ``DataLoader`` built with another ``batch_size`` is refused at
+  the first step, naming both numbers. With manual optimization (``automatic_optimization =
+  False``) the ``training_step`` accumulates, and the plugin warns that it cannot make it. A policy
+  without ``batching`` leaves the ``Trainer`` and the batches as they are.
+
 Requires the ``lightning`` extra (``pip install 'autoprec[lightning]'``); nothing else in autoprec
 imports Lightning.
 """
@@ -35,6 +48,8 @@ import contextlib
 import functools
 import inspect
 import json
+import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -44,7 +59,9 @@ from torch import nn
 try:
     import lightning.pytorch as pl
     from lightning.fabric.utilities.apply_func import move_data_to_device
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
     from lightning.pytorch.plugins.precision import Precision
+    from lightning.pytorch.trainer.states import TrainerFn
     from lightning.pytorch.utilities.exceptions import MisconfigurationException
 except ImportError as e:  # pragma: no cover - the extra is installed in dev
     raise ImportError("autoprec.integrations.lightning needs Lightning (>= 2.2): "
@@ -52,6 +69,7 @@ except ImportError as e:  # pragma: no cover - the extra is installed in dev
 
 from autoprec.applied.apply import MixedPrecisionModule, apply
 from autoprec.errors import AutoprecError
+from autoprec.integrations._batching import OPT_OUT, MicroBatchCheck, batching_fields
 from autoprec.policy import Policy
 from autoprec.training.checkpoint import rng_state, set_rng_state
 from autoprec.training.monitor import first_nonfinite_node
@@ -91,6 +109,11 @@ class AutoprecPrecision(Precision):
         mp: The :class:`~autoprec.MixedPrecisionModule` once built (after the first training
             step), else None.
 
+    With a policy that has ``batching`` (the module docstring): ``fit`` sets the ``Trainer``'s
+    ``accumulate_grad_batches`` from Lightning's default 1 to ``batching.accumulation`` (warning),
+    and refuses another value; the inner model's training forwards must get ``batching.micro_batch``
+    examples (build the ``DataLoader`` with ``batch_size=micro_batch``).
+
     Raises:
         TypeError: ``policy`` is not a :class:`~autoprec.Policy`.
     """
@@ -108,16 +131,26 @@ class AutoprecPrecision(Precision):
         self.scaler: DynamicLossScaler | None = make_scaler(policy, diagnose=self._diagnose)
         self.mp: MixedPrecisionModule | None = None
         self._last_batch: Any = None
+        batching = policy.batching
+        self._micro_batch_check = None if batching is None else MicroBatchCheck(
+            batching, "AutoprecPrecision", "the training DataLoader (or the training_step calling the model)",
+            f"build the DataLoader with batch_size={batching.micro_batch}")
+        self._fitting = False  # set by convert_module during fit: training forwards are checked
+        self._trainer: weakref.ref[pl.Trainer] | None = None
 
     # ----------------------------------------------------------------- the model
     def convert_module(self, module: nn.Module) -> nn.Module:
         """Route the inner model's forward through the policy (idempotent; Lightning calls it at
-        every ``fit``/``validate``/``test``); returns ``module`` itself.
+        every ``fit``/``validate``/``test``); returns ``module`` itself. In ``fit``, with a policy
+        that has ``batching``, the Trainer's gradient accumulation is set or checked first
+        (:meth:`_setup_batching`).
 
         Raises:
             AutoprecError: ``module`` has no submodule at the plugin's ``module`` path.
+            ValueError: the Trainer accumulates otherwise than the policy's ``batching``.
         """
         inner = _inner(module, self.module)
+        self._setup_batching(module)
         own = inner.__dict__.get("forward")
         if isinstance(own, _PolicyForward) and own.plugin is self:
             return module
@@ -127,6 +160,65 @@ class AutoprecPrecision(Precision):
             self.mp = None
         inner.forward = _PolicyForward(self, inner, own if own is not None else inner.forward)
         return module
+
+    def _setup_batching(self, module: nn.Module) -> None:
+        """At the start of ``fit`` (``module`` attached to a fitting Trainer), with a policy that has
+        ``batching``: the Trainer's ``accumulate_grad_batches`` is made the policy's ``accumulation``
+        (set from Lightning's default 1, with a ``UserWarning``; left when equal), and the training
+        forwards of this ``fit`` are checked against ``micro_batch``. Elsewhere it stops checking.
+
+        Raises:
+            ValueError: the Trainer has another ``accumulate_grad_batches`` than 1 or the policy's, or
+                a ``GradientAccumulationScheduler`` callback; the message names the Trainer's value,
+                the policy file's fields and the fix.
+        """
+        trainer = getattr(module, "_trainer", None)
+        self._fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+        batching = self.policy.batching
+        if batching is None or not self._fitting:
+            return
+        self._trainer = weakref.ref(trainer)
+        self._micro_batch_check.reset()
+        want = batching.accumulation
+        if not getattr(module, "automatic_optimization", True):
+            if want > 1:
+                warnings.warn(
+                    f"autoprec: the policy file says {batching_fields(batching)}, and "
+                    f"{type(module).__name__} uses manual optimization (automatic_optimization = False), "
+                    "where Lightning does not accumulate: your training_step must call optimizer.step() "
+                    f"once per {want} micro-batches of {batching.micro_batch} (the plugin checks only the "
+                    "micro-batch)", UserWarning, stacklevel=2)
+            return
+        if any(isinstance(cb, GradientAccumulationScheduler) for cb in trainer.callbacks):
+            raise ValueError(
+                "AutoprecPrecision: a GradientAccumulationScheduler callback changes accumulate_grad_batches "
+                f"during fit, and the policy file fixes it ({batching_fields(batching)}): remove the "
+                f"callback and pass Trainer(accumulate_grad_batches={want}); {OPT_OUT}")
+        have = trainer.accumulate_grad_batches
+        if have == want:
+            return
+        if have != 1:
+            raise ValueError(
+                f"AutoprecPrecision: Trainer(accumulate_grad_batches={have}) accumulates otherwise than the "
+                f"policy: the policy file says {batching_fields(batching)}; pass "
+                f"Trainer(accumulate_grad_batches={want}); {OPT_OUT}")
+        trainer.accumulate_grad_batches = want
+        warnings.warn(
+            f"autoprec: Trainer(accumulate_grad_batches=1), Lightning's default, set to {want}: the policy "
+            f"file says {batching_fields(batching)}; pass Trainer(accumulate_grad_batches={want}) to say so "
+            "(and silence this)", UserWarning, stacklevel=2)
+
+    def _check_training_batch(self, batch: Any) -> None:
+        """Check a training forward's batch against the policy's micro-batch (during ``fit``, with a
+        policy that has ``batching``; :class:`~autoprec.integrations._batching.MicroBatchCheck`)."""
+        if self._fitting and self._micro_batch_check is not None:
+            self._micro_batch_check(batch)
+
+    def teardown(self) -> None:
+        """Lightning's teardown (the end of ``fit``/``validate``/``test``): later training-mode calls
+        are no longer checked against the policy's micro-batch."""
+        self._fitting = False
+        super().teardown()
 
     def _module_for(self, inner: nn.Module, orig: Callable[..., Any], batch: Any) -> MixedPrecisionModule:
         """The :class:`MixedPrecisionModule` of ``inner``, built on first use (captured with the
@@ -167,7 +259,10 @@ class AutoprecPrecision(Precision):
             MisconfigurationException: an LBFGS optimizer with a scaler (its step needs a closure,
                 which a loss scaler cannot run, as with ``MixedPrecision``).
             LossScaleError: the scaler gave up at its floor (:meth:`DynamicLossScaler.update`).
+            ValueError: with a policy that has ``batching``, the Trainer's ``accumulate_grad_batches``
+                was changed during ``fit`` away from ``batching.accumulation``.
         """
+        self._check_accumulation(model)
         if self.scaler is None:
             return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
         if isinstance(optimizer, torch.optim.LBFGS):
@@ -182,6 +277,21 @@ class AutoprecPrecision(Precision):
         self.scaler.step(optimizer, **kwargs)
         self.scaler.update()
         return closure_result
+
+    def _check_accumulation(self, model: Any) -> None:
+        """ValueError when, during a ``fit`` with a policy that has ``batching`` and automatic
+        optimization, the Trainer's ``accumulate_grad_batches`` is no longer the policy's (changed by
+        a callback after :meth:`_setup_batching`)."""
+        batching = self.policy.batching
+        trainer = self._trainer() if self._trainer is not None else None
+        if (batching is None or not self._fitting or trainer is None
+                or not getattr(model, "automatic_optimization", True)):
+            return
+        if trainer.accumulate_grad_batches != batching.accumulation:
+            raise ValueError(
+                f"AutoprecPrecision: accumulate_grad_batches became {trainer.accumulate_grad_batches} during "
+                f"fit (a callback changed it), and the policy file says {batching_fields(batching)}; "
+                f"{OPT_OUT}")
 
     @property
     def loss_scale(self) -> float:
@@ -245,6 +355,7 @@ class _PolicyForward:
                              "model(*batch) or model(batch) (docs/architecture.md#modelpy-contract): call it "
                              "one of these ways")
         batch = dict(kwargs) if kwargs else tuple(args)
+        self.plugin._check_training_batch(batch)
         mp = self.plugin._module_for(inner, self.orig, batch)
         self.plugin._last_batch = batch
         with _own_forward(inner, self.orig):  # a batch outside the ranges captures the model again

@@ -14,11 +14,21 @@ Trainer saves and resumes ``accelerator.scaler``'s ``state_dict`` as ``scaler.pt
 :class:`AutoprecTrainer` puts the policy's :class:`autoprec.DynamicLossScaler` there
 (``autoprec.training.train.make_scaler``) and unscales the gradients before Trainer clips them or
 measures their norm, so the order of a step is :class:`autoprec.training.train.TrainStep`'s.
+
+A policy with ``batching`` (``tune --global-batch``, :class:`autoprec.policy.Batching`) trains at
+``per_device_train_batch_size = micro_batch`` and ``gradient_accumulation_steps = accumulation``.
+``TrainingArguments`` are the user's object, so nothing here changes them behind the user's back:
+:func:`with_policy_batching` returns a copy that says so, :class:`AutoprecTrainer` builds Trainer's
+default arguments with those values when given none and refuses arguments that say otherwise
+(:func:`check_batching`), and it checks the examples of each training batch against the micro-batch
+(a custom ``get_train_dataloader`` or collator that changes it is refused at the first step). The
+stock ``transformers.Trainer`` never reads the policy: pass it ``with_policy_batching(args, policy)``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -30,10 +40,15 @@ except ImportError as e:  # pragma: no cover - the extra is installed in dev
                       "pip install 'autoprec[transformers]'") from e
 
 from autoprec.applied.apply import MixedPrecisionModule
+from autoprec.integrations._batching import OPT_OUT, MicroBatchCheck, batching_fields
+from autoprec.policy import Batching, Policy
 from autoprec.training.scaler import DynamicLossScaler
 from autoprec.training.train import make_scaler
 
-__all__ = ["AutoprecTrainer", "check_training_args"]
+__all__ = ["AutoprecTrainer", "check_batching", "check_training_args", "with_policy_batching"]
+
+#: The output directory ``transformers.Trainer`` gives the ``TrainingArguments`` it builds when given none.
+_DEFAULT_OUTPUT_DIR = "tmp_trainer"
 
 #: TrainingArguments flags that cast or autocast the model, with what each would do to a policy.
 _PRECISION_FLAGS = {
@@ -84,6 +99,77 @@ def check_training_args(args: Any, what: str = "AutoprecTrainer") -> None:
             "neftune_noise_alpha=None.")
 
 
+def with_policy_batching(args: Any, policy: Policy) -> Any:
+    """``TrainingArguments`` that train at the policy's batching (``Policy.batching``).
+
+    Args:
+        args: ``transformers.TrainingArguments``, or None for the ones ``transformers.Trainer`` builds
+            when given none (``output_dir="tmp_trainer"``, every other field at its default).
+        policy: The policy (``mp.policy`` of the applied module).
+
+    Returns:
+        Without ``policy.batching``: ``args`` itself (None stays None). With it: a shallow copy of
+        ``args`` whose ``per_device_train_batch_size`` is ``batching.micro_batch`` (examples per
+        forward, per device) and whose ``gradient_accumulation_steps`` is ``batching.accumulation``;
+        ``args`` itself is left as it was. Each process then steps on ``micro_batch *
+        accumulation`` examples, the policy's global batch (times the processes under DDP).
+
+    Raises:
+        ValueError: ``args.auto_find_batch_size`` is True (it would halve the micro-batch after an
+            out-of-memory error); the message names both.
+    """
+    batching = policy.batching
+    if batching is None:
+        return args
+    if args is None:
+        args = transformers.TrainingArguments(output_dir=_DEFAULT_OUTPUT_DIR)
+    else:
+        _refuse_auto_batch(args, batching, "with_policy_batching")
+        args = copy.copy(args)
+    args.per_device_train_batch_size = batching.micro_batch
+    args.gradient_accumulation_steps = batching.accumulation
+    return args
+
+
+def check_batching(args: Any, policy: Policy, what: str = "AutoprecTrainer") -> None:
+    """Refuse ``TrainingArguments`` that would train at another batch than the policy's ``batching``.
+
+    Args:
+        args: ``transformers.TrainingArguments`` (None passes: :class:`AutoprecTrainer` then builds
+            them with :func:`with_policy_batching`).
+        policy: The policy; one without ``batching`` passes any arguments.
+        what: How the message names the caller.
+
+    Raises:
+        ValueError: ``per_device_train_batch_size`` is not ``batching.micro_batch``,
+            ``gradient_accumulation_steps`` is not ``batching.accumulation``, or
+            ``auto_find_batch_size`` is True. The message names the policy file's fields and values,
+            the arguments' values and the fix (:func:`with_policy_batching`).
+    """
+    batching = policy.batching
+    if batching is None or args is None:
+        return
+    _refuse_auto_batch(args, batching, what)
+    ours = (args.per_device_train_batch_size, args.gradient_accumulation_steps)
+    if ours != (batching.micro_batch, batching.accumulation):
+        raise ValueError(
+            f"{what}: TrainingArguments(per_device_train_batch_size={ours[0]}, gradient_accumulation_steps="
+            f"{ours[1]}) train at another batch than the policy's: the policy file says "
+            f"{batching_fields(batching)}. Pass args=with_policy_batching(args, policy) "
+            "(autoprec.integrations.transformers), which sets per_device_train_batch_size="
+            f"{batching.micro_batch} and gradient_accumulation_steps={batching.accumulation}, or set them so "
+            f"yourself; {OPT_OUT}")
+
+
+def _refuse_auto_batch(args: Any, batching: Batching, what: str) -> None:
+    """ValueError when ``args.auto_find_batch_size`` would change the policy's micro-batch."""
+    if getattr(args, "auto_find_batch_size", False):
+        raise ValueError(
+            f"{what}: TrainingArguments(auto_find_batch_size=True) halves per_device_train_batch_size after "
+            "an out-of-memory error, and the policy file fixes the micro-batch "
+            f"({batching_fields(batching)}): pass auto_find_batch_size=False; {OPT_OUT}")
+
+
 class AutoprecTrainer(transformers.Trainer):
     """``transformers.Trainer`` for a module from :func:`autoprec.apply`, with the policy's loss scaler.
 
@@ -98,6 +184,14 @@ class AutoprecTrainer(transformers.Trainer):
     ``trainer.state.log_history`` and in every ``report_to`` integration. The logged ``loss`` is
     unscaled. For bf16/fp32 policies it is Trainer, plus the checks below.
 
+    A policy with ``batching`` trains at its micro-batch and accumulation: given no ``args``, the
+    Trainer's default arguments with ``per_device_train_batch_size = micro_batch`` and
+    ``gradient_accumulation_steps = accumulation`` (:func:`with_policy_batching`); given ``args``
+    that say otherwise, a ``ValueError`` (:func:`check_batching`), since they are the user's. Each
+    training batch is checked too: the first must hold ``micro_batch`` examples (leading dimension;
+    times the GPUs of ``torch.nn.DataParallel``), a later one no more (the last batch of an epoch
+    may hold fewer). A policy without ``batching`` trains at ``args`` as Trainer does.
+
     ``save_model`` (and each checkpoint) saves the wrapped model as ``Trainer`` saves that model
     itself: through its ``save_pretrained`` when it is a ``PreTrainedModel`` (``config.json`` and the
     weights, for ``from_pretrained`` of the model's own class) or a peft ``PeftModel``
@@ -110,7 +204,9 @@ class AutoprecTrainer(transformers.Trainer):
     Raises:
         TypeError: ``model`` is not a ``MixedPrecisionModule``, or ``model_init`` is given instead.
         ValueError: ``args`` sets ``bf16``/``fp16``/``*_full_eval`` or gradient checkpointing
-            (:func:`check_training_args`).
+            (:func:`check_training_args`), or another batch than the policy's ``batching``
+            (:func:`check_batching`); at a training step: a batch of another size than the policy's
+            micro-batch (its number of examples, the policy's fields and the train DataLoader named).
     """
 
     def __init__(self, model: MixedPrecisionModule | None = None, args: Any = None, *rest: Any,
@@ -121,7 +217,15 @@ class AutoprecTrainer(transformers.Trainer):
                             + (" (model_init is not supported: apply the policy, then pass model=)"
                                if kwargs.get("model_init") is not None else ""))
         check_training_args(args)
+        check_batching(args, model.policy)
+        if args is None:
+            args = with_policy_batching(None, model.policy)
         super().__init__(model, args, *rest, **kwargs)
+        batching = model.policy.batching
+        self._micro_batch_check = None if batching is None else MicroBatchCheck(
+            batching, "AutoprecTrainer",
+            "the Trainer's train DataLoader (get_train_dataloader, data_collator)",
+            f"make it give {batching.micro_batch} examples per batch (per device)", replicas=self.args.n_gpu)
         if (steps := self.args.gradient_accumulation_steps) > 1:
             warnings.warn(
                 f"autoprec: gradient_accumulation_steps={steps}: the policy's graph computes each "
@@ -138,6 +242,18 @@ class AutoprecTrainer(transformers.Trainer):
             raise ValueError("AutoprecTrainer: accelerate created its own GradScaler (mixed_precision='fp16' "
                              "in the accelerate config or environment); set mixed_precision='no'")
         self.accelerator.scaler = make_scaler(self.model.policy)
+
+    def training_step(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        """Trainer's ``training_step`` (one micro-batch's forward and backward), after checking the
+        batch's examples against the policy's micro-batch (a policy with ``batching``).
+
+        Raises:
+            ValueError: the batch has another number of examples (first batch) or more (a later one)
+                than the policy's ``batching.micro_batch``; the message names both.
+        """
+        if self._micro_batch_check is not None:
+            self._micro_batch_check(inputs)
+        return super().training_step(model, inputs, *args, **kwargs)
 
     @property
     def loss_scaler(self) -> DynamicLossScaler | None:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -11,7 +12,7 @@ import sys
 import pytest
 
 from autoprec.cli import main
-from autoprec.policy import Policy
+from autoprec.policy import Batching, Policy
 from tests.conftest import EXAMPLES, ROOT
 
 BAD_FILES = {
@@ -140,6 +141,20 @@ def test_show_without_model_summarises(capsys):
         assert f"rules[{i}] {rule.describe()}\n" in out
     assert "matched nodes" not in out
 
+
+def test_show_prints_the_policys_batching(tmp_path, capsys):
+    """Issue 51: the micro-batch and accumulation a policy trains at are in show's summary line (with
+    and without ``--model``) and in ``--json`` (schema 4)."""
+    p = tmp_path / "p.json"
+    dataclasses.replace(Policy.fp32(), batching=Batching(micro_batch=2, accumulation=4)).save(p)
+    shown = "micro-batch 2 x 4 accumulated (global batch 8)"
+    assert main(["show", str(p)]) == 0
+    assert capsys.readouterr().out.splitlines()[0].endswith(shown)
+    assert main(["show", str(p), "--model", str(EXAMPLES / "tiny_mlp.py")]) == 0
+    assert capsys.readouterr().out.splitlines()[0].endswith(shown)
+    assert main(["show", str(p), "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["schema_version"] == 4 and d["batching"] == {"micro_batch": 2, "accumulation": 4}
 
 
 @pytest.mark.parametrize("baseline, shown", [
