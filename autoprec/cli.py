@@ -221,6 +221,24 @@ def _cmd_bench(a: argparse.Namespace) -> int:
 
     if a.nproc > 1 or ranks_from_env().world > 1:  # the launcher, or one of its ranks (torchrun)
         return _cmd_bench_dist(a)
+    if a.max_memory is not None and a.global_batch is None:
+        print("autoprec bench: error: --max-memory needs --global-batch N (the budget picks each side's "
+              "micro-batch)", file=sys.stderr)
+        return 2
+    if a.global_batch is not None:
+        from autoprec.commands.bench_batch import format_batch_table, run_batch_bench
+
+        if a.json:
+            Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        with _naming_policy(a.policy):
+            res = run_batch_bench(a.model, a.policy, a.global_batch, a.max_memory, device=a.device,
+                                  max_step_ratio=a.max_step_ratio, json_path=a.json)
+        table = format_batch_table(res)
+        print("\n" + table)
+        if a.md:
+            Path(a.md).parent.mkdir(parents=True, exist_ok=True)
+            Path(a.md).write_text(table + "\n")
+        return 0
     try:
         with _naming_policy(a.policy):
             res = run_bench(a.model, a.policy, steps=a.steps, warmup=a.warmup, device=a.device,

@@ -156,6 +156,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--force", action="store_true",
                    help="measure a policy none of whose rules matches a node of this model (a policy of "
                         "another model), which is refused otherwise")
+    b.add_argument("--global-batch", type=_int_at_least(1), default=None, metavar="N",
+                   help="compare at a global batch of N examples: the policy at its micro-batch, fp32 + "
+                        "torch.compile and torch.autocast + torch.compile each at the largest micro-batch "
+                        "within --max-memory, tokens/s per optimizer step")
+    b.add_argument("--max-memory", default=None, metavar="M",
+                   help="with --global-batch: the memory budget per micro-step (bytes like '2GiB', or '90%%' "
+                        "of the device's memory; default: none)")
     b.add_argument("--nproc", type=_int_at_least(1), default=1, metavar="N",
                    help="measure on N ranks of this machine (torchrun; gloo on CPU, NCCL on CUDA) instead: "
                         "DDP and FSDP2, gradients reduced in fp32 and bf16; step time, grad_rel_l2 against "

@@ -101,6 +101,7 @@ def micro_batch_phase(run: TuneState, contest: Contest, chosen: Policy, global_b
         + (f", memory budget {format_bytes(budget)}" if budget else ""), run.quiet)
     search = BatchSearch(run.spec, run.dev, global_batch, budget, compile, run.baseline,
                          contest.budget, None, run.quiet)
+    search.slow = run.slow * global_batch / search.file_batch  # tune's limit, per example
     with accounted(run.clock, "micro_batch_s"):
         policy, best, bar = search.run(chosen)
     choice = BatchChoice(policy, best, bar, tuple(search.points), budget)

@@ -142,7 +142,8 @@ class BatchSearch:
         autocast: torch.autocast on this device (:class:`AutocastBaseline`).
         budget: The tune's drift budget: its rule (auto: re-based on torch.autocast's accumulated
             drift; fixed: as it is).
-        slow: The slow-step limit, seconds (None: none).
+        slow: The slow-step limit of a timed micro-step, seconds (None: none): a configuration over
+            it (an emulated dtype) is dropped from the timing rounds.
         quiet: No log lines.
 
     Raises:
@@ -160,6 +161,12 @@ class BatchSearch:
         self._fn: dict[tuple[str, int], Any] = {}
         self.points: list[BatchPoint] = []
         self.drift_budget: DriftBudget | None = None
+
+    @property
+    def base(self) -> int:
+        """The largest divisor of N not above the model file's batch (1 when none is): where fits
+        start and torch.autocast's accumulated drift is measured."""
+        return max([d for d in divisors(self.n) if d <= self.file_batch] or [1])
 
     # -- measuring --------------------------------------------------------------------------------
     def harness(self, m: int) -> Harness:
@@ -218,7 +225,7 @@ class BatchSearch:
         ds = divisors(self.n)
         if self.memory_budget is None:
             return self.point(cfg, self.n)
-        start = max([d for d in ds if d <= self.file_batch] or [ds[0]])
+        start = self.base
         i = ds.index(start)
         first = self.point(cfg, start)
         while not first.fits:  # smaller until one fits
@@ -280,7 +287,7 @@ class BatchSearch:
         configs = [Config(p.label, self._build(p.config, p.micro_batch), self._scaler_factory(p.config),
                           p.config.autocast_dtype, harness=self.harness(p.micro_batch)) for p in pts]
         timings = time_interleaved(self.harness(pts[0].micro_batch), configs, min_rounds=3, max_rounds=8,
-                                   steps_per_round=2, max_step_s=None, time_cap_s=600.0)
+                                   steps_per_round=2, max_step_s=self.slow, time_cap_s=600.0)
         tokens = count_tokens(self.spec.tokens_per_batch,
                               MicroBatches(self.spec, self.n, self.n, self.device).global_at(0, self.device))
         for p in pts:
@@ -323,10 +330,9 @@ class BatchSearch:
             SearchError: no policy configuration fits the memory budget and the drift budget (the
                 message gives the smallest peak measured and the budget).
         """
-        base = max([d for d in divisors(self.n) if d <= self.file_batch] or [1])
-        fitted = [pt for cfg in self.configs(policy, self.harness(base).random)
+        fitted = [pt for cfg in self.configs(policy, self.harness(self.base).random)
                   if (pt := self.fit(cfg)) is not None]
-        self.drift_budget = self.rule(base)
+        self.drift_budget = self.rule(self.base)
         for pt in fitted:
             self.drift(pt)
             judged = pt.error is None and pt.config.role is Role.POLICY

@@ -1,0 +1,157 @@
+"""``autoprec bench --global-batch N [--max-memory M]``: a policy against the baselines at a global
+batch, each side at its own micro-batch (docs/architecture.md#micro-batch-and-memory-budget).
+
+The policy runs at its ``batching``'s micro-batch (a policy without one: the largest that fits);
+fp32 + torch.compile and torch.autocast + torch.compile each run at the largest micro-batch dividing
+``N`` whose measured peak fits the budget, as a user who raises the batch until out of memory gets
+(:class:`autoprec.search.micro_batch.BatchSearch`, the same measurements as ``tune --global-batch``).
+All are timed in one interleaved run in this process; tokens/s per global step combine a timed
+micro-step with the update (:func:`~autoprec.search.micro_batch.global_step_seconds`). Each side's
+accumulated drift at the global batch is measured against the FP32 reference's, with ``tune``'s
+rule against torch.autocast's.
+
+torch.autocast's matmul speed is read off the measured matmul peaks
+(:func:`autoprec.commands.bench_mfu.measure_peaks`): where its dtype's peak is ``max_step_ratio``
+or more times below fp32's (an AVX2-only CPU), it cannot be the baseline to beat and is not run; its
+drift passes compute its GEMMs in fp32 where the peak is
+:data:`~autoprec.search.autocast_baseline.EMULATE_AT` or more times below.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+from typing import Any
+
+import torch
+
+from autoprec._io import write_json
+from autoprec._version import __version__
+from autoprec.commands.bench_mfu import measure_peaks
+from autoprec.device import autocast_dtype, describe_machine, resolve_device
+from autoprec.dtypes import NAMES
+from autoprec.errors import AutoprecError
+from autoprec.measure import Harness
+from autoprec.modelspec import load_model_spec
+from autoprec.policy import Policy
+from autoprec.search.autocast_baseline import EMULATE_AT, AutocastBaseline
+from autoprec.search.budgets import check_memory_floor, memory_budget, parse_max_memory
+from autoprec.search.drift_budget import DriftBudget
+from autoprec.search.gates import Role
+from autoprec.search.micro_batch import BatchConfig, BatchSearch
+
+__all__ = ["format_batch_table", "run_batch_bench"]
+
+
+def _autocast(dev: torch.device, max_step_ratio: float, log: Any) -> AutocastBaseline:
+    """torch.autocast here, from the measured matmul peaks (module docstring)."""
+    low = autocast_dtype(dev)
+    peaks = measure_peaks(["fp32", NAMES[low]], dev, log)
+    slower = peaks["fp32"] / peaks[NAMES[low]]
+    why = f"{NAMES[low]} matmul measured {slower:.0f}x slower than fp32 here"
+    return AutocastBaseline(low, why if slower >= EMULATE_AT else None,
+                            why if slower >= max_step_ratio else None)
+
+
+def run_batch_bench(model_path: str | os.PathLike, policy: Policy | str | os.PathLike, global_batch: int,
+                    max_memory: str | None = None, device: str = "auto", max_step_ratio: float = 10.0,
+                    quiet: bool = False, json_path: str | os.PathLike | None = None) -> dict[str, Any]:
+    """Measure ``policy`` and the baselines at ``global_batch`` (the module docstring).
+
+    Args:
+        model_path: Model file. policy: A :class:`Policy` or a policy JSON file.
+        global_batch: N, examples per optimizer step (the model file's batch unit).
+        max_memory: ``--max-memory`` (bytes, ``"90%"`` of the device; ``"0.8x"``/``"auto"`` refer to
+            fp32/torch.autocast eager at the model file's batch); None: no budget (each at micro-batch N).
+        device: ``auto``, ``cpu``, ``cuda``. max_step_ratio: torch.autocast is not run where its
+            matmul peak is this many times below fp32's. quiet: No log lines.
+        json_path: Write the result here.
+
+    Returns:
+        ``{"device", "machine", "torch", "autoprec", "date", "model", "policy", "global_batch",
+        "memory_budget" (bytes or None), "rows": [BatchPoint.row() ...], "policy_row", "baseline_row"
+        (the baseline to beat's label), "speedup_vs_baseline" (policy tokens/s over the baseline to
+        beat's, both per global step), "within_drift_rule" (bool), "drift_rule" (description)}``.
+
+    Raises:
+        AutoprecError: the policy's ``batching`` is for another global batch, or it does not fit the
+            budget; ModelSpecError / SearchError: the model file cannot give the micro-batches, or a
+            bad budget (the message names the numbers).
+    """
+    def log(msg: str) -> None:
+        if not quiet:
+            print(f"[autoprec bench] {msg}", flush=True)
+
+    pol = policy if isinstance(policy, Policy) else Policy.load(policy)
+    source = str(policy) if not isinstance(policy, Policy) else "the policy"
+    if pol.batching is not None and pol.batching.global_batch != global_batch:
+        raise AutoprecError(f"{source}: trains at {pol.batching.describe()}, not at --global-batch "
+                            f"{global_batch}; bench it at --global-batch {pol.batching.global_batch}")
+    spec, dev = load_model_spec(model_path), resolve_device(device)
+    arg = parse_max_memory(max_memory)
+    check_memory_floor(arg, spec.build_model(), spec.make_optimizer)
+    autocast = _autocast(dev, max_step_ratio, log)
+    h = Harness(spec, dev, drift_batches=1)  # the file's batch: what "0.8x" and "auto" refer to
+    budget = None
+    if arg is not None:
+        fp32 = h.measure(h.model, timing=False)
+        ac = h.measure(h.model, autocast.scaler_factory(), autocast_dtype=autocast.dtype, timing=False,
+                       fp32_gemms=bool(autocast.emulated))
+        budget = memory_budget(arg, fp32, ac, h.state_bytes, h.optimizer_name, dev)
+    fp32_step = h.measure(h.model).step_s
+    # the auto rule, re-based on torch.autocast's accumulated drift by search.rule
+    search = BatchSearch(spec, dev, global_batch, budget, True, autocast, DriftBudget(rule="auto"),
+                         slow=None, quiet=quiet)
+    bar_cfgs = [c for c in search.configs(Policy.fp32(), h.random) if c.role is Role.BASELINE]
+    mine = BatchConfig("policy", Role.POLICY, dataclasses.replace(pol, batching=None))
+    pts = [p for c in bar_cfgs if (p := search.fit(c)) is not None]
+    own = search.point(mine, pol.batching.micro_batch) if pol.batching is not None else search.fit(mine)
+    if own is None or not own.fits:
+        raise AutoprecError(f"{source}: does not fit the memory budget at global batch {global_batch}"
+                            + (f" (peak {own.peak_bytes} bytes at micro-batch {own.micro_batch}, budget "
+                               f"{budget:.0f} bytes)" if own else ""))
+    rule = search.rule(search.base)
+    for p in [*pts, own]:
+        search.drift(p)
+    search.slow = max_step_ratio * fp32_step * global_batch / search.file_batch
+    search.time([p for p in [own, *pts] if p.error is None])
+    bars = [p for p in pts if p.tokens_per_s > 0]
+    bar = max(bars, key=lambda p: p.tokens_per_s) if bars else None
+    machine = describe_machine(dev)
+    result = {
+        "device": machine["device"], "machine": machine, "torch": torch.__version__, "autoprec": __version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "model": str(spec.path), "policy": pol.to_dict(), "global_batch": global_batch,
+        "memory_budget": budget,
+        "rows": [p.row() for p in search.points], "policy_row": own.label,
+        "baseline_row": bar.label if bar is not None else None,
+        "speedup_vs_baseline": own.tokens_per_s / bar.tokens_per_s if bar is not None and own.tokens_per_s
+        else None,
+        "within_drift_rule": bool(own.drift) and rule.feasible(own.drift), "drift_rule": rule.describe(),
+        "drift_rule_detail": rule.explain(own.drift) if own.drift else None,
+    }
+    if json_path is not None:
+        write_json(json_path, result)
+    return result
+
+
+def format_batch_table(res: dict[str, Any]) -> str:
+    """Markdown: each measured configuration at its micro-batch (peak, fits, accumulated drift,
+    tokens/s per global step), then the policy against the baseline to beat."""
+    budget = res["memory_budget"]
+    lines = [f"global batch {res['global_batch']}, memory budget "
+             + (f"{budget / 2**20:.1f} MiB" if budget else "none") + f"; {res['device']}", "",
+             "| configuration | micro-batch x accumulation | peak MiB | fits | grad_rel_l2 (accumulated) | "
+             "tokens/s |", "|---|---|---:|---|---:|---:|"]
+    for r in res["rows"]:
+        drift = f"{r['grad_rel_l2']:.2e}" if r["grad_rel_l2"] is not None else ""
+        tps = f"{r['tokens_per_s']:.0f}" if r["tokens_per_s"] else (r["error"] or r["note"] or "")
+        lines.append(f"| {r['config']} | {r['micro_batch']}x{r['accumulation']} | "
+                     f"{r['peak_bytes'] / 2**20:.1f} | {'yes' if r['fits'] else 'no'} | {drift} | {tps} |")
+    ratio = res["speedup_vs_baseline"]
+    lines += ["", f"{res['policy_row']}: " + (f"{ratio:.2f}x {res['baseline_row']} (the baseline to beat)"
+                                              if ratio else "no baseline fits")
+              + f"; drift {'within' if res['within_drift_rule'] else 'OVER'} the rule "
+              f"({res['drift_rule_detail']})"]
+    return "\n".join(lines)

@@ -1,0 +1,46 @@
+"""``autoprec bench --global-batch N --max-memory M`` (issue 51): the policy at its micro-batch
+against fp32 + torch.compile at the largest micro-batch within the budget, in one process, drift
+judged by tune's auto rule; a policy for another global batch is refused naming both."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from autoprec.cli import main
+from autoprec.commands.bench_batch import run_batch_bench
+from autoprec.errors import AutoprecError
+from autoprec.policy import Batching, Policy
+from tests.conftest import EXAMPLES
+
+TINY = EXAMPLES / "tiny_mlp.py"  # file batch 8
+
+
+def test_bench_at_a_global_batch_gives_each_side_its_own_micro_batch(tmp_path, capsys):
+    pol = dataclasses.replace(Policy.fp32(), activation_memory_budget=0.0, batching=Batching(32, 1))
+    path = tmp_path / "p.json"
+    pol.save(path)
+    code = main(["bench", str(TINY), "--policy", str(path), "--global-batch", "32", "--max-memory", "4MiB",
+                 "--json", str(tmp_path / "b.json")])
+    assert code == 0
+    res = json.loads((tmp_path / "b.json").read_text())
+    rows = {(r["config"], r["micro_batch"]): r for r in res["rows"]}
+    assert res["policy_row"] == "policy @ 32x1" and rows[("policy", 32)]["fits"]
+    bar = res["baseline_row"]  # fp32 + torch.compile at its largest micro-batch under 4 MiB
+    assert bar.startswith("fp32 + torch.compile @ ")
+    m = int(bar.split("@ ")[1].split("x")[0])
+    assert rows[("fp32 + torch.compile", m)]["fits"] and m < 32
+    assert all(not r["fits"] for (c, k), r in rows.items() if c == "fp32 + torch.compile" and k > m)
+    assert res["speedup_vs_baseline"] > 0 and res["within_drift_rule"] is True
+    assert "torch.autocast" in res["drift_rule"] and "(the baseline to beat)" in capsys.readouterr().out
+
+
+def test_a_policy_for_another_global_batch_is_refused(tmp_path):
+    path = tmp_path / "p.json"
+    dataclasses.replace(Policy.fp32(), batching=Batching(8, 2)).save(path)
+    with pytest.raises(AutoprecError, match=r"p.json: trains at micro-batch 8 x 2 accumulated \(global batch "
+                                            r"16\), not at --global-batch 32; bench it at --global-batch 16"):
+        run_batch_bench(TINY, path, 32, quiet=True)
+    assert main(["bench", str(TINY), "--policy", str(path), "--max-memory", "4MiB"]) == 2
