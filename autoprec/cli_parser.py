@@ -77,6 +77,30 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                         "checkpoints (default 1)")
 
 
+def _add_memory_options(t: argparse.ArgumentParser) -> None:
+    """``tune``'s ``--max-memory`` and ``--global-batch``."""
+    t.add_argument("--max-memory", default=None, metavar="M",
+                   help="memory budget for the policy's peak bytes: 'auto' (torch.autocast's, measured in "
+                        "this run), '0.8x' (of FP32 eager's), '90%%' (of the device's memory) or bytes "
+                        "('300MiB', '2GiB'); compiled policies over it save activations in bf16 or recompute "
+                        "them in backward (default: none; with --global-batch on CUDA, 90%% of the device's)")
+    t.add_argument("--global-batch", type=_int_at_least(1), default=None, metavar="N",
+                   help="examples per optimizer step (the model file's batch unit): search the micro-batch "
+                        "dividing it with the policy, within --max-memory, and write it with its gradient "
+                        "accumulation (default: the model file's batch, no search)")
+
+
+def _add_bench_batch_options(b: argparse.ArgumentParser) -> None:
+    """``bench``'s ``--global-batch`` and ``--max-memory`` (a comparison at a global batch)."""
+    b.add_argument("--global-batch", type=_int_at_least(1), default=None, metavar="N",
+                   help="compare at a global batch of N examples: the policy at its micro-batch, fp32 + "
+                        "torch.compile and torch.autocast + torch.compile each at the largest micro-batch "
+                        "within --max-memory, tokens/s per optimizer step")
+    b.add_argument("--max-memory", default=None, metavar="M",
+                   help="with --global-batch: the memory budget per micro-step (bytes like '2GiB', or '90%%' "
+                        "of the device's memory; default: none)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``autoprec`` argument parser: one subcommand per command, numbers validated by type."""
     p = argparse.ArgumentParser(prog="autoprec",
@@ -91,15 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--max-drift", default="auto",
                    help="'auto' (not worse than torch.autocast's grad_rel_l2 beyond noise: a paired t-test "
                         "over 4 batches) or a number (a hard limit on the mean)")
-    t.add_argument("--max-memory", default=None, metavar="M",
-                   help="memory budget for the policy's peak bytes: 'auto' (torch.autocast's, measured in "
-                        "this run), '0.8x' (of FP32 eager's), '90%%' (of the device's memory) or bytes "
-                        "('300MiB', '2GiB'); compiled policies over it save activations in bf16 or recompute "
-                        "them in backward (default: none; with --global-batch on CUDA, 90%% of the device's)")
-    t.add_argument("--global-batch", type=_int_at_least(1), default=None, metavar="N",
-                   help="examples per optimizer step (the model file's batch unit): search the micro-batch "
-                        "dividing it with the policy, within --max-memory, and write it with its gradient "
-                        "accumulation (default: the model file's batch, no search)")
+    _add_memory_options(t)
     t.add_argument("--device", default="auto", help="auto | cpu | cuda")
     t.add_argument("--out", default="policy.json", help="policy file to write (default policy.json)")
     t.add_argument("--storage", default=None, help="Optuna storage URL (default: SQLite beside --out)")
@@ -156,13 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--force", action="store_true",
                    help="measure a policy none of whose rules matches a node of this model (a policy of "
                         "another model), which is refused otherwise")
-    b.add_argument("--global-batch", type=_int_at_least(1), default=None, metavar="N",
-                   help="compare at a global batch of N examples: the policy at its micro-batch, fp32 + "
-                        "torch.compile and torch.autocast + torch.compile each at the largest micro-batch "
-                        "within --max-memory, tokens/s per optimizer step")
-    b.add_argument("--max-memory", default=None, metavar="M",
-                   help="with --global-batch: the memory budget per micro-step (bytes like '2GiB', or '90%%' "
-                        "of the device's memory; default: none)")
+    _add_bench_batch_options(b)
     b.add_argument("--nproc", type=_int_at_least(1), default=1, metavar="N",
                    help="measure on N ranks of this machine (torchrun; gloo on CPU, NCCL on CUDA) instead: "
                         "DDP and FSDP2, gradients reduced in fp32 and bf16; step time, grad_rel_l2 against "

@@ -142,8 +142,7 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
             per-batch ``grad_rel_l2``, 2% margin: :class:`autoprec.search.drift_budget.DriftBudget`);
             or a number, a hard limit on the mean ``grad_rel_l2`` over the drift batches.
         device: ``auto``, ``cpu`` or ``cuda``.
-        storage: Optuna storage URL (default: SQLite file beside ``out``). Any RDB URL works,
-            so several workers can share one study.
+        storage: Optuna storage URL (default: SQLite file beside ``out``); any RDB URL (shared).
         study_name: Study name (default derived from the model file, graph and device).
         compile: Compile finalists with Inductor (the policy is measured as training runs it);
             ``False`` measures everything eagerly.
@@ -152,30 +151,23 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
         finalists: How many of the fastest feasible trials are re-measured compiled (eagerly
             without compile); a trial's screening stops early once it cannot be one of them
             (:mod:`autoprec.search.screen_cut`; not with ``max_memory`` and without ``compile``).
-        quiet: No log lines. progress: Show a progress bar (stderr) over each long phase: the
-            baselines, region sensitivity, the trials (Optuna's), the finalists and their
-            head-to-head, the memory fit (:mod:`autoprec.search.phases`); only where stderr is a
-            terminal (a log file would fill with the bars' carriage-return redraws).
+        quiet: No log lines. progress: Show a progress bar (stderr) over each long phase
+            (:mod:`autoprec.search.phases`) where stderr is a terminal.
         dtypes: Low dtypes to search: ``"auto"`` keeps those whose matmul the probe measured
             faster than fp32 on this device; a list (or comma-separated string) forces them.
         traj_steps: K, the optimizer steps of the ``traj_rel`` check on the policy to be written
             when it lowers anything (budget: torch.autocast's ``traj_rel`` over the same steps).
         report: Write the markdown report and plots beside ``out``.
-        max_memory: Memory budget for the chosen policy's ``peak_bytes``
-            (docs/architecture.md#measurements): ``None`` (none), ``"auto"`` (torch.autocast's
-            peak measured in this run: with ``compile``, that of torch.autocast + torch.compile),
-            ``"<r>x"`` (r times FP32 eager's peak), or bytes (a number, or a string with a
-            ``KiB``/``MiB``/``GiB`` suffix). With ``compile``, a finalist over it is fitted by its
-            memory levers (:class:`autoprec.search.memory_fit.MemoryFit`); without compile, trials
-            whose screening peak is over it are not finalists, nor finalists whose peak is.
+        max_memory: Memory budget for the chosen policy's ``peak_bytes``: None, ``"auto"``
+            (torch.autocast's peak here, compiled with ``compile``), ``"<r>x"`` (of FP32 eager's),
+            ``"<p>%"`` (of the device's memory) or bytes (:func:`~autoprec.search.budgets.parse_max_memory`).
+            Compiled, a finalist over it is fitted by its memory levers (:class:`~autoprec.search.
+            memory_fit.MemoryFit`); eager, trials and finalists over it are not finalists.
         compile_variants: Race the compiled choice against its compile variants, one compile each
             (:func:`autoprec.search.contest.variant_options`), and write the fastest's options.
-        global_batch: Examples per optimizer step (the model file's batch unit): the micro-batch
-            dividing it is searched with the policy's memory lever, each configuration at its
-            largest micro-batch within ``max_memory`` (:mod:`autoprec.search.micro_batch`), and the
-            policy records it (``Policy.batching``). None (default): the model file's batch, as
-            before. On CUDA without ``max_memory`` the budget is the device's memory less
-            :data:`~autoprec.search.budgets.DEVICE_MARGIN`.
+        global_batch: Examples per optimizer step: the micro-batch is searched with the memory lever
+            within ``max_memory`` and written (:mod:`autoprec.search.micro_batch`, ``Policy.batching``);
+            None: the model file's batch, as before.
         strict_timing: Raise :class:`~autoprec.measure.load.BusyMachineError` when the machine is
             busy instead of warning (:mod:`autoprec.measure.load`: at the start, after the baselines
             and after the trials).
@@ -186,19 +178,13 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
     Raises:
         ModelSpecError: the model file is invalid (nothing is written).
         CaptureError: the model cannot be captured (nothing is written).
-        SearchError: bad ``max_drift``, ``max_memory`` or ``dtypes``; a ``max_memory`` in bytes not
-            above the model's fp32 parameters, gradients and optimizer state (checked once the model
-            is built, before any capture or measurement, as the CLI does); no policy met the budgets.
+        SearchError: bad ``max_drift``, ``max_memory``, ``dtypes`` or ``global_batch`` (before any
+            capture: :func:`_memory_arg`); no policy met the budgets.
         BusyMachineError: ``strict_timing`` and the machine is busy (CLI exit 2).
     """
-    drift_arg, memory_arg, forced = (parse_max_drift(max_drift), parse_max_memory(max_memory),
-                                     parse_dtypes(dtypes))
+    drift_arg, forced = parse_max_drift(max_drift), parse_dtypes(dtypes)
     spec = load_model_spec(model_path)
-    if global_batch is not None:  # a file that cannot give its micro-batches fails before capture
-        check_global_batch(spec, global_batch, resolve_device(device))
-        memory_arg = memory_arg or default_device_budget(resolve_device(device))
-    if memory_arg is not None and memory_arg[0] == "bytes":  # as the CLI: an impossible budget before capture
-        check_memory_floor(memory_arg, spec.build_model(), spec.make_optimizer, option="max_memory")
+    memory_arg = _memory_arg(spec, max_memory, global_batch, device)
     run = _capture(spec, device, quiet, strict_timing, progress and not quiet and sys.stderr.isatty())
     run.kernels = probe_phase(run.gm, run.dev, run.clock, forced, SAVED_LEVERS if memory_arg else (), quiet)
     storage = storage or default_storage(out)
@@ -206,19 +192,34 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
     _adopt(run, study_choices(storage, study_name))  # a shared study's kernels
     precheck_study(storage, study_name, run.space, _graph(run))  # a study this run cannot resume fails now
     _baselines(run, drift_arg, memory_arg)
-    # the screening cut keeps the k fastest feasible; a memory budget may pass over them (--no-compile)
-    # with --global-batch the memory budget binds each micro-batch (the micro-batch phase), not the file's
+    # the screening cut keeps k; --no-compile's budget may pass them; --global-batch's binds micro-batches
     contest_memory = memory_arg if global_batch is None else None
     study = _search(run, storage, study_name, seed, trials, timeout, run.progress,
                     finalists if contest_memory is None or compile else None)
     contest = _contest(run, compile, traj_steps, compile_variants)
     chosen, chosen_m = _finalists(run, contest, study, finalists, contest_memory)
-    batches = None
+    batches = None if global_batch is None else micro_batch_phase(
+        run, contest, chosen, global_batch, compile, _memory_bytes(run, contest, memory_arg))
+    return _write(run, study, contest, batches.policy if batches else chosen, chosen_m, compile, out, report,
+                  batches)
+
+
+def _memory_arg(spec: ModelSpec, max_memory: str | float | None, global_batch: int | None,
+                device: str) -> tuple[str, float] | None:
+    """The parsed ``max_memory`` (:func:`parse_max_memory`; with ``global_batch`` on CUDA and no
+    ``max_memory``, :func:`default_device_budget`), after the checks that need no capture: a
+    ``global_batch`` the model file cannot give (:func:`check_global_batch`) and, as the CLI does, a
+    byte budget not above the fp32 state (:func:`check_memory_floor`).
+
+    Raises:
+        SearchError: either check failed, or ``max_memory`` is not a budget."""
+    memory_arg = parse_max_memory(max_memory)
     if global_batch is not None:
-        batches = micro_batch_phase(run, contest, chosen, global_batch, compile,
-                                    _memory_bytes(run, contest, memory_arg))
-        chosen = batches.policy
-    return _write(run, study, contest, chosen, chosen_m, compile, out, report, batches)
+        check_global_batch(spec, global_batch, resolve_device(device))
+        memory_arg = memory_arg or default_device_budget(resolve_device(device))
+    if memory_arg is not None and memory_arg[0] == "bytes":
+        check_memory_floor(memory_arg, spec.build_model(), spec.make_optimizer, option="max_memory")
+    return memory_arg
 
 
 def _capture(spec: ModelSpec, device: str, quiet: bool, strict_timing: bool = False,
