@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from autoprec.errors import SearchError
+from autoprec.errors import ModelSpecError, SearchError
 from autoprec.modelspec import ModelSpec
 from autoprec.modelspec.micro_batches import MicroBatches
 from autoprec.policy import Policy
@@ -81,8 +81,6 @@ def check_global_batch(spec: ModelSpec, global_batch: int, device: torch.device)
             (:class:`~autoprec.modelspec.micro_batches.MicroBatches`'s message, naming the entry)."""
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
         raise SearchError(f"--global-batch: expected an integer >= 1, got {global_batch!r}")
-    from autoprec.errors import ModelSpecError
-
     try:
         MicroBatches(spec, global_batch, 1, device)
     except ModelSpecError as e:

@@ -127,7 +127,7 @@ def micro_batch_figure(block: dict[str, Any]) -> Any:
     (:meth:`autoprec.search.batch_phase.BatchChoice.report`): each timed point labelled with its
     micro-batch (``m x accumulation``), one colour per configuration, the memory budget a vertical
     line, the chosen point a star and the baseline to beat ringed. Points only measured for memory
-    (over the budget, or smaller than the largest that fits) sit at 0 tokens/s.
+    (over the budget, or smaller than the largest that fits) are small crosses at 0 tokens/s.
 
     Returns:
         A matplotlib Figure (x: peak MiB; y: tokens/s per global step).
@@ -137,9 +137,12 @@ def micro_batch_figure(block: dict[str, Any]) -> Any:
     rows = [r for r in block["rows"] if r["error"] is None]
     names = list(dict.fromkeys(r["config"] for r in rows))
     for i, name in enumerate(names):
-        pts = [r for r in rows if r["config"] == name]
+        pts = [r for r in rows if r["config"] == name and r["tokens_per_s"]]
+        untimed = [r for r in rows if r["config"] == name and not r["tokens_per_s"]]
         ax.scatter([r["peak_bytes"] / 2**20 for r in pts], [r["tokens_per_s"] for r in pts],
                    color=f"C{i}", s=36, label=name)
+        ax.scatter([r["peak_bytes"] / 2**20 for r in untimed], [0.0] * len(untimed), color=f"C{i}", s=14,
+                   marker="x")
         for r in pts:
             ax.annotate(f"{r['micro_batch']}x{r['accumulation']}",
                         (r["peak_bytes"] / 2**20, r["tokens_per_s"]),
