@@ -47,7 +47,7 @@ from autoprec.measure import Config, Harness, time_interleaved
 from autoprec.modelspec import ModelSpec
 from autoprec.modelspec.micro_batches import MicroBatches, count_tokens, divisors
 from autoprec.passes import run_pipeline
-from autoprec.policy import REGIONAL_EMULATED, TORCH_COMPILE, Batching, Policy
+from autoprec.policy import REGIONAL_EMULATED, TORCH_COMPILE, Batching, Policy, Rule
 from autoprec.search.autocast_baseline import AutocastBaseline
 from autoprec.search.budgets import format_bytes
 from autoprec.search.drift_budget import DriftBudget
@@ -365,7 +365,7 @@ class BatchSearch:
         return chosen, best, bar
 
 
-def _saved_only(rule: Any) -> bool:
+def _saved_only(rule: Rule) -> bool:
     """A rule that only sets ``saved`` (a memory lever :func:`with_saved` appended)."""
     return rule.node is None and rule.module is None and rule.saved is not None and rule.dtype is None \
         and rule.compute is None

@@ -103,7 +103,8 @@ class TuneResult:
         table: Rows ``{"config", "tokens_per_s", "speedup_vs_fp32", "grad_rel_l2", "peak_bytes"}``
             for FP32, torch.autocast (eager and compiled) and the chosen policy.
         timings: Seconds spent per phase (``capture_s``, ``probe_s``, ``baselines_s``,
-            ``sensitivity_s``, ``trials_s``, ``finalists_s``, ``compile_s``, ``total_s``); the
+            ``sensitivity_s``, ``trials_s``, ``finalists_s``, ``micro_batch_s`` with ``global_batch``,
+            ``compile_s``, ``total_s``); the
             Inductor compiles the finalists trigger lazily are in ``compile_s``, not ``finalists_s``.
         probes: Per-dtype matmul probe results.
         budget: The drift budget the written policy was judged by (:class:`DriftBudget`: the
