@@ -33,14 +33,14 @@ class _Scripted(BatchSearch):
 
     def __init__(self, n: int, budget: float, file_batch: int, base: float, per_example: float) -> None:
         self.n, self.memory_budget, self.file_batch, self.quiet = n, budget, file_batch, True
-        self.base, self.per, self.points, self.measured = base, per_example, [], []
+        self.base_bytes, self.per, self.points, self.measured = base, per_example, [], []
 
     def point(self, cfg, m):
         for p in self.points:  # measured once, as BatchSearch.point
             if p.micro_batch == m:
                 return p
         self.measured.append(m)
-        peak = int(self.base + self.per * m)
+        peak = int(self.base_bytes + self.per * m)
         pt = BatchPoint(cfg, m, self.n // m, peak_bytes=peak, fits=peak <= self.memory_budget)
         self.points.append(pt)
         return pt
