@@ -16,10 +16,14 @@ import sys
 import time
 import warnings
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from autoprec.cli_parser import build_parser
 from autoprec.cli_paths import check_writable, make_parents, remove_if_empty
 from autoprec.errors import AutoprecError
+
+if TYPE_CHECKING:  # the policy layer loads with the command that needs it
+    from autoprec.policy import Policy
 
 __all__ = ["main"]
 
@@ -88,20 +92,48 @@ def _tune(a: argparse.Namespace) -> int:
     if best is not None and "speedup_vs_baseline" in m:  # first: the choice must not fall below it
         speeds.insert(0, (m["speedup_vs_baseline"], f"{best} (the baseline to beat)"))
     rule = res.budget.describe()
-    print(f"wrote {a.out}: {m['tokens_per_s']:.0f} tokens/s, " + ", ".join(f"{r:.2f}x {n}" for r, n in speeds)
-          + f", grad_rel_l2 {m['grad_rel_l2']:.3g} (budget: {rule}), "
-          f"peak {m['peak_bytes'] / 2**20:.1f} MiB"
-          + (f" (budget {m['memory_budget_bytes'] / 2**20:.1f} MiB)" if "memory_budget_bytes" in m else ""))
-    if "micro_batch_tokens_per_s" in m:
-        base = (f", {m['speedup_vs_baseline_at_global_batch']:.2f}x the baseline to beat at its own "
-                f"micro-batch {m['baseline_micro_batch']:.0f} ({m['baseline_micro_batch_tokens_per_s']:.0f} "
-                "tokens/s)" if "baseline_micro_batch" in m else "")
-        print(f"at global batch {m['global_batch']:.0f}: {res.policy.batching.describe()}, "
-              f"{m['micro_batch_tokens_per_s']:.0f} tokens/s, "
-              f"peak {m['micro_batch_peak_bytes'] / 2**20:.1f} MiB" + base)
+    at_global = "micro_batch_tokens_per_s" in m  # then these are the contest's, at the file's batch
+    print(("the contest's choice at the model file's batch" if at_global else f"wrote {a.out}")
+          + f": {m['tokens_per_s']:.0f} tokens/s, " + ", ".join(f"{r:.2f}x {n}" for r, n in speeds)
+          + f", grad_rel_l2 {m['grad_rel_l2']:.3g} (budget: {rule}), peak {m['peak_bytes'] / 2**20:.1f} MiB"
+          + (f" (budget {m['memory_budget_bytes'] / 2**20:.1f} MiB)"
+             if "memory_budget_bytes" in m and not at_global else ""))
+    if at_global:
+        print(_global_batch_line(a.out, res.policy))
     print("time: " + ", ".join(f"{k} {v:.0f}s" for k, v in res.timings.items()))
     print(cache_report(caches))
     return 0
+
+
+def _policy_batching(path: str):
+    """The ``batching`` of the policy file at ``path``, or None (none, or a file ``bench`` refuses
+    later with its own message)."""
+    from autoprec.errors import PolicyError
+    from autoprec.policy import Policy
+
+    try:
+        return Policy.load(path).batching
+    except PolicyError:
+        return None
+
+
+def _global_batch_line(out: str, policy: Policy) -> str:
+    """``tune --global-batch``'s ``wrote`` line: the written policy at its micro-batch against the
+    baseline to beat at its own (``Policy.measured``'s micro-batch keys)."""
+    m = policy.measured
+    line = (f"wrote {out}: at global batch {m['global_batch']:.0f}, {policy.batching.describe()}: "
+            f"{m['micro_batch_tokens_per_s']:.0f} tokens/s, grad_rel_l2 {m['micro_batch_grad_rel_l2']:.3g} "
+            f"(accumulated), peak {m['micro_batch_peak_bytes'] / 2**20:.1f} MiB")
+    if "memory_budget_bytes" in m:
+        line += f" (budget {m['memory_budget_bytes'] / 2**20:.1f} MiB)"
+    if "baseline_micro_batch" in m:
+        band = (f", band {m['speedup_vs_baseline_at_global_batch_lo']:.2f}-"
+                f"{m['speedup_vs_baseline_at_global_batch_hi']:.2f}"
+                if "speedup_vs_baseline_at_global_batch_lo" in m else "")
+        line += (f"; {m['speedup_vs_baseline_at_global_batch']:.2f}x{band} the baseline to beat at its own "
+                 f"micro-batch {m['baseline_micro_batch']:.0f} ({m['baseline_micro_batch_tokens_per_s']:.0f} "
+                 "tokens/s)")
+    return line
 
 
 def _naming_policy(policy_path: str):
@@ -225,6 +257,10 @@ def _cmd_bench(a: argparse.Namespace) -> int:
         print("autoprec bench: error: --max-memory needs --global-batch N (the budget picks each side's "
               "micro-batch)", file=sys.stderr)
         return 2
+    if a.global_batch is None and (batching := _policy_batching(a.policy)) is not None:
+        print(f"autoprec bench: note: {a.policy} trains at {batching.describe()}; this bench runs the model "
+              f"file's batch (pass --global-batch {batching.global_batch} to compare at the policy's)",
+              file=sys.stderr)
     if a.global_batch is not None:
         from autoprec.commands.bench_batch import format_batch_table, run_batch_bench
 

@@ -107,10 +107,12 @@ def run_batch_bench(model_path: str | os.PathLike, policy: Policy | str | os.Pat
     mine = BatchConfig("policy", Role.POLICY, dataclasses.replace(pol, batching=None))
     pts = [p for c in bar_cfgs if (p := search.fit(c)) is not None]
     own = search.point(mine, pol.batching.micro_batch) if pol.batching is not None else search.fit(mine)
+    if own is not None and own.error is not None:
+        raise AutoprecError(f"{source}: failed at micro-batch {own.micro_batch}: {own.error}")
     if own is None or not own.fits:
-        raise AutoprecError(f"{source}: does not fit the memory budget at global batch {global_batch}"
-                            + (f" (peak {own.peak_bytes} bytes at micro-batch {own.micro_batch}, budget "
-                               f"{budget:.0f} bytes)" if own else ""))
+        raise AutoprecError(f"{source}: does not fit the memory budget ({budget:.0f} bytes) at global batch "
+                            f"{global_batch}" + (f" (peak {own.peak_bytes} bytes at micro-batch "
+                                                 f"{own.micro_batch})" if own else " at any micro-batch"))
     rule = search.rule(search.base)
     for p in [*pts, own]:
         search.drift(p)

@@ -149,6 +149,8 @@ def _train(spec: Any, policy: Policy, policy_path: str | os.PathLike, dev: Any, 
     model = spec.build_model().to(dev)
     model.train()
     source = step_batches(spec, policy.batching, dev)  # the policy's micro-batch and accumulation
+    if source is not None and ranks.lead and not quiet:
+        print(f"training at {policy.batching.describe()} (the policy's batching)", flush=True)
     batch_at = (lambda i: source.micro(i, dev)) if source is not None else (lambda i: spec.get_batch(i, dev))
     first = batch_at(0)
     gm = capture_for(model, [first] + [batch_at(i) for i in range(1, PROBE_BATCHES)])

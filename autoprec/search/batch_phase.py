@@ -13,10 +13,11 @@ import torch
 from autoprec.errors import ModelSpecError, SearchError
 from autoprec.modelspec import ModelSpec
 from autoprec.modelspec.micro_batches import MicroBatches
+from autoprec.nodekeys import graph_fingerprint
 from autoprec.policy import Policy
 from autoprec.search.budgets import format_bytes
 from autoprec.search.contest import Contest
-from autoprec.search.micro_batch import BatchPoint, BatchSearch
+from autoprec.search.micro_batch import BatchPoint, BatchSearch, faster
 from autoprec.search.phases import accounted
 from autoprec.search.progress import log
 from autoprec.search.tune_state import TuneState
@@ -34,6 +35,8 @@ class BatchChoice:
         bar: The baseline to beat's point at its own largest fitting micro-batch (None: none fits).
         points: Every point measured (the report's table and plot).
         memory_budget: Bytes, or None.
+        graph_fingerprint: The captured graph at the chosen micro-batch (``train`` captures there:
+            the policy's ``provenance.graph_fingerprint``).
     """
 
     policy: Policy
@@ -41,6 +44,17 @@ class BatchChoice:
     bar: BatchPoint | None
     points: tuple[BatchPoint, ...]
     memory_budget: float | None
+    graph_fingerprint: str = ""
+
+    @property
+    def verdict(self) -> str:
+        """``"faster"``, ``"slower"`` (beyond the noise: :func:`~autoprec.search.micro_batch.faster`),
+        ``"tie"``, or ``"no baseline"``."""
+        if self.bar is None:
+            return "no baseline"
+        if self.bar is self.best:
+            return "tie"
+        return "faster" if faster(self.best, self.bar) else "slower" if faster(self.bar, self.best) else "tie"
 
     @property
     def ratio(self) -> float:
@@ -65,6 +79,10 @@ class BatchChoice:
             out |= {"baseline_micro_batch": float(self.bar.micro_batch),
                     "baseline_micro_batch_tokens_per_s": self.bar.tokens_per_s,
                     "speedup_vs_baseline_at_global_batch": self.ratio}
+            (lo, hi), (blo, bhi) = self.best.tokens_per_s_band, self.bar.tokens_per_s_band
+            if lo > 0 and bhi > 0:  # the ratio's band from the two bands' ends
+                out |= {"speedup_vs_baseline_at_global_batch_lo": lo / bhi,
+                        "speedup_vs_baseline_at_global_batch_hi": hi / blo}
         return out
 
     def report(self) -> dict[str, Any]:
@@ -102,12 +120,15 @@ def micro_batch_phase(run: TuneState, contest: Contest, chosen: Policy, global_b
     search.slow = run.slow * global_batch / search.file_batch  # tune's limit, per example
     with accounted(run.clock, "micro_batch_s"):
         policy, best, bar = search.run(chosen)
-    choice = BatchChoice(policy, best, bar, tuple(search.points), budget)
-    vs = (f"; the baseline to beat, {bar.label}: {bar.tokens_per_s:.0f} tok/s -> {choice.ratio:.2f}x"
-          if bar is not None else "; no baseline fits the budget")
+    fingerprint = graph_fingerprint(search.harness(best.micro_batch).graph_module)
+    choice = BatchChoice(policy, best, bar, tuple(search.points), budget, fingerprint)
+    words = {"tie": "a tie within the noise", "faster": "faster beyond the noise",
+             "slower": "slower beyond the noise"}
+    vs = (f"; the baseline to beat, {bar.label}: {bar.tokens_per_s:.0f} tok/s -> {choice.ratio:.2f}x, "
+          f"{words[choice.verdict]}" if bar is not None else "; no baseline fits the budget")
     log(f"micro-batch: {best.label} {best.tokens_per_s:.0f} tok/s, peak {format_bytes(best.peak_bytes)}{vs}",
         run.quiet)
-    if bar is not None and choice.ratio < 1.0:
+    if choice.verdict == "slower":
         log(f"warning: at global batch {global_batch} the policy is slower than {bar.config.name} at its own "
-            "largest micro-batch", run.quiet)
+            "largest micro-batch, beyond the noise", run.quiet)
     return choice

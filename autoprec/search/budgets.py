@@ -77,7 +77,10 @@ def parse_max_memory(max_memory: str | float | None) -> tuple[str, float] | None
         return ("autocast", 1.0)
     text = str(max_memory).strip().lower().replace(" ", "")
     pct = re.fullmatch(r"([0-9]*\.?[0-9]+)%", text)
-    if pct is not None and 0 < float(pct.group(1)) <= 100:
+    if pct is not None:
+        if not 0 < float(pct.group(1)) <= 100:
+            raise SearchError(f"--max-memory: a share of the device's memory is above 0% and at most 100%; "
+                              f"got {max_memory!r}")
         return ("device", float(pct.group(1)) / 100)
     m = re.fullmatch(r"([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)(x|[kmg]i?b|b)?", text)
     if m is not None:

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from autoprec.applied.compile import compile_graph
+from autoprec.applied.saved import saved_eager
 from autoprec.capture import autocast_dynamic
 from autoprec.errors import SearchError
 from autoprec.measure import Config, Harness, time_interleaved
@@ -56,7 +57,7 @@ from autoprec.search.progress import log
 from autoprec.search.space import with_saved
 from autoprec.training.train import make_scaler
 
-__all__ = ["GLOBAL_DRIFT_STEPS", "BatchConfig", "BatchPoint", "BatchSearch", "global_step_seconds"]
+__all__ = ["GLOBAL_DRIFT_STEPS", "BatchConfig", "BatchPoint", "BatchSearch", "faster", "global_step_seconds"]
 
 #: Global batches each fitted configuration's accumulated drift is measured on.
 GLOBAL_DRIFT_STEPS = 2
@@ -99,6 +100,7 @@ class BatchPoint:
         step_s, update_s: Median timed micro-step and the update alone (seconds; inf until timed).
         global_step_s: :func:`global_step_seconds` (seconds).
         tokens_per_s: Tokens of a global batch / ``global_step_s`` (0.0 until timed).
+        tokens_per_s_band: The same from the ends of the timed step's 95% band (``Timing.band_s``).
         fits: Within the memory budget (always, without one).
         note: Why it is not a candidate (over the budget, over the drift budget), else "".
     """
@@ -113,6 +115,7 @@ class BatchPoint:
     update_s: float = math.inf
     global_step_s: float = math.inf
     tokens_per_s: float = 0.0
+    tokens_per_s_band: tuple[float, float] = (0.0, 0.0)
     fits: bool = True
     note: str = ""
 
@@ -128,6 +131,7 @@ class BatchPoint:
                 "accumulation": self.accumulation, "peak_bytes": self.peak_bytes, "fits": self.fits,
                 "grad_rel_l2": fin(sum(self.drift) / len(self.drift)) if self.drift else None,
                 "global_step_s": fin(self.global_step_s), "tokens_per_s": self.tokens_per_s,
+                "tokens_per_s_band": list(self.tokens_per_s_band),
                 "error": self.error, "note": self.note}
 
 
@@ -188,7 +192,7 @@ class BatchSearch:
                 opts = cfg.policy.compile_options or REGIONAL_EMULATED
                 fn = compile_graph(lowered, cfg.policy.activation_memory_budget, regional=opts.regional,
                                    emulate_precision_casts=opts.emulate_precision_casts) if self.compile \
-                    else lowered
+                    else saved_eager(lowered)  # eagerly, its saved dtypes honoured as the contest runs it
             self._fn[key] = fn
         return self._fn[key]
 
@@ -300,6 +304,8 @@ class BatchSearch:
             p.update_s = h.update_seconds(scaled=self._scaler_factory(p.config)() is not None)
             p.global_step_s = global_step_seconds(p.step_s, p.update_s, p.accumulation)
             p.tokens_per_s = tokens / p.global_step_s
+            lo, hi = (global_step_seconds(s, p.update_s, p.accumulation) for s in t.band_s)
+            p.tokens_per_s_band = (tokens / hi, tokens / lo) if math.isfinite(hi) and lo > 0 else (0.0, 0.0)
 
     # -- the search -------------------------------------------------------------------------------
     def configs(self, policy: Policy, random: bool) -> list[BatchConfig]:
@@ -353,8 +359,8 @@ class BatchSearch:
         best = max(timed, key=lambda p: p.tokens_per_s)
         bases = [p for p in live if p.config.role is Role.BASELINE and p.tokens_per_s > 0]
         bar = max(bases, key=lambda p: p.tokens_per_s) if bases else None
-        if (bar is not None and bar.config.autocast_dtype is None and bar.tokens_per_s > best.tokens_per_s
-                and self.compile):  # fp32 + torch.compile was faster: write what it runs, as a policy
+        if (bar is not None and bar.config.autocast_dtype is None and faster(bar, best)
+                and self.compile):  # fp32 + torch.compile faster beyond the noise: write what it runs
             fp32 = dataclasses.replace(Policy.fp32(), compile_options=TORCH_COMPILE,
                                        batching=Batching(bar.micro_batch, bar.accumulation))
             log(f"micro-batch: {bar.label} was faster than every policy configuration: writing all-fp32, "
@@ -363,6 +369,14 @@ class BatchSearch:
         batching = Batching(best.micro_batch, best.accumulation)
         chosen = dataclasses.replace(best.config.policy, batching=batching)
         return chosen, best, bar
+
+
+def faster(a: BatchPoint, b: BatchPoint) -> bool:
+    """Whether ``a`` is faster than ``b`` beyond the noise: the low end of its tokens/s band above
+    the high end of ``b``'s (bands that overlap are a tie; a point without a band compares by tokens/s)."""
+    if a.tokens_per_s_band[0] > 0 and b.tokens_per_s_band[1] > 0:
+        return a.tokens_per_s_band[0] > b.tokens_per_s_band[1]
+    return a.tokens_per_s > b.tokens_per_s
 
 
 def _saved_only(rule: Rule) -> bool:

@@ -379,7 +379,8 @@ def _write(run: TuneState, study: optuna.Study, contest: Contest, chosen: Policy
     measured = measured_block(run, contest, chosen, chosen_m, compile) | (
         batches.measured() if batches is not None else {})
     policy = dataclasses.replace(chosen, compile_options=options).with_measured(measured).with_provenance(
-        model=str(run.spec.path), graph_fingerprint=graph_fingerprint(run.gm), device=device_name(run.dev),
+        model=str(run.spec.path), device=device_name(run.dev),  # the graph train captures: at the micro-batch
+        graph_fingerprint=batches.graph_fingerprint if batches is not None else graph_fingerprint(run.gm),
         torch=torch.__version__, autoprec=__version__, created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         study=study.study_name, compiled=compile, **({"baseline": best[0]} if best is not None else {}),
     )

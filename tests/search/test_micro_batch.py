@@ -89,7 +89,7 @@ def test_global_step_formula_matches_a_timed_global_step():
     assert global_step_seconds(0.3, 0.1, 1) == 0.3 and global_step_seconds(0.3, 0.1, 4) == pytest.approx(0.9)
 
 
-def test_tune_with_global_batch_writes_batching_and_without_it_nothing_changes(tmp_path):
+def test_tune_with_global_batch_writes_batching_and_without_it_nothing_changes(tmp_path, capsys):
     """Eager (``compile=False``) to keep it short: the flag's path end to end on tiny_mlp, whose file
     batch is 8; the same tune without it writes no ``batching`` and no micro-batch numbers."""
     kw = dict(trials=1, compile=False, progress=False, traj_steps=0, quiet=True)
@@ -102,6 +102,12 @@ def test_tune_with_global_batch_writes_batching_and_without_it_nothing_changes(t
     assert d["measured"]["micro_batch_tokens_per_s"] > 0
     report = (tmp_path / "g.report.md").read_text()
     assert "## Micro-batch and memory lever" in report and (tmp_path / "g.micro_batch.png").is_file()
+    # train captures at the policy's micro-batch: the provenance names that graph, so no warning
+    from autoprec.commands.train import train
+
+    capsys.readouterr()
+    assert len(train(TINY, tmp_path / "g.json", steps=2, compile=False, quiet=True).losses) == 2
+    assert "was tuned on" not in capsys.readouterr().err
     plain = tune(TINY, out=tmp_path / "p.json", **kw)
     d0 = json.loads((tmp_path / "p.json").read_text())
     assert plain.policy.batching is None and "batching" not in d0 and d0["schema_version"] < 4
@@ -123,3 +129,31 @@ def test_no_configuration_fitting_names_the_budget_and_the_smallest_peak():
     with pytest.raises(SearchError, match=r"--global-batch 16: no policy configuration fits the memory "
                                           r"budget \(1000 bytes; the smallest peak measured was [0-9.]+ "):
         search.run(Policy.fp32())
+
+
+def test_eager_saved_activations_are_honoured_when_measured():
+    """Without compile the bf16 saved-activation lever runs as ``train --no-compile`` runs it
+    (``saved_eager``): its measured peak is below the plain policy's at the same micro-batch."""
+    from autoprec.search.space import with_saved
+
+    search = BatchSearch(load_model_spec(TINY), CPU, 16, memory_budget=None, compile=False,
+                         autocast=AutocastBaseline(torch.bfloat16), budget=DriftBudget.fixed(1.0), quiet=True)
+    plain = search.point(BatchConfig("policy", Role.POLICY, Policy.fp32()), 16)
+    lever = with_saved(Policy.fp32(), "bf16")
+    saved = search.point(BatchConfig("policy + saved bf16", Role.POLICY, lever), 16)
+    assert plain.error is None and saved.error is None
+    assert saved.peak_bytes < plain.peak_bytes
+
+
+def test_a_tie_is_a_tie_and_budget_shares_are_checked():
+    from autoprec.search.budgets import parse_max_memory
+    from autoprec.search.micro_batch import faster
+
+    cfg = BatchConfig("x", Role.POLICY)
+    a = BatchPoint(cfg, 8, 2, tokens_per_s=1000.0, tokens_per_s_band=(950.0, 1050.0))
+    b = BatchPoint(cfg, 4, 4, tokens_per_s=980.0, tokens_per_s_band=(940.0, 1010.0))
+    c = BatchPoint(cfg, 4, 4, tokens_per_s=800.0, tokens_per_s_band=(780.0, 820.0))
+    assert not faster(a, b) and not faster(b, a) and faster(a, c) and not faster(c, a)
+    assert parse_max_memory("90%") == ("device", 0.9)
+    with pytest.raises(SearchError, match=r"above 0% and at most 100%; got '150%'"):
+        parse_max_memory("150%")
