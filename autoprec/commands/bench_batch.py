@@ -32,7 +32,7 @@ from autoprec.commands.bench_mfu import measure_peaks
 from autoprec.device import autocast_dtype, describe_machine, resolve_device
 from autoprec.dtypes import NAMES
 from autoprec.errors import AutoprecError
-from autoprec.measure import Harness
+from autoprec.measure import Harness, Measurement
 from autoprec.modelspec import load_model_spec
 from autoprec.policy import Policy
 from autoprec.search.autocast_baseline import EMULATE_AT, AutocastBaseline
@@ -52,6 +52,19 @@ def _autocast(dev: torch.device, max_step_ratio: float, log: Any) -> AutocastBas
     why = f"{NAMES[low]} matmul measured {slower:.0f}x slower than fp32 here"
     return AutocastBaseline(low, why if slower >= EMULATE_AT else None,
                             why if slower >= max_step_ratio else None)
+
+
+def _budget(arg: tuple[str, float] | None, h: Harness, autocast: AutocastBaseline) -> float | None:
+    """The byte budget of the parsed ``--max-memory`` (:func:`memory_budget`), measuring fp32 and
+    torch.autocast eager at the model file's batch only when it refers to their peaks."""
+    if arg is None:
+        return None
+    fp32 = ac = Measurement()
+    if arg[0] in ("fp32", "autocast"):
+        fp32 = h.measure(h.model, timing=False)
+        ac = h.measure(h.model, autocast.scaler_factory(), autocast_dtype=autocast.dtype, timing=False,
+                       fp32_gemms=bool(autocast.emulated))
+    return memory_budget(arg, fp32, ac, h.state_bytes, h.optimizer_name, h.device)
 
 
 def run_batch_bench(model_path: str | os.PathLike, policy: Policy | str | os.PathLike, global_batch: int,
@@ -93,12 +106,7 @@ def run_batch_bench(model_path: str | os.PathLike, policy: Policy | str | os.Pat
     check_memory_floor(arg, spec.build_model(), spec.make_optimizer)
     autocast = _autocast(dev, max_step_ratio, log)
     h = Harness(spec, dev, drift_batches=1)  # the file's batch: what "0.8x" and "auto" refer to
-    budget = None
-    if arg is not None:
-        fp32 = h.measure(h.model, timing=False)
-        ac = h.measure(h.model, autocast.scaler_factory(), autocast_dtype=autocast.dtype, timing=False,
-                       fp32_gemms=bool(autocast.emulated))
-        budget = memory_budget(arg, fp32, ac, h.state_bytes, h.optimizer_name, dev)
+    budget = _budget(arg, h, autocast)
     fp32_step = h.measure(h.model).step_s
     # the auto rule, re-based on torch.autocast's accumulated drift by search.rule
     search = BatchSearch(spec, dev, global_batch, budget, True, autocast, DriftBudget(rule="auto"),
