@@ -48,13 +48,13 @@ from autoprec.measure import Config, Harness, time_interleaved
 from autoprec.modelspec import ModelSpec
 from autoprec.modelspec.micro_batches import MicroBatches, count_tokens, divisors
 from autoprec.passes import run_pipeline
-from autoprec.policy import REGIONAL_EMULATED, TORCH_COMPILE, Batching, Policy, Rule
+from autoprec.policy import REGIONAL_EMULATED, TORCH_COMPILE, Batching, Policy
 from autoprec.search.autocast_baseline import AutocastBaseline
 from autoprec.search.budgets import format_bytes
 from autoprec.search.drift_budget import DriftBudget
 from autoprec.search.gates import Role
 from autoprec.search.progress import log
-from autoprec.search.space import with_saved
+from autoprec.search.space import with_saved, without_saved
 from autoprec.training.train import make_scaler
 
 __all__ = ["GLOBAL_DRIFT_STEPS", "BatchConfig", "BatchPoint", "BatchSearch", "faster", "global_step_seconds"]
@@ -318,8 +318,7 @@ class BatchSearch:
         if self.autocast.in_contest(random):
             out.append(BatchConfig(f"torch.autocast + {how}", Role.BASELINE,
                                    autocast_dtype=self.autocast.dtype))
-        bare = dataclasses.replace(policy, rules=tuple(r for r in policy.rules if not _saved_only(r)),
-                                   activation_memory_budget=1.0, batching=None)
+        bare = dataclasses.replace(without_saved(policy), activation_memory_budget=1.0, batching=None)
         out.append(BatchConfig("policy", Role.POLICY, bare))
         if self.memory_budget is not None:
             out.append(BatchConfig("policy + saved bf16", Role.POLICY, with_saved(bare, "bf16")))
@@ -377,9 +376,3 @@ def faster(a: BatchPoint, b: BatchPoint) -> bool:
     if a.tokens_per_s_band[0] > 0 and b.tokens_per_s_band[1] > 0:
         return a.tokens_per_s_band[0] > b.tokens_per_s_band[1]
     return a.tokens_per_s > b.tokens_per_s
-
-
-def _saved_only(rule: Rule) -> bool:
-    """A rule that only sets ``saved`` (a memory lever :func:`with_saved` appended)."""
-    return rule.node is None and rule.module is None and rule.saved is not None and rule.dtype is None \
-        and rule.compute is None

@@ -25,7 +25,7 @@ from autoprec.search.groups import block_params, members
 from autoprec.search.probe import KERNELS, kernel_fields
 
 __all__ = ["ATTENTION_BASELINE", "SAVED_LEVERS", "SearchSpace", "BASELINES", "FP32_COMPUTE_BASELINE",
-           "find_blocks", "has_attention", "outside_matmuls", "with_saved"]
+           "find_blocks", "has_attention", "outside_matmuls", "with_saved", "without_saved"]
 
 #: The saved-activation dtypes of the memory lever, least drift first (docs/architecture.md#search):
 #: a search parameter under ``tune --max-memory`` and the finalists' memory fit.
@@ -260,6 +260,14 @@ class SearchSpace:
                      follow_placement="promote" if params["follow"] == "promote" else "mincut",
                      attention=params.get("attention", "fused"))
         return pol if params.get("saved", "none") == "none" else with_saved(pol, params["saved"])
+
+
+def without_saved(policy: Policy) -> Policy:
+    """``policy`` without the rules :func:`with_saved` appends (op-class rules that set only
+    ``saved``): the policy before its saved-activation memory lever."""
+    lever = lambda r: (r.op_class is not None and r.saved is not None and r.node is None  # noqa: E731
+                       and r.module is None and r.dtype is None and r.compute is None)
+    return dataclasses.replace(policy, rules=tuple(r for r in policy.rules if not lever(r)))
 
 
 def with_saved(policy: Policy, dtype: str) -> Policy:

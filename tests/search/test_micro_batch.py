@@ -65,6 +65,7 @@ def test_each_configuration_runs_at_its_largest_fitting_micro_batch_and_predicti
         assert pt.fits and pt.accumulation == 16 // want
 
 
+@pytest.mark.serial  # times steps: run alone, after the parallel rest (make test)
 def test_global_step_formula_matches_a_timed_global_step():
     """``A * t_step - (A - 1) * t_update`` against accumulated global steps timed directly, both
     medians of steps interleaved in one process (tiny_mlp, micro-batch 2 x 8)."""
@@ -157,3 +158,12 @@ def test_a_tie_is_a_tie_and_budget_shares_are_checked():
     assert parse_max_memory("90%") == ("device", 0.9)
     with pytest.raises(SearchError, match=r"above 0% and at most 100%; got '150%'"):
         parse_max_memory("150%")
+
+
+def test_without_saved_undoes_the_saved_lever_only():
+    from autoprec.policy import Rule
+    from autoprec.search.space import with_saved, without_saved
+
+    pol = Policy(default_dtype="fp32", rules=(Rule(op_class="matmul", dtype="bf16"),
+                                              Rule(node="lm_head/linear#0", saved="bf16")))
+    assert without_saved(with_saved(pol, "bf16")) == pol
