@@ -110,7 +110,7 @@ def run_batch_bench(model_path: str | os.PathLike, policy: Policy | str | os.Pat
     fp32_step = h.measure(h.model).step_s
     # the auto rule, re-based on torch.autocast's accumulated drift by search.rule
     search = BatchSearch(spec, dev, global_batch, budget, True, autocast, DriftBudget(rule="auto"),
-                         slow=None, quiet=quiet)
+                         slow=None, quiet=quiet, file_harness=h)
     bar_cfgs = [c for c in search.configs(Policy.fp32(), h.random) if c.role is Role.BASELINE]
     mine = BatchConfig("policy", Role.POLICY, dataclasses.replace(pol, batching=None))
     pts = [p for c in bar_cfgs if (p := search.fit(c)) is not None]

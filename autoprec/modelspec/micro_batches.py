@@ -217,6 +217,13 @@ class MicroBatches:
         batch = self.global_at(step, device)
         return batch if self.accumulation == 1 else Accumulated(tuple(_split(batch, self.micro_batch)))
 
+    @property
+    def file_stream(self) -> bool:
+        """Whether micro-batch ``i`` is ``get_batch(i)`` itself: the file's batches concatenated
+        (no ``batch_size``) and split back at the file's batch, so a harness over the model file
+        measures this stream."""
+        return not self.sized and self.micro_batch == self.file_batch
+
     def micro(self, index: int, device: torch.device) -> Any:
         """Micro-batch ``index`` of the stream: part ``index % A`` of step ``index // A``."""
         batch = self.global_at(index // self.accumulation, device)

@@ -116,7 +116,7 @@ def micro_batch_phase(run: TuneState, contest: Contest, chosen: Policy, global_b
     log(f"micro-batch: global batch {global_batch}"
         + (f", memory budget {format_bytes(budget)}" if budget else ""), run.quiet)
     search = BatchSearch(run.spec, run.dev, global_batch, budget, compile, run.baseline,
-                         contest.budget, None, run.quiet)
+                         contest.budget, None, run.quiet, file_harness=run.harness)
     search.slow = run.slow * global_batch / search.file_batch  # tune's limit, per example
     with accounted(run.clock, "micro_batch_s"):
         policy, best, bar = search.run(chosen)

@@ -44,7 +44,7 @@ from autoprec.applied.compile import compile_graph
 from autoprec.applied.saved import saved_eager
 from autoprec.capture import autocast_dynamic
 from autoprec.errors import SearchError
-from autoprec.measure import Config, Harness, time_interleaved
+from autoprec.measure import Config, Harness, Outcome, time_interleaved
 from autoprec.modelspec import ModelSpec
 from autoprec.modelspec.micro_batches import MicroBatches, count_tokens, divisors
 from autoprec.passes import run_pipeline
@@ -149,6 +149,9 @@ class BatchSearch:
         slow: The slow-step limit of a timed micro-step, seconds (None: none): a configuration over
             it (an emulated dtype) is dropped from the timing rounds.
         quiet: No log lines.
+        file_harness: A harness over the model file itself (the tune's), used as the micro-batch
+            harness where the micro-batches are the file's own batches
+            (:attr:`MicroBatches.file_stream`): no second capture, model and FP32 references.
 
     Raises:
         ModelSpecError: the model file cannot give micro-batches (:class:`MicroBatches`).
@@ -156,15 +159,15 @@ class BatchSearch:
 
     def __init__(self, spec: ModelSpec, device: torch.device, global_batch: int, memory_budget: float | None,
                  compile: bool, autocast: AutocastBaseline, budget: DriftBudget, slow: float | None = None,
-                 quiet: bool = False) -> None:
+                 quiet: bool = False, file_harness: Harness | None = None) -> None:
         self.spec, self.device, self.n = spec, device, int(global_batch)
         self.memory_budget, self.compile, self.autocast = memory_budget, compile, autocast
         self.budget, self.slow, self.quiet = budget, slow, quiet
         self.file_batch = MicroBatches(spec, self.n, 1, device).file_batch  # checks the file once
         self._harness: dict[int, Harness] = {}
+        self._file_harness = file_harness
         self._fn: dict[tuple[str, int], Any] = {}
         self.points: list[BatchPoint] = []
-        self.drift_budget: DriftBudget | None = None
 
     @property
     def base(self) -> int:
@@ -177,8 +180,9 @@ class BatchSearch:
         """The harness whose batches are micro-batches of ``m`` (one drift batch: the drift that
         decides is :meth:`Harness.global_drift`'s), built once per ``m``."""
         if m not in self._harness:
-            micro = MicroBatches(self.spec, self.n, m, self.device).micro_spec()
-            self._harness[m] = Harness(micro, self.device, drift_batches=1)
+            micro = MicroBatches(self.spec, self.n, m, self.device)
+            self._harness[m] = (self._file_harness if self._file_harness is not None and micro.file_stream
+                                else Harness(micro.micro_spec(), self.device, drift_batches=1))
         return self._harness[m]
 
     def _build(self, cfg: BatchConfig, m: int) -> Any:
@@ -210,8 +214,9 @@ class BatchSearch:
         pt = BatchPoint(cfg, m, self.n // m)
         try:
             h, fn = self.harness(m), self._build(cfg, m)
-            meas = h.measure(fn, self._scaler_factory(cfg), autocast_dtype=cfg.autocast_dtype,
-                             timing=self.device.type == "cuda", max_step_s=self.slow)
+            cuda = self.device.type == "cuda"  # CUDA's peak is read after timed steps; the CPU's on batch 0
+            meas = h.measure(fn, self._scaler_factory(cfg), autocast_dtype=cfg.autocast_dtype, timing=cuda,
+                             max_step_s=self.slow, cut=None if cuda else _peak_only)
             pt.peak_bytes, pt.error = meas.peak_bytes, meas.error
         except Exception as e:  # noqa: BLE001 - a harness that cannot be built at m (out of memory)
             pt.error = f"{type(e).__name__}: {e}"
@@ -337,12 +342,12 @@ class BatchSearch:
         """
         fitted = [pt for cfg in self.configs(policy, self.harness(self.base).random)
                   if (pt := self.fit(cfg)) is not None]
-        self.drift_budget = self.rule(self.base)
+        rule = self.rule(self.base)
         for pt in fitted:
             self.drift(pt)
             judged = pt.error is None and pt.config.role is Role.POLICY
-            if judged and not self.drift_budget.feasible(pt.drift):
-                pt.note = f"accumulated drift over the budget ({self.drift_budget.explain(pt.drift)})"
+            if judged and not rule.feasible(pt.drift):
+                pt.note = f"accumulated drift over the budget ({rule.explain(pt.drift)})"
         live = [p for p in fitted if p.error is None and not p.note]
         policies = [p for p in live if p.config.role is Role.POLICY]
         if not policies:
@@ -368,6 +373,12 @@ class BatchSearch:
         batching = Batching(best.micro_batch, best.accumulation)
         chosen = dataclasses.replace(best.config.policy, batching=batching)
         return chosen, best, bar
+
+
+def _peak_only(_m: Any) -> Outcome:
+    """A measurement's cut after its first drift pass, whose peak is the CPU's count: the file's
+    harness has more drift batches than a point needs (the decisive drift is the accumulated one)."""
+    return Outcome.cut("peak only")
 
 
 def faster(a: BatchPoint, b: BatchPoint) -> bool:
