@@ -51,11 +51,12 @@ class MixedPrecisionModule(ModelFacade):
     model's, so optimizers and checkpoints are unchanged; parameters (master weights) stay fp32 and
     low-precision copies are cast inside the graph.
 
-    By default the graph is specialised to the example batch's shapes (batch size included): a
-    call whose input tensors have other shapes raises ``ValueError`` naming the input and both
-    shapes (see :class:`autoprec.capture.InputShapes`). From ``apply(..., dynamic=True)`` it takes
-    any batch size and sequence length in the ranges of :mod:`autoprec.capture.dims` (one dynamic graph,
-    or one graph per shape: :mod:`autoprec.applied.shape_cache`); a later batch outside those
+    From ``apply(..., dynamic=False)`` the graph is specialised to the example batch's shapes
+    (batch size included): a call whose input tensors have other shapes raises ``ValueError``
+    naming the input and both shapes (see :class:`autoprec.capture.InputShapes`). From ``apply(...,
+    dynamic=True)`` (the default) it takes any batch size and sequence length: the example's shape
+    static, then, from the first other shape, the ranges of :mod:`autoprec.capture.dims` (one
+    dynamic graph, or one graph per shape: :mod:`autoprec.applied.shape_cache`); a later batch outside those
     ranges is served too, by a re-capture with wider ranges or a graph of its own (logged;
     :mod:`autoprec.applied.recapture`), unless ``apply(..., strict_shapes=True)``, which raises
     ``ValueError`` for it; :attr:`shape_stats` counts its captures and compiles.
@@ -168,8 +169,10 @@ class MixedPrecisionModule(ModelFacade):
 
     @property
     def shape_stats(self) -> dict[str, Any]:
-        """How the module serves batch shapes: ``{"mode": "static", "captures": 1}``, or (``apply(...,
-        dynamic=True)``) ``{"mode": "dynamic", "captures": 1, "compiles", "compile_seconds"}`` /
+        """How the module serves batch shapes: ``{"mode": "static", "captures": 1}`` (with
+        ``"compiles"`` and ``"compile_seconds"`` when compiled), or, once a call of another shape made
+        ``apply(..., dynamic=True)``'s module capture again, ``{"mode": "dynamic", "captures": 1,
+        "compiles", "compile_seconds"}`` /
         ``{"mode": "per_shape", "captures", "capture_seconds", "shapes"}`` (see
         :mod:`autoprec.applied.shape_cache`) / ``{"mode": "dynamic+per_shape", ...}`` (shapes below
         a range, :class:`autoprec.applied.recapture.Routed`); ``"recaptures"``: times a batch outside
@@ -197,17 +200,26 @@ def apply(model: nn.Module, policy: Policy, example_batch: Any, compile: bool = 
             ``tune`` measured; without them as ``torch.compile(model)``: :func:`compile_graph`).
         placement: Cast placement mode for ``follow`` nodes (``mincut``, ``paint``, ``naive``).
         graph_module: An already captured graph of ``model`` (skips the capture).
-        dynamic: Accept batches of other batch sizes and sequence lengths (docs/architecture.md#runtime):
-            one capture with dynamic dimensions, in the ranges :mod:`autoprec.capture.dims` derives from
-            ``example_batch`` (batch 1..its size; sequence 2..``config.max_position_embeddings``,
-            else 2..its length), compiled once; where the model cannot be exported so, one graph
-            per input shape, built on first use (:class:`autoprec.applied.shape_cache.ShapeCache`,
-            at most ``MAX_SHAPES``). New compiles and shapes are logged (``autoprec`` logger, INFO).
+        dynamic: Accept batches of other batch sizes and sequence lengths (docs/architecture.md#runtime),
+            by ``torch.compile``'s own rule (``torch._dynamo.config.automatic_dynamic_shapes``):
+            the example's shapes are captured (and compiled) static; the first call with another
+            shape captures once more with dynamic dimensions, in the ranges
+            :mod:`autoprec.capture.dims` derives (batch 1..the larger size; sequence
+            2..``config.max_position_embeddings``, else 2..twice the longer length), compiled once
+            (:meth:`autoprec.applied.recapture.Recapture.from_static`); where the model cannot be
+            exported so, one graph per input shape, built on first use
+            (:class:`autoprec.applied.shape_cache.ShapeCache`, at most ``MAX_SHAPES``). So a loop
+            whose shapes never change runs the static graph ``tune`` measured (Triton's size
+            hints and static kernels; symbolic sizes cost pointwise and norm kernels 1.5-3.4x in
+            pytorch/pytorch PR #176653). New compiles and shapes are logged (``autoprec`` logger, INFO).
             A later batch outside the ranges is served by a capture with wider ranges (a compiled
             module compiles again) or by a graph of its own (:mod:`autoprec.applied.recapture`, which
             refuses a sequence past ``max_position_embeddings``), logged.
-        strict_shapes: With ``dynamic=True``, raise ``ValueError`` (naming the input, its shape
-            and the range) for a batch outside the ranges instead of capturing again.
+        strict_shapes: With ``dynamic=True``, capture with dynamic dimensions at once (ranges from
+            ``example_batch`` as above, batch 1..its size, sequence up to
+            ``config.max_position_embeddings``, else its length) and raise ``ValueError`` (naming
+            the input, its shape and the range) for a batch outside the ranges instead of
+            capturing again.
         force: Apply a policy none of whose rules selects a node of this model (a policy of
             another model, :func:`autoprec.applied.policy_match.check_policy_matches`) anyway.
 
@@ -242,8 +254,10 @@ def apply(model: nn.Module, policy: Policy, example_batch: Any, compile: bool = 
     check_not_wrapped(model)
     if graph_module is not None:
         gm = graph_module
-    else:
-        gm = capture_dynamic(model, example_batch) if dynamic else capture(model, example_batch)
+    elif dynamic and strict_shapes:  # the ranges a call is checked against are known from the start
+        gm = capture_dynamic(model, example_batch)
+    else:  # torch.compile's rule: the first shape static, dynamic dimensions at the first other one
+        gm = capture(model, example_batch)
     check_policy_matches(policy, gm, force=force)
     with quiet_pytree_deprecation():  # the passes deep-copy the graph and its pytree specs
         result = run_pipeline(gm, policy, placement)
@@ -251,9 +265,10 @@ def apply(model: nn.Module, policy: Policy, example_batch: Any, compile: bool = 
     result.graph_module.meta[CALL_KWARGS_META] = dict(gm.meta.get(CALL_KWARGS_META, {}))
     mp = MixedPrecisionModule(model, result.graph_module, policy, result.stats, compile)
     static = lambda batch: apply(model, policy, batch, compile, placement, dynamic=False, force=True)._fn  # noqa: E731
-    # static because the capture's batches did not vary (capture_for), not because export refused
-    # dynamic dimensions (PLAN_META): another shape tries one dynamic capture first (recapture.Recapture)
-    untried = graph_module is not None and PLAN_META not in gm.meta and not strict_shapes
+    # static for the example's shape (or because the batches of capture_for did not vary), not because
+    # export refused dynamic dimensions (PLAN_META): another shape tries one dynamic capture first
+    # (recapture.Recapture.from_static)
+    untried = PLAN_META not in gm.meta and not strict_shapes
     if dynamic and not is_dynamic(gm) and not untried:  # one graph per shape, the example's first
         _use_shape_cache(mp, example_batch, static, strict_shapes, gm.meta.get(PLAN_META))
     elif dynamic and not strict_shapes:  # a batch outside the ranges: capture again (applied.recapture)

@@ -172,7 +172,8 @@ def compile_graph(gm: nn.Module, activation_memory_budget: float = 1.0, dynamic:
     compiled = torch.compile(target, backend="inductor", options=options, dynamic=dynamic)
     return CompiledGraph(gm, target, compiled, plan, layout, bool(dynamic), activation_memory_budget,
                          saved_activation_context(flat) if saved else None,
-                         "the dynamic-shape graph" if graph else type(gm).__name__, out_spec)
+                         ("the dynamic-shape graph" if dynamic else "the static graph") if graph
+                         else type(gm).__name__, out_spec)
 
 
 def _inductor_options(flat: fx.GraphModule, plan: RegionPlan | None, emulate: bool) -> dict[str, Any]:
@@ -220,8 +221,8 @@ class CompiledGraph:
     A call runs the compiled function under the partitioner's activation memory budget (when
     below 1.0: ``torch._functorch.config.patch(activation_memory_budget=...)``), inside
     :func:`autoprec.applied.saved.saved_activation_context` for a graph with saved-activation dtypes
-    (and reports the saved tensors, :func:`autoprec.applied.saved.report_saved`), and, compiled
-    with ``dynamic=True``, through :attr:`compile_log`, which counts and logs each compile.
+    (and reports the saved tensors, :func:`autoprec.applied.saved.report_saved`), and through
+    :attr:`compile_log`, which counts and logs each compile.
 
     Attributes:
         source: What :func:`compile_graph` was given: the lowered graph, or a module.
@@ -236,8 +237,8 @@ class CompiledGraph:
         dynamic: ``torch.compile``'s ``dynamic``.
         activation_memory_budget: The partitioner's budget, a fraction in (0, 1] (1.0: no budget).
         saved: Whether the graph has saved-activation dtypes (``NodeMeta.saved``).
-        compile_log: The :class:`autoprec.applied.shape_cache.CompileLog` of a ``dynamic`` graph,
-            else None.
+        compile_log: Its :class:`autoprec.applied.shape_cache.CompileLog` (mode ``"dynamic"`` or
+            ``"static"``).
     """
 
     def __init__(self, source: nn.Module, target: nn.Module, compiled: Callable[..., Any],
@@ -248,7 +249,7 @@ class CompiledGraph:
         self.regions, self.layout, self.dynamic = regions, layout, dynamic
         self.activation_memory_budget = float(activation_memory_budget)
         self.saved, self._saved_context = saved_context is not None, saved_context
-        self.compile_log = CompileLog(self._run, what) if dynamic else None
+        self.compile_log = CompileLog(self._run, what, "dynamic" if dynamic else "static")
 
     @property
     def _orig_mod(self) -> nn.Module:
@@ -259,9 +260,7 @@ class CompiledGraph:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the compiled graph on ``args``/``kwargs`` (compiling it on the first call)."""
-        if self.compile_log is not None:
-            return self.compile_log(*args, **kwargs)
-        return self._run(*args, **kwargs)
+        return self.compile_log(*args, **kwargs)
 
     def _run(self, *args: Any, **kwargs: Any) -> Any:
         budget = (torch._functorch.config.patch(activation_memory_budget=self.activation_memory_budget)

@@ -1,11 +1,14 @@
 """A batch outside a dynamic capture's ranges, met in the middle of a training loop
 (docs/architecture.md#runtime).
 
-``autoprec.apply(model, policy, example_batch)`` captures with the ranges :mod:`autoprec.capture.dims`
-derives from the example batch: batch sizes up to its size, sequence lengths up to
-``config.max_position_embeddings``, else (T5, models without that field) up to the example's. A
-later batch that is longer or larger than the example does not fit. Unless ``apply(...,
-strict_shapes=True)``, the module then serves it instead of raising (:class:`Recapture`):
+``autoprec.apply(model, policy, example_batch)`` captures the example's shapes static, and at the
+first call of another shape once more with dynamic dimensions (:meth:`Recapture.from_static`, below);
+``apply(..., strict_shapes=True)`` captures with dynamic dimensions at once. A dynamic capture's
+ranges are those :mod:`autoprec.capture.dims` derives: batch sizes up to the example's size (or
+the larger call's), sequence lengths up to ``config.max_position_embeddings``, else (T5, models
+without that field) up to the example's (twice it, where the call was longer). A later batch that
+is longer or larger does not fit. Unless ``strict_shapes=True``, the module then serves it instead
+of raising (:class:`Recapture`):
 
 - a size **above** its range: the model is captured again, with dynamic dimensions, for ranges
   that reach at least twice the old upper bound and the new size in the roles above their range
@@ -20,11 +23,11 @@ strict_shapes=True)``, the module then serves it instead of raising (:class:`Rec
   (:class:`autoprec.applied.shape_cache.ShapeCache`, at most ``MAX_SHAPES``, each logged), and
   the batches in the ranges keep running the dynamic graph.
 
-A graph captured for one shape only because the batches it was captured from did not vary
-(``autoprec train`` and ``tune`` capture for the model file's first batches,
-:func:`autoprec.capture.capture_for`), met with another shape, is captured again with dynamic
-dimensions once, its ranges reaching both shapes (:meth:`Recapture.from_static`); a model that
-cannot be exported so gets the per-shape cache from then on. (It went to the per-shape cache at
+A graph captured for one shape (``apply``'s first capture; or because the batches it was
+captured from did not vary: ``autoprec train`` and ``tune`` capture for the model file's first
+batches, :func:`autoprec.capture.capture_for`), met with another shape, is captured again with
+dynamic dimensions once, its ranges reaching both shapes (:meth:`Recapture.from_static`); a model
+that cannot be exported so gets the per-shape cache from then on. (It went to the per-shape cache at
 once, and a loader whose lengths varied after its first batches stopped ``autoprec train`` at its
 17th shape.)
 
@@ -147,20 +150,26 @@ class Recapture:
                           mp._what, shapes, _ranges(ranges), _ranges(mp._inputs.ranges), self.recaptures,
                           time.perf_counter() - start, ", compiles on this call" if mp.compiled else "")
                 return
-        what = mp._what
-        cache = ShapeCache(self.build_static, plan_dims(self.model, args, kwargs), what, strict=False)
-        object.__setattr__(mp, "_fn", Routed(mp._fn, mp._inputs, cache))
-        object.__setattr__(mp, "_inputs", mp._fn)
+        self._route(mp, args, kwargs)
         _log.info("%s: input shapes %s are outside the captured ranges (%s) and a wider dynamic capture "
                   "cannot serve them; such shapes get a graph each (per-shape cache; apply(..., "
-                  "strict_shapes=True) raises instead)", what, shapes, _ranges(ranges))
+                  "strict_shapes=True) raises instead)", mp._what, shapes, _ranges(ranges))
+
+    def _route(self, mp: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Make ``mp``'s dynamic graph serve the calls in its ranges and a per-shape cache the
+        others (:class:`Routed`)."""
+        cache = ShapeCache(self.build_static, plan_dims(self.model, args, kwargs), mp._what, strict=False)
+        object.__setattr__(mp, "_fn", Routed(mp._fn, mp._inputs, cache))
+        object.__setattr__(mp, "_inputs", mp._fn)
 
 
     def _try_dynamic(self, mp: Any, example: Any, at_least: dict[str, int], args: tuple[Any, ...],
-                     kwargs: dict[str, Any]) -> tuple[bool, Any]:
+                     kwargs: dict[str, Any], keep_refused: bool = False) -> tuple[bool, Any]:
         """Capture ``example`` again with dynamic dimensions whose ranges reach ``at_least`` and
         switch ``mp`` to it when the new graph accepts this call; ``(switched, the capture or None)``
-        (not switched: the export failed, was not dynamic, or narrowed a range below this call)."""
+        (not switched: the export failed, was not dynamic, or narrowed a range below this call;
+        with ``keep_refused``, ``mp`` takes a dynamic graph that refuses this call all the same,
+        counted as a recapture, and ``switched`` stays False: the caller routes this call)."""
         try:
             gm = capture_dynamic(self.model, example, at_least)
         except CaptureError:
@@ -171,6 +180,9 @@ class Recapture:
         try:
             new._inputs.check(args, kwargs)
         except ValueError:
+            if keep_refused:
+                _adopt(mp, new)
+                self.recaptures += 1
             return False, gm
         _adopt(mp, new)
         self.recaptures += 1
@@ -192,8 +204,10 @@ class Recapture:
         """Make ``mp``, whose graph serves one shape, serve this call's too: one capture with
         dynamic dimensions whose ranges reach the example batch's sizes, and in a role where this
         call is larger, its size and at least twice the example's (as :meth:`__call__` widens);
-        where that capture is not dynamic or refuses this call, a per-shape cache seeded with
-        ``mp``'s graph serves this shape and every later one (logged either way).
+        where that capture narrowed a range below this call (``torch.export`` found the code needs
+        a longer sequence), the dynamic graph serves the calls in its ranges and this shape gets a
+        graph of its own (:class:`Routed`); where it failed or is not dynamic, a per-shape cache
+        seeded with ``mp``'s graph serves this shape and every later one (logged each way).
 
         Raises:
             ValueError: a sequence longer than ``config.max_position_embeddings``."""
@@ -206,12 +220,16 @@ class Recapture:
         sizes = {r: max(n, 2 * own[r]) if n > own.get(r, n) else own.get(r, n) for r, n in call.items()}
         sizes |= {r: n for r, n in own.items() if r not in call}
         example = self.example if min(own.values(), default=0) >= 2 else batch
-        adopted, gm = self._try_dynamic(mp, example, sizes, args, kwargs)
-        if adopted:
+        adopted, gm = self._try_dynamic(mp, example, sizes, args, kwargs, keep_refused=True)
+        if adopted or is_dynamic(mp.graph_module):
             _log.info("%s: input shapes %s differ from the one shape captured; captured again with "
                       "dynamic dimensions, ranges %s (recapture %d, %.1f s%s)", mp._what, shapes,
                       _ranges(mp._inputs.ranges), self.recaptures, time.perf_counter() - start,
                       ", compiles on this call" if mp.compiled else "")
+            if not adopted:  # below a range export narrowed: this shape gets a graph of its own
+                self._route(mp, args, kwargs)
+                _log.info("%s: input shapes %s are below those ranges; such shapes get a graph each "
+                          "(per-shape cache)", mp._what, shapes)
             return
         cache = ShapeCache.seeded(self.model, self.example, mp._fn, self.build_static, mp._what, strict=False,
                                   plan=gm.meta.get(PLAN_META) if gm is not None else None)

@@ -1,9 +1,11 @@
 """Batches whose shape changes (docs/architecture.md#runtime).
 
-``autoprec.apply(model, policy, batch, dynamic=True)`` first tries one capture with symbolic batch
-and sequence dimensions (:func:`autoprec.capture.capture_dynamic`, ranges: :mod:`autoprec.capture.dims`),
-compiled once with ``torch.compile(dynamic=True)``; :class:`CompileLog` counts and logs the
-compiles Dynamo makes of it (one, plus one the first time a size-1 batch comes: Dynamo
+``autoprec.apply(model, policy, batch, dynamic=True)`` captures ``batch``'s shapes static and, at
+the first call of another shape (``torch.compile``'s rule), tries one capture with symbolic batch
+and sequence dimensions (:func:`autoprec.capture.capture_dynamic`, ranges:
+:mod:`autoprec.capture.dims`; :meth:`autoprec.applied.recapture.Recapture.from_static`), compiled
+once with ``torch.compile(dynamic=True)``; :class:`CompileLog` counts and logs the compiles Dynamo
+makes of it (one, plus one the first time a size-1 batch comes: Dynamo
 specialises sizes 0 and 1). Where the model cannot be captured so (``torch.export`` raises, e.g.
 because its code specialises a size), :class:`ShapeCache` holds one captured, lowered (and
 compiled) graph per input shape instead, built on first use with an INFO line on the
@@ -47,13 +49,15 @@ class CompileLog:
     Args:
         fn: The compiled callable.
         what: How log lines name it.
+        mode: What :meth:`stats` calls it: ``"dynamic"`` (compiled with ``dynamic=True``) or
+            ``"static"``.
     """
 
     #: Compiles logged by every ``CompileLog`` of this process (the log lines' running number).
     process_compiles = 0
 
-    def __init__(self, fn: Callable[..., Any], what: str) -> None:
-        self.fn, self.what = fn, what
+    def __init__(self, fn: Callable[..., Any], what: str, mode: str = "dynamic") -> None:
+        self.fn, self.what, self.mode = fn, what, mode
         self.compiles, self.compile_seconds = 0, 0.0
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -71,8 +75,8 @@ class CompileLog:
         return out
 
     def stats(self) -> dict[str, Any]:
-        """``{"mode": "dynamic", "captures": 1, "compiles", "compile_seconds"}``."""
-        return {"mode": "dynamic", "captures": 1, "compiles": self.compiles,
+        """``{"mode": "dynamic" or "static", "captures": 1, "compiles", "compile_seconds"}``."""
+        return {"mode": self.mode, "captures": 1, "compiles": self.compiles,
                 "compile_seconds": self.compile_seconds}
 
 
