@@ -26,14 +26,14 @@ from autoprec.measure.measurement import Measurement, describe_failure
 from autoprec.measure.memory import PeakBytes, SavedBytes, optimizer_state_bytes, training_state_bytes
 from autoprec.measure.noise import BOOTSTRAP_RESAMPLES, Comparison, Timing, compare, format_rate
 from autoprec.measure.outcome import Outcome, Stage
-from autoprec.measure.timing import Config, Retire, Settled, time_interleaved
+from autoprec.measure.timing import Config, Narrow, Retire, Settled, time_interleaved
 from autoprec.measure.train_run import TrainRun, shareable
 
 __all__ = [
     "BOOTSTRAP_RESAMPLES", "DRIFT_BATCHES", "MAX_BACKOFFS", "MIN_TIMED_STEPS", "TIMED_BUDGET_S",
     "BatchDrift", "BusyMachineError", "Comparison", "Config", "Drift", "Harness", "LoadCheck",
-    "LoadMonitor", "Measurement", "Outcome", "PeakBytes", "References", "Retire", "SavedBytes", "Settled",
-    "Stage", "Timing",
+    "LoadMonitor", "Measurement", "Narrow", "Outcome", "PeakBytes", "References", "Retire", "SavedBytes",
+    "Settled", "Stage", "Timing",
     "TrainRun", "batch_drift", "batch_shapes", "compare", "describe_failure", "format_rate", "is_compiled",
     "measure_drift", "optimizer_state_bytes", "shareable", "time_interleaved", "training_state_bytes",
 ]

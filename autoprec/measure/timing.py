@@ -10,10 +10,11 @@ narrow enough, the stop rule of torch.utils.benchmark's ``Timer.adaptive_autoran
 (torch/utils/benchmark/utils/timer.py, ``_threaded_measurement_loop``: keep measuring until
 ``stop_hook(times)`` says the spread is small, ``Measurement.iqr / median < threshold``, or a
 time limit is reached), with the bootstrap band instead of the IQR as the spread, or once the
-caller says its decision is settled. The bands, and whether one configuration's throughput beats
-another's beyond the noise (paired round by round: each timing keeps its rounds' step times,
-``Timing.round_steps``, so a drift of the machine's speed between rounds cancels), are
-:mod:`autoprec.measure.noise`'s.
+caller says its decision is settled (then, where the caller names the configurations its verdict
+compares, only those go on until their bands are narrow). The bands, and whether one
+configuration's throughput beats another's beyond the noise (paired round by round: each timing
+keeps its rounds' step times, ``Timing.round_steps``, so a drift of the machine's speed between
+rounds cancels), are :mod:`autoprec.measure.noise`'s.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from autoprec.training.scaler import DynamicLossScaler
 from autoprec.training.steps import StepsTooSlow, run_steps, slow_step_guard
 from autoprec.training.train import TrainStep
 
-__all__ = ["Config", "Retire", "Settled", "time_interleaved"]
+__all__ = ["Config", "Narrow", "Retire", "Settled", "time_interleaved"]
 
 
 @dataclass
@@ -143,12 +144,20 @@ Retire = Callable[[dict[str, Timing]], dict[str, str]]
 #: ``{name: Timing}`` of the configurations still timed -> whether more rounds can change nothing
 #: the caller decides (:func:`time_interleaved`'s ``settled``).
 Settled = Callable[[dict[str, Timing]], bool]
+#: ``{name: Timing}`` of the configurations still timed, once the decision is settled -> the names
+#: whose bands the caller reports and wants narrow (:func:`time_interleaved`'s ``narrow``).
+Narrow = Callable[[dict[str, Timing]], set[str]]
+
+#: The note of a configuration :func:`time_interleaved` stopped timing once the caller's decision
+#: was settled and its ``narrow`` did not name it (its band is that of the rounds before).
+SETTLED_NOTE = "timed no further once the decision was settled"
 
 
 def time_interleaved(harness: Harness, configs: Sequence[Config], *, min_rounds: int = 3,
                      max_rounds: int = 12, steps_per_round: int = 2, warmup: int | None = None,
                      rel_band: float = 0.03, time_cap_s: float = 120.0, max_step_s: float | None = None,
-                     retire: Retire | None = None, settled: Settled | None = None) -> dict[str, Timing]:
+                     retire: Retire | None = None, settled: Settled | None = None,
+                     narrow: Narrow | None = None) -> dict[str, Timing]:
     """Time ``configs`` in interleaved rounds on ``harness``'s weights and batches.
 
     Each configuration gets one ``TrainStep`` with its own optimizer (the model file's) and scaler,
@@ -169,7 +178,13 @@ def time_interleaved(harness: Harness, configs: Sequence[Config], *, min_rounds:
     (the final choice retires contenders slower than the fastest beyond the noise,
     :func:`autoprec.search.race.out_of_the_running`), and ``settled`` (when given) may stop the
     rounds before the bands are narrow: once the caller's decision can no longer change
-    (:func:`autoprec.search.race.settled`). A configuration whose steps trip
+    (:func:`autoprec.search.race.settled`); with ``narrow``, a settled decision stops only the
+    configurations ``narrow`` does not name (they keep their step times, with :data:`SETTLED_NOTE`),
+    and those it names (the policy written and the baseline it is judged against) go on, round
+    after round, until their bands are narrow (or ``max_rounds``, or ``time_cap_s``): the
+    head-to-head's first three rounds gave bands of ±4-15% where ``autoprec bench``'s twelve gave
+    ±2-7% (the committed bench.json step times, their first six steps against all 24). A
+    configuration whose steps trip
     :func:`~autoprec.training.steps.slow_step_guard` (two in a row over ``max_step_s``, or one over
     4x; warm-up steps count) is dropped from later rounds with a ``note``; one whose step raises
     gets ``error`` and the others go on. The harness's weights are restored at the end.
@@ -188,6 +203,8 @@ def time_interleaved(harness: Harness, configs: Sequence[Config], *, min_rounds:
             those to stop timing (None: every configuration is timed to the end).
         settled: ``{name: Timing}`` of the configurations still timed (after ``retire``) -> True
             to stop the rounds now (None: only the band, ``max_rounds`` and ``time_cap_s`` stop).
+        narrow: With ``settled``: ``{name: Timing}`` of those still timed -> the names to go on
+            timing once ``settled`` is True (None: the rounds stop there).
 
     Returns:
         ``{name: Timing}`` in ``configs`` order; tokens per step are the harness's ``tokens``.
@@ -205,6 +222,7 @@ def time_interleaved(harness: Harness, configs: Sequence[Config], *, min_rounds:
     cuda = harness.device.type == "cuda"
     base = torch.cuda.memory_allocated(harness.device) if cuda else 0
     capped = False
+    stop = _StopRule(rel_band, retire, settled, narrow)
     try:
         for r in runs:
             r.run(max(warmup, len(r.h.shapes)) if warmup is not None else r.h.warmup_steps(r.cfg.fn),
@@ -218,7 +236,7 @@ def time_interleaved(harness: Harness, configs: Sequence[Config], *, min_rounds:
                 if r.active:
                     r.run(steps_per_round, record=True)
             done += 1
-            if done >= min_rounds and _stop(runs, rel_band, retire, settled):
+            if done >= min_rounds and stop(runs):
                 break
     finally:
         for h in {id(r.h): r.h for r in runs}.values():
@@ -227,14 +245,29 @@ def time_interleaved(harness: Harness, configs: Sequence[Config], *, min_rounds:
     return {r.cfg.name: _timing(r, rel_band, capped, time_cap_s, base if cuda else None) for r in runs}
 
 
-def _stop(runs: list[_TimedConfig], rel_band: float, retire: Retire | None, settled: Settled | None) -> bool:
-    """After a round from ``min_rounds`` on: retire what ``retire`` names, then whether to stop
-    (``settled`` says the decision is fixed, or every band of those still timed is narrow)."""
-    if retire is not None:
-        _retire(runs, retire, rel_band)
-    if settled is not None and settled(_live(runs, rel_band)):
-        return True
-    return all(_narrow(r, rel_band) for r in runs if r.active)
+class _StopRule:
+    """:func:`time_interleaved`'s look after each round from ``min_rounds`` on: retire what
+    ``retire`` names, then whether to stop (``settled`` says the decision is fixed and there is no
+    ``narrow``, or every band of those still timed is narrow); once settled with ``narrow``, the
+    runs it does not name stop and the rule is the bands of the others."""
+
+    def __init__(self, rel_band: float, retire: Retire | None, settled: Settled | None,
+                 narrow: Narrow | None) -> None:
+        self.rel_band, self.retire, self.settled, self.narrow = rel_band, retire, settled, narrow
+        self.narrowing = False
+
+    def __call__(self, runs: list[_TimedConfig]) -> bool:
+        if self.retire is not None:
+            _retire(runs, self.retire, self.rel_band)
+        if not self.narrowing and self.settled is not None and self.settled(_live(runs, self.rel_band)):
+            if self.narrow is None:
+                return True
+            keep = self.narrow(_live(runs, self.rel_band))
+            for r in runs:
+                if r.active and r.cfg.name not in keep:
+                    r.note = SETTLED_NOTE
+            self.narrowing = True
+        return all(_narrow(r, self.rel_band) for r in runs if r.active)
 
 
 def _retire(runs: list[_TimedConfig], retire: Retire, rel_band: float) -> None:

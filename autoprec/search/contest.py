@@ -432,7 +432,8 @@ class Contest:
         race = Race.of(contenders(survivors, autocast))  # the roles, before any timing
         start = time.perf_counter()
         self.timings = time_interleaved(self.h, configs, max_step_s=self.slow, retire=race.retire(),
-                                        settled=race.settled())
+                                        settled=race.settled(),
+                                        narrow=race.narrow(lambda ts: contenders(survivors, autocast, ts)))
         rounds = max((t.rounds for t in self.timings.values()), default=0)
         log(f"  {rounds} rounds in {time.perf_counter() - start:.0f} s, warm-up included", self.quiet)
         for e in survivors:

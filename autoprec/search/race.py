@@ -17,10 +17,10 @@ how much the one written trails.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
-from autoprec.measure import Comparison, Retire, Settled, Timing, compare
+from autoprec.measure import Comparison, Narrow, Retire, Settled, Timing, compare
 from autoprec.policy import Policy
 
 __all__ = ["EQUIVALENCE_MARGIN", "Contender", "Decision", "Race", "all_fp32", "decide", "out_of_the_running",
@@ -316,6 +316,21 @@ class Race:
     def settled(self) -> Settled:
         """A fresh early stop for :func:`autoprec.measure.timing.time_interleaved` (:func:`settled`)."""
         return settled(set(self.baselines), set(self.policies), list(self.order))
+
+    def narrow(self, lineup: Callable[[dict[str, Timing]], list[Contender]]) -> Narrow:
+        """The head-to-head's last rounds (:func:`autoprec.measure.timing.time_interleaved`'s
+        ``narrow``): once the decision is settled, the two contenders its verdict compares, the
+        policy written and the fastest baseline (:func:`decide` on the timings so far, ``lineup``
+        making the contenders of them), are timed on until their bands are narrow, so the ratio
+        the policy file and the report give has bands like ``autoprec bench``'s; the others stop.
+        Every contender still timed goes on when no policy was timed."""
+        def pair(timings: dict[str, Timing]) -> set[str]:
+            try:
+                d = self.decide(lineup(timings))
+            except ValueError:
+                return set(timings)
+            return {d.chosen.name} | ({d.best_baseline.name} if d.best_baseline is not None else set())
+        return pair
 
     def decide(self, contenders: list[Contender]) -> Decision:
         """The verdict among the timed ``contenders`` (:func:`decide`), each a baseline as this race

@@ -250,3 +250,34 @@ def test_warm_up_is_the_harness_rule_unless_given(monkeypatch):
     assert warm == {"eager": 1, "compiled": 3} and len(h.shapes) == 1
     time_interleaved(h, cfgs, min_rounds=1, max_rounds=1, warmup=2)
     assert warm == {"eager": 2, "compiled": 2}
+
+
+def test_once_settled_only_what_narrow_names_goes_on_until_its_bands_are_narrow(harness):
+    """``narrow`` is asked once, when ``settled`` first says True (round 2 here): B, which it does not
+    name, stops there with its step times and the settled note; A and C go on (rel_band 0: to
+    max_rounds); ``settled`` is not asked again."""
+    from autoprec.measure.timing import SETTLED_NOTE
+
+    asked: list[set[str]] = []
+    looks: list[int] = []
+
+    def settled(timings):
+        looks.append(len(timings))
+        return True
+
+    def narrow(timings):
+        asked.append(set(timings))
+        return {"A", "C"}
+
+    calls: list[str] = []
+    cfgs = [Config(n, _fake(harness, n, calls)) for n in "ABC"]
+    res = time_interleaved(harness, cfgs, min_rounds=2, max_rounds=5, steps_per_round=1, warmup=1,
+                           rel_band=0.0, settled=settled, narrow=narrow)
+    assert looks == [3] and asked == [{"A", "B", "C"}]
+    assert res["B"].rounds == 2 and len(res["B"].step_times) == 2 and res["B"].note == SETTLED_NOTE
+    assert not res["B"].retired and res["B"].error is None
+    assert res["A"].rounds == res["C"].rounds == 5 and res["A"].note is None
+    assert calls == ["A", "B", "C"] + ["A", "B", "C"] * 2 + ["A", "C"] * 3
+    wide = time_interleaved(harness, cfgs, min_rounds=2, max_rounds=5, steps_per_round=1, warmup=1,
+                            rel_band=10.0, settled=settled, narrow=narrow)  # bands narrow at once
+    assert wide["A"].rounds == wide["C"].rounds == wide["B"].rounds == 2

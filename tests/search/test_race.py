@@ -332,3 +332,26 @@ def test_the_decision_line_says_when_its_ratio_is_paired_by_round():
     assert paired.describe().startswith("chosen: trial 7, 1.25x fp32 + torch.compile (band 1.25-1.25, "
                                         "4 rounds paired)")
     assert "rounds paired" not in decide(_field(searched_s=0.120, twin_s=0.150)).describe()
+
+
+def test_narrow_names_the_policy_written_and_the_baseline_it_is_judged_against():
+    """Once settled, the head-to-head times on only the two its verdict compares (Race.narrow):
+    the written policy and the fastest baseline, by decide's rule on the timings so far (here the
+    twin, tied with torch.autocast and simpler than trial 7's drift; then trial 7 when it is
+    faster); every name still timed when no policy has been."""
+    from autoprec.search.race import Race
+
+    def lineup(timings):
+        return [replace_timing(c, timings) for c in _field(searched_s=0.1505, twin_s=0.1502)]
+
+    def replace_timing(c, timings):
+        return Contender(c.name, c.policy, timings.get(c.name, Timing()), c.grad_rel_l2, c.baseline)
+
+    race = Race.of(_field(0.150, 0.150))
+    both = {c.name: c.timing for c in _field(searched_s=0.1505, twin_s=0.1502)}
+    assert race.narrow(lineup)(both) == {"autocast twin", "torch.autocast + torch.compile"}
+    faster = {c.name: c.timing for c in _field(searched_s=0.100, twin_s=0.1502)}
+    assert race.narrow(lambda ts: [replace_timing(c, ts) for c in _field(0.100, 0.1502)])(faster) == {
+        "trial 7", "torch.autocast + torch.compile"}
+    no_policy = {"torch.autocast + torch.compile": both["torch.autocast + torch.compile"]}
+    assert race.narrow(lineup)(no_policy) == set(no_policy)
