@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import math
 
+from autoprec.policy.compile_options import COMPILE_VARIANTS
+
 __all__ = ["build_parser"]
 
 
@@ -121,9 +123,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--storage", default=None, help="Optuna storage URL (default: SQLite beside --out)")
     t.add_argument("--study-name", default=None, help="Optuna study name (default: derived from the model)")
     t.add_argument("--no-compile", action="store_true", help="measure eagerly, no torch.compile")
-    t.add_argument("--compile-variants", action="store_true",
-                   help="time the chosen policy compiled flat and with fp32 intermediates against it "
-                        "(one compile each) and write the fastest's compile options")
+    t.add_argument("--compile-variants", choices=COMPILE_VARIANTS, default="flat",
+                   help="time the chosen policy against its compile variants, one compile each, and write "
+                        "the fastest's compile options: 'flat' (default: one flat graph, where it compiled "
+                        "repeated blocks as regions), 'all' (also fp32 intermediates, where it lowers "
+                        "anything) or 'none'")
     t.add_argument("--dtypes", default="auto",
                    help="low dtypes to search: 'auto' (those the device runs faster than fp32, measured) "
                         "or a list such as bf16,fp16")

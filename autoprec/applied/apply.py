@@ -200,26 +200,19 @@ def apply(model: nn.Module, policy: Policy, example_batch: Any, compile: bool = 
             ``tune`` measured; without them as ``torch.compile(model)``: :func:`compile_graph`).
         placement: Cast placement mode for ``follow`` nodes (``mincut``, ``paint``, ``naive``).
         graph_module: An already captured graph of ``model`` (skips the capture).
-        dynamic: Accept batches of other batch sizes and sequence lengths (docs/architecture.md#runtime),
-            by ``torch.compile``'s own rule (``torch._dynamo.config.automatic_dynamic_shapes``):
-            the example's shapes are captured (and compiled) static; the first call with another
-            shape captures once more with dynamic dimensions, in the ranges
-            :mod:`autoprec.capture.dims` derives (batch 1..the larger size; sequence
-            2..``config.max_position_embeddings``, else 2..twice the longer length), compiled once
-            (:meth:`autoprec.applied.recapture.Recapture.from_static`); where the model cannot be
-            exported so, one graph per input shape, built on first use
-            (:class:`autoprec.applied.shape_cache.ShapeCache`, at most ``MAX_SHAPES``). So a loop
-            whose shapes never change runs the static graph ``tune`` measured (Triton's size
-            hints and static kernels; symbolic sizes cost pointwise and norm kernels 1.5-3.4x in
-            pytorch/pytorch PR #176653). New compiles and shapes are logged (``autoprec`` logger, INFO).
+        dynamic: Accept batches of other shapes by ``torch.compile``'s rule (docs/architecture.md#runtime):
+            the example's shapes static (what ``tune`` measured; symbolic sizes cost pointwise and
+            norm kernels 1.5-3.4x, pytorch/pytorch PR #176653), then at the first other shape one
+            capture with dynamic dimensions in the ranges :mod:`autoprec.capture.dims` derives,
+            compiled once (:meth:`autoprec.applied.recapture.Recapture.from_static`); where the model
+            cannot be exported so, one graph per shape (:class:`~autoprec.applied.shape_cache.ShapeCache`,
+            at most ``MAX_SHAPES``). New compiles and shapes are logged (``autoprec`` logger, INFO).
             A later batch outside the ranges is served by a capture with wider ranges (a compiled
             module compiles again) or by a graph of its own (:mod:`autoprec.applied.recapture`, which
             refuses a sequence past ``max_position_embeddings``), logged.
         strict_shapes: With ``dynamic=True``, capture with dynamic dimensions at once (ranges from
-            ``example_batch`` as above, batch 1..its size, sequence up to
-            ``config.max_position_embeddings``, else its length) and raise ``ValueError`` (naming
-            the input, its shape and the range) for a batch outside the ranges instead of
-            capturing again.
+            ``example_batch``) and raise ``ValueError`` (naming the input, its shape and the range)
+            for a batch outside them instead of capturing again.
         force: Apply a policy none of whose rules selects a node of this model (a policy of
             another model, :func:`autoprec.applied.policy_match.check_policy_matches`) anyway.
 
@@ -236,10 +229,8 @@ def apply(model: nn.Module, policy: Policy, example_batch: Any, compile: bool = 
         PassError: the policy cannot be applied to this graph (names the node).
         PolicyError: no rule of the policy selects a node of this graph (without ``force``).
 
-    Loss scaling: when ``policy.needs_loss_scaling`` is True (any node computes in fp16), the
-    module must be trained with a dynamic loss scaler, or small fp16 gradients flush to zero
-    (case C07; a first backward through an unscaled loss raises, :mod:`autoprec.applied.loss_scale_check`);
-    ``apply`` does not see the training loop. Build it from the policy's ``loss_scaling``::
+    Loss scaling: a policy that computes in fp16 (``policy.needs_loss_scaling``) must be trained with
+    a dynamic loss scaler (C07; an unscaled first backward raises), built from its ``loss_scaling``::
 
         scaler = autoprec.make_scaler(policy)  # a DynamicLossScaler, or None without fp16
         loss = loss_fn(mp(**batch), batch)
@@ -252,12 +243,10 @@ def apply(model: nn.Module, policy: Policy, example_batch: Any, compile: bool = 
     does all of this; ``autoprec train`` uses it.)
     """
     check_not_wrapped(model)
-    if graph_module is not None:
-        gm = graph_module
-    elif dynamic and strict_shapes:  # the ranges a call is checked against are known from the start
-        gm = capture_dynamic(model, example_batch)
-    else:  # torch.compile's rule: the first shape static, dynamic dimensions at the first other one
-        gm = capture(model, example_batch)
+    # torch.compile's rule: the first shape static, dynamic dimensions at the first other one; strict
+    # shapes need the ranges a call is checked against from the start
+    gm = graph_module if graph_module is not None else (
+        capture_dynamic(model, example_batch) if dynamic and strict_shapes else capture(model, example_batch))
     check_policy_matches(policy, gm, force=force)
     with quiet_pytree_deprecation():  # the passes deep-copy the graph and its pytree specs
         result = run_pipeline(gm, policy, placement)
@@ -265,9 +254,8 @@ def apply(model: nn.Module, policy: Policy, example_batch: Any, compile: bool = 
     result.graph_module.meta[CALL_KWARGS_META] = dict(gm.meta.get(CALL_KWARGS_META, {}))
     mp = MixedPrecisionModule(model, result.graph_module, policy, result.stats, compile)
     static = lambda batch: apply(model, policy, batch, compile, placement, dynamic=False, force=True)._fn  # noqa: E731
-    # static for the example's shape (or because the batches of capture_for did not vary), not because
-    # export refused dynamic dimensions (PLAN_META): another shape tries one dynamic capture first
-    # (recapture.Recapture.from_static)
+    # static for the example's shape (or capture_for's unvarying batches), not because export refused
+    # dynamic dimensions (PLAN_META): another shape tries one dynamic capture (Recapture.from_static)
     untried = PLAN_META not in gm.meta and not strict_shapes
     if dynamic and not is_dynamic(gm) and not untried:  # one graph per shape, the example's first
         _use_shape_cache(mp, example_batch, static, strict_shapes, gm.meta.get(PLAN_META))

@@ -171,20 +171,12 @@ def time_interleaved(harness: Harness, configs: Sequence[Config], *, min_rounds:
     Stop rule (torch.utils.benchmark ``adaptive_autorange``'s, module docstring): after at least
     ``min_rounds`` rounds, once every configuration still timed has a band of relative half-width
     ≤ ``rel_band``; or after ``max_rounds`` rounds; or once ``time_cap_s`` seconds have passed since
-    the call began (the warm-up counts). From ``min_rounds`` rounds on, ``retire`` (when given)
-    sees every configuration still timed, as a :class:`Timing` so far, after each round and names
-    those that can no longer change the caller's decision, with the reason: they are timed no
-    further, keep their step times, are marked ``retired``, and the reason becomes their ``note``
-    (the final choice retires contenders slower than the fastest beyond the noise,
-    :func:`autoprec.search.race.out_of_the_running`), and ``settled`` (when given) may stop the
-    rounds before the bands are narrow: once the caller's decision can no longer change
-    (:func:`autoprec.search.race.settled`); with ``narrow``, a settled decision stops only the
-    configurations ``narrow`` does not name (they keep their step times, with :data:`SETTLED_NOTE`),
-    and those it names (the policy written and the baseline it is judged against) go on, round
-    after round, until their bands are narrow (or ``max_rounds``, or ``time_cap_s``): the
-    head-to-head's first three rounds gave bands of ±4-15% where ``autoprec bench``'s twelve gave
-    ±2-7% (the committed bench.json step times, their first six steps against all 24). A
-    configuration whose steps trip
+    the call began (the warm-up counts). From ``min_rounds`` rounds on, after each round, ``retire``
+    names those that can no longer change the caller's decision (timed no further, keeping their
+    step times, marked ``retired``, the reason their ``note``:
+    :func:`autoprec.search.race.out_of_the_running`), and ``settled`` may stop the rounds before
+    the bands are narrow (:func:`autoprec.search.race.settled`), or, with ``narrow``, stop all but
+    those ``narrow`` names (:class:`_StopRule`). A configuration whose steps trip
     :func:`~autoprec.training.steps.slow_step_guard` (two in a row over ``max_step_s``, or one over
     4x; warm-up steps count) is dropped from later rounds with a ``note``; one whose step raises
     gets ``error`` and the others go on. The harness's weights are restored at the end.
@@ -201,10 +193,8 @@ def time_interleaved(harness: Harness, configs: Sequence[Config], *, min_rounds:
         max_step_s: The slow-step limit in seconds (None: no limit).
         retire: ``{name: Timing}`` of the configurations still timed -> ``{name: reason}`` of
             those to stop timing (None: every configuration is timed to the end).
-        settled: ``{name: Timing}`` of the configurations still timed (after ``retire``) -> True
-            to stop the rounds now (None: only the band, ``max_rounds`` and ``time_cap_s`` stop).
-        narrow: With ``settled``: ``{name: Timing}`` of those still timed -> the names to go on
-            timing once ``settled`` is True (None: the rounds stop there).
+        settled: ``{name: Timing}`` still timed (after ``retire``) -> True to stop the rounds now.
+        narrow: ``{name: Timing}`` still timed -> the names to go on timing once settled.
 
     Returns:
         ``{name: Timing}`` in ``configs`` order; tokens per step are the harness's ``tokens``.
@@ -248,8 +238,12 @@ def time_interleaved(harness: Harness, configs: Sequence[Config], *, min_rounds:
 class _StopRule:
     """:func:`time_interleaved`'s look after each round from ``min_rounds`` on: retire what
     ``retire`` names, then whether to stop (``settled`` says the decision is fixed and there is no
-    ``narrow``, or every band of those still timed is narrow); once settled with ``narrow``, the
-    runs it does not name stop and the rule is the bands of the others."""
+    ``narrow``, or every band of those still timed is narrow). Once settled with ``narrow``, the
+    runs it does not name stop (keeping their step times, with :data:`SETTLED_NOTE`) and those it
+    names (the head-to-head's policy written and the baseline it is judged against) go on until
+    their bands are narrow (or ``max_rounds``, or ``time_cap_s``): the head-to-head's first three
+    rounds gave bands of ±4-15% where ``autoprec bench``'s twelve gave ±2-7% (the committed
+    bench.json step times, their first six steps against all 24)."""
 
     def __init__(self, rel_band: float, retire: Retire | None, settled: Settled | None,
                  narrow: Narrow | None) -> None:

@@ -23,7 +23,7 @@ accumulation) and :mod:`~autoprec.policy.fields` (the field checks).
 from __future__ import annotations
 
 from autoprec.policy.batching import Batching
-from autoprec.policy.compile_options import REGIONAL_EMULATED, TORCH_COMPILE, CompileOptions
+from autoprec.policy.compile_options import COMPILE_VARIANTS, REGIONAL_EMULATED, TORCH_COMPILE, CompileOptions
 from autoprec.policy.core import (
     ACCUMULATE_MODES,
     GRAD_REDUCE_DTYPES,
@@ -38,5 +38,5 @@ from autoprec.policy.rule import FP8, OP_CLASSES, RULE_KEYS, RULE_OP_CLASSES, Ru
 __all__ = [
     "ACCUMULATE_MODES", "FP8", "GRAD_REDUCE_DTYPES", "LOSS_SCALING_KEYS", "LOSS_SCALING_MODES", "OP_CLASSES",
     "RULE_KEYS", "READ_VERSIONS", "RULE_OP_CLASSES", "SCHEMA_VERSION", "TOP_LEVEL_KEYS", "LossScalingConfig",
-    "Policy", "REGIONAL_EMULATED", "Rule", "TORCH_COMPILE", "Batching", "CompileOptions",
+    "COMPILE_VARIANTS", "Policy", "REGIONAL_EMULATED", "Rule", "TORCH_COMPILE", "Batching", "CompileOptions",
 ]

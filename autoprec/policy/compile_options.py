@@ -24,10 +24,15 @@ from typing import Any
 
 from autoprec.policy.fields import check_keys, check_mapping, described, fail, join
 
-__all__ = ["COMPILE_OPTION_KEYS", "REGIONAL_EMULATED", "TORCH_COMPILE", "CompileOptions"]
+__all__ = ["COMPILE_OPTION_KEYS", "COMPILE_VARIANTS", "REGIONAL_EMULATED", "TORCH_COMPILE", "CompileOptions"]
 
 #: The keys of a policy file's ``compile_options`` object (both required).
 COMPILE_OPTION_KEYS: tuple[str, ...] = ("regional", "emulate_precision_casts")
+#: Which variants of these options ``tune --compile-variants`` times against its choice
+#: (:func:`autoprec.search.contest.variant_options`): ``"none"``; ``"flat"`` (the default: one flat
+#: graph where the choice compiled repeated blocks as regions); ``"all"`` (also fp32 intermediates,
+#: where it lowers anything).
+COMPILE_VARIANTS: tuple[str, ...] = ("none", "flat", "all")
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ from autoprec.capture import autocast_dynamic
 from autoprec.errors import SearchError
 from autoprec.measure import Config, Harness, Measurement, Stage, Timing, format_rate, time_interleaved
 from autoprec.passes import run_pipeline
-from autoprec.policy import REGIONAL_EMULATED, CompileOptions, Policy
+from autoprec.policy import COMPILE_VARIANTS, REGIONAL_EMULATED, CompileOptions, Policy
 from autoprec.search import attrs
 from autoprec.search.autocast_baseline import AutocastBaseline
 from autoprec.search.budgets import format_bytes, why_no_finalist
@@ -71,22 +71,39 @@ FP32_COMPILED = "fp32 + torch.compile"
 FP32_GRAPH = "all-fp32"
 FP32_EAGER = "fp32 eager"
 
-__all__ = ["AUTOCAST_COMPILED", "AUTOCAST_EAGER", "FP32_COMPILED", "FP32_EAGER", "FP32_GRAPH", "Contest",
-           "contenders", "fitted_label", "variant_options"]
+__all__ = ["AUTOCAST_COMPILED", "AUTOCAST_EAGER", "FP32_COMPILED", "FP32_EAGER",
+           "FP32_GRAPH", "Contest", "compile_variants_arg", "contenders", "fitted_label", "variant_options"]
 
 
-def variant_options(pol: Policy, fn: Any) -> list[CompileOptions]:
+def compile_variants_arg(value: str | bool) -> str:
+    """``tune``'s ``compile_variants`` as one of :data:`COMPILE_VARIANTS` (True: ``"all"``, False:
+    ``"none"``, the flag's meanings before it took a value).
+
+    Raises:
+        ValueError: any other value (names it and the choices)."""
+    if isinstance(value, bool):
+        return "all" if value else "none"
+    if value not in COMPILE_VARIANTS:
+        raise ValueError(f"compile_variants: expected one of {', '.join(COMPILE_VARIANTS)}, got {value!r}")
+    return value
+
+
+def variant_options(pol: Policy, fn: Any, which: str = "all") -> list[CompileOptions]:
     """The compile variants worth timing against ``pol`` compiled as ``fn`` (a
     :class:`~autoprec.applied.compile.CompiledGraph`), not a cross product: one flat graph where
     ``fn`` compiled repeated blocks as regions (published: 21.5% slower regional on an H100,
-    bghira/SimpleTuner PR #3152), and fp32 intermediates (``emulate_precision_casts`` off: its
-    cast chains stay in Triton code otherwise, pytorch/pytorch #196958) where ``pol`` lowers
-    anything (an all-fp32 graph has no casts to emulate). Empty for a policy that names its options."""
-    if pol.compile_options is not None:
+    bghira/SimpleTuner PR #3152), and, with ``which`` ``"all"``, fp32 intermediates
+    (``emulate_precision_casts`` off: its cast chains stay in Triton code otherwise,
+    pytorch/pytorch #196958) where ``pol`` lowers anything (an all-fp32 graph has no casts to
+    emulate). Empty for a policy that names its options, and for ``which`` ``"none"``.
+
+    Raises:
+        ValueError: ``which`` is not one of :data:`COMPILE_VARIANTS`."""
+    if compile_variants_arg(which) == "none" or pol.compile_options is not None:
         return []
     regions = getattr(fn, "regions", None)  # a CompiledGraph's outlining plan (None: compiled flat)
     out = [CompileOptions(regional=False, emulate_precision_casts=True)] if regions and regions.blocks else []
-    if pol.dtypes_used() - {"fp32"}:
+    if which == "all" and pol.dtypes_used() - {"fp32"}:
         out.append(CompileOptions(regional=True, emulate_precision_casts=False))
     return out
 
@@ -148,9 +165,10 @@ class Contest:
             GEMMs are; ``benchmarks/results/attention_math_2026-12-02``).
         progress: Show a bar over the finalists (and the head-to-head) and one over each memory fit.
         compile_variants: Once the race has chosen, time the choice against its compile variants
-            (:func:`variant_options`: flat where it compiled in regions, fp32 intermediates where it
-            lowers anything) in a second head-to-head, and keep the fastest (ties: the choice as
-            first compiled). Compiled only.
+            (:func:`variant_options`, one of :data:`COMPILE_VARIANTS`: ``"flat"`` where it compiled
+            in regions; ``"all"``: fp32 intermediates too, where it lowers anything; ``"none"``) in
+            a second head-to-head, and keep the fastest (ties: the choice as first compiled).
+            Compiled only.
 
     Attributes:
         timings: The final head-to-head's :class:`~autoprec.measure.noise.Timing` per contender.
@@ -170,11 +188,11 @@ class Contest:
     def __init__(self, harness: Harness, budget: DriftBudget, compile: bool, autocast: AutocastBaseline,
                  slow: float | None, traj_steps: int, clock: Clock, quiet: bool, twin: Policy | None = None,
                  progress: bool = False, also: list[tuple[Policy, str]] | tuple = (),
-                 compile_variants: bool = False) -> None:
+                 compile_variants: str | bool = "flat") -> None:
         self.h, self.budget, self.compile, self.autocast = harness, budget, compile, autocast
         self.slow, self.clock, self.quiet = slow, clock, quiet
         self.twin, self.also, self.progress = twin, list(also), progress
-        self.compile_variants = compile_variants and compile
+        self.compile_variants = compile_variants_arg(compile_variants) if compile else "none"
         self._fit_bar: PhaseBar | None = None  # the memory fit's bar while it runs: each compile is a try
         self.timings: dict[str, Timing] = {}
         self.decision: Decision | None = None
@@ -366,7 +384,7 @@ class Contest:
             self.finalists.reject(chosen.candidate.policy, outcome.reason)
             rejected.append(chosen.name)
             survivors = [e for e in survivors if e.name != chosen.name]
-        if self.compile_variants:
+        if self.compile_variants != "none":
             chosen, decision = self._vary(chosen, survivors, decision)
         pol = chosen.candidate.policy
         if pol.training_key() in self.trajectory.traj:  # measured: it lowers something, K > 0
@@ -387,7 +405,7 @@ class Contest:
         decision stands. Returns the choice and its decision."""
         pol = chosen.candidate.policy
         variants = []
-        for options in variant_options(pol, chosen.fn):
+        for options in variant_options(pol, chosen.fn, self.compile_variants):
             vpol = dataclasses.replace(pol, compile_options=options)
             fn, m = self.measure(vpol)
             self.finalists.add(vpol, m, timed=bool(m.step_times))

@@ -49,7 +49,7 @@ from autoprec.search.budgets import (
     parse_max_drift,
     parse_max_memory,
 )
-from autoprec.search.contest import FP32_EAGER, Contest
+from autoprec.search.contest import FP32_EAGER, Contest, compile_variants_arg
 from autoprec.search.drift_budget import MAX_AUTO_REFERENCE, DriftBudget
 from autoprec.search.finalist_pool import feasible
 from autoprec.search.kernel_choice import (
@@ -130,7 +130,7 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
          seed: int = 0, finalists: int = 2, quiet: bool = False, progress: bool = True,
          dtypes: str | list[str] = "auto", traj_steps: int = 20, report: bool = True,
          max_memory: str | float | None = None, strict_timing: bool = False,
-         compile_variants: bool = False, global_batch: int | None = None) -> TuneResult:
+         compile_variants: str | bool = "flat", global_batch: int | None = None) -> TuneResult:
     """Search for the fastest policy within a drift budget and write it to ``out``.
 
     Args:
@@ -164,8 +164,9 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
             ``"<p>%"`` (of the device's memory) or bytes (:func:`~autoprec.search.budgets.parse_max_memory`).
             Compiled, a finalist over it is fitted by its memory levers (:class:`~autoprec.search.
             memory_fit.MemoryFit`); eager, trials and finalists over it are not finalists.
-        compile_variants: Race the compiled choice against its compile variants, one compile each
-            (:func:`autoprec.search.contest.variant_options`), and write the fastest's options.
+        compile_variants: The compile variants the compiled choice races, one compile each, the
+            fastest's options written: ``"flat"``, ``"all"`` or ``"none"``
+            (:data:`autoprec.policy.COMPILE_VARIANTS`).
         global_batch: Examples per optimizer step: the micro-batch is searched with the memory lever
             within ``max_memory`` and written (:mod:`autoprec.search.micro_batch`, ``Policy.batching``);
             None: the model file's batch, as before.
@@ -183,7 +184,7 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
             capture: :func:`_memory_arg`); no policy met the budgets.
         BusyMachineError: ``strict_timing`` and the machine is busy (CLI exit 2).
     """
-    drift_arg, forced = parse_max_drift(max_drift), parse_dtypes(dtypes)
+    drift_arg, forced, variants = _parsed(max_drift, dtypes, compile_variants)
     spec = load_model_spec(model_path)
     memory_arg = _memory_arg(spec, max_memory, global_batch, device)
     run = _capture(spec, device, quiet, strict_timing, progress and not quiet and sys.stderr.isatty())
@@ -197,12 +198,20 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
     contest_memory = memory_arg if global_batch is None else None
     study = _search(run, storage, study_name, seed, trials, timeout, run.progress,
                     finalists if contest_memory is None or compile else None)
-    contest = _contest(run, compile, traj_steps, compile_variants)
+    contest = _contest(run, compile, traj_steps, variants)
     chosen, chosen_m = _finalists(run, contest, study, finalists, contest_memory)
     batches = None if global_batch is None else micro_batch_phase(
         run, contest, chosen, global_batch, compile, _memory_bytes(run, contest, memory_arg))
     return _write(run, study, contest, batches.policy if batches else chosen, chosen_m, compile, out, report,
                   batches)
+
+
+def _parsed(max_drift: str | float, dtypes: str | list[str],
+            compile_variants: str | bool) -> tuple[Any, Any, str]:
+    """``tune``'s arguments that need no model, checked before any work: ``--max-drift``
+    (:func:`parse_max_drift`), ``--dtypes`` (:func:`parse_dtypes`), ``--compile-variants``
+    (:func:`~autoprec.search.contest.compile_variants_arg`). Raises: ValueError: one is malformed."""
+    return parse_max_drift(max_drift), parse_dtypes(dtypes), compile_variants_arg(compile_variants)
 
 
 def _memory_arg(spec: ModelSpec, max_memory: str | float | None, global_batch: int | None,
@@ -328,7 +337,7 @@ def _adopt(run: TuneState, choices: list[str] | None) -> None:
     run.kernels = adopt_study_kernels(run.kernels, run.gm, run.dev, choices, run.quiet)
 
 
-def _contest(run: TuneState, compile: bool, traj_steps: int, compile_variants: bool = False) -> Contest:
+def _contest(run: TuneState, compile: bool, traj_steps: int, compile_variants: str = "flat") -> Contest:
     """Phase 5's contest: the autocast twin, and the twin with math attention when attention is
     searched, always among the finalists."""
     twin, math_twin = run.space.twin(), run.space.attention_twin()

@@ -551,12 +551,12 @@ def test_compile_variants_race_the_choice_and_the_faster_variants_options_are_wr
     monkeypatch.setattr(contest_mod, "compile_graph", compile_graph)
     monkeypatch.setattr(contest_mod, "run_pipeline", lambda gm, pol: SimpleNamespace(graph_module=gm))
 
-    def tune(flat_s):
+    def tune(flat_s, which="all"):
         speeds = {"twin": 0.10, "twin, compiled flat": flat_s, "fp32 + torch.compile": 0.20,
                   "fp32 eager": 0.30, "twin, compiled regional, fp32 intermediates": 0.11}
         monkeypatch.setattr(contest_mod, "time_interleaved", _rates(speeds))
         built.clear()
-        sel = Contest(H(), DriftBudget.fixed(1.0), True, AC, None, 0, Clock(), False, compile_variants=True)
+        sel = Contest(H(), DriftBudget.fixed(1.0), True, AC, None, 0, Clock(), False, compile_variants=which)
         twin = Entry(Candidate("twin", Role.POLICY, Policy.autocast("bf16")), Compiled(REGIONAL_EMULATED),
                      Measurement(grad_rel_l2=7e-3))
         fp32 = _entry("fp32 + torch.compile", Policy.fp32(), _Fn(1.0), 0.0)
@@ -572,3 +572,13 @@ def test_compile_variants_race_the_choice_and_the_faster_variants_options_are_wr
     flat = [CompileOptions(False, True)]
     assert contest_mod.variant_options(Policy.fp32(), Compiled(REGIONAL_EMULATED)) == flat  # no casts
     assert contest_mod.variant_options(Policy.autocast("bf16"), _Fn(1.0)) == [CompileOptions(True, False)]
+    # the default: the flat variant only; "none": no variant is compiled
+    _sel, (chosen, _m) = tune(flat_s=0.08, which="flat")
+    assert built == [CompileOptions(False, True)] and chosen.compile_options == CompileOptions(False, True)
+    _sel, (chosen, _m) = tune(flat_s=0.08, which="none")
+    assert built == [] and chosen == Policy.autocast("bf16")
+    assert Contest.__init__.__defaults__[-1] == "flat"
+    arg = contest_mod.compile_variants_arg
+    assert arg(True) == "all" and arg(False) == "none" and arg("flat") == "flat"
+    with pytest.raises(ValueError, match="compile_variants: expected one of none, flat, all, got 'both'"):
+        contest_mod.compile_variants_arg("both")
