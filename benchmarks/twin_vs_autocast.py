@@ -12,8 +12,9 @@ model file with ``build_model()`` and ``get_batch(step, device)`` returning ``in
   export materialised);
 - ``autocast_compiled``: ``torch.compile(model)`` under ``torch.autocast`` (the bar);
 - ``twin_compiled``: ``apply(...)`` as a user calls it with a policy that names no compile options
-  (dynamic capture; compiled as ``torch.compile(model)`` would: one flat graph, Inductor's
-  defaults, so ``emulate_precision_casts`` off); ``twin_tuned``: the twin with the compile options
+  (the example's shapes static, as ``torch.compile`` compiles a first shape; compiled as
+  ``torch.compile(model)`` would: one flat graph, Inductor's defaults, so
+  ``emulate_precision_casts`` off); ``twin_tuned``: the twin with the compile options
   ``tune`` records when it measured nothing else (repeated blocks as regions, emulated casts);
   ``twin_tuned_flat``: flat with emulated casts (``tune --compile-variants``'s flat variant); the
   three side by side give regional's and ``emulate_precision_casts``'s costs. (No narrower
