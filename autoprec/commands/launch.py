@@ -144,13 +144,18 @@ def report_failure(cmd: str, failures: dict[int, Any], first: int) -> tuple[str,
             seen.setdefault(str(f.message), []).append(rank)
     lines = [f"autoprec {cmd}: error on rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {msg}"
              for msg, r in seen.items()]
+    lost_by = None
     if failures[first].error_file_data.get(_PEER):  # it lost a rank that failed: name that one
         causes = [r for r in failures if not failures[r].error_file_data.get(_PEER)]
-        first = min(causes, key=lambda r: failures[r].timestamp) if causes else first
+        lost_by, first = first, (min(causes, key=lambda r: failures[r].timestamp) if causes else first)
     head = failures[first]
     if not head.error_file_data.get(_MARK):
         how = (f"exit code {head.exitcode}" if head.exitcode >= 0
                else f"signal {-head.exitcode} ({head.signal_name()})")
+        if lost_by is not None and lost_by != first and head.exitcode == -signal.SIGTERM:
+            # torchrun stopped it after the rank that lost it exited: its own exit (a traceback,
+            # then a teardown that hung in gloo's threads) was cut short, not a signal of its own
+            how = f"its exit cut short by the launcher once rank {lost_by} lost it"
         lines.append(f"autoprec {cmd}: error: rank {first} failed ({how}); its output is above")
     return "\n".join(lines), head.exitcode if head.exitcode > 0 else 1
 

@@ -136,10 +136,13 @@ def test_a_mistyped_node_rule_of_this_models_policy_is_a_hand_edit_with_the_near
     msg = str(e.value)
     assert f"did you mean {key!r}?" in msg and "changed by hand" in msg and "--force" in msg, msg
     assert "another model" not in msg, msg
-    # apply's default dynamic capture has another fingerprint (symbolic shapes) than tune's static one:
-    # the near key still makes it say the rules may have been edited
-    with pytest.raises(PolicyError, match=r"did you mean .*or one whose rules were edited by hand"):
+    # apply's default capture is static for the example's shapes, as tune's: the same graph
+    with pytest.raises(PolicyError, match=r"did you mean .*changed by hand since"):
         apply(model, Policy.from_dict(edited), batch, compile=False)
+    # a dynamic capture (strict shapes) has another fingerprint (symbolic shapes): the near key still
+    # makes it say the rules may have been edited
+    with pytest.raises(PolicyError, match=r"did you mean .*or one whose rules were edited by hand"):
+        apply(model, Policy.from_dict(edited), batch, compile=False, strict_shapes=True)
     partly = {**edited, "rules": [*edited["rules"], {"module": "fc1", "dtype": "bf16"}]}
     with pytest.warns(UserWarning, match=rf"names node '{typo}', which is not in the graph \(did you mean"):
         apply(model, Policy.from_dict(partly), batch, compile=False, graph_module=gm)
