@@ -240,7 +240,7 @@ class _StopRule:
     ``retire`` names, then whether to stop (``settled`` says the decision is fixed and there is no
     ``narrow``, or every band of those still timed is narrow). Once settled with ``narrow``, the
     runs it does not name stop (keeping their step times, with :data:`SETTLED_NOTE`) and those it
-    names (the head-to-head's policy written and the baseline it is judged against) go on until
+    names (the head-to-head's policy written and its baselines) go on until
     their bands are narrow (or ``max_rounds``, or ``time_cap_s``): the head-to-head's first three
     rounds gave bands of ±4-15% where ``autoprec bench``'s twelve gave ±2-7% (the committed
     bench.json step times, their first six steps against all 24)."""

@@ -319,18 +319,20 @@ class Race:
 
     def narrow(self, lineup: Callable[[dict[str, Timing]], list[Contender]]) -> Narrow:
         """The head-to-head's last rounds (:func:`autoprec.measure.timing.time_interleaved`'s
-        ``narrow``): once the decision is settled, the two contenders its verdict compares, the
-        policy written and the fastest baseline (:func:`decide` on the timings so far, ``lineup``
-        making the contenders of them), are timed on until their bands are narrow, so the ratio
-        the policy file and the report give has bands like ``autoprec bench``'s; the others stop.
-        Every contender still timed goes on when no policy was timed."""
-        def pair(timings: dict[str, Timing]) -> set[str]:
+        ``narrow``): once the decision is settled, the policy written (:func:`decide` on the timings
+        so far, ``lineup`` making the contenders of them) and every baseline still timed go on
+        until their bands are narrow, so the ratios the policy file and the report give (the
+        written policy against the fastest baseline and fp32 eager) have bands like ``autoprec
+        bench``'s, each side timed in the same rounds (whichever baseline ends fastest); the other
+        policies stop (their ratios to the fastest stay paired over the rounds they share). Every
+        contender still timed goes on when no policy was timed."""
+        def kept(timings: dict[str, Timing]) -> set[str]:
             try:
-                d = self.decide(lineup(timings))
+                chosen = self.decide(lineup(timings)).chosen.name
             except ValueError:
                 return set(timings)
-            return {d.chosen.name} | ({d.best_baseline.name} if d.best_baseline is not None else set())
-        return pair
+            return {chosen} | {n for n in timings if n in self.baselines}
+        return kept
 
     def decide(self, contenders: list[Contender]) -> Decision:
         """The verdict among the timed ``contenders`` (:func:`decide`), each a baseline as this race

@@ -334,11 +334,11 @@ def test_the_decision_line_says_when_its_ratio_is_paired_by_round():
     assert "rounds paired" not in decide(_field(searched_s=0.120, twin_s=0.150)).describe()
 
 
-def test_narrow_names_the_policy_written_and_the_baseline_it_is_judged_against():
-    """Once settled, the head-to-head times on only the two its verdict compares (Race.narrow):
-    the written policy and the fastest baseline, by decide's rule on the timings so far (here the
-    twin, tied with torch.autocast and simpler than trial 7's drift; then trial 7 when it is
-    faster); every name still timed when no policy has been."""
+def test_narrow_names_the_policy_written_and_every_baseline():
+    """Once settled, the head-to-head times on only what its ratios compare (Race.narrow): the written
+    policy, by decide's rule on the timings so far (here the twin, tied with torch.autocast and
+    simpler than trial 7's drift; then trial 7 when it is faster), and every baseline (whichever
+    ends fastest is timed in the same rounds); every name still timed when no policy has been."""
     from autoprec.search.race import Race
 
     def lineup(timings):
@@ -349,9 +349,12 @@ def test_narrow_names_the_policy_written_and_the_baseline_it_is_judged_against()
 
     race = Race.of(_field(0.150, 0.150))
     both = {c.name: c.timing for c in _field(searched_s=0.1505, twin_s=0.1502)}
-    assert race.narrow(lineup)(both) == {"autocast twin", "torch.autocast + torch.compile"}
+    bars = {"torch.autocast + torch.compile", "fp32 + torch.compile", "fp32 eager"}
+    assert race.narrow(lineup)(both) == {"autocast twin"} | bars
     faster = {c.name: c.timing for c in _field(searched_s=0.100, twin_s=0.1502)}
     assert race.narrow(lambda ts: [replace_timing(c, ts) for c in _field(0.100, 0.1502)])(faster) == {
-        "trial 7", "torch.autocast + torch.compile"}
+        "trial 7"} | bars
+    some = {n: t for n, t in both.items() if n != "fp32 eager"}  # retired: not offered
+    assert race.narrow(lineup)(some) == {"autocast twin"} | bars - {"fp32 eager"}
     no_policy = {"torch.autocast + torch.compile": both["torch.autocast + torch.compile"]}
     assert race.narrow(lineup)(no_policy) == set(no_policy)
