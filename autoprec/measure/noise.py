@@ -3,8 +3,9 @@
 
 :class:`Timing` holds one configuration's step times with a bootstrap 95% percentile interval of
 their median (Efron & Tibshirani 1993, *An Introduction to the Bootstrap*, ch. 13) and their
-interquartile range; :func:`compare` gives the ratio of two throughputs with its bootstrap band
-(a tie when it contains 1.0); :func:`format_rate` writes a rate with its band for tables. The
+interquartile range; :func:`compare` gives the ratio of two throughputs with its 95% band (paired
+by round: Student's t; else a bootstrap; a tie when it contains 1.0); :func:`format_rate` writes a
+rate with its band for tables. The
 interleaved rounds that produce the step times are :mod:`autoprec.measure.timing`'s.
 """
 
@@ -16,18 +17,18 @@ import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from autoprec.metrics import median
+from autoprec.metrics import median, t975
 
 __all__ = ["BOOTSTRAP_RESAMPLES", "CONFIDENCE", "PAIRED_MIN_ROUNDS", "Comparison", "Timing", "compare",
            "format_rate"]
 
 #: Bootstrap resamples for every band (Efron & Tibshirani 1993 suggest >= 1000 for percentile intervals).
 BOOTSTRAP_RESAMPLES = 1000
-#: Coverage of every band: a 95% percentile interval (the 2.5th and 97.5th percentiles).
+#: Coverage of every band: 95% (percentile intervals: the 2.5th and 97.5th percentiles).
 CONFIDENCE = 0.95
 #: Rounds two timings must share for :func:`compare` to pair them round by round: the head-to-head's
-#: first look (``time_interleaved``'s ``min_rounds``). With 3 rounds the bootstrap band of the mean
-#: is about the range of the three ratios.
+#: first look (``time_interleaved``'s ``min_rounds``). With 3 rounds the t interval's half-width is
+#: 4.30 standard errors (:func:`autoprec.metrics.t975`): only a clear difference separates so early.
 PAIRED_MIN_ROUNDS = 3
 
 
@@ -138,9 +139,13 @@ def compare(a: Timing, b: Timing, resamples: int = BOOTSTRAP_RESAMPLES, seed: in
 
     **Paired** (both timed in the same interleaved rounds, at least :data:`PAIRED_MIN_ROUNDS` of
     them in common, :attr:`Timing.round_steps`): per round both ran, the ratio of a's throughput to
-    b's from that round's median steps; the ratio is their geometric mean, its band the percentile
-    bootstrap of that mean over the rounds (``resamples`` draws of the rounds with replacement,
-    ``random.Random(seed)``; Efron & Tibshirani 1993, ch. 13). A machine whose speed drifts between
+    b's from that round's median steps; the ratio is their geometric mean, its band Student's t
+    interval of the mean log-ratio, ``mean ± t_{0.975, n-1} · s / √n`` over the n rounds (the
+    paired t-test's interval; :func:`autoprec.metrics.t975`). Not the percentile bootstrap of that
+    mean: over three rounds it is the range of the three ratios, which excludes 1.0 whenever all
+    three fall on one side, one tie in four (coverage ~75%, not 95%); fresh-clone ``make tune``
+    runs retired fp32 compiled regional against flat (the same kernels on that CPU) at 0.83x,
+    0.93x and 1/0.86x after 3-4 rounds. A machine whose speed drifts between
     rounds slows both alike, so the drift cancels in each round's ratio instead of widening both
     timings' bands (the interleaving's purpose, :mod:`autoprec.measure.timing`): the fp32 eager
     steps of a 24-layer Qwen2 against its captured graph's, eight rounds on a 2-core CPU whose
@@ -148,7 +153,7 @@ def compare(a: Timing, b: Timing, resamples: int = BOOTSTRAP_RESAMPLES, seed: in
 
     **Unpaired** otherwise: both timings' step times are resampled with replacement and the ratio
     of the resampled medians' throughputs is taken, the ratio itself from the medians (the
-    two-sample percentile bootstrap). Either way the 2.5th and 97.5th percentiles bound it.
+    two-sample percentile bootstrap: its 2.5th and 97.5th percentiles bound it).
 
     Raises:
         ValueError: either timing has no step times (failed or not timed).
@@ -160,15 +165,14 @@ def compare(a: Timing, b: Timing, resamples: int = BOOTSTRAP_RESAMPLES, seed: in
     paired = [math.log((tok_a / median(x)) / (tok_b / median(y)))  # the rounds both ran, from the first
               for x, y in zip(a.round_steps, b.round_steps)]
     if len(paired) >= PAIRED_MIN_ROUNDS:
-        ratio = math.exp(statistics.fmean(paired))
-        ratios = sorted(math.exp(statistics.fmean(rng.choices(paired, k=len(paired))))
-                        for _ in range(resamples))
+        mean = statistics.fmean(paired)
+        half = t975(len(paired) - 1) * statistics.stdev(paired) / math.sqrt(len(paired))
+        ratio, lo, hi = math.exp(mean), math.exp(mean - half), math.exp(mean + half)
     else:
         ratio = (tok_a / a.step_s) / (tok_b / b.step_s)
-        ratios = sorted((tok_a / median(rng.choices(a.step_times, k=len(a.step_times))))
-                        / (tok_b / median(rng.choices(b.step_times, k=len(b.step_times))))
-                        for _ in range(resamples))
-    lo, hi = _percentiles(ratios)
+        lo, hi = _percentiles(sorted((tok_a / median(rng.choices(a.step_times, k=len(a.step_times))))
+                                     / (tok_b / median(rng.choices(b.step_times, k=len(b.step_times))))
+                                     for _ in range(resamples)))
     lo, hi = min(lo, ratio), max(hi, ratio)
     tie = lo <= 1.0 <= hi
     return Comparison(ratio, (lo, hi), tie, None if tie else ("a" if lo > 1.0 else "b"),

@@ -19,9 +19,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from autoprec.metrics import t95
 from autoprec.search import attrs
 
-__all__ = ["FLOOR", "MARGIN", "MAX_AUTO_REFERENCE", "DriftBudget", "t95"]
+__all__ = ["FLOOR", "MARGIN", "MAX_AUTO_REFERENCE", "DriftBudget"]
 
 #: Relative margin over torch.autocast that is not counted as worse: 2% (a policy computing what
 #: torch.autocast computes measured 0.7% over it on one batch, from summation order alone).
@@ -34,27 +35,6 @@ MAX_AUTO_REFERENCE = 0.5
 #: Absolute floor of a ``grad_rel_l2`` before its logarithm is taken (a reference or candidate
 #: batch with exactly zero drift, e.g. all-fp32 against FP32).
 FLOOR = 1e-12
-
-#: One-sided 95% quantiles t_{0.95, ν} of Student's t distribution for ν = 1..30 degrees of freedom
-#: (standard tables, e.g. NIST/SEMATECH e-Handbook of Statistical Methods §1.3.6.7.2, 3 decimals;
-#: scipy is not a dependency). Beyond 30 the normal quantile 1.645 is used.
-_T95 = (6.314, 2.920, 2.353, 2.132, 2.015, 1.943, 1.895, 1.860, 1.833, 1.812,
-        1.796, 1.782, 1.771, 1.761, 1.753, 1.746, 1.740, 1.734, 1.729, 1.725,
-        1.721, 1.717, 1.714, 1.711, 1.708, 1.706, 1.703, 1.701, 1.699, 1.697)
-_Z95 = 1.645
-
-
-def t95(df: int) -> float:
-    """The one-sided 95% quantile of Student's t with ``df`` ≥ 1 degrees of freedom (:data:`_T95`;
-    1.645, the normal's, beyond 30).
-
-    Raises:
-        ValueError: ``df`` < 1.
-    """
-    if df < 1:
-        raise ValueError(f"t quantile needs df >= 1, got {df}")
-    return _T95[df - 1] if df <= len(_T95) else _Z95
-
 
 def _values(m: Any) -> list[float]:
     """Per-batch ``grad_rel_l2`` of a Measurement (its ``grad_rel_l2_batches``; a measurement

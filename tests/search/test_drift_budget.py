@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from autoprec.measure import DRIFT_BATCHES, Harness, Measurement
-from autoprec.metrics import grad_rel_l2
+from autoprec.metrics import _T95, _T975, grad_rel_l2, t95, t975
 from autoprec.modelspec import call_model, load_model_spec
 from autoprec.passes import run_pipeline
 from autoprec.policy import Policy
 from autoprec.search import attrs
-from autoprec.search.drift_budget import _T95, MARGIN, DriftBudget, t95
+from autoprec.search.drift_budget import MARGIN, DriftBudget
 from autoprec.training.rng import same_rng
 from autoprec.training.train import make_scaler
 
@@ -163,6 +163,9 @@ def test_t_table_is_the_95_percent_quantile():
     assert t95(31) == 1.645 and t95(3) == 2.353
     with pytest.raises(ValueError):
         t95(0)
+    for df, t in enumerate(_T975, 1):  # the two-sided 95% factor of compare()'s paired band
+        assert _t_cdf(t - 5e-4, df) < 0.975 < _t_cdf(t + 5e-4, df), df
+    assert t975(31) == 1.960 and t975(2) == 4.303
 
 
 MODEL = '''
