@@ -63,7 +63,12 @@ class TrainResult:
 
     Attributes:
         losses: Loss per step run in this call (fp32 floats; a skipped step's loss is still recorded).
-        final_loss: Mean loss of the last ``min(FINAL_STEPS, len(losses))`` steps (NaN if no step ran).
+        final_loss: Mean loss of the steps not skipped among the last ``min(FINAL_STEPS,
+            len(losses))`` (NaN when no step ran or all of those were skipped): a step the loss
+            scaler skips (an fp16 overflow it backs off from, GradScaler's rule) left the weights
+            unchanged, and its non-finite loss is not the trained model's; a run whose last steps
+            are all skipped has diverged or not yet found its scale.
+        final_steps: How many steps ``final_loss`` is the mean of.
         tokens_per_s: Tokens/s over the steps after the first (which compiles): mean tokens per
             step / median step seconds (:func:`autoprec.training.monitor.tokens_per_s`).
         skipped: Steps skipped for non-finite gradients (in this call).
@@ -79,6 +84,7 @@ class TrainResult:
 
     losses: list[float] = field(default_factory=list)
     final_loss: float = math.nan
+    final_steps: int = 0
     tokens_per_s: float = 0.0
     skipped: int = 0
     loss_scale: float = 1.0
@@ -241,16 +247,19 @@ def report(res: TrainResult) -> int:
     reported)."""
     if res.complete:
         return 0
-    lead, n = ranks_from_env().lead, min(FINAL_STEPS, len(res.losses))
+    lead = ranks_from_env().lead
     if lead:
-        print(f"final loss (mean of last {n} steps) {res.final_loss:.4f}; {res.tokens_per_s:.0f} tokens/s; "
-              f"skipped steps {res.skipped}; loss scale {res.loss_scale:g}")
+        print(f"final loss (mean of the last {res.final_steps} steps not skipped) {res.final_loss:.4f}; "
+              f"{res.tokens_per_s:.0f} tokens/s; skipped steps {res.skipped}; loss scale {res.loss_scale:g}")
     if math.isfinite(res.final_loss):
         return 0
     if lead:
         where = f"; {res.nonfinite}" if res.nonfinite else ""
-        print(f"autoprec train: error: the loss of the last {n} steps is not finite ({res.skipped} of "
-              f"{len(res.losses)} steps skipped){where}", file=sys.stderr)
+        n = min(FINAL_STEPS, len(res.losses))
+        which = (f"the loss of the last {n} steps is not finite" if res.final_steps
+                 else f"each of the last {n} steps was skipped for non-finite gradients")
+        print(f"autoprec train: error: {which} ({res.skipped} of {len(res.losses)} steps skipped){where}",
+              file=sys.stderr)
     return 1
 
 
@@ -327,8 +336,8 @@ def _result(done: list[tuple[StepStats, float]], start: int, step: TrainStep,
                       skipped=sum(int(st.skipped) for st, _ in done), summary=monitor.summary(),
                       loss_scale=step.scaler.get_scale() if step.scaler is not None else 1.0)
     if res.losses:
-        tail = res.losses[-min(FINAL_STEPS, len(res.losses)):]
-        res.final_loss = sum(tail) / len(tail)
+        tail = [st.loss for st, _ in done[-FINAL_STEPS:] if not st.skipped]
+        res.final_loss, res.final_steps = (sum(tail) / len(tail) if tail else math.nan), len(tail)
         res.tokens_per_s = res.summary["median_tokens_per_s"]  # the monitor's rule (tokens_per_s)
         if not math.isfinite(res.final_loss):
             res.nonfinite = _nonfinite(monitor)

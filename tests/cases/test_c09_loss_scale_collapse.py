@@ -193,7 +193,7 @@ def test_train_whose_loss_is_not_finite_says_so_and_exits_1(tmp_path, capsys):
     assert main(["train", str(model), "--policy", str(tmp_path / "p.json"), "--steps", "2",
                  "--no-compile"]) == 1
     err = capsys.readouterr().err
-    assert "autoprec train: error: the loss of the last 2 steps is not finite" in err, err
+    assert "autoprec train: error: each of the last 2 steps was skipped for non-finite gradients" in err, err
     assert "the forward's outputs on the last batch are finite: the loss computed from them (loss_fn)" in err
 
 
@@ -225,3 +225,48 @@ def test_train_whose_forward_is_not_finite_names_the_node_and_line(tmp_path, cap
     assert "consecutive optimizer steps were skipped" in err, err
     assert "First node that produced a non-finite value: 'div#0' (from " in err, err
     assert "nan_forward.py:12 (forward): h = h / (h - h))." in err, err
+
+
+FP16_SPIKE_MODEL = """
+import torch
+from torch import nn
+
+
+def build_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+
+
+def get_batch(step, device):
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+    return (x * 1e6 if step == {spike} else x).to(device)  # fp16 overflows at the spike (max 65504)
+
+
+def loss_fn(output, batch):
+    return output.float().pow(2).mean()
+"""
+
+
+@pytest.mark.parametrize("spike", [3, None])
+def test_train_fp16_one_overflow_among_the_last_steps_is_skipped_not_an_error(tmp_path, capsys, spike):
+    """An fp16 run whose one overflowing step (skipped by the loss scaler, weights unchanged) was
+    among the last 5 exited 1: that step's non-finite loss entered the final mean. The final loss
+    is now the mean of the steps not skipped among the last 5; a run without the spike gives the
+    mean of all 5."""
+    from autoprec.cli import main
+    from autoprec.policy import Policy
+
+    model = tmp_path / "spike.py"
+    model.write_text(FP16_SPIKE_MODEL.replace("{spike}", str(spike if spike is not None else -1)))
+    Policy.default("fp16").save(tmp_path / "p.json")
+    code = main(["train", str(model), "--policy", str(tmp_path / "p.json"), "--steps", "6", "--no-compile",
+                 "--device", "cpu"])
+    cap = capsys.readouterr()
+    assert code == 0, cap.err
+    losses = [float(line.split()[3]) for line in cap.out.splitlines() if line.startswith("step ")]
+    skipped = [line.startswith("step ") and "SKIPPED" in line for line in cap.out.splitlines()
+               if line.startswith("step ")]
+    assert len(losses) == 6 and sum(skipped) == (1 if spike is not None else 0), cap.out
+    kept = [x for x, s in zip(losses[1:], skipped[1:]) if not s]
+    line = f"final loss (mean of the last {len(kept)} steps not skipped) {sum(kept) / len(kept):.4f}"
+    assert line in cap.out, cap.out
