@@ -31,7 +31,7 @@ from autoprec.measure.drift import (
     take_grads,
 )
 from autoprec.measure.measurement import Measurement, describe_failure
-from autoprec.measure.memory import SavedBytes, training_state_bytes
+from autoprec.measure.memory import CudaPeak, SavedBytes, module_bytes, training_state_bytes
 from autoprec.measure.outcome import Outcome, Stage
 from autoprec.metrics import grad_rel_l2, median
 from autoprec.modelspec import ModelSpec
@@ -116,6 +116,7 @@ class Harness:
         optimizer = spec.make_optimizer(self.params)
         self.optimizer_name: str = type(optimizer).__name__
         self._state_bytes = training_state_bytes(self.params, optimizer)
+        self._cuda_peak = CudaPeak(device, module_bytes(self.model))  # read on CUDA only
         self.shapes = batch_shapes(self.batches)
         # warm-up: up to every shape's first batch at least, so compiled graphs meet each before
         # timing; an eager fn needs one (its first step creates the optimizer's state): warmup_steps
@@ -223,7 +224,7 @@ class Harness:
         # the references first, before the peak reset: the compiled one compiles and runs on first use
         refs = [self._reference(fn, k) for k in range(self.drift_batches)]
         if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
+            self._cuda_peak.start()
 
         seconds: dict[int, float] = {}
 
@@ -360,7 +361,7 @@ class Harness:
         m.step_s = median(m.step_times)
         m.tokens_per_s = self._timed_tokens(len(m.step_times), self.warmup_steps(fn)) / m.step_s
         if self.device.type == "cuda":
-            m.peak_bytes = int(torch.cuda.max_memory_allocated(self.device))
+            m.peak_bytes = self._cuda_peak.read()
         return m
 
     def update_seconds(self, scaled: bool) -> float:

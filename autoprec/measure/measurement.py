@@ -27,7 +27,9 @@ class Measurement:
             non-finite (the last value, inf). :class:`autoprec.search.drift_budget.DriftBudget` judges these.
         loss_rel: |L − L₃₂| / |L₃₂|, the mean over the K drift batches.
         grad_sqnr_db_min: Minimum per-parameter gradient SQNR in dB, the min over the K drift batches.
-        peak_bytes: CUDA peak allocated bytes; on CPU (the rule of :mod:`autoprec.measure.memory`)
+        peak_bytes: On CUDA the allocator's peak over the drift passes and timed steps less what
+            was allocated before, plus the model's own bytes (:class:`~autoprec.measure.memory.CudaPeak`);
+            on CPU (the rule of :mod:`autoprec.measure.memory`)
             bytes of the distinct tensors saved for backward in batch 0's drift pass
             (:class:`~autoprec.measure.memory.SavedBytes`; a saved parameter allocates nothing and
             is not counted again) + :attr:`Harness.state_bytes`: parameter and gradient bytes

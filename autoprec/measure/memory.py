@@ -7,13 +7,16 @@ Three quantities, one home:
                              (``saved_tensors_hooks``; storage shared with a parameter not counted again)
 :func:`training_state_bytes` parameters + their gradients + the optimizer's state after one step
                              (:func:`optimizer_state_bytes`; 0-dim step counters left out)
+:class:`CudaPeak`            a harness's peak on CUDA: the allocator's peak over its passes less what was
+                             allocated before, plus its model's parameters and buffers (:func:`module_bytes`)
 :class:`PeakBytes`           peak bytes allocated over a ``with`` span: CUDA's allocator peak, on CPU
                              the most C heap bytes in use (:func:`autoprec.device.heap_bytes`) seen
                              after any ATen op of the span or by a 0.2 ms sampler, over their value at entry
 ===========================  ===============================================================================
 
-On CUDA every measurement is ``torch.cuda.max_memory_allocated`` (the harness over its drift
-passes and timed steps, ``bench --nproc`` over a row's build and warm-up). On CPU, which keeps no
+On CUDA every measurement is ``torch.cuda.max_memory_allocated`` less what was allocated before
+(the harness over its drift passes and timed steps, plus its own model's bytes: :class:`CudaPeak`;
+``bench --nproc`` over a row's build and warm-up). On CPU, which keeps no
 allocator statistics, the single-process :class:`~autoprec.measure.harness.Harness` (``tune``,
 ``bench``) counts ``SavedBytes`` of batch 0's drift pass + ``training_state_bytes``, and
 ``bench --nproc`` (:mod:`autoprec.commands.bench_dist`, eager DDP/FSDP2 steps) measures the
@@ -120,6 +123,45 @@ def training_state_bytes(params: list[nn.Parameter], optimizer: torch.optim.Opti
                 p.copy_(w)
                 p.grad = None
     return 2 * sum(p.numel() * p.element_size() for p in params) + state
+
+
+def module_bytes(model: nn.Module) -> int:
+    """Bytes of ``model``'s parameters and buffers (``numel * element_size``, each storage once)."""
+    seen: dict[int, int] = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        seen.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+    return sum(seen.values())
+
+
+class CudaPeak:
+    """A harness's peak on CUDA: ``torch.cuda.max_memory_allocated`` since :meth:`start` less the
+    ``memory_allocated`` at :meth:`start`, plus ``resident``, the bytes of the harness's own model
+    (:func:`module_bytes`, allocated before): its parameters and buffers, the gradients, optimizer
+    state, activations and temporaries of its steps. What else the process holds at start is left
+    out: another harness's model and references (``tune --global-batch`` keeps one harness per
+    micro-batch resident while it times them side by side), this harness's FP32 reference gradients
+    and its copy of the initial weights, none of which a user's training holds. A measurement's own
+    fp32 gradient copies taken during it are counted (one per drift batch at most): an overstatement
+    the same for every candidate on the harness.
+
+    Args:
+        device: A CUDA device.
+        resident: Bytes counted as allocated before :meth:`start` (the model's own).
+    """
+
+    def __init__(self, device: torch.device, resident: int) -> None:
+        self.device, self.resident, self.base = device, int(resident), 0
+
+    def start(self) -> None:
+        """Reset the allocator's peak and remember what is allocated now."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.base = int(torch.cuda.memory_allocated(self.device))
+
+    def read(self) -> int:
+        """Peak bytes since :meth:`start` (class docstring), never below ``resident``."""
+        torch.cuda.synchronize(self.device)
+        return self.resident + max(int(torch.cuda.max_memory_allocated(self.device)) - self.base, 0)
 
 
 class PeakBytes:
