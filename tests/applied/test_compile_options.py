@@ -92,3 +92,31 @@ def test_apply_compiles_what_the_policy_records_and_as_torch_compile_without_a_s
         assert seen[-1]["options"]["emulate_precision_casts"] is how.emulate_precision_casts
         lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("compile:")]
         assert (any(line in x for x in lines) if line else not lines), lines
+
+
+def test_a_policy_kept_flat_records_flat_not_the_regions_it_asked_for(monkeypatch):
+    """tune recorded ``compile_options.regional: true`` for a policy with saved-activation dtypes
+    (``tune --global-batch``'s saved bf16 lever) or an activation memory budget below 1.0, which
+    compile_graph compiles as one flat graph: the file now says flat, as the graph really compiles."""
+    import dataclasses
+
+    from autoprec.policy import REGIONAL_EMULATED, TORCH_COMPILE, Policy
+    from autoprec.search.space import with_saved
+
+    bf16 = Policy.default("bf16")
+    saved = with_saved(bf16, "bf16")
+    recompute = dataclasses.replace(bf16, activation_memory_budget=0.5)
+    assert compile_mod.compiled_options(bf16, REGIONAL_EMULATED) == REGIONAL_EMULATED
+    for pol in (saved, recompute):
+        got = compile_mod.compiled_options(pol, REGIONAL_EMULATED)
+        assert not got.regional and got.emulate_precision_casts
+    assert compile_mod.compiled_options(saved, TORCH_COMPILE) == TORCH_COMPILE
+
+    # the rule is compile_graph's own: the graph with saved dtypes compiles flat though regional is asked
+    seen = []
+    monkeypatch.setattr(compile_mod.torch, "compile", lambda target, **kw: seen.append(target) or target)
+    block = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(3)], block)
+    gm = fx.symbolic_trace(model)
+    compiled = compile_mod.compile_graph(gm, 0.5, regional=True)
+    assert compiled.regions is None and compile_mod.flat_reason(False, 0.5) is not None
