@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
 
@@ -23,7 +24,7 @@ from autoprec.applied.outputs import flat_output_graph, rebuild
 from autoprec.applied.policy_match import check_policy_matches
 from autoprec.applied.recapture import Recapture, Routed
 from autoprec.applied.saved import apply_saved, saved_activation_context
-from autoprec.applied.shape_cache import CompileLog, ShapeCache, is_dynamic
+from autoprec.applied.shape_cache import CompileLog, InputCheck, ShapeCache, is_dynamic
 from autoprec.capture import (
     CALL_KWARGS_META,
     PLAN_META,
@@ -168,6 +169,38 @@ class MixedPrecisionModule(ModelFacade):
         return out
 
     @property
+    def what(self) -> str:
+        """How messages name this module: ``"MixedPrecisionModule of Qwen2ForCausalLM"``."""
+        return self._what
+
+    @property
+    def runner(self) -> Callable[..., Any]:
+        """What a training-mode call runs: the lowered graph, its
+        :class:`~autoprec.applied.compile.CompiledGraph`, a
+        :class:`~autoprec.applied.shape_cache.ShapeCache` or a
+        :class:`~autoprec.applied.recapture.Routed`."""
+        return self._fn
+
+    @property
+    def input_check(self) -> InputCheck:
+        """What checks a call's input shapes before :attr:`runner` runs it (raises ``ValueError``)."""
+        return self._inputs
+
+    def serve(self, runner: Callable[..., Any], input_check: InputCheck) -> None:
+        """Serve later training calls with ``runner``, checked by ``input_check`` (the per-shape cache
+        and :mod:`autoprec.applied.recapture` switch a module so); the graph stays."""
+        object.__setattr__(self, "_fn", runner)
+        object.__setattr__(self, "_inputs", input_check)
+
+    def adopt(self, other: MixedPrecisionModule) -> None:
+        """Take ``other``'s graph, runner, input check, saved-activation context, output structure
+        and pass statistics: ``other`` is the same model and policy applied to a new capture
+        (:mod:`autoprec.applied.recapture`)."""
+        for name in ("graph_module", "_fn", "_inputs", "_saved", "_out_spec"):
+            object.__setattr__(self, name, getattr(other, name))
+        self.__dict__["stats"] = other.stats
+
+    @property
     def shape_stats(self) -> dict[str, Any]:
         """How the module serves batch shapes: ``{"mode": "static", "captures": 1}`` (with
         ``"compiles"`` and ``"compile_seconds"`` when compiled), or, once a call of another shape made
@@ -253,7 +286,7 @@ def apply(model: nn.Module, policy: Policy, example_batch: Any, compile: bool = 
     # passes keep no gm.meta
     result.graph_module.meta[CALL_KWARGS_META] = dict(gm.meta.get(CALL_KWARGS_META, {}))
     mp = MixedPrecisionModule(model, result.graph_module, policy, result.stats, compile)
-    static = lambda batch: apply(model, policy, batch, compile, placement, dynamic=False, force=True)._fn  # noqa: E731
+    static = lambda batch: apply(model, policy, batch, compile, placement, dynamic=False, force=True).runner  # noqa: E731
     # static for the example's shape (or capture_for's unvarying batches), not because export refused
     # dynamic dimensions (PLAN_META): another shape tries one dynamic capture (Recapture.from_static)
     untried = PLAN_META not in gm.meta and not strict_shapes
@@ -270,7 +303,5 @@ def _use_shape_cache(mp: MixedPrecisionModule, example_batch: Any, build: Any, s
                      plan: DimPlan | None) -> None:
     """Route ``mp``'s calls through a :class:`ShapeCache` seeded with its example-shape graph (its
     ranges: ``plan``, the capture's, else planned from ``example_batch``)."""
-    what = f"{type(mp).__name__} of {type(mp.model).__name__}"
-    cache = ShapeCache.seeded(mp.model, example_batch, mp._fn, build, what, strict=strict, plan=plan)
-    object.__setattr__(mp, "_fn", cache)
-    object.__setattr__(mp, "_inputs", cache)  # its check is the range check of autoprec.capture.dims
+    cache = ShapeCache.seeded(mp.model, example_batch, mp.runner, build, mp.what, strict=strict, plan=plan)
+    mp.serve(cache, cache)  # its check is the range check of autoprec.capture.dims

@@ -36,7 +36,7 @@ class UnscaledBackwardCheck:
 
     Args:
         policy: The applied policy.
-        what: How error messages name the module (``MixedPrecisionModule._what``).
+        what: How error messages name the module (``MixedPrecisionModule.what``).
     """
 
     def __init__(self, policy: Policy, what: str) -> None:

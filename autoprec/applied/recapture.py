@@ -40,9 +40,9 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from autoprec.applied.shape_cache import ShapeCache, is_dynamic
+from autoprec.applied.shape_cache import InputCheck, ShapeCache, is_dynamic
 from autoprec.capture import (
     BATCH,
     PLAN_META,
@@ -54,6 +54,9 @@ from autoprec.capture import (
 )
 from autoprec.errors import CaptureError
 from autoprec.modelspec import split_batch
+
+if TYPE_CHECKING:  # apply imports this module
+    from autoprec.applied.apply import MixedPrecisionModule as Applied
 
 __all__ = ["Recapture", "Routed"]
 
@@ -70,7 +73,7 @@ class Routed:
         cache: The per-shape graphs (:class:`ShapeCache`, not strict).
     """
 
-    def __init__(self, fn: Callable[..., Any], inputs: Any, cache: ShapeCache) -> None:
+    def __init__(self, fn: Callable[..., Any], inputs: InputCheck, cache: ShapeCache) -> None:
         self.fn, self.inputs, self.cache = fn, inputs, cache
 
     def check(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -115,7 +118,7 @@ class Recapture:
         self.rebuild, self.build_static = rebuild, build_static
         self.recaptures = 0
 
-    def __call__(self, mp: Any, args: tuple[Any, ...], kwargs: dict[str, Any], error: ValueError) -> None:
+    def __call__(self, mp: Applied, args: tuple[Any, ...], kwargs: dict[str, Any], error: ValueError) -> None:
         """Make ``mp`` serve a call of these shapes, or raise ``error`` (the input check's).
 
         Raises:
@@ -123,8 +126,8 @@ class Recapture:
                 the call is not outside a range (inputs that share a dimension disagree, another
                 structure) or takes both positional and keyword tensors.
         """
-        ranges = getattr(mp._inputs, "ranges", None)
-        if (args and kwargs) or isinstance(mp._fn, (Routed, ShapeCache)):
+        ranges = getattr(mp.input_check, "ranges", None)
+        if (args and kwargs) or isinstance(mp.runner, (Routed, ShapeCache)):
             raise error
         if not is_dynamic(mp.graph_module):
             return self.from_static(mp, args, kwargs, error)
@@ -147,23 +150,23 @@ class Recapture:
             if self._try_dynamic(mp, example, at_least, args, kwargs)[0]:
                 _log.info("%s: input shapes %s are outside the captured ranges (%s); captured again with "
                           "ranges %s (recapture %d, %.1f s%s; apply(..., strict_shapes=True) raises instead)",
-                          mp._what, shapes, _ranges(ranges), _ranges(mp._inputs.ranges), self.recaptures,
+                          mp.what, shapes, _ranges(ranges), _captured(mp.input_check), self.recaptures,
                           time.perf_counter() - start, ", compiles on this call" if mp.compiled else "")
                 return
         self._route(mp, args, kwargs)
         _log.info("%s: input shapes %s are outside the captured ranges (%s) and a wider dynamic capture "
                   "cannot serve them; such shapes get a graph each (per-shape cache; apply(..., "
-                  "strict_shapes=True) raises instead)", mp._what, shapes, _ranges(ranges))
+                  "strict_shapes=True) raises instead)", mp.what, shapes, _ranges(ranges))
 
-    def _route(self, mp: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def _route(self, mp: Applied, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Make ``mp``'s dynamic graph serve the calls in its ranges and a per-shape cache the
         others (:class:`Routed`)."""
-        cache = ShapeCache(self.build_static, plan_dims(self.model, args, kwargs), mp._what, strict=False)
-        object.__setattr__(mp, "_fn", Routed(mp._fn, mp._inputs, cache))
-        object.__setattr__(mp, "_inputs", mp._fn)
+        cache = ShapeCache(self.build_static, plan_dims(self.model, args, kwargs), mp.what, strict=False)
+        routed = Routed(mp.runner, mp.input_check, cache)
+        mp.serve(routed, routed)
 
 
-    def _try_dynamic(self, mp: Any, example: Any, at_least: dict[str, int], args: tuple[Any, ...],
+    def _try_dynamic(self, mp: Applied, example: Any, at_least: dict[str, int], args: tuple[Any, ...],
                      kwargs: dict[str, Any], keep_refused: bool = False) -> tuple[bool, Any]:
         """Capture ``example`` again with dynamic dimensions whose ranges reach ``at_least`` and
         switch ``mp`` to it when the new graph accepts this call; ``(switched, the capture or None)``
@@ -178,29 +181,31 @@ class Recapture:
             return False, gm
         new = self.rebuild(gm)
         try:
-            new._inputs.check(args, kwargs)
+            new.input_check.check(args, kwargs)
         except ValueError:
             if keep_refused:
-                _adopt(mp, new)
+                mp.adopt(new)
                 self.recaptures += 1
             return False, gm
-        _adopt(mp, new)
+        mp.adopt(new)
         self.recaptures += 1
         return True, gm
 
-    def _refuse_past_positions(self, mp: Any, sizes: dict[str, int], shapes: str, error: ValueError) -> None:
+    def _refuse_past_positions(self, mp: Applied, sizes: dict[str, int], shapes: str,
+                               error: ValueError) -> None:
         """Raise ValueError when a sequence size in ``sizes`` (role -> size) is above the model's
         ``config.max_position_embeddings``."""
         positions = max_positions(self.model)
         if positions and (long := [r for r, n in sizes.items() if r != BATCH and n > positions]):
             raise ValueError(
-                f"{mp._what}: input shapes {shapes}: {long[0]} length {sizes[long[0]]} is above the model's "
+                f"{mp.what}: input shapes {shapes}: {long[0]} length {sizes[long[0]]} is above the model's "
                 f"config.max_position_embeddings ({positions}), the longest the capture serves: a learned "
                 "position table has no rows past it (the model itself raises IndexError; a compiled graph "
                 "would abort the process). Truncate the batch, or raise config.max_position_embeddings "
                 "before autoprec.apply where the model's positions allow it (rotary embeddings)") from error
 
-    def from_static(self, mp: Any, args: tuple[Any, ...], kwargs: dict[str, Any], error: ValueError) -> None:
+    def from_static(self, mp: Applied, args: tuple[Any, ...], kwargs: dict[str, Any],
+                    error: ValueError) -> None:
         """Make ``mp``, whose graph serves one shape, serve this call's too: one capture with
         dynamic dimensions whose ranges reach the example batch's sizes, and in a role where this
         call is larger, its size and at least twice the example's (as :meth:`__call__` widens);
@@ -223,28 +228,26 @@ class Recapture:
         adopted, gm = self._try_dynamic(mp, example, sizes, args, kwargs, keep_refused=True)
         if adopted or is_dynamic(mp.graph_module):
             _log.info("%s: input shapes %s differ from the one shape captured; captured again with "
-                      "dynamic dimensions, ranges %s (recapture %d, %.1f s%s)", mp._what, shapes,
-                      _ranges(mp._inputs.ranges), self.recaptures, time.perf_counter() - start,
+                      "dynamic dimensions, ranges %s (recapture %d, %.1f s%s)", mp.what, shapes,
+                      _captured(mp.input_check), self.recaptures, time.perf_counter() - start,
                       ", compiles on this call" if mp.compiled else "")
             if not adopted:  # below a range export narrowed: this shape gets a graph of its own
                 self._route(mp, args, kwargs)
                 _log.info("%s: input shapes %s are below those ranges; such shapes get a graph each "
-                          "(per-shape cache)", mp._what, shapes)
+                          "(per-shape cache)", mp.what, shapes)
             return
-        cache = ShapeCache.seeded(self.model, self.example, mp._fn, self.build_static, mp._what, strict=False,
-                                  plan=gm.meta.get(PLAN_META) if gm is not None else None)
-        object.__setattr__(mp, "_fn", cache)
-        object.__setattr__(mp, "_inputs", cache)
+        cache = ShapeCache.seeded(self.model, self.example, mp.runner, self.build_static, mp.what,
+                                  strict=False, plan=gm.meta.get(PLAN_META) if gm is not None else None)
+        mp.serve(cache, cache)
         _log.info("%s: input shapes %s differ from the one shape captured and the model cannot be captured "
                   "with dynamic dimensions for both; such shapes get a graph each (per-shape cache)",
-                  mp._what, shapes)
+                  mp.what, shapes)
 
 
-def _adopt(mp: Any, new: Any) -> None:
-    """Point ``mp`` at ``new``'s graph, compiled function, input check and output structure."""
-    for name in ("graph_module", "_fn", "_inputs", "_saved", "_out_spec"):
-        object.__setattr__(mp, name, getattr(new, name))
-    mp.__dict__["stats"] = new.stats
+def _captured(check: InputCheck) -> str:
+    """The ranges of a dynamic capture's input check (:class:`autoprec.capture.InputShapes`), as
+    :func:`_ranges` writes them; empty for a check without ranges."""
+    return _ranges(getattr(check, "ranges", None) or {})
 
 
 def _ranges(ranges: dict[str, tuple[str, int | None, int | None]]) -> str:

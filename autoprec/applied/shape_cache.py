@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from torch import fx, nn
 
@@ -28,7 +28,7 @@ from autoprec.capture import DIMS_META, MAX_SHAPES, RANGE_ADVICE, DimPlan, plan_
 from autoprec.device import compile_count
 from autoprec.modelspec import split_batch
 
-__all__ = ["MAX_SHAPES", "CompileLog", "ShapeCache", "is_dynamic"]
+__all__ = ["MAX_SHAPES", "CompileLog", "InputCheck", "ShapeCache", "is_dynamic"]
 
 _log = logging.getLogger("autoprec")
 
@@ -36,6 +36,16 @@ _log = logging.getLogger("autoprec")
 def is_dynamic(gm: fx.GraphModule) -> bool:
     """Whether ``gm`` was captured with dynamic dimensions (it records their ranges)."""
     return bool(gm.meta.get(DIMS_META))
+
+
+class InputCheck(Protocol):
+    """What checks a call's input shapes before a graph runs it
+    (:class:`autoprec.capture.InputShapes`, :class:`ShapeCache`,
+    :class:`autoprec.applied.recapture.Routed`)."""
+
+    def check(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Return when the graph serves these inputs; raise ``ValueError`` naming the input and
+        both shapes when it does not."""
 
 
 class CompileLog:
@@ -94,7 +104,7 @@ class ShapeCache:
 
     Args:
         build: ``build(batch) -> callable`` capturing and lowering a graph for ``batch`` (a dict
-            or tuple as the model is called with), e.g. ``lambda b: apply(model, policy, b)._fn``.
+            or tuple as the model is called with), e.g. ``lambda b: apply(model, policy, b).runner``.
         plan: The dimension plan of the example batch (its ranges bound the shapes accepted).
         what: How messages name the module, e.g. ``"MixedPrecisionModule of Qwen2ForCausalLM"``.
         max_shapes: The most graphs kept (:data:`MAX_SHAPES`).

@@ -149,7 +149,7 @@ def _check_applied(mp: Any, fn: str) -> None:
 def _graphs_of(mp: MixedPrecisionModule) -> list[fx.GraphModule]:
     """The graph ``mp`` runs: its lowered graph, the graph its :class:`CompiledGraph` compiled
     (``target``), or the dynamic graph of a :class:`Routed` (its per-shape graphs are not sharded)."""
-    fn = mp._fn
+    fn = mp.runner
     fn = fn.fn if isinstance(fn, Routed) else fn
     fn = fn.target if isinstance(fn, CompiledGraph) else fn
     if not isinstance(fn, fx.GraphModule):

@@ -114,8 +114,8 @@ def test_model_that_specialises_falls_back_to_a_bounded_logged_cache(caplog):
     assert stats["mode"] == "per_shape" and stats["captures"] == 3
     with pytest.raises(ValueError, match=r"dim 0 \(batch\) is 5, allowed 1\.\.4"):
         mp(**lm_batch(5, 20, 1))
-    assert isinstance(mp._fn, ShapeCache)
-    mp._fn.max_shapes = 3  # instead of MAX_SHAPES = 16, to reach the bound in a few calls
+    assert isinstance(mp.runner, ShapeCache)
+    mp.runner.max_shapes = 3  # instead of MAX_SHAPES = 16, to reach the bound in a few calls
     with pytest.raises(ValueError) as err:
         mp(**lm_batch(1, 25, 1))
     assert "already holds graphs for 3 input shapes" in str(err.value) and "MAX_SHAPES" in str(err.value)

@@ -28,7 +28,7 @@ def test_a_static_capture_of_unvarying_batches_recaptures_dynamic_on_another_sha
         for t in list(range(33, 53)) + [16, 32]:  # 20 new lengths and back: more than MAX_SHAPES (16)
             batch = lm_batch(4, t, t)
             torch.testing.assert_close(mp(**batch), model(**batch), rtol=1e-5, atol=1e-5)
-    assert is_dynamic(mp.graph_module) and not isinstance(mp._fn, ShapeCache)
+    assert is_dynamic(mp.graph_module) and not isinstance(mp.runner, ShapeCache)
     assert caplog.text.count("differ from the one shape captured; captured again with dynamic") == 1
     assert mp.shape_stats["recaptures"] == 1
 
@@ -43,7 +43,7 @@ def test_a_model_that_cannot_be_captured_dynamic_gets_the_per_shape_cache(caplog
         for t in (17, 20, 17, 32):
             batch = lm_batch(2, t, 1)
             torch.testing.assert_close(mp(**batch), model(**batch))
-    assert isinstance(mp._fn, ShapeCache) and mp.shape_stats["mode"] == "per_shape"
+    assert isinstance(mp.runner, ShapeCache) and mp.shape_stats["mode"] == "per_shape"
     assert "cannot be captured with dynamic dimensions for both; such shapes get a graph each" in caplog.text
     assert mp.shape_stats["captures"] == 4  # (4, 32), (2, 17), (2, 20), (2, 32)
 
