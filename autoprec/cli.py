@@ -257,6 +257,10 @@ def _cmd_bench(a: argparse.Namespace) -> int:
         print("autoprec bench: error: --max-memory needs --global-batch N (the budget picks each side's "
               "micro-batch)", file=sys.stderr)
         return 2
+    if a.no_compile and a.global_batch is None:
+        print("autoprec bench: error: --no-compile goes with --global-batch N; without it pick eager rows "
+              "with --configs (fp32_eager policy_eager ...)", file=sys.stderr)
+        return 2
     if a.global_batch is None and (batching := _policy_batching(a.policy)) is not None:
         print(f"autoprec bench: note: {a.policy} trains at {batching.describe()}; this bench runs the model "
               f"file's batch (pass --global-batch {batching.global_batch} to compare at the policy's)",
@@ -268,7 +272,7 @@ def _cmd_bench(a: argparse.Namespace) -> int:
             Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         with _naming_policy(a.policy):
             res = run_batch_bench(a.model, a.policy, a.global_batch, a.max_memory, device=a.device,
-                                  max_step_ratio=a.max_step_ratio, json_path=a.json)
+                                  max_step_ratio=a.max_step_ratio, json_path=a.json, compile=not a.no_compile)
         table = format_batch_table(res)
         print("\n" + table)
         if a.md:

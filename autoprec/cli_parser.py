@@ -101,6 +101,9 @@ def _add_bench_batch_options(b: argparse.ArgumentParser) -> None:
     b.add_argument("--max-memory", default=None, metavar="M",
                    help="with --global-batch: the memory budget per micro-step (bytes like '2GiB', or '90%%' "
                         "of the device's memory; default: none)")
+    b.add_argument("--no-compile", action="store_true",
+                   help="with --global-batch: every side eager (fp32, torch.autocast, the policy), no "
+                        "torch.compile (a quick check; the baseline to beat is compiled)")
 
 
 def build_parser() -> argparse.ArgumentParser:

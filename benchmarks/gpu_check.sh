@@ -2,7 +2,7 @@
 # One prepared GPU check: tune a Qwen2-0.5B-shaped model, time the autocast twin's compile options
 # against torch.autocast + torch.compile, bench the policy, write JSON and logs.
 #
-# Usage: benchmarks/gpu_check.sh OUTDIR [--dry-run] [--fp8]
+# Usage: benchmarks/gpu_check.sh OUTDIR [--dry-run] [--fp8] [--global-batch N]
 #
 # For a CUDA machine (H200) whose Python has torch and Triton but no Optuna/networkx/transformers
 # and no network: wheels brought in .whl/ at the repo root (benchmarks/fetch_gpu_wheels.sh) are
@@ -14,6 +14,15 @@
 # and its bench, in what is left of the deadline (on the H200 the probe excluded fp8 at these
 # shapes twice, 2.08x and 2.31x fp32's time, and the bench needs ~260 s: left out by default).
 #
+# --global-batch N: instead of the twin rows, bench and fp8 (a second call, the device's remaining
+# minutes), the micro-batch within the device's memory (issue "Tokens/s within a memory budget"):
+# `tune --global-batch N` (eager screening as above; on CUDA the budget defaults to 90% of the
+# device's memory), then `bench --global-batch N` of its policy against fp32 + torch.compile and
+# torch.autocast + torch.compile, each at its own largest fitting micro-batch. Writes
+# OUTDIR/batch/{policy.json, tune.log, bench.json, bench.md, bench.log}. Not yet run on a GPU: the
+# step limits are guesses (the 0.5B model's file batch is 8 x 512 tokens; N=32 measures micro-batches
+# 8, 16 and 32).
+#
 # --dry-run: the same steps on the CPU with a tiny model (AUTOPREC_QWEN2_05B_TINY=1) and tiny
 # budgets, eager configurations only (~1.5 min), to check the script before spending GPU time
 # (tests/project/test_gpu_check.py runs it in make test).
@@ -24,12 +33,21 @@
 # fp8/{policy.json, tune.log, bench.json, bench.md, bench.log},
 # summary.json ({"dry_run", "steps": {name: {"rc", "seconds"}}, "policy_source"}).
 set -uo pipefail
-usage() { echo "usage: $0 OUTDIR [--dry-run] [--fp8]" >&2; exit 2; }
+usage() { echo "usage: $0 OUTDIR [--dry-run] [--fp8] [--global-batch N]" >&2; exit 2; }
 [ $# -ge 1 ] || usage
 OUT=$1; shift
 DRY=0
 FP8=0
-for a in "$@"; do case "$a" in --dry-run) DRY=1 ;; --fp8) FP8=1 ;; *) usage ;; esac; done
+GB=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --dry-run) DRY=1 ;;
+    --fp8) FP8=1 ;;
+    --global-batch) [ $# -ge 2 ] && [[ "$2" =~ ^[1-9][0-9]*$ ]] || usage; GB=$2; shift ;;
+    *) usage ;;
+  esac
+  shift
+done
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
 PY=${PY:-python3}
@@ -46,6 +64,8 @@ if [ "$DRY" = 1 ]; then
   BENCH_ARGS=(--steps 1 --warmup 0 --configs fp32_eager policy_eager autocast_eager pure_low_eager)
   TWIN_ARGS=(--steps 1 --warmup 0 --rows autocast_eager twin_eager)  # the wiring: no compile on a CPU
   FP8_BENCH_ARGS=(--steps 1 --warmup 0 --configs fp32_eager policy_eager)
+  T_TUNE_BATCH=200; T_BENCH_BATCH=200
+  BENCH_BATCH_ARGS=(--no-compile)  # the wiring: no compile on a CPU
 else
   DEVICE=cuda
   # Sized on an H200 (benchmarks/results/gpu_h200_2026-12-04): the tune of the 24-layer model takes
@@ -69,6 +89,11 @@ else
   # The autocast twin compiled as torch.compile would (no say), as tune records it (regions, emulated
   # casts) and flat with emulated casts, against torch.autocast + torch.compile.
   TWIN_ARGS=(--steps 10 --warmup 3 --rows autocast_compiled twin_compiled twin_tuned twin_tuned_flat)
+  # --global-batch: guesses (not yet run on a GPU). The tune's micro-batch phase measures each
+  # configuration's peak at two or three micro-batches (eager, a few steps each), then times them;
+  # bench compiles three sides (40-77 s each on an H200) before its rounds.
+  T_TUNE_BATCH=250; T_BENCH_BATCH=300
+  BENCH_BATCH_ARGS=()
 fi
 MODEL=examples/qwen2_05b.py
 STEPS_JSON=""
@@ -132,6 +157,29 @@ json.dump(env, open(sys.argv[1], "w"), indent=2)
 print(json.dumps(env))
 PY
 env_rc=$?
+
+# 2b. --global-batch: the micro-batch within the device's memory, and nothing else.
+if [ -n "$GB" ]; then  # the micro-batch within the device's memory, and nothing else
+  mkdir -p "$OUT/batch"
+  if [ $env_rc -eq 0 ]; then
+    step tune_batch "$T_TUNE_BATCH" "$PY" -m autoprec.cli tune "$MODEL" --device "$DEVICE" \
+        --out "$OUT/batch/policy.json" --storage "sqlite:///$OUT/batch/study.db" --global-batch "$GB" \
+        "${TUNE_ARGS[@]}" > >(tee "$OUT/batch/tune.log") 2>&1
+  fi
+  if [ -s "$OUT/batch/policy.json" ]; then
+    step bench_batch "$T_BENCH_BATCH" "$PY" -m autoprec.cli bench "$MODEL" --device "$DEVICE" \
+        --policy "$OUT/batch/policy.json" --global-batch "$GB" --json "$OUT/batch/bench.json" \
+        --md "$OUT/batch/bench.md" "${BENCH_BATCH_ARGS[@]}" > >(tee "$OUT/batch/bench.log") 2>&1
+  fi
+  cat > "$OUT/summary.json" <<JSON
+{"dry_run": $([ "$DRY" = 1 ] && echo true || echo false), "device": "$DEVICE", "global_batch": $GB,
+ "steps": {${STEPS_JSON%, }}, "total_seconds": $SECONDS}
+JSON
+  rm -rf "$SITE"
+  echo "gpu_check: done in $SECONDS s; results in $OUT"
+  [ -s "$OUT/batch/bench.json" ]
+  exit
+fi
 
 # 3. Tune within a fixed budget.
 POLICY_SOURCE=tune

@@ -69,7 +69,8 @@ def _budget(arg: tuple[str, float] | None, h: Harness, autocast: AutocastBaselin
 
 def run_batch_bench(model_path: str | os.PathLike, policy: Policy | str | os.PathLike, global_batch: int,
                     max_memory: str | None = None, device: str = "auto", max_step_ratio: float = 10.0,
-                    quiet: bool = False, json_path: str | os.PathLike | None = None) -> dict[str, Any]:
+                    quiet: bool = False, json_path: str | os.PathLike | None = None,
+                    compile: bool = True) -> dict[str, Any]:
     """Measure ``policy`` and the baselines at ``global_batch`` (the module docstring).
 
     Args:
@@ -80,6 +81,8 @@ def run_batch_bench(model_path: str | os.PathLike, policy: Policy | str | os.Pat
         device: ``auto``, ``cpu``, ``cuda``. max_step_ratio: torch.autocast is not run where its
             matmul peak is this many times below fp32's. quiet: No log lines.
         json_path: Write the result here.
+        compile: Compile every side (the baselines as ``torch.compile(model)``); False: every side
+            eager (``bench --global-batch N --no-compile``, a quick check).
 
     Returns:
         ``{"device", "machine", "torch", "autoprec", "date", "model", "policy", "global_batch",
@@ -109,7 +112,7 @@ def run_batch_bench(model_path: str | os.PathLike, policy: Policy | str | os.Pat
     budget = _budget(arg, h, autocast)
     fp32_step = h.measure(h.model).step_s
     # the auto rule, re-based on torch.autocast's accumulated drift by search.rule
-    search = BatchSearch(spec, dev, global_batch, budget, True, autocast, DriftBudget(rule="auto"),
+    search = BatchSearch(spec, dev, global_batch, budget, compile, autocast, DriftBudget(rule="auto"),
                          slow=None, quiet=quiet, file_harness=h)
     bar_cfgs = [c for c in search.configs(Policy.fp32(), h.random) if c.role is Role.BASELINE]
     mine = BatchConfig("policy", Role.POLICY, dataclasses.replace(pol, batching=None))

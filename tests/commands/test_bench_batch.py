@@ -44,3 +44,15 @@ def test_a_policy_for_another_global_batch_is_refused(tmp_path):
                                             r"16\), not at --global-batch 32; bench it at --global-batch 16"):
         run_batch_bench(TINY, path, 32, quiet=True)
     assert main(["bench", str(TINY), "--policy", str(path), "--max-memory", "4MiB"]) == 2
+
+
+def test_bench_global_batch_no_compile_runs_every_side_eagerly_and_needs_the_global_batch(tmp_path, capsys):
+    path = tmp_path / "p.json"
+    dataclasses.replace(Policy.fp32(), batching=Batching(16, 2)).save(path)
+    assert main(["bench", str(TINY), "--policy", str(path), "--no-compile"]) == 2
+    assert "--no-compile goes with --global-batch N" in capsys.readouterr().err
+    assert main(["bench", str(TINY), "--policy", str(path), "--global-batch", "32", "--no-compile",
+                 "--json", str(tmp_path / "b.json")]) == 0
+    res = json.loads((tmp_path / "b.json").read_text())
+    assert res["policy_row"] == "policy @ 16x2" and res["baseline_row"].startswith("fp32 + eager @ 32x1")
+    assert not any("torch.compile" in r["config"] for r in res["rows"])

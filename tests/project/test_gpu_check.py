@@ -42,6 +42,27 @@ def test_gpu_check_dry_run(tmp_path):
         assert (out / log).stat().st_size > 0
 
 
+@pytest.mark.heavy  # ~35 s: the micro-batch part (issue 51 done-when 5's GPU run), eager on the CPU
+def test_gpu_check_dry_run_global_batch(tmp_path):
+    out = tmp_path / "gpu"
+    env = os.environ | {"PY": sys.executable}
+    r = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), str(out), "--dry-run",
+                        "--global-batch", "4"], capture_output=True, text=True, env=env, timeout=500)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["global_batch"] == 4
+    assert set(summary["steps"]) == {"wheels", "env", "tune_batch", "bench_batch"}
+    assert all(s["rc"] == 0 for s in summary["steps"].values()), summary
+    policy = json.loads((out / "batch" / "policy.json").read_text())
+    assert policy["schema_version"] == 4 and policy["batching"]["micro_batch"] * policy["batching"][
+        "accumulation"] == 4
+    bench = json.loads((out / "batch" / "bench.json").read_text())
+    assert bench["global_batch"] == 4 and bench["speedup_vs_baseline"] > 0
+    assert not (out / "twin").exists() and not (out / "policy.json").exists()  # nothing else ran
+
+
 def test_gpu_check_usage():
-    r = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh")], capture_output=True, text=True)
-    assert r.returncode == 2 and "usage" in r.stderr
+    for args in ([], ["out", "--global-batch"], ["out", "--global-batch", "x"]):
+        r = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), *args], capture_output=True,
+                           text=True)
+        assert r.returncode == 2 and "usage" in r.stderr, args
