@@ -42,12 +42,11 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from autoprec.applied.shape_cache import InputCheck, ShapeCache, is_dynamic
+from autoprec.applied.shape_cache import InputCheck, PositionLimit, ShapeCache, is_dynamic
 from autoprec.capture import (
-    BATCH,
     PLAN_META,
+    InputShapes,
     capture_dynamic,
-    max_positions,
     maxima,
     plan_dims,
     tensor_shapes,
@@ -116,6 +115,7 @@ class Recapture:
                  build_static: Callable[[Any], Callable[..., Any]]) -> None:
         self.model, self.example = model, example_batch
         self.rebuild, self.build_static = rebuild, build_static
+        self.limit = PositionLimit(model)
         self.recaptures = 0
 
     def __call__(self, mp: Applied, args: tuple[Any, ...], kwargs: dict[str, Any], error: ValueError) -> None:
@@ -126,17 +126,21 @@ class Recapture:
                 the call is not outside a range (inputs that share a dimension disagree, another
                 structure) or takes both positional and keyword tensors.
         """
-        ranges = getattr(mp.input_check, "ranges", None)
+        check = mp.input_check
         if (args and kwargs) or isinstance(mp.runner, (Routed, ShapeCache)):
             raise error
         if not is_dynamic(mp.graph_module):
             return self.from_static(mp, args, kwargs, error)
-        if not ranges:
+        if not isinstance(check, InputShapes) or not check.ranges:
             raise error
-        sizes = maxima([plan_dims(self.model, args, kwargs)])
+        ranges = check.ranges
+        # the call's sizes by the captured symbols: a length-1 sequence is below a range too
+        extents = check.role_extents(args, kwargs)
+        sizes = {r: hi for r, (_lo, hi) in extents.items()}
         bounds = {role: (lo, hi) for role, lo, hi in ranges.values()}
         above = [r for r, (_lo, hi) in bounds.items() if hi is not None and sizes.get(r, 0) > hi]
-        below = [r for r, (lo, _hi) in bounds.items() if lo is not None and r in sizes and sizes[r] < lo]
+        below = [r for r, (lo, _hi) in bounds.items()
+                 if lo is not None and r in extents and extents[r][0] < lo]
         if not above and not below:
             raise error
         shapes = _text(args, kwargs)
@@ -161,7 +165,8 @@ class Recapture:
     def _route(self, mp: Applied, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Make ``mp``'s dynamic graph serve the calls in its ranges and a per-shape cache the
         others (:class:`Routed`)."""
-        cache = ShapeCache(self.build_static, plan_dims(self.model, args, kwargs), mp.what, strict=False)
+        cache = ShapeCache(self.build_static, plan_dims(self.model, args, kwargs), mp.what, strict=False,
+                           limit=self.limit)
         routed = Routed(mp.runner, mp.input_check, cache)
         mp.serve(routed, routed)
 
@@ -195,14 +200,7 @@ class Recapture:
                                error: ValueError) -> None:
         """Raise ValueError when a sequence size in ``sizes`` (role -> size) is above the model's
         ``config.max_position_embeddings``."""
-        positions = max_positions(self.model)
-        if positions and (long := [r for r, n in sizes.items() if r != BATCH and n > positions]):
-            raise ValueError(
-                f"{mp.what}: input shapes {shapes}: {long[0]} length {sizes[long[0]]} is above the model's "
-                f"config.max_position_embeddings ({positions}), the longest the capture serves: a learned "
-                "position table has no rows past it (the model itself raises IndexError; a compiled graph "
-                "would abort the process). Truncate the batch, or raise config.max_position_embeddings "
-                "before autoprec.apply where the model's positions allow it (rotary embeddings)") from error
+        self.limit.refuse(mp.what, shapes, sizes, error)
 
     def from_static(self, mp: Applied, args: tuple[Any, ...], kwargs: dict[str, Any],
                     error: ValueError) -> None:
@@ -247,7 +245,7 @@ class Recapture:
 def _captured(check: InputCheck) -> str:
     """The ranges of a dynamic capture's input check (:class:`autoprec.capture.InputShapes`), as
     :func:`_ranges` writes them; empty for a check without ranges."""
-    return _ranges(getattr(check, "ranges", None) or {})
+    return _ranges(check.ranges) if isinstance(check, InputShapes) else ""
 
 
 def _ranges(ranges: dict[str, tuple[str, int | None, int | None]]) -> str:

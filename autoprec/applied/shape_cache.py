@@ -24,11 +24,21 @@ from typing import Any, Protocol
 from torch import fx, nn
 
 from autoprec._torch_compat import pytree
-from autoprec.capture import DIMS_META, MAX_SHAPES, RANGE_ADVICE, DimPlan, plan_dims, tensor_shapes
+from autoprec.capture import (
+    BATCH,
+    DIMS_META,
+    MAX_SHAPES,
+    RANGE_ADVICE,
+    DimPlan,
+    max_positions,
+    plan_dims,
+    role_sizes,
+    tensor_shapes,
+)
 from autoprec.device import compile_count
 from autoprec.modelspec import split_batch
 
-__all__ = ["MAX_SHAPES", "CompileLog", "InputCheck", "ShapeCache", "is_dynamic"]
+__all__ = ["MAX_SHAPES", "CompileLog", "InputCheck", "PositionLimit", "ShapeCache", "is_dynamic"]
 
 _log = logging.getLogger("autoprec")
 
@@ -46,6 +56,40 @@ class InputCheck(Protocol):
     def check(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Return when the graph serves these inputs; raise ``ValueError`` naming the input and
         both shapes when it does not."""
+
+
+class PositionLimit:
+    """The longest sequence a module serves whatever its captures' ranges:
+    ``config.max_position_embeddings`` (:func:`autoprec.capture.max_positions`; none without it).
+    A learned position table (GPT-2) has no rows past it: eager raises ``IndexError``, and a compiled
+    graph aborts the process on the out-of-range index; a rotary model (Qwen2, Llama) was configured
+    for no longer. Checked before any graph is built or run for a new shape: by the per-shape cache
+    (:class:`ShapeCache`) and by :mod:`autoprec.applied.recapture`.
+
+    Args:
+        model: The fp32 model (its ``config``; its ``forward`` names the inputs by role).
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model, self.positions = model, max_positions(model)
+
+    def check(self, what: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Raise ``ValueError`` (:meth:`refuse`) when a sequence of this call is past the limit."""
+        if self.positions:
+            self.refuse(what, _shapes_text(args, kwargs), role_sizes(self.model, args, kwargs))
+
+    def refuse(self, what: str, shapes: str, sizes: dict[str, int], error: Exception | None = None) -> None:
+        """Raise ``ValueError`` naming the module (``what``), the call's ``shapes``, the role and its
+        size when a sequence size in ``sizes`` (role -> size) is above the limit (``from error``)."""
+        long = [r for r, n in sizes.items() if r != BATCH and self.positions and n > self.positions]
+        if long:
+            raise ValueError(
+                f"{what}: input shapes {shapes}: {long[0]} length {sizes[long[0]]} is above the model's "
+                f"config.max_position_embeddings ({self.positions}), the longest the capture serves: a "
+                "learned position table has no rows past it (the model itself raises IndexError; a "
+                "compiled graph would abort the process), and a rotary model was configured for no "
+                "longer. Truncate the batch, or raise config.max_position_embeddings before "
+                "autoprec.apply where the model's positions allow it (rotary embeddings)") from error
 
 
 class CompileLog:
@@ -110,14 +154,18 @@ class ShapeCache:
         max_shapes: The most graphs kept (:data:`MAX_SHAPES`).
         strict: Refuse shapes outside ``plan``'s ranges (``ValueError`` in :meth:`check`); when
             False they are accepted and get a graph of their own (logged once per shape).
+        limit: Refuses a new shape whose sequence is past the model's positions, before its graph is
+            built (:class:`PositionLimit`; :meth:`seeded` sets it from the model), whatever ``strict``.
 
     Attributes:
         captures: Graphs built so far (the example's included), and ``capture_seconds`` their time.
     """
 
     def __init__(self, build: Callable[[Any], Callable[..., Any]], plan: DimPlan, what: str,
-                 max_shapes: int = MAX_SHAPES, strict: bool = True) -> None:
+                 max_shapes: int = MAX_SHAPES, strict: bool = True,
+                 limit: PositionLimit | None = None) -> None:
         self.build, self.plan, self.what, self.max_shapes, self.strict = build, plan, what, max_shapes, strict
+        self.limit = limit
         self._fns: dict[tuple[Any, ...], Callable[..., Any]] = {}
         self.captures, self.capture_seconds = 0, 0.0
 
@@ -129,7 +177,8 @@ class ShapeCache:
         ``plan``'s: the plan the capture was made under (``gm.meta[PLAN_META]`` of
         :func:`autoprec.capture.capture_dynamic`'s static fallback), else planned from ``example_batch``."""
         args, kwargs = split_batch(example_batch)
-        cache = cls(build, plan or plan_dims(model, args, kwargs), what, strict=strict)
+        cache = cls(build, plan or plan_dims(model, args, kwargs), what, strict=strict,
+                    limit=PositionLimit(model))
         cache.add(args, kwargs, fn, 0.0)
         return cache
 
@@ -156,6 +205,8 @@ class ShapeCache:
         key = _key(args, kwargs)
         fn = self._fns.get(key)
         if fn is None:
+            if self.limit is not None:
+                self.limit.check(self.what, args, kwargs)
             fn = self._new(key, args, kwargs)
         return fn(*args, **kwargs)
 

@@ -122,6 +122,26 @@ class InputShapes:
             if bad:
                 self._raise_range(leaves, bad)
 
+    def role_extents(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, tuple[int, int]]:
+        """The smallest and largest size this call gives each role of the capture's dynamic
+        dimensions (``{"batch": (2, 2), "seq": (1, 1)}``), read off the captured symbols, so a
+        length-1 sequence (which :func:`autoprec.capture.role_sizes` does not name) counts; empty
+        for a static capture or a call that does not bind."""
+        if not self.enabled or not self.ranges:
+            return {}
+        leaves = self._leaves_flat(args, kwargs) if self._spec is None else self._leaves_nested(args, kwargs)
+        out: dict[str, tuple[int, int]] = {}
+        for leaf, syms in zip(leaves or [], self._symbols):
+            if not isinstance(leaf, torch.Tensor) or syms is None:
+                continue
+            for i, sym in enumerate(syms):
+                if sym is None or i >= leaf.dim() or sym not in self.ranges:
+                    continue
+                role, n = self.ranges[sym][0], int(leaf.shape[i])
+                lo, hi = out.get(role, (n, n))
+                out[role] = (min(lo, n), max(hi, n))
+        return out
+
     def _check_binding(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Raise TypeError, naming the captured inputs, when the call does not bind to them: a dict
         batch passed as one argument, an input missing (an evaluation call without the ``labels``

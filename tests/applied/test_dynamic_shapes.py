@@ -239,3 +239,31 @@ def test_a_larger_batch_widens_its_own_range_and_never_past_the_position_table(c
         mp(**lm_batch(2, 65, 1))
     with pytest.raises(IndexError):  # what the model itself does with it
         model(**lm_batch(2, 65, 1))
+
+
+@pytest.mark.parametrize("first", ["one token", "dynamic"])
+def test_a_one_token_batch_is_served_and_the_position_table_still_bounds_later_shapes(first):
+    """Two faults a user found with GPT-2: after a one-token batch had put the module in
+    ``dynamic+per_shape`` mode, a sequence past n_positions went to a per-shape graph unguarded
+    (eager: the model's ``IndexError``; compiled: the process aborted on the out-of-range index);
+    and a one-token batch after a dynamic recapture raised "allowed 2..64" in the non-strict mode
+    (its sequence role was not found at length 1). The one-token batch now gets a graph of its own
+    whichever came first, and the position table bounds every shape."""
+    tf = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = tf.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2, n_positions=64, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0)
+    model = tf.GPT2LMHeadModel(cfg)
+    mp = autoprec.apply(model, autoprec.Policy.fp32(), lm_batch(2, 16, 0), compile=False)
+    one = {"input_ids": lm_batch(2, 16, 1)["input_ids"][:1, :1]}
+    one["labels"] = one["input_ids"].clone()
+    if first == "dynamic":
+        mp(**lm_batch(2, 24, 1))  # the dynamic recapture first
+        assert mp.shape_stats["mode"] == "dynamic"
+    torch.testing.assert_close(mp(**one).logits, model(**one).logits, rtol=1e-5, atol=1e-6)
+    assert mp.shape_stats["mode"] == "dynamic+per_shape"
+    with pytest.raises(ValueError, match=r"seq length 65 is above the model's config.max_position_embeddings "
+                                         r"\(64\)"):
+        mp(**lm_batch(2, 65, 1))
+    batch = lm_batch(2, 40, 2)  # in the dynamic graph's ranges: still served by it
+    torch.testing.assert_close(mp(**batch).loss, model(**batch).loss, rtol=1e-5, atol=1e-6)
