@@ -103,6 +103,6 @@ def drop_compiled_steps(t: Timing, watch: CompileWatch, warm: int, tokens: float
         return t, len(late)
     kept = [s for i, s in enumerate(t.step_times) if i not in late]
     out = Timing.from_steps(kept, tokens, rounds=t.rounds)
-    out.error, out.note, out.too_slow, out.peak_bytes = t.error, t.note, t.too_slow, t.peak_bytes
+    out.end, out.note, out.peak_bytes = t.end, t.note, t.peak_bytes
     return out, len(late)
 

@@ -24,7 +24,7 @@ from autoprec.measure.harness import MIN_TIMED_STEPS, TIMED_BUDGET_S, Harness
 from autoprec.measure.load import BusyMachineError, LoadCheck, LoadMonitor
 from autoprec.measure.measurement import Measurement, describe_failure
 from autoprec.measure.memory import PeakBytes, SavedBytes, optimizer_state_bytes, training_state_bytes
-from autoprec.measure.noise import BOOTSTRAP_RESAMPLES, Comparison, Timing, compare, format_rate
+from autoprec.measure.noise import BOOTSTRAP_RESAMPLES, Comparison, Timing, TimingEnd, compare, format_rate
 from autoprec.measure.outcome import Outcome, Stage
 from autoprec.measure.timing import Config, Narrow, Retire, Settled, time_interleaved
 from autoprec.measure.train_run import TrainRun, shareable
@@ -33,7 +33,7 @@ __all__ = [
     "BOOTSTRAP_RESAMPLES", "DRIFT_BATCHES", "MAX_BACKOFFS", "MIN_TIMED_STEPS", "TIMED_BUDGET_S",
     "BatchDrift", "BusyMachineError", "Comparison", "Config", "Drift", "Harness", "LoadCheck",
     "LoadMonitor", "Measurement", "Narrow", "Outcome", "PeakBytes", "References", "Retire", "SavedBytes",
-    "Settled", "Stage", "Timing",
+    "Settled", "Stage", "Timing", "TimingEnd",
     "TrainRun", "batch_drift", "batch_shapes", "compare", "describe_failure", "format_rate", "is_compiled",
     "measure_drift", "optimizer_state_bytes", "shareable", "time_interleaved", "training_state_bytes",
 ]

@@ -11,6 +11,7 @@ interleaved rounds that produce the step times are :mod:`autoprec.measure.timing
 
 from __future__ import annotations
 
+import enum
 import math
 import random
 import statistics
@@ -19,8 +20,8 @@ from dataclasses import dataclass, field
 
 from autoprec.metrics import median, t975
 
-__all__ = ["BOOTSTRAP_RESAMPLES", "CONFIDENCE", "PAIRED_MIN_ROUNDS", "Comparison", "Timing", "compare",
-           "format_rate"]
+__all__ = ["BOOTSTRAP_RESAMPLES", "CONFIDENCE", "PAIRED_MIN_ROUNDS", "Comparison", "Timing", "TimingEnd",
+           "compare", "format_rate"]
 
 #: Bootstrap resamples for every band (Efron & Tibshirani 1993 suggest >= 1000 for percentile intervals).
 BOOTSTRAP_RESAMPLES = 1000
@@ -30,6 +31,23 @@ CONFIDENCE = 0.95
 #: first look (``time_interleaved``'s ``min_rounds``). With 3 rounds the t interval's half-width is
 #: 4.30 standard errors (:func:`autoprec.metrics.t975`): only a clear difference separates so early.
 PAIRED_MIN_ROUNDS = 3
+
+
+class TimingEnd(enum.Enum):
+    """How a configuration's timing ended (its reason in :attr:`Timing.note`), as Optuna's
+    ``TrialState`` ends a trial and :class:`autoprec.measure.outcome.Stage` a measurement."""
+
+    #: Timed as long as the rounds ran (or not timed at all); a ``note`` is a remark (time cap reached,
+    #: timed no further once the decision was settled).
+    TIMED = "timed"
+    #: A step raised; ``note`` is the exception (:func:`autoprec.measure.measurement.describe_failure`).
+    FAILED = "failed"
+    #: The slow-step rule stopped it (:func:`autoprec.training.steps.slow_step_guard`); ``note`` says when.
+    TOO_SLOW = "too slow"
+    #: The caller's ``retire`` rule stopped it (:func:`autoprec.measure.timing.time_interleaved`): its
+    #: tokens/s is of the rounds before, which the others' later rounds need not match on a machine
+    #: whose speed drifts; ``note`` says why.
+    RETIRED = "retired"
 
 
 @dataclass
@@ -50,14 +68,9 @@ class Timing:
         round_steps: The step times of each of those rounds, in round order
             (:func:`autoprec.measure.timing.time_interleaved`; empty for a timing not run in rounds):
             :func:`compare` pairs two timings round by round.
-        error: Why its timing failed (the exception a step raised), else None.
-        note: Remarks that do not invalidate it (dropped by the slow-step rule, time cap reached).
-        too_slow: Its timing was stopped by the slow-step rule
-            (:func:`autoprec.training.steps.slow_step_guard`); ``note`` says when.
-        retired: The caller's ``retire`` rule stopped its timing
-            (:func:`autoprec.measure.timing.time_interleaved`):
-            its tokens/s is of the rounds before, which the others' later rounds need not match
-            on a machine whose speed drifts; ``note`` says why.
+        end: How its timing ended (:class:`TimingEnd`); :attr:`error`, :attr:`too_slow` and
+            :attr:`retired` are read-only views of it.
+        note: Why it ended so, or a remark that does not invalidate it (time cap reached).
         peak_bytes: On CUDA, estimated peak allocated bytes of its steps (memory resident before
             timing + its own optimizer state + the most any of its rounds allocated on top);
             None on CPU.
@@ -71,11 +84,24 @@ class Timing:
     tokens_per_s_band: tuple[float, float] = (0.0, 0.0)
     rounds: int = 0
     round_steps: list[list[float]] = field(default_factory=list)
-    error: str | None = None
+    end: TimingEnd = TimingEnd.TIMED
     note: str | None = None
-    too_slow: bool = False
-    retired: bool = False
     peak_bytes: int | None = None
+
+    @property
+    def error(self) -> str | None:
+        """Why its timing failed (the exception a step raised), else None."""
+        return self.note if self.end is TimingEnd.FAILED else None
+
+    @property
+    def too_slow(self) -> bool:
+        """The slow-step rule stopped its timing (:attr:`TimingEnd.TOO_SLOW`)."""
+        return self.end is TimingEnd.TOO_SLOW
+
+    @property
+    def retired(self) -> bool:
+        """The caller's ``retire`` rule stopped its timing (:attr:`TimingEnd.RETIRED`)."""
+        return self.end is TimingEnd.RETIRED
 
     @classmethod
     def from_steps(cls, step_times: Sequence[float], tokens_per_step: float, rounds: int = 0,

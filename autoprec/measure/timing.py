@@ -29,7 +29,7 @@ import torch
 from autoprec.measure.harness import Harness
 from autoprec.measure.measurement import describe_failure
 from autoprec.measure.memory import optimizer_state_bytes
-from autoprec.measure.noise import Timing
+from autoprec.measure.noise import Timing, TimingEnd
 from autoprec.measure.train_run import TrainRun
 from autoprec.training.scaler import DynamicLossScaler
 from autoprec.training.steps import StepsTooSlow, run_steps, slow_step_guard
@@ -75,17 +75,19 @@ class _TimedConfig:
         self.times: list[float] = []
         self.round_steps: list[list[float]] = []  # the times of each recorded round
         self.rounds = 0
-        self.error: str | None = None
-        self.note: str | None = None
-        self.too_slow = False
-        self.retired = False
+        self.end = TimingEnd.TIMED
+        self.note: str | None = None  # why it ended (TimingEnd), or why it is timed no further
         self.recording = False
         self.peak_extra = 0
         self.hooks = [self._record] + ([slow_step_guard(max_step_s)] if max_step_s is not None else [])
 
     @property
     def active(self) -> bool:
-        return self.error is None and self.note is None
+        return self.end is TimingEnd.TIMED and self.note is None
+
+    @property
+    def failed(self) -> bool:
+        return self.end is TimingEnd.FAILED
 
     def _record(self, _k: int, _batch: Any, _stats: Any, seconds: float) -> None:
         if self.recording:
@@ -120,12 +122,12 @@ class _TimedConfig:
             self.rounds += record
         except StepsTooSlow as e:
             self.rounds += record and bool(self.times)
-            self.too_slow = True
+            self.end = TimingEnd.TOO_SLOW
             self.note = f"{e}; dropped from later rounds" if record else str(e)
             if not record or not self.times:
                 self.times = [e.seconds]  # stopped in its warm-up: timed on that step only
         except Exception as e:  # noqa: BLE001 - one configuration failing does not stop the others
-            self.error = describe_failure(e)
+            self.end, self.note = TimingEnd.FAILED, describe_failure(e)
         finally:
             self.k += n
             self.recording = False
@@ -268,7 +270,7 @@ def _retire(runs: list[_TimedConfig], retire: Retire, rel_band: float) -> None:
     """Stop timing the runs ``retire`` names (shown the Timings so far of those still timed)."""
     live = {r.cfg.name: r for r in runs if r.active}
     for name, why in retire(_live(runs, rel_band)).items():
-        live[name].note, live[name].retired = why, True
+        live[name].end, live[name].note = TimingEnd.RETIRED, why
 
 
 def _live(runs: list[_TimedConfig], rel_band: float) -> dict[str, Timing]:
@@ -281,12 +283,12 @@ def _narrow(r: _TimedConfig, rel_band: float) -> bool:
 
 
 def _timing(r: _TimedConfig, rel_band: float, capped: bool, cap_s: float, base: int | None) -> Timing:
-    t = Timing.from_steps(r.times if r.error is None else [], r.h.tokens, rounds=r.rounds,
-                          round_steps=r.round_steps if r.error is None else ())
-    t.error, t.note, t.too_slow, t.retired = r.error, r.note, r.too_slow, r.retired
+    t = Timing.from_steps(r.times if not r.failed else [], r.h.tokens, rounds=r.rounds,
+                          round_steps=r.round_steps if not r.failed else ())
+    t.end, t.note = r.end, r.note
     if capped and r.active and t.rel_half_width() > rel_band:
         t.note = (f"time cap {cap_s:g} s reached after {r.rounds} rounds "
                   f"(band ±{100 * t.rel_half_width():.1f}%)")
-    if base is not None and r.error is None:
+    if base is not None and not r.failed:
         t.peak_bytes = int(base + r.state_bytes() + r.peak_extra)
     return t

@@ -239,10 +239,10 @@ def test_an_error_from_the_harness_is_reported_as_is():
 
 def test_a_config_the_slow_step_rule_stops_is_capped():
     from autoprec.commands.bench_table import make_row
-    from autoprec.measure import Measurement, Timing
+    from autoprec.measure import Measurement, Timing, TimingEnd
 
     t = Timing.from_steps([2.5], 100.0)
-    t.too_slow, t.note = True, "timing stopped: 2 steps in a row took over the 1.00 s limit"
+    t.end, t.note = TimingEnd.TOO_SLOW, "timing stopped: 2 steps in a row took over the 1.00 s limit"
     row = make_row(Measurement(grad_rel_l2=0.0, loss_rel=0.0), "bf16", False, t, flops=1.0, peak=1.0,
                    ratio=10.0)
     assert row["capped"] and "10x fp32 eager's step" in row["note"] and row["steps_timed"] == 1

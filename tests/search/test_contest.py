@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from autoprec.errors import SearchError
-from autoprec.measure import Measurement, Timing
+from autoprec.measure import Measurement, Timing, TimingEnd
 from autoprec.policy import Policy
 from autoprec.search import contest as contest_mod
 from autoprec.search import trajectory as trajectory_mod
@@ -432,7 +432,7 @@ def _rates(speeds, retired=()):
         out = {}
         for c in configs:
             t = Timing.from_steps([speeds[c.name] * (1 + 0.01 * i) for i in range(6)], 100.0, rounds=3)
-            t.retired = c.name in retired
+            t.end = TimingEnd.RETIRED if c.name in retired else TimingEnd.TIMED
             out[c.name] = t
         return out
     return scripted

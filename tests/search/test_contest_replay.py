@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from autoprec.measure import Measurement, Timing
+from autoprec.measure import Measurement, Timing, TimingEnd
 from autoprec.policy import Policy
 from autoprec.search import contest as contest_mod
 from autoprec.search.autocast_baseline import AutocastBaseline
@@ -123,7 +123,7 @@ def _timing(tokens_per_s: float, half_width: float, retired: bool) -> Timing:
         lo, hi = (mid, hi) if t.rel_half_width() < half_width else (lo, mid)
     t = Timing.from_steps([step * (1 + lo * o) for o in offsets], 1.0)
     assert t.rel_half_width() == pytest.approx(half_width, rel=0.1, abs=1e-3)
-    t.retired = retired
+    t.end = TimingEnd.RETIRED if retired else TimingEnd.TIMED
     return t
 
 

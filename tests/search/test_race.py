@@ -9,7 +9,7 @@ import random
 import pytest
 
 from autoprec import Policy
-from autoprec.measure import Timing, compare
+from autoprec.measure import Timing, TimingEnd, compare
 from autoprec.policy import Rule
 from autoprec.search.race import (
     EQUIVALENCE_MARGIN,
@@ -95,7 +95,7 @@ def test_when_no_policy_is_as_fast_as_fp32_eager_a_tie_among_policies_goes_to_th
 
 def test_untimed_contenders_are_ignored_and_no_policy_is_an_error():
     field = _field(searched_s=0.100, twin_s=0.150)
-    field[0].timing = Timing(error="RuntimeError: boom")
+    field[0].timing = Timing(end=TimingEnd.FAILED, note="RuntimeError: boom")
     assert decide(field).chosen.name == "autocast twin"
     with pytest.raises(ValueError, match="no policy was timed"):
         decide([c for c in field if c.policy is None])
@@ -292,14 +292,15 @@ def test_a_retired_contender_is_neither_the_fastest_nor_the_baseline_to_beat():
     fp32c = Contender("fp32 + torch.compile", Policy.fp32(), _timing(TOKENS / 847, n=24, seed=4), 0.0,
                       baseline=True)
     eager_t = _timing(TOKENS / 868, n=8, seed=5)
-    eager_t.retired, eager_t.note = True, "0.91x fp32 + torch.compile, band 0.80-0.94, after 4 rounds"
+    eager_t.end = TimingEnd.RETIRED
+    eager_t.note = "0.91x fp32 + torch.compile, band 0.80-0.94, after 4 rounds"
     eager = Contender("fp32 eager", None, eager_t, 0.0, baseline=True)
     searched = Contender("trial 8", SEARCHED, _timing(TOKENS / 819, noise=0.05, n=24, seed=1), 8.6e-4)
     d = decide([searched, fp32c, eager])
     assert eager.timing.tokens_per_s > fp32c.timing.tokens_per_s
     assert d.fastest.name == d.best_baseline.name == d.chosen.name == "fp32 + torch.compile"
     assert "fp32 eager" not in d.tied
-    eager_t.retired = False  # as before: the retired rate would be the bar
+    eager_t.end = TimingEnd.TIMED  # as before: the retired rate would be the bar
     assert decide([searched, fp32c, eager]).best_baseline.name == "fp32 eager"
 
 
