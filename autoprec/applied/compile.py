@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import warnings
 from collections.abc import Callable
@@ -20,11 +19,10 @@ from autoprec.applied.saved import apply_saved, has_saved, report_saved, saved_a
 from autoprec.applied.shape_cache import CompileLog
 from autoprec.errors import PolicyError
 from autoprec.nodemeta import read_meta
-from autoprec.policy import CompileOptions, Policy
+from autoprec.policy.compile_options import flat_reason
 from autoprec.randomness import random_nodes
 
-__all__ = ["CompiledGraph", "compile_graph", "compiled_options", "cache_report", "check_recompute",
-           "flat_reason", "INDUCTOR_OPTIONS",
+__all__ = ["CompiledGraph", "compile_graph", "cache_report", "check_recompute", "INDUCTOR_OPTIONS",
            "RANDOM_OPTIONS", "RECOMPUTE_REDRAWS", "REGION_OPTIONS"]
 
 _log = logging.getLogger("autoprec")
@@ -187,28 +185,6 @@ def _inductor_options(flat: fx.GraphModule, plan: RegionPlan | None, emulate: bo
     return {**INDUCTOR_OPTIONS, "emulate_precision_casts": bool(emulate),
             **(REGION_OPTIONS if plan is not None and plan.blocks else {}),
             **(RANDOM_OPTIONS if random_nodes(flat) else {})}
-
-
-def flat_reason(saved: bool, activation_memory_budget: float) -> str | None:
-    """Why a graph compiles as one flat graph whatever ``regional`` asks (:func:`compile_graph`'s
-    ``regional``, measured there), or None: saved-activation dtypes (``saved``), or an activation
-    memory budget below 1.0."""
-    if saved:
-        return "the policy's saved-activation dtypes are not honoured reliably inside compiled regions"
-    if activation_memory_budget < 1.0:
-        return ("AOTAutograd's activation memory budget is not measured inside compiled regions: the "
-                "memory fit relies on the flat graph's peaks")
-    return None
-
-
-def compiled_options(policy: Policy, options: CompileOptions) -> CompileOptions:
-    """``options`` as :func:`compile_graph` carries them out for ``policy``'s graph: regional asked
-    for but kept flat (:func:`flat_reason`: a rule's ``saved`` dtype, an activation memory budget
-    below 1.0) is recorded flat, so a written policy says how it compiles."""
-    saved = any(r.saved is not None for r in policy.rules)
-    if options.regional and flat_reason(saved, policy.activation_memory_budget) is not None:
-        return dataclasses.replace(options, regional=False)
-    return options
 
 
 def _layout(gm: nn.Module, regional: bool, saved: bool,

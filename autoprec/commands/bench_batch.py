@@ -88,7 +88,8 @@ def run_batch_bench(model_path: str | os.PathLike, policy: Policy | str | os.Pat
         ``{"device", "machine", "torch", "autoprec", "date", "model", "policy", "global_batch",
         "memory_budget" (bytes or None), "rows": [BatchPoint.row() ...], "policy_row", "baseline_row"
         (the baseline to beat's label), "speedup_vs_baseline" (policy tokens/s over the baseline to
-        beat's, both per global step), "within_drift_rule" (bool), "drift_rule" (description)}``.
+        beat's, both per global step), "within_drift_rule" (bool), "drift_rule" (description),
+        "compiled" (bool), "autocast_left_out" (why torch.autocast was not run, else None)}``.
 
     Raises:
         AutoprecError: the policy's ``batching`` is for another global batch, or it does not fit the
@@ -142,7 +143,8 @@ def run_batch_bench(model_path: str | os.PathLike, policy: Policy | str | os.Pat
         "speedup_vs_baseline": own.tokens_per_s / bar.tokens_per_s if bar is not None and own.tokens_per_s
         else None,
         "within_drift_rule": bool(own.drift) and rule.feasible(own.drift), "drift_rule": rule.describe(),
-        "drift_rule_detail": rule.explain(own.drift) if own.drift else None,
+        "drift_rule_detail": rule.explain(own.drift) if own.drift else None, "compiled": compile,
+        "autocast_left_out": None if autocast.in_contest(h.random) else autocast.cannot_win,
     }
     if json_path is not None:
         write_json(json_path, result)
@@ -163,7 +165,11 @@ def format_batch_table(res: dict[str, Any]) -> str:
         lines.append(f"| {r['config']} | {r['micro_batch']}x{r['accumulation']} | "
                      f"{r['peak_bytes'] / 2**20:.1f} | {'yes' if r['fits'] else 'no'} | {drift} | {tps} |")
     ratio = res["speedup_vs_baseline"]
-    lines += ["", f"{res['policy_row']}: " + (f"{ratio:.2f}x {res['baseline_row']} (the baseline to beat)"
+    bar = ("the baseline to beat" if res.get("compiled", True)
+           else "the faster eager baseline; the baseline to beat is compiled: bench without --no-compile")
+    if res.get("autocast_left_out"):
+        lines += ["", f"torch.autocast was not run: {res['autocast_left_out']}"]
+    lines += ["", f"{res['policy_row']}: " + (f"{ratio:.2f}x {res['baseline_row']} ({bar})"
                                               if ratio else "no baseline fits")
               + f"; drift {'within' if res['within_drift_rule'] else 'OVER'} the rule "
               f"({res['drift_rule_detail']})"]

@@ -232,7 +232,8 @@ def _check_policy(checkpoint: str | os.PathLike, ck: Any, policy_path: str | os.
     """Raise :class:`AutoprecError` when checkpoint ``ck`` was saved under a policy other than ``policy``."""
     if ck.policy is not None and ck.policy.training_key() != policy.training_key():
         raise AutoprecError(f"{checkpoint}: saved under a different policy than {policy_path} "
-                            f"({ck.policy.summary()} vs {policy.summary()})")
+                            f"({'; '.join(ck.policy.differences(policy)) or ck.policy.summary()}: "
+                            "the checkpoint's first)")
 
 
 #: Steps whose mean loss is the run's final loss (``TrainResult.final_loss``).
@@ -249,8 +250,12 @@ def report(res: TrainResult) -> int:
         return 0
     lead = ranks_from_env().lead
     if lead:
-        print(f"final loss (mean of the last {res.final_steps} steps not skipped) {res.final_loss:.4f}; "
-              f"{res.tokens_per_s:.0f} tokens/s; skipped steps {res.skipped}; loss scale {res.loss_scale:g}")
+        which = (f"mean of the last {res.final_steps} steps not skipped" if res.final_steps != 1
+                 else "the last step not skipped")
+        final = (f"final loss ({which}) {res.final_loss:.4f}" if res.final_steps
+                 else "final loss none (the last steps were all skipped)")
+        print(f"{final}; {res.tokens_per_s:.0f} tokens/s; skipped steps {res.skipped}; "
+              f"loss scale {res.loss_scale:g}")
     if math.isfinite(res.final_loss):
         return 0
     if lead:

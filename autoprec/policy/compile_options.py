@@ -24,7 +24,8 @@ from typing import Any
 
 from autoprec.policy.fields import check_keys, check_mapping, described, fail, join
 
-__all__ = ["COMPILE_OPTION_KEYS", "COMPILE_VARIANTS", "REGIONAL_EMULATED", "TORCH_COMPILE", "CompileOptions"]
+__all__ = ["COMPILE_OPTION_KEYS", "COMPILE_VARIANTS", "REGIONAL_EMULATED", "TORCH_COMPILE", "CompileOptions",
+           "flat_reason"]
 
 #: The keys of a policy file's ``compile_options`` object (both required).
 COMPILE_OPTION_KEYS: tuple[str, ...] = ("regional", "emulate_precision_casts")
@@ -33,6 +34,19 @@ COMPILE_OPTION_KEYS: tuple[str, ...] = ("regional", "emulate_precision_casts")
 #: graph where the choice compiled repeated blocks as regions); ``"all"`` (also fp32 intermediates,
 #: where it lowers anything).
 COMPILE_VARIANTS: tuple[str, ...] = ("none", "flat", "all")
+
+
+def flat_reason(saved: bool, activation_memory_budget: float) -> str | None:
+    """Why a graph compiles as one flat graph whatever ``regional`` asks, or None: saved-activation
+    dtypes (``saved``), or an activation memory budget below 1.0 (measured:
+    :func:`autoprec.applied.compile.compile_graph`'s ``regional``,
+    docs/architecture.md#regional-compilation)."""
+    if saved:
+        return "the policy's saved-activation dtypes are not honoured reliably inside compiled regions"
+    if activation_memory_budget < 1.0:
+        return ("AOTAutograd's activation memory budget is not measured inside compiled regions: the "
+                "memory fit relies on the flat graph's peaks")
+    return None
 
 
 @dataclass(frozen=True)

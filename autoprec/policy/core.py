@@ -29,7 +29,7 @@ from autoprec.policy.checks import (
 from autoprec.policy.checks import check_fields as _check_fields
 from autoprec.policy.checks import rules_from_json as _rules_from_json
 from autoprec.policy.checks import versions as _versions
-from autoprec.policy.compile_options import REGIONAL_EMULATED, TORCH_COMPILE, CompileOptions
+from autoprec.policy.compile_options import REGIONAL_EMULATED, TORCH_COMPILE, CompileOptions, flat_reason
 from autoprec.policy.fields import (
     MAX_DEPTH,
     DuplicateKey,
@@ -214,6 +214,23 @@ class Policy:
         "same policy": checkpoint resume and finalist bookkeeping use it)."""
         return dataclasses.replace(self, measured={}, provenance={}).to_json()
 
+    def differences(self, other: Policy) -> list[str]:
+        """What makes ``other`` train differently: ``"field: mine vs theirs"`` per differing field
+        of the JSON layout (one level into objects: ``"loss_scaling.growth_interval: 2000 vs 2"``),
+        ``measured`` and ``provenance`` left out; empty when the :meth:`training_key` are equal."""
+        mine, theirs = (dataclasses.replace(p, measured={}, provenance={}).to_dict() for p in (self, other))
+        out = []
+        for key in dict.fromkeys([*mine, *theirs]):
+            a, b = mine.get(key), theirs.get(key)
+            if a == b:
+                continue
+            if isinstance(a, dict) and isinstance(b, dict):
+                out += [f"{key}.{k}: {a.get(k)!r} vs {b.get(k)!r}" for k in dict.fromkeys([*a, *b])
+                        if a.get(k) != b.get(k)]
+            else:
+                out.append(f"{key}: {a!r} vs {b!r}"[:300])
+        return out
+
     def with_measured(self, measured: Mapping[str, float]) -> Policy:
         """A copy whose ``measured`` is replaced by ``measured`` (a new measurement supersedes)."""
         return dataclasses.replace(self, measured=dict(measured))
@@ -243,10 +260,26 @@ class Policy:
         if self.attention != "fused":
             parts.append(f"attention {self.attention}")
         if self.compile_options is not None:
-            parts.append(f"compiled {self.compile_options.describe()}")
+            done = self.carried_out(self.compile_options)
+            parts.append(f"compiled {done.describe()}" + (
+                " (regional asked for: kept flat by its saved dtypes or memory budget)"
+                if done != self.compile_options else ""))
         if self.batching is not None:
             parts.append(self.batching.describe())
         return "; ".join(parts)
+
+    @property
+    def kept_flat(self) -> str | None:
+        """Why this policy's graph compiles as one flat graph whatever ``compile_options`` asks
+        (:func:`~autoprec.policy.compile_options.flat_reason`: a rule's ``saved`` dtype, an
+        ``activation_memory_budget`` below 1.0), else None."""
+        return flat_reason(any(r.saved is not None for r in self.rules), self.activation_memory_budget)
+
+    def carried_out(self, options: CompileOptions) -> CompileOptions:
+        """``options`` as compiling this policy's graph carries them out: regional asked for but
+        :attr:`kept_flat` is flat (what ``tune`` records, so the file says how it compiles)."""
+        flat = options.regional and self.kept_flat is not None
+        return dataclasses.replace(options, regional=False) if flat else options
 
     @property
     def compiled_as(self) -> CompileOptions:

@@ -381,7 +381,8 @@ def policy_summary(policy: Policy, path: str | os.PathLike, rules: bool = True) 
         shown += [f"{k} {v:.3g}" if isinstance(v, (int, float)) else f"{k} {v}" for k, v in m.items()]
         lines.append("measured: " + ", ".join(shown))
     if rules:
-        lines += ["", f"rules ({len(policy.rules)}; the last one matching a node wins; default "
+        lines += ["", f"rules ({len(policy.rules)}; for a node, the last matching one that sets dtype "
+                      "decides it, the last that sets saved decides saved, node rules first; default "
                       f"{policy.default_dtype}):"]
         lines += [f"rules[{i}] {r.describe()}" for i, r in enumerate(policy.rules)] or ["(none)"]
         lines += ["", "(--model model.py also shows the dtype of each module's nodes and the nodes each rule "

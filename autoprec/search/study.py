@@ -32,7 +32,6 @@ import torch
 from autoprec._interrupt import check as check_interrupt
 from autoprec._interrupt import deferred as deferred_interrupt
 from autoprec._version import __version__
-from autoprec.applied.compile import compiled_options
 from autoprec.device import device_name, resolve_device
 from autoprec.errors import SearchError
 from autoprec.measure import Harness, Measurement
@@ -386,7 +385,7 @@ def _write(run: TuneState, study: optuna.Study, contest: Contest, chosen: Policy
     timings = run.clock.done()
     best = baseline_to_beat(contest, compile)
     # how what was measured was compiled (regional asked for but kept flat is recorded flat)
-    options = compiled_options(chosen, contest.compiled_as(chosen)) if compile else None
+    options = chosen.carried_out(contest.compiled_as(chosen)) if compile else None
     measured = measured_block(run, contest, chosen, chosen_m, compile) | (
         batches.measured() if batches is not None else {})
     policy = dataclasses.replace(chosen, compile_options=options).with_measured(measured).with_provenance(

@@ -106,11 +106,15 @@ def test_a_policy_kept_flat_records_flat_not_the_regions_it_asked_for(monkeypatc
     bf16 = Policy.default("bf16")
     saved = with_saved(bf16, "bf16")
     recompute = dataclasses.replace(bf16, activation_memory_budget=0.5)
-    assert compile_mod.compiled_options(bf16, REGIONAL_EMULATED) == REGIONAL_EMULATED
+    assert bf16.carried_out(REGIONAL_EMULATED) == REGIONAL_EMULATED
     for pol in (saved, recompute):
-        got = compile_mod.compiled_options(pol, REGIONAL_EMULATED)
+        got = pol.carried_out(REGIONAL_EMULATED)
         assert not got.regional and got.emulate_precision_casts
-    assert compile_mod.compiled_options(saved, TORCH_COMPILE) == TORCH_COMPILE
+    assert saved.carried_out(TORCH_COMPILE) == TORCH_COMPILE
+    # a file that says regional by hand: show says what compiling it does
+    said = dataclasses.replace(saved, compile_options=REGIONAL_EMULATED).summary()
+    assert "compiled flat (regional asked for: kept flat by its saved dtypes or memory budget)" in said
+    assert "compiled regional" in dataclasses.replace(bf16, compile_options=REGIONAL_EMULATED).summary()
 
     # the rule is compile_graph's own: the graph with saved dtypes compiles flat though regional is asked
     seen = []
@@ -119,4 +123,4 @@ def test_a_policy_kept_flat_records_flat_not_the_regions_it_asked_for(monkeypatc
     model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(3)], block)
     gm = fx.symbolic_trace(model)
     compiled = compile_mod.compile_graph(gm, 0.5, regional=True)
-    assert compiled.regions is None and compile_mod.flat_reason(False, 0.5) is not None
+    assert compiled.regions is None and recompute.kept_flat is not None

@@ -56,3 +56,9 @@ def test_bench_global_batch_no_compile_runs_every_side_eagerly_and_needs_the_glo
     res = json.loads((tmp_path / "b.json").read_text())
     assert res["policy_row"] == "policy @ 16x2" and res["baseline_row"].startswith("fp32 + eager @ 32x1")
     assert not any("torch.compile" in r["config"] for r in res["rows"])
+    assert res["compiled"] is False
+    from autoprec.commands.bench_batch import format_batch_table
+
+    table = format_batch_table(res)
+    assert "(the faster eager baseline; the baseline to beat is compiled" in table
+    assert ("torch.autocast was not run: " in table) == bool(res["autocast_left_out"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -134,6 +135,17 @@ def test_loop_resume_matches_uninterrupted(tmp_path):
     Policy.default("bf16").save(other)
     with pytest.raises(AutoprecError, match="different policy"):
         train(TINY, other, steps=5, checkpoint=ck, resume=True, **kw)
+    # a policy that differs in one setting only: the message names it (it showed two equal summaries)
+    scaled = Policy.default("fp16")
+    (tmp_path / "a.json").write_text(scaled.to_json())
+    ck16 = tmp_path / "ck16.pt"
+    train(TINY, tmp_path / "a.json", steps=1, checkpoint=ck16, **kw)
+    every2 = dataclasses.replace(scaled.loss_scaling, growth_interval=2)
+    slower = dataclasses.replace(scaled, loss_scaling=every2)
+    slower.save(tmp_path / "b.json")
+    with pytest.raises(AutoprecError, match=r"different policy than .*b.json \(loss_scaling.growth_interval: "
+                                            r"2000 vs 2: the checkpoint's first\)"):
+        train(TINY, tmp_path / "b.json", steps=2, checkpoint=ck16, resume=True, **kw)
 
 
 def test_cli_checkpoint_resume(tmp_path, capsys):
