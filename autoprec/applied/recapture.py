@@ -40,7 +40,9 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
+
+from torch import fx
 
 from autoprec.applied.shape_cache import InputCheck, PositionLimit, ShapeCache, is_dynamic
 from autoprec.capture import (
@@ -54,12 +56,36 @@ from autoprec.capture import (
 from autoprec.errors import CaptureError
 from autoprec.modelspec import split_batch
 
-if TYPE_CHECKING:  # apply imports this module
-    from autoprec.applied.apply import MixedPrecisionModule as Applied
-
-__all__ = ["Recapture", "Routed"]
+__all__ = ["Applied", "Recapture", "Routed"]
 
 _log = logging.getLogger("autoprec")
+
+
+class Applied(Protocol):
+    """What recapture needs of :class:`autoprec.applied.apply.MixedPrecisionModule` (which imports
+    this module, so it is named by this protocol): its graph, whether it compiles, how messages name
+    it, what it runs and checks, and how to switch them."""
+
+    graph_module: fx.GraphModule
+    compiled: bool
+
+    @property
+    def what(self) -> str:
+        """How messages name the module."""
+
+    @property
+    def runner(self) -> Callable[..., Any]:
+        """What a training call runs."""
+
+    @property
+    def input_check(self) -> InputCheck:
+        """What checks a call's input shapes."""
+
+    def serve(self, runner: Callable[..., Any], input_check: InputCheck) -> None:
+        """Serve later calls with ``runner``, checked by ``input_check``."""
+
+    def adopt(self, other: Any) -> None:
+        """Take ``other``'s graph, runner and input check (the same policy on a new capture)."""
 
 
 class Routed:

@@ -67,6 +67,13 @@ def _budget(arg: tuple[str, float] | None, h: Harness, autocast: AutocastBaselin
     return memory_budget(arg, fp32, ac, h.state_bytes, h.optimizer_name, h.device)
 
 
+def _check_global_batch(pol: Policy, source: str, global_batch: int) -> None:
+    """Raise AutoprecError when ``pol``'s ``batching`` is for another global batch (names both)."""
+    if pol.batching is not None and pol.batching.global_batch != global_batch:
+        raise AutoprecError(f"{source}: trains at {pol.batching.describe()}, not at --global-batch "
+                            f"{global_batch}; bench it at --global-batch {pol.batching.global_batch}")
+
+
 def run_batch_bench(model_path: str | os.PathLike, policy: Policy | str | os.PathLike, global_batch: int,
                     max_memory: str | None = None, device: str = "auto", max_step_ratio: float = 10.0,
                     quiet: bool = False, json_path: str | os.PathLike | None = None,
@@ -102,9 +109,7 @@ def run_batch_bench(model_path: str | os.PathLike, policy: Policy | str | os.Pat
 
     pol = policy if isinstance(policy, Policy) else Policy.load(policy)
     source = str(policy) if not isinstance(policy, Policy) else "the policy"
-    if pol.batching is not None and pol.batching.global_batch != global_batch:
-        raise AutoprecError(f"{source}: trains at {pol.batching.describe()}, not at --global-batch "
-                            f"{global_batch}; bench it at --global-batch {pol.batching.global_batch}")
+    _check_global_batch(pol, source, global_batch)
     spec, dev = load_model_spec(model_path), resolve_device(device)
     arg = parse_max_memory(max_memory)
     check_memory_floor(arg, spec.build_model(), spec.make_optimizer)
