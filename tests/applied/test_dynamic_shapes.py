@@ -223,12 +223,7 @@ def test_a_larger_batch_widens_its_own_range_and_never_past_the_position_table(c
     """GPT-2's position table has n_positions rows: a larger batch used to double every range (seq
     2..256 of 128 positions), and a 130-token batch then aborted the process in a compiled graph
     (eager: ``IndexError``). Only the batch range widens now, and a longer sequence is refused."""
-    tf = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    cfg = tf.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2, n_positions=64, resid_pdrop=0.0,
-                        embd_pdrop=0.0, attn_pdrop=0.0)
-    model = tf.GPT2LMHeadModel(cfg)
-    mp = autoprec.apply(model, autoprec.Policy.fp32(), lm_batch(2, 16, 0), compile=False)
+    model, mp = _gpt2_64_positions()
     with caplog.at_level(logging.INFO, logger="autoprec"):
         batch = lm_batch(5, 16, 1)  # batch above its range 1..2
         torch.testing.assert_close(mp(**batch).loss, model(**batch).loss, rtol=1e-5, atol=1e-6)  # fp32
@@ -249,12 +244,7 @@ def test_a_one_token_batch_is_served_and_the_position_table_still_bounds_later_s
     and a one-token batch after a dynamic recapture raised "allowed 2..64" in the non-strict mode
     (its sequence role was not found at length 1). The one-token batch now gets a graph of its own
     whichever came first, and the position table bounds every shape."""
-    tf = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    cfg = tf.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2, n_positions=64, resid_pdrop=0.0,
-                        embd_pdrop=0.0, attn_pdrop=0.0)
-    model = tf.GPT2LMHeadModel(cfg)
-    mp = autoprec.apply(model, autoprec.Policy.fp32(), lm_batch(2, 16, 0), compile=False)
+    model, mp = _gpt2_64_positions()
     one = {"input_ids": lm_batch(2, 16, 1)["input_ids"][:1, :1]}
     one["labels"] = one["input_ids"].clone()
     if first == "dynamic":
@@ -267,3 +257,14 @@ def test_a_one_token_batch_is_served_and_the_position_table_still_bounds_later_s
         mp(**lm_batch(2, 65, 1))
     batch = lm_batch(2, 40, 2)  # in the dynamic graph's ranges: still served by it
     torch.testing.assert_close(mp(**batch).loss, model(**batch).loss, rtol=1e-5, atol=1e-6)
+
+
+def _gpt2_64_positions():
+    """A 1-layer GPT-2 without dropout whose position table has 64 rows, and its fp32 module from
+    an example batch of (2, 16)."""
+    tf = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = tf.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2, n_positions=64, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0)
+    model = tf.GPT2LMHeadModel(cfg)
+    return model, autoprec.apply(model, autoprec.Policy.fp32(), lm_batch(2, 16, 0), compile=False)
