@@ -170,7 +170,7 @@ class Recapture:
         if not above and not below:
             raise error
         shapes = _text(args, kwargs)
-        self._refuse_past_positions(mp, {r: sizes[r] for r in above}, shapes, error)
+        self.limit.refuse(mp.what, shapes, {r: sizes[r] for r in above}, error)
         batch = dict(kwargs) if kwargs else tuple(args)
         if not below:  # only the roles above their range widen (past no position table: plan_dims)
             at_least = {r: max(sizes.get(r, 0), 2 * hi) if r in above else hi
@@ -222,12 +222,6 @@ class Recapture:
         self.recaptures += 1
         return True, gm
 
-    def _refuse_past_positions(self, mp: Applied, sizes: dict[str, int], shapes: str,
-                               error: ValueError) -> None:
-        """Raise ValueError when a sequence size in ``sizes`` (role -> size) is above the model's
-        ``config.max_position_embeddings``."""
-        self.limit.refuse(mp.what, shapes, sizes, error)
-
     def from_static(self, mp: Applied, args: tuple[Any, ...], kwargs: dict[str, Any],
                     error: ValueError) -> None:
         """Make ``mp``, whose graph serves one shape, serve this call's too: one capture with
@@ -244,7 +238,7 @@ class Recapture:
         batch = dict(kwargs) if kwargs else tuple(args)
         own = maxima([plan_dims(self.model, *split_batch(self.example))])
         call = maxima([plan_dims(self.model, args, kwargs)])
-        self._refuse_past_positions(mp, call, shapes, error)
+        self.limit.refuse(mp.what, shapes, call, error)
         # as a dynamic graph widens: a role above the example's size reaches at least twice it
         sizes = {r: max(n, 2 * own[r]) if n > own.get(r, n) else own.get(r, n) for r, n in call.items()}
         sizes |= {r: n for r, n in own.items() if r not in call}

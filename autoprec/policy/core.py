@@ -212,13 +212,17 @@ class Policy:
         """What identifies the policy as training runs it: its JSON text without ``provenance``
         and ``measured``. Two policies with equal keys train identically (the one rule for
         "same policy": checkpoint resume and finalist bookkeeping use it)."""
-        return dataclasses.replace(self, measured={}, provenance={}).to_json()
+        return self._as_trained().to_json()
+
+    def _as_trained(self) -> Policy:
+        """This policy without ``measured`` and ``provenance``: what training runs."""
+        return dataclasses.replace(self, measured={}, provenance={})
 
     def differences(self, other: Policy) -> list[str]:
         """What makes ``other`` train differently: ``"field: mine vs theirs"`` per differing field
         of the JSON layout (one level into objects: ``"loss_scaling.growth_interval: 2000 vs 2"``),
         ``measured`` and ``provenance`` left out; empty when the :meth:`training_key` are equal."""
-        mine, theirs = (dataclasses.replace(p, measured={}, provenance={}).to_dict() for p in (self, other))
+        mine, theirs = (p._as_trained().to_dict() for p in (self, other))
         out = []
         for key in dict.fromkeys([*mine, *theirs]):
             a, b = mine.get(key), theirs.get(key)
