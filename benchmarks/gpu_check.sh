@@ -33,8 +33,13 @@
 # fp8/{policy.json, tune.log, bench.json, bench.md, bench.log},
 # summary.json ({"dry_run", "steps": {name: {"rc", "seconds"}}, "policy_source"}).
 set -uo pipefail
-usage() { echo "usage: $0 OUTDIR [--dry-run] [--fp8] [--global-batch N]" >&2; exit 2; }
-[ $# -ge 1 ] || usage
+# usage [WHY]: the usage line, after WHY (which argument was wrong) where given; exit 2.
+usage() {
+  [ $# -ge 1 ] && echo "$0: $1" >&2
+  echo "usage: $0 OUTDIR [--dry-run] [--fp8] [--global-batch N]" >&2; exit 2
+}
+[ $# -ge 1 ] || usage "no OUTDIR given"
+case "$1" in -*) usage "the first argument must be OUTDIR, got option $1" ;; esac
 OUT=$1; shift
 DRY=0
 FP8=0
@@ -43,8 +48,11 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) DRY=1 ;;
     --fp8) FP8=1 ;;
-    --global-batch) [ $# -ge 2 ] && [[ "$2" =~ ^[1-9][0-9]*$ ]] || usage; GB=$2; shift ;;
-    *) usage ;;
+    --global-batch)
+      [ $# -ge 2 ] || usage "--global-batch needs a value (a positive integer)"
+      [[ "$2" =~ ^[1-9][0-9]*$ ]] || usage "--global-batch must be a positive integer, got '$2'"
+      GB=$2; shift ;;
+    *) usage "unknown argument '$1'" ;;
   esac
   shift
 done

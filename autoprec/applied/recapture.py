@@ -52,6 +52,7 @@ from autoprec.capture import (
     maxima,
     plan_dims,
     tensor_shapes,
+    unserved,
 )
 from autoprec.errors import CaptureError
 from autoprec.modelspec import split_batch
@@ -150,8 +151,18 @@ class Recapture:
         Raises:
             ValueError: a sequence longer than ``config.max_position_embeddings``; or ``error``, when
                 the call is not outside a range (inputs that share a dimension disagree, another
-                structure) or takes both positional and keyword tensors.
+                structure) or takes both positional and keyword tensors, with advice for this mode
+                (:func:`autoprec.capture.shapes.unserved`: not "without strict_shapes=True").
         """
+        try:
+            self._serve(mp, args, kwargs, error)
+        except ValueError as e:
+            if e is error:
+                raise unserved(error) from None
+            raise
+
+    def _serve(self, mp: Applied, args: tuple[Any, ...], kwargs: dict[str, Any], error: ValueError) -> None:
+        """:meth:`__call__`'s body: raises ``error`` itself where no capture can serve the call."""
         check = mp.input_check
         if (args and kwargs) or isinstance(mp.runner, (Routed, ShapeCache)):
             raise error

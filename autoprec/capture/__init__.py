@@ -44,7 +44,7 @@ from autoprec.capture.dims import (
     tensor_shapes,
 )
 from autoprec.capture.export import export_program, export_ranges, quiet_pytree_deprecation
-from autoprec.capture.shapes import DIMS_META, PLAN_META, RANGE_ADVICE, InputShapes
+from autoprec.capture.shapes import DIMS_META, PLAN_META, RANGE_ADVICE, InputShapes, unserved
 from autoprec.capture.trace import CALL_KWARGS_META, capture, capture_planned
 
 __all__ = ["BATCH", "CALL_KWARGS_META", "DIMS_META", "MAX_SHAPES", "PLAN_META", "PROBE_BATCHES",
@@ -53,4 +53,5 @@ __all__ = ["BATCH", "CALL_KWARGS_META", "DIMS_META", "MAX_SHAPES", "PLAN_META", 
            "export_program",
            "export_ranges", "largest_batch", "largest_sizes", "leaf_name", "max_positions", "maxima",
            "plan_dims",
-           "quiet_pytree_deprecation", "role_sizes", "shapes_vary", "tensor_shapes", "warmup_steps"]
+           "quiet_pytree_deprecation", "role_sizes", "shapes_vary", "tensor_shapes", "unserved",
+           "warmup_steps"]

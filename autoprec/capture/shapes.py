@@ -15,7 +15,7 @@ from torch import fx
 
 from autoprec._torch_compat import pytree, pytree_info, tree_flatten_spec
 
-__all__ = ["DIMS_META", "PLAN_META", "RANGE_ADVICE", "InputShapes"]
+__all__ = ["DIMS_META", "PLAN_META", "RANGE_ADVICE", "UNSERVED_ADVICE", "InputShapes", "unserved"]
 
 #: ``gm.meta`` key of ``{symbol: (role, lo, hi)}``, the ranges of a graph's symbolic input
 #: dimensions (e.g. ``{"s0": ("batch", 1, 4)}``; a bound is None when unbounded). ``gm.meta``
@@ -36,6 +36,21 @@ RANGE_ADVICE = ("the ranges come from the example batch given to autoprec.apply 
                 "you train on, or without strict_shapes=True, which captures again with wider ranges "
                 "instead of raising; inputs that share a dimension (the seq of input_ids and attention_mask) "
                 "must have the same size in it.")
+
+#: What to do about a call a module without ``strict_shapes`` cannot serve by capturing again
+#: (:func:`unserved`): its sizes are not outside a range, so the fault is in the batch.
+UNSERVED_ADVICE = ("capturing again cannot serve this call, as its sizes are inside the captured "
+                   "ranges: inputs that share a dimension (the seq of input_ids and attention_mask) must "
+                   "have the same size in it, and the batch is passed with the example batch's structure "
+                   "(its tensors all by keyword, or all positional).")
+
+
+def unserved(error: ValueError) -> ValueError:
+    """``error`` (an :class:`InputShapes` check's) with :data:`UNSERVED_ADVICE` as its advice: for a
+    module that captures again instead of raising (``apply`` without ``strict_shapes=True``), whose
+    check's :data:`RANGE_ADVICE` would tell the user to do what they already do."""
+    head = str(error).split("\n  What to do: ", 1)[0]
+    return ValueError(f"{head}\n  What to do: {UNSERVED_ADVICE}")
 
 
 class InputShapes:

@@ -96,6 +96,24 @@ def test_call_outside_the_range_names_input_shape_and_range():
         mp(input_ids=lm_batch(2, 20, 1)["input_ids"], labels=lm_batch(2, 19, 1)["labels"])
 
 
+
+def test_non_strict_module_refusing_disagreeing_inputs_does_not_advise_non_strict():
+    """Without ``strict_shapes`` a call whose inputs captured as one dimension disagree is still
+    refused (a fault in the batch, not a range), and its advice no longer says "or without
+    strict_shapes=True", which is what the user already does (a user test found it)."""
+    torch.manual_seed(0)
+    model = CausalLM()
+    mp = autoprec.apply(model, autoprec.Policy.fp32(), lm_batch(4, 32, 0), compile=False, dynamic=True)
+    mp(**lm_batch(2, 20, 1))  # another shape: captured again with dynamic dimensions
+    assert mp.shape_stats["mode"] == "dynamic"
+    with pytest.raises(ValueError) as err:
+        mp(input_ids=lm_batch(2, 20, 1)["input_ids"], labels=lm_batch(2, 19, 1)["labels"])
+    msg = str(err.value)
+    assert "input 'labels' has seq 19 (dim 1) but input 'input_ids' has 20" in msg
+    assert "strict_shapes" not in msg
+    assert "What to do: capturing again cannot serve this call" in msg
+    assert "must have the same size in it" in msg
+
 # ------------------------------------------------------------------ fallback: one graph per shape
 def test_model_that_specialises_falls_back_to_a_bounded_logged_cache(caplog):
     torch.manual_seed(0)

@@ -61,8 +61,13 @@ def test_gpu_check_dry_run_global_batch(tmp_path):
     assert not (out / "twin").exists() and not (out / "policy.json").exists()  # nothing else ran
 
 
-def test_gpu_check_usage():
-    for args in ([], ["out", "--global-batch"], ["out", "--global-batch", "x"]):
+def test_gpu_check_usage_says_which_argument_was_wrong():
+    cases = {(): "no OUTDIR given",
+             ("--dry-run", "out"): "the first argument must be OUTDIR, got option --dry-run",
+             ("out", "--global-batch"): "--global-batch needs a value",
+             ("out", "--global-batch", "x"): "--global-batch must be a positive integer, got 'x'",
+             ("out", "--gb", "4"): "unknown argument '--gb'"}
+    for args, why in cases.items():
         r = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), *args], capture_output=True,
                            text=True)
-        assert r.returncode == 2 and "usage" in r.stderr, args
+        assert r.returncode == 2 and why in r.stderr and "usage:" in r.stderr, (args, r.stderr)
