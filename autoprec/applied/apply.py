@@ -6,6 +6,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 from torch import fx, nn
@@ -113,6 +114,7 @@ class MixedPrecisionModule(ModelFacade):
         self._what = f"{type(self).__name__} of {type(model).__name__}"
         self._unscaled = UnscaledBackwardCheck(policy, self._what)  # fp16 trained without a scaler
         object.__setattr__(self, "_recapture", None)  # set by apply(dynamic=True, strict_shapes=False)
+        object.__setattr__(self, "_retired", _RetiredGraphs())  # graphs adopt() replaced
         self.__class__ = signed_class(type(self), model)  # forward reports model.forward's signature
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -196,6 +198,7 @@ class MixedPrecisionModule(ModelFacade):
         """Take ``other``'s graph, runner, input check, saved-activation context, output structure
         and pass statistics: ``other`` is the same model and policy applied to a new capture
         (:mod:`autoprec.applied.recapture`)."""
+        self._retired.add(self._graph_stats())
         for name in ("graph_module", "_fn", "_inputs", "_saved", "_out_spec"):
             object.__setattr__(self, name, getattr(other, name))
         self.__dict__["stats"] = other.stats
@@ -204,19 +207,51 @@ class MixedPrecisionModule(ModelFacade):
     def shape_stats(self) -> dict[str, Any]:
         """How the module serves batch shapes: ``{"mode": "static", "captures": 1}`` (with
         ``"compiles"`` and ``"compile_seconds"`` when compiled), or, once a call of another shape made
-        ``apply(..., dynamic=True)``'s module capture again, ``{"mode": "dynamic", "captures": 1,
+        ``apply(..., dynamic=True)``'s module capture again, ``{"mode": "dynamic", "captures",
         "compiles", "compile_seconds"}`` /
         ``{"mode": "per_shape", "captures", "capture_seconds", "shapes"}`` (see
         :mod:`autoprec.applied.shape_cache`) / ``{"mode": "dynamic+per_shape", ...}`` (shapes below
         a range, :class:`autoprec.applied.recapture.Routed`); ``"recaptures"``: times a batch outside
-        the ranges made it capture again with wider ones (:mod:`autoprec.applied.recapture`)."""
-        fn = self._fn.compile_log if isinstance(self._fn, CompiledGraph) else self._fn
-        stats = fn.stats if isinstance(fn, (CompileLog, ShapeCache, Routed)) else None
-        out = stats() if stats is not None else {
-            "mode": "dynamic" if is_dynamic(self.graph_module) else "static", "captures": 1}
+        the ranges made it capture again with wider ones (:mod:`autoprec.applied.recapture`).
+
+        ``captures``, ``compiles`` and ``compile_seconds`` (seconds of the calls that compiled) count
+        every graph of this module, those a recapture replaced included: a static example's graph,
+        then one recapture with dynamic dimensions, is ``captures: 2, recaptures: 1``."""
+        out = self._graph_stats()
+        self._retired.fold_into(out)
         if self._recapture is not None and self._recapture.recaptures:
             out["recaptures"] = self._recapture.recaptures
         return out
+
+    def _graph_stats(self) -> dict[str, Any]:
+        """:attr:`shape_stats` of the graph (or per-shape cache) this module runs now alone."""
+        fn = self._fn.compile_log if isinstance(self._fn, CompiledGraph) else self._fn
+        stats = fn.stats if isinstance(fn, (CompileLog, ShapeCache, Routed)) else None
+        return stats() if stats is not None else {
+            "mode": "dynamic" if is_dynamic(self.graph_module) else "static", "captures": 1}
+
+
+@dataclass
+class _RetiredGraphs:
+    """Counts of the graphs :meth:`MixedPrecisionModule.adopt` replaced (see ``shape_stats``)."""
+
+    captures: int = 0
+    compiles: int = 0
+    compile_seconds: float = 0.0
+
+    def add(self, stats: dict[str, Any]) -> None:
+        """Count a replaced graph's ``shape_stats``-style ``stats``."""
+        self.captures += stats.get("captures", 1)
+        self.compiles += stats.get("compiles", 0)
+        self.compile_seconds += stats.get("compile_seconds", 0.0)
+
+    def fold_into(self, out: dict[str, Any]) -> None:
+        """Add these counts to the current graph's ``out`` (in place); compile counts only where
+        either side compiled."""
+        out["captures"] = out.get("captures", 1) + self.captures
+        if self.compiles or "compiles" in out:
+            out["compiles"] = out.get("compiles", 0) + self.compiles
+            out["compile_seconds"] = out.get("compile_seconds", 0.0) + self.compile_seconds
 
 def apply(model: nn.Module, policy: Policy, example_batch: Any, compile: bool = True,
           placement: str = "mincut", graph_module: fx.GraphModule | None = None,

@@ -87,3 +87,20 @@ def test_a_model_that_cannot_export_dynamic_over_varying_first_batches():
     with pytest.raises(CaptureError, match=r"m\.py: get_batch\(0\.\.4\) gives batches of 5 shapes(.|\n)*pad"):
         check_one_graph(gm, batches, "m.py")
     check_one_graph(capture_for(CausalLM(), batches), batches, "m.py")  # dynamic: one graph serves all
+
+
+def test_shape_stats_count_the_graphs_a_recapture_replaced():
+    """``captures``, ``compiles`` and ``compile_seconds`` count every graph of the module: a user
+    saw ``captures: 1`` beside ``recaptures: 1`` and only the dynamic graph's compile seconds."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    mp = autoprec.apply(model, autoprec.Policy.fp32(), torch.randn(8, 16), compile=True)
+    mp(torch.randn(8, 16)).sum().backward()  # the example's shape: the static graph compiles
+    first = mp.shape_stats
+    assert first["mode"] == "static" and first["captures"] == 1 and first["compiles"] == 1, first
+    x = torch.randn(5, 16)
+    torch.testing.assert_close(mp(x), model(x), rtol=1e-5, atol=1e-6)  # captured again, dynamic
+    stats = mp.shape_stats
+    assert stats["mode"] == "dynamic" and stats["recaptures"] == 1, stats
+    assert stats["captures"] == 2 and stats["compiles"] == 2, stats
+    assert stats["compile_seconds"] > first["compile_seconds"] > 0, (first, stats)
