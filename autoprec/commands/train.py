@@ -245,7 +245,7 @@ def report(res: TrainResult) -> int:
     ``train --nproc``) the final loss line, and an error line on stderr when the final loss is not
     finite, with where the last batch first goes non-finite (``TrainResult.nonfinite``); 0, or 1
     for a non-finite final loss (also 0 for a run ``--resume`` found complete, which :func:`train`
-    reported)."""
+    reported). A resumed run's skipped steps are its own, and the line names the steps it ran."""
     if res.complete:
         return 0
     lead = ranks_from_env().lead
@@ -254,7 +254,9 @@ def report(res: TrainResult) -> int:
                  else "the last step not skipped")
         final = (f"final loss ({which}) {res.final_loss:.4f}" if res.final_steps
                  else "final loss none (the last steps were all skipped)")
-        print(f"{final}; {res.tokens_per_s:.0f} tokens/s; skipped steps {res.skipped}; "
+        span = (f" (of steps {res.start_step}-{res.start_step + len(res.losses) - 1}, run after the resume)"
+                if res.start_step else "")
+        print(f"{final}; {res.tokens_per_s:.0f} tokens/s; skipped steps {res.skipped}{span}; "
               f"loss scale {res.loss_scale:g}")
     if math.isfinite(res.final_loss):
         return 0

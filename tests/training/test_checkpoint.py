@@ -160,6 +160,7 @@ def test_cli_checkpoint_resume(tmp_path, capsys):
     assert main(base + ["--steps", "3", "--resume", "--log", str(tmp_path / "l.jsonl")]) == 0
     out = capsys.readouterr().out
     assert "resumed from" in out and "at step 2" in out and "step    2" in out and "step    1 " not in out
+    assert "skipped steps 0 (of steps 2-2, run after the resume)" in out  # its own steps, named
     assert main(["train", str(TINY), "--policy", str(pol), "--resume"]) == 2
 
 
