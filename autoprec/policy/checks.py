@@ -128,8 +128,6 @@ def rules_from_json(rules: Any, source: str, version: int) -> list[Rule]:
         path = f"rules[{i}]"
         raw = check_mapping(raw, source, path)
         check_keys(raw, RULE_KEYS, "rule", source, path)
-        if "dtype" not in raw and "saved" not in raw and "compute" not in raw:
-            raise fail(source, f"{path}.dtype", "missing")
         rule = build(Rule, raw, source, path)
         if version < 2 and rule.schema2:
             field = next((k for k in SCHEMA2_RULE_KEYS if k in raw), "dtype")

@@ -81,7 +81,8 @@ class Rule:
         if self.compute is not None and self.dtype is None:
             raise fail(source, join(path, "compute"), "needs a dtype in the same rule (the storage dtype)")
         if self.dtype is None and self.saved is None:
-            raise fail(source, join(path, "dtype"), "missing (a rule sets dtype, saved, or both)")
+            raise fail(source, path, "a rule needs at least one of dtype, saved (it selects nodes but "
+                       "sets nothing for them)")
         if self.dtype is not None:
             check_choice(self.dtype, [*sorted(DTYPES), FP8], "dtype", source, join(path, "dtype"))
         if self.compute is not None:

@@ -206,7 +206,7 @@ REJECTIONS = [
      "rules[0].compute", "matmul compute dtype"),
     ({"schema_version": 2, "rules": [{"op_class": "matmul", "dtype": "fp8_e4m3", "compute": "fp32"}]},
      "rules[0].compute", "already is the compute dtype"),
-    ({"rules": [{"op_class": "matmul"}]}, "rules[0].dtype", "missing"),
+    ({"rules": [{"op_class": "matmul"}]}, "rules[0]", "a rule needs at least one of dtype, saved"),
     ({"rules": [{"op_class": "matmul", "dtype": "fp32", "dtpye": "x"}]}, "rules[0].dtpye",
      "unknown rule key"),
     ({"rules": [{"module": 3, "dtype": "fp32"}]}, "rules[0].module", "non-empty string"),
@@ -251,6 +251,40 @@ def test_rejections_name_file_and_field(tmp_path, mutation, field, text):
     assert msg.startswith(f"{path}: {field}: ") and text in msg and "null None" not in msg, msg
     with pytest.raises(PolicyError, match=r"^p\.json: " + field.replace("[", r"\[").replace(".", r"\.")):
         Policy.from_dict(base(**mutation), source="p.json")
+
+
+NO_SELECTOR = "a rule needs at least one of op_class, module, node"
+NO_SETTING = "a rule needs at least one of dtype, saved (it selects nodes but sets nothing for them)"
+
+
+@pytest.mark.parametrize("rule,expected", [
+    ({}, f"rules[1]: {NO_SELECTOR}"),  # selectors are checked before the settings
+    ({"dtype": "bf16"}, f"rules[1]: {NO_SELECTOR}"),
+    ({"saved": "bf16"}, f"rules[1]: {NO_SELECTOR}"),
+    ({"compute": "fp32"}, f"rules[1]: {NO_SELECTOR}"),
+    ({"op_class": "matmul"}, f"rules[1]: {NO_SETTING}"),
+    ({"module": "blocks.*"}, f"rules[1]: {NO_SETTING}"),
+    ({"node": "fc/linear#0", "dtype": None}, f"rules[1]: {NO_SETTING}"),
+    ({"op_class": "matmul", "compute": "fp32"},
+     "rules[1].compute: needs a dtype in the same rule (the storage dtype)"),
+])
+def test_rule_without_selector_or_setting_names_what_it_lacks(tmp_path, rule, expected):
+    """A rule's exact message: no selector first (whatever it sets), then nothing set (``dtype`` or
+    ``saved``, either alone is a rule; ``compute`` needs ``dtype``)."""
+    rules = [{"op_class": "sensitive", "dtype": "fp32"}, rule]
+    path = write(tmp_path, base(schema_version=2, rules=rules))
+    with pytest.raises(PolicyError) as e:
+        Policy.load(path)
+    assert str(e.value) == f"{path}: {expected}"
+    with pytest.raises(PolicyError) as e:
+        Rule(**rule)
+    assert str(e.value) == "Rule: " + expected.removeprefix("rules[1]").removeprefix(": ").removeprefix(".")
+
+
+@pytest.mark.parametrize("rule", [{"op_class": "matmul", "saved": "bf16"}, {"module": "a.*", "dtype": "bf16"},
+                                  {"node": "fc/linear#0", "dtype": "bf16", "compute": "fp32"}])
+def test_a_rule_may_set_dtype_or_saved_alone(tmp_path, rule):
+    assert Policy.load(write(tmp_path, base(schema_version=2, rules=[rule]))).rules == (Rule(**rule),)
 
 
 def test_missing_schema_version(tmp_path):
