@@ -5,10 +5,41 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
+import sys
+from collections.abc import Sequence
 
 from autoprec.policy.compile_options import COMPILE_VARIANTS
 
 __all__ = ["build_parser"]
+
+
+#: Options whose value may start with a dash: a negative ``--max-memory`` such as ``-1GiB``, which
+#: argparse would take for an option ("expected one argument") instead of handing it to the command,
+#: whose message names the value and that it must be positive.
+_DASH_VALUE_OPTIONS: tuple[str, ...] = ("--max-memory",)
+
+
+class _Parser(argparse.ArgumentParser):
+    """``argparse.ArgumentParser`` that passes a value starting with a dash and a digit or ``.``
+    (``-1GiB``, ``-0.5x``) to an option of :data:`_DASH_VALUE_OPTIONS` before it, as
+    ``--max-memory=-1GiB`` would; its subcommand parsers are of this class too."""
+
+    def parse_known_args(self, args: Sequence[str] | None = None,
+                         namespace: argparse.Namespace | None = None) -> tuple[argparse.Namespace, list[str]]:
+        """``argparse.ArgumentParser.parse_known_args`` on ``args`` (default ``sys.argv[1:]``)
+        with each ``OPTION -VALUE`` pair joined into ``OPTION=-VALUE`` (none after ``--``)."""
+        rest = list(sys.argv[1:] if args is None else args)
+        joined: list[str] = []
+        while rest:
+            tok = rest.pop(0)
+            if tok == "--":
+                joined += [tok, *rest]
+                break
+            if tok in _DASH_VALUE_OPTIONS and rest and re.match(r"-[0-9.]", rest[0]):
+                tok = f"{tok}={rest.pop(0)}"
+            joined.append(tok)
+        return super().parse_known_args(joined, namespace)
 
 
 def _int_at_least(low: int):
@@ -108,8 +139,8 @@ def _add_bench_batch_options(b: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``autoprec`` argument parser: one subcommand per command, numbers validated by type."""
-    p = argparse.ArgumentParser(prog="autoprec",
-                                description="Mixed-precision autotuner for PyTorch training.")
+    p = _Parser(prog="autoprec",
+                description="Mixed-precision autotuner for PyTorch training.")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     t = sub.add_parser("tune", help="search for the fastest policy within a drift budget")

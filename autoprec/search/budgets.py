@@ -69,24 +69,27 @@ def parse_max_memory(max_memory: str | float | None) -> tuple[str, float] | None
     ``("bytes", n)``.
 
     Raises:
-        SearchError: anything else, or a non-positive value (the message lists the accepted forms).
+        SearchError: a value of one of these forms that is zero or negative (``"must be positive
+            (> 0)"``, naming it), a share above 100%, or anything else (the message lists the
+            accepted forms).
     """
     if max_memory is None or max_memory == "none":
         return None
     if max_memory == "auto":
         return ("autocast", 1.0)
     text = str(max_memory).strip().lower().replace(" ", "")
-    pct = re.fullmatch(r"([0-9]*\.?[0-9]+)%", text)
-    if pct is not None:
-        if not 0 < float(pct.group(1)) <= 100:
+    m = re.fullmatch(r"(-?[0-9]*\.?[0-9]+)%|(-?[0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)(x|[kmg]i?b|b)?", text)
+    if m is not None and float(m.group(1) or m.group(2)) <= 0:
+        raise SearchError(f"--max-memory: must be positive (> 0), got {max_memory!r}")
+    if m is not None and m.group(1) is not None:
+        if float(m.group(1)) > 100:
             raise SearchError(f"--max-memory: a share of the device's memory is above 0% and at most 100%; "
                               f"got {max_memory!r}")
-        return ("device", float(pct.group(1)) / 100)
-    m = re.fullmatch(r"([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)(x|[kmg]i?b|b)?", text)
+        return ("device", float(m.group(1)) / 100)
     if m is not None:
-        value, unit = float(m.group(1)), m.group(2) or ""
+        value, unit = float(m.group(2)), m.group(3) or ""
         scaled = value if unit == "x" else value * _UNITS[unit]
-        if value > 0 and math.isfinite(scaled) and scaled < 2.0**62:
+        if math.isfinite(scaled) and scaled < 2.0**62:
             return ("fp32", value) if unit == "x" else ("bytes", scaled)
     raise SearchError("--max-memory: expected 'auto', 'none', a multiple of FP32's peak like '0.8x', a "
                       "share of the device's memory like '90%', or bytes like '300MiB', '2GiB' or '5e8'; "

@@ -44,9 +44,15 @@ def test_parse_max_memory():
     assert parse_max_memory("1.5GB") == ("bytes", 1.5e9)
     assert parse_max_memory("5e8") == ("bytes", 5e8)
     assert parse_max_memory(123456) == ("bytes", 123456.0)
-    for bad in ("lots", "-3MiB", "0x", "3 TiB", "0", "1e300GiB", "inf"):
+    for bad in ("lots", "3 TiB", "1e300GiB", "inf", "--3MiB"):
         with pytest.raises(SearchError, match="--max-memory: expected 'auto'"):
             parse_max_memory(bad)
+    for bad in ("-3MiB", "0x", "-0.5x", "0", "-1e3", "0%", "-5%", 0, -2):
+        with pytest.raises(SearchError) as e:
+            parse_max_memory(bad)
+        assert str(e.value) == f"--max-memory: must be positive (> 0), got {bad!r}"
+    with pytest.raises(SearchError, match=r"above 0% and at most 100%; got '101%'"):
+        parse_max_memory("101%")
 
 
 def test_saved_parameters_are_counted_once(tmp_path):
@@ -144,6 +150,35 @@ def test_cli_bad_max_memory_exits_2_before_building(tmp_path, capsys):
     assert "--max-memory: expected 'auto'" in capsys.readouterr().err
     assert not (tmp_path / "sub").exists()
 
+
+
+@pytest.mark.parametrize("value", ["0x", "-1GiB", "-0.5x", "-5%", "-1"])
+@pytest.mark.parametrize("command", ["tune", "bench"])
+def test_cli_max_memory_not_positive_says_so(tmp_path, capsys, command, value):
+    """Every command taking --max-memory names the value and that it must be positive, a leading
+    '-' included (argparse alone takes '-1GiB' for an option: "expected one argument")."""
+    out = tmp_path / "sub" / "p.json"
+    if command == "tune":
+        args = ["tune", WIDE, "--out", str(out), "--max-memory", value]
+    else:
+        Policy.fp32().save(tmp_path / "fp32.json")
+        args = ["bench", WIDE, "--policy", str(tmp_path / "fp32.json"), "--global-batch", "8",
+                "--max-memory", value, "--device", "cpu"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert f"autoprec {command}: error: --max-memory: must be positive (> 0), got {value!r}" in err, err
+    assert not (tmp_path / "sub").exists()
+
+
+def test_parser_hands_a_dash_value_to_max_memory_only():
+    from autoprec.cli_parser import build_parser
+
+    parse = build_parser().parse_args
+    assert parse(["tune", "m.py", "--max-memory", "-1GiB"]).max_memory == "-1GiB"
+    assert parse(["bench", "m.py", "--policy", "p", "--max-memory", "-.5x"]).max_memory == "-.5x"
+    assert parse(["tune", "m.py", "--max-memory=-2GiB"]).max_memory == "-2GiB"
+    with pytest.raises(SystemExit):  # a missing value is still argparse's "expected one argument"
+        parse(["tune", "m.py", "--max-memory", "--out", "x.json"])
 
 
 def test_eager_apply_warns_that_the_budget_needs_compile():
