@@ -70,7 +70,7 @@ def _cmd_tune(a: argparse.Namespace) -> int:
 def _tune(a: argparse.Namespace) -> int:
     from autoprec._torch_compat import compile_cache_counts
     from autoprec.applied.compile import cache_report
-    from autoprec.search.report import baseline_own_ratio, format_table
+    from autoprec.search.report import baseline_label, baseline_own_ratio, format_table
     from autoprec.search.study import tune
 
     caches = compile_cache_counts()
@@ -90,7 +90,7 @@ def _tune(a: argparse.Namespace) -> int:
     speeds = [(m[k], n) for k, n in (("speedup_vs_autocast", bar), ("speedup_vs_fp32", "fp32 eager"))
               if k in m and k != baseline_own_ratio(m, best)]
     if best is not None and "speedup_vs_baseline" in m:  # first: the choice must not fall below it
-        speeds.insert(0, (m["speedup_vs_baseline"], f"{best} (the baseline to beat)"))
+        speeds.insert(0, (m["speedup_vs_baseline"], baseline_label(m, best)))
     rule = res.budget.describe()
     at_global = "micro_batch_tokens_per_s" in m  # then these are the contest's, at the file's batch
     print(("the contest's choice at the model file's batch" if at_global else f"wrote {a.out}")

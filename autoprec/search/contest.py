@@ -116,7 +116,8 @@ def contenders(survivors: list[Entry], autocast: Entry | None,
     ``timings`` (untimed when missing: the roles alone fix the :class:`Race`)."""
     timings = timings or {}
     of = lambda name: timings.get(name, Timing())  # noqa: E731
-    out = [Contender(e.name, e.candidate.policy, of(e.name), e.measurement.grad_rel_l2,
+    out = [Contender(e.name, e.candidate.policy, of(e.name),
+                     e.measurement.grad_rel_l2 if e.tie_drift is None else e.tie_drift,
                      baseline=e.candidate.role is Role.BASELINE) for e in survivors]
     if autocast is not None and autocast.candidate.role is Role.BASELINE:
         out.append(Contender(autocast.name, None, of(autocast.name), autocast.measurement.grad_rel_l2,
@@ -183,6 +184,8 @@ class Contest:
             policy checked).
         eager_tokens_per_s: ``Policy.training_key()`` -> the trial's eager (screening) tokens/s.
         finalists: The report's rows (:class:`FinalistRows`).
+        variants: ``(name, policy, measurement)`` of the choice as first compiled and of its compile
+            variants, when they raced (:meth:`_vary`; empty otherwise): the table's rows.
     """
 
     def __init__(self, harness: Harness, budget: DriftBudget, compile: bool, autocast: AutocastBaseline,
@@ -203,6 +206,7 @@ class Contest:
         self.memory_budget: float | None = None
         self.eager_tokens_per_s: dict[str, float] = {}
         self.finalists = FinalistRows()
+        self.variants: list[tuple[str, Policy, Measurement]] = []
         self._autocast_fn: Any = None  # torch.autocast's module as compiled for its baseline
         self._fp32_fn: Any = None  # the all-fp32 finalist as compiled (fp32 + torch.compile), once measured
         self.trajectory = TrajectoryCheck(harness, autocast, traj_steps, lambda: (
@@ -401,16 +405,19 @@ class Contest:
         """The choice against its compile variants (:func:`variant_options`), each measured and gated
         as the finalists are, timed in a second head-to-head with the baselines among ``survivors``;
         the race decides again (a tie keeps the choice as first compiled: earlier in the lineup, same
-        drift and rules). A variant chosen must pass the trajectory gate too, else the first
-        decision stands. Returns the choice and its decision."""
+        rules, and a variant's drift counts as at least the choice's, ``Entry.tie_drift``). A variant
+        chosen must pass the trajectory gate too, else the first decision stands. Returns the choice
+        and its decision."""
         pol = chosen.candidate.policy
         variants = []
         for options in variant_options(pol, chosen.fn, self.compile_variants):
             vpol = dataclasses.replace(pol, compile_options=options)
             fn, m = self.measure(vpol)
             self.finalists.add(vpol, m, timed=bool(m.step_times))
+            # a tie keeps the choice as first compiled: the variant computes the same policy, and a
+            # drift lower by the compile's summation order (3.45e-7 against 3.53e-7) is no reason
             e = Entry(Candidate(f"{chosen.name}, compiled {options.describe()}", chosen.candidate.role, vpol),
-                      fn, m)
+                      fn, m, tie_drift=max(m.grad_rel_l2, chosen.measurement.grad_rel_l2))
             e.outcome = first_failure(e, self.gates)
             log(f"  compile variant {e.name}: grad_rel_l2 {m.grad_rel_l2:.3g}"
                 + ("" if e.outcome.going_on else f" -> rejected: {e.outcome.reason}"), self.quiet)
@@ -421,6 +428,7 @@ class Contest:
         bars = [e for e in survivors if e.candidate.role is Role.BASELINE and e is not chosen]
         entries = [chosen, *variants, *bars]
         lineup, race = self._time(entries)
+        self.variants = [(e.name, e.candidate.policy, e.measurement) for e in [chosen, *variants]]
         again = race.decide(lineup)
         winner = next(e for e in entries if e.name == again.chosen.name)
         if winner in variants and not TrajectoryGate(self.trajectory).judge(winner).going_on:

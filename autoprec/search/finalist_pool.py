@@ -8,7 +8,7 @@ import optuna
 
 from autoprec.search import attrs
 
-__all__ = ["feasible", "is_feasible"]
+__all__ = ["feasible", "is_feasible", "why_none_feasible"]
 
 
 def is_feasible(t: optuna.trial.FrozenTrial) -> bool:
@@ -30,3 +30,33 @@ def feasible(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
             seen.add(fp)
             out.append(t)
     return out
+
+
+def why_none_feasible(study: optuna.Study) -> str:
+    """Why :func:`feasible` is empty (``tune``'s :class:`~autoprec.errors.SearchError` message): how
+    many complete trials the screening cut stopped (the first reason of each kind, e.g. the slow-step
+    limit on a machine another job slows), how many failed, how many were over the drift budget.
+    A user on a busy machine had been told "no trial met the drift budget, not even all-fp32" when
+    every trial, all-fp32 included, had been cut for its step times."""
+    done = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+    if not done:
+        return "no trial completed (see the log and the study's autoprec:error attributes)"
+    groups: dict[str, list[str]] = {"cut in screening": [], "failed": [], "over the drift budget": []}
+    for t in done:
+        ua = t.user_attrs
+        if attrs.CUT in ua:
+            groups["cut in screening"].append(str(ua[attrs.CUT]))
+        elif attrs.ERROR in ua:
+            groups["failed"].append(str(ua[attrs.ERROR]))
+        else:
+            groups["over the drift budget"].append("")
+    parts = []
+    for kind, why in groups.items():
+        if why:
+            first = next((w for w in why if w), "")
+            parts.append(f"{len(why)} {kind}" + (f" (e.g. {first[:200]})" if first else ""))
+    slow = any("slow-step limit" in w for w in groups["cut in screening"])
+    advice = ("; steps over the slow-step limit on a machine where other jobs run are their load's, not the "
+              "policies': run tune alone" if slow else "")
+    return (f"no trial is feasible, not even all-fp32: of {len(done)} complete trials, {', '.join(parts)} "
+            f"(the study's autoprec:cut and autoprec:error attributes say why each){advice}")

@@ -58,12 +58,16 @@ class Entry:
         fn: Its module as trained (compiled unless ``--no-compile``).
         measurement: Drift, memory (and, once timed, speed) of ``fn``.
         outcome: The first gate's outcome that is not ``CONTINUE``, else ``CONTINUE``.
+        tie_drift: The drift a tie in the race judges it by, where not its own ``grad_rel_l2``: a
+            compile variant's is at least the choice's as first compiled, so a tie keeps that
+            (:meth:`autoprec.search.contest.Contest._vary`). None: its own.
     """
 
     candidate: Candidate
     fn: Any
     measurement: Measurement
     outcome: Outcome = field(default_factory=Outcome.go_on)
+    tie_drift: float | None = None
 
     @property
     def name(self) -> str:

@@ -26,8 +26,9 @@ from autoprec.search.finalist_pool import is_feasible
 from autoprec.search.plots import dtype_map_figure, micro_batch_figure, pareto_figure, save_figure
 from autoprec.search.rate_bands import rate_text, ties_with_fastest, timing_of
 
-__all__ = ["baseline_own_ratio", "format_table", "report_study", "write_report", "trial_rows", "pareto_front",
-           "show_nodes", "dtype_map", "node_label", "lever_section", "policy_summary"]
+__all__ = ["baseline_label", "baseline_own_ratio", "format_table", "report_study", "write_report",
+           "trial_rows", "pareto_front", "show_nodes", "dtype_map", "node_label", "lever_section",
+           "policy_summary"]
 
 def format_table(rows: list[dict[str, Any]]) -> str:
     """Markdown table of result rows: config, tokens/s with ``±`` the 95% band's relative
@@ -167,6 +168,18 @@ def dtype_map(gm: fx.GraphModule, policy: Policy) -> dict[str, dict[str, str]]:
         if n.op == "call_function" and meta.dtype and not meta.inserted_cast:
             counts[meta.module or ""][meta.op_class or "?"][node_label(meta)] += 1
     return {m: {c: max(d, key=d.get) for c, d in cl.items()} for m, cl in counts.items()}
+
+
+def baseline_label(measured: Mapping[str, float], baseline: str) -> str:
+    """How ``tune``'s last line and ``show`` name the baseline to beat after the policy's
+    ``speedup_vs_baseline``: ``"fp32 + torch.compile (the baseline to beat)"``, with the decision's
+    paired band where the policy file has it (``speedup_vs_baseline_lo``/``_hi``), and "a tie within
+    the noise" where that band contains 1.0 (a ratio below 1.0 is then no loss)."""
+    lo, hi = measured.get("speedup_vs_baseline_lo"), measured.get("speedup_vs_baseline_hi")
+    if lo is None or hi is None:
+        return f"{baseline} (the baseline to beat)"
+    tie = "a tie within the noise, " if lo <= 1.0 <= hi else ""
+    return f"{baseline} (the baseline to beat; {tie}paired band {lo:.2f}-{hi:.2f})"
 
 
 def baseline_own_ratio(measured: Mapping[str, float], baseline: str | None) -> str | None:
@@ -369,7 +382,9 @@ def policy_summary(policy: Policy, path: str | os.PathLike, rules: bool = True) 
         # the torch.autocast it was timed against: compiled or eager, as the policy was tuned
         autocast = {True: AUTOCAST_COMPILED, False: AUTOCAST_EAGER}.get(prov.get("compiled"),
                                                                          "torch.autocast")
-        for key, label in (("speedup_vs_baseline", f"{best} (the baseline to beat)"),
+        band = baseline_label(m, best)
+        m.pop("speedup_vs_baseline_lo", None), m.pop("speedup_vs_baseline_hi", None)
+        for key, label in (("speedup_vs_baseline", band),
                            ("speedup_vs_fp32", "fp32 eager"), ("speedup_vs_autocast", autocast)):
             if key in m and key != same:
                 shown.append(f"{m.pop(key):.2f}x {label}")

@@ -43,12 +43,19 @@ def baseline_to_beat(contest: Contest, compile: bool) -> tuple[str, float] | Non
 def measured_block(run: TuneState, contest: Contest, chosen: Policy, m: Measurement,
                    compile: bool) -> dict[str, float]:
     """The policy file's ``measured`` block (finite numbers only: docs/architecture.md#policy-file);
-    ``speedup_vs_baseline`` is against :func:`baseline_to_beat` (whose name the provenance holds)."""
+    ``speedup_vs_baseline`` is against :func:`baseline_to_beat` (whose name the provenance holds), the
+    ratio of the two tokens/s, with the decision's paired 95% band of that ratio
+    (``speedup_vs_baseline_lo``/``_hi``; a band containing 1.0 is a tie within the noise)."""
     ref = contest.autocast_bar or run.autocast
     best = baseline_to_beat(contest, compile)
+    d = contest.decision
+    vs = d.vs_baseline if d is not None and d.chosen is not d.best_baseline else None  # not itself
     return {
         "tokens_per_s": m.tokens_per_s,
         **({"speedup_vs_baseline": m.tokens_per_s / best[1]} if best is not None else {}),
+        # the paired band of the decision (autoprec.measure.noise.compare): containing 1.0, a tie
+        **({"speedup_vs_baseline_lo": vs.band[0], "speedup_vs_baseline_hi": vs.band[1]}
+           if best is not None and vs is not None and all(map(math.isfinite, vs.band)) else {}),
         "speedup_vs_fp32": m.tokens_per_s / run.fp32.tokens_per_s,
         # left out when torch.autocast was not timed (it cannot win: autocast_cannot_win)
         **({"speedup_vs_autocast": m.tokens_per_s / ref.tokens_per_s} if ref.tokens_per_s else {}),
@@ -83,7 +90,14 @@ def side_by_side(run: TuneState, contest: Contest, chosen_m: Measurement,
         table.append(_row(f"autocast {ac} + compile", contest.autocast_compiled, run.fp32, ref, ref, fp32_t))
     if contest.fp32_compiled is not None:  # the other bar: the all-fp32 finalist, compiled
         table.append(_row("fp32 + compile", contest.fp32_compiled, run.fp32, None, ref, fp32_t))
+    chosen_name = contest.decision.chosen.name if contest.decision is not None else None
+    for vname, vpol, vm in contest.variants:  # the choice's compile variants that raced it, not written
+        if vname != chosen_name:
+            table.append(_row(f"{_variant_label(vpol)} + compile, {contest.compiled_as(vpol).describe()}", vm,
+                              run.fp32, t.get(vname), ref, fp32_t))
     name = "autoprec policy" + (" + compile" if compile else " (eager)")
+    if contest.variants and contest.decision is not None and contest.decision.chosen.policy is not None:
+        name += f", {contest.compiled_as(contest.decision.chosen.policy).describe()}"
     table.append(_row(name, chosen_m, run.fp32, chosen_t, ref, fp32_t))
     bar = "autocast+compile" if compile else "autocast eager"
     return [r | {"bar": bar} for r in table]
@@ -115,6 +129,12 @@ def note_if_eager_was_faster(run: TuneState, contest: Contest, chosen: Policy, c
         log(f"note: {eager[1]} ran faster ({eager[0]:.0f} tok/s) than this policy compiled "
             f"({chosen_m.tokens_per_s:.0f}); for this model consider tuning and training without compile "
             "(autoprec tune/train --no-compile)", run.quiet)
+
+
+def _variant_label(pol: Policy) -> str:
+    """A compile variant's row name: ``"fp32"`` for an all-fp32 policy (fp32 + torch.compile compiled
+    another way, a baseline), else ``"autoprec policy"``."""
+    return "fp32" if all_fp32(pol) else "autoprec policy"
 
 
 def _row(name: str, m: Measurement, fp32_m: Measurement, timing: Timing | None = None,

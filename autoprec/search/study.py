@@ -51,7 +51,7 @@ from autoprec.search.budgets import (
 )
 from autoprec.search.contest import FP32_EAGER, Contest, compile_variants_arg
 from autoprec.search.drift_budget import MAX_AUTO_REFERENCE, DriftBudget
-from autoprec.search.finalist_pool import feasible
+from autoprec.search.finalist_pool import feasible, why_none_feasible
 from autoprec.search.kernel_choice import (
     adopt_study_kernels,
     probe_decision,
@@ -356,7 +356,10 @@ def _finalists(run: TuneState, contest: Contest, study: optuna.Study, k: int,
     side and none on the baselines' screened passes."""
     h = run.harness
     with accounted(run.clock, "finalists_s"):  # the finalists' lazy Inductor compiles go to compile_s
-        chosen, chosen_m = contest.run(feasible(study), k, lambda: _memory_bytes(run, contest, memory_arg))
+        pool = feasible(study)
+        if not pool:
+            raise SearchError(why_none_feasible(study))
+        chosen, chosen_m = contest.run(pool, k, lambda: _memory_bytes(run, contest, memory_arg))
     t = contest.timings.get(FP32_EAGER)  # timed in the head-to-head's rounds
     if t is None or not t.step_times:  # full steps again: the baselines phase screened its passes
         with run.clock("baselines_s"):

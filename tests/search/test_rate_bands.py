@@ -119,6 +119,7 @@ def _tune_state(compile: bool, twin_steps, fp32_compiled=None):
 
     from autoprec.measure import Timing
     from autoprec.search.autocast_baseline import AutocastBaseline
+    from autoprec.search.contest import Contest
     from autoprec.search.race import Contender
     from autoprec.search.trajectory import TrajectoryCheck
 
@@ -129,9 +130,10 @@ def _tune_state(compile: bool, twin_steps, fp32_compiled=None):
     sel = SimpleNamespace(timings=timings, ac_label=label, autocast_compiled=ac if compile else None,
                           fp32_compiled=fp32_compiled, autocast_eager=None if compile else ac,
                           autocast_bar=ac, memory_budget=None, budget=DriftBudget.fixed(1.0),
-                          decision=SimpleNamespace(chosen=SimpleNamespace(name="twin"),
+                          decision=SimpleNamespace(chosen=SimpleNamespace(name="twin"), vs_baseline=None,
                                                    best_baseline=Contender(label, None, timings[label], 0.0,
                                                                            baseline=True)),
+                          variants=[], compiled_as=Contest.compiled_as,
                           trajectory=TrajectoryCheck(None, AutocastBaseline(torch.bfloat16), 0, lambda: None))
     run = SimpleNamespace(ac_dtype=torch.bfloat16, fp32=_measurement(SLOW), autocast=_measurement(SLOW),
                           budget=DriftBudget.fixed(1.0))
@@ -219,3 +221,26 @@ def test_the_tables_ratio_to_autocast_is_the_ratio_of_the_tokens_per_s_it_shows(
     assert row["vs_autocast"] == pytest.approx(m.tokens_per_s / ac.tokens_per_s)
     assert row["vs_autocast"] == pytest.approx(2.0, rel=0.02)
     assert row["vs_autocast_tie"] == c.tie
+
+
+def test_the_table_shows_the_compile_variants_that_raced_the_choice():
+    """A user read "fp32 + compile 324" and "autoprec policy + compile 324" in the table and "0.56x
+    the baseline to beat" below it: the baseline was the choice compiled flat, a row the table did
+    not have. Each variant that raced the choice is a row now, and the policy's row says how it was
+    compiled."""
+    import dataclasses
+
+    from autoprec.measure import Timing
+    from autoprec.policy import CompileOptions
+    from autoprec.search.results import side_by_side
+
+    run, sel = _tune_state(True, SLOW)
+    flat = dataclasses.replace(Policy.fp32(), compile_options=CompileOptions(False, True))
+    sel.timings["twin, compiled flat"] = Timing.from_steps(FAST, TOKENS)
+    sel.decision.chosen.policy = Policy.fp32()
+    sel.variants = [("twin", Policy.fp32(), _measurement(SLOW)),
+                    ("twin, compiled flat", flat, _measurement(FAST))]
+    rows = side_by_side(run, sel, _measurement(SLOW), compile=True)
+    by_name = {r["config"]: r for r in rows}
+    assert list(by_name)[-2:] == ["fp32 + compile, flat", "autoprec policy + compile, regional"], rows
+    assert by_name["fp32 + compile, flat"]["tokens_per_s"] == pytest.approx(_measurement(FAST).tokens_per_s)

@@ -34,3 +34,27 @@ def test_memory_first_then_failures():
                    "even with full recomputation)")
     assert why_no_finalist([_m(float("inf"), error="non-finite")], budget, None, True) == (
         "every finalist failed when re-measured, all-fp32 included (see the log)")
+
+
+def test_no_feasible_trial_names_why_each_kind_of_trial_was_not():
+    """A tune beside other jobs: every trial, all-fp32 included, was cut for its step times, and the
+    error said "no trial met the drift budget, not even all-fp32". It now counts each kind."""
+    import optuna
+
+    from autoprec.search import attrs
+    from autoprec.search.finalist_pool import feasible, why_none_feasible
+
+    study = optuna.create_study(direction="maximize")
+    slow = "3 of 3 timed steps over 0.8 s (the slow-step limit of timed steps)"
+    for ua in ({attrs.CUT: slow, attrs.CONSTRAINT: -1.0}, {attrs.CUT: slow, attrs.CONSTRAINT: -1.0},
+               {attrs.ERROR: "non-finite loss", attrs.CONSTRAINT: 1.0}, {attrs.CONSTRAINT: 0.5}):
+        study.add_trial(optuna.trial.create_trial(value=100.0, user_attrs=ua))
+    assert feasible(study) == []
+    why = why_none_feasible(study)
+    assert why.startswith("no trial is feasible, not even all-fp32: of 4 complete trials, 2 cut in screening "
+                          f"(e.g. {slow}), 1 failed (e.g. non-finite loss), 1 over the drift budget"), why
+    assert why.endswith("run tune alone"), why
+    drift_only = optuna.create_study(direction="maximize")
+    drift_only.add_trial(optuna.trial.create_trial(value=1.0, user_attrs={attrs.CONSTRAINT: 0.5}))
+    assert "1 over the drift budget" in why_none_feasible(drift_only)
+    assert "run tune alone" not in why_none_feasible(drift_only)
