@@ -26,8 +26,10 @@ accumulated per optimizer step (:mod:`autoprec.modelspec.micro_batches`).
   batch's tokens over ``t_global``; ``tests/search/test_micro_batch.py`` checks the formula against
   a timed global step.
 - **Choice.** The fastest policy configuration within the drift and memory budgets is written with
-  its ``Policy.batching``; the baseline to beat is the faster of torch.autocast + torch.compile and
-  fp32 + torch.compile, each at its own largest fitting micro-batch.
+  its ``Policy.batching`` (a tie within the noise: the lower-drift, simpler one, :func:`pick`; with
+  compile fp32 + torch.compile takes part, written as all-fp32); the baseline to beat is the faster
+  of torch.autocast + torch.compile and fp32 + torch.compile, each at its own largest fitting
+  micro-batch.
 """
 
 from __future__ import annotations
@@ -57,7 +59,8 @@ from autoprec.search.progress import log
 from autoprec.search.space import with_saved, without_saved
 from autoprec.training.train import make_scaler
 
-__all__ = ["GLOBAL_DRIFT_STEPS", "BatchConfig", "BatchPoint", "BatchSearch", "faster", "global_step_seconds"]
+__all__ = ["GLOBAL_DRIFT_STEPS", "LEVER_ORDER", "BatchConfig", "BatchPoint", "BatchSearch", "faster",
+           "global_step_seconds", "pick"]
 
 #: Global batches each fitted configuration's accumulated drift is measured on.
 GLOBAL_DRIFT_STEPS = 2
@@ -360,16 +363,17 @@ class BatchSearch:
         timed = [p for p in policies if p.tokens_per_s > 0]
         if not timed:
             raise SearchError(f"--global-batch {self.n}: no policy configuration could be timed")
-        best = max(timed, key=lambda p: p.tokens_per_s)
         bases = [p for p in live if p.config.role is Role.BASELINE and p.tokens_per_s > 0]
         bar = max(bases, key=lambda p: p.tokens_per_s) if bases else None
-        if (bar is not None and bar.config.autocast_dtype is None and faster(bar, best)
-                and self.compile):  # fp32 + torch.compile faster beyond the noise: write what it runs
-            fp32 = dataclasses.replace(Policy.fp32(), compile_options=TORCH_COMPILE,
-                                       batching=Batching(bar.micro_batch, bar.accumulation))
-            log(f"micro-batch: {bar.label} was faster than every policy configuration: writing all-fp32, "
-                "compiled as torch.compile(model) compiles it", self.quiet)
-            return fp32, bar, bar
+        # fp32 + torch.compile is a baseline and a policy to write (all-fp32, as torch.compile compiles)
+        fp32 = [p for p in bases if p.config.autocast_dtype is None] if self.compile else []
+        best = pick(timed + fp32)
+        if best in fp32:
+            policy = dataclasses.replace(Policy.fp32(), compile_options=TORCH_COMPILE,
+                                         batching=Batching(best.micro_batch, best.accumulation))
+            log(f"micro-batch: {best.label} was as fast as every policy configuration or faster, with the "
+                "least drift: writing all-fp32, compiled as torch.compile(model) compiles it", self.quiet)
+            return policy, best, best
         batching = Batching(best.micro_batch, best.accumulation)
         chosen = dataclasses.replace(best.config.policy, batching=batching)
         return chosen, best, bar
@@ -379,6 +383,33 @@ def _peak_only(_m: Any) -> Outcome:
     """A measurement's cut after its first drift pass, whose peak is the CPU's count: the file's
     harness has more drift batches than a point needs (the decisive drift is the accumulated one)."""
     return Outcome.cut("peak only")
+
+
+#: The simplicity of a configuration in a tie (:func:`pick`): fp32 + torch.compile, the policy without
+#: a memory lever, then with saved bf16 activations, then with full recomputation.
+LEVER_ORDER = ("fp32 + torch.compile", "policy", "policy + saved bf16", "policy + recompute 0")
+
+
+def pick(points: list[BatchPoint]) -> BatchPoint:
+    """The configuration to write among timed ``points`` (policy configurations, and fp32 +
+    torch.compile where it may be written): of those the fastest is not faster than beyond the noise
+    (:func:`faster`), the lower-drift, simpler one (mean accumulated ``grad_rel_l2``, then
+    :data:`LEVER_ORDER`) — the contest's tie rule (:mod:`autoprec.search.race`). A user's tune had
+    written saved bf16 activations at 4 x 4 (drift 1.15e-3) for a 1.01x, band 0.91-1.15, over
+    fp32 at 2 x 8 (drift 0).
+
+    Raises:
+        ValueError: ``points`` is empty."""
+    if not points:
+        raise ValueError("pick: no timed configuration")
+    fastest = max(points, key=lambda p: p.tokens_per_s)
+    tied = [p for p in points if p is fastest or not faster(fastest, p)]
+    rank = {name: i for i, name in enumerate(LEVER_ORDER)}
+
+    def key(p: BatchPoint) -> tuple[float, int]:
+        drift = sum(p.drift) / len(p.drift) if p.drift else math.inf
+        return (drift if math.isfinite(drift) else math.inf), rank.get(p.config.name, len(LEVER_ORDER))
+    return min(tied, key=key)
 
 
 def faster(a: BatchPoint, b: BatchPoint) -> bool:

@@ -167,3 +167,27 @@ def test_without_saved_undoes_the_saved_lever_only():
     pol = Policy(default_dtype="fp32", rules=(Rule(op_class="matmul", dtype="bf16"),
                                               Rule(node="lm_head/linear#0", saved="bf16")))
     assert without_saved(with_saved(pol, "bf16")) == pol
+
+
+def test_a_tie_goes_to_the_lower_drift_simpler_configuration():
+    """A user's ``tune --global-batch 16 --max-memory``: saved bf16 activations at 4 x 4 (drift
+    1.15e-3) measured 1.01x fp32 at 2 x 8 (drift 0), band 0.91-1.15, and were written. A tie goes
+    to the lower-drift, simpler configuration (the contest's rule); beyond the noise the faster."""
+    from autoprec.search.micro_batch import pick
+
+    def pt(name, m, tps, band, drift, role=Role.POLICY):
+        return BatchPoint(BatchConfig(name, role), m, 16 // m, tokens_per_s=tps, tokens_per_s_band=band,
+                          drift=[drift] * 2)
+
+    saved = pt("policy + saved bf16", 4, 10192.0, (9700.0, 10700.0), 1.15e-3)
+    plain = pt("policy", 2, 10110.0, (9600.0, 10600.0), 0.0)
+    assert pick([saved, plain]) is plain
+    fp32 = pt("fp32 + torch.compile", 2, 10100.0, (9600.0, 10600.0), 3e-7, Role.BASELINE)
+    bf16 = pt("policy", 4, 10150.0, (9650.0, 10650.0), 4e-3)
+    assert pick([bf16, fp32]) is fp32  # a tie: all-fp32 is the lower-drift, simpler
+    fast = pt("policy + saved bf16", 8, 13000.0, (12500.0, 13500.0), 1.15e-3)
+    assert pick([fast, plain, fp32]) is fast  # faster beyond the noise: the faster
+    same = pt("policy + recompute 0", 2, 10120.0, (9600.0, 10600.0), 0.0)
+    assert pick([same, plain]) is plain  # the same drift: no lever before recomputation
+    with pytest.raises(ValueError):
+        pick([])
