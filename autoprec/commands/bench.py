@@ -13,7 +13,8 @@ steps (forward, loss, backward, optimizer step, loss scaler) through the one mea
 ``pure_low_eager``     a copy of the model cast to the low dtype (``model.to(dtype)``): no master
                        weights, optimizer state in the low dtype
 ``pure_low_compiled``  that copy compiled (``torch.compile`` of the ``nn.Module``)
-``policy_eager``       the policy-lowered graph (fp32 master weights)
+``policy_eager``       the policy-lowered graph (fp32 master weights), its ``saved`` activation
+                       dtypes honoured, as ``train --no-compile`` runs it
 ``policy_compiled``    the policy-lowered graph compiled (what ``autoprec train`` runs)
 =====================  ===========================================================================
 

@@ -1,6 +1,10 @@
 """How ``autoprec bench`` builds each configuration (docs/architecture.md#measurements): the module it
 trains, its loss scaler, its autocast dtype and the harness whose weights it trains, so that every
-configuration runs every batch shape the model file gives (:mod:`autoprec.commands.bench_shapes`)."""
+configuration runs every batch shape the model file gives (:mod:`autoprec.commands.bench_shapes`).
+The policy rows run the lowered graph as training runs it: ``policy_eager`` with the policy's saved
+activation dtypes honoured (:func:`autoprec.applied.saved.saved_eager`, as ``tune``'s eager
+candidates and ``apply(..., compile=False)``), ``policy_compiled`` through
+:func:`autoprec.applied.compile.compile_graph`."""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ from typing import Any
 import torch
 
 from autoprec.applied.compile import check_recompute, compile_graph
+from autoprec.applied.saved import saved_eager
 from autoprec.capture import autocast_dynamic
 from autoprec.commands import bench_shapes as shapes
 from autoprec.dtypes import NAMES
@@ -96,7 +101,11 @@ def build_configs(h: Harness, policy: Policy, low: torch.dtype, names: Sequence[
         "pure_low_compiled": lambda: BenchConfig(
             lambda: compile_graph(plow.model, dynamic=autocast_dynamic(plow.batches)),
             plow, low_scaler, None, lname, True),
-        "policy_eager": lambda: BenchConfig(lambda: lowered, h, pol_scaler, None, pdt, False),
+        # as tune's eager candidates, train --no-compile and apply(compile=False) run it: its nodes'
+        # ``saved`` dtypes honoured (saved_eager); a lowering of its own, as saved_eager marks it in place
+        "policy_eager": lambda: BenchConfig(
+            lambda: saved_eager(run_pipeline(h.graph_module, policy).graph_module), h, pol_scaler, None, pdt,
+            False),
         "policy_compiled": lambda: BenchConfig(
             lambda: compile_graph(lowered, policy.activation_memory_budget, regional=how.regional,
                                   emulate_precision_casts=how.emulate_precision_casts),

@@ -324,3 +324,48 @@ def test_pure_low_compiled_compiles_the_low_dtype_copy():
     row = res["configs"]["pure_low_compiled"]
     assert row["error"] is None and row["compiled"] and row["steps_timed"] >= 1
     assert 1e-5 < row["grad_rel_l2"] < 0.1  # rounded to the low dtype, not broken
+
+
+def test_policy_eager_saves_activations_in_the_policys_dtype_as_apply_eager_does(monkeypatch):
+    """A policy's ``saved`` rules (bf16 activations saved for backward, autoprec.applied.saved) are
+    what ``policy_eager`` runs, as ``apply(..., compile=False)`` and ``train --no-compile`` run
+    them: the row ran the lowered graph without them, so it read grad_rel_l2 0 and fp32's peak for
+    a policy that drifts by bf16's rounding and saves half the bytes. Its drift is apply's mean
+    over the drift batches against the fp32 graph's, and its peak is fp32's less what the bf16
+    copies save (the CPU peak: training state + bytes saved for backward on batch 0)."""
+    import autoprec
+    import autoprec.commands.bench_mfu as mfu
+    from autoprec.measure import SavedBytes
+    from autoprec.measure.drift import DRIFT_BATCHES
+    from autoprec.metrics import grad_rel_l2
+    from autoprec.modelspec import load_model_spec
+    from autoprec.policy.rule import Rule
+    from tests.conftest import DRIFT
+
+    monkeypatch.setattr(mfu, "matmul_peak_flops", lambda dtype, device, **k: (1e11, 512))  # not measured here
+    pol = Policy(default_dtype="fp32", rules=(Rule(op_class="matmul", saved="bf16"),))
+    res = run_bench(TINY, pol, steps=1, warmup=0, device="cpu", configs=["fp32_eager", "policy_eager"],
+                    rel_band=1.0, quiet=True)  # the timing's fewest rounds: drift and peak are the point
+    rows = res["configs"]
+    spec = load_model_spec(TINY)
+
+    def grads(policy: Policy, k: int) -> tuple[list[torch.Tensor], int]:
+        """Gradients and bytes saved for backward of apply(compile=False) on drift batch k."""
+        model = spec.build_model()
+        mp = autoprec.apply(model, policy, spec.get_batch(0, "cpu"), compile=False)
+        counter = SavedBytes(list(model.parameters()))
+        batch = spec.get_batch(k, "cpu")
+        with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
+            loss = spec.loss_fn(mp(batch), batch)
+        loss.backward()
+        return [p.grad for p in model.parameters()], counter.total
+
+    runs = [(grads(Policy.fp32(), k), grads(pol, k)) for k in range(DRIFT_BATCHES)]
+    expected = sum(grad_rel_l2(got, ref) for (ref, _), (got, _) in runs) / DRIFT_BATCHES
+    (_, fp32_saved), (_, bf16_saved) = runs[0]  # batch 0's pass: the one the row's peak counts
+    assert expected > 10 * DRIFT[torch.float32]  # bf16 roundings, not fp32 round-off
+    assert rows["policy_eager"]["error"] is None
+    assert rows["policy_eager"]["grad_rel_l2"] == pytest.approx(expected, abs=DRIFT[torch.float32])
+    assert rows["fp32_eager"]["grad_rel_l2"] == pytest.approx(0.0, abs=DRIFT[torch.float32])
+    assert bf16_saved < fp32_saved
+    assert rows["fp32_eager"]["peak_bytes"] - rows["policy_eager"]["peak_bytes"] == fp32_saved - bf16_saved
