@@ -117,6 +117,25 @@ def _policy_batching(path: str):
         return None
 
 
+def _bench_batching_note(a: argparse.Namespace, nproc: bool) -> None:
+    """``bench``'s note (stderr) on a policy whose ``batching`` (``tune --global-batch``) it does not run,
+    the one home of its text: in one process without ``--global-batch`` it runs the model file's batch,
+    and under ``--nproc`` (``nproc``) each rank does, without accumulation. Printed once: by the
+    process the user started (not by the ranks ``--nproc`` starts; rank 0 of the user's own torchrun)."""
+    from autoprec.commands.launch import launched_rank
+    from autoprec.distributed.ranks import ranks_from_env
+
+    if a.global_batch is not None or launched_rank() or not ranks_from_env().lead:
+        return
+    if (batching := _policy_batching(a.policy)) is None:
+        return
+    g = batching.global_batch
+    runs = (f"bench --nproc runs the model file's batch on each rank, without accumulation (bench "
+            f"--global-batch {g}, in one process, compares at the policy's)" if nproc else
+            f"this bench runs the model file's batch (pass --global-batch {g} to compare at the policy's)")
+    print(f"autoprec bench: note: {a.policy} trains at {batching.describe()}; {runs}", file=sys.stderr)
+
+
 def _global_batch_line(out: str, policy: Policy) -> str:
     """``tune --global-batch``'s ``wrote`` line: the written policy at its micro-batch against the
     baseline to beat at its own (``Policy.measured``'s micro-batch keys)."""
@@ -261,10 +280,7 @@ def _cmd_bench(a: argparse.Namespace) -> int:
         print("autoprec bench: error: --no-compile goes with --global-batch N; without it pick eager rows "
               "with --configs (fp32_eager policy_eager ...)", file=sys.stderr)
         return 2
-    if a.global_batch is None and (batching := _policy_batching(a.policy)) is not None:
-        print(f"autoprec bench: note: {a.policy} trains at {batching.describe()}; this bench runs the model "
-              f"file's batch (pass --global-batch {batching.global_batch} to compare at the policy's)",
-              file=sys.stderr)
+    _bench_batching_note(a, nproc=False)
     if a.global_batch is not None:
         from autoprec.commands.bench_batch import format_batch_table, run_batch_bench
 
@@ -312,6 +328,14 @@ def _cmd_bench_dist(a: argparse.Namespace) -> int:
         print("autoprec bench: error: --configs names one-process configurations; with --nproc the rows are "
               "DDP and FSDP2 with fp32 and bf16 gradient reduction (drop --configs)", file=sys.stderr)
         return 2
+    given = [o for o, v in (("--global-batch", a.global_batch), ("--max-memory", a.max_memory))
+             if v is not None]
+    if given:  # else ignored: every rank runs the model file's batch
+        print(f"autoprec bench: error: {' and '.join(given)}: a comparison at a global batch, in one "
+              "process; with --nproc every rank runs the model file's batch (drop --nproc, or "
+              f"{'them' if given[1:] else 'it'})", file=sys.stderr)
+        return 2
+    _bench_batching_note(a, nproc=True)
     if a.nproc > 1:
         from autoprec.commands.launch import launch
 

@@ -129,3 +129,58 @@ def test_bench_nproc_refuses_the_policy_of_another_model_unless_forced(tmp_path,
     assert out.count(f"warning: {p} was tuned on other.py (graph 0123456789abcdef), not on this model") == 1
     res = json.loads((tmp_path / "bench.json").read_text())
     assert list(res["configs"]) == [name for name, _, _ in DIST_ROWS]
+
+
+def test_bench_nproc_notes_the_policys_batching_once_as_one_process_does(tmp_path, capsys, monkeypatch):
+    """A policy with ``batching`` (``tune --global-batch``: micro-batch 4 x 4) is benched at the model
+    file's batch, without accumulation, on every rank: ``bench --nproc 2`` said nothing of it where one
+    process's bench notes it. Both notes come from one place and say where the policy's batching is
+    compared; the launcher prints it, the ranks it starts do not (it would come once per rank)."""
+    import dataclasses
+
+    import autoprec.commands.bench as bench
+    import autoprec.commands.bench_dist as bench_dist
+    import autoprec.commands.launch as launch
+    from autoprec.policy import Batching
+
+    path = tmp_path / "p.json"
+    dataclasses.replace(Policy.fp32(), batching=Batching(4, 4)).save(path)
+    head = f"autoprec bench: note: {path} trains at micro-batch 4 x 4 accumulated (global batch 16); "
+    launched = []
+    monkeypatch.setattr(launch, "launch", lambda cmd, argv, n: launched.append(n) or 0)  # no ranks started
+    monkeypatch.setattr(bench_dist, "run_bench_dist", lambda *a, **k: None)  # a rank other than 0's answer
+
+    def stop(*a, **k):
+        raise ValueError("stopped after the note")
+
+    monkeypatch.setattr(bench, "run_bench", stop)
+    argv = ["bench", str(MODEL), "--policy", str(path), "--device", "cpu"]
+    assert main(argv) == 2  # one process: the note, then run_bench
+    assert capsys.readouterr().err.splitlines()[0] == (
+        head + "this bench runs the model file's batch (pass --global-batch 16 to compare at the policy's)")
+    assert main([*argv, "--nproc", "2"]) == 0 and launched == [2]
+    assert capsys.readouterr().err.splitlines() == [
+        head + "bench --nproc runs the model file's batch on each rank, without accumulation (bench "
+               "--global-batch 16, in one process, compares at the policy's)"]
+    for rank in ("0", "1"):  # the ranks --nproc started: the launcher said it
+        for k, v in {launch.LAUNCHED_ENV: "bench", "RANK": rank, "WORLD_SIZE": "2"}.items():
+            monkeypatch.setenv(k, v)
+        assert main(argv) == 0
+        assert "note:" not in capsys.readouterr().err
+
+
+def test_bench_nproc_refuses_the_one_process_global_batch_options(tmp_path, capsys, monkeypatch):
+    """``--global-batch`` and ``--max-memory`` pick each side's micro-batch in one process; ``bench
+    --nproc`` ran every rank at the model file's batch and dropped them without a word."""
+    import autoprec.commands.launch as launch
+
+    path = tmp_path / "p.json"
+    Policy.fp32().save(path)
+    monkeypatch.setattr(launch, "launch", lambda cmd, argv, n: 0)
+    base = ["bench", str(MODEL), "--policy", str(path), "--nproc", "2"]
+    assert main([*base, "--global-batch", "16"]) == 2
+    assert capsys.readouterr().err == (
+        "autoprec bench: error: --global-batch: a comparison at a global batch, in one process; with --nproc "
+        "every rank runs the model file's batch (drop --nproc, or it)\n")
+    assert main([*base, "--global-batch", "16", "--max-memory", "1GiB"]) == 2
+    assert "error: --global-batch and --max-memory: a comparison at a global batch" in capsys.readouterr().err
