@@ -198,18 +198,45 @@ class MicroBatches:
             return self._last[2]
         if self.sized:
             batch = self.spec.get_batch(step, device, batch_size=self.global_batch)
-        elif self.global_batch == self.file_batch:
-            batch = self.spec.get_batch(step, device)
+            parts = [(f"get_batch({step}, device, batch_size={self.global_batch})", batch)]
         else:
             k = self.global_batch // self.file_batch
-            batch = _concat([self.spec.get_batch(step * k + r, device) for r in range(k)], self.spec.path)
+            calls = [step * k + r for r in range(k)]
+            parts = [(f"get_batch({i})", self.spec.get_batch(i, device)) for i in calls]
+            batch = parts[0][1] if k == 1 else _concat([b for _, b in parts], self.spec.path)
         rows = batch_rows(batch, self.spec.path)
         if rows != self.global_batch:
-            how = (f"get_batch(step, device, batch_size={self.global_batch})" if self.sized
-                   else "the concatenated batches")
-            raise ModelSpecError(f"{self.spec.path}: {how} gave {rows} examples, not {self.global_batch}")
+            raise ModelSpecError(self._short(step, parts))
         self._last = (step, str(device), batch)
         return batch
+
+    def _short(self, step: int, parts: list[tuple[str, Any]]) -> str:
+        """The message for optimizer step ``step``'s global batch of the wrong size: each call that
+        made it, with its rows, and what to do (a DataLoader's last, shorter batch is the usual cause)."""
+        got = ", ".join(f"{call} {batch_rows(b, self.spec.path)}" for call, b in parts)
+        want = (f"batch_size={self.global_batch} examples" if self.sized
+                else f"{self.file_batch} examples each (get_batch(0)'s)")
+        return (f"{self.spec.path}: the global batch of optimizer step {step} ({self.global_batch} examples) "
+                f"needs {want}; got {got}. What to do: give every batch the same size (a DataLoader's "
+                "last batch is shorter unless drop_last=True), or cycle over full batches only")
+
+    def check_steps(self, steps: int, device: torch.device) -> None:
+        """Build the global batches of the first ``steps`` optimizer steps, so a short one is refused
+        before any work (``tune --global-batch`` reads its first few; ``train`` the rest as it goes).
+
+        Another error of ``get_batch`` ends the check silently: a file with fewer batches than
+        ``steps`` may still give what a run reads, and a run that reads that far reports the error.
+
+        Raises:
+            ModelSpecError: a global batch of the wrong size (names the step, each ``get_batch``
+                call and its rows)."""
+        for s in range(steps):
+            try:
+                self.global_at(s, device)
+            except ModelSpecError:
+                raise
+            except Exception:  # noqa: BLE001 - the file's own error, for the run that reads that far
+                return
 
     def step(self, step: int, device: torch.device) -> Any:
         """Optimizer step ``step``'s input for a :class:`~autoprec.training.train.TrainStep`: the

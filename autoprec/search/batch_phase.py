@@ -22,7 +22,13 @@ from autoprec.search.phases import accounted
 from autoprec.search.progress import log
 from autoprec.search.tune_state import TuneState
 
-__all__ = ["BatchChoice", "check_global_batch", "micro_batch_phase"]
+__all__ = ["CHECKED_STEPS", "BatchChoice", "check_global_batch", "micro_batch_phase"]
+
+#: Optimizer steps whose global batches :func:`check_global_batch` builds before any capture, so a
+#: model file whose batches change size (a DataLoader's last, shorter batch) is refused then, not
+#: after the search (a user's 18 examples in batches of 4 failed at the end of a whole tune, at
+#: step 2 of global batch 8). A later short batch is still refused where it is read.
+CHECKED_STEPS = 8
 
 
 @dataclass(frozen=True)
@@ -96,11 +102,13 @@ def check_global_batch(spec: ModelSpec, global_batch: int, device: torch.device)
 
     Raises:
         SearchError: ``global_batch`` < 1, or the model file's batches cannot be resized to it
-            (:class:`~autoprec.modelspec.micro_batches.MicroBatches`'s message, naming the entry)."""
+            (:class:`~autoprec.modelspec.micro_batches.MicroBatches`'s message, naming the entry), or
+            one of the first :data:`CHECKED_STEPS` global batches has another size (naming the step
+            and each ``get_batch`` call)."""
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
         raise SearchError(f"--global-batch: expected an integer >= 1, got {global_batch!r}")
-    try:
-        MicroBatches(spec, global_batch, 1, device)
+    try:  # the global batches of the steps the phase measures on: a short one is refused now
+        MicroBatches(spec, global_batch, 1, device).check_steps(CHECKED_STEPS, device)
     except ModelSpecError as e:
         raise SearchError(f"--global-batch {global_batch}: {e}") from None
 

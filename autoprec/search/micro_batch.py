@@ -226,8 +226,9 @@ class BatchSearch:
         pt.fits = pt.error is None and (self.memory_budget is None or pt.peak_bytes <= self.memory_budget)
         if pt.error is None and not pt.fits:
             pt.note = f"peak {format_bytes(pt.peak_bytes)} over the memory budget"
-        log(f"  {pt.label}: peak {format_bytes(pt.peak_bytes)}" + (f" ({pt.error})" if pt.error else "")
-            + ("" if pt.fits else " -> over the budget"), self.quiet)
+        what = f"failed ({pt.error})" if pt.error else f"peak {format_bytes(pt.peak_bytes)}"
+        log(f"  {pt.label}: {what}" + (" -> over the budget" if pt.error is None and not pt.fits else ""),
+            self.quiet)
         self.points.append(pt)
         return pt
 

@@ -123,6 +123,51 @@ def test_a_global_batch_the_file_cannot_give_is_refused_before_any_capture(tmp_p
     assert not (tmp_path / "p.json").exists()
 
 
+SHORT_LAST = """
+import torch
+from torch import nn
+
+N, B = 18, 4  # a DataLoader over 18 examples in batches of 4: the fifth has 2
+_rows = torch.randn(N, 8, generator=torch.Generator().manual_seed(0))
+_batches = list(torch.utils.data.DataLoader(_rows, batch_size=B, shuffle=False))
+
+
+def build_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+
+
+def get_batch(step, device):
+    return _batches[step % len(_batches)].to(device)
+
+
+def loss_fn(output, batch):
+    return output.pow(2).mean()
+"""
+
+
+def test_a_short_batch_is_refused_before_any_capture_naming_the_step_and_the_calls(tmp_path):
+    """A user's DataLoader whose last batch is short: ``tune --global-batch 8`` ran the whole search
+    and then failed with "the concatenated batches gave 6 examples, not 8" (logged as "peak 0 bytes
+    -> over the budget" with no budget). It is refused before any capture, naming the step, each
+    ``get_batch`` call and its rows, and what to do; ``train`` says the same where it meets it."""
+    model = tmp_path / "short_last.py"
+    model.write_text(SHORT_LAST)
+    want = (f"--global-batch 8: {model}: the global batch of optimizer step 2 (8 examples) needs 4 "
+            "examples each (get_batch(0)'s); got get_batch(4) 2, get_batch(5) 4. What to do: give every "
+            "batch the same size (a DataLoader's last batch is shorter unless drop_last=True)")
+    with pytest.raises(SearchError) as err:
+        tune(model, out=tmp_path / "p.json", global_batch=8, trials=1, compile=False, progress=False,
+             quiet=True)
+    assert want in str(err.value)
+    assert not (tmp_path / "p.json").exists()
+    from autoprec.modelspec.micro_batches import MicroBatches
+
+    spec = load_model_spec(model)
+    with pytest.raises(Exception, match=r"optimizer step 2 \(8 examples\).*got get_batch\(4\) 2"):
+        MicroBatches(spec, 8, 4, CPU).step(2, CPU)
+
+
 def test_no_configuration_fitting_names_the_budget_and_the_smallest_peak():
     spec = load_model_spec(TINY)
     search = BatchSearch(spec, CPU, 16, memory_budget=1000.0, compile=False,
