@@ -5,6 +5,9 @@ Every configuration starts from the same initial weights (one ``build_model()`` 
 each fresh model), sees the same batches (``get_batch(step)``) and the same global RNG seed, and uses
 the model file's optimizer. The configurations:
 
+Where the policy has ``batching`` (``tune --global-batch``), every configuration trains at its
+micro-batch x accumulation, on the same global batches (as ``autoprec train`` runs the policy):
+
 * ``policy``: the policy file applied with :func:`autoprec.apply` (compiled unless ``compile=False``),
   with a :class:`DynamicLossScaler` when the policy uses fp16;
 * ``fp32``: the unmodified model, eager, fp32 (the reference; always run);
@@ -57,6 +60,7 @@ from autoprec.errors import AutoprecError
 from autoprec.kernels.fp32_gemms import Fp32ComputeGemms
 from autoprec.metrics import median, traj_rel
 from autoprec.modelspec import ModelSpec, call_model, load_model_spec
+from autoprec.modelspec.micro_batches import step_batches
 from autoprec.policy import Policy
 from autoprec.search.autocast_baseline import EMULATE_AT
 from autoprec.training.checkpoint import load_checkpoint, save_checkpoint
@@ -148,6 +152,10 @@ def _run(name: str, spec: ModelSpec, init: dict[str, torch.Tensor], policy: Poli
     a note (torch.autocast's GEMMs computed in fp32 from some step on: :func:`_emulate_from`, given
     ``fp32_step_s``, fp32's median seconds per step).
 
+    Every configuration trains at the policy's ``batching`` where it has one (micro-batch x
+    accumulation of the same global batches, :func:`~autoprec.modelspec.micro_batches.step_batches`,
+    as ``autoprec train`` runs the policy), else at the model file's batch.
+
     The steps run through :func:`autoprec.training.steps.run_steps` with the seeded-stream RNG rule
     (``StepRng(seed)``, :mod:`autoprec.training.rng`): the global generators are seeded with
     ``seed`` before step 0, so every configuration starts from the same RNG state. With ``state``,
@@ -158,7 +166,8 @@ def _run(name: str, spec: ModelSpec, init: dict[str, torch.Tensor], policy: Poli
     model.load_state_dict(init)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
-    first = spec.get_batch(0, dev)
+    source = step_batches(spec, policy.batching, dev)  # every configuration at the policy's batching
+    first = source.micro(0, dev) if source is not None else spec.get_batch(0, dev)
     ac, scaler, module = None, None, model
     if name == "policy":
         module = apply(model, policy, first, compile=compile)
@@ -195,7 +204,8 @@ def _run(name: str, spec: ModelSpec, init: dict[str, torch.Tensor], policy: Poli
     if state is not None:
         hooks.append(every(checkpoint_every, stop=steps,
                            fn=lambda done: state.save(name, model, optimizer, scaler, done, run)))
-    batches = lambda k: first if k == 0 else spec.get_batch(k, dev)  # noqa: E731
+    batches = ((lambda k: source.step(k, dev)) if source is not None  # noqa: E731
+               else (lambda k: first if k == 0 else spec.get_batch(k, dev)))
     rng = StepRng(seed)
     if ac is not None and start < 2:  # step 0 warms up; step 1 is timed natively, then decide()
         run_steps(step, batches, start, min(2, steps), rng=rng, device=dev, after=hooks)
@@ -303,6 +313,7 @@ def compare(model_path: str | os.PathLike, policy_path: str | os.PathLike, steps
         "heldout_source": ("get_heldout_batch" if spec.heldout_batch is not None
                            else f"get_batch({FAR_STEP}+j)"),
         "autocast_dtype": str(autocast_dtype(dev)).replace("torch.", ""),
+        "batching": policy.batching.describe() if policy.batching is not None else None,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     })
 
@@ -310,6 +321,8 @@ def compare(model_path: str | os.PathLike, policy_path: str | os.PathLike, steps
         if not quiet and (i % max(log_every, 1) == 0 or i == steps - 1):
             print(msg, flush=True)
 
+    if policy.batching is not None:
+        log(0, f"training every configuration at {policy.batching.describe()} (the policy's batching)")
     for name in names:
         if state is not None and name in state.done:
             r = state.done[name]

@@ -43,6 +43,33 @@ def test_fp32_policy_reproduces_fp32_exactly(tmp_path):
     assert res.heldout_loss["policy"] == res.heldout_loss["fp32"]
 
 
+def test_every_configuration_trains_at_the_policys_batching(tmp_path, capsys):
+    """A user's ``train --compare`` of a policy written by ``tune --global-batch`` ran every curve at
+    the model file's batch: the convergence check tested another training than the policy's. Each
+    configuration now trains at its micro-batch x accumulation on the same global batches as
+    ``autoprec train`` (global batch 16: two of tiny_mlp's batches of 8 a step)."""
+    import dataclasses
+
+    from autoprec.commands.train import train
+    from autoprec.policy import Batching
+
+    pol = tmp_path / "p.json"
+    dataclasses.replace(Policy.fp32(), batching=Batching(4, 4)).save(pol)
+    plain = tmp_path / "plain.json"
+    Policy.fp32().save(plain)
+    res = compare(TINY, pol, steps=3, baselines=["fp32"], compile=False, quiet=False, heldout_batches=1)
+    assert "training every configuration at micro-batch 4 x 4 accumulated (global batch 16)" in (
+        capsys.readouterr().out)
+    assert res.meta["batching"] == "micro-batch 4 x 4 accumulated (global batch 16)"
+    trained = train(TINY, pol, steps=3, compile=False, quiet=True).losses
+    for name in ("fp32", "policy"):
+        torch.testing.assert_close(res.curves[name], trained, rtol=1e-5, atol=1e-6)
+    at_file_batch = compare(TINY, plain, steps=3, baselines=["fp32"], compile=False, quiet=True,
+                            heldout_batches=1)
+    assert at_file_batch.meta["batching"] is None
+    assert abs(at_file_batch.curves["fp32"][1] - res.curves["fp32"][1]) > 1e-4  # other data at step 1
+
+
 def test_cli_compare_bf16_writes_json_and_png(tmp_path, capsys):
     pol = tmp_path / "p.json"
     Policy.default("bf16").save(pol)
