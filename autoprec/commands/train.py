@@ -12,9 +12,15 @@ from the model file and split along dimension 0); gradients accumulate in fp32 a
 once per global batch.
 
 Under torchrun (``autoprec train --nproc N``, :mod:`autoprec.distributed`) each rank trains
-the applied module under DDP on its own batches (rank r at step k: ``get_batch(k * N + r)``), with
-the same RNG stream on every rank; the loss logged is the mean over the ranks, and only rank 0
-prints, writes the monitor log and saves checkpoints (every rank loads one on ``--resume``).
+the applied module under DDP on its own batches (rank r at step k: ``get_batch(k * N + r)``; with a
+policy's batching, rank r's step k is the policy's whole global batch ``k * N + r``, so one optimizer
+step covers N of them), with the same RNG stream on every rank. The numbers logged are the job's
+(:class:`~autoprec.distributed.ranks.JobStep`): the loss is the mean over the ranks, tokens/s all the
+ranks' tokens over the slowest rank's step seconds; only rank 0 prints, writes the monitor log and
+saves checkpoints (every rank loads one on ``--resume``).
+
+Without ``--resume`` a run starts at step 0, and an existing file at ``--checkpoint`` is refused
+before anything is built (:func:`_refuse_existing`): the run would overwrite it at its first save.
 """
 
 from __future__ import annotations
@@ -35,9 +41,9 @@ from autoprec.applied.policy_match import check_policy_file
 from autoprec.capture import PROBE_BATCHES, capture_for
 from autoprec.device import resolve_device
 from autoprec.distributed.ranks import (
+    JobStep,
     init_ranks,
     joined,
-    mean_loss_hook,
     rank_step_batch,
     ranks_from_env,
 )
@@ -70,7 +76,8 @@ class TrainResult:
             are all skipped has diverged or not yet found its scale.
         final_steps: How many steps ``final_loss`` is the mean of.
         tokens_per_s: Tokens/s over the steps after the first (which compiles): mean tokens per
-            step / median step seconds (:func:`autoprec.training.monitor.tokens_per_s`).
+            step / median step seconds (:func:`autoprec.training.monitor.tokens_per_s`); under
+            ``--nproc N`` the whole job's, all N ranks' tokens over the slowest rank's step seconds.
         skipped: Steps skipped for non-finite gradients (in this call).
         loss_scale: Final loss scale (1.0 without a scaler).
         start_step: First step run (``> 0`` when resumed from a checkpoint).
@@ -110,7 +117,8 @@ def train(model_path: str | os.PathLike, policy_path: str | os.PathLike, steps: 
         steps: Total optimizer steps of the run (a resumed run continues up to this number).
         device: ``auto``, ``cpu`` or ``cuda``. compile: ``torch.compile`` the lowered graph.
         log_every: Print every n-th step. quiet: Print nothing.
-        checkpoint: Checkpoint file written at the end (and every ``checkpoint_every`` steps).
+        checkpoint: Checkpoint file written at the end (and every ``checkpoint_every`` steps); without
+            ``resume`` it must not exist yet (an existing run is never overwritten).
         resume: Continue from ``checkpoint`` if it exists (model, optimizer, scaler, step, RNG);
             start from step 0 if it does not. A checkpoint already at step ``steps`` or beyond is a
             finished run: one line says so and the result has ``complete=True`` (nothing written).
@@ -125,7 +133,8 @@ def train(model_path: str | os.PathLike, policy_path: str | os.PathLike, steps: 
             ``force``) none of its rules matches a node of this model.
         CaptureError / PassError: the policy cannot be applied to this model.
         AutoprecError: ``--resume`` with a checkpoint saved under a different policy or model, or
-            a file that is not a checkpoint.
+            a file that is not a checkpoint; without ``resume``, a file already at ``checkpoint``
+            (raised before the model is built, naming the step it holds).
         LossScaleError: non-finite gradients persist at the scale floor (names the node).
         ValueError: ``steps`` < 1, or ``resume`` without ``checkpoint``.
     """
@@ -133,6 +142,8 @@ def train(model_path: str | os.PathLike, policy_path: str | os.PathLike, steps: 
         raise ValueError(f"steps must be ≥ 1, got {steps}")
     if resume and checkpoint is None:
         raise ValueError("resume=True needs a checkpoint path")
+    if checkpoint is not None and not resume:
+        _refuse_existing(checkpoint)
     policy = Policy.load(policy_path)
     spec = load_model_spec(model_path)
     ranks = ranks_from_env()
@@ -155,8 +166,8 @@ def _train(spec: Any, policy: Policy, policy_path: str | os.PathLike, dev: Any, 
     model = spec.build_model().to(dev)
     model.train()
     source = step_batches(spec, policy.batching, dev)  # the policy's micro-batch and accumulation
-    if source is not None and ranks.lead and not quiet:
-        print(f"training at {policy.batching.describe()} (the policy's batching)", flush=True)
+    if not quiet:
+        _print_header(policy, ranks.world)
     batch_at = (lambda i: source.micro(i, dev)) if source is not None else (lambda i: spec.get_batch(i, dev))
     first = batch_at(0)
     gm = capture_for(model, [first] + [batch_at(i) for i in range(1, PROBE_BATCHES)])
@@ -187,9 +198,8 @@ def _train(spec: Any, policy: Policy, policy_path: str | os.PathLike, dev: Any, 
         save_checkpoint(checkpoint, model, optimizer, step.scaler, policy, step=done,
                         extra={WORLD_SIZE: ranks.world})
 
-    tokens = functools.partial(count_tokens, spec.tokens_per_batch)
-    hooks = [mean_loss_hook(ranks), _recorder(monitor, tokens),
-             _printer(steps, log_every, quiet)]
+    job = JobStep(ranks, functools.partial(count_tokens, spec.tokens_per_batch))  # every rank runs it
+    hooks = [job, _recorder(monitor, job), _printer(steps, log_every, quiet, job)]
     if compile and not quiet:
         hooks.append(_first_step_cache(start, compile_cache_counts()))
     if checkpoint is not None:
@@ -207,6 +217,26 @@ def _train(spec: Any, policy: Policy, policy_path: str | os.PathLike, dev: Any, 
     finally:
         monitor.close()
     return _result(done, start, step, monitor)
+
+
+def _refuse_existing(checkpoint: str | os.PathLike) -> None:
+    """Refuse to start a run at step 0 whose saves would overwrite ``checkpoint`` (a file or
+    anything else already there): the run it holds would be lost.
+
+    Raises:
+        AutoprecError: ``checkpoint`` exists; the message names it, the step it holds (or why it is
+            not a checkpoint) and the choices: ``--resume``, another path, or removing it.
+    """
+    if not Path(checkpoint).exists():
+        return
+    try:
+        held = f"holds a run at step {peek_checkpoint(checkpoint).step}"
+        keep = "pass --resume to continue it (with --steps above that step to train further), or "
+    except AutoprecError as e:  # not a checkpoint: --resume would refuse it too
+        held, keep = f"already exists ({str(e).removeprefix(f'{os.fspath(checkpoint)}: ')})", ""
+    raise AutoprecError(f"checkpoint {checkpoint} {held}; without --resume this run would start at step 0 "
+                        f"and overwrite it. To keep it, {keep}give another --checkpoint path; to start "
+                        "over, remove it first")
 
 
 def _finished(checkpoint: str | os.PathLike, policy_path: str | os.PathLike, policy: Policy, steps: int,
@@ -245,10 +275,12 @@ def report(res: TrainResult) -> int:
     ``train --nproc``) the final loss line, and an error line on stderr when the final loss is not
     finite, with where the last batch first goes non-finite (``TrainResult.nonfinite``); 0, or 1
     for a non-finite final loss (also 0 for a run ``--resume`` found complete, which :func:`train`
-    reported). A resumed run's skipped steps are its own, and the line names the steps it ran."""
+    reported). A resumed run's skipped steps are its own, and the line names the steps it ran; under
+    ``--nproc N`` tokens/s is the job's (``... tokens/s across N ranks``)."""
     if res.complete:
         return 0
-    lead = ranks_from_env().lead
+    ranks = ranks_from_env()
+    lead = ranks.lead
     if lead:
         which = (f"mean of the last {res.final_steps} steps not skipped" if res.final_steps != 1
                  else "the last step not skipped")
@@ -256,7 +288,8 @@ def report(res: TrainResult) -> int:
                  else "final loss none (the last steps were all skipped)")
         span = (f" (of steps {res.start_step}-{res.start_step + len(res.losses) - 1}, run after the resume)"
                 if res.start_step else "")
-        print(f"{final}; {res.tokens_per_s:.0f} tokens/s; skipped steps {res.skipped}{span}; "
+        across = f" across {ranks.world} ranks" if ranks.world > 1 else ""
+        print(f"{final}; {res.tokens_per_s:.0f} tokens/s{across}; skipped steps {res.skipped}{span}; "
               f"loss scale {res.loss_scale:g}")
     if math.isfinite(res.final_loss):
         return 0
@@ -305,12 +338,12 @@ def _resume(checkpoint: str | os.PathLike, policy_path: str | os.PathLike, polic
     return ck.step
 
 
-def _recorder(monitor: Monitor, tokens_per_batch: Any) -> StepHook:
-    """Hook recording each step in ``monitor`` (tokens from the model file's ``tokens_per_batch``,
-    summed over an accumulated step's micro-batches; an overflow is diagnosed on its first)."""
-    def hook(k: int, batch: Any, stats: StepStats, seconds: float) -> None:
-        monitor.record(k, stats, tokens=tokens_per_batch(batch), seconds=seconds,
-                       batch=one_micro_batch(batch))
+def _recorder(monitor: Monitor, job: JobStep) -> StepHook:
+    """Hook recording each step in ``monitor`` with the job's numbers ``job`` (run before it) left:
+    the tokens of all ranks (the model file's ``tokens_per_batch``, summed over an accumulated step's
+    micro-batches) and the slowest rank's seconds; an overflow is diagnosed on the first micro-batch."""
+    def hook(k: int, batch: Any, stats: StepStats, _seconds: float) -> None:
+        monitor.record(k, stats, tokens=job.tokens, seconds=job.seconds, batch=one_micro_batch(batch))
 
     return hook
 
@@ -326,14 +359,32 @@ def _first_step_cache(start: int, before: dict[str, int]) -> StepHook:
     return hook
 
 
-def _printer(steps: int, log_every: int, quiet: bool) -> StepHook:
-    """Hook printing every ``log_every``-th step and the last one (nothing when ``quiet``)."""
-    def hook(k: int, _batch: Any, st: StepStats, seconds: float) -> None:
+def _printer(steps: int, log_every: int, quiet: bool, job: JobStep) -> StepHook:
+    """Hook printing every ``log_every``-th step and the last one (nothing when ``quiet``), with the
+    job's loss and seconds ``job`` (run before it) left: the mean over the ranks, the slowest rank's."""
+    def hook(k: int, _batch: Any, st: StepStats, _seconds: float) -> None:
         if not quiet and (k % max(log_every, 1) == 0 or k == steps - 1):
             print(f"step {k:4d}  loss {st.loss:.4f}  grad_norm {st.grad_norm:.3g}  scale {st.loss_scale:g}"
-                  f"{'  SKIPPED' if st.skipped else ''}  {seconds:.2f}s", flush=True)
+                  f"{'  SKIPPED' if st.skipped else ''}  {job.seconds:.2f}s", flush=True)
 
     return hook
+
+
+def _print_header(policy: Policy, world: int) -> None:
+    """The lines before the first step: the policy's batching, per rank and across the ranks under
+    ``--nproc`` (each rank trains on a whole global batch of its own), and what the numbers printed
+    under ``--nproc`` are (the job's, not one rank's)."""
+    b = policy.batching
+    if b is not None and world == 1:
+        print(f"training at {b.describe()} (the policy's batching)", flush=True)
+    elif b is not None:
+        per_rank = (f"micro-batch {b.micro_batch} x {b.accumulation} accumulated per rank ({b.global_batch} "
+                    "per rank, " if b.accumulation > 1 else f"micro-batch {b.micro_batch} per rank (")
+        print(f"training at {per_rank}{b.global_batch * world} across {world} ranks) "
+              "(the policy's batching)", flush=True)
+    if world > 1:
+        print(f"{world} ranks: a step's loss is the mean over the ranks, its seconds the slowest rank's, "
+              "tokens/s all the ranks' tokens over those seconds", flush=True)
 
 
 def _result(done: list[tuple[StepStats, float]], start: int, step: TrainStep,

@@ -6,7 +6,8 @@
 * :func:`rank_step_batch` is the data rule of ``autoprec train --nproc N``: rank ``r`` of ``N`` at
   step ``k`` trains on ``get_batch(k * N + r)``, so N ranks x batch B see the batches one rank sees
   in N x as many steps, and their averaged gradient is that of the N batches concatenated.
-* :func:`mean_loss_hook` averages the logged loss over the ranks.
+* :class:`JobStep` makes a step's logged numbers the whole job's: the loss averaged over the ranks,
+  the tokens summed over them, the seconds the slowest rank's.
 
 The wrappers over an applied module are :mod:`autoprec.distributed.wrap`; the launch of N ranks
 (``--nproc``) is :func:`autoprec.commands.launch.launch`.
@@ -27,8 +28,7 @@ import torch.distributed as dist
 from autoprec.errors import AutoprecError
 from autoprec.training.train import StepStats
 
-__all__ = ["Ranks", "close_ranks", "init_ranks", "joined", "mean_loss_hook", "rank_step_batch",
-           "ranks_from_env"]
+__all__ = ["JobStep", "Ranks", "close_ranks", "init_ranks", "joined", "rank_step_batch", "ranks_from_env"]
 
 
 @dataclass(frozen=True)
@@ -109,14 +109,39 @@ def rank_step_batch(get_batch: Callable[[int, torch.device], Any], device: torch
     return lambda k: get_batch(k * ranks.world + ranks.rank, device)
 
 
-def mean_loss_hook(ranks: Ranks) -> Callable[[int, Any, StepStats, float], None]:
-    """A step hook (:data:`autoprec.training.steps.StepHook`) replacing ``stats.loss`` by its mean
-    over the ranks (an all-reduce SUM / world), so every rank logs the loss of the whole global
-    batch; every rank must run it. A no-op with one rank."""
-    def hook(_k: int, _batch: Any, stats: StepStats, _seconds: float) -> None:
-        if ranks.world > 1:
-            t = torch.tensor(stats.loss, dtype=torch.float64)
-            dist.all_reduce(t)
-            stats.loss = float(t) / ranks.world
+class JobStep:
+    """A step hook (:data:`autoprec.training.steps.StepHook`) making each step's numbers the whole
+    job's, so rank 0 logs and prints what all the ranks did together (docs/distributed.md):
 
-    return hook
+    * ``stats.loss`` is replaced by the mean of the ranks' losses (each rank's own batch);
+    * :attr:`tokens` is the step's tokens summed over the ranks (``tokens_of(batch)`` on each);
+    * :attr:`seconds` is the step's wall-clock seconds on the slowest rank (DDP's all-reduce holds
+      every rank in step; a step of the job is done when its last rank is).
+
+    Every rank must run it (one ``all_gather`` per step); with one rank it gathers nothing and the
+    numbers are the process's own. Hooks after it read :attr:`tokens` and :attr:`seconds`.
+
+    Args:
+        ranks: This process among the ranks. tokens_of: ``tokens_of(batch)``, the tokens of this
+            rank's batch (the model file's ``tokens_per_batch``).
+
+    Attributes:
+        tokens: The last step's tokens, all ranks together (0.0 before the first step).
+        seconds: The last step's seconds, the slowest rank's (0.0 before the first step).
+    """
+
+    def __init__(self, ranks: Ranks, tokens_of: Callable[[Any], float]) -> None:
+        self.ranks, self.tokens_of = ranks, tokens_of
+        self.tokens = self.seconds = 0.0
+
+    def __call__(self, _k: int, batch: Any, stats: StepStats, seconds: float) -> None:
+        tokens = float(self.tokens_of(batch))
+        if self.ranks.world <= 1:
+            self.tokens, self.seconds = tokens, seconds
+            return
+        mine = torch.tensor([stats.loss, tokens, seconds], dtype=torch.float64)
+        every = [torch.empty_like(mine) for _ in range(self.ranks.world)]
+        dist.all_gather(every, mine)
+        stats.loss = float(sum(t[0] for t in every)) / self.ranks.world
+        self.tokens = float(sum(t[1] for t in every))
+        self.seconds = max(float(t[2]) for t in every)

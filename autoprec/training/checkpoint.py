@@ -171,10 +171,19 @@ def _read(source: str, mmap: bool = False) -> dict[str, Any]:
         AutoprecError: missing, not loadable, not an autoprec checkpoint, or of another format.
     """
     try:
-        payload = torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
+        try:
+            payload = torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
+        except RuntimeError:
+            if not mmap:
+                raise
+            # not torch.save's zip format, which mmap needs ("mmap can only be used with files saved
+            # with ..."): read it whole, which loads an old-format file or names the real fault
+            payload = torch.load(source, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise AutoprecError(f"{source}: no such checkpoint") from None
     except Exception as e:  # unpickling errors come in many types
+        if (why := _not_torch_save(source)) is not None:  # torch's own message would be about pickles
+            raise AutoprecError(f"{source}: not an autoprec checkpoint ({why})") from e
         raise AutoprecError(f"{source}: not a loadable autoprec checkpoint ({type(e).__name__}: {e})") from e
     if not isinstance(payload, dict) or "autoprec_checkpoint" not in payload:
         raise AutoprecError(f"{source}: not an autoprec checkpoint (no 'autoprec_checkpoint' key)")
@@ -182,6 +191,21 @@ def _read(source: str, mmap: bool = False) -> dict[str, Any]:
         raise AutoprecError(f"{source}: checkpoint format {payload['autoprec_checkpoint']!r} is not "
                             f"supported; this autoprec reads format {CHECKPOINT_FORMAT}")
     return payload
+
+
+def _not_torch_save(source: str) -> str | None:
+    """Why ``source`` is no ``torch.save`` file at all (empty, or neither a zip archive nor a
+    pickle by its first bytes), or None (it may be one, or cannot be read)."""
+    try:
+        with open(source, "rb") as f:
+            head = f.read(8)
+    except OSError:
+        return None
+    if not head:
+        return "an empty file"
+    if head.startswith(b"PK\x03\x04") or head.startswith(b"\x80"):
+        return None
+    return f"not a torch.save file: it begins {head!r}"
 
 
 def _meta(source: str, payload: dict[str, Any]) -> Checkpoint:

@@ -27,7 +27,7 @@ from autoprec.commands.launch import strip_nproc
 from autoprec.commands.train import train
 from autoprec.distributed.wrap import ddp, shard
 from autoprec.errors import PolicyError
-from autoprec.policy import REGIONAL_EMULATED, Policy
+from autoprec.policy import REGIONAL_EMULATED, Batching, Policy
 from autoprec.training.rank_flag import any_rank
 from autoprec.training.scaler import DynamicLossScaler
 from tests.conftest import DRIFT, MODELS
@@ -336,11 +336,37 @@ def test_train_nproc_2_matches_one_rank_at_twice_the_batch(tmp_path, capfd):
     out = capfd.readouterr().out
     assert code == 0, out
     assert out.count("step   10") == 1  # rank 0 prints, rank 1 does not
-    two = [json.loads(line)["loss"] for line in log.read_text().splitlines()]
+    assert ("2 ranks: a step's loss is the mean over the ranks, its seconds the slowest rank's, tokens/s all "
+            "the ranks' tokens over those seconds") in out and " tokens/s across 2 ranks; " in out
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    two = [r["loss"] for r in records]
     one = train(MODELS / "ddp_mlp_2b.py", policy, steps=20, device="cpu", compile=False, quiet=True).losses
     assert len(two) == len(one) == 20
     torch.testing.assert_close(torch.tensor(two), torch.tensor(one), rtol=DRIFT[torch.float32], atol=1e-7)
     assert sum(one[-5:]) < sum(one[:5])
+    # tokens/s is the job's: both ranks' 4 examples a step (ddp_mlp counts examples), not rank 0's 4
+    assert [round(r["tokens_per_s"] * r["seconds"], 6) for r in records] == [8.0] * 20
+
+
+def test_train_nproc_2_batching_is_per_rank_and_says_so(tmp_path, capfd):
+    """Under --nproc 2 each rank trains the policy's whole global batch (micro-batch 4 x 2 = 8), so a
+    step covers 16 examples: the header says so (it said "global batch 8"), the logged tokens are 16 a
+    step, and the losses are one process's at micro-batch 4 x 4 (the same 16 examples a step)."""
+    per_rank, both = tmp_path / "4x2.json", tmp_path / "4x4.json"
+    dataclasses.replace(Policy.fp32(), batching=Batching(micro_batch=4, accumulation=2)).save(per_rank)
+    dataclasses.replace(Policy.fp32(), batching=Batching(micro_batch=4, accumulation=4)).save(both)
+    log = tmp_path / "log.jsonl"
+    code = main(["train", str(MODELS / "ddp_mlp.py"), "--policy", str(per_rank), "--steps", "3",
+                 "--no-compile", "--device", "cpu", "--nproc", "2", "--log", str(log)])
+    out = capfd.readouterr().out
+    assert code == 0, out
+    assert ("training at micro-batch 4 x 2 accumulated per rank (8 per rank, 16 across 2 ranks) "
+            "(the policy's batching)") in out.splitlines()
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [round(r["tokens_per_s"] * r["seconds"], 6) for r in records] == [16.0] * 3
+    one = train(MODELS / "ddp_mlp.py", both, steps=3, device="cpu", compile=False, quiet=True).losses
+    torch.testing.assert_close(torch.tensor([r["loss"] for r in records]), torch.tensor(one),
+                               rtol=DRIFT[torch.float32], atol=1e-7)
 
 
 def test_train_nproc_refuses_compare(tmp_path, capsys):

@@ -189,6 +189,45 @@ def test_resume_of_finished_run_is_a_no_op(tmp_path, capsys):
         train(TINY, other, steps=2, checkpoint=ck, resume=True, compile=False, quiet=True)
 
 
+def test_a_run_without_resume_never_overwrites_an_existing_checkpoint(tmp_path, capsys):
+    """A 3-step run's checkpoint was replaced, rc 0 and no word, by a 1-step run that forgot
+    --resume: refused before anything is built (exit 2, no log written), naming the file, the step it
+    holds and the choices; a file there that is no checkpoint is refused too, and kept as it was."""
+    from autoprec.cli import main
+    from autoprec.training.checkpoint import peek_checkpoint
+
+    pol = tmp_path / "p.json"
+    Policy.fp32().save(pol)
+    ck, log = tmp_path / "ck.pt", tmp_path / "log.jsonl"
+    base = ["train", str(TINY), "--policy", str(pol), "--no-compile", "--checkpoint", str(ck)]
+    assert main(base + ["--steps", "3"]) == 0
+    stamp = ck.stat().st_mtime_ns
+    capsys.readouterr()
+    assert main(base + ["--steps", "1", "--log", str(log)]) == 2
+    cap = capsys.readouterr()
+    assert cap.out == "" and not log.exists()  # refused before the model was built
+    assert (f"checkpoint {ck} holds a run at step 3; without --resume this run would start at step 0 and "
+            "overwrite it. To keep it, pass --resume to continue it (with --steps above that step to train "
+            "further), or give another --checkpoint path; to start over, remove it first") in cap.err
+    assert peek_checkpoint(ck).step == 3 and ck.stat().st_mtime_ns == stamp
+    with pytest.raises(AutoprecError, match="holds a run at step 3"):  # the API's rule too
+        train(TINY, pol, steps=5, checkpoint=ck, compile=False, quiet=True)
+    assert main(base + ["--steps", "4", "--resume"]) == 0  # the way on it names
+    assert peek_checkpoint(ck).step == 4
+    junk = tmp_path / "notes.pt"
+    junk.write_bytes(b"not a checkpoint")
+    capsys.readouterr()
+    assert main(["train", str(TINY), "--policy", str(pol), "--no-compile", "--checkpoint", str(junk)]) == 2
+    err = capsys.readouterr().err
+    assert (f"checkpoint {junk} already exists (not an autoprec checkpoint (not a torch.save file: it begins "
+            "b'not a ch')); without --resume") in err and "To keep it, give another --checkpoint path" in err
+    assert junk.read_bytes() == b"not a checkpoint"
+    old = tmp_path / "old.pt"  # torch.save's pre-zip format, which mmap (peek_checkpoint) cannot read
+    torch.save(torch.load(ck, weights_only=True), old, _use_new_zipfile_serialization=False)
+    assert main(["train", str(TINY), "--policy", str(pol), "--no-compile", "--checkpoint", str(old)]) == 2
+    assert f"checkpoint {old} holds a run at step 4; without --resume" in capsys.readouterr().err
+
+
 def test_resume_under_another_number_of_processes_is_refused(tmp_path, capsys):
     """A checkpoint records how many processes wrote it: rank r of N trains on get_batch(k*N + r),
     so resuming a --nproc 2 run in one process trained on other batches, silently."""
