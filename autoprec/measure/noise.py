@@ -145,8 +145,8 @@ class Comparison:
     Attributes:
         ratio: a's tokens/s over b's (> 1: a is faster): the geometric mean of the per-round ratios
             when paired, else from the medians.
-        band: Bootstrap 95% percentile interval of the ratio (the rounds resampled when paired,
-            both timings' steps otherwise).
+        band: 95% interval of the ratio: Student's t over the per-round log-ratios when paired,
+            the percentile bootstrap of both timings' steps otherwise (:func:`compare`).
         tie: The band contains 1.0: the difference is within the noise.
         winner: ``"a"``, ``"b"``, or None on a tie.
         rounds: The rounds paired (0: unpaired). A paired ratio need not be the ratio of the two

@@ -173,13 +173,16 @@ def dtype_map(gm: fx.GraphModule, policy: Policy) -> dict[str, dict[str, str]]:
 def baseline_label(measured: Mapping[str, float], baseline: str) -> str:
     """How ``tune``'s last line and ``show`` name the baseline to beat after the policy's
     ``speedup_vs_baseline``: ``"fp32 + torch.compile (the baseline to beat)"``, with the decision's
-    paired band where the policy file has it (``speedup_vs_baseline_lo``/``_hi``), and "a tie within
-    the noise" where that band contains 1.0 (a ratio below 1.0 is then no loss)."""
+    band where the policy file has it (``speedup_vs_baseline_lo``/``_hi``) and the paired ratio that
+    band is of (``speedup_vs_baseline_paired``; the ratio before the label is the medians'), and "a
+    tie within the noise" where that band contains 1.0 (a ratio below 1.0 is then no loss)."""
     lo, hi = measured.get("speedup_vs_baseline_lo"), measured.get("speedup_vs_baseline_hi")
     if lo is None or hi is None:
         return f"{baseline} (the baseline to beat)"
-    tie = "a tie within the noise, " if lo <= 1.0 <= hi else ""
-    return f"{baseline} (the baseline to beat; {tie}paired band {lo:.2f}-{hi:.2f})"
+    tie = "a tie within the noise: " if lo <= 1.0 <= hi else ""
+    paired = measured.get("speedup_vs_baseline_paired")
+    of = f"paired {paired:.2f}x, band" if paired is not None else "band"
+    return f"{baseline} (the baseline to beat; {tie}{of} {lo:.2f}-{hi:.2f})"
 
 
 def baseline_own_ratio(measured: Mapping[str, float], baseline: str | None) -> str | None:
@@ -383,7 +386,8 @@ def policy_summary(policy: Policy, path: str | os.PathLike, rules: bool = True) 
         autocast = {True: AUTOCAST_COMPILED, False: AUTOCAST_EAGER}.get(prov.get("compiled"),
                                                                          "torch.autocast")
         band = baseline_label(m, best)
-        m.pop("speedup_vs_baseline_lo", None), m.pop("speedup_vs_baseline_hi", None)
+        for key in ("speedup_vs_baseline_lo", "speedup_vs_baseline_hi", "speedup_vs_baseline_paired"):
+            m.pop(key, None)
         for key, label in (("speedup_vs_baseline", band),
                            ("speedup_vs_fp32", "fp32 eager"), ("speedup_vs_autocast", autocast)):
             if key in m and key != same:

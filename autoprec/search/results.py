@@ -44,8 +44,10 @@ def measured_block(run: TuneState, contest: Contest, chosen: Policy, m: Measurem
                    compile: bool) -> dict[str, float]:
     """The policy file's ``measured`` block (finite numbers only: docs/architecture.md#policy-file);
     ``speedup_vs_baseline`` is against :func:`baseline_to_beat` (whose name the provenance holds), the
-    ratio of the two tokens/s, with the decision's paired 95% band of that ratio
-    (``speedup_vs_baseline_lo``/``_hi``; a band containing 1.0 is a tie within the noise)."""
+    ratio of the two tokens/s (as every ratio of the table), with the decision's comparison: its 95%
+    band (``speedup_vs_baseline_lo``/``_hi``; containing 1.0, a tie within the noise) and, when the
+    rounds were paired, the ratio that band is of (``speedup_vs_baseline_paired``: the per-round
+    ratios' geometric mean, which need not equal the medians' ratio)."""
     ref = contest.autocast_bar or run.autocast
     best = baseline_to_beat(contest, compile)
     d = contest.decision
@@ -53,8 +55,10 @@ def measured_block(run: TuneState, contest: Contest, chosen: Policy, m: Measurem
     return {
         "tokens_per_s": m.tokens_per_s,
         **({"speedup_vs_baseline": m.tokens_per_s / best[1]} if best is not None else {}),
-        # the paired band of the decision (autoprec.measure.noise.compare): containing 1.0, a tie
+        # the decision's comparison (autoprec.measure.noise.compare): its band containing 1.0 is a tie;
+        # paired, its ratio (the per-round ratios' geometric mean) is the one the band is of
         **({"speedup_vs_baseline_lo": vs.band[0], "speedup_vs_baseline_hi": vs.band[1]}
+           | ({"speedup_vs_baseline_paired": vs.ratio} if vs.rounds else {})
            if best is not None and vs is not None and all(map(math.isfinite, vs.band)) else {}),
         "speedup_vs_fp32": m.tokens_per_s / run.fp32.tokens_per_s,
         # left out when torch.autocast was not timed (it cannot win: autocast_cannot_win)

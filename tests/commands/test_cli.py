@@ -79,11 +79,15 @@ def test_tune_writes_policy_resumes_and_trains(tmp_path, capsys):
     best = pol.provenance["baseline"]
     assert best in ("torch.autocast eager", "all-fp32", "fp32 eager")
     wrote = next(ln for ln in text.splitlines() if ln.startswith(f"wrote {out}: "))
-    if "speedup_vs_baseline_lo" in m:  # the decision's paired band, unless the choice is that baseline
+    if "speedup_vs_baseline_lo" in m:  # the decision's band, unless the choice is that baseline
         lo, hi = m["speedup_vs_baseline_lo"], m["speedup_vs_baseline_hi"]
         assert lo < hi, m
-        tie = "a tie within the noise, " if lo <= 1.0 <= hi else ""
-        assert (f"tokens/s, {m['speedup_vs_baseline']:.2f}x {best} (the baseline to beat; {tie}paired band "
+        tie = "a tie within the noise: " if lo <= 1.0 <= hi else ""
+        paired = m.get("speedup_vs_baseline_paired")
+        if paired is not None:
+            assert lo <= paired <= hi, m  # the band is the paired ratio's
+        of = f"paired {paired:.2f}x, band" if paired is not None else "band"
+        assert (f"tokens/s, {m['speedup_vs_baseline']:.2f}x {best} (the baseline to beat; {tie}{of} "
                 f"{lo:.2f}-{hi:.2f}), ") in wrote
     else:
         assert m["speedup_vs_baseline"] == 1.0, m
@@ -173,9 +177,10 @@ def test_show_prints_the_policys_batching(tmp_path, capsys):
     ("torch.autocast + torch.compile", "measured: 1600 tokens/s, 1.10x torch.autocast + torch.compile (the "
                                        "baseline to beat), 1.05x fp32 eager, peak 1.0 MiB"),
     ("fp32 + torch.compile, tie", "measured: 1600 tokens/s, 0.56x fp32 + torch.compile (the baseline to "
-                                  "beat; a tie within the noise, paired band 0.33-1.35), 1.05x fp32 eager"),
+                                  "beat; a tie within the noise: paired 0.67x, band 0.33-1.35), 1.05x fp32 "
+                                  "eager"),
     ("fp32 + torch.compile, slower", "measured: 1600 tokens/s, 0.56x fp32 + torch.compile (the baseline to "
-                                     "beat; paired band 0.50-0.62), 1.05x fp32 eager"),
+                                     "beat; band 0.50-0.62), 1.05x fp32 eager"),
 ])
 def test_show_gives_the_speed_against_the_baseline_to_beat_first_and_once(tmp_path, capsys, baseline, shown):
     """``show`` leads with ``speedup_vs_baseline``, named by ``provenance.baseline``; where that bar is
@@ -186,9 +191,10 @@ def test_show_gives_the_speed_against_the_baseline_to_beat_first_and_once(tmp_pa
     vs = {"fp32 + torch.compile": 1.0, "fp32 eager": 0.92, "torch.autocast + torch.compile": 1.1}[baseline]
     bands = {"tie": (0.33, 1.35), "slower": (0.50, 0.62)}
     extra = {}
-    if band:
+    if band:  # the tie's rounds paired (the band is of the paired 0.67x); the slower one's not
         vs = 0.56
         extra = {"speedup_vs_baseline_lo": bands[band][0], "speedup_vs_baseline_hi": bands[band][1]}
+        extra |= {"speedup_vs_baseline_paired": 0.67} if band == "tie" else {}
     p = tmp_path / "p.json"
     Policy.fp32().with_provenance(baseline=baseline).with_measured(
         {"tokens_per_s": 1600.0, "speedup_vs_baseline": vs, "speedup_vs_fp32": 0.92 if vs == 0.92 else 1.05,
