@@ -352,7 +352,7 @@ class Harness:
         try:
             m.step_times = self._time(fn, scaler_factory(), autocast_dtype, max_step_s)
         except StepsTooSlow as e:
-            m.step_times, m.note = [e.seconds], str(e)
+            m.step_times, m.note = [e.seconds], f"{e}; timed on that last step only"
         except Exception as e:
             m.fail(describe_failure(e))
             return m

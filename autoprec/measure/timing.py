@@ -123,9 +123,11 @@ class _TimedConfig:
         except StepsTooSlow as e:
             self.rounds += record and bool(self.times)
             self.end = TimingEnd.TOO_SLOW
-            self.note = f"{e}; dropped from later rounds" if record else str(e)
+            kept = ("its earlier rounds' steps kept" if record and self.times
+                    else "timed on that last step only")  # stopped in its warm-up or first round
+            self.note = f"{e}; {kept}" + ("; dropped from later rounds" if record else "")
             if not record or not self.times:
-                self.times = [e.seconds]  # stopped in its warm-up: timed on that step only
+                self.times = [e.seconds]
         except Exception as e:  # noqa: BLE001 - one configuration failing does not stop the others
             self.end, self.note = TimingEnd.FAILED, describe_failure(e)
         finally:

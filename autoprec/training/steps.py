@@ -106,7 +106,7 @@ class StepsTooSlow(Exception):
         why = (f"a step took {seconds:.2f} s, over {SLOW_FACTOR:g} x the {limit:.2f} s limit"
                if in_a_row < SLOW_IN_A_ROW else
                f"{in_a_row} steps in a row took over the {limit:.2f} s limit (the last {seconds:.2f} s)")
-        super().__init__(f"timing stopped: {why}; timed on that last step only")
+        super().__init__(f"timing stopped: {why}")  # the caller says which steps it kept
         self.step, self.seconds, self.limit, self.why = step, seconds, limit, why
 
 

@@ -224,6 +224,8 @@ def test_config_slowing_down_in_the_rounds_is_dropped_from_later_rounds(harness)
                            min_rounds=4, max_rounds=4, warmup=1, max_step_s=0.02, rel_band=10.0)
     s = res["s"]
     assert "dropped from later rounds" in s.note and len(calls) == 4
+    # a user read "timed on that last step only" for rows whose earlier rounds were kept
+    assert "its earlier rounds' steps kept" in s.note and "last step only" not in s.note
     assert s.too_slow and not res["f"].too_slow
     assert len(s.step_times) == 3 and s.rounds == 2  # round 1's two steps and round 2's first
     assert res["f"].rounds == 4 and res["f"].note is None
