@@ -82,12 +82,18 @@ def trial_rows(study: optuna.Study) -> list[dict[str, Any]]:
             "grad_rel_l2": ua.get(attrs.GRAD_REL_L2),
             "peak_bytes": ua.get(attrs.PEAK_BYTES),
             "feasible": is_feasible(t),
-            "policy": Policy.from_dict(pol).summary() if pol else "", "error": ua.get(attrs.ERROR),
+            "policy": Policy.from_dict(pol).summary() if pol else "",
+            "error": ua.get(attrs.ERROR) or (INTERRUPTED_NOTE if ua.get(attrs.INTERRUPTED) else None),
             "key": Policy.from_dict(pol).training_key() if pol else None,
             "reused_from": ua.get(attrs.REUSED_FROM), "cut": ua.get(attrs.CUT),
             "accepted": ua.get(attrs.ACCEPTED),
         })
     return rows
+
+
+#: A trial row's error when Ctrl-C or a killed worker cut it short (``attrs.INTERRUPTED``): its
+#: numbers are partial, and the next run of the same command measures its policy again.
+INTERRUPTED_NOTE = "interrupted (Ctrl-C or a killed worker): not counted; measured again on resume"
 
 
 def pareto_front(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

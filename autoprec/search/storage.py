@@ -26,7 +26,7 @@ from autoprec.nodekeys import graph_fingerprint
 from autoprec.search import attrs
 from autoprec.search.objective import DIRECTIONS
 from autoprec.search.space import SearchSpace
-from autoprec.search.workers import reap_dead_trials, requeue_trial
+from autoprec.search.workers import reap_dead_trials, requeue_interrupted, requeue_trial
 
 __all__ = ["GRACE_BEATS", "HEARTBEAT_S", "MEASURE_VERSION", "check_sqlite_file", "check_storage_url",
            "check_study", "default_storage", "default_study_name", "heartbeat_interval",
@@ -310,7 +310,9 @@ def open_study(storage: str, study_name: str, seed: int = 0) -> optuna.Study:
     multivariate=True, group=True)``). Trials left RUNNING by a dead worker (a killed process of
     this host; on a database server also one whose heartbeat stopped) are marked FAIL, so a
     resumed run neither waits for nor counts them; on a database server they are queued again
-    (:func:`autoprec.search.workers.reap_dead_trials`).
+    (:func:`autoprec.search.workers.reap_dead_trials`). Trials a Ctrl-C or a killed worker cut short
+    (``autoprec:interrupted``) are then queued again, each once, on any storage
+    (:func:`autoprec.search.workers.requeue_interrupted`).
     """
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
@@ -320,6 +322,7 @@ def open_study(storage: str, study_name: str, seed: int = 0) -> optuna.Study:
         storage=rdb, study_name=study_name, directions=list(DIRECTIONS), sampler=sampler,
         load_if_exists=True))
     reap_dead_trials(study)
+    requeue_interrupted(study)
     return study
 
 

@@ -15,7 +15,7 @@ import optuna
 from autoprec.search import attrs
 
 __all__ = ["MAX_RETRIES", "ORPHAN_AFTER_S", "beat", "has_heartbeats", "is_dead_worker", "reap_dead_trials",
-           "requeue_trial", "retried_numbers", "retry_of"]
+           "requeue_interrupted", "requeue_trial", "retried_numbers", "retry_of"]
 
 #: How many times the parameters of a trial whose worker died are queued again (a policy that
 #: kills every worker measuring it, e.g. by running out of host memory, is given up after that).
@@ -58,7 +58,8 @@ def reap_dead_trials(study: optuna.Study) -> None:
     storage with heartbeats (a database server, :func:`autoprec.search.storage.rdb_storage`), a
     trial whose heartbeat is older than the grace period, whatever machine ran it (Optuna's
     ``fail_stale_trials``, which fails it and calls :func:`requeue_trial`). On a storage with heartbeats a
-    trial of a dead local process is queued again too (:func:`requeue_trial`); SQLite only fails it. Two
+    trial of a dead local process is queued again too (:func:`requeue_trial`); SQLite only fails it
+    here, and :func:`requeue_interrupted` (after this, in ``open_study``) queues it again. Two
     workers reaping one trial at once is fine: only the one whose FAIL lands queues it again.
     """
     storage = study._storage
@@ -91,6 +92,22 @@ def requeue_trial(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
     study.add_trial(optuna.trial.create_trial(
         state=optuna.trial.TrialState.WAITING, params=trial.params, distributions=trial.distributions,
         system_attrs={"failed_trial": history[0], _RETRY_HISTORY: history}))
+
+
+def requeue_interrupted(study: optuna.Study) -> list[int]:
+    """Queue again (:func:`requeue_trial`) each failed trial marked ``autoprec:interrupted`` (Ctrl-C,
+    a killed worker) that no trial re-runs yet, so a resumed study measures its policy: a user's
+    Ctrl-C left a trial FAIL with partial numbers, and the resumed tune sampled another policy in its
+    place. Returns the numbers queued again."""
+    trials = study.get_trials(deepcopy=False)
+    again = retried_numbers(trials)
+    out = []
+    for t in trials:
+        if (t.state == optuna.trial.TrialState.FAIL and t.user_attrs.get(attrs.INTERRUPTED)
+                and t.number not in again and t.params):
+            requeue_trial(study, t)
+            out.append(t.number)
+    return out
 
 
 def retry_of(trial: optuna.trial.FrozenTrial) -> list[int]:

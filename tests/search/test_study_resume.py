@@ -68,3 +68,28 @@ def test_same_command_twice_resumes_the_study_when_the_probe_flips(tmp_path, mon
     assert [s.study_name for s in optuna.get_all_study_summaries(db)] == [first.study.study_name]
     assert len(optuna.load_study(study_name=first.study.study_name, storage=db).trials) == n  # none re-run
     assert second.study.user_attrs[attrs.SPACE]["probe"] == decision  # the first run's stays
+
+
+def test_a_trial_cut_short_by_ctrl_c_is_queued_again_once_and_reported_as_interrupted():
+    """A user's Ctrl-C left a trial FAIL with partial numbers and no note, and the resumed tune
+    sampled another policy in its place: opening the study queues its parameters again (once), and
+    the report's row says it was interrupted."""
+    import optuna
+
+    from autoprec.search import attrs
+    from autoprec.search.report import INTERRUPTED_NOTE, trial_rows
+    from autoprec.search.workers import requeue_interrupted, retry_of
+
+    study = optuna.create_study(directions=["maximize", "minimize", "minimize"])
+    dist = {"lm_head": optuna.distributions.CategoricalDistribution(["fp32", "bf16"])}
+    study.add_trial(optuna.trial.create_trial(state=optuna.trial.TrialState.FAIL, params={"lm_head": "fp32"},
+                                              distributions=dist, user_attrs={attrs.INTERRUPTED: True}))
+    failed = {attrs.ERROR: "non-finite loss"}
+    study.add_trial(optuna.trial.create_trial(state=optuna.trial.TrialState.FAIL, params={"lm_head": "bf16"},
+                                              distributions=dist, user_attrs=failed))
+    assert requeue_interrupted(study) == [0]  # the interrupted one only, not the one that failed
+    waiting = study.get_trials(states=(optuna.trial.TrialState.WAITING,))
+    assert len(waiting) == 1 and waiting[0].params == {"lm_head": "fp32"} and retry_of(waiting[0]) == [0]
+    assert requeue_interrupted(study) == []  # once
+    rows = {r["number"]: r for r in trial_rows(study)}
+    assert rows[0]["error"] == INTERRUPTED_NOTE and rows[1]["error"] == "non-finite loss"
