@@ -33,7 +33,7 @@ from autoprec._interrupt import check as check_interrupt
 from autoprec._interrupt import deferred as deferred_interrupt
 from autoprec._version import __version__
 from autoprec.device import device_name, resolve_device
-from autoprec.errors import SearchError
+from autoprec.errors import AutoprecError, SearchError
 from autoprec.measure import Harness, Measurement
 from autoprec.measure.load import LoadMonitor
 from autoprec.modelspec import ModelSpec, load_model_spec
@@ -414,9 +414,23 @@ def _write(run: TuneState, study: optuna.Study, contest: Contest, chosen: Policy
             paths = write_report(study, Path(out).with_suffix(""), gm=run.gm,
                                  **{**result, "policy": policy})
             log("report: " + ", ".join(str(p) for p in paths), run.quiet)
+        _note_replaced(out, run)
         policy.save(out)  # atomic; the last file written
     check_interrupt()  # a Ctrl-C that came while writing: both files are complete
     return TuneResult(policy, study, table, timings, run.probes, contest.budget, contest.decision)
+
+
+def _note_replaced(out: str | os.PathLike, run: TuneState) -> None:
+    """Say so when ``out`` holds a policy tuned for another model file (its ``provenance.model``),
+    which the one written now replaces: a user's tune of another model into the same ``--out``
+    replaced the first model's policy without a word. Nothing for a file that is not a policy."""
+    try:
+        old = Policy.load(out).provenance.get("model") if Path(out).is_file() else None
+    except AutoprecError:
+        return
+    if old is not None and Path(str(old)).resolve() != Path(str(run.spec.path)).resolve():
+        log(f"note: {out} held a policy tuned for {old}; it is replaced by this one, for {run.spec.path}",
+            run.quiet)
 
 
 def _graph(run: TuneState) -> dict:

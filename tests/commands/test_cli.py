@@ -66,11 +66,13 @@ def test_tune_writes_policy_resumes_and_trains(tmp_path, capsys):
     """Forced bf16 search on a small model, eager (fast): the policy validates, carries its
     measured block, the study resumes without re-measuring, and train uses the policy."""
     out = tmp_path / "p.json"
+    Policy.fp32().with_provenance(model="other_model.py").save(out)  # another model's policy there
     args = ["tune", str(EXAMPLES / "tiny_mlp.py"), "--out", str(out), "--trials", "6", "--no-compile",
             "--dtypes", "bf16"]
     assert main(args) == 0
     text = capsys.readouterr().out
     assert "fp32 eager" in text and "autocast" in text and "autoprec policy" in text
+    assert f"note: {out} held a policy tuned for other_model.py; it is replaced by this one, for " in text
     pol = Policy.load(out)
     m = pol.measured
     assert m["drift_budget"] > 0  # torch.autocast's mean grad_rel_l2 (the rule: search/drift_budget.py)
@@ -120,7 +122,7 @@ def test_tune_writes_policy_resumes_and_trains(tmp_path, capsys):
     assert {v for k, v in study.trials[1].params.items() if ":" in k} == {"inherit"}
     # Re-running the same command resumes: no new trials needed.
     assert main(args) == 0
-    capsys.readouterr()
+    assert "held a policy tuned for" not in capsys.readouterr().out  # its own model's: no note
     assert len(optuna.load_study(study_name=pol.provenance["study"], storage=f"sqlite:///{db}").trials) == n
 
     assert main(["train", str(EXAMPLES / "tiny_mlp.py"), "--policy", str(out), "--steps", "20",
