@@ -55,6 +55,9 @@ class Config:
             from the initial weights each turn: its warm-up and timed steps are then steps 0, 1, 2,
             ... of one training run, whose losses the trajectory check reads. None: a fresh
             :class:`~autoprec.training.train.TrainStep`, the initial weights restored each turn.
+        guarded: Whether the slow-step limit (``max_step_s``) may stop its timing. False for the
+            reference the limit is derived from (fp32 eager): on a loaded machine the guard had
+            dropped it after a step or two, and every ratio against it rested on those.
     """
 
     name: str
@@ -63,6 +66,7 @@ class Config:
     autocast_dtype: torch.dtype | None = None
     harness: Harness | None = None
     run: TrainRun | None = None
+    guarded: bool = True
 
 
 class _TimedConfig:
@@ -79,7 +83,8 @@ class _TimedConfig:
         self.note: str | None = None  # why it ended (TimingEnd), or why it is timed no further
         self.recording = False
         self.peak_extra = 0
-        self.hooks = [self._record] + ([slow_step_guard(max_step_s)] if max_step_s is not None else [])
+        guard = max_step_s is not None and cfg.guarded
+        self.hooks = [self._record] + ([slow_step_guard(max_step_s)] if guard else [])
 
     @property
     def active(self) -> bool:

@@ -453,7 +453,7 @@ class Contest:
         if autocast is not None:  # timed either way: the side-by-side table reports it
             configs.append(self._config(self.ac_label, self._autocast_fn, self.autocast.scaler_factory(),
                                         self.autocast.dtype))
-        configs.append(Config(FP32_EAGER, self.h.model))
+        configs.append(Config(FP32_EAGER, self.h.model, guarded=False))  # the slow-step limit's reference
         log(f"final head-to-head, interleaved: {', '.join(c.name for c in configs)}", self.quiet)
         race = Race.of(contenders(survivors, autocast))  # the roles, before any timing
         start = time.perf_counter()

@@ -283,3 +283,17 @@ def test_once_settled_only_what_narrow_names_goes_on_until_its_bands_are_narrow(
     wide = time_interleaved(harness, cfgs, min_rounds=2, max_rounds=5, steps_per_round=1, warmup=1,
                             rel_band=10.0, settled=settled, narrow=narrow)  # bands narrow at once
     assert wide["A"].rounds == wide["C"].rounds == wide["B"].rounds == 2
+
+
+def test_an_unguarded_reference_is_never_dropped_by_the_slow_step_limit(harness):
+    """A loaded machine: fp32 eager, the reference the slow-step limit is derived from, was dropped
+    after a step or two and every ratio against it rested on those. ``Config.guarded=False`` keeps
+    it timed in every round; a guarded configuration as slow is still dropped."""
+    def slow(*args):
+        time.sleep(0.03)
+        return harness.model(*args)
+
+    res = time_interleaved(harness, [Config("ref", slow, guarded=False), Config("other", slow)],
+                           min_rounds=3, max_rounds=3, warmup=1, max_step_s=0.02, rel_band=10.0)
+    assert not res["ref"].too_slow and res["ref"].rounds == 3 and res["ref"].note is None
+    assert res["other"].too_slow
