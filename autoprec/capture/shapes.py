@@ -172,9 +172,12 @@ class InputShapes:
         else:
             why = "; ".join(x for x in (f"misses {', '.join(missing)}" if missing else "",
                                         f"gives {', '.join(unknown)}" if unknown else "") if x)
-        hint = ("; Hugging Face Trainer calls the model without labels when it computes the loss "
-                "itself (label_smoothing_factor > 0, compute_loss_func): apply the model with an example "
-                "batch without labels, so the module returns the logits" if "labels" in missing else
+        hint = ("; the graph computes the loss from the labels the example batch had: pass the batch's "
+                "labels in each training call, or, to compute the loss outside the model (your own loss; "
+                "Hugging Face Trainer with label_smoothing_factor > 0 or compute_loss_func), apply the "
+                "model with an example batch without labels, so the module returns the logits (an "
+                "evaluation call in mp.eval() runs the model's own forward, labels or not)"
+                if "labels" in missing else
                 f": apply the policy with an example batch that holds {', '.join(unknown)} as the "
                 "training batches do (autoprec.apply(model, policy, batch)), so the graph takes them"
                 if unknown else "")

@@ -274,8 +274,10 @@ def test_neftune_is_refused_and_label_smoothing_says_how_to_apply(model_file, tm
     with pytest.raises(ValueError, match=r"neftune_noise_alpha=5.0\): NEFTune adds its noise through a "
                                          r"forward hook on the input embedding module"):
         AutoprecTrainer(model=mp, args=_args(tmp_path, neftune_noise_alpha=5.0))
-    with pytest.raises(TypeError, match=r"misses labels; Hugging Face Trainer calls the model without labels "
-                                        r"when it computes the loss itself \(label_smoothing_factor > 0"):
+    with pytest.raises(TypeError, match=r"misses labels; the graph computes the loss from the labels the "
+                                        r"example batch had: .*Hugging Face Trainer with "
+                                        r"label_smoothing_factor > 0 or compute_loss_func\), apply the model "
+                                        r"with an example batch without labels"):
         _trainer(AutoprecTrainer, mp, tmp_path, PadToLongest(), steps=1, label_smoothing_factor=0.1).train()
     example = {k: v for k, v in PadToLongest()([_dataset()[2], _dataset()[6]]).items() if k != "labels"}
     logits_mp = autoprec.apply(model, autoprec.Policy.fp32(), example, compile=False)
