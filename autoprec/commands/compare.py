@@ -261,6 +261,21 @@ def _run_key(model_path: str | os.PathLike, policy: Policy, steps: int, seed: in
             "heldout_batches": heldout_batches, "torch": torch.__version__}
 
 
+def _meta(model_path: str | os.PathLike, policy_path: str | os.PathLike, policy: Policy, spec: ModelSpec,
+          steps: int, dev: torch.device, compile: bool, seed: int, heldout_batches: int) -> dict[str, Any]:
+    """``convergence.json``'s ``meta``: the run's files, settings, machine and date."""
+    return {
+        "model": os.fspath(model_path), "policy_file": os.fspath(policy_path), "policy": policy.summary(),
+        "steps": steps, "device": str(dev), "cpu": describe_machine(dev)["cpu"], "torch": torch.__version__,
+        "compile_policy": compile, "seed": seed, "heldout_batches": heldout_batches,
+        "heldout_source": ("get_heldout_batch" if spec.heldout_batch is not None
+                           else f"get_batch({FAR_STEP}+j)"),
+        "autocast_dtype": str(autocast_dtype(dev)).replace("torch.", ""),
+        "batching": policy.batching.describe() if policy.batching is not None else None,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
 def compare(model_path: str | os.PathLike, policy_path: str | os.PathLike, steps: int,
             baselines: tuple[str, ...] | list[str] = BASELINES, device: str = "auto", compile: bool = True,
             out_dir: str | os.PathLike | None = None, heldout_batches: int = 4, seed: int = 0,
@@ -306,16 +321,8 @@ def compare(model_path: str | os.PathLike, policy_path: str | os.PathLike, steps
         Path(out_dir), _run_key(spec.path, policy, steps, seed, dev, compile, heldout_batches), resume)
     init = {k: v.detach().clone() for k, v in spec.build_model().state_dict().items()}
     names = ["fp32", "policy"] + [b for b in BASELINES if b in baselines and b != "fp32"]
-    res = CompareResult(meta={
-        "model": os.fspath(model_path), "policy_file": os.fspath(policy_path), "policy": policy.summary(),
-        "steps": steps, "device": str(dev), "cpu": describe_machine(dev)["cpu"], "torch": torch.__version__,
-        "compile_policy": compile, "seed": seed, "heldout_batches": heldout_batches,
-        "heldout_source": ("get_heldout_batch" if spec.heldout_batch is not None
-                           else f"get_batch({FAR_STEP}+j)"),
-        "autocast_dtype": str(autocast_dtype(dev)).replace("torch.", ""),
-        "batching": policy.batching.describe() if policy.batching is not None else None,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    })
+    res = CompareResult(meta=_meta(model_path, policy_path, policy, spec, steps, dev, compile, seed,
+                                   heldout_batches))
 
     def log(i: int, msg: str) -> None:
         if not quiet and (i % max(log_every, 1) == 0 or i == steps - 1):
