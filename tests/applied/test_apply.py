@@ -146,8 +146,8 @@ def test_a_call_that_does_not_bind_to_the_example_batch_names_the_inputs():
     inputs = "captured on the inputs input_ids, attention_mask, labels"
     with pytest.raises(TypeError, match=f"{inputs} .* as one argument; call it as module\\(\\*\\*batch\\)"):
         mp(batch)
-    with pytest.raises(TypeError, match=f"{inputs} .*and this call misses labels; Hugging Face Trainer calls "
-                                        "the model without labels when it computes the loss itself"):
+    with pytest.raises(TypeError, match=f"{inputs} .*and this call misses labels; the graph computes the "
+                                        "loss from the labels the example batch had: pass the batch's"):
         mp(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
     with pytest.raises(TypeError, match="and this call gives extra: apply the policy with an example batch "
                                         "that holds extra as the training batches do"):
