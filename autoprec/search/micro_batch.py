@@ -56,6 +56,7 @@ from autoprec.search.budgets import format_bytes
 from autoprec.search.drift_budget import DriftBudget
 from autoprec.search.gates import Role
 from autoprec.search.progress import log
+from autoprec.search.race import tie_key
 from autoprec.search.space import with_saved, without_saved
 from autoprec.training.train import make_scaler
 
@@ -386,16 +387,18 @@ def _peak_only(_m: Any) -> Outcome:
     return Outcome.cut("peak only")
 
 
-#: The simplicity of a configuration in a tie (:func:`pick`): fp32 + torch.compile, the policy without
-#: a memory lever, then with saved bf16 activations, then with full recomputation.
+#: The simplicity of configurations a tie leaves level after the race's key (:func:`pick`: drift, then
+#: rules): fp32 + torch.compile, the policy without a memory lever, then with saved bf16
+#: activations, then with full recomputation.
 LEVER_ORDER = ("fp32 + torch.compile", "policy", "policy + saved bf16", "policy + recompute 0")
 
 
 def pick(points: list[BatchPoint]) -> BatchPoint:
     """The configuration to write among timed ``points`` (policy configurations, and fp32 +
     torch.compile where it may be written): of those the fastest is not faster than beyond the noise
-    (:func:`faster`), the lower-drift, simpler one (mean accumulated ``grad_rel_l2``, then
-    :data:`LEVER_ORDER`) — the contest's tie rule (:mod:`autoprec.search.race`). A user's tune had
+    (:func:`faster`), the lower-drift, simpler one: the contest's tie rule
+    (:func:`autoprec.search.race.tie_key` on the mean accumulated ``grad_rel_l2``), then
+    :data:`LEVER_ORDER`. A user's tune had
     written saved bf16 activations at 4 x 4 (drift 1.15e-3) for a 1.01x, band 0.91-1.15, over
     fp32 at 2 x 8 (drift 0).
 
@@ -407,9 +410,9 @@ def pick(points: list[BatchPoint]) -> BatchPoint:
     tied = [p for p in points if p is fastest or not faster(fastest, p)]
     rank = {name: i for i, name in enumerate(LEVER_ORDER)}
 
-    def key(p: BatchPoint) -> tuple[float, int]:
+    def key(p: BatchPoint) -> tuple[float, int, int]:
         drift = sum(p.drift) / len(p.drift) if p.drift else math.inf
-        return (drift if math.isfinite(drift) else math.inf), rank.get(p.config.name, len(LEVER_ORDER))
+        return *tie_key(p.config.policy, drift), rank.get(p.config.name, len(LEVER_ORDER))
     return min(tied, key=key)
 
 

@@ -24,7 +24,7 @@ from autoprec.measure import Comparison, Narrow, Retire, Settled, Timing, compar
 from autoprec.policy import Policy
 
 __all__ = ["EQUIVALENCE_MARGIN", "Contender", "Decision", "Race", "all_fp32", "decide", "out_of_the_running",
-           "settled", "tie_order"]
+           "settled", "tie_key", "tie_order"]
 
 #: Throughput differences within ±this fraction are not resolved by more rounds of the
 #: head-to-head (:func:`settled`): a tie whose ratio's band cannot reach past it on the side that
@@ -119,11 +119,13 @@ class Decision:
 
 def _simplicity(c: Contender) -> tuple[float, int]:
     """Sort key of a tie: lower drift, then fewer rules."""
-    return _tie_key(c.policy, c.grad_rel_l2)
+    return tie_key(c.policy, c.grad_rel_l2)
 
 
-def _tie_key(policy: Policy | None, grad_rel_l2: float) -> tuple[float, int]:
-    """:func:`_simplicity` of a policy and its drift."""
+def tie_key(policy: Policy | None, grad_rel_l2: float) -> tuple[float, int]:
+    """The tie rule's sort key of a policy and its drift (:func:`_simplicity`): lower drift (a
+    non-finite one last), then fewer rules (None, not a policy: none). Also the micro-batch phase's
+    (:func:`autoprec.search.micro_batch.pick`)."""
     g = grad_rel_l2 if math.isfinite(grad_rel_l2) else math.inf
     return g, len(policy.rules) if policy is not None else 0
 
@@ -280,7 +282,7 @@ def settled(baselines: set[str], policies: set[str], tie_order: Sequence[str] | 
 def tie_order(candidates: Iterable[tuple[str, Policy, float]]) -> list[str]:
     """Names of ``(name, policy, grad_rel_l2)`` in the order :func:`decide` prefers them in a tie:
     lower drift, then fewer rules (:func:`settled`'s ``tie_order``)."""
-    return [name for name, pol, g in sorted(candidates, key=lambda c: _tie_key(c[1], c[2]))]
+    return [name for name, pol, g in sorted(candidates, key=lambda c: tie_key(c[1], c[2]))]
 
 
 @dataclass(frozen=True)

@@ -161,10 +161,11 @@ def test_a_short_batch_is_refused_before_any_capture_naming_the_step_and_the_cal
              quiet=True)
     assert want in str(err.value)
     assert not (tmp_path / "p.json").exists()
+    from autoprec.errors import ModelSpecError
     from autoprec.modelspec.micro_batches import MicroBatches
 
     spec = load_model_spec(model)
-    with pytest.raises(Exception, match=r"optimizer step 2 \(8 examples\).*got get_batch\(4\) 2"):
+    with pytest.raises(ModelSpecError, match=r"optimizer step 2 \(8 examples\).*got get_batch\(4\) 2"):
         MicroBatches(spec, 8, 4, CPU).step(2, CPU)
 
 
