@@ -16,7 +16,7 @@ import sys
 import time
 import warnings
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from autoprec.cli_parser import build_parser
 from autoprec.cli_paths import check_writable, make_parents, remove_if_empty
@@ -186,9 +186,17 @@ def _cmd_train(a: argparse.Namespace) -> int:
         print("autoprec train: error: --checkpoint-every needs --checkpoint PATH (where to save)",
               file=sys.stderr)
         return 2
+    from autoprec.commands.train import check_checkpoint, report, train
+    from autoprec.distributed.ranks import ranks_from_env
     from autoprec.policy import Policy
 
-    Policy.load(a.policy)  # a bad policy file fails before the model is built
+    policy = Policy.load(a.policy)  # a bad policy file fails before the model is built
+    if a.compare is None:  # a checkpoint to refuse, or a finished run: before the model is built
+        with _naming_policy(a.policy):
+            done = check_checkpoint(a.checkpoint, a.resume, a.policy, policy, a.steps,
+                                    quiet=not ranks_from_env().lead)
+        if done is not None:
+            return report(done)
     _validate_model(a.model, a.device)
     if a.nproc > 1:
         if a.compare is not None:
@@ -200,8 +208,6 @@ def _cmd_train(a: argparse.Namespace) -> int:
     if a.compare is not None:
         with _naming_policy(a.policy):
             return _cmd_compare(a)
-    from autoprec.commands.train import report, train
-
     with _naming_policy(a.policy):
         res = train(a.model, a.policy, steps=a.steps, device=a.device, compile=not a.no_compile,
                     log_every=a.log_every, checkpoint=a.checkpoint, resume=a.resume,
@@ -284,11 +290,15 @@ def _cmd_bench(a: argparse.Namespace) -> int:
     if a.global_batch is not None:
         from autoprec.commands.bench_batch import format_batch_table, run_batch_bench
 
+        if _refuse_unread(a, "--global-batch", "each side's micro-batch and timing follow tune's micro-batch "
+                          "search", ("configs", "steps", "warmup", "skip_slow")):
+            return 2
         if a.json:
             Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         with _naming_policy(a.policy):
             res = run_batch_bench(a.model, a.policy, a.global_batch, a.max_memory, device=a.device,
-                                  max_step_ratio=a.max_step_ratio, json_path=a.json, compile=not a.no_compile)
+                                  json_path=a.json, compile=not a.no_compile, strict_timing=a.strict_timing,
+                                  force=a.force, **_given(a, "max_step_ratio"))
         table = format_batch_table(res)
         print("\n" + table)
         if a.md:
@@ -297,9 +307,9 @@ def _cmd_bench(a: argparse.Namespace) -> int:
         return 0
     try:
         with _naming_policy(a.policy):
-            res = run_bench(a.model, a.policy, steps=a.steps, warmup=a.warmup, device=a.device,
-                            configs=a.configs, max_step_ratio=a.max_step_ratio, skip_slow=a.skip_slow,
-                            json_path=a.json, strict_timing=a.strict_timing, force=a.force)
+            res = run_bench(a.model, a.policy, device=a.device, configs=a.configs, skip_slow=a.skip_slow,
+                            json_path=a.json, strict_timing=a.strict_timing, force=a.force,
+                            **_given(a, "steps", "warmup", "max_step_ratio"))
     except ValueError as e:
         print(f"autoprec bench: error: {e}", file=sys.stderr)
         return 2
@@ -321,6 +331,23 @@ def _cmd_bench(a: argparse.Namespace) -> int:
     return 0
 
 
+def _given(a: argparse.Namespace, *names: str) -> dict[str, Any]:
+    """The options among ``names`` given on the command line (parsed ``None`` when not), as keyword
+    arguments: the function called keeps the one home of their defaults."""
+    return {n: getattr(a, n) for n in names if getattr(a, n) is not None}
+
+
+def _refuse_unread(a: argparse.Namespace, mode: str, why: str, names: tuple[str, ...]) -> bool:
+    """Print ``bench``'s refusal of the options among ``names`` that were given but that ``mode``
+    (``--global-batch``, ``--nproc``) does not read, and return True; False when none was given:
+    an option accepted and ignored would let a user believe it applied."""
+    given = [f"--{n.replace('_', '-')}" for n in names if getattr(a, n) not in (None, False)]
+    if given:
+        print(f"autoprec bench: error: {', '.join(given)} {'does' if len(given) == 1 else 'do'} not apply "
+              f"with {mode} ({why}): drop {'it' if len(given) == 1 else 'them'}", file=sys.stderr)
+    return bool(given)
+
+
 def _cmd_bench_dist(a: argparse.Namespace) -> int:
     """``autoprec bench --nproc N``: start N ranks (torchrun); on each rank, measure
     (autoprec.commands.bench_dist)."""
@@ -335,6 +362,9 @@ def _cmd_bench_dist(a: argparse.Namespace) -> int:
               "process; with --nproc every rank runs the model file's batch (drop --nproc, or "
               f"{'them' if given[1:] else 'it'})", file=sys.stderr)
         return 2
+    if _refuse_unread(a, "--nproc", "its rows are eager DDP and FSDP2 steps, without a load check or a slow-"
+                      "step limit", ("strict_timing", "skip_slow", "max_step_ratio", "no_compile")):
+        return 2
     _bench_batching_note(a, nproc=True)
     if a.nproc > 1:
         from autoprec.commands.launch import launch
@@ -348,7 +378,7 @@ def _cmd_bench_dist(a: argparse.Namespace) -> int:
         if path:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
     with _naming_policy(a.policy):
-        res = run_bench_dist(a.model, a.policy, steps=a.steps, warmup=a.warmup, device=a.device,
+        res = run_bench_dist(a.model, a.policy, **_given(a, "steps", "warmup"), device=a.device,
                              json_path=a.json, force=a.force)
     if res is None:  # not rank 0
         return 0

@@ -81,7 +81,7 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--steps", type=_int_at_least(1), default=50,
                    help="total optimizer steps of the run; a resumed run continues up to this step "
                         "(default 50)")
-    r.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    _add_device(r)
     r.add_argument("--no-compile", action="store_true",
                    help="run the lowered graph eagerly, no torch.compile")
     r.add_argument("--log-every", type=_int_at_least(1), default=1, metavar="N",
@@ -103,7 +103,8 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--compare", default=None, metavar="LIST",
                    help="convergence check: also train these baselines (fp32,autocast) from the same "
                         "weights on the same batches and compare the loss curves")
-    r.add_argument("--out-dir", default="convergence", help="where --compare writes JSON + PNG")
+    r.add_argument("--out-dir", default="convergence",
+                   help="where --compare writes JSON + PNG (default convergence)")
     r.add_argument("--nproc", type=_int_at_least(1), default=1, metavar="N",
                    help="train on N ranks of this machine under DDP (torchrun; gloo on CPU, NCCL on CUDA): "
                         "rank r at step k trains on get_batch(k*N + r); rank 0 logs and "
@@ -123,6 +124,11 @@ def _add_memory_options(t: argparse.ArgumentParser) -> None:
                         "accumulation (default: the model file's batch, no search)")
 
 
+def _add_device(p: argparse.ArgumentParser) -> None:
+    """``--device`` of ``tune``, ``train`` and ``bench`` (:func:`autoprec.device.resolve_device`)."""
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda (default auto: cuda where available)")
+
+
 def _add_bench_batch_options(b: argparse.ArgumentParser) -> None:
     """``bench``'s ``--global-batch`` and ``--max-memory`` (a comparison at a global batch)."""
     b.add_argument("--global-batch", type=_int_at_least(1), default=None, metavar="N",
@@ -130,11 +136,46 @@ def _add_bench_batch_options(b: argparse.ArgumentParser) -> None:
                         "torch.compile and torch.autocast + torch.compile each at the largest micro-batch "
                         "within --max-memory, tokens/s per optimizer step")
     b.add_argument("--max-memory", default=None, metavar="M",
-                   help="with --global-batch: the memory budget per micro-step (bytes like '2GiB', or '90%%' "
-                        "of the device's memory; default: none)")
+                   help="with --global-batch: the memory budget per micro-step (bytes like '2GiB', '90%%' "
+                        "of the device's memory, '0.8x' fp32 eager's peak or 'auto' torch.autocast eager's, "
+                        "both at the model file's batch; default: none)")
     b.add_argument("--no-compile", action="store_true",
                    help="with --global-batch: every side eager (fp32, torch.autocast, the policy), no "
                         "torch.compile (a quick check; the baseline to beat is compiled)")
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    """The ``bench`` subcommand and its options."""
+    b = sub.add_parser("bench", help="time a policy side by side with fp32, autocast and pure low precision")
+    b.add_argument("model", help="model file defining build_model() and get_batch(step, device)")
+    b.add_argument("--policy", required=True, help="policy JSON file")
+    b.add_argument("--steps", type=_int_at_least(1), default=None,
+                   help="timed steps per configuration, at least: the interleaved rounds go on until the "
+                        "band is narrow (median reported; default 5)")
+    b.add_argument("--warmup", type=_int_at_least(0), default=None,
+                   help="untimed steps before timing (default 2)")
+    _add_device(b)
+    b.add_argument("--json", default=None, help="write the results as JSON here")
+    b.add_argument("--md", default=None, help="write the markdown table here")
+    b.add_argument("--configs", nargs="+", default=None,
+                   help="subset of: fp32_eager fp32_compiled autocast_eager autocast_compiled pure_low_eager "
+                        "pure_low_compiled policy_eager policy_compiled (default all; fp32_eager, the "
+                        "reference, is always measured)")
+    b.add_argument("--max-step-ratio", type=_positive_float, default=None,
+                   help="stop timing a config after two steps over this multiple of fp32 eager's step (or "
+                        "one over 4x that) and report its last step (default 10)")
+    b.add_argument("--skip-slow", action="store_true",
+                   help="skip low-precision baselines when the device's low-dtype matmul is more than "
+                        "--max-step-ratio times slower than fp32 (CPUs that emulate bf16)")
+    _add_strict_timing(b)
+    b.add_argument("--force", action="store_true",
+                   help="measure a policy none of whose rules matches a node of this model (a policy of "
+                        "another model), which is refused otherwise")
+    _add_bench_batch_options(b)
+    b.add_argument("--nproc", type=_int_at_least(1), default=1, metavar="N",
+                   help="measure on N ranks of this machine (torchrun; gloo on CPU, NCCL on CUDA) instead: "
+                        "DDP and FSDP2, gradients reduced in fp32 and bf16; step time, grad_rel_l2 against "
+                        "fp32 reduction and per-rank peak bytes beside the predicted ones (default 1)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -152,7 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="'auto' (not worse than torch.autocast's grad_rel_l2 beyond noise: a paired t-test "
                         "over 4 batches) or a number (a hard limit on the mean)")
     _add_memory_options(t)
-    t.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    _add_device(t)
     t.add_argument("--out", default="policy.json", help="policy file to write (default policy.json)")
     t.add_argument("--storage", default=None, help="Optuna storage URL (default: SQLite beside --out)")
     t.add_argument("--study-name", default=None, help="Optuna study name (default: derived from the model)")
@@ -163,9 +204,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "repeated blocks as regions), 'all' (also fp32 intermediates, where it lowers "
                         "anything) or 'none'")
     t.add_argument("--dtypes", default="auto",
-                   help="low dtypes to search: 'auto' (those the device runs faster than fp32, measured) "
-                        "or a list such as bf16,fp16")
-    t.add_argument("--seed", type=int, default=0)
+                   help="low dtypes to search: 'auto' (those with a kernel measured within 10%% of fp32's "
+                        "time here, natively or as storage with fp32 compute; fp8: faster) or a list such "
+                        "as bf16,fp16")
+    t.add_argument("--seed", type=int, default=0, help="the Optuna sampler's seed (default 0)")
     t.add_argument("--traj-steps", type=_int_at_least(0), default=20,
                    help="optimizer steps of the traj_rel check on the chosen policy, when it lowers "
                         "anything (0: off)")
@@ -188,31 +230,5 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--model", default=None, help="model file: also print the dtype of each module's nodes")
     s.add_argument("--json", action="store_true", help="print the policy file's JSON instead of the summary")
 
-    b = sub.add_parser("bench", help="time a policy side by side with fp32, autocast and pure low precision")
-    b.add_argument("model", help="model file defining build_model() and get_batch(step, device)")
-    b.add_argument("--policy", required=True, help="policy JSON file")
-    b.add_argument("--steps", type=_int_at_least(1), default=5,
-                   help="timed steps per configuration (median reported)")
-    b.add_argument("--warmup", type=_int_at_least(0), default=2, help="untimed steps before timing")
-    b.add_argument("--device", default="auto", help="auto | cpu | cuda")
-    b.add_argument("--json", default=None, help="write the results as JSON here")
-    b.add_argument("--md", default=None, help="write the markdown table here")
-    b.add_argument("--configs", nargs="+", default=None,
-                   help="subset of: fp32_eager fp32_compiled autocast_eager autocast_compiled pure_low_eager "
-                        "pure_low_compiled policy_eager policy_compiled (default all)")
-    b.add_argument("--max-step-ratio", type=_positive_float, default=10.0,
-                   help="stop timing a config after two steps over this multiple of fp32 eager's step (or "
-                        "one over 4x that) and report its last step")
-    b.add_argument("--skip-slow", action="store_true",
-                   help="skip low-precision baselines when the device's low-dtype matmul is more than "
-                        "--max-step-ratio times slower than fp32 (CPUs that emulate bf16)")
-    _add_strict_timing(b)
-    b.add_argument("--force", action="store_true",
-                   help="measure a policy none of whose rules matches a node of this model (a policy of "
-                        "another model), which is refused otherwise")
-    _add_bench_batch_options(b)
-    b.add_argument("--nproc", type=_int_at_least(1), default=1, metavar="N",
-                   help="measure on N ranks of this machine (torchrun; gloo on CPU, NCCL on CUDA) instead: "
-                        "DDP and FSDP2, gradients reduced in fp32 and bf16; step time, grad_rel_l2 against "
-                        "fp32 reduction and per-rank peak bytes beside the predicted ones (default 1)")
+    _add_bench(sub)
     return p

@@ -266,7 +266,8 @@ def apply(model: nn.Module, policy: Policy, example_batch: Any, compile: bool = 
         compile: Compile with ``torch.compile`` (Inductor) under the policy's
             ``activation_memory_budget`` and ``Policy.compiled_as`` (its ``compile_options``, what
             ``tune`` measured; without them as ``torch.compile(model)``: :func:`compile_graph`).
-        placement: Cast placement mode for ``follow`` nodes (``mincut``, ``paint``, ``naive``).
+        placement: Cast placement of ``follow`` nodes, one of :data:`autoprec.graph.PLACEMENT_MODES`
+            (docs/cast_placement.md); a policy's ``follow_placement="promote"`` overrides it.
         graph_module: An already captured graph of ``model`` (skips the capture).
         dynamic: Accept batches of other shapes by ``torch.compile``'s rule (docs/architecture.md#runtime):
             the example's shapes static (what ``tune`` measured; symbolic sizes cost pointwise and
@@ -296,6 +297,7 @@ def apply(model: nn.Module, policy: Policy, example_batch: Any, compile: bool = 
             :func:`autoprec.ddp` / :func:`autoprec.shard`).
         PassError: the policy cannot be applied to this graph (names the node).
         PolicyError: no rule of the policy selects a node of this graph (without ``force``).
+        ValueError: ``placement`` is not a placement mode (the message lists them).
 
     Loss scaling: a policy that computes in fp16 (``policy.needs_loss_scaling``) must be trained with
     a dynamic loss scaler (C07; an unscaled first backward raises), built from its ``loss_scaling``::
@@ -307,8 +309,7 @@ def apply(model: nn.Module, policy: Policy, example_batch: Any, compile: bool = 
         scaler.step(optimizer)        # skipped on inf/NaN gradients
         scaler.update()
 
-    (``autoprec.training.train.TrainStep(mp, params, optimizer, loss_fn, scaler=make_scaler(policy))``
-    does all of this; ``autoprec train`` uses it.)
+    (``autoprec.training.train.TrainStep``, which ``autoprec train`` uses, does all of this.)
     """
     check_not_wrapped(model)
     # torch.compile's rule: the first shape static, dynamic dimensions at the first other one; strict

@@ -28,18 +28,20 @@ import torch
 
 from autoprec._io import write_json
 from autoprec._version import __version__
+from autoprec.applied.policy_match import check_policy_file
 from autoprec.commands.bench_mfu import measure_peaks
 from autoprec.device import autocast_dtype, describe_machine, resolve_device
 from autoprec.dtypes import NAMES
 from autoprec.errors import AutoprecError
 from autoprec.measure import Harness, Measurement
+from autoprec.measure.load import LoadMonitor
 from autoprec.modelspec import load_model_spec
 from autoprec.policy import Policy
 from autoprec.search.autocast_baseline import EMULATE_AT, AutocastBaseline
 from autoprec.search.budgets import check_memory_floor, memory_budget, parse_max_memory
 from autoprec.search.drift_budget import DriftBudget
 from autoprec.search.gates import Role
-from autoprec.search.micro_batch import BatchConfig, BatchSearch
+from autoprec.search.micro_batch import BatchConfig, BatchPoint, BatchSearch
 
 __all__ = ["format_batch_table", "run_batch_bench"]
 
@@ -77,7 +79,7 @@ def _check_global_batch(pol: Policy, source: str, global_batch: int) -> None:
 def run_batch_bench(model_path: str | os.PathLike, policy: Policy | str | os.PathLike, global_batch: int,
                     max_memory: str | None = None, device: str = "auto", max_step_ratio: float = 10.0,
                     quiet: bool = False, json_path: str | os.PathLike | None = None,
-                    compile: bool = True) -> dict[str, Any]:
+                    compile: bool = True, strict_timing: bool = False, force: bool = False) -> dict[str, Any]:
     """Measure ``policy`` and the baselines at ``global_batch`` (the module docstring).
 
     Args:
@@ -90,18 +92,22 @@ def run_batch_bench(model_path: str | os.PathLike, policy: Policy | str | os.Pat
         json_path: Write the result here.
         compile: Compile every side (the baselines as ``torch.compile(model)``); False: every side
             eager (``bench --global-batch N --no-compile``, a quick check).
+        strict_timing: Raise on a busy machine (start, before and after the timing), else warn.
+        force: Measure the policy of another model (as ``bench --force`` and ``train --force``).
 
     Returns:
         ``{"device", "machine", "torch", "autoprec", "date", "model", "policy", "global_batch",
         "memory_budget" (bytes or None), "rows": [BatchPoint.row() ...], "policy_row", "baseline_row"
         (the baseline to beat's label), "speedup_vs_baseline" (policy tokens/s over the baseline to
         beat's, both per global step), "within_drift_rule" (bool), "drift_rule" (description),
-        "compiled" (bool), "autocast_left_out" (why torch.autocast was not run, else None)}``.
+        "compiled" (bool), "autocast_left_out" (why torch.autocast was not run, else None),
+        "load" (the load checks, :class:`~autoprec.measure.load.LoadMonitor`)}``.
 
     Raises:
         AutoprecError: the policy's ``batching`` is for another global batch, or it does not fit the
             budget; ModelSpecError / SearchError: the model file cannot give the micro-batches, or a
-            bad budget (the message names the numbers).
+            bad budget (names the numbers); PolicyError: another model's policy (unless ``force``);
+            BusyMachineError: a busy machine (``strict_timing``, :mod:`autoprec.measure.load`).
     """
     def log(msg: str) -> None:
         if not quiet:
@@ -113,36 +119,31 @@ def run_batch_bench(model_path: str | os.PathLike, policy: Policy | str | os.Pat
     spec, dev = load_model_spec(model_path), resolve_device(device)
     arg = parse_max_memory(max_memory)
     check_memory_floor(arg, spec.build_model(), spec.make_optimizer)
+    load = LoadMonitor.start(dev, strict_timing)
     autocast = _autocast(dev, max_step_ratio, log)
     h = Harness(spec, dev, drift_batches=1)  # the file's batch: what "0.8x" and "auto" refer to
-    budget = _budget(arg, h, autocast)
-    fp32_step = h.measure(h.model).step_s
+    if why := check_policy_file(pol, None if isinstance(policy, Policy) else source, h.graph_module,
+                                str(spec.path), force):
+        log(f"warning: {why}")
+    budget, fp32_step = _budget(arg, h, autocast), h.measure(h.model).step_s
     # the auto rule, re-based on torch.autocast's accumulated drift by search.rule
     search = BatchSearch(spec, dev, global_batch, budget, compile, autocast, DriftBudget(rule="auto"),
                          slow=None, quiet=quiet, file_harness=h)
     bar_cfgs = [c for c in search.configs(Policy.fp32(), h.random) if c.role is Role.BASELINE]
     mine = BatchConfig("policy", Role.POLICY, dataclasses.replace(pol, batching=None))
     pts = [p for c in bar_cfgs if (p := search.fit(c)) is not None]
-    own = search.point(mine, pol.batching.micro_batch) if pol.batching is not None else search.fit(mine)
-    if own is not None and own.error is not None:
-        raise AutoprecError(f"{source}: failed at micro-batch {own.micro_batch}: {own.error}")
-    if own is None or not own.fits:
-        raise AutoprecError(f"{source}: does not fit the memory budget ({budget:.0f} bytes) at global batch "
-                            f"{global_batch}" + (f" (peak {own.peak_bytes} bytes at micro-batch "
-                                                 f"{own.micro_batch})" if own else " at any micro-batch"))
+    own = _own_point(search, mine, pol, source)
     rule = search.rule(search.base)
     for p in [*pts, own]:
         search.drift(p)
     search.slow = max_step_ratio * fp32_step * global_batch / search.file_batch
+    load.check("before timing")
     search.time([p for p in [own, *pts] if p.error is None])
+    load.check("after timing")
     bars = [p for p in pts if p.tokens_per_s > 0]
     bar = max(bars, key=lambda p: p.tokens_per_s) if bars else None
-    machine = describe_machine(dev)
     result = {
-        "device": machine["device"], "machine": machine, "torch": torch.__version__, "autoprec": __version__,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "model": str(spec.path), "policy": pol.to_dict(), "global_batch": global_batch,
-        "memory_budget": budget,
+        **_header(spec.path, pol, dev), "global_batch": global_batch, "memory_budget": budget,
         "rows": [p.row() for p in search.points], "policy_row": own.label,
         "baseline_row": bar.label if bar is not None else None,
         "speedup_vs_baseline": own.tokens_per_s / bar.tokens_per_s if bar is not None and own.tokens_per_s
@@ -150,10 +151,36 @@ def run_batch_bench(model_path: str | os.PathLike, policy: Policy | str | os.Pat
         "within_drift_rule": bool(own.drift) and rule.feasible(own.drift), "drift_rule": rule.describe(),
         "drift_rule_detail": rule.explain(own.drift) if own.drift else None, "compiled": compile,
         "autocast_left_out": None if autocast.in_contest(h.random) else autocast.cannot_win,
+        "load": load.records,
     }
     if json_path is not None:
         write_json(json_path, result)
     return result
+
+
+def _header(model: os.PathLike, pol: Policy, dev: torch.device) -> dict[str, Any]:
+    """A result's where and when: the device and machine, versions, the date, model and policy."""
+    machine = describe_machine(dev)
+    return {"device": machine["device"], "machine": machine, "torch": torch.__version__,
+            "autoprec": __version__,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "model": str(model), "policy": pol.to_dict()}
+
+
+def _own_point(search: BatchSearch, mine: BatchConfig, pol: Policy, source: str) -> BatchPoint:
+    """The policy's point: at its ``batching``'s micro-batch, else the largest that fits.
+
+    Raises:
+        AutoprecError: it failed there, or it fits the budget at no micro-batch (names the numbers)."""
+    own = search.point(mine, pol.batching.micro_batch) if pol.batching is not None else search.fit(mine)
+    if own is not None and own.error is not None:
+        raise AutoprecError(f"{source}: failed at micro-batch {own.micro_batch}: {own.error}")
+    if own is None or not own.fits:
+        where = (f" (peak {own.peak_bytes} bytes at micro-batch {own.micro_batch})" if own
+                 else " at any micro-batch")
+        raise AutoprecError(f"{source}: does not fit the memory budget ({search.memory_budget:.0f} bytes) at "
+                            f"global batch {search.n}{where}")
+    return own
 
 
 def format_batch_table(res: dict[str, Any]) -> str:

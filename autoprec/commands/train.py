@@ -60,7 +60,7 @@ from autoprec.training.train import StepStats, TrainStep, make_scaler
 
 _log = logging.getLogger("autoprec")
 
-__all__ = ["TrainResult", "train"]
+__all__ = ["TrainResult", "check_checkpoint", "train"]
 
 
 @dataclass
@@ -142,15 +142,12 @@ def train(model_path: str | os.PathLike, policy_path: str | os.PathLike, steps: 
         raise ValueError(f"steps must be ≥ 1, got {steps}")
     if resume and checkpoint is None:
         raise ValueError("resume=True needs a checkpoint path")
-    if checkpoint is not None and not resume:
-        _refuse_existing(checkpoint)
     policy = Policy.load(policy_path)
-    spec = load_model_spec(model_path)
     ranks = ranks_from_env()
-    if resume and Path(checkpoint).exists():
-        done = _finished(checkpoint, policy_path, policy, steps, quiet or not ranks.lead)
-        if done is not None:
-            return done
+    done = check_checkpoint(checkpoint, resume, policy_path, policy, steps, quiet or not ranks.lead)
+    if done is not None:
+        return done
+    spec = load_model_spec(model_path)
     dev = init_ranks(resolve_device(device), ranks)
     with joined(ranks):  # a rank that fails leaves at once; torchrun stops the others
         return _train(spec, policy, policy_path, dev, ranks, steps, compile, log_every,
@@ -217,6 +214,27 @@ def _train(spec: Any, policy: Policy, policy_path: str | os.PathLike, dev: Any, 
     finally:
         monitor.close()
     return _result(done, start, step, monitor)
+
+
+def check_checkpoint(checkpoint: str | os.PathLike | None, resume: bool, policy_path: str | os.PathLike,
+                     policy: Policy, steps: int, quiet: bool) -> TrainResult | None:
+    """What :func:`train` checks of ``checkpoint`` before the model file is loaded, the one home of
+    these checks (``autoprec train`` makes them before it validates the model file): without
+    ``resume``, an existing file is refused (:func:`_refuse_existing`); with it, a checkpoint at
+    step ``steps`` or beyond is a finished run, a no-op (:func:`_finished`, one line unless ``quiet``).
+
+    Returns:
+        The finished run's :class:`TrainResult` (``complete=True``), else None (train).
+
+    Raises:
+        AutoprecError: as :func:`_refuse_existing` and :func:`_finished`.
+    """
+    if checkpoint is None:
+        return None
+    if not resume:
+        _refuse_existing(checkpoint)
+        return None
+    return _finished(checkpoint, policy_path, policy, steps, quiet) if Path(checkpoint).exists() else None
 
 
 def _refuse_existing(checkpoint: str | os.PathLike) -> None:

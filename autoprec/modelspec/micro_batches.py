@@ -89,13 +89,15 @@ def divisors(n: int) -> list[int]:
 
 
 def takes_batch_size(get_batch: Callable[..., Any]) -> bool:
-    """Whether ``get_batch`` accepts a ``batch_size`` keyword (or ``**kwargs``)."""
+    """Whether ``get_batch`` names a ``batch_size`` parameter (docs/model-contract.md). A
+    ``**kwargs`` alone does not count: a ``get_batch(step, device, **kw)`` that ignores ``kw``
+    would return the file's batch where N examples were asked for, and its batches are concatenated
+    instead."""
     try:
         params = inspect.signature(get_batch).parameters.values()
     except (TypeError, ValueError):
         return False
-    return any(p.name == "batch_size" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-               or p.kind == p.VAR_KEYWORD for p in params)
+    return any(p.name == "batch_size" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) for p in params)
 
 
 def _leaves(batch: Any) -> list[tuple[str, Any]]:

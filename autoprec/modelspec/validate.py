@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 import os
 import traceback
 from collections.abc import Callable, Mapping
@@ -98,14 +99,27 @@ def _check_loss(spec: ModelSpec, loss: Any) -> None:
                              f"under torch.no_grad()); {fix}")
 
 
+def _check_tokens(spec: ModelSpec, n: Any) -> None:
+    """Raise unless ``tokens_per_batch(get_batch(0))`` gave a positive finite count: every tokens/s
+    number divides by it."""
+    if isinstance(n, torch.Tensor) and n.numel() == 1:
+        n = n.item()
+    if isinstance(n, bool) or not isinstance(n, (int, float)) or not math.isfinite(n) or n <= 0:
+        got = repr(n) if isinstance(n, (int, float)) else _describe(n)
+        raise ModelSpecError(f"{spec.path}: tokens_per_batch(get_batch(0)) returned {got}; expected a "
+                             f"positive number of tokens (`{_OPTIONAL['tokens_per_batch']}`), the count "
+                             "behind every tokens/s")
+
+
 def validate_spec(spec: ModelSpec, device: torch.device | str = "cpu") -> tuple[nn.Module, Any]:
     """Run every entry point of ``spec`` once and check what it returns
     (docs/architecture.md#modelpy-contract).
 
     Builds the model once, calls ``get_batch(0, device)`` twice (determinism), runs one forward
-    and ``loss_fn`` (no backward), and builds the optimizer. Cost: one model build and one forward
-    pass. The global RNG state (CPU and the device's) is restored afterwards, so a later
-    ``build_model()`` initialises the same weights as without the check.
+    and ``loss_fn`` (no backward), counts the batch's tokens (``tokens_per_batch``), calls
+    ``get_heldout_batch(0, device)`` where the file defines it, and builds the optimizer. Cost: one
+    model build and one forward pass. The global RNG state (CPU and the device's) is restored
+    afterwards, so a later ``build_model()`` initialises the same weights as without the check.
 
     Args:
         spec: From :func:`load_model_spec`.
@@ -120,7 +134,8 @@ def validate_spec(spec: ModelSpec, device: torch.device | str = "cpu") -> tuple[
             tuple/list or dict, or two different batches for step 0, or a dict key ``forward``
             does not take; the forward raised (for a tuple or list batch the message names how
             its items were bound to ``forward``'s parameters: :func:`positional_binding`); the
-            loss is not a floating scalar tensor that requires grad;
+            loss is not a floating scalar tensor that requires grad; ``tokens_per_batch`` gave no
+            positive number; ``get_heldout_batch`` returned no batch;
             ``make_optimizer`` returned no ``torch.optim.Optimizer``.
     """
     dev = torch.device(device)
@@ -157,6 +172,12 @@ def validate_spec(spec: ModelSpec, device: torch.device | str = "cpu") -> tuple[
         loss = _call_entry(spec, "loss_fn", spec.loss_fn, out, batch)
         _check_loss(spec, loss)
         del out, loss
+        _check_tokens(spec, _call_entry(spec, "tokens_per_batch(batch)", spec.tokens_per_batch, batch))
+        if spec.heldout_batch is not None:
+            held = _call_entry(spec, "get_heldout_batch(0, device)", spec.heldout_batch, 0, dev)
+            if not isinstance(held, (torch.Tensor, tuple, list, Mapping)):
+                raise ModelSpecError(f"{spec.path}: get_heldout_batch returned {_describe(held)}; expected "
+                                     f"{_BATCH_TYPES}")
         params = [p for p in model.parameters() if p.requires_grad]
         opt = _call_entry(spec, "make_optimizer(params)", spec.make_optimizer, params)
         if not isinstance(opt, torch.optim.Optimizer):

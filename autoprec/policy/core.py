@@ -315,7 +315,7 @@ class Policy:
     # -- JSON -----------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         """The docs/architecture.md#policy-file JSON layout (``loss_scaling`` adds max_scale);
-        ``schema_version`` is 2 when a rule uses ``compute``, ``saved`` or fp8, else 1.
+        ``schema_version`` is :attr:`schema`.
 
         ``activation_memory_budget`` is written only below 1.0 and ``grad_reduce_dtype`` only when
         not ``fp32``, so a policy without them stays readable by autoprec versions that predate

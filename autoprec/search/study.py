@@ -2,13 +2,14 @@
 (docs/architecture.md#data-flow, #search).
 
 :func:`tune` reads as its phases: capture (load model.py, capture, FP32 reference) -> probe (which
-low dtypes the device runs faster than fp32) -> baselines (FP32 and torch.autocast, eager; the
-drift budget) -> search (Optuna trials, each lowering the graph and measuring eager training
-steps, ``grad_rel_l2`` and memory; a per-node dtype assignment already measured in the study is
-reused; :mod:`autoprec.search.trials`) -> finalists (the fastest feasible trials compiled with
-Inductor, or eager with ``--no-compile``, and measured again, drift included, with ``max_memory``
-fitted to the memory budget, timed head to head with the baselines, the choice checked on
-``traj_rel`` over K optimizer steps; :mod:`autoprec.search.contest`) -> write (report, then the policy file).
+low dtypes have a kernel within :data:`~autoprec.search.probe.TOL` of fp32's time) -> baselines
+(FP32 and torch.autocast, eager; the drift budget) -> search (Optuna trials, each lowering the graph
+and measuring eager training steps, ``grad_rel_l2`` and memory; a per-node dtype assignment already
+measured in the study is reused; :mod:`autoprec.search.trials`) -> finalists (the fastest feasible
+trials compiled with Inductor, or eager with ``--no-compile``, and measured again, drift included,
+with ``max_memory`` fitted to the memory budget, timed head to head with the baselines, the choice
+checked on ``traj_rel`` over K optimizer steps; :mod:`autoprec.search.contest`) -> write (report,
+then the policy file).
 
 Screening eagerly and compiling only finalists keeps a trial to a few eager steps instead of an
 Inductor compile per trial (docs/architecture.md#design-choices); the finalists' compiled numbers
@@ -61,6 +62,7 @@ from autoprec.search.kernel_choice import (
 )
 from autoprec.search.objective import Objective, name_nonfinite
 from autoprec.search.phases import accounted, phase_bar
+from autoprec.search.probe import TOL
 from autoprec.search.progress import LoadClock, log
 from autoprec.search.race import Decision
 from autoprec.search.results import baseline_to_beat, measured_block, note_if_eager_was_faster, side_by_side
@@ -137,25 +139,24 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
         model_path: A model file following the model.py contract (docs/architecture.md#modelpy-contract).
         trials: Finished trials the study should hold (default 20); a resumed or shared study
             counts the trials it already has, so re-running the same command resumes.
-        timeout: Stop sampling new trials after this many seconds.
+        timeout: Stop sampling new trials after this many seconds. device: ``auto``, ``cpu``, ``cuda``.
         max_drift: ``"auto"``: not worse than ``torch.autocast`` at the device's default low dtype,
             measured in this run on the same drift batches, beyond noise (a paired t-test on the
             per-batch ``grad_rel_l2``, 2% margin: :class:`autoprec.search.drift_budget.DriftBudget`);
             or a number, a hard limit on the mean ``grad_rel_l2`` over the drift batches.
-        device: ``auto``, ``cpu`` or ``cuda``.
         storage: Optuna storage URL (default: SQLite file beside ``out``); any RDB URL (shared).
         study_name: Study name (default derived from the model file, graph and device).
         compile: Compile finalists with Inductor (the policy is measured as training runs it);
             ``False`` measures everything eagerly.
-        out: Policy file to write (atomically); the report goes beside it.
-        seed: Sampler seed (reproducible sampling).
+        out: Policy file to write (atomically); the report goes beside it. seed: Sampler seed.
         finalists: How many of the fastest feasible trials are re-measured compiled (eagerly
             without compile); a trial's screening stops early once it cannot be one of them
             (:mod:`autoprec.search.screen_cut`; not with ``max_memory`` and without ``compile``).
         quiet: No log lines. progress: Show a progress bar (stderr) over each long phase
             (:mod:`autoprec.search.phases`) where stderr is a terminal.
-        dtypes: Low dtypes to search: ``"auto"`` keeps those whose matmul the probe measured
-            faster than fp32 on this device; a list (or comma-separated string) forces them.
+        dtypes: Low dtypes to search: ``"auto"`` keeps those with a kernel the probe measured within
+            10% of fp32's time on this device (native, or low storage with fp32 compute; fp8: faster,
+            :mod:`autoprec.search.probe`); a list (or comma-separated string) forces them.
         traj_steps: K, the optimizer steps of the ``traj_rel`` check on the policy to be written
             when it lowers anything (budget: torch.autocast's ``traj_rel`` over the same steps).
         report: Write the markdown report and plots beside ``out``.
@@ -166,7 +167,7 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
             memory_fit.MemoryFit`); eager, trials and finalists over it are not finalists.
         compile_variants: The compile variants the compiled choice races, one compile each, the
             fastest's options written: ``"flat"``, ``"all"`` or ``"none"``
-            (:data:`autoprec.policy.COMPILE_VARIANTS`).
+            (:data:`autoprec.policy.COMPILE_VARIANTS`; ``True``/``False``: ``"all"``/``"none"``).
         global_batch: Examples per optimizer step: the micro-batch is searched with the memory lever
             within ``max_memory`` and written (:mod:`autoprec.search.micro_batch`, ``Policy.batching``);
             None: the model file's batch, as before.
@@ -178,11 +179,12 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
         :class:`TuneResult`.
 
     Raises:
-        ModelSpecError: the model file is invalid (nothing is written).
-        CaptureError: the model cannot be captured (nothing is written).
+        ModelSpecError, CaptureError: the model file is invalid, or cannot be captured (nothing written).
         SearchError: bad ``max_drift``, ``max_memory``, ``dtypes`` or ``global_batch`` (before any
             capture: :func:`_memory_arg`); no policy met the budgets.
         BusyMachineError: ``strict_timing`` and the machine is busy (CLI exit 2).
+        ValueError: a bad ``compile_variants`` (before any capture). OSError: the report or the
+            policy file could not be written (one already at ``out`` is replaced whole or not at all).
     """
     drift_arg, forced, variants = _parsed(max_drift, dtypes, compile_variants)
     spec = load_model_spec(model_path)
@@ -319,7 +321,8 @@ def _search(run: TuneState, storage: str, study_name: str, seed: int, trials: in
         enqueue_baselines(study, run.space, sens)
     target = trials if trials is not None else DEFAULT_TRIALS
     if not run.space.low_dtypes and target > 1:  # every parameter's only float choice is fp32
-        log(f"no low dtype is searched (none measured faster than fp32 here), so every policy is all-fp32: "
+        log(f"no low dtype is searched (none has a kernel measured within {TOL:.0%} of fp32's time here), "
+            "so every policy is all-fp32: "
             f"1 trial instead of {target} (--dtypes bf16,fp16 searches them anyway)", run.quiet)
         target = 1
     objective = Objective(run.harness, run.space, run.budget, max_step_s=run.slow, finalists=cut_k,

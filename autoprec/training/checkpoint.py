@@ -80,6 +80,17 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def _check_extra(path: str | os.PathLike, extra: dict[str, Any]) -> None:
+    """Raise TypeError naming the first key of ``extra`` whose value ``json.dumps`` refuses."""
+    for key, value in extra.items():
+        try:
+            json.dumps({key: value})
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"save_checkpoint({os.fspath(path)}): extra[{key!r}] is not JSON-able ({e}); "
+                            "extra holds ints, floats, strings, lists and dicts (a checkpoint loads with "
+                            "weights_only=True); nothing was written") from e
+
+
 def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer,
                     scaler: DynamicLossScaler | None = None, policy: Policy | None = None, step: int = 0,
                     extra: dict[str, Any] | None = None) -> None:
@@ -96,7 +107,10 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
 
     Raises:
         OSError: the file system refused the write (an existing checkpoint at ``path`` is intact).
+        TypeError: ``extra`` holds a value JSON cannot encode (the message names its key), which
+            :func:`load_checkpoint`'s ``weights_only`` load would refuse; nothing is written.
     """
+    _check_extra(path, extra or {})
     payload = {
         "autoprec_checkpoint": CHECKPOINT_FORMAT,
         "model": model.state_dict(),

@@ -102,10 +102,19 @@ class Monitor:
         diagnose_overflows: Diagnose each step with non-finite gradients (re-runs the forward pass
             through an interpreter: costs about one eager forward per overflow step). Only the
             first ``max_diagnoses`` overflow steps are diagnosed.
-        max_diagnoses: Upper bound on diagnosed steps per run.
+        max_diagnoses: Upper bound on diagnosed steps per run (default 3: each costs an eager
+            forward, and the first overflows name the node; later ones at the same node add nothing).
 
-    Example::
+    Each line of the log is a :class:`StepRecord` as JSON: ``step``, ``loss``, ``loss_scale``,
+    ``skipped``, ``grad_norm`` (unscaled L2 norm), ``nonfinite_grads`` (count), ``tokens_per_s``,
+    ``seconds`` (wall clock of the step) and ``first_nonfinite_node``.
 
+    Raises:
+        OSError: ``path``'s directory cannot be created or the file opened for appending.
+
+    Example (``TrainStep`` from :mod:`autoprec.training.train`: one optimizer step, its stats)::
+
+        step = TrainStep(mp, list(model.parameters()), optimizer, loss_fn, scaler=make_scaler(policy))
         mon = Monitor("run/log.jsonl", graph_module=mp.graph_module)
         stats = step(batch)
         mon.record(i, stats, tokens=4096, seconds=dt, batch=batch)

@@ -60,7 +60,10 @@ from autoprec.training.rank_flag import any_rank, grad_device
 __all__ = ["MAX_SKIPS_AT_FLOOR", "DynamicLossScaler", "forward_nonfinite_message", "unscaled_grad_norm"]
 
 #: Default ``max_skips_at_floor``: consecutive skipped steps at ``min_scale`` before ``update``
-#: raises (autoprec's choice; GradScaler has no floor).
+#: raises (autoprec's choice; GradScaler has no floor, and its scale halved to ~1e-15 in 65 skipped
+#: steps without a word, case C09). At the floor a further overflow cannot come from the scale, so it
+#: comes from the forward pass; 8 lets a few bad batches in a row pass (a transient spike is skipped,
+#: as GradScaler skips it) and stops a run whose every step is skipped within seconds.
 MAX_SKIPS_AT_FLOOR = 8
 
 
@@ -112,7 +115,8 @@ class DynamicLossScaler:
         min_scale: Floor of the scale (> 0, exactly representable in float32).
         max_scale: Cap of the scale (<= float32 max, exactly representable in float32).
         max_skips_at_floor: Consecutive skipped steps with the scale at ``min_scale`` after which
-            ``update`` raises :class:`~autoprec.errors.LossScaleError`.
+            ``update`` raises :class:`~autoprec.errors.LossScaleError` (default
+            :data:`MAX_SKIPS_AT_FLOOR`, 8: why there).
         enabled: If False, ``scale`` is the identity, ``step`` a plain ``optimizer.step()``, and
             ``unscale_``/``update``/``load_state_dict`` do nothing (like GradScaler).
         diagnose: Optional zero-argument callable returning the key of the first graph node that

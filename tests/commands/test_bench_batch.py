@@ -62,3 +62,28 @@ def test_bench_global_batch_no_compile_runs_every_side_eagerly_and_needs_the_glo
     table = format_batch_table(res)
     assert "(the faster eager baseline; the baseline to beat is compiled" in table
     assert ("torch.autocast was not run: " in table) == bool(res["autocast_left_out"])
+
+
+def test_bench_global_batch_refuses_options_it_does_not_read_and_another_models_policy(tmp_path, capsys):
+    """``--configs``, ``--steps``, ``--warmup`` and ``--skip-slow`` were accepted and ignored at a
+    global batch, and a policy none of whose rules matches the model was measured without a word;
+    ``--force`` measures it (as ``bench`` and ``train`` do)."""
+    from autoprec.errors import PolicyError
+    from autoprec.policy import Rule
+
+    path = tmp_path / "p.json"
+    Policy.fp32().save(path)
+    base = ["bench", str(TINY), "--policy", str(path), "--global-batch", "16", "--no-compile"]
+    assert main([*base, "--configs", "fp32_eager", "--steps", "3"]) == 2
+    assert capsys.readouterr().err == (
+        "autoprec bench: error: --configs, --steps do not apply with --global-batch (each side's micro-batch "
+        "and timing follow tune's micro-batch search): drop them\n")
+    assert main([*base, "--skip-slow"]) == 2
+    assert "error: --skip-slow does not apply with --global-batch" in capsys.readouterr().err
+    other = tmp_path / "other.json"
+    Policy(rules=[Rule(dtype="bf16", module="transformer.h.*")]).save(other)
+    with pytest.raises(PolicyError, match=r"other.json.*transformer\.h\.\*"):
+        run_batch_bench(TINY, other, 16, quiet=True, compile=False)
+    res = run_batch_bench(TINY, other, 16, quiet=True, compile=False, force=True)
+    assert res["policy_row"].startswith("policy @ ") and [c["phase"] for c in res["load"]] == [
+        "start", "before timing", "after timing"]

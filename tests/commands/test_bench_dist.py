@@ -184,3 +184,11 @@ def test_bench_nproc_refuses_the_one_process_global_batch_options(tmp_path, caps
         "every rank runs the model file's batch (drop --nproc, or it)\n")
     assert main([*base, "--global-batch", "16", "--max-memory", "1GiB"]) == 2
     assert "error: --global-batch and --max-memory: a comparison at a global batch" in capsys.readouterr().err
+    # the one-process options its eager DDP/FSDP2 rows do not read: refused, not accepted and ignored
+    assert main([*base, "--strict-timing", "--max-step-ratio", "3"]) == 2
+    assert capsys.readouterr().err == (
+        "autoprec bench: error: --strict-timing, --max-step-ratio do not apply with --nproc (its rows are "
+        "eager DDP and FSDP2 steps, without a load check or a slow-step limit): drop them\n")
+    assert main([*base, "--no-compile"]) == 2
+    assert "error: --no-compile does not apply with --nproc" in capsys.readouterr().err
+    assert main([*base, "--steps", "3", "--warmup", "1", "--force"]) == 0  # what it reads

@@ -169,6 +169,14 @@ def test_train_fingerprint_warning_then_resume_past_steps(tmp_path, capsys):
     line = f"checkpoint {ck} is at step 1 of --steps 1: the run is complete, nothing to do"
     assert cap.out.splitlines() == [line]
     assert files(tmp_path) == before and os.stat(ck).st_mtime_ns == stamp
+    # Both checkpoint checks come before the model file is even loaded (docs/usage.md#train): a
+    # model that can no longer be built changes neither the no-op nor the refusal.
+    model.write_text(model.read_text() + "\ndef build_model():\n    raise RuntimeError('built')\n")
+    assert main([*args, "--resume"]) == 0
+    assert capsys.readouterr().out.splitlines() == [line]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert f"checkpoint {ck} holds a run at step 1" in err and "built" not in err, err
 
 
 

@@ -61,6 +61,18 @@ def test_a_get_batch_with_batch_size_gives_the_global_batch_itself():
     assert torch.equal(torch.cat(parts), get_batch(2, CPU, batch_size=6))
 
 
+def test_a_get_batch_with_only_kwargs_is_concatenated_not_asked_for_a_size():
+    """A ``get_batch(step, device, **kw)`` that ignores ``kw`` was asked for ``batch_size=8``, returned
+    its 4 rows and was refused as a short batch; without a ``batch_size`` parameter it is concatenated."""
+    def get_batch(step, device, **kw):
+        return _file_batch(step, device)
+
+    mb = MicroBatches(_spec(get_batch), global_batch=8, micro_batch=4, device=CPU)
+    assert not mb.sized
+    assert torch.equal(mb.global_at(1, CPU)["input_ids"], torch.cat([_file_batch(2, CPU)["input_ids"],
+                                                                     _file_batch(3, CPU)["input_ids"]]))
+
+
 def test_batches_that_cannot_be_resized_are_refused_naming_the_entry_and_the_numbers():
     with pytest.raises(ModelSpecError, match=r"micro-batch 3 does not divide the global batch 8; the micro-"
                                              r"batches that do: 1, 2, 4, 8"):

@@ -322,6 +322,15 @@ def test_validate_spec_returns_model_and_batch_and_restores_the_rng(tmp_path: Pa
     bad = load_model_spec(write(tmp_path, no_module, "bad.py"))
     with pytest.raises(ModelSpecError, match=r"bad\.py: build_model returned .*torch\.nn\.Module"):
         validate_spec(bad)
+    # tokens_per_batch and get_heldout_batch are entry points too: checked before any work, not
+    # when the first tokens/s is computed (after the capture) or at the end of train --compare
+    zero = load_model_spec(write(tmp_path, source + "def tokens_per_batch(batch):\n    return 0\n", "z.py"))
+    with pytest.raises(ModelSpecError, match=r"z\.py: tokens_per_batch\(get_batch\(0\)\) returned 0; expected a "
+                                             r"positive number of tokens"):
+        validate_spec(zero)
+    held = source + "def get_heldout_batch(step, device):\n    raise KeyError('split')\n"
+    with pytest.raises(ModelSpecError, match=r"h\.py.*get_heldout_batch\(0, device\).*KeyError"):
+        validate_spec(load_model_spec(write(tmp_path, held, "h.py")))
 
 
 def test_public_names_stay_importable_from_the_package():

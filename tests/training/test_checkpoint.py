@@ -104,6 +104,15 @@ def test_save_failure_keeps_old_checkpoint(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="disk full"):
         save_checkpoint(path, model, opt, step=2)
     assert path.read_bytes() == old and [p.name for p in tmp_path.iterdir()] == ["ck.pt"]
+    monkeypatch.undo()
+    # an extra value weights_only loading would refuse: refused at save, naming the key, the old file kept
+    import numpy as np
+
+    with pytest.raises(TypeError, match=r"ck\.pt\): extra\['best'\] is not JSON-able .*nothing was written"):
+        save_checkpoint(path, model, opt, step=2, extra={"epoch": 1, "best": np.float32(0.5)})
+    assert path.read_bytes() == old
+    save_checkpoint(path, model, opt, step=2, extra={"epoch": 1, "best": [0.5, "x", {"k": None}]})
+    assert load_checkpoint(path, model).extra["best"] == [0.5, "x", {"k": None}]
 
 
 def test_load_errors_name_the_file(tmp_path):
