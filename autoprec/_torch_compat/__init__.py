@@ -52,8 +52,8 @@ from autoprec._torch_compat.dynamo import (
 )
 
 __all__ = [
-    "TorchDispatchMode", "amp_unscale_", "checkpoint_calls", "child_module", "compile_cache_counts",
-    "detect_fake_mode",
+    "TorchDispatchMode", "amp_unscale_", "autograd_function_calls", "checkpoint_calls", "child_module",
+    "compile_cache_counts", "detect_fake_mode",
     "dynamo_compile_seconds", "dynamo_unique_graphs", "export_assert_ops", "fake_tensor_errors",
     "is_dynamo_optimized", "new_fake_mode", "optimization_hint", "overload_schema", "pytree",
     "pytree_info", "reuse_invoke_subgraph_schemas", "safe_softmax", "saved_tensor_hook_node",
@@ -365,3 +365,41 @@ def checkpoint_calls() -> Iterator[list[Any]]:
             cp._checkpoint_without_reentrant_generator = gen
         if fn is not None:
             cp.CheckpointFunction = fn
+
+
+@contextlib.contextmanager
+def autograd_function_calls() -> Iterator[list[type]]:
+    """Within the block, every call of a ``torch.autograd.Function`` (``SomeFunction.apply(...)``,
+    also through a name bound before the block, ``grad_reverse = GradReverse.apply``) appends
+    ``SomeFunction`` to the list the block is given, then runs as it would.
+
+    Used by :func:`autoprec.capture.trace.capture_planned`: ``torch.export`` traces a custom
+    Function's ``forward`` into the graph and drops its ``backward`` without a word
+    (:mod:`autoprec.capture.custom_backward`). ``Function.apply`` reaches the C implementation
+    through ``super().apply``, looked up at each call on ``torch.autograd.function._SingleLevelFunction``
+    (private; the class between ``Function`` and ``torch._C._FunctionBase`` since torch 2.0), where
+    the block puts a recording ``apply``. Calls under functorch transforms (``custom_function_call``)
+    are not seen. Checked on 2.13.0; without that class, nothing is seen.
+    """
+    import torch.autograd.function as af
+
+    seen: list[type] = []
+    level = getattr(af, "_SingleLevelFunction", None)
+    if level is None:  # pragma: no cover - torch < 2.0
+        yield seen
+        return
+    own = level.__dict__.get("apply")  # None: inherited from torch._C._FunctionBase
+    base = own if own is not None else torch._C._FunctionBase.__dict__["apply"]
+
+    def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
+        seen.append(cls)
+        return base.__get__(None, cls)(*args, **kwargs)
+
+    level.apply = classmethod(apply)
+    try:
+        yield seen
+    finally:
+        if own is not None:
+            level.apply = own
+        else:
+            del level.apply

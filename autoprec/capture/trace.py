@@ -25,8 +25,9 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from autoprec._torch_compat import checkpoint_calls, export_assert_ops
+from autoprec._torch_compat import autograd_function_calls, checkpoint_calls, export_assert_ops
 from autoprec.capture.causal import causal_attention
+from autoprec.capture.custom_backward import check_custom_backward, custom_functions
 from autoprec.capture.diagnose import checkpointing_refused, explain_failure
 from autoprec.capture.dims import DimPlan, plan_dims
 from autoprec.capture.export import (
@@ -133,19 +134,21 @@ def capture_planned(model: nn.Module, example_batch: Any, plan: DimPlan | None) 
         if not any(training for _m, training in modes):  # wholly in eval mode: the training graph
             model.train()
         with (quiet_pytree_deprecation(), quiet_partial_graph(), _training_forward(model, fixed),
-              checkpoint_calls() as checkpointed):
+              checkpoint_calls() as checkpointed, autograd_function_calls() as functions):
             ep = export_program(model, args, kwargs, plan)
         if checkpointed:
             raise CaptureError(checkpointing_refused(model, checkpointed))
+        with quiet_pytree_deprecation():
+            gm = ep.module()
     except CaptureError:
         raise
     except Exception as e:  # torch raises many types here (UserError, GuardOnDataDependent...)
         raise CaptureError(explain_failure(e, model, example_batch, args, kwargs)) from e
+    else:  # in the modes it was traced in: a lost custom backward is refused (C13's kind of silence)
+        check_custom_backward(model, gm, example_batch, custom_functions(functions))
     finally:
         for m, training in modes:  # each module's own flag (model.train(flag) would set them all)
             m.training = training
-    with quiet_pytree_deprecation():
-        gm = ep.module()
     if plan is not None and plan.dynamic:
         gm.meta[DIMS_META] = export_ranges(gm, ep, plan)
     gm.meta[CALL_KWARGS_META] = dict(fixed)
