@@ -91,6 +91,8 @@ class MixedPrecisionModule(ModelFacade):
                  stats: dict[str, Any], compile: bool) -> None:
         super().__init__()
         object.__setattr__(self, "model", model)  # not a submodule: state_dict keys unchanged
+        if not any(m.training for m in model.modules()):  # applied wholly in eval mode (from_pretrained)
+            model.train()  # the mode it was captured in, and this module's (ModelFacade.training)
         object.__setattr__(self, "graph_module", graph_module)
         self.policy = policy
         self.stats = stats

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from autoprec.errors import ModelSpecError
-from autoprec.modelspec import default_loss_fn
+from autoprec.modelspec import default_loss_fn, scalar_items
 from autoprec.policy import Policy
 
 __all__ = ["UnscaledBackwardCheck"]
@@ -25,7 +25,9 @@ __all__ = ["UnscaledBackwardCheck"]
 class UnscaledBackwardCheck:
     """Called with each training-mode output of an applied module: until one backward has passed
     through the output's loss, it hooks the loss (``output.loss``, a ``"loss"`` key, or a
-    one-element output: :func:`autoprec.modelspec.default_loss_fn`'s rule), and the hook raises when
+    one-element output: :func:`autoprec.modelspec.default_loss_fn`'s rule; for a tuple or list output,
+    each one-element floating item, :func:`autoprec.modelspec.scalar_items`: Hugging Face's
+    ``return_dict=False`` puts the loss first), and the hook raises when
     the gradient arriving there is at most 1 in magnitude: nothing scaled the loss. One check per
     module, on its first backward: a scaler's first scale is its initial one (far above 1), so a
     later back-off to a small scale after overflows is never taken for a missing scaler.
@@ -47,11 +49,12 @@ class UnscaledBackwardCheck:
         if not self.pending or not torch.is_grad_enabled():
             return
         try:
-            loss = default_loss_fn(output, None)
-        except ModelSpecError:
-            return
-        if loss.requires_grad:
-            loss.register_hook(self._check)
+            losses = [default_loss_fn(output, None)]
+        except ModelSpecError:  # a tuple (HF return_dict=False: (loss, logits)): its scalar items
+            losses = scalar_items(output)
+        for loss in losses:
+            if loss.requires_grad:
+                loss.register_hook(self._check)
 
     def _check(self, grad: torch.Tensor) -> None:
         """The hook: raise ``ValueError`` when ``grad`` (d(what backward started from) / d(loss)) is at

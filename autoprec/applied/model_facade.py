@@ -161,18 +161,31 @@ class ParameterSnapshot:
     """
 
     def __init__(self, model: nn.Module) -> None:
-        self.params = [(n, p, p.shape) for n, p in model.named_parameters()]
+        self.params = [(n, p, p.shape, p.dtype) for n, p in model.named_parameters()]
 
     def check(self, model: nn.Module, what: str) -> None:
         """Raise unless ``model``'s Parameters are the snapshot's (same names, same objects of the
-        same shapes, same order; about a microsecond per Parameter). ``resize_token_embeddings``
-        keeps the Parameter object and gives it new data of another shape.
+        same shapes and dtypes, same order; about a microsecond per Parameter).
+        ``resize_token_embeddings`` keeps the Parameter object and gives it new data of another
+        shape; ``model.half()`` / ``model.to(torch.bfloat16)`` on the wrapped model keeps it and
+        converts its data (low-precision master weights: updates below their resolution round away, C08).
 
         Raises:
-            ValueError: one was replaced, reshaped, added or removed; names the first and what to do.
+            ValueError: one was replaced, reshaped, converted, added or removed; names the first and
+                what to do.
         """
         now = list(model.named_parameters())
-        differs = [n for (n, p), (m, q, shape) in zip(now, self.params)
+        converted = [(n, p.dtype) for (n, p), (_m, q, _s, dtype) in zip(now, self.params)
+                     if p is q and p.dtype != dtype]
+        if converted:
+            name, dtype = converted[0]
+            raise ValueError(f"{what}: the model's Parameter {name!r} is {dtype} since autoprec.apply "
+                             f"({len(converted)} converted: e.g. model.half() or model.to(torch.bfloat16) on "
+                             "the wrapped model). The Parameters are the fp32 master weights that training "
+                             "updates; in a low dtype, updates below its resolution round away (case C08), "
+                             "and the policy already decides what computes in bf16/fp16: convert them back "
+                             "with model.float()")
+        differs = [n for (n, p), (m, q, shape, _d) in zip(now, self.params)
                    if n != m or p is not q or p.shape != shape]
         if not differs and len(now) == len(self.params):
             return
@@ -255,6 +268,24 @@ class ModelFacade(nn.Module):
                             "(the model's keys) instead")
         return save(save_directory, *args, **kwargs)
 
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """The wrapped model's ``generate`` (Hugging Face models): sampling runs the model's own
+        forward on its Parameters (the trained fp32 master weights), not the policy's graph, which
+        is a training step's (captured with ``use_cache=False``, at training shapes). The mode is
+        the caller's to set, as without autoprec (``mp.eval()`` first: dropout off).
+
+        Returns:
+            What ``model.generate`` returns (token ids, ``[batch, prompt + new tokens]``, int64).
+
+        Raises:
+            TypeError: the wrapped model has no ``generate``.
+        """
+        gen = getattr(self.model, "generate", None)
+        if gen is None:
+            raise TypeError(f"{self._what}: the wrapped model has no generate; call the model itself "
+                            "(mp.model) for inference")
+        return gen(*args, **kwargs)
+
     def gradient_checkpointing_enable(self, *args: Any, **kwargs: Any) -> None:
         """Refused: the graph is captured and lowered already, so checkpointing the model now would not
         change it.
@@ -322,11 +353,28 @@ class ModelFacade(nn.Module):
         raise TypeError(f"{self._what} cannot be pickled (torch.save(mp)): save mp.state_dict() (the "
                         "model's keys) or the model itself, and apply the policy to it again after loading")
 
+    @property
+    def training(self) -> bool:
+        """The wrapped model's training flag (its root module's), which this module's mode is: in
+        training mode a call runs the lowered graph, in eval mode the model's own forward
+        (``MixedPrecisionModule.forward``). So ``mp.eval()`` and ``model.eval()`` are one switch,
+        and so are ``mp.train()`` and ``model.train()``: before, each module kept a flag of its own,
+        and ``model.eval()`` for validation left the module running the training graph (dropout on),
+        while ``mp.eval(); model.train()`` trained the model's own fp32 forward, without the policy.
+        A new module is in training mode (:class:`~autoprec.applied.apply.MixedPrecisionModule`
+        switches a model applied wholly in eval mode to training mode, as the capture traced it);
+        the graph keeps the submodule modes it was captured in (:func:`autoprec.capture.capture`)."""
+        model = self.__dict__.get("model")
+        return True if model is None else model.training
+
+    @training.setter
+    def training(self, mode: bool) -> None:
+        model = self.__dict__.get("model")  # None while nn.Module.__init__ sets the flag
+        if model is not None:
+            model.training = mode
+
     def train(self, mode: bool = True) -> ModelFacade:
-        """Set this module's and the wrapped model's training flag: in training mode a call runs
-        the lowered graph, in eval mode the model's own forward (``MixedPrecisionModule.forward``).
-        A new module is in training mode, whatever mode the model was applied in. This flag decides:
-        ``model.eval()`` on the wrapped model alone does not switch it, and the graph keeps the
-        submodule modes it was captured in (:func:`autoprec.capture.capture`)."""
+        """Set the training flag of the wrapped model and its submodules (``model.train(mode)``),
+        which is this module's (:attr:`training`)."""
         self.model.train(mode)
-        return super().train(mode)
+        return self

@@ -149,11 +149,18 @@ class Recapture:
         """Make ``mp`` serve a call of these shapes, or raise ``error`` (the input check's).
 
         Raises:
-            ValueError: a sequence longer than ``config.max_position_embeddings``; or ``error``, when
+            ValueError: an empty batch (an input with a dimension of size 0: a re-capture on it
+                failed with a message about the example batch); a sequence longer than
+                ``config.max_position_embeddings``; or ``error``, when
                 the call is not outside a range (inputs that share a dimension disagree, another
                 structure) or takes both positional and keyword tensors, with advice for this mode
                 (:func:`autoprec.capture.shapes.unserved`: not "without strict_shapes=True").
         """
+        had = dict(tensor_shapes(*split_batch(self.example)))  # an input empty in the example too is its way
+        if empty := [n for n, shape in tensor_shapes(args, kwargs) if 0 in shape and 0 not in had.get(n, ())]:
+            raise ValueError(f"{mp.what}: input shapes {_text(args, kwargs)}: an empty batch ({empty[0]} has "
+                             "a dimension of size 0), which no capture serves and no step can train on; skip "
+                             "it in the loop (or drop it in the loader)") from None
         try:
             self._serve(mp, args, kwargs, error)
         except ValueError as e:

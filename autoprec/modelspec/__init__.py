@@ -28,6 +28,7 @@ from autoprec.modelspec.batch import (
     default_make_optimizer,
     default_tokens_per_batch,
     positional_binding,
+    scalar_items,
     split_batch,
 )
 from autoprec.modelspec.loader import ModelSpec, load_model_spec
@@ -46,6 +47,7 @@ __all__ = [
     "TRAINING_KWARGS",
     "call_model",
     "default_loss_fn",
+    "scalar_items",
     "default_make_optimizer",
     "default_tokens_per_batch",
     "drop_fixed_kwargs",

@@ -97,7 +97,7 @@ def default_loss_fn(output: Any, batch: Any, *, path: str | None = None) -> torc
 
     Args:
         output: What the model returned.
-        batch: The batch (unused; part of the ``loss_fn`` signature).
+        batch: The batch (part of the ``loss_fn`` signature; the message reads whether it has ``labels``).
         path: The model file, named in the error message.
 
     Returns:
@@ -105,9 +105,9 @@ def default_loss_fn(output: Any, batch: Any, *, path: str | None = None) -> torc
 
     Raises:
         ModelSpecError: The output carries no usable loss (e.g. logits only, or ``loss=None``
-            because the batch has no ``labels``).
+            because the batch has no ``labels``); for a tuple or list holding a scalar, the message
+            names its index and the ``loss_fn`` that picks it.
     """
-    del batch
     where = path or "your model.py"
     if isinstance(output, torch.Tensor):
         loss, field = output, ""
@@ -117,12 +117,31 @@ def default_loss_fn(output: Any, batch: Any, *, path: str | None = None) -> torc
     else:
         loss = getattr(output, "loss", None)
         field = f" with loss={_describe(loss)}" if hasattr(output, "loss") else ""
-    if isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.is_floating_point():
+    if _is_scalar(loss):
         return loss
+    scalars = [i for i, t in enumerate(output) if _is_scalar(t)] if isinstance(output, (tuple, list)) else []
+    if scalars:
+        raise ModelSpecError(
+            f"model output has no loss: got {_describe(output)}, and a tuple is not searched for one; item "
+            f"{scalars[0]} is a one-element tensor (Hugging Face's return_dict=False puts the loss first): "
+            f"define loss_fn(output, batch) in {where} to pick it, e.g. "
+            f"`def loss_fn(output, batch): return output[{scalars[0]}]`")
+    has_labels = isinstance(batch, Mapping) and "labels" in batch
     raise ModelSpecError(
         f"model output has no loss: got {_describe(output)}{field}; define loss_fn(output, batch) "
-        f"in {where} (or include labels in the batch so the model computes one)"
+        f"in {where}" + ("" if has_labels else " (or include labels in the batch so the model computes one)")
     )
+
+
+def _is_scalar(t: Any) -> bool:
+    """Whether ``t`` is a one-element floating tensor (a loss, by shape)."""
+    return isinstance(t, torch.Tensor) and t.numel() == 1 and t.is_floating_point()
+
+
+def scalar_items(output: Any) -> list[torch.Tensor]:
+    """The one-element floating tensors among the items of a tuple or list ``output`` (a loss
+    among them: ``(loss, logits)``, ``(logits, loss)``); ``[]`` for any other output."""
+    return [t for t in output if _is_scalar(t)] if isinstance(output, (tuple, list)) else []
 
 
 def _describe(obj: Any) -> str:

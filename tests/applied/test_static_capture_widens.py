@@ -104,3 +104,19 @@ def test_shape_stats_count_the_graphs_a_recapture_replaced():
     assert stats["mode"] == "dynamic" and stats["recaptures"] == 1, stats
     assert stats["captures"] == 2 and stats["compiles"] == 2, stats
     assert stats["compile_seconds"] > first["compile_seconds"] > 0, (first, stats)
+
+
+def test_an_empty_batch_is_refused_as_such_not_as_a_capture_failure():
+    """A batch of 0 rows (a filtered-out last batch) made a re-capture fail with a message about
+    "the example batch" and "the batch get_batch returns"; it is refused naming the empty input, and
+    the module serves later batches as before."""
+    torch.manual_seed(0)
+    model = CausalLM()
+    mp = autoprec.apply(model, autoprec.Policy.fp32(), lm_batch(4, 32, 0), compile=False)
+    empty = {k: v[:0] for k, v in lm_batch(4, 32, 1).items()}
+    with pytest.raises(ValueError, match=r"MixedPrecisionModule of CausalLM: input shapes \{input_ids: \(0, 32\), "
+                                         r"labels: \(0, 32\)\}: an empty batch \(input_ids has a dimension of "
+                                         r"size 0\).*skip it in the loop"):
+        mp(**empty)
+    batch = lm_batch(2, 16, 2)
+    torch.testing.assert_close(mp(**batch), model(**batch), rtol=1e-5, atol=1e-5)

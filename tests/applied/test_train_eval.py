@@ -34,13 +34,13 @@ def _seeded(fn, x: torch.Tensor, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("mode", ["train", "eval"])
 def test_the_graph_is_the_training_graph_whatever_mode_the_model_is_applied_in(mode):
     """A model applied in eval mode (as ``from_pretrained`` returns it) gets the graph with its
-    dropout, trains with the masks the model draws in training mode, and is left in its mode."""
+    dropout, trains with the masks the model draws in training mode, and is switched to training
+    mode with the module (one flag: ``ModelFacade.training``)."""
     torch.manual_seed(0)
     model, x = DropNet(), torch.randn(8, 16)
     getattr(model, mode)()
     mp = autoprec.apply(model, Policy.fp32(), x, compile=False, dynamic=False)
-    assert model.training == (mode == "train")
-    assert mp.training
+    assert mp.training and model.training and model.drop.training
     assert [n.name for n in random_nodes(mp.graph_module)] == ["dropout"]
     got = _seeded(mp, x, 1)
     model.train()
@@ -67,6 +67,42 @@ def test_eval_mode_is_the_models_own_forward_and_train_mode_the_graph_again():
     assert ((train_out - want).abs() / want.abs().clamp_min(1e-3)).max() > 0.1  # dropout, not bf16 rounding
     with pytest.raises(ValueError, match=r"shape"):
         mp(torch.randn(3, 16))  # training mode: the captured shapes
+
+
+def test_the_wrapped_models_train_and_eval_switch_the_module_too():
+    """``model.eval()`` for validation left the module running the training graph (dropout on, the
+    policy's dtypes); ``mp.eval(); model.train()`` left it running the model's own fp32 forward in
+    training, without the policy. The module's mode is the wrapped model's: either call switches both."""
+    torch.manual_seed(0)
+    model, x = DropNet(), torch.randn(8, 16)
+    mp = autoprec.apply(model, Policy.default("bf16"), x, compile=False, dynamic=False)
+    model.eval()
+    assert not mp.training
+    with torch.no_grad():
+        torch.testing.assert_close(_seeded(mp, x, 4), model(x), rtol=0, atol=0)  # no dropout: eval
+    mp.eval()
+    model.train()
+    assert mp.training
+    graph, own = _seeded(mp, x, 5), _seeded(model, x, 5)  # same dropout masks
+    assert not torch.equal(graph, own)  # not the model's own fp32 forward: the bf16 graph ran
+    torch.testing.assert_close(graph, own, rtol=5e-2, atol=5e-2)
+
+
+def test_parameters_converted_after_apply_are_refused_at_the_next_training_call():
+    """``model.to(torch.bfloat16)`` (or ``.half()``) on the wrapped model after apply kept the
+    Parameter objects, so training went on with bf16 master weights, whose small updates round away
+    (C08: 1.0 stayed 1.0 after 100 AdamW steps at lr 1e-4). Refused, naming the Parameter and
+    ``model.float()``, which makes the module train again."""
+    torch.manual_seed(0)
+    model, x = DropNet(), torch.randn(8, 16)
+    mp = autoprec.apply(model, Policy.default("bf16"), x, compile=False, dynamic=False)
+    model.to(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"MixedPrecisionModule of DropNet: the model's Parameter 'a\.weight' is "
+                                         r"torch\.bfloat16 since autoprec\.apply \(4 converted.*model\.float\(\)"):
+        mp(x)
+    model.float()
+    mp(x).sum().backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())
 
 
 def test_compiled_module_evaluates_with_the_models_forward():

@@ -66,3 +66,33 @@ def test_bf16_policy_and_outputs_without_a_loss_are_not_checked():
     lm(x).pow(2).mean().backward()  # the loss is the caller's: its scaling cannot be seen, so no check
     with torch.no_grad():
         lm(x)
+
+
+class TupleOut(torch.nn.Module):
+    """x [B, 8] -> ``(loss, logits)`` as Hugging Face's ``return_dict=False``, or ``(logits, loss)``."""
+
+    def __init__(self, loss_first: bool) -> None:
+        super().__init__()
+        self.fc, self.loss_first = torch.nn.Linear(8, 8), loss_first
+
+    def forward(self, x):
+        logits = self.fc(x)
+        loss = logits.float().pow(2).mean()
+        return (loss, logits) if self.loss_first else (logits, loss)
+
+
+@pytest.mark.parametrize("loss_first", [True, False])
+def test_a_tuple_output_holding_the_loss_is_checked_too(loss_first):
+    """``return_dict=False`` gives ``(loss, logits)``: an unscaled fp16 backward through it trained
+    silently (C07). Refused; a scaled one and a loss made from the logits outside are not."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 8)
+    mp = autoprec.apply(TupleOut(loss_first), autoprec.Policy.default("fp16"), x, compile=False)
+    k = 0 if loss_first else 1
+    with pytest.raises(ValueError, match=r"backward reached its loss unscaled \(d/d loss = 1\)"):
+        mp(x)[k].backward()
+    mp2 = autoprec.apply(TupleOut(loss_first), autoprec.Policy.default("fp16"), x, compile=False)
+    mp2(x)[1 - k].float().pow(2).mean().backward()  # a loss of the caller's: no hook reached, no check
+    mp3 = autoprec.apply(TupleOut(loss_first), autoprec.Policy.default("fp16"), x, compile=False)
+    autoprec.make_scaler(mp3.policy).scale(mp3(x)[k]).backward()
+    assert all(p.grad is not None for p in mp3.parameters())

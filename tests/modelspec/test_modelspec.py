@@ -286,6 +286,16 @@ def test_default_loss_fn() -> None:
         default_loss_fn(torch.zeros(2, 3), None)
     with pytest.raises(ModelSpecError, match="no loss"):
         default_loss_fn({"logits": torch.zeros(2)}, None)
+    # a tuple holding the loss (return_dict=False): the message names the item, and a batch with
+    # labels is not told to include labels
+    with pytest.raises(ModelSpecError, match=r"got tuple of 2 items, and a tuple is not searched for one; item 1 "
+                                             r"is a one-element tensor.*in m\.py.*return output\[1\]`$"):
+        default_loss_fn((torch.zeros(2, 3), torch.tensor(0.5)), {"labels": 1}, path="m.py")
+    with pytest.raises(ModelSpecError) as err:
+        default_loss_fn({"logits": torch.zeros(2)}, {"input_ids": 1, "labels": 2})
+    assert "include labels" not in str(err.value)
+    with pytest.raises(ModelSpecError, match="include labels in the batch"):
+        default_loss_fn({"logits": torch.zeros(2)}, {"input_ids": 1})
 
 
 def test_default_tokens_per_batch() -> None:

@@ -145,6 +145,33 @@ def test_transposes_and_broadcasts_are_known_data_movement():
                        "broadcast_to": "follow", "sum": "sensitive"}
 
 
+class _Vectors(nn.Module):
+    """Weight normalisation (``nn.utils.parametrizations.weight_norm``), mv, dot and vdot: they were
+    unknown ops, treated as elementwise ``follow`` with a warning."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.utils.parametrizations.weight_norm(nn.Linear(4, 4))
+
+    def forward(self, x):
+        h = self.fc(x)
+        return torch.mv(h, x[0]).sum() + torch.dot(x[0], x[1]) + torch.vdot(x[1], x[2])
+
+
+def test_weight_norm_and_vector_products_are_known():
+    import warnings
+
+    from autoprec import ops
+
+    gm = capture(_Vectors(), (torch.randn(4, 4),))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        classes = {op_name(n): ops.classify(n) for n in gm.graph.nodes if n.op == "call_function"}
+    assert classes["mv"] == "matmul"
+    assert classes["dot"] == classes["vdot"] == "sensitive"
+    assert classes.get("_weight_norm", classes.get("_weight_norm_interface")) == "sensitive", classes
+
+
 class Summer(nn.Module):
     def forward(self, x):
         return (x * 1.0).sum(-1), (x * 1.0).var(-1)
