@@ -241,6 +241,8 @@ def test_evaluate_runs_without_dropout_and_training_with_it(tmp_path):
     model = tf.GPT2LMHeadModel(cfg).eval()
     example = PadToLongest()([_dataset()[2], _dataset()[6]])
     mp = autoprec.apply(model, autoprec.Policy.fp32(), example, compile=False)
+    assert mp.training and model.training  # applied in eval mode: switched to training, one flag
+    model.eval()
     with torch.no_grad():
         mean = sum(float(model(**PadToLongest()(_dataset()[i:i + 2])).loss) for i in (0, 2)) / 2
     trainer = tf.Trainer(model=mp, args=_args(tmp_path, steps=1), data_collator=PadToLongest())
