@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -262,10 +262,7 @@ class ModelFacade(nn.Module):
         Raises:
             TypeError: the wrapped model has no ``save_pretrained``.
         """
-        save = getattr(self.model, "save_pretrained", None)
-        if save is None:
-            raise TypeError(f"{self._what}: the wrapped model has no save_pretrained; save mp.state_dict() "
-                            "(the model's keys) instead")
+        save = self._model_method("save_pretrained", "save mp.state_dict() (the model's keys) instead")
         return save(save_directory, *args, **kwargs)
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
@@ -280,11 +277,19 @@ class ModelFacade(nn.Module):
         Raises:
             TypeError: the wrapped model has no ``generate``.
         """
-        gen = getattr(self.model, "generate", None)
-        if gen is None:
-            raise TypeError(f"{self._what}: the wrapped model has no generate; call the model itself "
-                            "(mp.model) for inference")
-        return gen(*args, **kwargs)
+        generate = self._model_method("generate", "call the model itself (mp.model) for inference")
+        return generate(*args, **kwargs)
+
+    def _model_method(self, name: str, instead: str) -> Callable[..., Any]:
+        """The wrapped model's method ``name`` (a Hugging Face model's).
+
+        Raises:
+            TypeError: the model has none; the message names it and says what to do ``instead``.
+        """
+        method = getattr(self.model, name, None)
+        if method is None:
+            raise TypeError(f"{self._what}: the wrapped model has no {name}; {instead}")
+        return method
 
     def gradient_checkpointing_enable(self, *args: Any, **kwargs: Any) -> None:
         """Refused: the graph is captured and lowered already, so checkpointing the model now would not
