@@ -17,7 +17,8 @@ def test_generate_is_the_models_own_on_the_trained_weights():
     cfg = transformers.GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=1, n_head=2)
     model = transformers.GPT2LMHeadModel(cfg)
     ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
-    mp = autoprec.apply(model, autoprec.Policy.default("bf16"), {"input_ids": ids, "labels": ids}, compile=False)
+    batch = {"input_ids": ids, "labels": ids}
+    mp = autoprec.apply(model, autoprec.Policy.default("bf16"), batch, compile=False)
     opt = torch.optim.SGD(mp.parameters(), lr=1.0)
     before = model.transformer.wte.weight.detach().clone()
     mp(input_ids=ids, labels=ids).loss.backward()

@@ -114,9 +114,9 @@ def test_an_empty_batch_is_refused_as_such_not_as_a_capture_failure():
     model = CausalLM()
     mp = autoprec.apply(model, autoprec.Policy.fp32(), lm_batch(4, 32, 0), compile=False)
     empty = {k: v[:0] for k, v in lm_batch(4, 32, 1).items()}
-    with pytest.raises(ValueError, match=r"MixedPrecisionModule of CausalLM: input shapes \{input_ids: \(0, 32\), "
-                                         r"labels: \(0, 32\)\}: an empty batch \(input_ids has a dimension of "
-                                         r"size 0\).*skip it in the loop"):
+    with pytest.raises(ValueError, match=r"MixedPrecisionModule of CausalLM: input shapes \{input_ids: "
+                                         r"\(0, 32\), labels: \(0, 32\)\}: an empty batch \(input_ids has a "
+                                         r"dimension of size 0\).*skip it in the loop"):
         mp(**empty)
     batch = lm_batch(2, 16, 2)
     torch.testing.assert_close(mp(**batch), model(**batch), rtol=1e-5, atol=1e-5)

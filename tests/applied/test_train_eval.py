@@ -97,8 +97,9 @@ def test_parameters_converted_after_apply_are_refused_at_the_next_training_call(
     model, x = DropNet(), torch.randn(8, 16)
     mp = autoprec.apply(model, Policy.default("bf16"), x, compile=False, dynamic=False)
     model.to(torch.bfloat16)
-    with pytest.raises(ValueError, match=r"MixedPrecisionModule of DropNet: the model's Parameter 'a\.weight' is "
-                                         r"torch\.bfloat16 since autoprec\.apply \(4 converted.*model\.float\(\)"):
+    with pytest.raises(ValueError, match=r"MixedPrecisionModule of DropNet: the model's Parameter "
+                                         r"'a\.weight' is torch\.bfloat16 since autoprec\.apply "
+                                         r"\(4 converted.*model\.float\(\)"):
         mp(x)
     model.float()
     mp(x).sum().backward()

@@ -288,8 +288,9 @@ def test_default_loss_fn() -> None:
         default_loss_fn({"logits": torch.zeros(2)}, None)
     # a tuple holding the loss (return_dict=False): the message names the item, and a batch with
     # labels is not told to include labels
-    with pytest.raises(ModelSpecError, match=r"got tuple of 2 items, and a tuple is not searched for one; item 1 "
-                                             r"is a one-element tensor.*in m\.py.*return output\[1\]`$"):
+    with pytest.raises(ModelSpecError, match=r"got tuple of 2 items, and a tuple is not searched for one; "
+                                             r"item 1 is a one-element tensor.*in m\.py.*"
+                                             r"return output\[1\]`$"):
         default_loss_fn((torch.zeros(2, 3), torch.tensor(0.5)), {"labels": 1}, path="m.py")
     with pytest.raises(ModelSpecError) as err:
         default_loss_fn({"logits": torch.zeros(2)}, {"input_ids": 1, "labels": 2})
@@ -335,8 +336,8 @@ def test_validate_spec_returns_model_and_batch_and_restores_the_rng(tmp_path: Pa
     # tokens_per_batch and get_heldout_batch are entry points too: checked before any work, not
     # when the first tokens/s is computed (after the capture) or at the end of train --compare
     zero = load_model_spec(write(tmp_path, source + "def tokens_per_batch(batch):\n    return 0\n", "z.py"))
-    with pytest.raises(ModelSpecError, match=r"z\.py: tokens_per_batch\(get_batch\(0\)\) returned 0; expected a "
-                                             r"positive number of tokens"):
+    with pytest.raises(ModelSpecError, match=r"z\.py: tokens_per_batch\(get_batch\(0\)\) returned 0; "
+                                             r"expected a positive number of tokens"):
         validate_spec(zero)
     held = source + "def get_heldout_batch(step, device):\n    raise KeyError('split')\n"
     with pytest.raises(ModelSpecError, match=r"h\.py.*get_heldout_batch\(0, device\).*KeyError"):
