@@ -15,6 +15,7 @@ from autoprec.applied.compile import CompiledGraph, compile_graph
 from autoprec.applied.loss_scale_check import UnscaledBackwardCheck
 from autoprec.applied.model_facade import (
     ModelFacade,
+    ModeSnapshot,
     ParameterSnapshot,
     check_no_autocast,
     check_not_fully_sharded,
@@ -112,6 +113,7 @@ class MixedPrecisionModule(ModelFacade):
             emulate_precision_casts=options.emulate_precision_casts) if compile else flat)
         object.__setattr__(self, "_inputs", InputShapes(graph_module, what=type(self).__name__))
         object.__setattr__(self, "_params", ParameterSnapshot(model))  # None under FSDP2 (autoprec.shard)
+        object.__setattr__(self, "_modes", ModeSnapshot(model))
         self._fixed = dict(graph_module.meta.get(CALL_KWARGS_META, {}))
         self._what = f"{type(self).__name__} of {type(model).__name__}"
         self._unscaled = UnscaledBackwardCheck(policy, self._what)  # fp16 trained without a scaler
@@ -160,6 +162,7 @@ class MixedPrecisionModule(ModelFacade):
         check_no_autocast(self._what)
         if self._params is not None:
             self._params.check(self.model, self._what)
+        self._modes.check(self.model, self._what)
         kwargs = drop_fixed_kwargs(kwargs, self._fixed, self._what)
         try:
             self._inputs.check(args, kwargs)

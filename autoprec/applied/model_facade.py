@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -18,7 +19,7 @@ from torch import nn
 
 from autoprec.errors import CaptureError
 
-__all__ = ["ModelFacade", "ParameterSnapshot", "check_no_autocast", "check_not_fully_sharded",
+__all__ = ["ModeSnapshot", "ModelFacade", "ParameterSnapshot", "check_no_autocast", "check_not_fully_sharded",
            "check_not_wrapped", "model_attr", "signed_class"]
 
 
@@ -146,6 +147,39 @@ def check_not_fully_sharded(module: nn.Module, what: str) -> None:
         raise ValueError(f"{what} was wrapped by fully_shard directly; FSDP2 does not see the Parameters "
                          "its graph reads, so training would be wrong: shard it with autoprec.shard(mp) "
                          "instead (docs/distributed.md)")
+
+
+class ModeSnapshot:
+    """The training flags of the wrapped model's submodules that the graph was captured with, so a
+    training call notices one switched since (``model.model.layers.eval()`` to drop dropout in some
+    layers, a frozen BatchNorm switched back by ``model.train()``): the graph keeps its captured
+    modes, and the change went unnoticed. Warns once per module; the root's own flag is the
+    module's mode (:attr:`ModelFacade.training`), not checked here.
+
+    Args:
+        model: The wrapped model, in the modes its graph was captured with.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.modes = [m.training for m in model.modules()][1:]
+        self.warned = False
+
+    def check(self, model: nn.Module, what: str) -> None:
+        """Warn (``UserWarning``, once) when a submodule's flag differs from the capture's (tens of
+        microseconds for a few hundred modules)."""
+        if self.warned:
+            return
+        now = list(model.named_modules())[1:]
+        if len(now) != len(self.modes) or all(m.training == t for (_n, m), t in zip(now, self.modes)):
+            return
+        self.warned = True
+        changed = [(n, m.training) for (n, m), t in zip(now, self.modes) if m.training != t]
+        name, mode = changed[0]
+        warnings.warn(f"{what}: {len(changed)} submodule(s) are in another mode than the graph was captured "
+                      f"with ({name!r} is now in {'training' if mode else 'eval'} mode; e.g. a submodule's "
+                      ".eval() after autoprec.apply, or model.train() over one captured in eval mode). The "
+                      "graph runs the modes it was captured in (dropout, batch norm statistics); to train "
+                      "with these, apply the policy again after setting them", stacklevel=3)
 
 
 class ParameterSnapshot:

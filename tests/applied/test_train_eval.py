@@ -220,3 +220,22 @@ def test_pickling_the_module_is_refused_with_what_to_save_and_a_deep_copy_still_
     assert type(ema) is type(mp) and ema.model is not model and ema.graph_module is not mp.graph_module
     torch.testing.assert_close(_seeded(ema, x, 5), _seeded(mp, x, 5), rtol=0, atol=0)
     torch.save(mp.state_dict(), tmp_path / "sd.pt")
+
+
+def test_a_submodule_switched_after_apply_warns_once_that_the_graph_keeps_its_captured_modes():
+    """``model.drop.eval()`` after apply (no dropout in some layers) left the graph drawing that
+    dropout's masks, silently: a training call warns once, naming the submodule and what to do."""
+    torch.manual_seed(0)
+    model, x = DropNet(), torch.randn(8, 16)
+    mp = autoprec.apply(model, Policy.fp32(), x, compile=False, dynamic=False)
+    mp(x)  # the captured modes: nothing to say
+    model.drop.eval()
+    with pytest.warns(UserWarning, match=r"MixedPrecisionModule of DropNet: 1 submodule\(s\) are in another "
+                                         r"mode than the graph was captured with \('drop' is now in eval mode"
+                                         r".*apply the policy again"):
+        mp(x)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mp(x)  # once
