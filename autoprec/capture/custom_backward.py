@@ -45,11 +45,13 @@ def custom_functions(seen: Sequence[type]) -> list[type]:
 
 
 def _where(fn: type) -> str:
-    """``Name (file:line)`` of a Function class, for messages."""
+    """``Name (file:line)`` of a Function class, for messages: from ``inspect``, else from its
+    ``forward``'s code object (a model file the CLI loads is not a module ``inspect`` can find)."""
     try:
         return f"{fn.__qualname__} ({inspect.getsourcefile(fn)}:{inspect.getsourcelines(fn)[1]})"
     except (OSError, TypeError):
-        return fn.__qualname__
+        code = getattr(getattr(fn, "forward", None), "__code__", None)
+        return f"{fn.__qualname__} ({code.co_filename}:{code.co_firstlineno})" if code else fn.__qualname__
 
 
 def _float_leaves(out: Any) -> list[torch.Tensor]:

@@ -54,13 +54,14 @@ import torch
 
 from autoprec._io import atomic_write, json_safe
 from autoprec.applied.apply import apply
+from autoprec.capture import PROBE_BATCHES, capture_for
 from autoprec.commands.compare_report import CompareResult, plot_curves, summary_table
 from autoprec.device import autocast_dtype, describe_machine, resolve_device
 from autoprec.errors import AutoprecError
 from autoprec.kernels.fp32_gemms import Fp32ComputeGemms
 from autoprec.metrics import median, traj_rel
 from autoprec.modelspec import ModelSpec, call_model, load_model_spec
-from autoprec.modelspec.micro_batches import step_batches
+from autoprec.modelspec.micro_batches import first_batches, step_batches
 from autoprec.policy import Policy
 from autoprec.search.autocast_baseline import EMULATE_AT
 from autoprec.training.checkpoint import load_checkpoint, save_checkpoint
@@ -167,10 +168,10 @@ def _run(name: str, spec: ModelSpec, init: dict[str, torch.Tensor], policy: Poli
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     source = step_batches(spec, policy.batching, dev)  # every configuration at the policy's batching
-    first = source.micro(0, dev) if source is not None else spec.get_batch(0, dev)
     ac, scaler, module = None, None, model
-    if name == "policy":
-        module = apply(model, policy, first, compile=compile)
+    if name == "policy":  # captured from the first batches as train and tune do: the graph tune measured
+        batches = first_batches(spec, source, dev, PROBE_BATCHES)
+        module = apply(model, policy, batches[0], compile=compile, graph_module=capture_for(model, batches))
         scaler = make_scaler(policy)
     elif name == "autocast":
         ac = autocast_dtype(dev)
@@ -205,7 +206,7 @@ def _run(name: str, spec: ModelSpec, init: dict[str, torch.Tensor], policy: Poli
         hooks.append(every(checkpoint_every, stop=steps,
                            fn=lambda done: state.save(name, model, optimizer, scaler, done, run)))
     batches = ((lambda k: source.step(k, dev)) if source is not None  # noqa: E731
-               else (lambda k: first if k == 0 else spec.get_batch(k, dev)))
+               else (lambda k: spec.get_batch(k, dev)))
     rng = StepRng(seed)
     if ac is not None and start < 2:  # step 0 warms up; step 1 is timed natively, then decide()
         run_steps(step, batches, start, min(2, steps), rng=rng, device=dev, after=hooks)

@@ -50,7 +50,7 @@ from autoprec.distributed.ranks import (
 from autoprec.distributed.wrap import ddp
 from autoprec.errors import AutoprecError
 from autoprec.modelspec import load_model_spec
-from autoprec.modelspec.micro_batches import count_tokens, one_micro_batch, step_batches
+from autoprec.modelspec.micro_batches import count_tokens, first_batches, one_micro_batch, step_batches
 from autoprec.policy import Policy
 from autoprec.training.checkpoint import load_checkpoint, peek_checkpoint, save_checkpoint
 from autoprec.training.monitor import Monitor
@@ -165,9 +165,9 @@ def _train(spec: Any, policy: Policy, policy_path: str | os.PathLike, dev: Any, 
     source = step_batches(spec, policy.batching, dev)  # the policy's micro-batch and accumulation
     if not quiet:
         _print_header(policy, ranks.world)
-    batch_at = (lambda i: source.micro(i, dev)) if source is not None else (lambda i: spec.get_batch(i, dev))
-    first = batch_at(0)
-    gm = capture_for(model, [first] + [batch_at(i) for i in range(1, PROBE_BATCHES)])
+    batches = first_batches(spec, source, dev, PROBE_BATCHES)
+    first = batches[0]
+    gm = capture_for(model, batches)
     why = check_policy_file(policy, policy_path, gm, str(spec.path), force)  # another model's: refused
     if ranks.lead and why:
         print(f"autoprec train: warning: {why}", file=sys.stderr, flush=True)

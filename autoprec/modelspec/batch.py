@@ -123,7 +123,8 @@ def default_loss_fn(output: Any, batch: Any, *, path: str | None = None) -> torc
     if scalars:
         raise ModelSpecError(
             f"model output has no loss: got {_describe(output)}, and a tuple is not searched for one; item "
-            f"{scalars[0]} is a one-element tensor (Hugging Face's return_dict=False puts the loss first): "
+            f"{scalars[0]} is a one-element tensor"
+            f"{' (Hugging Face return_dict=False puts the loss first)' if scalars[0] == 0 else ''}: "
             f"define loss_fn(output, batch) in {where} to pick it, e.g. "
             f"`def loss_fn(output, batch): return output[{scalars[0]}]`")
     has_labels = isinstance(batch, Mapping) and "labels" in batch
@@ -151,7 +152,7 @@ def _describe(obj: Any) -> str:
     if isinstance(obj, Mapping):
         return f"{type(obj).__name__} with keys {list(obj.keys())}"
     if isinstance(obj, (tuple, list)):
-        return f"{type(obj).__name__} of {len(obj)} items"
+        return f"{type(obj).__name__} of {len(obj)} item{'' if len(obj) == 1 else 's'}"
     return "None" if obj is None else type(obj).__name__
 
 

@@ -37,7 +37,7 @@ from autoprec.modelspec.loader import ModelSpec
 from autoprec.policy.batching import Batching
 
 __all__ = ["Accumulated", "MicroBatches", "batch_rows", "count_tokens", "divisors", "one_micro_batch",
-           "step_batches", "takes_batch_size"]
+           "first_batches", "step_batches", "takes_batch_size"]
 
 
 @dataclass(frozen=True)
@@ -81,6 +81,14 @@ def step_batches(spec: ModelSpec, batching: Batching | None, device: torch.devic
     except ModelSpecError as e:
         raise ModelSpecError(f"the policy trains at {batching.describe()}, which the model file cannot "
                              f"give: {e}") from None
+
+
+def first_batches(spec: ModelSpec, source: MicroBatches | None, device: torch.device, n: int) -> list[Any]:
+    """The first ``n`` batches a training call sees, in order: ``source``'s micro-batches
+    (:func:`step_batches`), else ``get_batch(0..n-1)``. What ``train`` and ``train --compare``
+    capture their policy's graph from (``autoprec.capture.capture_for``, with ``n = PROBE_BATCHES``),
+    as ``tune`` does: the same dynamic-or-static choice, the graph ``tune`` measured."""
+    return [source.micro(i, device) if source is not None else spec.get_batch(i, device) for i in range(n)]
 
 
 def divisors(n: int) -> list[int]:

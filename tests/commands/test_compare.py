@@ -242,3 +242,20 @@ def test_summary_table_marks_a_timing_with_a_note():
     assert lines[1].split() == ["fp32", "0.000e+00", "1.0000", "0.500", "0"]
     assert lines[2].split() == ["autocast", "1.000e-03", "1.0000", "9.000*", "0"]
     assert lines[3] == "* autocast: steps 2+ compute ..."
+
+
+def test_the_policy_curve_captures_from_the_first_batches_as_tune_and_train_do(tmp_path, caplog):
+    """On a file whose batches vary in shape, ``train --compare`` captured its policy static on
+    ``get_batch(0)`` and captured again at step 1 (a graph tune did not measure, and a second
+    compile); it captures dynamic from the first batches at once, like ``train`` and ``tune``."""
+    import logging
+
+    from tests.conftest import MODELS
+
+    pol = tmp_path / "p.json"
+    Policy.default("bf16").save(pol)
+    with caplog.at_level(logging.INFO, logger="autoprec"):
+        res = compare(str(MODELS / "varlen_lm.py"), pol, steps=4, baselines=["fp32"], compile=False,
+                      quiet=True, heldout_batches=1)
+    assert all(math.isfinite(x) for x in res.curves["policy"])
+    assert "captured again" not in caplog.text and "differ from the one shape captured" not in caplog.text
