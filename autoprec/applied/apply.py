@@ -12,6 +12,7 @@ from typing import Any
 from torch import fx, nn
 
 from autoprec.applied.compile import CompiledGraph, compile_graph
+from autoprec.applied.eval_backward import EvalBackwardCheck
 from autoprec.applied.loss_scale_check import UnscaledBackwardCheck
 from autoprec.applied.model_facade import (
     ModelFacade,
@@ -117,6 +118,7 @@ class MixedPrecisionModule(ModelFacade):
         self._fixed = dict(graph_module.meta.get(CALL_KWARGS_META, {}))
         self._what = f"{type(self).__name__} of {type(model).__name__}"
         self._unscaled = UnscaledBackwardCheck(policy, self._what)  # fp16 trained without a scaler
+        self._eval_backward = EvalBackwardCheck(self._what)
         object.__setattr__(self, "_recapture", None)  # set by apply(dynamic=True, strict_shapes=False)
         object.__setattr__(self, "_retired", _RetiredGraphs())  # graphs adopt() replaced
         self.__class__ = signed_class(type(self), model)  # forward reports model.forward's signature
@@ -158,7 +160,9 @@ class MixedPrecisionModule(ModelFacade):
         """
         check_not_fully_sharded(self, self._what)
         if not self.training:
-            return self.model(*args, **kwargs)
+            out = self.model(*args, **kwargs)
+            self._eval_backward(out)  # a backward through it trains without the policy: warned once
+            return out
         check_no_autocast(self._what)
         if self._params is not None:
             self._params.check(self.model, self._what)

@@ -239,3 +239,26 @@ def test_a_submodule_switched_after_apply_warns_once_that_the_graph_keeps_its_ca
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         mp(x)  # once
+
+
+def test_a_backward_through_an_eval_mode_call_warns_once_that_it_trains_without_the_policy():
+    """``model.eval()`` to train without dropout (PPO/RLHF updates) trained the model's own fp32
+    forward, silently: the first backward through an eval-mode call warns; evaluation under
+    ``torch.no_grad`` and a forward without backward do not."""
+    import warnings
+
+    torch.manual_seed(0)
+    model, x = DropNet(), torch.randn(8, 16)
+    mp = autoprec.apply(model, Policy.default("bf16"), x, compile=False, dynamic=False)
+    mp.eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.no_grad():
+            mp(x)
+        mp(x)  # no backward: nothing trained
+    with pytest.warns(UserWarning, match=r"MixedPrecisionModule of DropNet: backward through a call in eval "
+                                         r"mode, which is the model's own fp32 forward.*without the policy"):
+        mp(x).sum().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mp(x).sum().backward()  # once
