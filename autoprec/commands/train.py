@@ -50,7 +50,13 @@ from autoprec.distributed.ranks import (
 from autoprec.distributed.wrap import ddp
 from autoprec.errors import AutoprecError
 from autoprec.modelspec import load_model_spec
-from autoprec.modelspec.micro_batches import count_tokens, first_batches, one_micro_batch, step_batches
+from autoprec.modelspec.micro_batches import (
+    count_tokens,
+    first_batches,
+    one_micro_batch,
+    refuse_empty,
+    step_batches,
+)
 from autoprec.policy import Policy
 from autoprec.training.checkpoint import load_checkpoint, peek_checkpoint, save_checkpoint
 from autoprec.training.monitor import Monitor
@@ -201,9 +207,10 @@ def _train(spec: Any, policy: Policy, policy_path: str | os.PathLike, dev: Any, 
         hooks.append(_first_step_cache(start, compile_cache_counts()))
     if checkpoint is not None:
         hooks.append(every(checkpoint_every, save, stop=steps))
-    get_step = source.step if source is not None else spec.get_batch
+    get_step = source.step if source is not None else (  # an empty batch: ModelSpecError naming the step
+        lambda k, d: refuse_empty(spec.path, k, spec.get_batch(k, d)))
     batches = rank_step_batch(get_step, dev, ranks) if ranks.world > 1 else (
-        (lambda k: first if k == 0 else spec.get_batch(k, dev)) if source is None else
+        (lambda k: first if k == 0 else get_step(k, dev)) if source is None else
         (lambda k: source.step(k, dev)))
     try:
         done = run_steps(step, batches, start, steps,

@@ -257,3 +257,18 @@ def test_report_of_a_tuned_study_has_the_final_choice(tmp_path, capsys):
     for section in ("## Side by side", "## Where tuning time went", "| autoprec policy (eager) |"):
         assert section in tuned and section in again, section
     assert "no tune of this study has finished" not in capsys.readouterr().err
+
+
+def test_train_on_an_empty_batch_names_the_get_batch_call_and_exits_2(tmp_path, capsys):
+    """``get_batch(3)`` returning 0 rows ended ``autoprec train`` in a traceback (exit 1) whose advice,
+    "skip it in the loop", a CLI user cannot follow; the message names the call and the fix."""
+    text = GOOD.replace("    return torch.randn(2, 4, generator",
+                        "    rows = 0 if step == 3 else 2\n    return torch.randn(rows, 4, generator")
+    model = write_model(tmp_path, text)
+    pol = write_policy(tmp_path, [])
+    argv = ["train", str(model), "--policy", str(pol), "--steps", "5", "--no-compile", "--device", "cpu"]
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert f"{model}: get_batch(3) returned an empty batch (batch has shape (0, 4))" in err, err
+    assert "drop_last=True" in err and "Traceback" not in err
