@@ -193,8 +193,9 @@ def _cmd_train(a: argparse.Namespace) -> int:
     policy = Policy.load(a.policy)  # a bad policy file fails before the model is built
     if a.compare is None:  # a checkpoint to refuse, or a finished run: before the model is built
         with _naming_policy(a.policy):
-            done = check_checkpoint(a.checkpoint, a.resume, a.policy, policy, a.steps,
-                                    quiet=not ranks_from_env().lead)
+            ranks = ranks_from_env()  # --nproc N: the launcher's N ranks (a torchrun rank: its job's)
+            done = check_checkpoint(a.checkpoint, a.resume, a.policy, policy, a.steps, quiet=not ranks.lead,
+                                    world=a.nproc if a.nproc > 1 else ranks.world)
         if done is not None:
             return report(done)
     _validate_model(a.model, a.device)

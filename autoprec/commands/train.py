@@ -150,7 +150,8 @@ def train(model_path: str | os.PathLike, policy_path: str | os.PathLike, steps: 
         raise ValueError("resume=True needs a checkpoint path")
     policy = Policy.load(policy_path)
     ranks = ranks_from_env()
-    done = check_checkpoint(checkpoint, resume, policy_path, policy, steps, quiet or not ranks.lead)
+    done = check_checkpoint(checkpoint, resume, policy_path, policy, steps, quiet or not ranks.lead,
+                            ranks.world)
     if done is not None:
         return done
     spec = load_model_spec(model_path)
@@ -224,7 +225,7 @@ def _train(spec: Any, policy: Policy, policy_path: str | os.PathLike, dev: Any, 
 
 
 def check_checkpoint(checkpoint: str | os.PathLike | None, resume: bool, policy_path: str | os.PathLike,
-                     policy: Policy, steps: int, quiet: bool) -> TrainResult | None:
+                     policy: Policy, steps: int, quiet: bool, world: int = 1) -> TrainResult | None:
     """What :func:`train` checks of ``checkpoint`` before the model file is loaded, the one home of
     these checks (``autoprec train`` makes them before it validates the model file): without
     ``resume``, an existing file is refused (:func:`_refuse_existing`); with it, a checkpoint at
@@ -241,7 +242,9 @@ def check_checkpoint(checkpoint: str | os.PathLike | None, resume: bool, policy_
     if not resume:
         _refuse_existing(checkpoint)
         return None
-    return _finished(checkpoint, policy_path, policy, steps, quiet) if Path(checkpoint).exists() else None
+    if not Path(checkpoint).exists():
+        return None
+    return _finished(checkpoint, policy_path, policy, steps, quiet, world)
 
 
 def _refuse_existing(checkpoint: str | os.PathLike) -> None:
@@ -265,15 +268,17 @@ def _refuse_existing(checkpoint: str | os.PathLike) -> None:
 
 
 def _finished(checkpoint: str | os.PathLike, policy_path: str | os.PathLike, policy: Policy, steps: int,
-              quiet: bool) -> TrainResult | None:
+              quiet: bool, world: int = 1) -> TrainResult | None:
     """The result of a run that ``checkpoint`` shows complete (step ≥ ``steps``), after one line
-    saying so; None when steps are left. Reads only the checkpoint's step and policy.
+    saying so; None when steps are left. Reads only the checkpoint's step, policy and process count.
 
     Raises:
-        AutoprecError: not a checkpoint, or saved under another policy.
+        AutoprecError: not a checkpoint, saved under another policy, or by a run of another number of
+            processes than ``world`` (:func:`_check_world`).
     """
     ck = peek_checkpoint(checkpoint)
     _check_policy(checkpoint, ck, policy_path, policy)
+    _check_world(checkpoint, ck, world)
     if ck.step < steps:
         return None
     if not quiet:
@@ -332,6 +337,18 @@ def report(res: TrainResult) -> int:
 WORLD_SIZE = "world_size"
 
 
+def _check_world(checkpoint: str | os.PathLike, ck: Any, world: int) -> None:
+    """Raise :class:`AutoprecError` when checkpoint ``ck`` was saved by a run of another number of
+    processes than ``world`` (one recorded before the count was: taken)."""
+    saved = ck.extra.get(WORLD_SIZE, world)
+    if saved != world:
+        raise AutoprecError(
+            f"checkpoint {checkpoint} was saved by a run of {saved} process{'es' if saved != 1 else ''} "
+            f"(train --nproc {saved}) and this one has {world}: each rank r of N trains on "
+            "get_batch(k * N + r), so it would not continue that run. Resume with --nproc "
+            f"{saved}, or start a new run with another --checkpoint")
+
+
 def _resume(checkpoint: str | os.PathLike, policy_path: str | os.PathLike, policy: Policy, step: TrainStep,
             model: Any, steps: int, quiet: bool, world: int = 1) -> int:
     """Load ``checkpoint`` into the model, optimizer, scaler and RNG if it exists; the step to start at.
@@ -346,13 +363,7 @@ def _resume(checkpoint: str | os.PathLike, policy_path: str | os.PathLike, polic
         if not quiet:
             print(f"no checkpoint at {checkpoint}; starting from step 0", flush=True)
         return 0
-    saved = peek_checkpoint(checkpoint).extra.get(WORLD_SIZE, world)
-    if saved != world:
-        raise AutoprecError(
-            f"checkpoint {checkpoint} was saved by a run of {saved} process{'es' if saved != 1 else ''} "
-            f"(train --nproc {saved}) and this one has {world}: each rank r of N trains on "
-            "get_batch(k * N + r), so it would not continue that run. Resume with --nproc "
-            f"{saved}, or start a new run with another --checkpoint")
+    _check_world(checkpoint, peek_checkpoint(checkpoint), world)
     ck = load_checkpoint(checkpoint, model, step.optimizer, step.scaler)
     _check_policy(checkpoint, ck, policy_path, policy)
     if ck.step >= steps:

@@ -258,3 +258,7 @@ def test_resume_under_another_number_of_processes_is_refused(tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"checkpoint {ck} was saved by a run of 2 processes (train --nproc 2) and this one has 1" in err
     assert ck.stat().st_mtime_ns == stamp  # nothing written
+    # the no-op on a finished run checks the count too (it answered "the run is complete" for any --nproc)
+    assert main(base + ["--steps", "2", "--resume"]) == 2
+    assert "was saved by a run of 2 processes (train --nproc 2) and this one has 1" in capsys.readouterr().err
+    assert ck.stat().st_mtime_ns == stamp
