@@ -244,3 +244,32 @@ def test_the_table_shows_the_compile_variants_that_raced_the_choice():
     by_name = {r["config"]: r for r in rows}
     assert list(by_name)[-2:] == ["fp32 + compile, flat", "autoprec policy + compile, regional"], rows
     assert by_name["fp32 + compile, flat"]["tokens_per_s"] == pytest.approx(_measurement(FAST).tokens_per_s)
+
+
+def test_the_fp32_compile_row_is_the_bar_the_last_line_names():
+    """A user read "fp32 + compile 7269" and "fp32 + compile, regional 7269" in the table (the same
+    regional compile twice) and "1.00x fp32 + torch.compile" below it, against the flat compile
+    (8191), which was also the choice. The "fp32 + compile" row is now the decision's baseline."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from autoprec.measure import Timing
+    from autoprec.policy import CompileOptions
+    from autoprec.search.race import Contender
+    from autoprec.search.results import side_by_side
+
+    run, sel = _tune_state(True, SLOW)
+    regional, flat = _measurement(SLOW), _measurement(FAST)
+    flat_pol = dataclasses.replace(Policy.fp32(), compile_options=CompileOptions(False, True))
+    name = "fp32 + torch.compile, compiled flat"
+    sel.timings[name] = Timing.from_steps(FAST, TOKENS)
+    sel.timings["fp32 + torch.compile"] = Timing.from_steps(SLOW, TOKENS)
+    sel.fp32_compiled = regional
+    sel.variants = [("fp32 + torch.compile", Policy.fp32(), regional), (name, flat_pol, flat)]
+    sel.decision.chosen = SimpleNamespace(name=name, policy=flat_pol)
+    sel.decision.best_baseline = Contender(name, flat_pol, sel.timings[name], 0.0, baseline=True)
+    rows = {r["config"]: r for r in side_by_side(run, sel, flat, compile=True)}
+    assert list(rows)[-3:] == ["fp32 + compile", "fp32 + compile, regional",
+                               "autoprec policy + compile, flat"]
+    assert rows["fp32 + compile"]["tokens_per_s"] == pytest.approx(flat.tokens_per_s)
+    assert rows["fp32 + compile, regional"]["tokens_per_s"] == pytest.approx(regional.tokens_per_s)
