@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from autoprec._torch_compat import pytree
+from autoprec.modelspec import grad_leaves
 
 __all__ = ["EvalBackwardCheck"]
 
@@ -35,11 +35,8 @@ class EvalBackwardCheck:
         """Hook ``output`` (see the class)."""
         if self.warned or not torch.is_grad_enabled():
             return
-        values = list(output.values()) if isinstance(output, dict) else output
-        leaf = next((t for t in pytree.tree_leaves(values)
-                     if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad), None)
-        if leaf is not None:
-            leaf.register_hook(self._warn)
+        if leaves := grad_leaves(output):
+            leaves[0].register_hook(self._warn)
 
     def _warn(self, grad: torch.Tensor) -> None:
         if not self.warned:

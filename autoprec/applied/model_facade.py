@@ -169,10 +169,11 @@ class ModeSnapshot:
         microseconds for a few hundred modules)."""
         if self.warned:
             return
-        now = list(model.named_modules())[1:]
-        if len(now) != len(self.modes) or all(m.training == t for (_n, m), t in zip(now, self.modes)):
+        flags = [m.training for m in model.modules()][1:]  # names only when one differs
+        if len(flags) != len(self.modes) or flags == self.modes:
             return
         self.warned = True
+        now = list(model.named_modules())[1:]
         changed = [(n, m.training) for (n, m), t in zip(now, self.modes) if m.training != t]
         name, mode = changed[0]
         warnings.warn(f"{what}: {len(changed)} submodule(s) are in another mode than the graph was captured "

@@ -14,15 +14,14 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import fx, nn
 
-from autoprec._torch_compat import pytree
 from autoprec.errors import CaptureError
-from autoprec.modelspec import call_model, split_batch
+from autoprec.modelspec import call_model, grad_leaves, split_batch
 
 __all__ = ["GRAD_TOLERANCE", "check_custom_backward", "custom_functions"]
 
@@ -54,21 +53,13 @@ def _where(fn: type) -> str:
         return f"{fn.__qualname__} ({code.co_filename}:{code.co_firstlineno})" if code else fn.__qualname__
 
 
-def _float_leaves(out: Any) -> list[torch.Tensor]:
-    """The floating tensors of a model output that carry gradient (``ModelOutput`` and dicts by value)."""
-    if isinstance(out, Mapping):
-        out = list(out.values())
-    return [t for t in pytree.tree_leaves(out)
-            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad]
-
-
 def _gradients(run: Any, params: list[nn.Parameter], weights: list[torch.Tensor] | None,
                device: torch.device) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """``params``' gradients of a fixed random projection of ``run()``'s floating outputs (fp32),
     from RNG seed 0 (dropout draws the same masks in both runs), and the projection weights."""
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(0)
-        leaves = _float_leaves(run())
+        leaves = grad_leaves(run())
         if weights is None:
             g = torch.Generator().manual_seed(0)
             weights = [torch.randn(t.shape, generator=g).to(t.device) for t in leaves]

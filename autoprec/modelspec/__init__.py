@@ -36,6 +36,7 @@ from autoprec.modelspec.outputs import (
     TRAINING_KWARGS,
     Kept,
     drop_fixed_kwargs,
+    grad_leaves,
     prepare_output,
     training_kwargs,
 )
@@ -51,6 +52,7 @@ __all__ = [
     "default_make_optimizer",
     "default_tokens_per_batch",
     "drop_fixed_kwargs",
+    "grad_leaves",
     "load_model_spec",
     "positional_binding",
     "prepare_output",

@@ -29,7 +29,7 @@ from torch import nn
 from autoprec._torch_compat import pytree
 from autoprec.errors import CaptureError
 
-__all__ = ["Kept", "TRAINING_KWARGS", "drop_fixed_kwargs", "prepare_output", "training_kwargs"]
+__all__ = ["Kept", "TRAINING_KWARGS", "drop_fixed_kwargs", "grad_leaves", "prepare_output", "training_kwargs"]
 
 #: Keyword arguments a training capture sets when ``forward`` accepts them and the batch does not.
 TRAINING_KWARGS: dict[str, Any] = {"use_cache": False}
@@ -243,3 +243,12 @@ def drop_fixed_kwargs(kwargs: dict[str, Any], fixed: Mapping[str, Any], what: st
                 f"batch did not set it), so the graph cannot run with {k}={kwargs[k]!r}; drop {k} from the "
                 f"call or pass {k}={v!r} (training needs no KV cache; use the model itself for generation)")
     return {k: v for k, v in kwargs.items() if k not in fixed}
+
+
+def grad_leaves(out: Any) -> list[torch.Tensor]:
+    """The floating tensors of a model output that carry gradient, in flatten order (a mapping,
+    ``ModelOutput`` included, by its values): what a backward through the output can start from."""
+    if isinstance(out, Mapping):
+        out = list(out.values())
+    return [t for t in pytree.tree_leaves(out)
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad]
