@@ -209,6 +209,7 @@ class Contest:
         self.variants: list[tuple[str, Policy, Measurement]] = []
         self._autocast_fn: Any = None  # torch.autocast's module as compiled for its baseline
         self._fp32_fn: Any = None  # the all-fp32 finalist as compiled (fp32 + torch.compile), once measured
+        self._chosen_fn: Any = None  # the choice as compiled, once the race decided
         self.trajectory = TrajectoryCheck(harness, autocast, traj_steps, lambda: (
             self._autocast_fn if self._autocast_fn is not None else self.build(self.h.model)),
             lambda: self._fp32_fn)
@@ -244,6 +245,18 @@ class Contest:
         """The options the contest compiles ``pol`` with, and the ones a written policy records: its
         own (a compile variant's), else :data:`~autoprec.policy.compile_options.REGIONAL_EMULATED`."""
         return pol.compile_options or REGIONAL_EMULATED
+
+    def recorded_options(self, pol: Policy) -> CompileOptions:
+        """The options a written policy records for ``pol``, the choice: :meth:`compiled_as` as its
+        compile carried them out, flat where regional was asked for but the policy's saved dtypes or
+        memory budget keep the graph flat (:meth:`Policy.carried_out`), or where the compile outlined
+        no repeated blocks (a model without them: what was measured, and what ``apply`` compiles, is
+        one flat graph)."""
+        options = pol.carried_out(self.compiled_as(pol))
+        regions = getattr(self._chosen_fn, "regions", None)  # a CompiledGraph's outlining plan
+        if options.regional and self._chosen_fn is not None and not (regions and regions.blocks):
+            options = dataclasses.replace(options, regional=False)
+        return options
 
     def measure(self, pol: Policy) -> tuple[Any, Measurement]:
         """``pol``'s module as the contest trains it (:meth:`build`, Inductor's default activation
@@ -390,7 +403,7 @@ class Contest:
             survivors = [e for e in survivors if e.name != chosen.name]
         if self.compile_variants != "none":
             chosen, decision = self._vary(chosen, survivors, decision)
-        pol = chosen.candidate.policy
+        pol, self._chosen_fn = chosen.candidate.policy, chosen.fn
         if pol.training_key() in self.trajectory.traj:  # measured: it lowers something, K > 0
             t = self.trajectory
             log(f"  {chosen.name}: traj_rel {t.of(pol):.3g} over {t.steps} steps (torch.autocast's "

@@ -390,8 +390,7 @@ def _write(run: TuneState, study: optuna.Study, contest: Contest, chosen: Policy
     report never describes a policy that was not written (an older one at ``out``, say)."""
     timings = run.clock.done()
     best = baseline_to_beat(contest, compile)
-    # how what was measured was compiled (regional asked for but kept flat is recorded flat)
-    options = chosen.carried_out(contest.compiled_as(chosen)) if compile else None
+    options = contest.recorded_options(chosen) if compile else None  # how what was measured compiled
     measured = measured_block(run, contest, chosen, chosen_m, compile) | (
         batches.measured() if batches is not None else {})
     policy = dataclasses.replace(chosen, compile_options=options).with_measured(measured).with_provenance(

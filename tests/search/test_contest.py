@@ -569,8 +569,15 @@ def test_compile_variants_race_the_choice_and_the_faster_variants_options_are_wr
     assert chosen == dataclasses.replace(Policy.autocast("bf16"), compile_options=CompileOptions(False, True))
     assert sel.decision.chosen.name == "twin, compiled flat" and sel.decision.verdict == "beats"
     assert "compile variant twin, compiled flat: grad_rel_l2 0.0069" in capsys.readouterr().out
+    assert sel.recorded_options(chosen) == CompileOptions(False, True)
     sel, (chosen, _m) = tune(flat_s=0.1001)  # a tie: the choice as first compiled
     assert chosen == Policy.autocast("bf16") and sel.decision.chosen.name == "twin"
+    assert sel.recorded_options(chosen) == REGIONAL_EMULATED  # its compile outlined 3 blocks
+    sel._chosen_fn.regions = None  # a model without repeated blocks: compiled flat, recorded flat
+    assert sel.recorded_options(chosen) == CompileOptions(False, True)
+    saved = dataclasses.replace(chosen, activation_memory_budget=0.5)  # kept flat by its budget
+    sel._chosen_fn.regions = SimpleNamespace(blocks=3)
+    assert sel.recorded_options(saved) == CompileOptions(False, True)
     assert [n for n, _p, _m in sel.variants] == ["twin", "twin, compiled flat",
                                                   "twin, compiled regional, fp32 intermediates"]
     flat = [CompileOptions(False, True)]
