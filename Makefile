@@ -31,9 +31,10 @@ train: install
 # Two pytest workers with one OpenMP thread each (tests/conftest.py), then the tests that read the
 # machine's load or time steps alone, so that no other test process runs beside them. The second
 # run collects only the files that mark a test serial: collecting all of them imports transformers,
-# lightning and every test module (15 s) for three tests.
+# lightning and every test module (15 s) for three tests. The 25 slowest tests are listed at the
+# end, so a suite creeping past its ~15 minutes on 2 cores shows where the time went.
 test: install
-	$(BIN)/python -m pytest -q -n 2 --dist worksteal -m "not slow and not serial"
+	$(BIN)/python -m pytest -q -n 2 --dist worksteal -m "not slow and not serial" --durations=25
 	$(BIN)/python -m pytest -q -m "serial and not slow" $$(grep -rl --include='test_*.py' 'mark\.serial' tests)
 
 test-slow: install
