@@ -54,7 +54,6 @@ from autoprec.modelspec.micro_batches import (
     count_tokens,
     first_batches,
     one_micro_batch,
-    refuse_empty,
     step_batches,
 )
 from autoprec.policy import Policy
@@ -208,8 +207,7 @@ def _train(spec: Any, policy: Policy, policy_path: str | os.PathLike, dev: Any, 
         hooks.append(_first_step_cache(start, compile_cache_counts()))
     if checkpoint is not None:
         hooks.append(every(checkpoint_every, save, stop=steps))
-    get_step = source.step if source is not None else (  # an empty batch: ModelSpecError naming the step
-        lambda k, d: refuse_empty(spec.path, k, spec.get_batch(k, d)))
+    get_step = source.step if source is not None else spec.get_batch  # checked: CheckedGetBatch
     batches = rank_step_batch(get_step, dev, ranks) if ranks.world > 1 else (
         (lambda k: first if k == 0 else get_step(k, dev)) if source is None else
         (lambda k: source.step(k, dev)))

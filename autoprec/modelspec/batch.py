@@ -16,7 +16,7 @@ from autoprec.errors import ModelSpecError
 from autoprec.modelspec.outputs import training_kwargs
 
 __all__ = ["call_model", "default_loss_fn", "default_make_optimizer", "default_tokens_per_batch",
-           "positional_binding", "split_batch"]
+           "describe_value", "positional_binding", "split_batch"]
 
 
 def split_batch(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -113,23 +113,24 @@ def default_loss_fn(output: Any, batch: Any, *, path: str | None = None) -> torc
         loss, field = output, ""
     elif isinstance(output, Mapping):
         loss = output.get("loss")
-        field = f" with loss={_describe(loss)}" if "loss" in output else ""
+        field = f" with loss={describe_value(loss)}" if "loss" in output else ""
     else:
         loss = getattr(output, "loss", None)
-        field = f" with loss={_describe(loss)}" if hasattr(output, "loss") else ""
+        field = f" with loss={describe_value(loss)}" if hasattr(output, "loss") else ""
     if _is_scalar(loss):
         return loss
     scalars = [i for i, t in enumerate(output) if _is_scalar(t)] if isinstance(output, (tuple, list)) else []
     if scalars:
         raise ModelSpecError(
-            f"model output has no loss: got {_describe(output)}, and a tuple is not searched for one; item "
+            f"model output has no loss: got {describe_value(output)}, and a tuple is not searched for one; "
+            "item "
             f"{scalars[0]} is a one-element tensor"
             f"{' (Hugging Face return_dict=False puts the loss first)' if scalars[0] == 0 else ''}: "
             f"define loss_fn(output, batch) in {where} to pick it, e.g. "
             f"`def loss_fn(output, batch): return output[{scalars[0]}]`")
     has_labels = isinstance(batch, Mapping) and "labels" in batch
     raise ModelSpecError(
-        f"model output has no loss: got {_describe(output)}{field}; define loss_fn(output, batch) "
+        f"model output has no loss: got {describe_value(output)}{field}; define loss_fn(output, batch) "
         f"in {where}" + ("" if has_labels else " (or include labels in the batch so the model computes one)")
     )
 
@@ -145,7 +146,7 @@ def scalar_items(output: Any) -> list[torch.Tensor]:
     return [t for t in output if _is_scalar(t)] if isinstance(output, (tuple, list)) else []
 
 
-def _describe(obj: Any) -> str:
+def describe_value(obj: Any) -> str:
     """Short description of a value for error messages (tensors by shape and dtype)."""
     if isinstance(obj, torch.Tensor):
         return f"Tensor(shape={tuple(obj.shape)}, dtype={obj.dtype})"
@@ -200,7 +201,7 @@ def default_tokens_per_batch(batch: Any, *, path: str | None = None) -> int:
     if tensors:
         return int(tensors[0].shape[0]) if tensors[0].dim() > 0 else 1
     raise ModelSpecError(
-        f"cannot count tokens: the batch ({_describe(batch)}) holds no tensor; "
+        f"cannot count tokens: the batch ({describe_value(batch)}) holds no tensor; "
         f"define tokens_per_batch(batch) in {path or 'your model.py'}"
     )
 

@@ -25,6 +25,7 @@ from torch import nn
 from autoprec.errors import ModelSpecError
 from autoprec.kernels.fp8 import quiet_torchao_import
 from autoprec.modelspec.batch import default_loss_fn, default_make_optimizer, default_tokens_per_batch
+from autoprec.modelspec.batch_check import CheckedGetBatch
 
 __all__ = ["ModelSpec", "load_model_spec"]
 
@@ -59,7 +60,9 @@ class ModelSpec:
         path: The model file as the user named it (``str``; not resolved).
         build_model: ``() -> nn.Module`` building the model with fp32 weights on CPU.
         get_batch: ``(step, device) -> batch``; deterministic in ``step``. A batch is a dict
-            (called as ``model(**batch)``), a tuple/list (``model(*batch)``) or a tensor.
+            (called as ``model(**batch)``), a tuple/list (``model(*batch)``) or a tensor. Wrapped
+            in a :class:`~autoprec.modelspec.batch_check.CheckedGetBatch` (so is ``heldout_batch``):
+            each batch is checked as it is returned, and a bad one raises ``ModelSpecError``.
         loss_fn: ``(output, batch) -> Tensor``, a scalar floating-point loss.
         make_optimizer: ``(params) -> torch.optim.Optimizer``.
         tokens_per_batch: ``(batch) -> int``, the tokens (or samples) one batch counts for
@@ -75,6 +78,13 @@ class ModelSpec:
     make_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
     tokens_per_batch: Callable[[Any], int]
     heldout_batch: Callable[[int, torch.device], Any] | None = None
+
+    def __post_init__(self) -> None:
+        # every batch checked as it is returned (a type, not empty, the first batch's structure)
+        for name, entry in (("get_batch", "get_batch"), ("heldout_batch", "get_heldout_batch")):
+            fn = getattr(self, name)
+            if fn is not None and not isinstance(fn, CheckedGetBatch):
+                object.__setattr__(self, name, CheckedGetBatch(self.path, fn, entry))
 
 
 def load_model_spec(path: str | os.PathLike[str]) -> ModelSpec:

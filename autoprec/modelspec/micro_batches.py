@@ -37,7 +37,7 @@ from autoprec.modelspec.loader import ModelSpec
 from autoprec.policy.batching import Batching
 
 __all__ = ["Accumulated", "MicroBatches", "batch_rows", "count_tokens", "divisors", "one_micro_batch",
-           "first_batches", "refuse_empty", "step_batches", "takes_batch_size"]
+           "first_batches", "step_batches", "takes_batch_size"]
 
 
 @dataclass(frozen=True)
@@ -89,23 +89,6 @@ def first_batches(spec: ModelSpec, source: MicroBatches | None, device: torch.de
     capture their policy's graph from (``autoprec.capture.capture_for``, with ``n = PROBE_BATCHES``),
     as ``tune`` does: the same dynamic-or-static choice, the graph ``tune`` measured."""
     return [source.micro(i, device) if source is not None else spec.get_batch(i, device) for i in range(n)]
-
-
-def refuse_empty(path: Any, step: int, batch: Any) -> Any:
-    """``batch`` (``get_batch(step)``'s), unless a tensor of it has a dimension of size 0.
-
-    Raises:
-        ModelSpecError: an empty batch (a filtered-out or short last batch of a loader); names the
-            file, the ``get_batch`` call, the tensor and its shape, and the fix in the model file.
-    """
-    empty = next(((keystr(k), tuple(t.shape)) for k, t in tree_flatten_with_path(batch)[0]
-                  if isinstance(t, torch.Tensor) and 0 in t.shape), None)
-    if empty is not None:
-        raise ModelSpecError(f"{path}: get_batch({step}) returned an empty batch (batch{empty[0]} has shape "
-                             f"{empty[1]}); a training step needs at least one example: make get_batch skip "
-                             "it, e.g. drop a loader's empty or short last batch (DataLoader(drop_last=True))"
-                             )
-    return batch
 
 
 def divisors(n: int) -> list[int]:

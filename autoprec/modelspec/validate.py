@@ -18,13 +18,10 @@ from torch import nn
 
 from autoprec._torch_compat import pytree
 from autoprec.errors import ModelSpecError
-from autoprec.modelspec.batch import _describe, call_model, positional_binding
+from autoprec.modelspec.batch import call_model, describe_value, positional_binding
 from autoprec.modelspec.loader import _OPTIONAL, _REQUIRED, ModelSpec
 
 __all__ = ["validate_spec"]
-
-
-_BATCH_TYPES = "a Tensor, tuple or dict"
 
 
 def _call_entry(spec: ModelSpec, name: str, fn: Callable[..., Any], *args: Any) -> Any:
@@ -88,12 +85,14 @@ def _check_loss(spec: ModelSpec, loss: Any) -> None:
     who = f"{spec.path}: loss_fn" if user is not None else f"{spec.path}: the model's loss (output.loss)"
     fix = "return the loss tensor itself (no .item(), .detach() or float())"
     if not isinstance(loss, torch.Tensor):
-        raise ModelSpecError(f"{who} returned {_describe(loss)}; expected a scalar floating-point "
+        raise ModelSpecError(f"{who} returned {describe_value(loss)}; expected a scalar floating-point "
                              f"Tensor; {fix}")
     if not loss.is_floating_point():
-        raise ModelSpecError(f"{who} returned {_describe(loss)}; expected a floating-point scalar Tensor")
+        raise ModelSpecError(f"{who} returned {describe_value(loss)}; "
+                             "expected a floating-point scalar Tensor")
     if loss.numel() != 1:
-        raise ModelSpecError(f"{who} returned {_describe(loss)}; expected a scalar (reduce it, e.g. .mean())")
+        raise ModelSpecError(f"{who} returned {describe_value(loss)}; "
+                             "expected a scalar (reduce it, e.g. .mean())")
     if not loss.requires_grad:
         raise ModelSpecError(f"{who} returned a Tensor that does not require grad (detached, or computed "
                              f"under torch.no_grad()); {fix}")
@@ -105,7 +104,7 @@ def _check_tokens(spec: ModelSpec, n: Any) -> None:
     if isinstance(n, torch.Tensor) and n.numel() == 1:
         n = n.item()
     if isinstance(n, bool) or not isinstance(n, (int, float)) or not math.isfinite(n) or n <= 0:
-        got = repr(n) if isinstance(n, (int, float)) else _describe(n)
+        got = repr(n) if isinstance(n, (int, float)) else describe_value(n)
         raise ModelSpecError(f"{spec.path}: tokens_per_batch(get_batch(0)) returned {got}; expected a "
                              f"positive number of tokens (`{_OPTIONAL['tokens_per_batch']}`), the count "
                              "behind every tokens/s")
@@ -142,14 +141,11 @@ def validate_spec(spec: ModelSpec, device: torch.device | str = "cpu") -> tuple[
     with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
         model = _call_entry(spec, "build_model()", spec.build_model)
         if not isinstance(model, nn.Module):
-            raise ModelSpecError(f"{spec.path}: build_model returned {_describe(model)}; "
+            raise ModelSpecError(f"{spec.path}: build_model returned {describe_value(model)}; "
                                  f"expected a torch.nn.Module (`{_REQUIRED['build_model']}`)")
         model = model.to(dev)
         model.train()
-        batch = _call_entry(spec, "get_batch(0, device)", spec.get_batch, 0, dev)
-        if not isinstance(batch, (torch.Tensor, tuple, list, Mapping)):
-            raise ModelSpecError(f"{spec.path}: get_batch returned {_describe(batch)}; expected "
-                                 f"{_BATCH_TYPES}")
+        batch = _call_entry(spec, "get_batch(0, device)", spec.get_batch, 0, dev)  # checked: CheckedGetBatch
         meta = next((p for p, t in pytree.tree_flatten_with_path(batch)[0]
                      if isinstance(t, torch.Tensor) and t.device.type == "meta"), None)
         if meta is not None:
@@ -174,13 +170,10 @@ def validate_spec(spec: ModelSpec, device: torch.device | str = "cpu") -> tuple[
         del out, loss
         _check_tokens(spec, _call_entry(spec, "tokens_per_batch(batch)", spec.tokens_per_batch, batch))
         if spec.heldout_batch is not None:
-            held = _call_entry(spec, "get_heldout_batch(0, device)", spec.heldout_batch, 0, dev)
-            if not isinstance(held, (torch.Tensor, tuple, list, Mapping)):
-                raise ModelSpecError(f"{spec.path}: get_heldout_batch returned {_describe(held)}; expected "
-                                     f"{_BATCH_TYPES}")
+            _call_entry(spec, "get_heldout_batch(0, device)", spec.heldout_batch, 0, dev)  # CheckedGetBatch
         params = [p for p in model.parameters() if p.requires_grad]
         opt = _call_entry(spec, "make_optimizer(params)", spec.make_optimizer, params)
         if not isinstance(opt, torch.optim.Optimizer):
-            raise ModelSpecError(f"{spec.path}: make_optimizer returned {_describe(opt)}; "
+            raise ModelSpecError(f"{spec.path}: make_optimizer returned {describe_value(opt)}; "
                                  f"expected a torch.optim.Optimizer (`{_OPTIONAL['make_optimizer']}`)")
     return model, batch

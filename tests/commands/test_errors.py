@@ -44,7 +44,7 @@ BAD = {
                            "build_model() raised RuntimeError: no weights"),
     "get_batch_int": ("    return torch.randn(2, 4, "
                       "generator=torch.Generator().manual_seed(step)).to(device)",
-                      "    return 7", "get_batch returned int; expected a Tensor, tuple or dict"),
+                      "    return 7", "get_batch(0) returned int; expected a Tensor, tuple or dict"),
     "get_batch_random": ("generator=torch.Generator().manual_seed(step)", "", "deterministic"),
     "dict_bad_key": ("    return torch.randn(2, 4, generator=torch.Generator().manual_seed(step)).to(device)",
                      "    return {'inputs': torch.ones(2, 4, device=device)}", "key 'inputs'"),
@@ -272,3 +272,23 @@ def test_train_on_an_empty_batch_names_the_get_batch_call_and_exits_2(tmp_path, 
     assert code == 2, err
     assert f"{model}: get_batch(3) returned an empty batch (batch has shape (0, 4))" in err, err
     assert "drop_last=True" in err and "Traceback" not in err
+
+
+def test_train_on_a_batch_of_another_structure_names_the_get_batch_call_and_exits_2(tmp_path, capsys):
+    """``get_batch(2)`` returning ``ids.tolist()`` where the others return a tensor trained two steps,
+    then ended ``autoprec train`` in a traceback (exit 1) advising to "apply the policy with an
+    example batch that holds 3 positional argument(s) more"; the message names the call, what it
+    returned and what ``get_batch(0)`` did."""
+    text = GOOD.replace("    return torch.randn(2, 4, generator=torch.Generator().manual_seed(step)).to(device)",
+                        "    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(step)).to(device)\n"
+                        "    return x.tolist() if step == 2 else x")
+    model = write_model(tmp_path, text)
+    pol = write_policy(tmp_path, [])
+    log = tmp_path / "train.jsonl"
+    code = main(["train", str(model), "--policy", str(pol), "--steps", "4", "--no-compile", "--device", "cpu",
+                 "--log", str(log)])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert (f"{model}: get_batch(2) returned list of 2 items, where get_batch(0) returned "
+            "Tensor(shape=(2, 4), dtype=torch.float32); every batch must have the first one's structure") in err
+    assert "Traceback" not in err and "positional argument" not in err

@@ -75,7 +75,7 @@ def test_qwen_batches(qwen: ModelSpec) -> None:
 
 
 def test_qwen_corpus_is_text_and_split(qwen: ModelSpec) -> None:
-    ns = qwen.get_batch.__globals__  # the example's module namespace
+    ns = qwen.get_batch.__wrapped__.__globals__  # the example's module namespace
     corpus = ns["_load_corpus"]()
     assert corpus is ns["_load_corpus"]()  # cached
     assert corpus.dtype == torch.uint8 and 1_000_000 < len(corpus) <= 4_000_000
