@@ -10,8 +10,9 @@ seen in practice:
 * the scale is clamped to ``[min_scale, max_scale]``, so it can neither collapse to ~1e-15 while every
   step is skipped nor grow towards ``inf`` on a tiny loss (case C09);
 * when the gradients stay non-finite with the scale already at its floor, the overflow is not a scaling
-  problem: after ``max_skips_at_floor`` such steps a :class:`~autoprec.errors.LossScaleError` says that
-  the non-finite values come from the forward pass and names the first node that produced one;
+  problem: after ``max_skips_at_floor`` such steps a :class:`~autoprec.errors.LossScaleError` says
+  where the non-finite values come from: the first forward node that produced one, or, where the
+  forward pass is finite, a backward overflowing even unscaled, with what to do;
 * the whole state (scale, growth tracker, skip counters) is plain JSON, so a resumed run continues
   bit-identically (case C14); a loaded state is validated whole before any of it is set;
 * under ``torch.distributed`` (DDP, FSDP2) every rank makes the same decision: the inf/NaN flag of each
@@ -57,7 +58,7 @@ from autoprec.policy.loss_scaling import (
 )
 from autoprec.training.rank_flag import any_rank, grad_device
 
-__all__ = ["MAX_SKIPS_AT_FLOOR", "DynamicLossScaler", "forward_nonfinite_message", "unscaled_grad_norm"]
+__all__ = ["MAX_SKIPS_AT_FLOOR", "DynamicLossScaler", "nonfinite_steps_message", "unscaled_grad_norm"]
 
 #: Default ``max_skips_at_floor``: consecutive skipped steps at ``min_scale`` before ``update``
 #: raises (autoprec's choice; GradScaler has no floor, and its scale halved to ~1e-15 in 65 skipped
@@ -249,11 +250,239 @@ class DynamicLossScaler:
             raise LossScaleError(self._floor_message())
 
     def _floor_message(self) -> str:
-        return forward_nonfinite_message(
+        return nonfinite_steps_message(
             f"{self._skips_at_floor} consecutive optimizer steps were skipped with the loss scale at "
             f"its floor (min_scale={self._min_scale!r}): the gradients are inf/NaN even at the minimum "
-            "scale, so this is not a loss-scaling overflow - the non-finite values come from the forward "
-            "pass (an op overflowing its dtype, or inf/NaN in the inputs or weights).", self._diagnose)
+            "scale, so no scale within its bounds avoids them.", self._diagnose,
+            f": a gradient beyond its dtype's range even at scale {self._min_scale!r} (fp16's largest is "
+            "65504), e.g. from a large loss (a sum over many terms). What to do: make the loss smaller (a "
+            "mean instead of a sum), let the scale go below 1 (loss_scaling.min_scale in the policy file, "
+            "e.g. 0.0009765625 = 2**-10), or keep the ops whose gradients overflow in bf16 or fp32 (a rule "
+            "in the policy file)")
+
+    def get_scale(self) -> float:
+        """The current scale as a Python float (a float32 value); 1.0 if disabled, like GradScaler."""
+        return self._scale if self._enabled else 1.0
+
+    def is_enabled(self) -> bool:
+        """Whether scaling is enabled."""
+        return self._enabled
+
+    @property
+    def found_inf(self) -> bool:
+        """Whether the gradients of the current (or else the last updated) iteration had inf/NaN."""
+        if self._per_optimizer:
+            return any(s["found_inf"] for s in self._per_optimizer.values())
+        return self._found_inf
+
+    @property
+    def skipped_steps(self) -> int:
+        """Total number of skipped iterations."""
+        return self._skipped_steps
+
+    @property
+    def consecutive_skips(self) -> int:
+        """Number of skipped iterations since the last clean one."""
+        return self._consecutive_skips
+
+    @property
+    def skips_at_floor(self) -> int:
+        """Number of consecutive skipped iterations that ran with the scale at ``min_scale``."""
+        return self._skips_at_floor
+
+    # ----------------------------------------------------------------- back-off
+    def back_off_scales(self, max_backoffs: int) -> list[float]:
+        """The scales training's first steps would try from here while every step overflows.
+
+        ``s_0`` is the current scale and ``s_{j+1}`` the scale after one more skipped step:
+        ``update``'s rule (``torch.amp.GradScaler``'s halving, ``s_j · backoff_factor`` rounded to
+        float32, then clamped to ``min_scale``), until ``min_scale`` or ``max_backoffs`` back-offs.
+
+        Args:
+            max_backoffs: The most back-offs (≥ 0).
+
+        Returns:
+            ``[s_0, ..., s_J]``, J ≤ ``max_backoffs``, strictly decreasing; ``[]`` if disabled.
+        """
+        if not self._enabled:
+            return []
+        scales = [self._scale]
+        while scales[-1] > self._min_scale and len(scales) <= max_backoffs:
+            s, _tracker = _update_scale(scales[-1], 0, True, self._growth_factor, self._backoff_factor,
+                                        self._growth_interval)
+            scales.append(max(s, self._min_scale))
+        return scales
+
+    # ----------------------------------------------------------------- checkpointing
+    def state_dict(self) -> dict[str, Any]:
+        """The scaler state as plain JSON-able Python floats/ints ({} if disabled, like GradScaler).
+
+        Keys shared with ``GradScaler.state_dict()``: ``scale``, ``growth_factor``, ``backoff_factor``,
+        ``growth_interval``, ``_growth_tracker``; added: ``min_scale``, ``max_scale``,
+        ``max_skips_at_floor``, ``skipped_steps``, ``consecutive_skips``, ``skips_at_floor``.
+        Call it after ``update()``.
+        """
+        if not self._enabled:
+            return {}
+        return {"scale": self._scale, "growth_factor": self._growth_factor,
+                "backoff_factor": self._backoff_factor, "growth_interval": self._growth_interval,
+                "_growth_tracker": self._growth_tracker, "min_scale": self._min_scale,
+                "max_scale": self._max_scale, "max_skips_at_floor": self._max_skips_at_floor,
+                "skipped_steps": self._skipped_steps, "consecutive_skips": self._consecutive_skips,
+                "skips_at_floor": self._skips_at_floor}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restores a state from :meth:`state_dict` exactly (``state_dict()`` then equals it).
+
+        A ``GradScaler.state_dict()`` is accepted too: missing autoprec keys keep this scaler's
+        ``min_scale``/``max_scale``/``max_skips_at_floor`` and set the skip counters to 0.
+        Nothing is changed unless the whole dict is valid. No-op if disabled, like GradScaler.
+
+        Raises:
+            ValueError: The dict is empty, has an unknown or missing key, or an invalid value
+                (e.g. a scale outside ``[min_scale, max_scale]`` or not a float32 value); the
+                message names the key.
+        """
+        if not self._enabled:
+            return
+        own = {"min_scale": self._min_scale, "max_scale": self._max_scale,
+               "max_skips_at_floor": self._max_skips_at_floor}
+        config, counters = _check_state(state_dict, own)
+        (self._scale, self._growth_factor, self._backoff_factor, self._growth_interval, self._min_scale,
+         self._max_scale, self._max_skips_at_floor) = config
+        self._growth_tracker, self._skipped_steps, self._consecutive_skips, self._skips_at_floor = counters
+
+
+def nonfinite_steps_message(head: str, diagnose: Callable[[], str | None] | None, backward: str = "") -> str:
+    """``head`` (why the steps are given up: case C09) and where the non-finite values start: the
+    first forward node ``diagnose()`` names (e.g. :meth:`autoprec.Monitor.diagnoser`, whose
+    ``source_of`` adds the model's line that made it); where it finds none (the forward pass of the
+    batch it re-ran is finite), the backward pass, with ``backward`` (what overflows there and what
+    to do, for a loss-scaled policy); without a ``diagnose``, how to find the node."""
+    hint = ("To name the first node that produced one, create "
+            "monitor = autoprec.Monitor(graph_module=mp.graph_module) (mp: the module autoprec.apply "
+            "returned), pass diagnose=monitor.diagnoser() to DynamicLossScaler and set "
+            "monitor.last_batch = batch before each step; or call "
+            "autoprec.training.monitor.first_nonfinite_node(mp.graph_module, batch) on a batch that "
+            "overflows (it returns the node's key).")
+    forward = "the forward pass (an op overflowing its dtype, or inf/NaN in the inputs or weights)"
+    if diagnose is None:
+        also = ", or from the backward pass" if backward else ""
+        return f"{head} They come from {forward}{also}. {hint}"
+    try:
+        node = diagnose()
+    except Exception as e:  # noqa: BLE001 - a failing diagnosis must not hide the real error
+        return f"{head} They come from {forward}; diagnose() failed ({e!r}). {hint}"
+    if node is None:
+        return (f"{head} The forward pass of the last batch, run again, has no non-finite output, so they "
+                f"arise in the backward pass (unless another batch overflowed){backward}.")
+    source = getattr(diagnose, "source_of", None)  # Monitor.diagnoser()'s: the model's line of a node
+    src = source(str(node)) if callable(source) else None
+    where = f" (from {src})" if src else ""
+    return (f"{head} They come from the forward pass. First node that produced a non-finite value: "
+            f"{str(node)!r}{where}.")
+
+
+# ----------------------------------------------------------------- GradScaler API
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """Returns ``loss * scale`` computed in fp32 (``loss`` unchanged if disabled).
+
+        Raises:
+            TypeError: ``loss`` is not a Tensor.
+        """
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(f"scale() expects a Tensor, got {type(loss).__name__}")
+        if not self._enabled:
+            return loss
+        return loss.float() * self._scale
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divides the optimizer's gradients by the scale in place (fp32) and records inf/NaN.
+
+        Call at most once per optimizer per iteration, before ``step`` (e.g. to clip gradients).
+
+        Raises:
+            RuntimeError: Called twice for this optimizer since the last ``update()``, or after ``step``.
+        """
+        if not self._enabled:
+            return
+        state = self._per_optimizer.setdefault(id(optimizer), {"stage": _READY, "found_inf": False})
+        if state["stage"] == _UNSCALED:
+            raise RuntimeError(
+                "unscale_() has already been called on this optimizer since the last update().")
+        if state["stage"] == _STEPPED:
+            raise RuntimeError("unscale_() is being called after step().")
+        found_inf = _unscale_grads_(optimizer, 1.0 / self._scale)
+        state["found_inf"] = any_rank(found_inf, self._process_group, grad_device(optimizer))
+        state["stage"] = _UNSCALED
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> bool:
+        """Unscales (if not yet done), then ``optimizer.step(*args, **kwargs)`` unless grads are non-finite.
+
+        A skipped step leaves parameters and optimizer state bitwise unchanged.
+
+        Returns:
+            True if the optimizer step was applied, False if it was skipped.
+
+        Raises:
+            RuntimeError: ``step`` was already called since the last ``update()``, or a ``closure``
+                was passed (as GradScaler, closures are not supported).
+        """
+        if not self._enabled:
+            optimizer.step(*args, **kwargs)
+            return True
+        if "closure" in kwargs:
+            raise RuntimeError("Closure use is not supported if DynamicLossScaler is enabled.")
+        state = self._per_optimizer.get(id(optimizer))
+        if state is not None and state["stage"] == _STEPPED:
+            raise RuntimeError("step() has already been called since the last update().")
+        if state is None or state["stage"] == _READY:
+            self.unscale_(optimizer)
+            state = self._per_optimizer[id(optimizer)]
+        state["stage"] = _STEPPED
+        if state["found_inf"]:
+            return False
+        optimizer.step(*args, **kwargs)
+        return True
+
+    def update(self) -> None:
+        """Updates the scale from this iteration's inf checks (GradScaler's rule, then the clamp).
+
+        Raises:
+            RuntimeError: No ``unscale_``/``step`` was recorded since the last ``update()``.
+            LossScaleError: ``max_skips_at_floor`` consecutive steps were skipped at ``min_scale``.
+        """
+        if not self._enabled:
+            return
+        if not self._per_optimizer:
+            raise RuntimeError("No inf checks were recorded prior to update(); call step(optimizer) first.")
+        found_inf = any(s["found_inf"] for s in self._per_optimizer.values())
+        self._per_optimizer = {}
+        self._found_inf = found_inf
+        at_floor = self._scale <= self._min_scale
+        scale, self._growth_tracker = _update_scale(
+            self._scale, self._growth_tracker, found_inf, self._growth_factor, self._backoff_factor,
+            self._growth_interval)
+        self._scale = min(max(scale, self._min_scale), self._max_scale)
+        if not found_inf:
+            self._consecutive_skips = self._skips_at_floor = 0
+            return
+        self._skipped_steps += 1
+        self._consecutive_skips += 1
+        self._skips_at_floor = self._skips_at_floor + 1 if at_floor else 0
+        if self._skips_at_floor >= self._max_skips_at_floor:
+            raise LossScaleError(self._floor_message())
+
+    def _floor_message(self) -> str:
+        return nonfinite_steps_message(
+            f"{self._skips_at_floor} consecutive optimizer steps were skipped with the loss scale at "
+            f"its floor (min_scale={self._min_scale!r}): the gradients are inf/NaN even at the minimum "
+            "scale, so no scale within its bounds avoids them.", self._diagnose,
+            f": a gradient beyond its dtype's range even at scale {self._min_scale!r} (fp16's largest is "
+            "65504), e.g. from a large loss (a sum over many terms). What to do: make the loss smaller (a "
+            "mean instead of a sum), let the scale go below 1 (loss_scaling.min_scale in the policy file, "
+            "e.g. 0.0009765625 = 2**-10), or keep the ops whose gradients overflow in bf16 or fp32 (a rule "
+            "in the policy file)")
 
     def get_scale(self) -> float:
         """The current scale as a Python float (a float32 value); 1.0 if disabled, like GradScaler."""

@@ -31,7 +31,7 @@ from autoprec.errors import LossScaleError
 from autoprec.modelspec import call_model
 from autoprec.modelspec.micro_batches import Accumulated
 from autoprec.policy import Policy
-from autoprec.training.scaler import DynamicLossScaler, forward_nonfinite_message, unscaled_grad_norm
+from autoprec.training.scaler import DynamicLossScaler, nonfinite_steps_message, unscaled_grad_norm
 
 __all__ = ["GradientsOnly", "StepStats", "TrainStep", "autocast_scaler", "make_scaler"]
 
@@ -176,11 +176,9 @@ class TrainStep:
             self._skips = self._skips + 1 if skipped else 0
         self.optimizer.zero_grad(set_to_none=True)
         if self.max_skips is not None and self._skips >= self.max_skips:
-            raise LossScaleError(forward_nonfinite_message(
+            raise LossScaleError(nonfinite_steps_message(
                 f"{self._skips} consecutive optimizer steps were skipped with inf/NaN gradients and no loss "
-                "scaler (a bf16/fp32 policy: nothing to scale back, bf16 has fp32's range), so the "
-                "non-finite values come from the forward pass (an op overflowing its dtype, or inf/NaN in "
-                "the inputs or weights).", self.diagnose))
+                "scaler (a bf16/fp32 policy: nothing to scale back, bf16 has fp32's range).", self.diagnose))
         return skipped, scale, norm, bad
 
     def __call__(self, batch: Any) -> StepStats:

@@ -99,7 +99,7 @@ def test_c09_without_a_scaler_skips_are_given_up_too_naming_the_forward_node():
     model.w[1] = math.inf
     after = model.p.detach().clone()
     with pytest.raises(LossScaleError, match=r"^8 consecutive optimizer steps were skipped with inf/NaN "
-                                             r"gradients and no loss scaler .* forward pass .*'mul'\.$"):
+                                             r"gradients and no loss scaler .* forward pass\. First node .*'mul'\.$"):
         for _ in range(MAX_SKIPS_AT_FLOOR):
             step(())
     assert torch.equal(model.p.detach(), after)  # no NaN written into the weights
@@ -270,3 +270,37 @@ def test_train_fp16_one_overflow_among_the_last_steps_is_skipped_not_an_error(tm
     kept = [x for x, s in zip(losses[1:], skipped[1:]) if not s]
     line = f"final loss (mean of the last {len(kept)} steps not skipped) {sum(kept) / len(kept):.4f}"
     assert line in cap.out, cap.out
+
+
+def test_train_whose_fp16_backward_overflows_at_the_floor_says_so_and_the_advice_trains(tmp_path, capsys):
+    """A summed squared error of ~6e7 in fp32 whose fp16 weight gradients overflow even at scale 1: the
+    error said the values "come from the forward pass", then that the forward pass was finite, and told
+    a CLI user to build the Monitor ``autoprec train`` had attached (a user test). Now it says the
+    backward overflows and what to do; lowering ``loss_scaling.min_scale`` as it says trains."""
+    import json
+
+    from autoprec.cli import main
+    from autoprec.policy import Policy
+
+    model = tmp_path / "big_loss.py"
+    model.write_text(
+        "import torch\nfrom torch import nn\n\n\ndef build_model():\n    torch.manual_seed(0)\n"
+        "    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1))\n\n\n"
+        "def get_batch(step, device):\n"
+        "    return (10 * torch.randn(64, 32, generator=torch.Generator().manual_seed(step))).to(device)\n\n\n"
+        "def loss_fn(output, batch):\n    return ((output.float() - 1000.0) ** 2).sum()\n")
+    Policy.default("fp16").save(tmp_path / "p.json")
+    assert main(["train", str(model), "--policy", str(tmp_path / "p.json"), "--steps", "40",
+                 "--no-compile"]) == 1
+    err = capsys.readouterr().err
+    assert "skipped with the loss scale at its floor (min_scale=1.0)" in err, err
+    assert "has no non-finite output, so they arise in the backward pass" in err, err
+    assert "come from the forward pass" not in err and "autoprec.Monitor(" not in err, err
+    d = json.loads((tmp_path / "p.json").read_text())
+    d["loss_scaling"]["min_scale"] = 2.0 ** -10
+    (tmp_path / "low.json").write_text(json.dumps(d))
+    log = tmp_path / "log.jsonl"
+    assert main(["train", str(model), "--policy", str(tmp_path / "low.json"), "--steps", "40",
+                 "--no-compile", "--log", str(log)]) == 0, capsys.readouterr().err
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert records[-1]["loss_scale"] < 1.0 and not records[-1]["skipped"], records[-1]

@@ -31,7 +31,8 @@ def checked(fn):
 def test_batches_of_the_first_structure_pass_with_any_sizes_and_values():
     def get_batch(step, device, batch_size=2):
         n = 8 + step
-        return {"input_ids": _ids(step, batch_size, n), "labels": _ids(step, batch_size, n), "mode": step % 2 == 0}
+        ids = _ids(step, batch_size, n)
+        return {"input_ids": ids, "labels": ids.clone(), "mode": step % 2 == 0}
 
     gb = checked(get_batch)
     first = gb(0, "cpu")
@@ -46,8 +47,8 @@ def test_batches_of_the_first_structure_pass_with_any_sizes_and_values():
                                  "Tensor(shape=(2, 8), dtype=torch.int64)"),
     (lambda s: _ids(s).float(), "get_batch(1) returned Tensor(shape=(2, 8), dtype=torch.float32), where "
                                 "get_batch(0) returned Tensor(shape=(2, 8), dtype=torch.int64)"),
-    (lambda s: {"input_ids": _ids(s)}, "get_batch(1) returned dict with keys ['input_ids'], where get_batch(0) "
-                                       "returned Tensor"),
+    (lambda s: {"input_ids": _ids(s)},
+     "get_batch(1) returned dict with keys ['input_ids'], where get_batch(0) returned Tensor"),
 ])
 def test_a_later_batch_of_another_structure_names_both_calls(later, message):
     gb = checked(lambda step, device: _ids(step) if step == 0 else later(step))
@@ -68,21 +69,23 @@ def test_the_first_place_that_differs_in_a_nested_batch_is_named():
         gb(3, "cpu")
     assert ("m.py: get_batch(3) returned batch[0]['extra'][0] = Tensor(shape=(2, 8), dtype=torch.int64), "
             "where get_batch(0)'s was Tensor(shape=(2, 8), dtype=torch.bool)") in str(e.value)
-    gb = checked(lambda step, device: {"input_ids": _ids(step), **({"labels": _ids(step)} if step < 2 else {})})
+    gb = checked(lambda step, device: {"input_ids": _ids(step), **({"labels": _ids(step)} if step < 2 else {})
+                                       })
     gb(0, "cpu")
     gb(1, "cpu")
-    with pytest.raises(ModelSpecError, match=r"get_batch\(2\) returned dict with keys \['input_ids'\], where "
-                                             r"get_batch\(0\) returned dict with keys \['input_ids', 'labels'\]"):
+    with pytest.raises(ModelSpecError, match=r"get_batch\(2\) returned dict with keys \['input_ids'\], "
+                       r"where get_batch\(0\) returned dict with keys \['input_ids', 'labels'\]"):
         gb(2, "cpu")
 
 
 def test_another_type_and_an_empty_batch_are_refused_even_inside_a_mapping_that_is_no_pytree_node():
-    with pytest.raises(ModelSpecError, match=r"^m.py: get_batch\(0\) returned int; expected a Tensor, tuple or dict$"):
+    with pytest.raises(ModelSpecError,
+                       match=r"^m.py: get_batch\(0\) returned int; expected a Tensor, tuple or dict$"):
         checked(lambda step, device: 3)(0, "cpu")
     gb = checked(lambda step, device: Encoding(input_ids=_ids(step, rows=0 if step == 4 else 2)))
     gb(0, "cpu")
-    with pytest.raises(ModelSpecError, match=r"get_batch\(4\) returned an empty batch \(batch\['input_ids'\] has "
-                                             r"shape \(0, 8\)\).*DataLoader\(drop_last=True\)"):
+    with pytest.raises(ModelSpecError, match=r"get_batch\(4\) returned an empty batch \(batch\['input_ids'\] "
+                       r"has shape \(0, 8\)\).*DataLoader\(drop_last=True\)"):
         gb(4, "cpu")
 
 
@@ -91,7 +94,8 @@ def test_every_model_spec_checks_get_batch_and_get_heldout_batch(tmp_path):
     path.write_text("import torch\nfrom torch import nn\n"
                     "def build_model():\n    return nn.Linear(4, 1)\n"
                     "def get_batch(step, device):\n    return torch.ones(2, 4)\n"
-                    "def get_heldout_batch(step, device):\n    return torch.ones(2, 4) if step == 0 else None\n")
+                    "def get_heldout_batch(step, device):\n"
+                    "    return torch.ones(2, 4) if step == 0 else None\n")
     spec = load_model_spec(path)
     assert isinstance(spec.get_batch, CheckedGetBatch) and isinstance(spec.heldout_batch, CheckedGetBatch)
     spec.heldout_batch(0, "cpu")

@@ -280,7 +280,13 @@ def test_scaler_floor_error_without_diagnose_says_how_to_find_the_node():
     assert scaler.get_scale() == 1.0 and scaler.consecutive_skips == 5 and scaler.skips_at_floor == 3
     none_found = DynamicLossScaler(init_scale=1.0, max_skips_at_floor=1, diagnose=lambda: None)
     _skip_until_error(none_found, model, opt, 1)
-    assert "first_nonfinite_node" in str(none_found.error)
+    # a diagnose that finds no forward node: the backward overflowed even unscaled, and what to do
+    # (a user test: "the non-finite values come from the forward pass ... the forward pass is finite",
+    # then advice to build the Monitor autoprec train had already attached)
+    msg = str(none_found.error)
+    assert "has no non-finite output, so they arise in the backward pass" in msg, msg
+    assert "loss_scaling.min_scale in the policy file" in msg and "a mean instead of a sum" in msg
+    assert "first_nonfinite_node" not in msg and "come from the forward pass" not in msg
 
 
 def test_scaler_clean_step_resets_skip_counters():
