@@ -78,7 +78,11 @@ class ShardedModule(nn.Module):
     Attributes:
         model: The wrapped model (``state_dict`` keys gain the prefix ``model.``).
         applied: The :class:`~autoprec.applied.apply.MixedPrecisionModule`.
+        state_dict_prefix: ``"model."``, that prefix: :func:`autoprec.save_checkpoint` writes the
+            model's own keys (its checkpoint loads into the plain model, and back).
     """
+
+    state_dict_prefix = "model."
 
     def __init__(self, mp: MixedPrecisionModule) -> None:
         super().__init__()

@@ -16,6 +16,14 @@ numbers only, so it loads with ``torch.load(weights_only=True)`` (no arbitrary u
   (the stream RNG rule of :mod:`autoprec.training.rng`, which ``train`` and ``train --compare``
   follow).
 
+A run sharded by FSDP2 (:func:`autoprec.shard`: its Parameters are ``DTensor`` shards) saves and loads
+the same file, with full tensors and the model's own keys: ``save_checkpoint`` gathers the state with
+PyTorch's ``torch.distributed.checkpoint.state_dict.get_state_dict`` (``full_state_dict=True,
+cpu_offload=True``) and rank 0 writes it; ``load_checkpoint`` gives each rank its shards
+(``set_state_dict``). Both are then collectives: every rank calls them (a save on rank 0 alone, the
+DDP habit, waits for the others). Before, the file held the calling rank's shards only, and a resume
+trained on them without a word.
+
 Writes are atomic (temp file in the same directory, ``fsync``, ``os.replace``, directory ``fsync``):
 a crash leaves either the old checkpoint or the new one, never a torn file. With the same batches
 (``get_batch(step)``) and eager execution on the CPU, a resumed run is bit-identical to an
@@ -31,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from autoprec._io import atomic_write
@@ -43,6 +52,9 @@ __all__ = ["CHECKPOINT_FORMAT", "Checkpoint", "load_checkpoint", "peek_checkpoin
 
 #: Format version written under the ``"autoprec_checkpoint"`` key; loading rejects any other.
 CHECKPOINT_FORMAT = 1
+#: Marks an optimizer state gathered from a sharded run: keyed by parameter name
+#: (torch.distributed.checkpoint's form), not by position as ``Optimizer.state_dict`` keys it.
+GATHERED = "autoprec_gathered"
 
 
 @dataclass
@@ -98,7 +110,9 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
 
     Args:
         path: Checkpoint file (e.g. ``run/ckpt.pt``).
-        model: The model (or :class:`~autoprec.MixedPrecisionModule`) whose ``state_dict`` to save.
+        model: The model (or :class:`~autoprec.MixedPrecisionModule`) whose ``state_dict`` to save;
+            or the sharded root :func:`autoprec.shard` returned, on every rank (a collective: the
+            full state is gathered to rank 0, which writes the file; other ranks write nothing).
         optimizer: Its optimizer.
         scaler: The loss scaler, if training uses one (call after ``update()``).
         policy: The policy trained with.
@@ -111,10 +125,16 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
             :func:`load_checkpoint`'s ``weights_only`` load would refuse; nothing is written.
     """
     _check_extra(path, extra or {})
+    if _sharded(model):
+        model_state, optimizer_state = _gathered(model, optimizer)
+        if dist.get_rank() != 0:  # the collective is done: rank 0 holds the full state and writes it
+            return
+    else:
+        model_state, optimizer_state = model.state_dict(), optimizer.state_dict()
     payload = {
         "autoprec_checkpoint": CHECKPOINT_FORMAT,
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
+        "model": model_state,
+        "optimizer": optimizer_state,
         "scaler": scaler.state_dict() if scaler is not None else {},
         "policy": policy.to_json() if policy is not None else None,
         "step": int(step),
@@ -122,6 +142,76 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
         "rng": rng_state(),
     }
     atomic_write(path, lambda f: torch.save(payload, f), binary=True)
+
+
+def _sharded(model: nn.Module) -> bool:
+    """Whether ``model``'s Parameters are FSDP2 shards (``DTensor``: :func:`autoprec.shard`)."""
+    if not dist.is_available() or not dist.is_initialized():
+        return False
+    from torch.distributed.tensor import DTensor
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def _prefix(model: nn.Module) -> str:
+    """What ``model``'s state-dict keys add before the wrapped model's (``"model."`` for the root
+    :func:`autoprec.shard` returns: its ``state_dict_prefix``), so the file has the model's own keys."""
+    return str(getattr(model, "state_dict_prefix", ""))
+
+
+def _renamed(state: dict[str, Any], old: str, new: str) -> dict[str, Any]:
+    """``state`` (a model's, or an optimizer's keyed by parameter name: torch.distributed.checkpoint's
+    form) with the key prefix ``old`` replaced by ``new``."""
+    def key(k: Any) -> Any:
+        return new + k[len(old):] if isinstance(k, str) and k.startswith(old) else k
+
+    if "state" in state and "param_groups" in state:
+        return {"state": {key(k): v for k, v in state["state"].items()},
+                "param_groups": [{**g, "params": [key(p) for p in g["params"]]}
+                                 for g in state["param_groups"]]}
+    return {key(k): v for k, v in state.items()}
+
+
+def _gathered(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The full (unsharded) model and optimizer state of a sharded ``model`` on rank 0, on the CPU
+    (``torch.distributed.checkpoint.state_dict.get_state_dict`` with ``full_state_dict=True,
+    cpu_offload=True``; other ranks get empty dicts), keyed by the model's own names. A collective:
+    every rank must call it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    m, o = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return _renamed(m, _prefix(model), ""), ({GATHERED: True} | _renamed(o, _prefix(model), "") if o else {})
+
+
+def _scatter(source: str, payload: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer | None,
+             ) -> None:
+    """Load a checkpoint of full state into a sharded ``model``: each rank keeps its shards
+    (``set_model_state_dict`` / ``set_optimizer_state_dict`` with ``full_state_dict=True``; every
+    rank reads the file). The optimizer state must be a sharded run's (keyed by parameter name).
+
+    Raises:
+        AutoprecError: the weights or the optimizer state do not match (names the path)."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    opts = StateDictOptions(full_state_dict=True)
+    try:
+        set_model_state_dict(model, _renamed(payload["model"], "", _prefix(model)), options=opts)
+    except (RuntimeError, KeyError, ValueError) as e:
+        raise AutoprecError(f"{source}: model weights do not match this model: {e}") from e
+    if optimizer is None:
+        return
+    state = payload["optimizer"]
+    if not state.get(GATHERED):
+        raise AutoprecError(f"{source}: its optimizer state was saved from an unsharded model (keyed by "
+                            "position); load it into the model before autoprec.shard, or pass optimizer=None")
+    state = {k: v for k, v in state.items() if k != GATHERED}
+    try:
+        set_optimizer_state_dict(model, optimizer, _renamed(state, "", _prefix(model)), options=opts)
+    except (RuntimeError, KeyError, ValueError) as e:
+        raise AutoprecError(f"{source}: optimizer state does not match this optimizer: {e}") from e
 
 
 def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
@@ -134,7 +224,8 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
 
     Args:
         path: Checkpoint file.
-        model: Model to load the weights into (same architecture).
+        model: Model to load the weights into (same architecture); or the sharded root
+            :func:`autoprec.shard` returned, on every rank (each keeps its shards of the full state).
         optimizer: Optimizer over ``model``'s parameters, or None to skip its state.
         scaler: Loss scaler to restore, or None. A checkpoint without scaler state leaves it as is.
         restore_rng: Restore the torch (CPU, CUDA) and Python RNG states.
@@ -149,15 +240,18 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
     """
     source = os.fspath(path)
     payload = _read(source)
-    try:
-        model.load_state_dict(payload["model"])
-    except RuntimeError as e:
-        raise AutoprecError(f"{source}: model weights do not match this model: {e}") from e
-    if optimizer is not None:
+    if _sharded(model):
+        _scatter(source, payload, model, optimizer)
+    else:
         try:
-            optimizer.load_state_dict(payload["optimizer"])
-        except (ValueError, KeyError) as e:
-            raise AutoprecError(f"{source}: optimizer state does not match this optimizer: {e}") from e
+            model.load_state_dict(payload["model"])
+        except RuntimeError as e:
+            raise AutoprecError(f"{source}: model weights do not match this model: {e}") from e
+        if optimizer is not None:  # a sharded run's state, keyed by name, loads by position as well
+            try:
+                optimizer.load_state_dict({k: v for k, v in payload["optimizer"].items() if k != GATHERED})
+            except (ValueError, KeyError) as e:
+                raise AutoprecError(f"{source}: optimizer state does not match this optimizer: {e}") from e
     if scaler is not None and payload["scaler"]:
         scaler.load_state_dict(payload["scaler"])
     if restore_rng:
