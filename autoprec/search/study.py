@@ -172,8 +172,8 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
             within ``max_memory`` and written (:mod:`autoprec.search.micro_batch`, ``Policy.batching``);
             None: the model file's batch, as before.
         strict_timing: Raise :class:`~autoprec.measure.load.BusyMachineError` when the machine is
-            busy instead of warning (:mod:`autoprec.measure.load`: at the start, after the baselines
-            and after the trials).
+            busy instead of warning (:mod:`autoprec.measure.load`: at the start, after the baselines,
+            after the trials and after the head-to-head, before anything is written).
 
     Returns:
         :class:`TuneResult`.
@@ -236,9 +236,9 @@ def _memory_arg(spec: ModelSpec, max_memory: str | float | None, global_batch: i
 
 def _capture(spec: ModelSpec, device: str, quiet: bool, strict_timing: bool = False,
              progress: bool = False) -> TuneState:
-    """Phase 1: check the machine's load (:mod:`autoprec.measure.load`; again after the baselines and,
-    through the clock, when the finalists begin), capture the loaded model file and compute the
-    FP32 reference (``Harness``).
+    """Phase 1: check the machine's load (:mod:`autoprec.measure.load`; again after the baselines,
+    through the clock when the finalists begin, and after their head-to-head), capture the loaded
+    model file and compute the FP32 reference (``Harness``).
 
     Raises:
         BusyMachineError: ``strict_timing`` and the machine is busy, before anything is captured.
@@ -387,7 +387,13 @@ def _write(run: TuneState, study: optuna.Study, contest: Contest, chosen: Policy
     """Phase 6: the policy's ``measured`` and ``provenance`` blocks, the side-by-side table, the
     report and the policy file (atomic, last), written together: a Ctrl-C while they are written
     is held back until both are (:func:`autoprec._interrupt.deferred`; it then raises), so a
-    report never describes a policy that was not written (an older one at ``out``, say)."""
+    report never describes a policy that was not written (an older one at ``out``, say). The load
+    is checked first (``after the head-to-head``: the rounds that decided; a user's one disturbance
+    there went unreported), so a busy run warns, or under ``strict_timing`` writes nothing.
+
+    Raises:
+        BusyMachineError: ``strict_timing`` and the machine is busy; nothing is written."""
+    run.clock.monitor.check("after the head-to-head")
     timings = run.clock.done()
     best = baseline_to_beat(contest, compile)
     options = contest.recorded_options(chosen) if compile else None  # how what was measured compiled

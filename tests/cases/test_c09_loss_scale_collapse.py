@@ -99,7 +99,7 @@ def test_c09_without_a_scaler_skips_are_given_up_too_naming_the_forward_node():
     model.w[1] = math.inf
     after = model.p.detach().clone()
     with pytest.raises(LossScaleError, match=r"^8 consecutive optimizer steps were skipped with inf/NaN "
-                                             r"gradients and no loss scaler .* forward pass\. First node .*'mul'\.$"):
+                       r"gradients and no loss scaler .* forward pass\. First node .*'mul'\.$"):
         for _ in range(MAX_SKIPS_AT_FLOOR):
             step(())
     assert torch.equal(model.p.detach(), after)  # no NaN written into the weights
@@ -287,7 +287,8 @@ def test_train_whose_fp16_backward_overflows_at_the_floor_says_so_and_the_advice
         "import torch\nfrom torch import nn\n\n\ndef build_model():\n    torch.manual_seed(0)\n"
         "    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1))\n\n\n"
         "def get_batch(step, device):\n"
-        "    return (10 * torch.randn(64, 32, generator=torch.Generator().manual_seed(step))).to(device)\n\n\n"
+        "    g = torch.Generator().manual_seed(step)\n"
+        "    return (10 * torch.randn(64, 32, generator=g)).to(device)\n\n\n"
         "def loss_fn(output, batch):\n    return ((output.float() - 1000.0) ** 2).sum()\n")
     Policy.default("fp16").save(tmp_path / "p.json")
     assert main(["train", str(model), "--policy", str(tmp_path / "p.json"), "--steps", "40",

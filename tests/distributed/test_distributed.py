@@ -434,7 +434,8 @@ def _fsdp_ckpt_worker(rank: int, world: int, path: str, resume: bool) -> dict:
         losses[k] = float(loss)
         if k == 2 and not resume:
             autoprec.save_checkpoint(path, root, opt, scaler, policy, step=3)  # a collective: every rank
-    return {"losses": losses, "flat": torch.cat([p.full_tensor().detach().flatten() for p in model.parameters()])}
+    flat = torch.cat([p.full_tensor().detach().flatten() for p in model.parameters()])
+    return {"losses": losses, "flat": flat}
 
 
 @pytest.mark.heavy
