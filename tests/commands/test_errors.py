@@ -293,3 +293,19 @@ def test_train_on_a_batch_of_another_structure_names_the_get_batch_call_and_exit
             "Tensor(shape=(2, 4), dtype=torch.float32); every batch must have the first one's "
             "structure") in err
     assert "Traceback" not in err and "positional argument" not in err
+
+
+@pytest.mark.parametrize("content", ['{"pre": "existing"}', "not json at all\n", None],
+                         ids=["json", "text", "model"])
+def test_tune_refuses_an_out_that_is_not_a_policy_file_and_keeps_it(tmp_path, capsys, content):
+    """A user test's ``--out`` held a JSON file of its own, which a finished tune replaced without a
+    word; ``--out model.py`` would lose the model file the same way. Refused before any work."""
+    model = write_model(tmp_path)
+    out = model if content is None else tmp_path / "out.json"
+    if content is not None:
+        out.write_text(content)
+    before = out.read_bytes()
+    assert main(["tune", str(model), "--out", str(out), "--trials", "2", "--no-compile"]) == 2
+    err = capsys.readouterr().err
+    assert f"--out {out}: exists and is not a policy file" in err and "give another path" in err, err
+    assert out.read_bytes() == before and not list(tmp_path.glob("*.db"))
