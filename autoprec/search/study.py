@@ -78,7 +78,7 @@ from autoprec.search.storage import (
     precheck_study,
     study_choices,
 )
-from autoprec.search.trials import enqueue_baselines, optimize, region_sensitivity
+from autoprec.search.trials import enqueue_baselines, finished, optimize, region_sensitivity
 from autoprec.search.tune_state import TuneState
 
 __all__ = ["TuneResult", "tune"]
@@ -307,6 +307,11 @@ def _search(run: TuneState, storage: str, study_name: str, seed: int, trials: in
     _adopt(run, stamped())  # one that stamped at the same moment
     study.set_user_attr(attrs.DRIFT_BUDGET, run.budget.value)
     study.set_user_attr(attrs.DRIFT_RULE, run.budget.to_dict())
+    if study.trials:  # a resumed (or shared) study: say what it holds, as the trial numbers do not
+        done = finished(study)  # what counts towards --trials
+        want = trials if trials is not None else DEFAULT_TRIALS
+        log(f"resuming study {study.study_name!r}: {done} trial(s) that count kept (of {len(study.trials)}), "
+            f"{max(want - done, 0)} more to reach {want}", run.quiet)
     if not study.trials:  # a new study: rank regions, then queue the baselines (resumes skip this)
         regions = len(run.space.region_params()) if run.space.low_dtypes else 0
         with (run.clock("sensitivity_s"),

@@ -64,6 +64,11 @@ def test_same_command_twice_resumes_the_study_when_the_probe_flips(tmp_path, mon
     assert ("resuming a study created searching fp32, bf16:fp32, fp16:fp32; this run's probe kept "
             "fp32, bf16:fp32: searching the study's kernels") in log2  # ... and searches the study's
     assert second.study.study_name == first.study.study_name
+    # a user could tell a resume only from the trial numbers: it says so, with what it kept
+    name = first.study.study_name
+    said = f"resuming study {name!r}: 3 trial(s) that count kept (of {n}), 0 more to reach 3"
+    assert said in log2, log2
+    assert "resuming study" not in log1
     db = f"sqlite:///{tmp_path / 'p.optuna.db'}"
     assert [s.study_name for s in optuna.get_all_study_summaries(db)] == [first.study.study_name]
     assert len(optuna.load_study(study_name=first.study.study_name, storage=db).trials) == n  # none re-run
