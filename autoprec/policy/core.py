@@ -351,7 +351,8 @@ class Policy:
     def from_dict(cls, d: Any, source: str = "<dict>") -> Policy:
         """Build a policy from its JSON object, validating every field.
 
-        Missing fields other than ``schema_version`` take their defaults.
+        Missing fields other than ``schema_version`` and ``default_dtype`` take their defaults
+        (a missing ``default_dtype`` would silently lower every node no rule selects to bf16).
 
         Args:
             d: The decoded JSON object.
@@ -393,7 +394,11 @@ class Policy:
             kw["loss_scaling"] = build(LossScalingConfig, ls, source, "loss_scaling")
         kw["provenance"] = check_mapping(d.get("provenance", {}), source, "provenance")
         kw["measured"] = check_mapping(d.get("measured", {}), source, "measured")
-        return build(cls, kw, source)
+        policy = build(cls, kw, source)  # every other field's error first
+        if "default_dtype" not in d:  # its default (bf16) would lower every node no rule selects, unsaid
+            raise fail(source, "default_dtype", "missing; a policy file names the dtype of the nodes no rule "
+                       "selects: fp32, bf16 or fp16 (every file autoprec writes has it)")
+        return policy
 
     def to_json(self) -> str:
         """The policy as indented JSON (``indent=2``, keys in layout order).

@@ -87,9 +87,10 @@ def test_recipe_names_are_torchaos_and_the_policys():
 def test_policy_files_with_each_recipe_load_and_round_trip():
     """Existing files (``"rowwise"``, or no field: tensorwise) and the new recipe load unchanged."""
     rules = [{"op_class": "matmul", "dtype": "fp8_e4m3"}]
-    assert Policy.from_dict({"schema_version": 2, "rules": rules}).fp8_scaling == "tensorwise"
+    base = {"schema_version": 2, "default_dtype": "bf16", "rules": rules}
+    assert Policy.from_dict(base).fp8_scaling == "tensorwise"
     for recipe in RECIPES:
-        p = Policy.from_dict({"schema_version": 2, "fp8_scaling": recipe, "rules": rules})
+        p = Policy.from_dict({**base, "fp8_scaling": recipe})
         assert p.fp8_scaling == recipe and Policy.from_dict(p.to_dict()) == p
     with pytest.raises(autoprec.PolicyError, match="fp8_scaling"):
         Policy.from_dict({"schema_version": 2, "fp8_scaling": "blockwise", "rules": rules})

@@ -89,7 +89,8 @@ def test_to_dict_layout_matches_design():
 
 
 def test_design_example_loads(tmp_path):
-    """The docs/architecture.md#policy-file example (no max_scale) loads; missing fields take defaults."""
+    """The docs/architecture.md#policy-file example (no max_scale) loads; missing fields other than
+    default_dtype take defaults."""
     text = """{
       "schema_version": 1, "default_dtype": "bf16",
       "rules": [{"op_class": "sensitive", "dtype": "fp32"},
@@ -105,7 +106,11 @@ def test_design_example_loads(tmp_path):
     p = Policy.load(write(tmp_path, text))
     assert len(p.rules) == 3 and p.loss_scaling.max_scale == 2.0**24
     assert p.needs_loss_scaling
-    assert Policy.from_dict({"schema_version": 1}) == Policy()
+    assert Policy.from_dict({"schema_version": 1, "default_dtype": "bf16"}) == Policy()
+    # the one field besides the version a file must name: its default would lower every other node
+    # to bf16 without a word (a user test deleted it from an fp32 policy, which then trained bf16)
+    with pytest.raises(PolicyError, match=r"^p.json: default_dtype: missing; a policy file names the dtype"):
+        Policy.from_dict({"schema_version": 1, "rules": [{"op_class": "matmul", "dtype": "fp32"}]}, "p.json")
 
 
 def test_defaults_and_constructors():
@@ -527,7 +532,7 @@ def test_activation_memory_budget_round_trip_and_validation(tmp_path):
     back = Policy.load(path)
     assert back == p and back.activation_memory_budget == 0.25
     assert "activation memory budget 0.25" in back.summary()
-    assert Policy.from_dict({"schema_version": 1}).activation_memory_budget == 1.0  # older files
+    assert Policy.from_dict({"schema_version": 1, "default_dtype": "fp32"}).activation_memory_budget == 1.0
     for bad, msg in ((1.5, "outside [0, 1]"), (-0.1, "outside [0, 1]"), ("0.5", "expected a number"),
                      (True, "expected a number")):
         d = {**p.to_dict(), "activation_memory_budget": bad}
