@@ -257,6 +257,8 @@ def _cmd_show(a: argparse.Namespace) -> int:
     if a.json:
         print(pol.to_json())
         return 0
+    if note := pol.edited_note(a.policy):
+        print(f"autoprec show: note: {note}", file=sys.stderr)
     if a.model:
         from autoprec.search.report import show_nodes
 

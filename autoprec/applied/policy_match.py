@@ -136,11 +136,15 @@ def check_policy_file(policy: Policy, source: str | os.PathLike | None, gm: fx.G
     """What ``train`` and ``bench`` (one process or ``--nproc``) check of a policy before using it
     on the model captured as ``gm``: refuse the policy of another model (:func:`check_policy_matches`,
     naming ``source``, unless ``force``), and return the warning to print when the policy file was
-    tuned on another graph (:func:`tuned_elsewhere`), else None (also when ``source`` is None: a
+    tuned on another graph (:func:`tuned_elsewhere`) or changed since it was measured
+    (:meth:`~autoprec.policy.Policy.edited_note`), else None (also when ``source`` is None: a
     :class:`~autoprec.policy.Policy` given in Python has no file to name).
 
     Raises:
         PolicyError: as :func:`check_policy_matches`.
     """
     check_policy_matches(policy, gm, source, force)
-    return tuned_elsewhere(policy, source, gm, model_path) if source is not None else None
+    if source is None:
+        return None
+    notes = [n for n in (tuned_elsewhere(policy, source, gm, model_path), policy.edited_note(source)) if n]
+    return "; ".join(notes) or None

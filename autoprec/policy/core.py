@@ -6,6 +6,7 @@ See ``autoprec.policy`` (the package docstring) and ``docs/architecture.md#polic
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 from collections.abc import Mapping
@@ -213,6 +214,26 @@ class Policy:
         and ``measured``. Two policies with equal keys train identically (the one rule for
         "same policy": checkpoint resume and finalist bookkeeping use it)."""
         return self._as_trained().to_json()
+
+    @property
+    def measured_key(self) -> str:
+        """A digest of :meth:`training_key` (SHA-256, the first 16 hex digits): what ``tune`` records
+        as ``provenance.measured_policy``, so a later edit of the file shows
+        (:meth:`edited_note`)."""
+        return hashlib.sha256(self.training_key().encode()).hexdigest()[:16]
+
+    def edited_note(self, source: str | os.PathLike) -> str | None:
+        """The note ``show``, ``train`` and ``bench`` print when the file ``source`` was changed since
+        ``tune`` measured it (its ``provenance.measured_policy`` is not :attr:`measured_key`): its
+        ``measured`` numbers describe the policy as tuned (a user's hand-added bf16 rule kept
+        "grad_rel_l2 1.72e-07" for a policy of 3.9e-3). None otherwise, and for a file without the
+        record (written by hand, or before it existed)."""
+        recorded = self.provenance.get("measured_policy") if self.provenance else None
+        if not self.measured or not isinstance(recorded, str) or recorded == self.measured_key:
+            return None
+        return (f"{os.fspath(source)} was changed since tune measured it (its rules or settings are not "
+                "the ones provenance.measured_policy records): its measured numbers describe the policy "
+                "as tuned, not this one; autoprec bench measures this one")
 
     def _as_trained(self) -> Policy:
         """This policy without ``measured`` and ``provenance``: what training runs."""

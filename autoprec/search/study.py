@@ -410,6 +410,7 @@ def _write(run: TuneState, study: optuna.Study, contest: Contest, chosen: Policy
         torch=torch.__version__, autoprec=__version__, created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         study=study.study_name, compiled=compile, **({"baseline": best[0]} if best is not None else {}),
     )
+    policy = policy.with_provenance(measured_policy=policy.measured_key)  # a later edit shows (edited_note)
     table = side_by_side(run, contest, chosen_m, compile)
     note_if_eager_was_faster(run, contest, chosen, chosen_m, compile)
     # what the report shows beyond the trials, kept in the study for ``autoprec report`` (the last run's)

@@ -309,3 +309,14 @@ def test_tune_refuses_an_out_that_is_not_a_policy_file_and_keeps_it(tmp_path, ca
     err = capsys.readouterr().err
     assert f"--out {out}: exists and is not a policy file" in err and "give another path" in err, err
     assert out.read_bytes() == before and not list(tmp_path.glob("*.db"))
+
+
+def test_train_notes_a_policy_file_changed_since_tune_measured_it(tmp_path, capsys):
+    model = write_model(tmp_path)
+    tuned = Policy.fp32().with_measured({"grad_rel_l2": 1e-7})
+    tuned = tuned.with_provenance(measured_policy=tuned.measured_key)
+    pol = tmp_path / "p.json"
+    Policy.from_dict({**tuned.to_dict(), "default_dtype": "bf16"}).save(pol)  # edited by hand
+    assert main(["train", str(model), "--policy", str(pol), "--steps", "1", "--no-compile"]) == 0
+    err = capsys.readouterr().err
+    assert f"autoprec train: warning: {pol} was changed since tune measured it" in err, err

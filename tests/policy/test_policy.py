@@ -824,3 +824,29 @@ def test_batching_round_trips_as_schema_4_and_older_files_load_unchanged(tmp_pat
             Policy.from_dict(doc, "x.json")
     with pytest.raises(PolicyError, match="micro_batch: expected an integer >= 1, got bool True"):
         Batching(micro_batch=True)
+
+
+def test_a_file_changed_since_tune_measured_it_says_so_in_show(tmp_path, capsys):
+    """A user added a bf16 rule to a tuned fp32 policy by hand; ``show`` went on reporting the tuned
+    "grad_rel_l2 1.72e-07" (the edited policy measures 3.9e-3) without a word. ``tune`` records
+    ``provenance.measured_policy``; ``show`` (and ``train``/``bench``) note an edit since."""
+    import dataclasses
+
+    from autoprec.cli import main
+
+    tuned = Policy.fp32().with_measured({"grad_rel_l2": 1.72e-7, "tokens_per_s": 1000.0})
+    tuned = tuned.with_provenance(measured_policy=tuned.measured_key, model="m.py")
+    assert tuned.edited_note("p.json") is None
+    edited = dataclasses.replace(tuned, rules=(Rule(op_class="matmul", dtype="bf16"),))
+    assert edited.measured_key != tuned.measured_key
+    note = edited.edited_note("p.json")
+    assert note.startswith("p.json was changed since tune measured it") and "autoprec bench" in note
+    # a file without the record (by hand, or older), or without numbers: nothing to say
+    assert dataclasses.replace(edited, provenance={}).edited_note("p.json") is None
+    assert dataclasses.replace(edited, measured={}).edited_note("p.json") is None
+    path = tmp_path / "p.json"
+    tuned.save(path)
+    assert main(["show", str(path)]) == 0 and "changed since" not in capsys.readouterr().err
+    edited.save(path)
+    assert main(["show", str(path)]) == 0
+    assert f"autoprec show: note: {path} was changed since tune measured it" in capsys.readouterr().err

@@ -9,6 +9,7 @@ import optuna
 import pytest
 import torch
 
+from autoprec.policy import Policy
 from autoprec.search import attrs, kernel_choice
 from autoprec.search import study as study_mod
 from autoprec.search.probe import probe_kernels as real_probe
@@ -56,6 +57,9 @@ def test_same_command_twice_resumes_the_study_when_the_probe_flips(tmp_path, mon
     assert near["kept"] and near["ratio"] == pytest.approx(1.05)
     assert not native["kept"] and native["band"][0] == pytest.approx(100.0)
     n = len(first.study.trials)
+    # the file records what was measured, so an edit after it shows (Policy.edited_note)
+    written = Policy.load(out)
+    assert written.provenance["measured_policy"] == written.measured_key and written.edited_note(out) is None
 
     monkeypatch.setattr(kernel_choice, "probe_kernels", _flipping_probe(RUN_2))
     second = study_mod.tune(EXAMPLES / "tiny_mlp.py", **kw)
