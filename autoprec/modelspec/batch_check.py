@@ -85,7 +85,7 @@ def _empty(obj: Any, path: str = "") -> tuple[str, tuple[int, ...]] | None:
 class CheckedGetBatch:
     """A model file's ``get_batch`` (or ``get_heldout_batch``) whose every batch is checked: one of
     :data:`BATCH_TYPES`, no tensor with a dimension of size 0, and the structure of the first batch
-    it returned (:func:`_difference`; shapes may vary, as a dynamic capture allows). About 10
+    it returned (:meth:`_Structure.difference`; shapes may vary, as a dynamic capture allows). About 10
     microseconds a call. ``inspect.signature`` of it is the wrapped function's.
 
     Args:
