@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from autoprec.cli_parser import build_parser
-from autoprec.cli_paths import check_replaceable, check_writable, make_parents, remove_if_empty
+from autoprec.cli_paths import check_writable, make_parents, remove_if_empty
 from autoprec.errors import AutoprecError
 
 if TYPE_CHECKING:  # the policy layer loads with the command that needs it
@@ -47,7 +47,9 @@ def _cmd_tune(a: argparse.Namespace) -> int:
     from autoprec.search.storage import check_sqlite_file, check_storage_url, default_storage, sqlite_path
 
     memory = parse_max_memory(a.max_memory)  # a bad value fails before the model is built
-    check_replaceable("--out", a.out, "policy file", "schema_version")  # not the user's model or config
+    from autoprec.policy import Policy
+
+    Policy.check_replaceable(a.out, "--out")  # not the user's model or config
     if a.storage is not None:
         check_storage_url(a.storage)
     spec, model = _validate_model(a.model, a.device)

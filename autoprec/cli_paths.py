@@ -8,7 +8,7 @@ import os
 
 from autoprec.errors import AutoprecError
 
-__all__ = ["check_replaceable", "check_writable", "make_parents", "remove_if_empty"]
+__all__ = ["check_writable", "make_parents", "remove_if_empty"]
 
 
 def make_parents(*paths: str | None) -> list:
@@ -54,30 +54,6 @@ def check_writable(option: str, path: str, example: str = "policy.json") -> None
             pass
     except OSError as e:
         raise AutoprecError(f"{option} {path}: cannot write there ({e.strerror or e})") from None
-
-
-def check_replaceable(option: str, path: str, kind: str, key: str) -> None:
-    """Fail before any work when ``path`` exists and is not a file of this ``kind`` (a JSON object
-    with the field ``key``, e.g. a policy file's ``schema_version``), which the command would
-    replace: ``--out model.py`` or ``--out config.json`` lost the user's file to a policy without a
-    word. A file of the kind (a policy tuned before) is replaced, as a rerun expects.
-
-    Raises:
-        AutoprecError: naming the option, the path, what it holds and what to do.
-    """
-    import json
-
-    if not os.path.isfile(path):
-        return
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-        ours = isinstance(data, dict) and key in data
-    except (OSError, UnicodeDecodeError, ValueError):
-        ours = False
-    if not ours:
-        raise AutoprecError(f"{option} {path}: exists and is not a {kind} (no JSON object with "
-                            f"{key!r}), and it would be replaced; give another path, or remove the file")
 
 
 def remove_if_empty(dirs: list) -> None:

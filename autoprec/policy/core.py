@@ -421,6 +421,28 @@ class Policy:
                        "selects: fp32, bf16 or fp16 (every file autoprec writes has it)")
         return policy
 
+    @staticmethod
+    def check_replaceable(path: str | os.PathLike, option: str = "out") -> None:
+        """Fail before any work when ``path`` exists and is not a policy file (a JSON object with
+        ``schema_version``), which writing a policy there would replace: ``tune --out model.py`` or
+        ``--out config.json`` lost the user's file without a word. A policy file (a rerun's) may be
+        replaced.
+
+        Raises:
+            PolicyError: naming ``option``, the path and what to do.
+        """
+        if not os.path.isfile(path):
+            return
+        try:
+            data = json.loads(Path(path).read_text(encoding="utf-8"))
+            ours = isinstance(data, dict) and "schema_version" in data
+        except (OSError, UnicodeDecodeError, ValueError):
+            ours = False
+        if not ours:
+            raise PolicyError(f"{option} {os.fspath(path)}: exists and is not a policy file (no JSON object "
+                              "with 'schema_version'), and it would be replaced; give another path, or "
+                              "remove the file")
+
     def to_json(self) -> str:
         """The policy as indented JSON (``indent=2``, keys in layout order).
 

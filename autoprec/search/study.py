@@ -183,10 +183,12 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
         SearchError: bad ``max_drift``, ``max_memory``, ``dtypes`` or ``global_batch`` (before any
             capture: :func:`_memory_arg`); no policy met the budgets.
         BusyMachineError: ``strict_timing`` and the machine is busy (CLI exit 2).
+        PolicyError: ``out`` exists and is not a policy file (before any work; it is kept).
         ValueError: a bad ``compile_variants`` (before any capture). OSError: the report or the
             policy file could not be written (one already at ``out`` is replaced whole or not at all).
     """
     drift_arg, forced, variants = _parsed(max_drift, dtypes, compile_variants)
+    Policy.check_replaceable(out)  # not the user's model file or config: before any work
     spec = load_model_spec(model_path)
     memory_arg = _memory_arg(spec, max_memory, global_batch, device)
     run = _capture(spec, device, quiet, strict_timing, progress and not quiet and sys.stderr.isatty())

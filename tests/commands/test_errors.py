@@ -309,6 +309,12 @@ def test_tune_refuses_an_out_that_is_not_a_policy_file_and_keeps_it(tmp_path, ca
     err = capsys.readouterr().err
     assert f"--out {out}: exists and is not a policy file" in err and "give another path" in err, err
     assert out.read_bytes() == before and not list(tmp_path.glob("*.db"))
+    # the Python API, "the tune command as a function", keeps it too (a user test's tune(out=model) lost it)
+    import autoprec
+
+    with pytest.raises(autoprec.PolicyError, match="exists and is not a policy file"):
+        autoprec.tune(model, out=out, trials=2, compile=False)
+    assert out.read_bytes() == before
 
 
 def test_train_notes_a_policy_file_changed_since_tune_measured_it(tmp_path, capsys):
