@@ -20,9 +20,11 @@ A run sharded by FSDP2 (:func:`autoprec.shard`: its Parameters are ``DTensor`` s
 the same file, with full tensors and the model's own keys: ``save_checkpoint`` gathers the state with
 PyTorch's ``torch.distributed.checkpoint.state_dict.get_state_dict`` (``full_state_dict=True,
 cpu_offload=True``) and rank 0 writes it; ``load_checkpoint`` gives each rank its shards
-(``set_state_dict``). Both are then collectives: every rank calls them (a save on rank 0 alone, the
-DDP habit, waits for the others). Before, the file held the calling rank's shards only, and a resume
-trained on them without a word.
+(``set_state_dict``); the file also holds every rank's RNG state (``rng_ranks``), and each rank
+restores its own. Both are then collectives: every rank calls them, and a save returns on every rank
+once the file is written. A save on rank 0 alone, the DDP habit, pairs its gather with the other
+ranks' next collectives: gloo aborts ("collective mismatch"). Before, the file held the calling
+rank's shards only, and a resume trained on them without a word.
 
 Writes are atomic (temp file in the same directory, ``fsync``, ``os.replace``, directory ``fsync``):
 a crash leaves either the old checkpoint or the new one, never a torn file. With the same batches
@@ -125,9 +127,14 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
             :func:`load_checkpoint`'s ``weights_only`` load would refuse; nothing is written.
     """
     _check_extra(path, extra or {})
-    if _sharded(model):
+    sharded = _sharded(model)
+    ranks_rng: list[Any] | None = None
+    if sharded:
         model_state, optimizer_state = _gathered(model, optimizer)
-        if dist.get_rank() != 0:  # the collective is done: rank 0 holds the full state and writes it
+        ranks_rng = [None] * dist.get_world_size()
+        dist.all_gather_object(ranks_rng, rng_state())  # each rank's stream (dropout differs per rank)
+        if dist.get_rank() != 0:  # rank 0 holds the full state and writes it; the others wait below
+            dist.barrier()  # so a load right after the save reads this file, not the one before
             return
     else:
         model_state, optimizer_state = model.state_dict(), optimizer.state_dict()
@@ -140,8 +147,13 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
         "step": int(step),
         "extra": dict(extra or {}),
         "rng": rng_state(),
+        **({"rng_ranks": ranks_rng} if ranks_rng is not None else {}),
     }
-    atomic_write(path, lambda f: torch.save(payload, f), binary=True)
+    try:
+        atomic_write(path, lambda f: torch.save(payload, f), binary=True)
+    finally:
+        if sharded:
+            dist.barrier()  # the others return once the file is complete (or the write failed)
 
 
 def _sharded(model: nn.Module) -> bool:
@@ -197,16 +209,17 @@ def _scatter(source: str, payload: dict[str, Any], model: nn.Module, optimizer: 
     )
 
     opts = StateDictOptions(full_state_dict=True)
+    state = payload["optimizer"]
+    if optimizer is not None and not state.get(GATHERED):  # refused before any weight is loaded
+        raise AutoprecError(f"{source}: its optimizer state was saved from an unsharded run (DDP, one "
+                            "process: keyed by position), which a sharded optimizer cannot take; pass "
+                            "optimizer=None to load its weights and start the optimizer afresh")
     try:
         set_model_state_dict(model, _renamed(payload["model"], "", _prefix(model)), options=opts)
     except (RuntimeError, KeyError, ValueError) as e:
         raise AutoprecError(f"{source}: model weights do not match this model: {e}") from e
     if optimizer is None:
         return
-    state = payload["optimizer"]
-    if not state.get(GATHERED):
-        raise AutoprecError(f"{source}: its optimizer state was saved from an unsharded model (keyed by "
-                            "position); load it into the model before autoprec.shard, or pass optimizer=None")
     state = {k: v for k, v in state.items() if k != GATHERED}
     try:
         set_optimizer_state_dict(model, optimizer, _renamed(state, "", _prefix(model)), options=opts)
@@ -254,8 +267,10 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
                 raise AutoprecError(f"{source}: optimizer state does not match this optimizer: {e}") from e
     if scaler is not None and payload["scaler"]:
         scaler.load_state_dict(payload["scaler"])
-    if restore_rng:
-        set_rng_state(payload["rng"])
+    if restore_rng:  # a sharded run's file has every rank's stream: this rank's own
+        ranks = payload.get("rng_ranks")
+        own = ranks[dist.get_rank()] if ranks and _sharded(model) and dist.get_rank() < len(ranks) else None
+        set_rng_state(own if own is not None else payload["rng"])
     return _meta(source, payload)
 
 

@@ -414,16 +414,20 @@ def test_env_is_clean():
 
 
 def _fsdp_ckpt_worker(rank: int, world: int, path: str, resume: bool) -> dict:
-    """6 steps of a sharded fp16 run (loss scaler), saved after 3 by every rank; or, with ``resume``,
-    a fresh sharded run that loads the checkpoint on every rank and does steps 3..5."""
+    """6 steps of a sharded fp16 run with dropout (loss scaler; each rank its own random stream),
+    saved by every rank after 3 and after 4 steps, each save read back at once on every rank; or,
+    with ``resume``, a fresh sharded run that loads the checkpoint on every rank and does steps 4..5."""
+    from autoprec.training.checkpoint import peek_checkpoint
+
     torch.manual_seed(0)
-    model = _mlp()
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 4))
     policy = Policy.default("fp16")
     root = shard(autoprec.apply(model, policy, (torch.randn(4, 8),), compile=False, dynamic=False))
     opt = torch.optim.AdamW(root.parameters(), lr=1e-2)
     scaler = autoprec.make_scaler(policy)
+    torch.manual_seed(1000 + rank)  # dropout masks differ per rank, as in any data-parallel run
     start = autoprec.load_checkpoint(path, root, opt, scaler).step if resume else 0
-    losses = {}
+    losses, seen = {}, []
     for k in range(start, 6):
         x = torch.randn(8, 8, generator=torch.Generator().manual_seed(100 + k))[rank * 4:(rank + 1) * 4]
         loss = root(x).pow(2).mean()
@@ -432,10 +436,11 @@ def _fsdp_ckpt_worker(rank: int, world: int, path: str, resume: bool) -> dict:
         scaler.update()
         opt.zero_grad()
         losses[k] = float(loss)
-        if k == 2 and not resume:
-            autoprec.save_checkpoint(path, root, opt, scaler, policy, step=3)  # a collective: every rank
+        if k in (2, 3) and not resume:
+            autoprec.save_checkpoint(path, root, opt, scaler, policy, step=k + 1)  # a collective: every rank
+            seen.append(peek_checkpoint(path).step)  # the file just written, on every rank
     flat = torch.cat([p.full_tensor().detach().flatten() for p in model.parameters()])
-    return {"losses": losses, "flat": flat}
+    return {"losses": losses, "flat": flat, "seen": seen}
 
 
 @pytest.mark.heavy
@@ -448,13 +453,19 @@ def test_a_sharded_run_resumes_from_its_checkpoint_as_if_never_stopped(tmp_path)
     ckpt = tmp_path / "ckpt.pt"
     whole = _run_ranks(_fsdp_ckpt_worker, tmp_path / "whole", str(ckpt), False)
     resumed = _run_ranks(_fsdp_ckpt_worker, tmp_path / "resumed", str(ckpt), True)
+    assert whole[0]["losses"] != whole[1]["losses"]
     for r in range(WORLD):
-        assert list(resumed[r]["losses"]) == [3, 4, 5]
-        assert resumed[r]["losses"] == {k: whole[r]["losses"][k] for k in (3, 4, 5)}, (whole[r], resumed[r])
+        # a save returns once the file is written: read at once, every rank sees it (rank 1 read the
+        # one before, a user test)
+        assert whole[r]["seen"] == [3, 4], whole[r]["seen"]
+        assert list(resumed[r]["losses"]) == [4, 5]
+        # each rank's own random stream restored (rank 0's on every rank drew other dropout masks)
+        assert resumed[r]["losses"] == {k: whole[r]["losses"][k] for k in (4, 5)}, (whole[r], resumed[r])
         torch.testing.assert_close(resumed[r]["flat"], whole[r]["flat"], rtol=0, atol=0)
     payload = torch.load(ckpt, weights_only=True)
-    plain = _mlp()
+    assert len(payload["rng_ranks"]) == WORLD
+    plain = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 4))
     assert set(payload["model"]) == set(plain.state_dict())  # the model's own keys, full tensors
     opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
     ck = autoprec.load_checkpoint(ckpt, plain, opt)
-    assert ck.step == 3 and all(len(s) == 3 for s in opt.state.values()) and len(opt.state) == 6
+    assert ck.step == 4 and all(len(s) == 3 for s in opt.state.values()) and len(opt.state) == 4
