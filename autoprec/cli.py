@@ -216,7 +216,7 @@ def _cmd_train(a: argparse.Namespace) -> int:
         res = train(a.model, a.policy, steps=a.steps, device=a.device, compile=not a.no_compile,
                     log_every=a.log_every, checkpoint=a.checkpoint, resume=a.resume,
                     checkpoint_every=a.checkpoint_every, log_path=a.log, max_grad_norm=a.max_grad_norm,
-                    force=a.force)
+                    force=a.force, seed=a.seed)
     return report(res)
 
 
@@ -232,7 +232,7 @@ def _cmd_compare(a: argparse.Namespace) -> int:
         return 2
     res = compare(a.model, a.policy, a.steps, baselines=names, device=a.device, compile=not a.no_compile,
                   out_dir=a.out_dir, log_every=a.log_every, checkpoint_every=a.checkpoint_every,
-                  resume=a.resume)
+                  resume=a.resume, seed=a.seed)
     print(f"\n{summary_table(res)}")
     print(f"wrote {a.out_dir}/convergence.json and {a.out_dir}/convergence.png")
     return 0 if all(math.isfinite(x) for x in res.curves["policy"]) else 1

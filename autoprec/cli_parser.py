@@ -94,6 +94,10 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--checkpoint-every", type=_int_at_least(0), default=0, metavar="N",
                    help="also save the checkpoint every N steps (default 0: only at the end); with "
                         "--compare, save the running configuration every N steps under --out-dir")
+    r.add_argument("--seed", type=int, default=0, metavar="N",
+                   help="seed of torch's and Python's global generators before step 0 (dropout, sampling), "
+                        "so the same command trains the same numbers; a resumed run keeps its checkpoint's "
+                        "state (default 0)")
     r.add_argument("--log", default=None, metavar="JSONL", help="append per-step monitor records here")
     r.add_argument("--max-grad-norm", type=_positive_float, default=None,
                    help="clip unscaled gradients to this norm")

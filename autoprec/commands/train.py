@@ -14,7 +14,8 @@ once per global batch.
 Under torchrun (``autoprec train --nproc N``, :mod:`autoprec.distributed`) each rank trains
 the applied module under DDP on its own batches (rank r at step k: ``get_batch(k * N + r)``; with a
 policy's batching, rank r's step k is the policy's whole global batch ``k * N + r``, so one optimizer
-step covers N of them), with the same RNG stream on every rank. The numbers logged are the job's
+step covers N of them), every rank seeded with ``--seed`` (the same stream on every rank; a resume
+restores rank 0's saved state on every rank). The numbers logged are the job's
 (:class:`~autoprec.distributed.ranks.JobStep`): the loss is the mean over the ranks, tokens/s all the
 ranks' tokens over the slowest rank's step seconds; only rank 0 prints, writes the monitor log and
 saves checkpoints (every rank loads one on ``--resume``).
@@ -33,6 +34,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from autoprec._torch_compat import compile_cache_counts
 from autoprec.applied.apply import apply
@@ -59,6 +62,7 @@ from autoprec.modelspec.micro_batches import (
 from autoprec.policy import Policy
 from autoprec.training.checkpoint import load_checkpoint, peek_checkpoint, save_checkpoint
 from autoprec.training.monitor import Monitor
+from autoprec.training.rng import StepRng
 from autoprec.training.scaler import MAX_SKIPS_AT_FLOOR
 from autoprec.training.steps import StepHook, every, run_steps
 from autoprec.training.train import StepStats, TrainStep, make_scaler
@@ -110,7 +114,7 @@ def train(model_path: str | os.PathLike, policy_path: str | os.PathLike, steps: 
           device: str = "auto", compile: bool = True, log_every: int = 1, quiet: bool = False,
           checkpoint: str | os.PathLike | None = None, resume: bool = False, checkpoint_every: int = 0,
           log_path: str | os.PathLike | None = None, max_grad_norm: float | None = None,
-          force: bool = False) -> TrainResult:
+          force: bool = False, seed: int | None = 0) -> TrainResult:
     """Train the model of ``model_path`` up to ``steps`` optimizer steps under a policy file.
 
     The optimizer is the model file's ``make_optimizer`` (default AdamW) over the fp32 parameters
@@ -132,6 +136,10 @@ def train(model_path: str | os.PathLike, policy_path: str | os.PathLike, steps: 
         max_grad_norm: Clip unscaled gradients to this L2 norm.
         force: Train with a policy none of whose rules selects a node of this model (a policy of
             another model) instead of refusing it (:mod:`autoprec.applied.policy_match`).
+        seed: Seed of torch's global generators before the model is built and before step 0 (the
+            seeded stream of :mod:`autoprec.training.rng`; a resumed run keeps its checkpoint's
+            state), so the same command trains the same numbers (a user's dropout model did not);
+            None: the generators as the process found them.
 
     Raises:
         ModelSpecError: invalid model file. PolicyError: invalid policy file, or (without
@@ -158,14 +166,16 @@ def train(model_path: str | os.PathLike, policy_path: str | os.PathLike, steps: 
     with joined(ranks):  # a rank that fails leaves at once; torchrun stops the others
         return _train(spec, policy, policy_path, dev, ranks, steps, compile, log_every,
                       quiet or not ranks.lead, checkpoint, resume, checkpoint_every, log_path,
-                      max_grad_norm, force)
+                      max_grad_norm, force, seed)
 
 
 def _train(spec: Any, policy: Policy, policy_path: str | os.PathLike, dev: Any, ranks: Any, steps: int,
            compile: bool, log_every: int, quiet: bool, checkpoint: str | os.PathLike | None, resume: bool,
            checkpoint_every: int, log_path: str | os.PathLike | None,
-           max_grad_norm: float | None, force: bool = False) -> TrainResult:
+           max_grad_norm: float | None, force: bool = False, seed: int | None = 0) -> TrainResult:
     """:func:`train` once the files are loaded and this rank's device is known."""
+    if seed is not None:  # the initial weights of a model file that seeds nothing itself
+        torch.manual_seed(seed)
     model = spec.build_model().to(dev)
     model.train()
     source = step_batches(spec, policy.batching, dev)  # the policy's micro-batch and accumulation
@@ -212,7 +222,7 @@ def _train(spec: Any, policy: Policy, policy_path: str | os.PathLike, dev: Any, 
         (lambda k: first if k == 0 else get_step(k, dev)) if source is None else
         (lambda k: source.step(k, dev)))
     try:
-        done = run_steps(step, batches, start, steps,
+        done = run_steps(step, batches, start, steps, rng=StepRng(seed), device=dev,
                          before=lambda _k, batch: setattr(monitor, "last_batch", one_micro_batch(batch)),
                          after=hooks)
         if checkpoint is not None:

@@ -183,12 +183,10 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
         SearchError: bad ``max_drift``, ``max_memory``, ``dtypes`` or ``global_batch`` (before any
             capture: :func:`_memory_arg`); no policy met the budgets.
         BusyMachineError: ``strict_timing`` and the machine is busy (CLI exit 2).
-        PolicyError: ``out`` exists and is not a policy file (before any work; it is kept).
-        ValueError: a bad ``compile_variants`` (before any capture). OSError: the report or the
-            policy file could not be written (one already at ``out`` is replaced whole or not at all).
-    """
-    drift_arg, forced, variants = _parsed(max_drift, dtypes, compile_variants)
-    Policy.check_replaceable(out)  # not the user's model file or config: before any work
+        PolicyError: ``out`` is a file other than a policy (before any work; kept). ValueError: a bad
+            ``compile_variants`` (before any capture). OSError: the report or the policy file could
+            not be written (one already at ``out`` is replaced whole or not at all)."""
+    drift_arg, forced, variants = _parsed(max_drift, dtypes, compile_variants, out)
     spec = load_model_spec(model_path)
     memory_arg = _memory_arg(spec, max_memory, global_batch, device)
     run = _capture(spec, device, quiet, strict_timing, progress and not quiet and sys.stderr.isatty())
@@ -210,11 +208,14 @@ def tune(model_path: str | os.PathLike, trials: int | None = None, timeout: floa
                   batches)
 
 
-def _parsed(max_drift: str | float, dtypes: str | list[str],
-            compile_variants: str | bool) -> tuple[Any, Any, str]:
+def _parsed(max_drift: str | float, dtypes: str | list[str], compile_variants: str | bool,
+            out: str | os.PathLike) -> tuple[Any, Any, str]:
     """``tune``'s arguments that need no model, checked before any work: ``--max-drift``
     (:func:`parse_max_drift`), ``--dtypes`` (:func:`parse_dtypes`), ``--compile-variants``
-    (:func:`~autoprec.search.contest.compile_variants_arg`). Raises: ValueError: one is malformed."""
+    (:func:`~autoprec.search.contest.compile_variants_arg`), and ``out``, which must not be a file
+    other than a policy (:meth:`Policy.check_replaceable`: the user's model file or config).
+    Raises: ValueError: one is malformed. PolicyError: ``out`` is another file."""
+    Policy.check_replaceable(out)
     return parse_max_drift(max_drift), parse_dtypes(dtypes), compile_variants_arg(compile_variants)
 
 
