@@ -25,14 +25,15 @@ from autoprec.modelspec.batch import describe_value
 __all__ = ["BATCH_TYPES", "CheckedGetBatch"]
 
 #: What a batch may be (docs/model-contract.md#get_batch).
-BATCH_TYPES = "a Tensor, tuple or dict"
+BATCH_TYPES = "a Tensor, tuple, list or dict"
 
 
 def _kind(obj: Any) -> str:
-    """What must not change between batches at one place of a batch: a tensor's dtype, a
+    """What must not change between batches at one place of a batch: a tensor's dtype and number of
+    dimensions, a
     container's type and size (a dict's keys, compared separately), another value's type."""
     if isinstance(obj, torch.Tensor):
-        return f"Tensor of {obj.dtype}"
+        return f"{obj.dim()}-D Tensor of {obj.dtype}"  # sizes may vary, the number of dimensions not
     if isinstance(obj, Mapping):
         return "dict"
     if isinstance(obj, (tuple, list)):
@@ -124,6 +125,7 @@ class CheckedGetBatch:
                    else f"batch{where} = {now}, where {self._first[0]}'s was {was}")
             raise ModelSpecError(
                 f"{self.path}: {call} returned {got}; "
-                f"every batch must have the first one's structure (the same keys or items, tensors of the "
-                "same dtypes in the same places; sizes may vary), which the training graph is captured for")
+                "every batch must have the first one's structure (the same keys or items, tensors of the "
+                "same dtypes and numbers of dimensions in the same places; sizes may vary), which the "
+                "training graph is captured for")
         return batch

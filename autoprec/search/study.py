@@ -313,7 +313,8 @@ def _search(run: TuneState, storage: str, study_name: str, seed: int, trials: in
     if study.trials:  # a resumed (or shared) study: say what it holds, as the trial numbers do not
         done = finished(study)  # what counts towards --trials
         want = trials if trials is not None else DEFAULT_TRIALS
-        log(f"resuming study {study.study_name!r}: {done} trial(s) that count kept (of {len(study.trials)}), "
+        ran = sum(t.state != optuna.trial.TrialState.WAITING for t in study.trials)  # queued ones did not run
+        log(f"resuming study {study.study_name!r}: {done} trial(s) that count kept (of {ran} run), "
             f"{max(want - done, 0)} more to reach {want}", run.quiet)
     if not study.trials:  # a new study: rank regions, then queue the baselines (resumes skip this)
         regions = len(run.space.region_params()) if run.space.low_dtypes else 0

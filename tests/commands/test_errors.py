@@ -44,7 +44,7 @@ BAD = {
                            "build_model() raised RuntimeError: no weights"),
     "get_batch_int": ("    return torch.randn(2, 4, "
                       "generator=torch.Generator().manual_seed(step)).to(device)",
-                      "    return 7", "get_batch(0) returned int; expected a Tensor, tuple or dict"),
+                      "    return 7", "get_batch(0) returned int; expected a Tensor, tuple, list or dict"),
     "get_batch_random": ("generator=torch.Generator().manual_seed(step)", "", "deterministic"),
     "dict_bad_key": ("    return torch.randn(2, 4, generator=torch.Generator().manual_seed(step)).to(device)",
                      "    return {'inputs': torch.ones(2, 4, device=device)}", "key 'inputs'"),

@@ -49,6 +49,8 @@ def test_batches_of_the_first_structure_pass_with_any_sizes_and_values():
                                 "get_batch(0) returned Tensor(shape=(2, 8), dtype=torch.int64)"),
     (lambda s: {"input_ids": _ids(s)},
      "get_batch(1) returned dict with keys ['input_ids'], where get_batch(0) returned Tensor"),
+    (lambda s: _ids(s)[0], "get_batch(1) returned Tensor(shape=(8,), dtype=torch.int64), where get_batch(0) "
+                           "returned Tensor(shape=(2, 8), dtype=torch.int64)"),  # one dimension fewer
 ])
 def test_a_later_batch_of_another_structure_names_both_calls(later, message):
     gb = checked(lambda step, device: _ids(step) if step == 0 else later(step))
@@ -80,7 +82,7 @@ def test_the_first_place_that_differs_in_a_nested_batch_is_named():
 
 def test_another_type_and_an_empty_batch_are_refused_even_inside_a_mapping_that_is_no_pytree_node():
     with pytest.raises(ModelSpecError,
-                       match=r"^m.py: get_batch\(0\) returned int; expected a Tensor, tuple or dict$"):
+                       match=r"^m.py: get_batch\(0\) returned int; expected a Tensor, tuple, list or dict$"):
         checked(lambda step, device: 3)(0, "cpu")
     gb = checked(lambda step, device: Encoding(input_ids=_ids(step, rows=0 if step == 4 else 2)))
     gb(0, "cpu")
