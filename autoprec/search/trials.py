@@ -154,12 +154,13 @@ def _run_trials(study: optuna.Study, objective: Objective, target: int, t_end: f
                            catch=(Exception,),
                            callbacks=[said, stop, lambda _study, _trial: check_interrupt()])
             break
-        except ValueError as e:
+        except (ValueError, optuna.exceptions.UpdateFinishedTrialError) as e:
             # SQLite has no row locks: two workers can pop the same queued trial, and the second
-            # to finish cannot tell it. A worker that went silent past the heartbeat grace (a
-            # database server) finds its trial failed by the others. Either way its result is
-            # not needed; carry on with the rest.
-            if "Cannot tell a" not in str(e):
+            # to finish cannot tell it (Optuna's ValueError "Cannot tell a ...", or, from its cached
+            # storage, UpdateFinishedTrialError "has already finished": a CI run ended on it). A
+            # worker that went silent past the heartbeat grace (a database server) finds its trial
+            # failed by the others. Either way its result is not needed; carry on with the rest.
+            if isinstance(e, ValueError) and "Cannot tell a" not in str(e):
                 raise
 
 
