@@ -9,10 +9,13 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import fx, nn
 
 from autoprec.applied.compile import CompiledGraph, compile_graph
 from autoprec.applied.eval_backward import EvalBackwardCheck
+from autoprec.applied.forward_state import ForwardStateSnapshot
+from autoprec.applied.forward_state import refusal as switches_refusal
 from autoprec.applied.loss_scale_check import UnscaledBackwardCheck
 from autoprec.applied.model_facade import (
     ModelFacade,
@@ -115,6 +118,7 @@ class MixedPrecisionModule(ModelFacade):
         object.__setattr__(self, "_inputs", InputShapes(graph_module, what=type(self).__name__))
         object.__setattr__(self, "_params", ParameterSnapshot(model))  # None under FSDP2 (autoprec.shard)
         object.__setattr__(self, "_modes", ModeSnapshot(model))
+        object.__setattr__(self, "_switches", ForwardStateSnapshot(model))
         self._fixed = dict(graph_module.meta.get(CALL_KWARGS_META, {}))
         self._what = f"{type(self).__name__} of {type(model).__name__}"
         self._unscaled = UnscaledBackwardCheck(policy, self._what)  # fp16 trained without a scaler
@@ -154,6 +158,10 @@ class MixedPrecisionModule(ModelFacade):
                 ``torch.autocast`` (e.g. ``Trainer(bf16=True)``), which would override the policy.
                 Or FSDP2's ``fully_shard`` wrapped this module directly (use :func:`autoprec.shard`).
                 Or the model's Parameters were replaced since ``apply`` (:class:`ParameterSnapshot`).
+                Or, with grad enabled, a switch the graph fixed changed since ``apply``: gradient
+                checkpointing switched on, peft adapters disabled, merged or switched
+                (:mod:`autoprec.applied.forward_state`); under ``torch.no_grad()`` such a call runs
+                the model's own forward (fp32) instead.
                 In eval mode only the FSDP2 one; the rest is the model's own forward's. The first
                 backward through the loss of an fp16 policy's output raises ``ValueError`` when
                 nothing scaled the loss (:class:`~autoprec.applied.loss_scale_check.UnscaledBackwardCheck`).
@@ -167,6 +175,11 @@ class MixedPrecisionModule(ModelFacade):
         if self._params is not None:
             self._params.check(self.model, self._what)
         self._modes.check(self.model, self._what)
+        changed = self._switches.changed()
+        if changed is not None:
+            if torch.is_grad_enabled():
+                raise ValueError(switches_refusal(self._what, changed))
+            return self.model(*args, **kwargs)  # a reference pass (peft's disable_adapter): exact, fp32
         kwargs = drop_fixed_kwargs(kwargs, self._fixed, self._what)
         try:
             self._inputs.check(args, kwargs)
