@@ -146,13 +146,33 @@ def _split(batch: Any, m: int) -> list[Any]:
     return parts
 
 
-def _concat(batches: list[Any], path: str) -> Any:
-    flats = [tree_flatten(b) for b in batches]
+def _concat(parts: list[tuple[str, Any]], path: str) -> Any:
+    """The batches of ``parts`` (``(call, batch)``, e.g. ``("get_batch(2)", batch)``) concatenated
+    along dimension 0.
+
+    Raises:
+        ModelSpecError: their structures differ, or a tensor's sizes beyond dimension 0 differ
+            between two calls (a loader that pads each batch to its own longest sequence); names
+            the calls, the entry and both shapes, and says to add ``batch_size=`` to ``get_batch``."""
+    flats = [tree_flatten(b) for _, b in parts]
     spec = flats[0][1]
     if any(s != spec for _, s in flats[1:]):
         raise ModelSpecError(f"{path}: get_batch returns batches of different structure from step to step; "
                              "they cannot be concatenated into a global batch (add a batch_size= "
                              "argument to get_batch)")
+    for (where, first), *rest in zip(_leaves(parts[0][1]), *(_leaves(b) for _, b in parts[1:]), strict=True):
+        if not isinstance(first, torch.Tensor):
+            continue
+        for (call, _), (_, t) in zip(parts[1:], rest, strict=True):
+            if t.shape[1:] != first.shape[1:]:
+                raise ModelSpecError(
+                    f"{path}: the global batch concatenates {', '.join(c for c, _ in parts)}, but {where} "
+                    f"is {tuple(first.shape)} in {parts[0][0]} and {tuple(t.shape)} in {call}: "
+                    "batches concatenate along dimension 0 only, so their other sizes must agree (a loader "
+                    "that pads each batch to its own longest sequence gives each another length). What "
+                    "to do: add a batch_size= argument, def get_batch(step, device, batch_size=...), "
+                    "so each global batch is built, and padded, at once; or pad every batch to one "
+                    "length (docs/model-contract.md#micro-batches)")
     leaves = [torch.cat(col) if isinstance(col[0], torch.Tensor) else col[0]
               for col in zip(*(f for f, _ in flats), strict=True)]
     return tree_unflatten(leaves, spec)
@@ -203,7 +223,9 @@ class MicroBatches:
         """The global batch of optimizer step ``step`` (``global_batch`` rows).
 
         Raises:
-            ModelSpecError: the batch cannot be split, or its rows are not ``global_batch``."""
+            ModelSpecError: the batch cannot be split, the file's batches cannot be concatenated
+                (other sizes beyond dimension 0: names the calls and shapes), or its rows are not
+                ``global_batch``."""
         if self._last is not None and self._last[:2] == (step, str(device)):
             return self._last[2]
         if self.sized:
@@ -213,7 +235,7 @@ class MicroBatches:
             k = self.global_batch // self.file_batch
             calls = [step * k + r for r in range(k)]
             parts = [(f"get_batch({i})", self.spec.get_batch(i, device)) for i in calls]
-            batch = parts[0][1] if k == 1 else _concat([b for _, b in parts], self.spec.path)
+            batch = parts[0][1] if k == 1 else _concat(parts, self.spec.path)
         rows = batch_rows(batch, self.spec.path)
         if rows != self.global_batch:
             raise ModelSpecError(self._short(step, parts))
@@ -239,7 +261,8 @@ class MicroBatches:
 
         Raises:
             ModelSpecError: a global batch of the wrong size (names the step, each ``get_batch``
-                call and its rows)."""
+                call and its rows), or of batches that cannot be concatenated (names the calls and
+                the shapes that differ)."""
         for s in range(steps):
             try:
                 self.global_at(s, device)

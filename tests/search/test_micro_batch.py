@@ -169,6 +169,49 @@ def test_a_short_batch_is_refused_before_any_capture_naming_the_step_and_the_cal
         MicroBatches(spec, 8, 4, CPU).step(2, CPU)
 
 
+PAD_TO_LONGEST = """
+import torch
+from torch import nn
+
+LENGTHS = [9, 7, 12, 5, 8, 11, 6, 10]  # each batch padded to its own longest sequence
+
+
+def build_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Embedding(32, 8), nn.Linear(8, 1))
+
+
+def get_batch(step, device{sized}):
+    g = torch.Generator().manual_seed(step)
+    return torch.randint(0, 32, ({rows}, LENGTHS[step % len(LENGTHS)]), generator=g).to(device)
+
+
+def loss_fn(output, batch):
+    return output.pow(2).mean()
+"""
+
+
+def test_batches_padded_to_their_own_length_are_refused_before_any_capture_saying_to_add_batch_size(tmp_path):
+    """A pad-to-longest loader (the sequence length differs per batch): ``tune --global-batch 8`` over
+    batches of 4 ran the whole search, then ended in torch.cat's "Sizes of tensors must match"
+    traceback (exit 1; ``train`` the same). It is refused before any capture, naming the calls, the
+    shapes and the fix; with a ``batch_size=`` argument the same file gives its global batches."""
+    model = tmp_path / "pad_longest.py"
+    model.write_text(PAD_TO_LONGEST.format(sized="", rows=4))
+    want = (f"--global-batch 8: {model}: the global batch concatenates get_batch(0), get_batch(1), but batch "
+            "is (4, 9) in get_batch(0) and (4, 7) in get_batch(1): batches concatenate along dimension 0 "
+            "only")
+    with pytest.raises(SearchError) as err:
+        tune(model, out=tmp_path / "p.json", global_batch=8, trials=1, compile=False, progress=False,
+             quiet=True)
+    assert want in str(err.value) and "def get_batch(step, device, batch_size=...)" in str(err.value)
+    assert not (tmp_path / "p.json").exists()
+    sized = tmp_path / "pad_longest_sized.py"
+    sized.write_text(PAD_TO_LONGEST.format(sized=", batch_size=4", rows="batch_size"))
+    batches = MicroBatches(load_model_spec(sized), 8, 4, CPU)
+    assert [tuple(b.shape) for b in batches.step(1, CPU).parts] == [(4, 7), (4, 7)]
+
+
 def test_no_configuration_fitting_names_the_budget_and_the_smallest_peak():
     spec = load_model_spec(TINY)
     search = BatchSearch(spec, CPU, 16, memory_budget=1000.0, compile=False,
