@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import inspect
 import re
+from types import TracebackType
 from typing import Any
 
 import torch
@@ -57,18 +58,30 @@ def _where(exc: BaseException, model: nn.Module | None = None) -> str:
     """The innermost user-code frame of a traceback, as ``file:line (function): code``.
 
     When that frame is a method of a submodule of ``model``, the module's dotted path and class
-    are named too (``in module 'layers.0.mlp' (MyMLP)``).
+    are named too (``in module 'layers.0.mlp' (MyMLP)``). Without a user-code frame (the failing line
+    is in a library module's own forward: ``BatchNorm2d(momentum=None)`` reads its batch counter), the
+    innermost frame of a method of one of ``model``'s modules, marked as library code; else
+    ``"unknown location"``.
     """
-    import linecache
-
-    tb, user = exc.__traceback__, None
+    tb, user, library = exc.__traceback__, None, None
+    modules = {id(m) for m in model.modules()} if model is not None else set()
     while tb is not None:
         if is_user_file(tb.tb_frame.f_code.co_filename):
             user = tb
+        elif id(tb.tb_frame.f_locals.get("self")) in modules:
+            library = tb
         tb = tb.tb_next
-    if user is None:
+    if user is None and library is None:
         return "unknown location"
-    frame, lineno = user.tb_frame, user.tb_lineno
+    where = _frame_at(user or library, model)
+    return where if user is not None else where + _LIBRARY
+
+
+def _frame_at(tb: TracebackType, model: nn.Module | None) -> str:
+    """A traceback entry as ``file:line (function): code [in module 'a.b' (Cls)]``."""
+    import linecache
+
+    frame, lineno = tb.tb_frame, tb.tb_lineno
     fname = frame.f_code.co_filename
     line = linecache.getline(fname, lineno).strip()
     where = f"{fname}:{lineno} ({frame.f_code.co_name}): {line}"
@@ -167,7 +180,13 @@ def _explain(e: BaseException, model: nn.Module, eager: Exception | None = None)
                 "PyTorch.")
     cause, todo = _cause(e)
     where = _where(e, model)
-    if todo is _CONTROL_FLOW and not _is_branch(where):
+    if todo is _CONTROL_FLOW and where.endswith(_LIBRARY):
+        cause, todo = ("a value read from a tensor in a library module's own forward",
+                       "that module, as configured, reads tensor values in Python (e.g. "
+                       "BatchNorm's momentum=None keeps a cumulative average through its batch "
+                       "counter): configure it so it does not (BatchNorm: a momentum such as the "
+                       "default 0.1), or replace the module.")
+    elif todo is _CONTROL_FLOW and not _is_branch(where):
         cause, todo = (_DATA_DEPENDENT_SIZE,
                        "keep sizes static (e.g. a mask instead of slicing by a tensor's "
                        "value), or bound the value with torch._check(...) (torch.export's docs on "
@@ -190,6 +209,8 @@ def _experts_hint(model: nn.Module) -> str:
             "'batched_mm'), which torch.export captures.")
 
 
+#: How :func:`_where` marks a location in a library module's code (no frame of the model's files).
+_LIBRARY = ", in the library's code, not the model's file"
 _DATA_DEPENDENT_SIZE = "a value read from a tensor (.item(), int(tensor)) used as a size or an index"
 
 

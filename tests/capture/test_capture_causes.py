@@ -132,6 +132,20 @@ def test_value_used_as_a_size_is_not_called_a_branch():
             and "a data-dependent branch" not in msg)
 
 
+def test_a_library_modules_own_data_dependent_line_names_the_module_and_its_option():
+    """``BatchNorm2d(momentum=None)`` reads its batch counter with ``float()`` in torch's own forward:
+    the message said "at unknown location" and advised rewriting forward() with torch.where. It names
+    the module, torch's line, and the option to change."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4, momentum=None), nn.Flatten())
+    msg = _message(model.train(), torch.randn(2, 3, 8, 8))
+    assert "unknown location" not in msg and "torch.cond" not in msg, msg
+    assert "a value read from a tensor in a library module's own forward, at " in msg, msg
+    assert "batchnorm.py" in msg, msg
+    assert ("float(self.num_batches_tracked) [in module '1' (BatchNorm2d)], in the library's code, not the "
+            "model's file") in msg, msg
+    assert "a momentum such as the default 0.1" in msg, msg
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
 def test_a_model_not_in_fp32_is_refused_naming_its_first_parameter(dtype):
     """``model.half()`` (or a checkpoint loaded in its saved bf16) before apply trained low-precision
