@@ -212,12 +212,16 @@ class Verify(PassBase):
                     return PassResult(gm, False)
                 except Exception:  # no meta kernel, data-dependent sizes: fake tensors handle these
                     pass
+            kept = [(b, b.clone()) for b in gm.buffers()]
             try:
                 mode, inputs = _fake_inputs(gm)
                 FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*inputs)
             except Exception as e:
                 raise pass_error(PASS, None,
                                  f"shape/dtype propagation failed: {type(e).__name__}: {e}") from e
+            finally:  # the fake mode runs in-place ops on real 0-d buffers (BatchNorm's batch counter)
+                for buffer, value in kept:
+                    buffer.copy_(value)
         return PassResult(gm, False)
 
     def ensures(self, gm: fx.GraphModule) -> None:

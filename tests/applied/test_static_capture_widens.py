@@ -120,3 +120,24 @@ def test_an_empty_batch_is_refused_as_such_not_as_a_capture_failure():
         mp(**empty)
     batch = lm_batch(2, 16, 2)
     torch.testing.assert_close(mp(**batch), model(**batch), rtol=1e-5, atol=1e-5)
+
+
+def test_a_recapture_leaves_the_models_buffers_as_eager_training_leaves_them():
+    """BatchNorm's ``num_batches_tracked`` counted one batch more than eager training after a batch of
+    another shape: the recapture's dtype check (fake-tensor propagation) ran the graph's in-place add
+    on the real 0-d buffer. Every buffer ends as in the same model trained eagerly."""
+    def net():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.BatchNorm2d(4),
+                                   torch.nn.Flatten(), torch.nn.Linear(4 * 64, 1)).train()
+
+    model, eager = net(), net()
+    mp = autoprec.apply(model, autoprec.Policy.fp32(), torch.randn(8, 3, 8, 8), compile=False)
+    for rows in (8, 5, 3):
+        x = torch.randn(rows, 3, 8, 8, generator=torch.Generator().manual_seed(rows))
+        mp(x).sum().backward()
+        eager(x).sum().backward()
+    assert mp.shape_stats["recaptures"] >= 1
+    for (name, b), (_, want) in zip(model.named_buffers(), eager.named_buffers(), strict=True):
+        torch.testing.assert_close(b, want, rtol=1e-5, atol=1e-6, msg=name)
+    assert model[1].num_batches_tracked.item() == 3
