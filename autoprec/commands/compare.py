@@ -18,7 +18,9 @@ micro-batch x accumulation, on the same global batches (as ``autoprec train`` ru
 For each curve the maximum relative deviation from the FP32 curve, ``max_k |L_k − L32_k| / |L32_k|``
 (docs/architecture.md#measurements ``traj_rel``), and the final held-out loss (mean over ``heldout_batches``
 batches of ``get_heldout_batch(j)``, or of ``get_batch(10**6 + j)`` when the model file has none, evaluated
-under ``torch.no_grad`` in the configuration's own precision) are reported, and written with the curves
+under ``torch.no_grad`` in the configuration's own precision, in training mode: the policy's graph is
+the training graph, so dropout stays on, drawing the same masks in every configuration from ``seed``,
+:func:`~autoprec.training.rng.same_rng`) are reported, and written with the curves
 to ``convergence.json`` and ``convergence.png`` (matplotlib, Agg backend).
 
 On a CPU without native bf16 torch.autocast's bf16 GEMMs run ~60x slower than fp32's (AVX2 only;
@@ -65,7 +67,7 @@ from autoprec.modelspec.micro_batches import first_batches, step_batches
 from autoprec.policy import Policy
 from autoprec.search.autocast_baseline import EMULATE_AT
 from autoprec.training.checkpoint import load_checkpoint, save_checkpoint
-from autoprec.training.rng import StepRng
+from autoprec.training.rng import StepRng, same_rng
 from autoprec.training.steps import every, run_steps
 from autoprec.training.train import StepStats, TrainStep, autocast_scaler, make_scaler
 
@@ -216,7 +218,7 @@ def _run(name: str, spec: ModelSpec, init: dict[str, torch.Tensor], policy: Poli
         log(0, f"[{name}] {_gemm_note(run, fp32_step_s)}")  # always shown
     with Fp32ComputeGemms(ac) if gemms else contextlib.nullcontext():
         run_steps(step, batches, start, steps, rng=rng, device=dev, after=hooks)
-        with torch.no_grad(), step._context():
+        with torch.no_grad(), step._context(), same_rng(dev, seed):  # the same dropout masks in each
             held = [float(spec.loss_fn(call_model(module, b), b).float())
                     for b in (_heldout(spec, j, dev) for j in range(heldout_batches))]
     native = run["times"][:run["fp32_gemms_from"]] if run.get("fp32_gemms_from") is not None else run["times"]
