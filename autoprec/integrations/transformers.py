@@ -29,9 +29,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import warnings
 from collections.abc import Iterator
 from typing import Any
+
+import torch
 
 try:
     import transformers
@@ -170,6 +173,16 @@ def _refuse_auto_batch(args: Any, batching: Batching, what: str) -> None:
             f"({batching_fields(batching)}): pass auto_find_batch_size=False; {OPT_OUT}")
 
 
+def _stock_passes_num_items(model: torch.nn.Module) -> bool:
+    """Whether stock ``Trainer`` would pass ``model`` ``num_items_in_batch`` and skip dividing the
+    loss by the accumulation steps: transformers' ``Trainer.__init__`` rule, the model's
+    ``accepts_loss_kwargs`` where it has one, else whether its ``forward`` takes ``**kwargs``."""
+    if hasattr(model, "accepts_loss_kwargs"):
+        return bool(model.accepts_loss_kwargs)
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD
+               for p in inspect.signature(model.forward).parameters.values())
+
+
 class AutoprecTrainer(transformers.Trainer):
     """``transformers.Trainer`` for a module from :func:`autoprec.apply`, with the policy's loss scaler.
 
@@ -226,12 +239,16 @@ class AutoprecTrainer(transformers.Trainer):
             batching, "AutoprecTrainer",
             "the Trainer's train DataLoader (get_train_dataloader, data_collator)",
             f"make it give {batching.micro_batch} examples per batch (per device)", replicas=self.args.n_gpu)
-        if (steps := self.args.gradient_accumulation_steps) > 1:
+        if (steps := self.args.gradient_accumulation_steps) > 1 and _stock_passes_num_items(model.model):
             warnings.warn(
                 f"autoprec: gradient_accumulation_steps={steps}: the policy's graph computes each "
-                "micro-batch's mean loss (it takes no num_items_in_batch) and Trainer averages those, where "
-                "stock Trainer weights micro-batches by their token counts: with padded batches of unequal "
-                "lengths the updates differ (docs/integrations.md)", UserWarning, stacklevel=2)
+                "micro-batch's mean loss (it takes no num_items_in_batch) and Trainer averages those. "
+                f"Stock Trainer passes {type(model.model).__name__} num_items_in_batch and does not divide "
+                f"by {steps}: where the model's loss uses it (Hugging Face causal LMs) it weights "
+                "micro-batches by their token counts, so padded micro-batches of unequal lengths update "
+                "otherwise; where the loss ignores it (e.g. a sequence classification head) stock "
+                f"Trainer's logged loss and gradients are {steps} times these, and gradient clipping acts "
+                "on those (docs/integrations.md)", UserWarning, stacklevel=2)
 
     def create_accelerator_and_postprocess(self) -> None:
         """Trainer's accelerator, with the policy's :class:`~autoprec.DynamicLossScaler` as its scaler

@@ -289,11 +289,35 @@ def test_neftune_is_refused_and_label_smoothing_says_how_to_apply(model_file, tm
     assert len(_losses(trainer)) == 2 and all(math.isfinite(x) for x in _losses(trainer))
 
 
-def test_gradient_accumulation_says_the_loss_is_averaged_per_micro_batch(model_file, tmp_path):
+class _NoLossKwargs(torch.nn.Module):
+    """A model whose forward takes no ``**kwargs``: stock Trainer divides its loss by the accumulation
+    steps, as AutoprecTrainer does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(128, 8)
+
+    def forward(self, input_ids, labels):
+        logits = self.emb(input_ids).flatten(0, 1) @ self.emb.weight.T
+        return {"loss": torch.nn.functional.cross_entropy(logits, labels.flatten())}
+
+
+def test_gradient_accumulation_says_how_stock_trainer_differs_only_where_it_does(model_file, tmp_path):
+    """Stock Trainer does not divide by the accumulation steps for a model whose forward takes
+    ``**kwargs``; where that model's loss ignores ``num_items_in_batch`` (a user's
+    BertForSequenceClassification) its loss and grad_norm were twice AutoprecTrainer's, which the
+    warning explained by per-token weighting alone. It names both cases, and a model stock Trainer
+    divides for is not warned about."""
     _, mp = _applied(model_file, "bf16")
     with pytest.warns(UserWarning, match=r"gradient_accumulation_steps=2: the policy's graph computes each "
-                                         r"micro-batch's mean loss"):
+                                         r"micro-batch's mean loss .* Stock Trainer passes Qwen2ForCausalLM "
+                                         r"num_items_in_batch and does not divide by 2: .*token counts.*"
+                                         r"logged loss and gradients are 2 times these"):
         AutoprecTrainer(model=mp, args=_args(tmp_path, gradient_accumulation_steps=2))
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
         AutoprecTrainer(model=mp, args=_args(tmp_path))  # no accumulation: no warning
+        ids = torch.randint(0, 128, (2, 8))
+        plain = autoprec.apply(_NoLossKwargs(), autoprec.Policy.fp32(), {"input_ids": ids, "labels": ids},
+                               compile=False)
+        AutoprecTrainer(model=plain, args=_args(tmp_path, gradient_accumulation_steps=2))
