@@ -136,7 +136,16 @@ class Policy:
     # -- constructors ---------------------------------------------------------------------------
     @classmethod
     def default(cls, low: str = "bf16") -> Policy:
-        """Autocast-like policy: everything in ``low`` except sensitive ops in fp32."""
+        """Autocast-like policy: everything in ``low`` except sensitive ops in fp32, unmeasured.
+
+        Whether it is faster than fp32 depends on the device: ``low`` kernels are fast where they
+        are native (GPUs; CPUs with AVX512-BF16 or AMX); on a CPU with AVX2 only, bf16 matmuls ran
+        17-20x slower than fp32's at a tiny Qwen2's shapes (``benchmarks/results/avx2_2026-12-02``)
+        and its training step 24x. ``autoprec tune`` measures which dtypes pay on the machine it runs on.
+
+        Raises:
+            PolicyError: ``low`` is not a storage dtype.
+        """
         return cls(default_dtype=low, rules=(Rule(op_class="sensitive", dtype="fp32"),))
 
     @classmethod
