@@ -15,7 +15,6 @@ from torch import fx, nn
 from autoprec.applied.compile import CompiledGraph, compile_graph
 from autoprec.applied.eval_backward import EvalBackwardCheck
 from autoprec.applied.forward_state import ForwardStateSnapshot
-from autoprec.applied.forward_state import refusal as switches_refusal
 from autoprec.applied.loss_scale_check import UnscaledBackwardCheck
 from autoprec.applied.model_facade import (
     ModelFacade,
@@ -178,7 +177,7 @@ class MixedPrecisionModule(ModelFacade):
         changed = self._switches.changed()
         if changed is not None:
             if torch.is_grad_enabled():
-                raise ValueError(switches_refusal(self._what, changed))
+                raise ValueError(changed.refusal(self._what))
             return self.model(*args, **kwargs)  # a reference pass (peft's disable_adapter): exact, fp32
         kwargs = drop_fixed_kwargs(kwargs, self._fixed, self._what)
         try:

@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 from torch import nn
 
-__all__ = ["ForwardState", "ForwardStateSnapshot", "refusal"]
+__all__ = ["ForwardState", "ForwardStateSnapshot", "SwitchChange"]
 
 
 class ForwardState(NamedTuple):
@@ -65,6 +65,31 @@ class ForwardState(NamedTuple):
         return f"its active adapters are {list(active)} (set_adapter())"
 
 
+class SwitchChange(NamedTuple):
+    """A module whose switches differ from the capture's: its dotted path, what changed (a phrase),
+    and whether that is gradient checkpointing switched on (else peft's adapters)."""
+
+    module: str
+    phrase: str
+    checkpointing: bool
+
+    def refusal(self, what: str) -> str:
+        """The ``ValueError`` message for a call with grad enabled; ``what`` names the applied module."""
+        changed = f"{self.module or 'the model'!r}: {self.phrase}"
+        if self.checkpointing:
+            return (f"{what}: gradient checkpointing was switched on after autoprec.apply ({changed}): "
+                    "the captured graph does not checkpoint, so it would save every activation as "
+                    "before. Switch it off (model.activation_checkpointing_disable(), "
+                    "gradient_checkpointing_disable() before transformers 5); to trade compute for "
+                    "activation memory, give the policy an activation_memory_budget below 1.0 "
+                    "(autoprec tune --max-memory) and apply with compile=True "
+                    "(docs/architecture.md#policy-file)")
+        return (f"{what}: since autoprec.apply, {changed}; the graph runs the adapters as it captured "
+                "them. Under torch.no_grad() (a reference pass, e.g. `with model.disable_adapter():`) the "
+                "call runs the model's own forward in fp32; to train with these adapters, restore their "
+                "state (enable_adapters(), unmerge_adapter(), set_adapter(...)) or apply the policy again")
+
+
 class ForwardStateSnapshot:
     """The :class:`ForwardState` of the wrapped model's modules that have one, as captured; a
     training call compares them (one attribute read per such module).
@@ -77,28 +102,12 @@ class ForwardStateSnapshot:
         self.states = [(name, module, state) for name, module in model.named_modules()
                        if (state := ForwardState.of(module)) is not None]
 
-    def changed(self) -> str | None:
-        """The first module whose switches differ from the capture's, as a phrase naming it
-        (``"'model.layers.0': gradient_checkpointing is True"``), or None."""
+    def changed(self) -> SwitchChange | None:
+        """The first module whose switches differ from the capture's, or None."""
         for name, module, state in self.states:
-            what = state.differs(ForwardState.of(module))
-            if what is not None:
-                return f"{name or 'the model'!r}: {what}"
+            now = ForwardState.of(module)
+            phrase = state.differs(now)
+            if phrase is not None:
+                checkpointing = now is not None and now.gradient_checkpointing != state.gradient_checkpointing
+                return SwitchChange(name, phrase, checkpointing)
         return None
-
-
-def refusal(what: str, changed: str) -> str:
-    """The ``ValueError`` message for a call with grad enabled after ``changed``
-    (:meth:`ForwardStateSnapshot.changed`); ``what`` names the applied module."""
-    if "gradient_checkpointing" in changed:
-        return (f"{what}: gradient checkpointing was switched on after autoprec.apply ({changed}): the "
-                "captured graph does not checkpoint, so it would save every activation as before. Switch "
-                "it off (model.activation_checkpointing_disable(), gradient_checkpointing_disable() before "
-                "transformers 5); to trade compute for activation memory, "
-                "give the policy an activation_memory_budget below 1.0 (autoprec tune --max-memory) and "
-                "apply with compile=True (docs/architecture.md#policy-file)")
-    return (f"{what}: since autoprec.apply, {changed}; the graph runs the adapters as it captured "
-            "them. Under torch.no_grad() (a reference pass, e.g. "
-            "`with model.disable_adapter():`) the call runs the model's own forward in fp32; to train "
-            "with these adapters, restore their state (enable_adapters(), unmerge_adapter(), "
-            "set_adapter(...)) or apply the policy again")
