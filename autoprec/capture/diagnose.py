@@ -58,23 +58,35 @@ def _where(exc: BaseException, model: nn.Module | None = None) -> str:
     """The innermost user-code frame of a traceback, as ``file:line (function): code``.
 
     When that frame is a method of a submodule of ``model``, the module's dotted path and class
-    are named too (``in module 'layers.0.mlp' (MyMLP)``). Without a user-code frame (the failing line
-    is in a library module's own forward: ``BatchNorm2d(momentum=None)`` reads its batch counter), the
-    innermost frame of a method of one of ``model``'s modules, marked as library code; else
-    ``"unknown location"``.
+    are named too (``in module 'layers.0.mlp' (MyMLP)``). Where a library module's own forward,
+    called from there (or from no user frame at all), reads a tensor's value on its failing line
+    (``BatchNorm2d(momentum=None)``: ``float(self.num_batches_tracked)``), that line is named
+    instead, marked as the library's code (:data:`_LIBRARY`), with the user frame it was called
+    from; no frame at all: ``"unknown location"``.
     """
-    tb, user, library = exc.__traceback__, None, None
+    tb, user, library, depth = exc.__traceback__, None, None, 0
     modules = {id(m) for m in model.modules()} if model is not None else set()
     while tb is not None:
+        depth += 1
         if is_user_file(tb.tb_frame.f_code.co_filename):
-            user = tb
+            user = (depth, tb)
         elif id(tb.tb_frame.f_locals.get("self")) in modules:
-            library = tb
+            library = (depth, tb)
         tb = tb.tb_next
-    if user is None and library is None:
-        return "unknown location"
-    where = _frame_at(user or library, model)
-    return where if user is not None else where + _LIBRARY
+    if library is not None and (user is None or library[0] > user[0]) and _reads_value(library[1]):
+        where = _frame_at(library[1], model) + _LIBRARY
+        return where if user is None else f"{where} (called from {_frame_at(user[1], model)})"
+    return "unknown location" if user is None else _frame_at(user[1], model)
+
+
+def _reads_value(tb: TracebackType) -> bool:
+    """Whether a traceback entry's source line reads a tensor's value in Python: a conversion
+    (``float(...)``, ``int(...)``, ``bool(...)``, ``.item()``, ``.tolist()``) or a branch."""
+    import linecache
+
+    line = linecache.getline(tb.tb_frame.f_code.co_filename, tb.tb_lineno).strip()
+    return bool(re.search(r"\b(?:float|int|bool)\(|\.item\(|\.tolist\(", line)) or line.startswith(
+        ("if ", "elif ", "while ", "assert "))
 
 
 def _frame_at(tb: TracebackType, model: nn.Module | None) -> str:
@@ -180,7 +192,7 @@ def _explain(e: BaseException, model: nn.Module, eager: Exception | None = None)
                 "PyTorch.")
     cause, todo = _cause(e)
     where = _where(e, model)
-    if todo is _CONTROL_FLOW and where.endswith(_LIBRARY):
+    if todo is _CONTROL_FLOW and _LIBRARY in where:
         cause, todo = ("a value read from a tensor in a library module's own forward",
                        "that module, as configured, reads tensor values in Python (e.g. "
                        "BatchNorm's momentum=None keeps a cumulative average through its batch "

@@ -132,17 +132,34 @@ def test_value_used_as_a_size_is_not_called_a_branch():
             and "a data-dependent branch" not in msg)
 
 
-def test_a_library_modules_own_data_dependent_line_names_the_module_and_its_option():
+class _BatchNormNet(nn.Module):
+    """A model written in the user's file around a BatchNorm with a cumulative average."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4, momentum=None)
+
+    def forward(self, x):
+        return torch.relu(self.bn(self.conv(x))).mean((2, 3))
+
+
+@pytest.mark.parametrize("own_class", [False, True])
+def test_a_library_modules_own_data_dependent_line_names_the_module_and_its_option(own_class):
     """``BatchNorm2d(momentum=None)`` reads its batch counter with ``float()`` in torch's own forward:
-    the message said "at unknown location" and advised rewriting forward() with torch.where. It names
-    the module, torch's line, and the option to change."""
-    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4, momentum=None), nn.Flatten())
+    the message said "at unknown location" (stock modules only) or named the user's line calling it
+    with advice on slicing (a model class of the user's), and advised rewriting forward(). It names
+    the module, torch's line, the user's call, and the option to change."""
+    model = _BatchNormNet() if own_class else nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4, momentum=None), nn.Flatten())
     msg = _message(model.train(), torch.randn(2, 3, 8, 8))
-    assert "unknown location" not in msg and "torch.cond" not in msg, msg
+    assert "unknown location" not in msg and "torch.cond" not in msg and "slicing" not in msg, msg
     assert "a value read from a tensor in a library module's own forward, at " in msg, msg
     assert "batchnorm.py" in msg, msg
-    assert ("float(self.num_batches_tracked) [in module '1' (BatchNorm2d)], in the library's code, not the "
-            "model's file") in msg, msg
+    name = "bn" if own_class else "1"
+    assert (f"float(self.num_batches_tracked) [in module '{name}' (BatchNorm2d)], in the library's code, not "
+            "the model's file") in msg, msg
+    called = "(called from " in msg and "test_capture_causes.py:" in msg
+    assert called if own_class else "called from" not in msg, msg
     assert "a momentum such as the default 0.1" in msg, msg
 
 
