@@ -165,6 +165,18 @@ OP_TABLE: dict[str, tuple[str, str]] = {
         )
     },
     **{
+        name: (_F, "max over a window: exact in any dtype")
+        for name in ("max_pool1d", "max_pool2d", "max_pool3d", "max_pool2d_with_indices",
+                     "max_pool3d_with_indices", "adaptive_max_pool1d", "adaptive_max_pool2d",
+                     "adaptive_max_pool3d")
+    },
+    **{
+        name: (_F, "mean over a window; torch's kernels accumulate low-precision inputs in fp32 "
+                   "(opmath) and round once")
+        for name in ("avg_pool1d", "avg_pool2d", "avg_pool3d", "adaptive_avg_pool1d", "adaptive_avg_pool2d",
+                     "adaptive_avg_pool3d", "_adaptive_avg_pool2d", "_adaptive_avg_pool3d")
+    },
+    **{
         name: (_F, "elementwise; correctly rounded in any float type")
         for name in (
             "gelu_tanh", "tanh_", "sigmoid_", "pow_", "mul_", "add_", "sub_", "div_", "neg_",

@@ -186,7 +186,12 @@ class Recapture:
         below = [r for r, (lo, _hi) in bounds.items()
                  if lo is not None and r in extents and extents[r][0] < lo]
         if not above and not below:
-            raise error
+            if not check.static_differs(args, kwargs):
+                raise error
+            self._route(mp, args, kwargs)  # a size no capture of this plan makes dynamic (an image's)
+            _log.info("%s: input shapes %s differ from the captured ones in a dimension captured static; "
+                      "such shapes get a graph each (per-shape cache)", mp.what, _text(args, kwargs))
+            return
         shapes = _text(args, kwargs)
         self.limit.refuse(mp.what, shapes, {r: sizes[r] for r in above}, error)
         batch = dict(kwargs) if kwargs else tuple(args)

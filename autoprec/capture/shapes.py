@@ -157,6 +157,17 @@ class InputShapes:
                 out[role] = (min(lo, n), max(hi, n))
         return out
 
+    def static_differs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """Whether a tensor of this call has another size than the capture in a dimension the
+        capture kept static (an image's height beside a dynamic batch), with as many dimensions;
+        False for a call that does not bind."""
+        if not self.enabled:
+            return False
+        leaves = self._leaves_flat(args, kwargs) if self._spec is None else self._leaves_nested(args, kwargs)
+        return any(isinstance(leaf, torch.Tensor) and shape is not None and leaf.dim() == len(shape)
+                   and any(want is not None and n != want for n, want in zip(leaf.shape, shape))
+                   for leaf, shape in zip(leaves or [], self.shapes))
+
     def _check_binding(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Raise TypeError, naming the captured inputs, when the call does not bind to them: a dict
         batch passed as one argument, an input missing (an evaluation call without the ``labels``

@@ -14,6 +14,7 @@ import torch
 import autoprec
 from autoprec.applied.shape_cache import ShapeCache, is_dynamic
 from autoprec.capture import capture_for
+from autoprec.errors import CaptureError
 from tests.nets import CausalLM, ParityLM, lm_batch
 
 
@@ -141,3 +142,22 @@ def test_a_recapture_leaves_the_models_buffers_as_eager_training_leaves_them():
     for (name, b), (_, want) in zip(model.named_buffers(), eager.named_buffers(), strict=True):
         torch.testing.assert_close(b, want, rtol=1e-5, atol=1e-6, msg=name)
     assert model[1].num_batches_tracked.item() == 3
+
+
+def test_an_image_of_another_size_after_a_batch_change_gets_a_graph_of_its_own(caplog):
+    """A batch of another size made the graph dynamic in the batch only; an image of another height
+    and width then was refused "as its sizes are inside the captured ranges ... inputs that share a
+    dimension must have the same size" (one input, and 6x6 against a static 8x8), where the same call
+    first got a graph of its own. Such shapes now get a graph each, exact, whatever the order."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(),
+                                torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(8, 10))
+    mp = autoprec.apply(model, autoprec.Policy.fp32(), torch.randn(4, 3, 8, 8), compile=False)
+    with caplog.at_level(logging.INFO, logger="autoprec"):
+        for shape in [(2, 3, 8, 8), (4, 3, 6, 6), (3, 3, 10, 10), (4, 3, 8, 8), (5, 3, 6, 6)]:
+            x = torch.randn(*shape, generator=torch.Generator().manual_seed(sum(shape)))
+            torch.testing.assert_close(mp(x), model(x), rtol=1e-5, atol=1e-6)
+    assert "in a dimension captured static; such shapes get a graph each" in caplog.text
+    assert mp.shape_stats["mode"] == "dynamic+per_shape"
+    with pytest.raises(CaptureError, match=r"forward\(\) itself raised RuntimeError"):  # a wrong batch
+        mp(torch.randn(4, 3, 8))
