@@ -122,13 +122,17 @@ def run_batch_bench(model_path: str | os.PathLike, policy: Policy | str | os.Pat
     load = LoadMonitor.start(dev, strict_timing)
     autocast = _autocast(dev, max_step_ratio, log)
     h = Harness(spec, dev, drift_batches=1)  # the file's batch: what "0.8x" and "auto" refer to
-    if why := check_policy_file(pol, None if isinstance(policy, Policy) else source, h.graph_module,
-                                str(spec.path), force):
-        log(f"warning: {why}")
+    file_source = None if isinstance(policy, Policy) else source
+    why = check_policy_file(pol, file_source, h.graph_module, str(spec.path), force)  # refuses another model
     budget, fp32_step = _budget(arg, h, autocast), h.measure(h.model).step_s
     # the auto rule, re-based on torch.autocast's accumulated drift by search.rule
     search = BatchSearch(spec, dev, global_batch, budget, compile, autocast, DriftBudget(rule="auto"),
                          slow=None, quiet=quiet, file_harness=h)
+    if why and pol.batching is not None:  # tune records the graph at the micro-batch it chose
+        why = check_policy_file(pol, file_source, search.harness(pol.batching.micro_batch).graph_module,
+                                str(spec.path), force=True)
+    if why:
+        log(f"warning: {why}")
     bar_cfgs = [c for c in search.configs(Policy.fp32(), h.random) if c.role is Role.BASELINE]
     mine = BatchConfig("policy", Role.POLICY, dataclasses.replace(pol, batching=None))
     pts = [p for c in bar_cfgs if (p := search.fit(c)) is not None]

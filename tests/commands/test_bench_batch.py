@@ -87,3 +87,28 @@ def test_bench_global_batch_refuses_options_it_does_not_read_and_another_models_
     res = run_batch_bench(TINY, other, 16, quiet=True, compile=False, force=True)
     assert res["policy_row"].startswith("policy @ ") and [c["phase"] for c in res["load"]] == [
         "start", "before timing", "after timing"]
+
+
+def test_a_policy_tuned_at_its_micro_batch_is_not_called_another_models(tmp_path, capsys):
+    """tune records the graph at the micro-batch it chose (as ``train`` captures it), and bench
+    compared that with the graph at the file's batch: every ``--global-batch`` policy whose micro-batch
+    differs from the file's got "was tuned on tiny_mlp.py (graph ...), not on this model tiny_mlp.py".
+    A policy of another graph at its micro-batch still gets the warning."""
+    import torch
+
+    from autoprec.measure import Harness
+    from autoprec.modelspec import load_model_spec
+    from autoprec.modelspec.micro_batches import MicroBatches
+    from autoprec.nodekeys import graph_fingerprint
+
+    cpu = torch.device("cpu")
+    micro = MicroBatches(load_model_spec(TINY), 32, 16, cpu).micro_spec()
+    tuned = graph_fingerprint(Harness(micro, cpu, drift_batches=1).graph_module)
+    path = tmp_path / "p.json"
+    for fingerprint, warned in ((tuned, False), ("0123456789abcdef", True)):
+        pol = dataclasses.replace(Policy.fp32(), batching=Batching(16, 2),
+                                  provenance={"graph_fingerprint": fingerprint, "model": str(TINY)})
+        pol.save(path)
+        run_batch_bench(TINY, path, 32, compile=False)
+        out = capsys.readouterr().out
+        assert ("was tuned on" in out) is warned, out
