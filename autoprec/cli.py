@@ -16,14 +16,11 @@ import sys
 import time
 import warnings
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from autoprec.cli_parser import build_parser
 from autoprec.cli_paths import check_writable, make_parents, remove_if_empty
 from autoprec.errors import AutoprecError
-
-if TYPE_CHECKING:  # the policy layer loads with the command that needs it
-    from autoprec.policy import Policy
 
 __all__ = ["main"]
 
@@ -102,7 +99,9 @@ def _tune(a: argparse.Namespace) -> int:
           + (f" (budget {m['memory_budget_bytes'] / 2**20:.1f} MiB)"
              if "memory_budget_bytes" in m and not at_global else ""))
     if at_global:
-        print(_global_batch_line(a.out, res.policy))
+        from autoprec.search.report import global_batch_summary
+
+        print(f"wrote {a.out}: {global_batch_summary(res.policy.measured, res.policy)}")
     print("time: " + ", ".join(f"{k} {v:.0f}s" for k, v in res.timings.items()))
     print(cache_report(caches))
     return 0
@@ -137,25 +136,6 @@ def _bench_batching_note(a: argparse.Namespace, nproc: bool) -> None:
             f"--global-batch {g}, in one process, compares at the policy's)" if nproc else
             f"this bench runs the model file's batch (pass --global-batch {g} to compare at the policy's)")
     print(f"autoprec bench: note: {a.policy} trains at {batching.describe()}; {runs}", file=sys.stderr)
-
-
-def _global_batch_line(out: str, policy: Policy) -> str:
-    """``tune --global-batch``'s ``wrote`` line: the written policy at its micro-batch against the
-    baseline to beat at its own (``Policy.measured``'s micro-batch keys)."""
-    m = policy.measured
-    line = (f"wrote {out}: at global batch {m['global_batch']:.0f}, {policy.batching.describe()}: "
-            f"{m['micro_batch_tokens_per_s']:.0f} tokens/s, grad_rel_l2 {m['micro_batch_grad_rel_l2']:.3g} "
-            f"(accumulated), peak {m['micro_batch_peak_bytes'] / 2**20:.1f} MiB")
-    if "memory_budget_bytes" in m:
-        line += f" (budget {m['memory_budget_bytes'] / 2**20:.1f} MiB)"
-    if "baseline_micro_batch" in m:
-        band = (f", band {m['speedup_vs_baseline_at_global_batch_lo']:.2f}-"
-                f"{m['speedup_vs_baseline_at_global_batch_hi']:.2f}"
-                if "speedup_vs_baseline_at_global_batch_lo" in m else "")
-        line += (f"; {m['speedup_vs_baseline_at_global_batch']:.2f}x{band} the baseline to beat at its own "
-                 f"micro-batch {m['baseline_micro_batch']:.0f} ({m['baseline_micro_batch_tokens_per_s']:.0f} "
-                 "tokens/s)")
-    return line
 
 
 def _naming_policy(policy_path: str):

@@ -69,6 +69,16 @@ def _budget(arg: tuple[str, float] | None, h: Harness, autocast: AutocastBaselin
     return memory_budget(arg, fp32, ac, h.state_bytes, h.optimizer_name, h.device)
 
 
+def _at_micro_batch(why: str, pol: Policy, source: str | None, search: BatchSearch) -> str | None:
+    """``why``, the policy file's warning against the graph at the model file's batch, checked again
+    against the graph at the policy's micro-batch, where ``tune --global-batch`` recorded its
+    ``graph_fingerprint`` (:func:`check_policy_file`; None: that graph is the tuned one)."""
+    if pol.batching is None:
+        return why
+    gm = search.harness(pol.batching.micro_batch).graph_module
+    return check_policy_file(pol, source, gm, str(search.spec.path), force=True)
+
+
 def _check_global_batch(pol: Policy, source: str, global_batch: int) -> None:
     """Raise AutoprecError when ``pol``'s ``batching`` is for another global batch (names both)."""
     if pol.batching is not None and pol.batching.global_batch != global_batch:
@@ -117,21 +127,17 @@ def run_batch_bench(model_path: str | os.PathLike, policy: Policy | str | os.Pat
     source = str(policy) if not isinstance(policy, Policy) else "the policy"
     _check_global_batch(pol, source, global_batch)
     spec, dev = load_model_spec(model_path), resolve_device(device)
-    arg = parse_max_memory(max_memory)
-    check_memory_floor(arg, spec.build_model(), spec.make_optimizer)
+    check_memory_floor(arg := parse_max_memory(max_memory), spec.build_model(), spec.make_optimizer)
     load = LoadMonitor.start(dev, strict_timing)
     autocast = _autocast(dev, max_step_ratio, log)
     h = Harness(spec, dev, drift_batches=1)  # the file's batch: what "0.8x" and "auto" refer to
-    file_source = None if isinstance(policy, Policy) else source
-    why = check_policy_file(pol, file_source, h.graph_module, str(spec.path), force)  # refuses another model
+    file_source = None if isinstance(policy, Policy) else source  # another model's policy: refused
+    why = check_policy_file(pol, file_source, h.graph_module, str(spec.path), force)
     budget, fp32_step = _budget(arg, h, autocast), h.measure(h.model).step_s
     # the auto rule, re-based on torch.autocast's accumulated drift by search.rule
     search = BatchSearch(spec, dev, global_batch, budget, compile, autocast, DriftBudget(rule="auto"),
                          slow=None, quiet=quiet, file_harness=h)
-    if why and pol.batching is not None:  # tune records the graph at the micro-batch it chose
-        why = check_policy_file(pol, file_source, search.harness(pol.batching.micro_batch).graph_module,
-                                str(spec.path), force=True)
-    if why:
+    if why := why and _at_micro_batch(why, pol, file_source, search):
         log(f"warning: {why}")
     bar_cfgs = [c for c in search.configs(Policy.fp32(), h.random) if c.role is Role.BASELINE]
     mine = BatchConfig("policy", Role.POLICY, dataclasses.replace(pol, batching=None))

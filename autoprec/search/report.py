@@ -362,6 +362,35 @@ def show_nodes(policy: Policy, model_path: str | os.PathLike) -> str:
     return "\n".join(lines)
 
 
+#: ``measured`` keys of a ``tune --global-batch`` policy (``batch_phase.BatchDecision.measured``),
+#: which :func:`global_batch_summary` writes.
+GLOBAL_BATCH_KEYS = ("global_batch", "micro_batch_tokens_per_s", "micro_batch_grad_rel_l2",
+                     "micro_batch_peak_bytes", "memory_budget_bytes", "baseline_micro_batch",
+                     "baseline_micro_batch_tokens_per_s", "speedup_vs_baseline_at_global_batch",
+                     "speedup_vs_baseline_at_global_batch_lo", "speedup_vs_baseline_at_global_batch_hi")
+
+
+def global_batch_summary(m: dict[str, Any], policy: Policy) -> str:
+    """A ``tune --global-batch`` policy's numbers at what it trains: ``"at global batch 16,
+    micro-batch 8 x 2 accumulated: 13378 tokens/s, grad_rel_l2 ... (accumulated), peak 2.0 MiB
+    (budget 2.1 MiB); 1.05x, band ..., the baseline to beat at its own micro-batch 4 (... tokens/s)"``
+    (``m``: the policy's ``measured`` with :data:`GLOBAL_BATCH_KEYS`; ``tune``'s last line and
+    ``show``)."""
+    line = (f"at global batch {m['global_batch']:.0f}, {policy.batching.describe()}: "
+            f"{m['micro_batch_tokens_per_s']:.0f} tokens/s, grad_rel_l2 {m['micro_batch_grad_rel_l2']:.3g} "
+            f"(accumulated), peak {m['micro_batch_peak_bytes'] / 2**20:.1f} MiB")
+    if "memory_budget_bytes" in m:
+        line += f" (budget {m['memory_budget_bytes'] / 2**20:.1f} MiB)"
+    if "baseline_micro_batch" in m:
+        band = (f", band {m['speedup_vs_baseline_at_global_batch_lo']:.2f}-"
+                f"{m['speedup_vs_baseline_at_global_batch_hi']:.2f}"
+                if "speedup_vs_baseline_at_global_batch_lo" in m else "")
+        line += (f"; {m['speedup_vs_baseline_at_global_batch']:.2f}x{band} the baseline to beat at its own "
+                 f"micro-batch {m['baseline_micro_batch']:.0f} ({m['baseline_micro_batch_tokens_per_s']:.0f} "
+                 "tokens/s)")
+    return line
+
+
 def policy_summary(policy: Policy, path: str | os.PathLike, rules: bool = True) -> str:
     """What ``autoprec show`` prints for a policy file, model or not: its one-line summary, where
     it was tuned (provenance), what was measured, and (``rules``) each rule in order (``show
@@ -379,7 +408,11 @@ def policy_summary(policy: Policy, path: str | os.PathLike, rules: bool = True) 
     if prov:
         scalars = [f"{k} {v}" for k, v in prov.items() if not isinstance(v, (dict, list))]
         lines.append("tuned: " + ", ".join(scalars))
-    m = dict(policy.measured or {})
+    m, head = dict(policy.measured or {}), "measured: "
+    if "micro_batch_tokens_per_s" in m and policy.batching is not None:  # first: what it trains at
+        lines.append(f"measured {global_batch_summary(m, policy)}")
+        m = {k: v for k, v in m.items() if k not in GLOBAL_BATCH_KEYS}
+        head = "measured at the model file's batch, without accumulation (the contest of policies): "
     if m:
         shown = []
         if "tokens_per_s" in m:
@@ -404,7 +437,7 @@ def policy_summary(policy: Policy, path: str | os.PathLike, rules: bool = True) 
         if "memory_budget_bytes" in m:
             shown.append(f"memory budget {m.pop('memory_budget_bytes') / 2**20:.1f} MiB")
         shown += [f"{k} {v:.3g}" if isinstance(v, (int, float)) else f"{k} {v}" for k, v in m.items()]
-        lines.append("measured: " + ", ".join(shown))
+        lines.append(head + ", ".join(shown))
     if rules:
         lines += ["", f"rules ({len(policy.rules)}; for a node, the last matching one that sets dtype "
                       "decides it, the last that sets saved decides saved, node rules first; default "

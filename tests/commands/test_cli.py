@@ -206,6 +206,27 @@ def test_show_gives_the_speed_against_the_baseline_to_beat_first_and_once(tmp_pa
 
 
 
+
+def test_show_leads_a_global_batch_policy_with_what_it_trains_at(tmp_path, capsys):
+    """``show`` on a ``tune --global-batch`` policy printed the contest's numbers at the model file's
+    batch first ("18767 tokens/s ... peak 2.7 MiB, memory budget 2.1 MiB": a policy over its own
+    budget, at a micro-batch it does not train at). It leads with the micro-batch x accumulation's."""
+    p = tmp_path / "p.json"
+    dataclasses.replace(Policy.fp32(), batching=Batching(micro_batch=2, accumulation=8)).with_provenance(
+        baseline="fp32 + torch.compile").with_measured(
+        {"tokens_per_s": 18767.0, "speedup_vs_baseline": 1.0, "peak_bytes": 2.7 * 2**20,
+         "global_batch": 16.0, "micro_batch_tokens_per_s": 13378.0, "micro_batch_peak_bytes": 2.0 * 2**20,
+         "micro_batch_grad_rel_l2": 0.0, "memory_budget_bytes": 2.1 * 2**20, "baseline_micro_batch": 2.0,
+         "baseline_micro_batch_tokens_per_s": 13000.0, "speedup_vs_baseline_at_global_batch": 1.03}).save(p)
+    assert main(["show", str(p)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[2] == ("measured at global batch 16, micro-batch 2 x 8 accumulated (global batch 16): 13378 "
+                        "tokens/s, grad_rel_l2 0 (accumulated), peak 2.0 MiB (budget 2.1 MiB); 1.03x the "
+                        "baseline to beat at its own micro-batch 2 (13000 tokens/s)")
+    assert lines[3].startswith("measured at the model file's batch, without accumulation (the contest of "
+                               "policies): 18767 tokens/s, 1.00x fp32 + torch.compile")
+    assert "micro_batch" not in lines[3] and "budget" not in lines[3]
+
 #: A command warning as bench's rows do (the same warning once per apply, each apply's capture
 #: changing the filters), run by the real CLI in a subprocess (pytest records warnings instead).
 _WARNS_TWICE = """
