@@ -70,8 +70,8 @@ def parse_max_memory(max_memory: str | float | None) -> tuple[str, float] | None
 
     Raises:
         SearchError: a value of one of these forms that is zero or negative (``"must be positive
-            (> 0)"``, naming it), a share above 100%, or anything else (the message lists the
-            accepted forms).
+            (> 0)"``, naming it), a share above 100%, a fraction of a byte (``"1.5"``: says to write
+            ``1.5x`` or ``1.5GiB``), or anything else (the message lists the accepted forms).
     """
     if max_memory is None or max_memory == "none":
         return None
@@ -89,6 +89,12 @@ def parse_max_memory(max_memory: str | float | None) -> tuple[str, float] | None
     if m is not None:
         value, unit = float(m.group(2)), m.group(3) or ""
         scaled = value if unit == "x" else value * _UNITS[unit]
+        if unit in ("", "b") and not value.is_integer():  # "1.5": meant 1.5x or 1.5GiB, not 2 bytes
+            meant = (f"for a multiple of FP32's peak write e.g. '{value:g}x', for a share of the device's "
+                     f"memory '90%', for gibibytes '{value:g}GiB'" if value < 1024 else
+                     f"write whole bytes ('{round(value)}')")
+            raise SearchError(f"--max-memory: {max_memory!r} is {value:g} bytes (a number without a unit is "
+                              f"bytes, and bytes are whole): {meant}")
         if math.isfinite(scaled) and scaled < 2.0**62:
             return ("fp32", value) if unit == "x" else ("bytes", scaled)
     raise SearchError("--max-memory: expected 'auto', 'none', a multiple of FP32's peak like '0.8x', a "

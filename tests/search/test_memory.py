@@ -53,6 +53,12 @@ def test_parse_max_memory():
         assert str(e.value) == f"--max-memory: must be positive (> 0), got {bad!r}"
     with pytest.raises(SearchError, match=r"above 0% and at most 100%; got '101%'"):
         parse_max_memory("101%")
+    for bad in ("1.5", "1.5b", 1.5):  # "1.5" was read as 2 bytes: "the budget (2 bytes)"
+        with pytest.raises(SearchError, match=r"is 1.5 bytes \(a number without a unit is bytes, and bytes "
+                                              r"are whole\): .*e\.g\. '1\.5x'.*'90%'.*'1\.5GiB'"):
+            parse_max_memory(bad)
+    with pytest.raises(SearchError, match=r"and bytes are whole\): write whole bytes \('1500001'\)"):
+        parse_max_memory("1500000.7")
 
 
 def test_saved_parameters_are_counted_once(tmp_path):
