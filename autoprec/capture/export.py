@@ -79,10 +79,12 @@ def export_program(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
     Model code can narrow a range (``logits[:, :-1]`` needs sequence length 3 or more, a position
     table of 128 rows caps it at 128): export then raises a constraint violation whose "Suggested
     fixes" ``torch.export.dynamic_shapes.refine_dynamic_shapes_from_suggested_fixes`` applies, and
-    the export is retried once with them. Only narrowed ranges are taken; a fix that specialises a
-    dimension to one size or ties it to another (``seq = 2*_seq`` for code that branches on the
-    length's parity) re-raises the error (the per-shape graphs of ``autoprec.applied.shape_cache``
-    serve such models).
+    the export is retried once with them. Narrowed ranges and a dimension fixed to its example's
+    size are taken (``batch = 2`` where the ranges allowed only 1 and 2, and torch specialises 1:
+    the others stay dynamic, and a call of another batch gets a graph of its own); a fix that ties
+    one dimension to another (``seq = 2*_seq`` for code that branches on the length's parity), or
+    fixes every dimension, re-raises the error (the per-shape graphs of
+    ``autoprec.applied.shape_cache`` serve such models).
 
     Args:
         model: The model, called as ``model(*args, **kwargs)``.
@@ -165,10 +167,25 @@ def _refined(e: BaseException, shapes: Any) -> Any:
     except Exception:  # noqa: BLE001 - fixes torch cannot apply: report the export's own error
         raise e from None
     before, after = pytree.tree_leaves(shapes), pytree.tree_leaves(refined)
-    if len(before) != len(after) or any(type(a) is not type(b) or getattr(a, "__name__", a) !=
-                                        getattr(b, "__name__", b) for a, b in zip(after, before)):
-        return None  # a size fixed, or tied to another (seq = 2*_seq): not a range; let the caller fall back
+    if len(before) != len(after) or any(not _narrowed_or_fixed(b, a) for b, a in zip(before, after)):
+        return None  # tied to another (seq = 2*_seq): not a range; let the caller fall back
+    if not any(_is_dim(a) for a in after):
+        return None  # every dimension fixed: the static capture is the same graph
     return refined
+
+
+def _is_dim(leaf: Any) -> bool:
+    """Whether a ``dynamic_shapes`` leaf is a ``torch.export.Dim`` (not a fixed size or None)."""
+    return hasattr(leaf, "__name__") and not isinstance(leaf, (int, type(None)))
+
+
+def _narrowed_or_fixed(before: Any, after: Any) -> bool:
+    """Whether a refined ``dynamic_shapes`` leaf is ``before`` narrowed (the same Dim's name) or
+    fixed to one size (an int: code that needs the example's batch of 2, ``batch = 2``); a Dim of
+    another name (``seq = 2*_seq``, two dimensions tied) is neither."""
+    if not _is_dim(before):
+        return not _is_dim(after) and after == before
+    return not _is_dim(after) or after.__name__ == before.__name__
 
 
 def dynamic_shapes(plan: DimPlan, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
