@@ -175,8 +175,11 @@ def _refuse_auto_batch(args: Any, batching: Batching, what: str) -> None:
 
 def _stock_passes_num_items(model: torch.nn.Module) -> bool:
     """Whether stock ``Trainer`` would pass ``model`` ``num_items_in_batch`` and skip dividing the
-    loss by the accumulation steps: transformers' ``Trainer.__init__`` rule, the model's
-    ``accepts_loss_kwargs`` where it has one, else whether its ``forward`` takes ``**kwargs``."""
+    loss by the accumulation steps: transformers' ``Trainer.__init__`` rule, on a peft model's base
+    model (``get_base_model()``, as ``unwrap_peft_model``): its ``accepts_loss_kwargs`` where it has
+    one, else whether its ``forward`` takes ``**kwargs``."""
+    if callable(getattr(model, "get_base_model", None)):
+        model = model.get_base_model()
     if hasattr(model, "accepts_loss_kwargs"):
         return bool(model.accepts_loss_kwargs)
     return any(p.kind is inspect.Parameter.VAR_KEYWORD

@@ -321,3 +321,8 @@ def test_gradient_accumulation_says_how_stock_trainer_differs_only_where_it_does
         plain = autoprec.apply(_NoLossKwargs(), autoprec.Policy.fp32(), {"input_ids": ids, "labels": ids},
                                compile=False)
         AutoprecTrainer(model=plain, args=_args(tmp_path, gradient_accumulation_steps=2))
+        peft = pytest.importorskip("peft")  # stock Trainer looks at a peft model's base model
+        lora = peft.get_peft_model(_NoLossKwargs(), peft.LoraConfig(r=2, target_modules=["emb"]))
+        batch = {"input_ids": ids, "labels": ids}
+        wrapped = autoprec.apply(lora, autoprec.Policy.fp32(), batch, compile=False)
+        AutoprecTrainer(model=wrapped, args=_args(tmp_path, gradient_accumulation_steps=2))
