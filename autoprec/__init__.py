@@ -29,6 +29,7 @@ from autoprec.errors import (
     PassError,
     PolicyError,
     SearchError,
+    ShapeLimitError,
 )
 from autoprec.policy import LossScalingConfig, Policy, Rule
 from autoprec.training.checkpoint import load_checkpoint, save_checkpoint
@@ -43,7 +44,7 @@ __all__ = [
     "__version__", "capture", "apply", "tune", "TuneResult", "Policy", "Rule", "LossScalingConfig",
     "MixedPrecisionModule", "DynamicLossScaler", "make_scaler", "Monitor", "ddp", "shard",
     "save_checkpoint", "load_checkpoint", "AutoprecError", "CaptureError", "LossScaleError",
-    "ModelSpecError", "PassError", "PolicyError", "SearchError",
+    "ModelSpecError", "PassError", "PolicyError", "SearchError", "ShapeLimitError",
 ]
 
 

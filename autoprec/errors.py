@@ -40,3 +40,10 @@ class LossScaleError(AutoprecError):
 
     Raised by a training run, not by bad input: the CLI exits with code 1 for it.
     """
+
+
+class ShapeLimitError(AutoprecError, ValueError):
+    """A module from ``autoprec.apply`` that keeps one graph per input shape met more shapes than
+    it keeps (``MAX_SHAPES``); the message says how to give it fewer. A ``ValueError`` too (what a
+    call with a shape it cannot serve raises); the CLI exits with code 2, without a traceback."""
+

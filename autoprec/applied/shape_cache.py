@@ -9,9 +9,10 @@ makes of it (one, plus one the first time a size-1 batch comes: Dynamo
 specialises sizes 0 and 1). Where the model cannot be captured so (``torch.export`` raises, e.g.
 because its code specialises a size), :class:`ShapeCache` holds one captured, lowered (and
 compiled) graph per input shape instead, built on first use with an INFO line on the
-``autoprec`` logger, at most :data:`MAX_SHAPES` of them; a shape beyond that raises ``ValueError``,
-and so does a shape outside the example's ranges when the cache is ``strict`` (``apply(...,
-strict_shapes=True)``; otherwise it gets its graph like any other, logged).
+``autoprec`` logger, at most :data:`MAX_SHAPES` of them; a shape beyond that raises
+``ShapeLimitError`` (a ``ValueError``), and a shape outside the example's ranges raises
+``ValueError`` when the cache is ``strict`` (``apply(..., strict_shapes=True)``; otherwise it gets
+its graph like any other, logged).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from autoprec.capture import (
     tensor_shapes,
 )
 from autoprec.device import compile_count
+from autoprec.errors import ShapeLimitError
 from autoprec.modelspec import split_batch
 
 __all__ = ["MAX_SHAPES", "CompileLog", "InputCheck", "PositionLimit", "ShapeCache", "is_dynamic"]
@@ -213,7 +215,7 @@ class ShapeCache:
     def _new(self, key: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[..., Any]:
         shapes = _shapes_text(args, kwargs)
         if len(self._fns) >= self.max_shapes:
-            raise ValueError(
+            raise ShapeLimitError(
                 f"{self.what} already holds graphs for {len(self._fns)} input shapes, the most it keeps "
                 f"(autoprec.applied.shape_cache.MAX_SHAPES); {shapes} would be one more.\n  What to do: pad "
                 "batches to a few fixed lengths (e.g. to multiples of 64: pad_to_multiple_of=64) and use "

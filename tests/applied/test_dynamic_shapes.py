@@ -13,6 +13,7 @@ from torch import nn
 import autoprec
 from autoprec.applied.shape_cache import ShapeCache
 from autoprec.capture import BATCH, DIMS_META, SEQ, capture, plan_dims
+from autoprec.errors import AutoprecError, ShapeLimitError
 from autoprec.graph import tensor_bytes
 from autoprec.metrics import grad_rel_l2
 from autoprec.nodemeta import read_meta
@@ -134,8 +135,9 @@ def test_model_that_specialises_falls_back_to_a_bounded_logged_cache(caplog):
         mp(**lm_batch(5, 20, 1))
     assert isinstance(mp.runner, ShapeCache)
     mp.runner.max_shapes = 3  # instead of MAX_SHAPES = 16, to reach the bound in a few calls
-    with pytest.raises(ValueError) as err:
+    with pytest.raises(ShapeLimitError) as err:  # a ValueError; the CLI exits 2 without a traceback
         mp(**lm_batch(1, 25, 1))
+    assert isinstance(err.value, ValueError) and isinstance(err.value, AutoprecError)
     assert "already holds graphs for 3 input shapes" in str(err.value) and "MAX_SHAPES" in str(err.value)
     assert "pad" in str(err.value)
 

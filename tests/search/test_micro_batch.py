@@ -146,21 +146,27 @@ def loss_fn(output, batch):
 """
 
 
+def _refused_before_capture(tmp_path, name: str, source: str):
+    """``tune --global-batch 8`` on the model file ``source``: its path and the ``SearchError``'s
+    message, once the test has checked that no policy file was written."""
+    model = tmp_path / name
+    model.write_text(source)
+    with pytest.raises(SearchError) as err:
+        tune(model, out=tmp_path / "p.json", global_batch=8, trials=1, compile=False, progress=False,
+             quiet=True)
+    assert not (tmp_path / "p.json").exists()
+    return model, str(err.value)
+
+
 def test_a_short_batch_is_refused_before_any_capture_naming_the_step_and_the_calls(tmp_path):
     """A user's DataLoader whose last batch is short: ``tune --global-batch 8`` ran the whole search
     and then failed with "the concatenated batches gave 6 examples, not 8" (logged as "peak 0 bytes
     -> over the budget" with no budget). It is refused before any capture, naming the step, each
     ``get_batch`` call and its rows, and what to do; ``train`` says the same where it meets it."""
-    model = tmp_path / "short_last.py"
-    model.write_text(SHORT_LAST)
-    want = (f"--global-batch 8: {model}: the global batch of optimizer step 2 (8 examples) needs 4 "
+    model, message = _refused_before_capture(tmp_path, "short_last.py", SHORT_LAST)
+    assert (f"--global-batch 8: {model}: the global batch of optimizer step 2 (8 examples) needs 4 "
             "examples each (get_batch(0)'s); got get_batch(4) 2, get_batch(5) 4. What to do: give every "
-            "batch the same size (a DataLoader's last batch is shorter unless drop_last=True)")
-    with pytest.raises(SearchError) as err:
-        tune(model, out=tmp_path / "p.json", global_batch=8, trials=1, compile=False, progress=False,
-             quiet=True)
-    assert want in str(err.value)
-    assert not (tmp_path / "p.json").exists()
+            "batch the same size (a DataLoader's last batch is shorter unless drop_last=True)") in message
     from autoprec.errors import ModelSpecError
     from autoprec.modelspec.micro_batches import MicroBatches
 
@@ -196,16 +202,12 @@ def test_batches_padded_to_their_own_length_are_refused_before_any_capture_sayin
     batches of 4 ran the whole search, then ended in torch.cat's "Sizes of tensors must match"
     traceback (exit 1; ``train`` the same). It is refused before any capture, naming the calls, the
     shapes and the fix; with a ``batch_size=`` argument the same file gives its global batches."""
-    model = tmp_path / "pad_longest.py"
-    model.write_text(PAD_TO_LONGEST.format(sized="", rows=4))
-    want = (f"--global-batch 8: {model}: the global batch concatenates get_batch(0), get_batch(1), but batch "
+    padded = PAD_TO_LONGEST.format(sized="", rows=4)
+    model, message = _refused_before_capture(tmp_path, "pad_longest.py", padded)
+    assert (f"--global-batch 8: {model}: the global batch concatenates get_batch(0), get_batch(1), but batch "
             "is (4, 9) in get_batch(0) and (4, 7) in get_batch(1): batches concatenate along dimension 0 "
-            "only")
-    with pytest.raises(SearchError) as err:
-        tune(model, out=tmp_path / "p.json", global_batch=8, trials=1, compile=False, progress=False,
-             quiet=True)
-    assert want in str(err.value) and "def get_batch(step, device, batch_size=...)" in str(err.value)
-    assert not (tmp_path / "p.json").exists()
+            "only") in message
+    assert "def get_batch(step, device, batch_size=...)" in message
     sized = tmp_path / "pad_longest_sized.py"
     sized.write_text(PAD_TO_LONGEST.format(sized=", batch_size=4", rows="batch_size"))
     batches = MicroBatches(load_model_spec(sized), 8, 4, CPU)
