@@ -132,13 +132,16 @@ def tuned_elsewhere(policy: Policy, source: str | os.PathLike, gm: fx.GraphModul
 
 
 def check_policy_file(policy: Policy, source: str | os.PathLike | None, gm: fx.GraphModule,
-                      model_path: str, force: bool = False) -> str | None:
+                      model_path: str, force: bool = False, at_batching: bool = True) -> str | None:
     """What ``train`` and ``bench`` (one process or ``--nproc``) check of a policy before using it
     on the model captured as ``gm``: refuse the policy of another model (:func:`check_policy_matches`,
     naming ``source``, unless ``force``), and return the warning to print when the policy file was
     tuned on another graph (:func:`tuned_elsewhere`) or changed since it was measured
     (:meth:`~autoprec.policy.Policy.edited_note`), else None (also when ``source`` is None: a
-    :class:`~autoprec.policy.Policy` given in Python has no file to name).
+    :class:`~autoprec.policy.Policy` given in Python has no file to name). ``at_batching``: whether
+    ``gm`` was captured at the policy's ``batching`` micro-batch (``train``, ``bench
+    --global-batch``); False (``bench`` at the model file's batch, which says so): the graph of a
+    policy with ``batching`` was recorded at its micro-batch, so it is not compared.
 
     Raises:
         PolicyError: as :func:`check_policy_matches`.
@@ -146,5 +149,7 @@ def check_policy_file(policy: Policy, source: str | os.PathLike | None, gm: fx.G
     check_policy_matches(policy, gm, source, force)
     if source is None:
         return None
-    notes = [n for n in (tuned_elsewhere(policy, source, gm, model_path), policy.edited_note(source)) if n]
+    compared = at_batching or policy.batching is None
+    other = tuned_elsewhere(policy, source, gm, model_path) if compared else None
+    notes = [n for n in (other, policy.edited_note(source)) if n]
     return "; ".join(notes) or None

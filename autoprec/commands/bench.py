@@ -201,7 +201,7 @@ def _check_policy(pol: Policy, policy: Policy | str | os.PathLike, gm: Any, mode
         PolicyError: none of its module or node rules matches a node of ``gm``.
     """
     source = None if isinstance(policy, Policy) else policy
-    if why := check_policy_file(pol, source, gm, model_path, force):
+    if why := check_policy_file(pol, source, gm, model_path, force, at_batching=False):  # the file's batch
         _log(f"warning: {why}", quiet)
     return source
 

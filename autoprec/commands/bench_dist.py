@@ -240,7 +240,7 @@ def run_bench_dist(model_path: str | os.PathLike, policy: Policy | str | os.Path
             grads, gm = _reduced_grads(spec, row_policy, wrapper, dev, ranks)
             if ref is None:  # once, on every rank (each refuses): the graph captured for the first row
                 why = check_policy_file(pol, None if isinstance(policy, Policy) else policy, gm,
-                                        str(spec.path), force)
+                                        str(spec.path), force, at_batching=False)  # the file's batch
                 if why and ranks.lead and not quiet:
                     print(f"[autoprec bench] warning: {why}", flush=True)
             ref = grads if ref is None else ref

@@ -156,3 +156,27 @@ def test_show_names_the_nearest_key_of_a_node_rule_that_matches_nothing(tmp_path
     out = capsys.readouterr().out
     assert "rules[0] head/linear#7->bf16: 0 nodes  (matches no node; did you mean 'head/linear#0'?)" \
         in out, out
+
+
+def test_a_batching_policy_is_compared_only_with_the_graph_at_its_micro_batch(tmp_path):
+    """``bench`` without ``--global-batch`` runs the model file's batch, whose graph differs from the
+    one ``tune --global-batch`` recorded at its micro-batch: it said "tuned on another model" for the
+    file the policy was tuned on. A graph at the file's batch is not compared for such a policy (the
+    CLI's note says bench runs the file's batch); a policy without batching still is."""
+    import dataclasses
+
+    from autoprec.applied.policy_match import check_policy_file
+    from autoprec.capture import capture
+    from autoprec.modelspec import load_model_spec
+    from autoprec.policy import Batching
+    from tests.conftest import EXAMPLES
+
+    spec = load_model_spec(EXAMPLES / "tiny_mlp.py")
+    gm = capture(spec.build_model(), spec.get_batch(0, "cpu"))
+    src = tmp_path / "p.json"
+    tuned = Policy.fp32().with_provenance(graph_fingerprint="0123456789abcdef", model="tiny_mlp.py")
+    batching = dataclasses.replace(tuned, batching=Batching(micro_batch=4, accumulation=4))
+    assert check_policy_file(batching, src, gm, "tiny_mlp.py", at_batching=False) is None
+    warned = check_policy_file(batching, src, gm, "tiny_mlp.py")  # train, bench --global-batch: compared
+    assert "was tuned on tiny_mlp.py (graph 0123456789abcdef)" in warned
+    assert "was tuned on" in check_policy_file(tuned, src, gm, "tiny_mlp.py", at_batching=False)
