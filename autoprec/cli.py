@@ -101,7 +101,7 @@ def _tune(a: argparse.Namespace) -> int:
     if at_global:
         from autoprec.search.report import global_batch_summary
 
-        print(f"wrote {a.out}: {global_batch_summary(res.policy.measured, res.policy)}")
+        print(f"wrote {a.out}: {global_batch_summary(res.policy)}")
     print("time: " + ", ".join(f"{k} {v:.0f}s" for k, v in res.timings.items()))
     print(cache_report(caches))
     return 0

@@ -370,12 +370,13 @@ GLOBAL_BATCH_KEYS = ("global_batch", "micro_batch_tokens_per_s", "micro_batch_gr
                      "speedup_vs_baseline_at_global_batch_lo", "speedup_vs_baseline_at_global_batch_hi")
 
 
-def global_batch_summary(m: dict[str, Any], policy: Policy) -> str:
+def global_batch_summary(policy: Policy) -> str:
     """A ``tune --global-batch`` policy's numbers at what it trains: ``"at global batch 16,
     micro-batch 8 x 2 accumulated: 13378 tokens/s, grad_rel_l2 ... (accumulated), peak 2.0 MiB
     (budget 2.1 MiB); 1.05x, band ..., the baseline to beat at its own micro-batch 4 (... tokens/s)"``
-    (``m``: the policy's ``measured`` with :data:`GLOBAL_BATCH_KEYS`; ``tune``'s last line and
-    ``show``)."""
+    (from the policy's ``measured``, which holds :data:`GLOBAL_BATCH_KEYS`; ``tune``'s last line
+    and ``show``)."""
+    m = policy.measured
     line = (f"at global batch {m['global_batch']:.0f}, {policy.batching.describe()}: "
             f"{m['micro_batch_tokens_per_s']:.0f} tokens/s, grad_rel_l2 {m['micro_batch_grad_rel_l2']:.3g} "
             f"(accumulated), peak {m['micro_batch_peak_bytes'] / 2**20:.1f} MiB")
@@ -410,7 +411,7 @@ def policy_summary(policy: Policy, path: str | os.PathLike, rules: bool = True) 
         lines.append("tuned: " + ", ".join(scalars))
     m, head = dict(policy.measured or {}), "measured: "
     if "micro_batch_tokens_per_s" in m and policy.batching is not None:  # first: what it trains at
-        lines.append(f"measured {global_batch_summary(m, policy)}")
+        lines.append(f"measured {global_batch_summary(policy)}")
         m = {k: v for k, v in m.items() if k not in GLOBAL_BATCH_KEYS}
         head = "measured at the model file's batch, without accumulation (the contest of policies): "
     if m:
