@@ -61,7 +61,7 @@ def _where(exc: BaseException, model: nn.Module | None = None) -> str:
     are named too (``in module 'layers.0.mlp' (MyMLP)``). Where a library module's own forward,
     called from there (or from no user frame at all), reads a tensor's value on its failing line
     (``BatchNorm2d(momentum=None)``: ``float(self.num_batches_tracked)``), that line is named
-    instead, marked as the library's code (:data:`_LIBRARY`), with the user frame it was called
+    instead, marked as the library's code (:data:`_IN_LIBRARY`), with the user frame it was called
     from; no frame at all: ``"unknown location"``.
     """
     tb, user, library, depth = exc.__traceback__, None, None, 0
@@ -74,7 +74,7 @@ def _where(exc: BaseException, model: nn.Module | None = None) -> str:
             library = (depth, tb)
         tb = tb.tb_next
     if library is not None and (user is None or library[0] > user[0]) and _reads_value(library[1]):
-        where = _frame_at(library[1], model) + _LIBRARY
+        where = _frame_at(library[1], model) + _IN_LIBRARY
         return where if user is None else f"{where} (called from {_frame_at(user[1], model)})"
     return "unknown location" if user is None else _frame_at(user[1], model)
 
@@ -192,7 +192,7 @@ def _explain(e: BaseException, model: nn.Module, eager: Exception | None = None)
                 "PyTorch.")
     cause, todo = _cause(e)
     where = _where(e, model)
-    if todo is _CONTROL_FLOW and _LIBRARY in where:
+    if todo is _CONTROL_FLOW and _IN_LIBRARY in where:
         cause, todo = ("a value read from a tensor in a library module's own forward",
                        "that module, as configured, reads tensor values in Python (e.g. "
                        "BatchNorm's momentum=None keeps a cumulative average through its batch "
@@ -222,7 +222,7 @@ def _experts_hint(model: nn.Module) -> str:
 
 
 #: How :func:`_where` marks a location in a library module's code (no frame of the model's files).
-_LIBRARY = ", in the library's code, not the model's file"
+_IN_LIBRARY = ", in the library's code, not the model's file"
 _DATA_DEPENDENT_SIZE = "a value read from a tensor (.item(), int(tensor)) used as a size or an index"
 
 

@@ -125,8 +125,7 @@ class InputShapes:
         if not self.enabled:
             return
         self._check_binding(args, kwargs)
-        # fast path when every argument is one tensor leaf: index the call, no pytree walk
-        leaves = self._leaves_flat(args, kwargs) if self._spec is None else self._leaves_nested(args, kwargs)
+        leaves = self._leaves(args, kwargs)
         if leaves is None:
             return
         for leaf, shape in zip(leaves, self.shapes):
@@ -144,7 +143,7 @@ class InputShapes:
         for a static capture or a call that does not bind."""
         if not self.enabled or not self.ranges:
             return {}
-        leaves = self._leaves_flat(args, kwargs) if self._spec is None else self._leaves_nested(args, kwargs)
+        leaves = self._leaves(args, kwargs)
         out: dict[str, tuple[int, int]] = {}
         for leaf, syms in zip(leaves or [], self._symbols):
             if not isinstance(leaf, torch.Tensor) or syms is None:
@@ -163,7 +162,7 @@ class InputShapes:
         False for a call that does not bind."""
         if not self.enabled:
             return False
-        leaves = self._leaves_flat(args, kwargs) if self._spec is None else self._leaves_nested(args, kwargs)
+        leaves = self._leaves(args, kwargs)
         return any(isinstance(leaf, torch.Tensor) and shape is not None and leaf.dim() == len(shape)
                    and any(want is not None and n != want for n, want in zip(leaf.shape, shape))
                    for leaf, shape in zip(leaves or [], self.shapes))
@@ -194,6 +193,11 @@ class InputShapes:
                 if unknown else "")
         raise TypeError(f"{self.what} was captured on the inputs {', '.join(self._args)} (the example "
                         f"batch's; the graph takes every one) and this call {why}{hint}")
+
+    def _leaves(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any] | None:
+        """The call's input leaves in placeholder order (None: it does not bind); the fast path
+        when every argument is one tensor leaf indexes the call, with no pytree walk."""
+        return self._leaves_flat(args, kwargs) if self._spec is None else self._leaves_nested(args, kwargs)
 
     def _leaves_flat(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
         leaves: list[Any] = [None] * len(self.shapes)
