@@ -134,7 +134,8 @@ def device_name(device: torch.device) -> str:
 def autocast_dtype(device: torch.device, usable: list[str] | None = None) -> torch.dtype:
     """The low dtype of the ``torch.autocast`` baseline on ``device``: torch's own default
     (``torch.get_autocast_dtype``; PyTorch AMP docs: bfloat16 on CPU, float16 on CUDA), unless
-    ``usable`` (the low dtype names the probe kept, fastest first) leaves it out and names
+    ``usable`` (the low dtype names torch.autocast may run, fastest first: those whose native
+    kernel ``tune``'s probe kept) leaves it out and names
     another, which is then used instead.
 
     The one rule for every torch.autocast baseline autoprec measures: ``bench`` and

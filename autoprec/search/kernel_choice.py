@@ -22,8 +22,8 @@ from autoprec.search.probe import kernel_fields, matmul_shape_counts, matmul_sha
 from autoprec.search.progress import log
 from autoprec.search.space import SearchSpace, find_blocks, has_attention, outside_matmuls
 
-__all__ = ["KernelChoice", "adopt_study_kernels", "native_gemm_floor_s", "probe_decision", "probe_phase",
-           "sensitivity_gemms", "trial_cannot_win"]
+__all__ = ["KernelChoice", "adopt_study_kernels", "autocast_usable", "native_gemm_floor_s", "probe_decision",
+           "probe_phase", "sensitivity_gemms", "trial_cannot_win"]
 
 
 @dataclass(frozen=True)
@@ -34,8 +34,8 @@ class KernelChoice:
     Attributes:
         probes: ``KernelProbe.to_dict()`` of this run's probe (ratios to fp32, bands, verdicts).
         space: The search space (its kernels fastest first).
-        ac_dtype: torch.autocast's low dtype (:func:`autoprec.device.autocast_dtype` over the
-            searched storage dtypes).
+        ac_dtype: torch.autocast's low dtype (:func:`autoprec.device.autocast_dtype` over
+            :func:`autocast_usable`).
         forced: ``--dtypes`` when given, else None (the probe decided).
     """
 
@@ -56,7 +56,7 @@ def probe_phase(gm: torch.fx.GraphModule, dev: torch.device, clock: Callable[[st
     model's own matmul shapes (:mod:`autoprec.search.probe`, on ``dev``; its seconds go to
     ``clock("probe_s")``); the kernels searched (fastest first; ``forced``: ``--dtypes``), the search
     space over them (``saved``: the memory levers searched) and torch.autocast's dtype
-    (:func:`autoprec.device.autocast_dtype` over the kept storage dtypes, fastest first)."""
+    (:func:`autoprec.device.autocast_dtype` over :func:`autocast_usable`)."""
     counts = matmul_shape_counts(gm)
     shapes = matmul_shapes(gm)
     with clock("probe_s"):
@@ -74,13 +74,25 @@ def probe_phase(gm: torch.fx.GraphModule, dev: torch.device, clock: Callable[[st
                        else f"excluded: {excluded[dtype]}")
         log(f"probe {dtype}: {probe.describe(dtype)} -> {verdict}", quiet)
     kernels = probe.low_kernels(forced)
-    storage_lows = list(dict.fromkeys(kernel_fields(k)[0] for k in kernels
-                                      if kernel_fields(k)[0] in LOW_DTYPES))
     blocks = find_blocks(gm)
-    ac_dtype = autocast_dtype(dev, storage_lows)
+    ac_dtype = autocast_dtype(dev, autocast_usable(kernels, forced))
     space = SearchSpace(kernels, blocks, outside_matmuls(gm, blocks), saved=saved,
                         attention=has_attention(gm), twin_dtype=NAMES[ac_dtype])
     return KernelChoice(probe.to_dict(), space, ac_dtype, forced)
+
+
+def autocast_usable(kernels: list[str], forced: list[str] | None = None) -> list[str]:
+    """The low dtypes torch.autocast may run as the budget's baseline, given the ``kernels``
+    searched (fastest first): with ``forced`` (``--dtypes``) the storage dtypes of those kernels,
+    as the user named them; otherwise only the dtypes whose *native* kernel is searched. torch.autocast
+    runs native GEMMs, so a kept fp32-compute kernel (``"fp16:fp32"``) says nothing about it; and
+    such a kernel measures ~1.0-1.4x fp32 on an AVX2-only CPU, kept or not from one probe to the
+    next, which switched torch.autocast (and so the drift budget, ~9x apart) between bf16 and fp16
+    with the same command. Passed as ``usable`` to :func:`autoprec.device.autocast_dtype`; empty:
+    torch's default."""
+    if forced is not None:
+        return list(dict.fromkeys(kernel_fields(k)[0] for k in kernels if kernel_fields(k)[0] in LOW_DTYPES))
+    return [k for k in kernels if k in LOW_DTYPES]
 
 
 def adopt_study_kernels(kc: KernelChoice, gm: torch.fx.GraphModule, dev: torch.device,
@@ -92,8 +104,8 @@ def adopt_study_kernels(kc: KernelChoice, gm: torch.fx.GraphModule, dev: torch.d
     and a kernel near the keep rule's 10% line (fp32-compute kernels measure ~1.0–1.2x) falls on
     either side from one probe to the next. Every kernel runs on every device; the trials measure
     its speed. The order (fastest first, for the baselines) is this run's probe's, and
-    torch.autocast's dtype is chosen over the study's storage dtypes (on ``dev``). Returns ``kc``
-    itself when there is nothing to adopt, else the study's choice (``gm``: the captured graph, for
+    torch.autocast's dtype is chosen over the study's kernels (:func:`autocast_usable`, on
+    ``dev``). Returns ``kc`` itself when there is nothing to adopt, else the study's choice (``gm``: the captured graph, for
     the blocks of a space that had no low kernels)."""
     if kc.forced is not None or choices is None or choices == kc.space.dtypes:
         return kc  # --dtypes forces the space: check_study refuses a study of other choices
@@ -103,8 +115,7 @@ def adopt_study_kernels(kc: KernelChoice, gm: torch.fx.GraphModule, dev: torch.d
         f"{', '.join(kc.space.dtypes)}: searching the study's kernels (its probe's decision)", quiet)
     blocks = kc.space.blocks or find_blocks(gm)  # a space without low kernels holds no blocks
     nodes = kc.space.nodes or outside_matmuls(gm, blocks)
-    storage_lows = list(dict.fromkeys(kernel_fields(k)[0] for k in lows if kernel_fields(k)[0] in LOW_DTYPES))
-    ac_dtype = autocast_dtype(dev, storage_lows)
+    ac_dtype = autocast_dtype(dev, autocast_usable(lows))
     # the graph's attention, not this run's space's: a space without low kernels has no attention choice
     space = SearchSpace(lows, blocks, nodes, saved=kc.space.saved[1:],
                         attention=has_attention(gm), twin_dtype=NAMES[ac_dtype])

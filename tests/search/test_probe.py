@@ -301,3 +301,21 @@ def test_baselines_compute_in_torch_autocasts_dtype():
     assert SearchSpace(lows).twin()["matmul"] == "bf16"  # no autocast dtype given: the fastest
     assert SearchSpace(["bf16"], twin_dtype="fp16").twin()["matmul"] == "bf16"  # fp16 not kept
     assert SearchSpace(["fp8_e4m3", "bf16"], twin_dtype="bf16").twin()["matmul"] == "bf16"
+
+
+def test_autocast_dtype_follows_native_kernels_only():
+    """torch.autocast runs native GEMMs: a kept fp32-compute kernel (1.0-1.4x fp32 on an AVX2-only
+    CPU, kept or not from one probe to the next) must not switch the budget's torch.autocast from
+    bf16 to fp16 (a user's GPT-2: budget 5.5e-3 in one run, 6.3e-4 in the next, same command)."""
+    from autoprec.device import autocast_dtype
+    from autoprec.search.kernel_choice import autocast_usable
+
+    assert autocast_usable(["fp16:fp32"]) == []
+    assert autocast_dtype(CPU, autocast_usable(["fp16:fp32"])) == torch.bfloat16
+    assert autocast_dtype(CPU, autocast_usable(["bf16:fp32", "fp16:fp32"])) == torch.bfloat16
+    assert autocast_usable(["fp16", "bf16:fp32", "fp8_e4m3"]) == ["fp16"]
+    assert autocast_dtype(CPU, autocast_usable(["fp16", "bf16:fp32"])) == torch.float16  # bf16 native left out
+    assert autocast_dtype(CPU, autocast_usable(["bf16", "fp16"])) == torch.bfloat16
+    # --dtypes names the dtypes: the user's choice stands, whatever kernel of it is searched
+    assert autocast_usable(["fp16", "fp16:fp32"], forced=["fp16"]) == ["fp16"]
+    assert autocast_dtype(CPU, autocast_usable(["fp16:fp32"], forced=["fp16"])) == torch.float16
