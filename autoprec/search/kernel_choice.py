@@ -105,8 +105,8 @@ def adopt_study_kernels(kc: KernelChoice, gm: torch.fx.GraphModule, dev: torch.d
     either side from one probe to the next. Every kernel runs on every device; the trials measure
     its speed. The order (fastest first, for the baselines) is this run's probe's, and
     torch.autocast's dtype is chosen over the study's kernels (:func:`autocast_usable`, on
-    ``dev``). Returns ``kc`` itself when there is nothing to adopt, else the study's choice (``gm``: the captured graph, for
-    the blocks of a space that had no low kernels)."""
+    ``dev``). Returns ``kc`` itself when there is nothing to adopt, else the study's choice
+    (``gm``: the captured graph, for the blocks of a space that had no low kernels)."""
     if kc.forced is not None or choices is None or choices == kc.space.dtypes:
         return kc  # --dtypes forces the space: check_study refuses a study of other choices
     ms = {k: (v.get("ms") or math.inf) for k, v in kc.probes.get("kernels", {}).items()}
