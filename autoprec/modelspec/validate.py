@@ -110,6 +110,41 @@ def _check_tokens(spec: ModelSpec, n: Any) -> None:
                              "behind every tokens/s")
 
 
+def _versions(batch: Any) -> list[int]:
+    """The autograd version counter of each tensor leaf of ``batch``: an in-place op on a leaf, or
+    on a view of it, bumps its counter (PyTorch autograd mechanics, "In-place correctness checks")."""
+    return [t._version for t in pytree.tree_leaves(batch) if isinstance(t, torch.Tensor)]
+
+
+def _copy(batch: Any) -> Any:
+    """``batch`` with every tensor leaf cloned (a get_batch may hand out the same tensors each call)."""
+    return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, batch)
+
+
+def _check_mutation_settles(spec: ModelSpec, model: nn.Module, batch: Any, who: str) -> None:
+    """``who`` changed the values of ``batch`` in place on its first call. Harmless when the change
+    settles (``labels[labels == pad] = -100`` leaves the batch as it is on a second call: every
+    measurement sees the same input); raise when a second forward and loss change it again
+    (``x.mul_(2)``): every timed step, drift pass and training step would see another input, and
+    the drift against fp32 measures that, not the precision.
+
+    Raises:
+        ModelSpecError: naming the batch leaf that keeps changing and the fix."""
+    settled = _copy(batch)
+    with torch.no_grad():
+        _call_entry(spec, "loss_fn", spec.loss_fn, call_model(model, batch), batch)
+    if _same_batch(batch, settled):
+        return
+    where = next((f"batch{pytree.keystr(p)}" for (p, a), b in zip(pytree.tree_flatten_with_path(batch)[0],
+                                                                   pytree.tree_leaves(settled))
+                  if not _same_batch(a, b)), "the batch")
+    raise ModelSpecError(
+        f"{spec.path}: {who} changes its input {where} in place, and again on every call (an in-place "
+        "op such as x.mul_(2), x += y or x[...] = v on a batch tensor); autoprec runs each batch many "
+        "times (the fp32 reference, torch.autocast, every policy), so each would see another input. "
+        "Compute on a copy instead (x = x * 2, or x = x.clone() first)")
+
+
 def validate_spec(spec: ModelSpec, device: torch.device | str = "cpu") -> tuple[nn.Module, Any]:
     """Run every entry point of ``spec`` once and check what it returns
     (docs/architecture.md#modelpy-contract).
@@ -133,7 +168,9 @@ def validate_spec(spec: ModelSpec, device: torch.device | str = "cpu") -> tuple[
             tuple/list or dict, or two different batches for step 0, or a dict key ``forward``
             does not take; the forward raised (for a tuple or list batch the message names how
             its items were bound to ``forward``'s parameters: :func:`positional_binding`); the
-            loss is not a floating scalar tensor that requires grad; ``tokens_per_batch`` gave no
+            loss is not a floating scalar tensor that requires grad; the forward or ``loss_fn``
+            changes the batch in place on every call (:func:`_check_mutation_settles`);
+            ``tokens_per_batch`` gave no
             positive number; ``get_heldout_batch`` returned no batch;
             ``make_optimizer`` returned no ``torch.optim.Optimizer``.
     """
@@ -159,15 +196,19 @@ def validate_spec(spec: ModelSpec, device: torch.device | str = "cpu") -> tuple[
                                  "torch.Generator with step)")
         if isinstance(batch, Mapping):
             _check_batch_keys(spec, model, batch)
+        versions, pristine = _versions(batch), _copy(batch)
         try:
             out = _call_entry(spec, "the model's forward on get_batch(0)", call_model, model, batch)
         except ModelSpecError as e:
             if (bound := positional_binding(model, batch)) is None:
                 raise
             raise ModelSpecError(f"{e}; {bound}") from e
+        in_forward = _versions(batch) != versions
         loss = _call_entry(spec, "loss_fn", spec.loss_fn, out, batch)
         _check_loss(spec, loss)
         del out, loss
+        if _versions(batch) != versions and not _same_batch(batch, pristine):
+            _check_mutation_settles(spec, model, batch, "the model's forward" if in_forward else "loss_fn")
         _check_tokens(spec, _call_entry(spec, "tokens_per_batch(batch)", spec.tokens_per_batch, batch))
         if spec.heldout_batch is not None:
             _call_entry(spec, "get_heldout_batch(0, device)", spec.heldout_batch, 0, dev)  # CheckedGetBatch

@@ -397,3 +397,46 @@ def test_a_deterministic_batch_with_nan_or_numpy_values_is_not_called_random(tmp
     with pytest.raises(ModelSpecError, match=r"meta.py: get_batch\(0, device\) returned a tensor on the meta "
                                              r"device at batch\['x'\] \(it has a shape and no values\)"):
         validate_spec(load_model_spec(meta))
+
+
+INPLACE = """
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+BATCH = (torch.randn(4, 8, generator=torch.Generator().manual_seed(0)), torch.randn(4, 1) * 3)
+
+class M(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(8, 16), nn.Linear(16, 1)
+    def forward(self, x, y):
+        {change}
+        return F.mse_loss(self.l2(torch.relu(self.l1(x))), y)
+
+def build_model():
+    return M()
+
+def get_batch(step, device):
+    return {batch}
+
+def loss_fn(out, batch):
+    return out
+"""
+
+
+@pytest.mark.parametrize("batch", ["tuple(t.clone() for t in BATCH)", "BATCH"])
+def test_forward_that_changes_its_input_on_every_call_is_refused(tmp_path: Path, batch: str) -> None:
+    """A forward doubling its input in place (a user's ``x.mul_(2.0)``) made every measurement see
+    another input: tune blamed torch.autocast's drift (grad_rel_l2 6.57) and then every policy's.
+    Also when get_batch hands out the same tensors on every call. A change that settles on the
+    second call (padding labels masked once) is harmless and passes."""
+    from autoprec.modelspec import validate_spec
+
+    bad = load_model_spec(write(tmp_path, INPLACE.format(change="x.mul_(2.0)", batch=batch), "bad.py"))
+    with pytest.raises(ModelSpecError, match=r"bad\.py: the model's forward changes its input batch\[0\] in "
+                                             r"place, and again on every call.*x = x.clone\(\)"):
+        validate_spec(bad)
+    settles = INPLACE.format(change="y.clamp_(max=0.5)", batch=batch)
+    model, got = validate_spec(load_model_spec(write(tmp_path, settles, "settles.py")))
+    assert float(got[1].max()) <= 0.5  # changed once (the batch the check ran), then settled
