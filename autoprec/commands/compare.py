@@ -332,6 +332,7 @@ def compare(model_path: str | os.PathLike, policy_path: str | os.PathLike, steps
             print(msg, flush=True)
 
     if policy.batching is not None:
+        step_batches(spec, policy.batching, dev, policy_path)  # refused before any configuration trains
         log(0, f"training every configuration at {policy.batching.describe()} (the policy's batching)")
     for name in names:
         if state is not None and name in state.done:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -67,20 +68,22 @@ def one_micro_batch(batch: Any) -> Any:
     return batch.parts[0] if isinstance(batch, Accumulated) else batch
 
 
-def step_batches(spec: ModelSpec, batching: Batching | None, device: torch.device) -> MicroBatches | None:
+def step_batches(spec: ModelSpec, batching: Batching | None, device: torch.device,
+                 policy_file: str | os.PathLike | None = None) -> MicroBatches | None:
     """The optimizer steps' batches a policy's ``batching`` asks of ``spec`` (None without one:
     ``get_batch(step)`` as the file gives it).
 
     Raises:
         ModelSpecError: the model file cannot give them (:class:`MicroBatches`), the message naming
-            the policy's micro-batch and global batch."""
+            the policy file (``policy_file``) and its ``batching`` field's micro-batch and global batch."""
     if batching is None:
         return None
     try:
         return MicroBatches(spec, batching.global_batch, batching.micro_batch, device)
     except ModelSpecError as e:
-        raise ModelSpecError(f"the policy trains at {batching.describe()}, which the model file cannot "
-                             f"give: {e}") from None
+        who = f"{os.fspath(policy_file)}: " if policy_file is not None else ""
+        raise ModelSpecError(f"{who}the policy's batching trains at {batching.describe()}, which the model "
+                             f"file cannot give: {e}") from None
 
 
 def first_batches(spec: ModelSpec, source: MicroBatches | None, device: torch.device, n: int) -> list[Any]:

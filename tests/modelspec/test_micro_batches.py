@@ -90,4 +90,6 @@ def test_batches_that_cannot_be_resized_are_refused_naming_the_entry_and_the_num
     with pytest.raises(ModelSpecError, match=r"trains at micro-batch 3 x 2 accumulated \(global batch 6\), "
                                              "which the model file cannot give"):
         step_batches(_spec(_file_batch), Batching(3, 2), CPU)
+    with pytest.raises(ModelSpecError, match=r"^p\.json: the policy's batching trains at micro-batch 3 x 2"):
+        step_batches(_spec(_file_batch), Batching(3, 2), CPU, "p.json")  # train and compare name the file
     assert step_batches(_spec(_file_batch), None, CPU) is None
