@@ -70,7 +70,7 @@ def _cmd_tune(a: argparse.Namespace) -> int:
 def _tune(a: argparse.Namespace) -> int:
     from autoprec._torch_compat import compile_cache_counts
     from autoprec.applied.compile import cache_report
-    from autoprec.search.report import baseline_label, baseline_own_ratio, format_table
+    from autoprec.search.report import baseline_own_ratio, baseline_speed, format_table
     from autoprec.search.study import tune
 
     caches = compile_cache_counts()
@@ -87,14 +87,14 @@ def _tune(a: argparse.Namespace) -> int:
 
     bar = AUTOCAST_COMPILED if not a.no_compile else AUTOCAST_EAGER
     best = res.policy.provenance.get("baseline")
-    speeds = [(m[k], n) for k, n in (("speedup_vs_autocast", bar), ("speedup_vs_fp32", "fp32 eager"))
+    speeds = [f"{m[k]:.2f}x {n}" for k, n in (("speedup_vs_autocast", bar), ("speedup_vs_fp32", "fp32 eager"))
               if k in m and k != baseline_own_ratio(m, best)]
     if best is not None and "speedup_vs_baseline" in m:  # first: the choice must not fall below it
-        speeds.insert(0, (m["speedup_vs_baseline"], baseline_label(m, best)))
+        speeds.insert(0, baseline_speed(m, best))
     rule = res.budget.describe()
     at_global = "micro_batch_tokens_per_s" in m  # then these are the contest's, at the file's batch
     print(("the contest's choice at the model file's batch" if at_global else f"wrote {a.out}")
-          + f": {m['tokens_per_s']:.0f} tokens/s, " + ", ".join(f"{r:.2f}x {n}" for r, n in speeds)
+          + f": {m['tokens_per_s']:.0f} tokens/s, " + ", ".join(speeds)
           + f", grad_rel_l2 {m['grad_rel_l2']:.3g} (budget: {rule}), peak {m['peak_bytes'] / 2**20:.1f} MiB"
           + (f" (budget {m['memory_budget_bytes'] / 2**20:.1f} MiB)"
              if "memory_budget_bytes" in m and not at_global else ""))

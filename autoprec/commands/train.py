@@ -178,7 +178,7 @@ def _train(spec: Any, policy: Policy, policy_path: str | os.PathLike, dev: Any, 
         torch.manual_seed(seed)
     model = spec.build_model().to(dev)
     model.train()
-    source = step_batches(spec, policy.batching, dev, policy_path)  # the policy's micro-batch and accumulation
+    source = step_batches(spec, policy.batching, dev, policy_path)  # the policy's micro-batch x accumulation
     if not quiet:
         _print_header(policy, ranks.world)
     batches = first_batches(spec, source, dev, PROBE_BATCHES)

@@ -26,7 +26,7 @@ from autoprec.search.finalist_pool import is_feasible
 from autoprec.search.plots import dtype_map_figure, micro_batch_figure, pareto_figure, save_figure
 from autoprec.search.rate_bands import rate_text, ties_with_fastest, timing_of
 
-__all__ = ["baseline_label", "baseline_own_ratio", "format_table", "report_study", "write_report",
+__all__ = ["baseline_own_ratio", "baseline_speed", "format_table", "report_study", "write_report",
            "trial_rows", "pareto_front", "show_nodes", "dtype_map", "node_label", "lever_section",
            "policy_summary"]
 
@@ -176,19 +176,28 @@ def dtype_map(gm: fx.GraphModule, policy: Policy) -> dict[str, dict[str, str]]:
     return {m: {c: max(d, key=d.get) for c, d in cl.items()} for m, cl in counts.items()}
 
 
-def baseline_label(measured: Mapping[str, float], baseline: str) -> str:
-    """How ``tune``'s last line and ``show`` name the baseline to beat after the policy's
-    ``speedup_vs_baseline``: ``"fp32 + torch.compile (the baseline to beat)"``, with the decision's
-    band where the policy file has it (``speedup_vs_baseline_lo``/``_hi``) and the paired ratio that
-    band is of (``speedup_vs_baseline_paired``; the ratio before the label is the medians'), and "a
-    tie within the noise" where that band contains 1.0 (a ratio below 1.0 is then no loss)."""
+def baseline_speed(measured: Mapping[str, float], baseline: str) -> str:
+    """How ``tune``'s last line and ``show`` give the speed against the baseline to beat, e.g.
+    ``"1.00x fp32 + torch.compile (the baseline to beat; a tie within the noise: band 0.97-1.04,
+    paired rounds)"``: the policy's ``speedup_vs_baseline`` named by ``baseline``, with the
+    decision's 95% band where the policy file has it (``speedup_vs_baseline_lo``/``_hi``), and "a
+    tie within the noise" where that band contains 1.0 (a ratio below 1.0 is then no loss). Where
+    the rounds were paired, the ratio shown is the one that band is of
+    (``speedup_vs_baseline_paired``, the per-round ratios' geometric mean,
+    :func:`autoprec.measure.noise.compare`), and the medians' ratio follows only where it differs:
+    a ``--no-compile`` tune printed "0.92x fp32 eager (...; paired 0.72x, band 0.63-0.83)", a ratio
+    outside its own band."""
+    ratio = measured["speedup_vs_baseline"]
     lo, hi = measured.get("speedup_vs_baseline_lo"), measured.get("speedup_vs_baseline_hi")
     if lo is None or hi is None:
-        return f"{baseline} (the baseline to beat)"
+        return f"{ratio:.2f}x {baseline} (the baseline to beat)"
     tie = "a tie within the noise: " if lo <= 1.0 <= hi else ""
     paired = measured.get("speedup_vs_baseline_paired")
-    of = f"paired {paired:.2f}x, band" if paired is not None else "band"
-    return f"{baseline} (the baseline to beat; {tie}{of} {lo:.2f}-{hi:.2f})"
+    if paired is None:
+        return f"{ratio:.2f}x {baseline} (the baseline to beat; {tie}band {lo:.2f}-{hi:.2f})"
+    medians = f"; medians' ratio {ratio:.2f}x" if f"{ratio:.2f}" != f"{paired:.2f}" else ""
+    return (f"{paired:.2f}x {baseline} (the baseline to beat; {tie}band {lo:.2f}-{hi:.2f}, paired "
+            f"rounds{medians})")
 
 
 def baseline_own_ratio(measured: Mapping[str, float], baseline: str | None) -> str | None:
@@ -425,11 +434,12 @@ def policy_summary(policy: Policy, path: str | os.PathLike, rules: bool = True) 
         # the torch.autocast it was timed against: compiled or eager, as the policy was tuned
         autocast = {True: AUTOCAST_COMPILED, False: AUTOCAST_EAGER}.get(prov.get("compiled"),
                                                                          "torch.autocast")
-        band = baseline_label(m, best)
-        for key in ("speedup_vs_baseline_lo", "speedup_vs_baseline_hi", "speedup_vs_baseline_paired"):
+        if "speedup_vs_baseline" in m:
+            shown.append(baseline_speed(m, best))
+        for key in ("speedup_vs_baseline", "speedup_vs_baseline_lo", "speedup_vs_baseline_hi",
+                    "speedup_vs_baseline_paired"):
             m.pop(key, None)
-        for key, label in (("speedup_vs_baseline", band),
-                           ("speedup_vs_fp32", "fp32 eager"), ("speedup_vs_autocast", autocast)):
+        for key, label in (("speedup_vs_fp32", "fp32 eager"), ("speedup_vs_autocast", autocast)):
             if key in m and key != same:
                 shown.append(f"{m.pop(key):.2f}x {label}")
         m.pop(same, None)

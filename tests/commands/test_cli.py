@@ -88,9 +88,12 @@ def test_tune_writes_policy_resumes_and_trains(tmp_path, capsys):
         paired = m.get("speedup_vs_baseline_paired")
         if paired is not None:
             assert lo <= paired <= hi, m  # the band is the paired ratio's
-        of = f"paired {paired:.2f}x, band" if paired is not None else "band"
-        assert (f"tokens/s, {m['speedup_vs_baseline']:.2f}x {best} (the baseline to beat; {tie}{of} "
-                f"{lo:.2f}-{hi:.2f}), ") in wrote
+        ratio = m["speedup_vs_baseline"] if paired is None else paired  # the one the band is of, first
+        medians = (f"; medians' ratio {m['speedup_vs_baseline']:.2f}x"
+                   if paired is not None and f"{paired:.2f}" != f"{m['speedup_vs_baseline']:.2f}" else "")
+        rounds = f", paired rounds{medians}" if paired is not None else ""
+        assert (f"tokens/s, {ratio:.2f}x {best} (the baseline to beat; {tie}band {lo:.2f}-{hi:.2f}"
+                f"{rounds}), ") in wrote
     else:
         assert m["speedup_vs_baseline"] == 1.0, m
         assert f"tokens/s, 1.00x {best} (the baseline to beat), " in wrote
@@ -178,9 +181,9 @@ def test_show_prints_the_policys_batching(tmp_path, capsys):
                    "peak 1.0 MiB"),
     ("torch.autocast + torch.compile", "measured: 1600 tokens/s, 1.10x torch.autocast + torch.compile (the "
                                        "baseline to beat), 1.05x fp32 eager, peak 1.0 MiB"),
-    ("fp32 + torch.compile, tie", "measured: 1600 tokens/s, 0.56x fp32 + torch.compile (the baseline to "
-                                  "beat; a tie within the noise: paired 0.67x, band 0.33-1.35), 1.05x fp32 "
-                                  "eager"),
+    ("fp32 + torch.compile, tie", "measured: 1600 tokens/s, 0.67x fp32 + torch.compile (the baseline to "
+                                  "beat; a tie within the noise: band 0.33-1.35, paired rounds; medians' "
+                                  "ratio 0.56x), 1.05x fp32 eager"),
     ("fp32 + torch.compile, slower", "measured: 1600 tokens/s, 0.56x fp32 + torch.compile (the baseline to "
                                      "beat; band 0.50-0.62), 1.05x fp32 eager"),
 ])
@@ -188,7 +191,8 @@ def test_show_gives_the_speed_against_the_baseline_to_beat_first_and_once(tmp_pa
     """``show`` leads with ``speedup_vs_baseline``, named by ``provenance.baseline``; where that bar is
     fp32 eager or torch.autocast its own ratio is not printed a second time. With the decision's
     paired band it says whether the ratio is a tie (a user read "0.56x the baseline to beat" for a
-    policy the head-to-head had found as fast as it, within a band of 0.33-1.35)."""
+    policy the head-to-head had found as fast as it, within a band of 0.33-1.35). Paired, it leads
+    with the ratio the band is of (a user read "0.92x ... paired 0.72x, band 0.63-0.83")."""
     baseline, _, band = baseline.partition(", ")
     vs = {"fp32 + torch.compile": 1.0, "fp32 eager": 0.92, "torch.autocast + torch.compile": 1.1}[baseline]
     bands = {"tie": (0.33, 1.35), "slower": (0.50, 0.62)}
