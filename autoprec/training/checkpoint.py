@@ -113,6 +113,7 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
     Args:
         path: Checkpoint file (e.g. ``run/ckpt.pt``).
         model: The model (or :class:`~autoprec.MixedPrecisionModule`) whose ``state_dict`` to save;
+            or what :func:`autoprec.ddp` returned (its module's keys are saved: the model's own);
             or the sharded root :func:`autoprec.shard` returned, on every rank (a collective: the
             full state is gathered to rank 0, which writes the file; other ranks write nothing).
         optimizer: Its optimizer.
@@ -127,6 +128,7 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
             :func:`load_checkpoint`'s ``weights_only`` load would refuse; nothing is written.
     """
     _check_extra(path, extra or {})
+    model = _own_keys(model)
     sharded = _sharded(model)
     ranks_rng: list[Any] | None = None
     if sharded:
@@ -154,6 +156,16 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
     finally:
         if sharded:
             dist.barrier()  # the others return once the file is complete (or the write failed)
+
+
+def _own_keys(model: nn.Module) -> nn.Module:
+    """The module whose ``state_dict`` has the model's own keys: under ``DistributedDataParallel``
+    (what :func:`autoprec.ddp` returns) its ``module``. DDP's own ``state_dict`` prefixes every key
+    with ``module.`` and reaches past a :class:`~autoprec.MixedPrecisionModule`'s key mapping, so a
+    file it wrote loaded neither into the DDP module that wrote it nor into the plain model."""
+    while isinstance(model, nn.parallel.DistributedDataParallel):
+        model = model.module
+    return model
 
 
 def _sharded(model: nn.Module) -> bool:
@@ -237,8 +249,9 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
 
     Args:
         path: Checkpoint file.
-        model: Model to load the weights into (same architecture); or the sharded root
-            :func:`autoprec.shard` returned, on every rank (each keeps its shards of the full state).
+        model: Model to load the weights into (same architecture); or what :func:`autoprec.ddp`
+            returned (loaded into its module); or the sharded root :func:`autoprec.shard` returned,
+            on every rank (each keeps its shards of the full state).
         optimizer: Optimizer over ``model``'s parameters, or None to skip its state.
         scaler: Loss scaler to restore, or None. A checkpoint without scaler state leaves it as is.
         restore_rng: Restore the torch (CPU, CUDA) and Python RNG states.
@@ -253,6 +266,7 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
     """
     source = os.fspath(path)
     payload = _read(source)
+    model = _own_keys(model)
     if _sharded(model):
         _scatter(source, payload, model, optimizer)
     else:

@@ -469,3 +469,41 @@ def test_a_sharded_run_resumes_from_its_checkpoint_as_if_never_stopped(tmp_path)
     opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
     ck = autoprec.load_checkpoint(ckpt, plain, opt)
     assert ck.step == 4 and all(len(s) == 3 for s in opt.state.values()) and len(opt.state) == 4
+
+
+def _ddp_ckpt_worker(rank: int, world: int, path: str) -> dict:
+    """Two DDP steps of a bf16 policy, saved on rank 0 through the DDP module :func:`ddp` returned;
+    then a fresh DDP run of other initial weights loads it through its own DDP module."""
+    torch.manual_seed(0)
+    model = _mlp()
+    mp = autoprec.apply(model, Policy.default("bf16"), (torch.randn(4, 8),), compile=False)
+    module = ddp(mp)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for k in range(2):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(100 + k * world + rank))
+        module(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    if rank == 0:
+        autoprec.save_checkpoint(path, module, opt, policy=mp.policy, step=2)
+    dist.barrier()
+    torch.manual_seed(1)
+    fresh = _mlp()
+    module2 = ddp(autoprec.apply(fresh, Policy.default("bf16"), (torch.randn(4, 8),), compile=False))
+    opt2 = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    step = autoprec.load_checkpoint(path, module2, opt2).step
+    return {"step": step, "same": torch.equal(_flat_params(fresh), _flat_params(model)),
+            "opt_steps": [float(s["step"]) for s in opt2.state.values()]}
+
+
+def test_a_ddp_run_saves_and_loads_through_the_module_ddp_returned(tmp_path):
+    """A user saved ``autoprec.ddp(mp)`` with ``save_checkpoint`` and resumed with ``load_checkpoint``
+    into the same kind of module: "Unexpected key(s) in state_dict: module.transformer.wte.weight",
+    and the file did not load into the plain model either. Both now take the module's own keys."""
+    ckpt = tmp_path / "ddp.pt"
+    res = _run_ranks(_ddp_ckpt_worker, tmp_path / "run", str(ckpt))
+    for r in res:
+        assert r["step"] == 2 and r["same"] and r["opt_steps"] == [2.0] * 6, r
+    plain = _mlp()
+    assert set(torch.load(ckpt, weights_only=True)["model"]) == set(plain.state_dict())  # no "module."
+    assert autoprec.load_checkpoint(ckpt, plain).step == 2
