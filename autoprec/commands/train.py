@@ -132,7 +132,8 @@ def train(model_path: str | os.PathLike, policy_path: str | os.PathLike, steps: 
             start from step 0 if it does not. A checkpoint already at step ``steps`` or beyond is a
             finished run: one line says so and the result has ``complete=True`` (nothing written).
         checkpoint_every: Also save every this many steps (0: only at the end).
-        log_path: JSONL file for the monitor (appended to).
+        log_path: JSONL file for the monitor (appended to; a resumed run first drops its lines of the
+            steps after the checkpoint, which it redoes: one line per step).
         max_grad_norm: Clip unscaled gradients to this L2 norm.
         force: Train with a policy none of whose rules selects a node of this model (a policy of
             another model) instead of refusing it (:mod:`autoprec.applied.policy_match`).
@@ -204,7 +205,8 @@ def _train(spec: Any, policy: Policy, policy_path: str | os.PathLike, dev: Any, 
                      device_type=dev.type, max_grad_norm=max_grad_norm, max_skips=MAX_SKIPS_AT_FLOOR,
                      diagnose=diagnose)
     start = _resume(checkpoint, policy_path, policy, step, model, steps, quiet, ranks.world) if resume else 0
-    monitor = Monitor(log_path if ranks.lead else None, graph_module=mp.graph_module)
+    monitor = Monitor(log_path if ranks.lead else None, graph_module=mp.graph_module,
+                      resume_from=start or None)  # resumed: the steps after the checkpoint are redone
     checkpoint = checkpoint if ranks.lead else None  # every rank resumed from it; rank 0 writes it
 
     def save(done: int) -> None:

@@ -27,7 +27,7 @@ from typing import IO, Any
 
 from torch import fx
 
-from autoprec._io import json_safe  # re-exported: the package's one non-finite rule
+from autoprec._io import atomic_write, json_safe  # json_safe re-exported: the package's one non-finite rule
 from autoprec.capture import InputShapes
 from autoprec.metrics import median
 from autoprec.modelspec import split_batch
@@ -91,12 +91,33 @@ class StepRecord:
     first_nonfinite_node: str | None = None
 
 
+def _drop_from(path: Path, step: int) -> None:
+    """Rewrite the JSONL log ``path`` (atomically) without its step records of ``step`` or later;
+    other lines are kept as they are, except a last line cut short by a killed run (not JSON)."""
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+
+    def keep(i: int, line: str) -> bool:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            return i < len(lines) - 1  # a half-written last line: the killed run's
+        return not (isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] >= step)
+
+    kept = [ln if ln.endswith("\n") else ln + "\n" for i, ln in enumerate(lines) if keep(i, ln)]
+    if len(kept) != len(lines):
+        atomic_write(path, lambda f: f.writelines(kept))
+
+
 class Monitor:
     """Per-step training monitor with a JSONL log and non-finite diagnosis.
 
     Args:
         path: JSONL file to append one line per step to (parent directories are created; an existing
             file is appended to, e.g. on resume), or None to keep records in memory only.
+        resume_from: The step a resumed run starts at (its checkpoint's): the lines of an existing
+            ``path`` from that step on, which the interrupted run wrote after its last checkpoint
+            and the resumed run redoes, are dropped first (the file is rewritten atomically), so each
+            step has one line. None (default): nothing is dropped.
         graph_module: The (lowered) graph the model runs, used to diagnose overflow steps; None
             disables diagnosis.
         diagnose_overflows: Diagnose each step with non-finite gradients (re-runs the forward pass
@@ -122,7 +143,8 @@ class Monitor:
     """
 
     def __init__(self, path: str | os.PathLike | None = None, graph_module: fx.GraphModule | None = None,
-                 diagnose_overflows: bool = True, max_diagnoses: int = 3) -> None:
+                 diagnose_overflows: bool = True, max_diagnoses: int = 3,
+                 resume_from: int | None = None) -> None:
         self.path = Path(path) if path is not None else None
         self.graph_module = graph_module
         self.diagnose_overflows = diagnose_overflows
@@ -133,6 +155,8 @@ class Monitor:
         self._file: IO[str] | None = None
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            if resume_from is not None and self.path.is_file():
+                _drop_from(self.path, resume_from)
             self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
 
     # -------------------------------------------------------------------------- recording

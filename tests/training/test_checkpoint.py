@@ -157,6 +157,29 @@ def test_loop_resume_matches_uninterrupted(tmp_path):
         train(TINY, tmp_path / "b.json", steps=2, checkpoint=ck16, resume=True, **kw)
 
 
+def test_resumed_run_drops_the_log_lines_it_redoes(tmp_path):
+    """An interrupted run's log holds the steps after its last checkpoint; the resumed run redoes
+    them. A user's ``--log`` held steps 300-318 twice (a loss curve from it doubled back): the resume
+    drops them first, keeps what came before and any other line, and a cut-off last line."""
+    import json
+
+    pol = tmp_path / "p.json"
+    Policy.fp32().save(pol)
+    kw = {"compile": False, "quiet": True}
+    ck, log = tmp_path / "ck.pt", tmp_path / "log.jsonl"
+    full = train(TINY, pol, steps=5, **kw)
+    train(TINY, pol, steps=2, checkpoint=ck, log_path=log, **kw)
+    with open(log, "a") as f:  # the interrupted run went on past its checkpoint at step 2
+        f.write('{"step": 2, "loss": 9.0}\n{"note": "kept"}\n{"step": 3, "loss": 9.0}\n{"step": 4, "lo')
+    rest = train(TINY, pol, steps=5, checkpoint=ck, resume=True, log_path=log, **kw)
+    rows = [json.loads(ln) for ln in log.read_text().splitlines()]
+    assert [r.get("step") for r in rows] == [0, 1, None, 2, 3, 4]
+    assert [r["loss"] for r in rows if "step" in r] == pytest.approx(full.losses, rel=0, abs=0)
+    assert rest.start_step == 2
+    train(TINY, pol, steps=5, checkpoint=tmp_path / "none.pt", resume=True, log_path=log, **kw)
+    assert len(log.read_text().splitlines()) == 11  # no checkpoint to resume from: appended, nothing dropped
+
+
 def test_cli_checkpoint_resume(tmp_path, capsys):
     from autoprec.cli import main
 
