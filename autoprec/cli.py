@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from autoprec.cli_parser import build_parser
-from autoprec.cli_paths import check_writable, make_parents, remove_if_empty
+from autoprec.cli_paths import make_parents, output_paths
 from autoprec.errors import AutoprecError
 
 __all__ = ["main"]
@@ -52,19 +52,14 @@ def _cmd_tune(a: argparse.Namespace) -> int:
     spec, model = _validate_model(a.model, a.device)
     check_memory_floor(memory, model, spec.make_optimizer)  # bytes below the fp32 state: before capture
     del model
-    created = make_parents(a.out, sqlite_path(a.storage))
-    try:
-        check_writable("--out", a.out)  # the default study database sits beside it
-        if a.storage is None:
-            check_sqlite_file("--out", sqlite_path(default_storage(a.out)))
-        elif (db := sqlite_path(a.storage)) is not None:
-            check_sqlite_file("--storage", db)
-            if not os.path.isfile(db):
-                check_writable("--storage", db, "study.db")
+    db = sqlite_path(a.storage)
+    if a.storage is None:  # the default study database sits beside --out
+        check_sqlite_file("--out", sqlite_path(default_storage(a.out)))
+    elif db is not None:
+        check_sqlite_file("--storage", db)
+    with output_paths(("--out", a.out, "policy.json"),  # a new database file is written, an old one opened
+                      ("--storage", db if db is not None and not os.path.isfile(db) else None, "study.db")):
         return _tune(a)
-    except BaseException:
-        remove_if_empty(created)
-        raise
 
 
 def _tune(a: argparse.Namespace) -> int:
@@ -169,6 +164,14 @@ def _cmd_train(a: argparse.Namespace) -> int:
         print("autoprec train: error: --checkpoint-every needs --checkpoint PATH (where to save)",
               file=sys.stderr)
         return 2
+    out_dir = os.path.join(a.out_dir, "convergence.json") if a.compare is not None else None
+    with output_paths(("--checkpoint", a.checkpoint, "ckpt.pt"), ("--log", a.log, "train.jsonl"),
+                      ("--out-dir", out_dir, "convergence.json")):  # before the steps, not at the first save
+        return _train(a)
+
+
+def _train(a: argparse.Namespace) -> int:
+    """``autoprec train`` once its options are checked and its output paths are writable."""
     from autoprec.commands.train import check_checkpoint, report, train
     from autoprec.distributed.ranks import ranks_from_env
     from autoprec.policy import Policy
@@ -255,6 +258,12 @@ def _cmd_show(a: argparse.Namespace) -> int:
 
 
 def _cmd_bench(a: argparse.Namespace) -> int:
+    with output_paths(("--json", a.json, "bench.json"), ("--md", a.md, "bench.md")):  # before the timing
+        return _bench(a)
+
+
+def _bench(a: argparse.Namespace) -> int:
+    """``autoprec bench`` once its output paths are writable."""
     from pathlib import Path
 
     from autoprec.commands.bench import format_bench_table, run_bench
@@ -279,8 +288,6 @@ def _cmd_bench(a: argparse.Namespace) -> int:
         if _refuse_unread(a, "--global-batch", "each side's micro-batch and timing follow tune's micro-batch "
                           "search", ("configs", "steps", "warmup", "skip_slow")):
             return 2
-        if a.json:
-            Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         with _naming_policy(a.policy):
             res = run_batch_bench(a.model, a.policy, a.global_batch, a.max_memory, device=a.device,
                                   json_path=a.json, compile=not a.no_compile, strict_timing=a.strict_timing,
@@ -288,7 +295,6 @@ def _cmd_bench(a: argparse.Namespace) -> int:
         table = format_batch_table(res)
         print("\n" + table)
         if a.md:
-            Path(a.md).parent.mkdir(parents=True, exist_ok=True)
             Path(a.md).write_text(table + "\n")
         return 0
     try:
@@ -305,7 +311,6 @@ def _cmd_bench(a: argparse.Namespace) -> int:
     if a.json:
         print(f"wrote {a.json}")
     if a.md:
-        Path(a.md).parent.mkdir(parents=True, exist_ok=True)
         Path(a.md).write_text(table + "\n")
         print(f"wrote {a.md}")
     from autoprec.commands.bench_table import failed_rows
@@ -360,9 +365,6 @@ def _cmd_bench_dist(a: argparse.Namespace) -> int:
 
     from autoprec.commands.bench_dist import format_dist_table, run_bench_dist
 
-    for path in (a.json, a.md):
-        if path:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
     with _naming_policy(a.policy):
         res = run_bench_dist(a.model, a.policy, **_given(a, "steps", "warmup"), device=a.device,
                              json_path=a.json, force=a.force)

@@ -5,10 +5,12 @@ that cannot be written atomically fails at once (cli.py's exit code 2, nothing w
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from autoprec.errors import AutoprecError
 
-__all__ = ["check_writable", "make_parents", "remove_if_empty"]
+__all__ = ["check_writable", "make_parents", "output_paths", "remove_if_empty"]
 
 
 def make_parents(*paths: str | None) -> list:
@@ -63,3 +65,30 @@ def remove_if_empty(dirs: list) -> None:
             d.rmdir()
         except OSError:
             pass
+
+
+@contextmanager
+def output_paths(*outputs: tuple[str, str | None, str]) -> Iterator[None]:
+    """Check a command's output files before any work and undo the check's directories if the
+    command fails: for each ``(option, path, example)`` given a path, its missing parents are made
+    (:func:`make_parents`) and the path checked (:func:`check_writable`); an exception in the block
+    removes the directories made that it left empty. A ``train --checkpoint`` under a file, or a
+    ``bench --json`` naming a directory, failed after all the steps had run (the trained weights lost).
+
+    Raises:
+        AutoprecError: as :func:`make_parents` and :func:`check_writable`, before the block runs."""
+    created: list = []
+    for option, path, _example in outputs:
+        try:
+            created += make_parents(path)
+        except AutoprecError as e:
+            remove_if_empty(created)
+            raise AutoprecError(f"{option} {e}") from None
+    try:
+        for option, path, example in outputs:
+            if path:
+                check_writable(option, path, example)
+        yield
+    except BaseException:
+        remove_if_empty(created)
+        raise

@@ -20,7 +20,7 @@ from autoprec.errors import LossScaleError, SearchError
 from autoprec.search import attrs
 from autoprec.search import storage as storage_mod
 from autoprec.search.space import SearchSpace
-from tests.conftest import MODELS
+from tests.conftest import EXAMPLES, MODELS
 
 MICRO = str(MODELS / "micro_lm.py")
 
@@ -302,3 +302,41 @@ def test_train_interrupt_says_how_to_resume(monkeypatch, capsys, extra, says):
     assert main(["train", "m.py", "--policy", "p.json", *extra]) == 130
     err = capsys.readouterr().err
     assert "autoprec train: interrupted after" in err and says in err
+
+
+@pytest.mark.parametrize("cmd, option, where, says", [
+    ("train", "--checkpoint", "under_file", "cannot create the directory"),
+    ("train", "--checkpoint", "dir", "is a directory; give a file path"),
+    ("train", "--log", "dir", "is a directory; give a file path"),
+    ("compare", "--out-dir", "file", "cannot write there"),
+    ("bench", "--json", "dir", "is a directory; give a file path"),
+    ("bench", "--md", "under_file", "cannot create the directory"),
+])
+def test_train_and_bench_check_their_output_paths_before_any_work(tmp_path, capsys, monkeypatch, cmd, option,
+                                                                  where, says):
+    """A user's ``train --checkpoint`` whose parent was a file ran all 200 steps, then failed at the
+    first save with a traceback (the trained weights lost); ``bench --json DIR`` measured everything,
+    then failed. Each output path is now checked as tune's ``--out`` is: exit 2 naming the option,
+    before the model is built or anything is timed, and nothing is left behind."""
+    from autoprec.commands import bench, train
+
+    def no_work(*a, **k):
+        raise AssertionError("the work started before the output path was checked")
+
+    monkeypatch.setattr(train, "train", no_work)
+    monkeypatch.setattr(bench, "run_bench", no_work)
+    monkeypatch.setattr(cli, "_validate_model", no_work)
+    pol = tmp_path / "p.json"
+    Policy.fp32().save(pol)
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    (tmp_path / "d").mkdir()
+    path = {"under_file": blocker / "new" / "out.x", "dir": tmp_path / "d", "file": blocker}[where]
+    argv = {"train": ["train", str(EXAMPLES / "tiny_mlp.py"), "--policy", str(pol), "--steps", "2"],
+            "compare": ["train", str(EXAMPLES / "tiny_mlp.py"), "--policy", str(pol), "--compare", "fp32"],
+            "bench": ["bench", str(EXAMPLES / "tiny_mlp.py"), "--policy", str(pol)]}[cmd]
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    assert main([*argv, option, str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{option} {path}" in err and says in err, err
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before
