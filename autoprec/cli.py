@@ -264,8 +264,6 @@ def _cmd_bench(a: argparse.Namespace) -> int:
 
 def _bench(a: argparse.Namespace) -> int:
     """``autoprec bench`` once its output paths are writable."""
-    from pathlib import Path
-
     from autoprec.commands.bench import format_bench_table, run_bench
 
     _validate_model(a.model, a.device)
@@ -295,7 +293,7 @@ def _bench(a: argparse.Namespace) -> int:
         table = format_batch_table(res)
         print("\n" + table)
         if a.md:
-            Path(a.md).write_text(table + "\n")
+            _write_md(a.md, table)
         return 0
     try:
         with _naming_policy(a.policy):
@@ -311,7 +309,7 @@ def _bench(a: argparse.Namespace) -> int:
     if a.json:
         print(f"wrote {a.json}")
     if a.md:
-        Path(a.md).write_text(table + "\n")
+        _write_md(a.md, table)
         print(f"wrote {a.md}")
     from autoprec.commands.bench_table import failed_rows
 
@@ -320,6 +318,13 @@ def _bench(a: argparse.Namespace) -> int:
               file=sys.stderr)
         return 1
     return 0
+
+
+def _write_md(path: str, table: str) -> None:
+    """Write ``bench --md``'s table to ``path`` atomically (a whole file or the one before)."""
+    from autoprec._io import atomic_write
+
+    atomic_write(path, lambda f: f.write(table + "\n"))
 
 
 def _given(a: argparse.Namespace, *names: str) -> dict[str, Any]:
@@ -361,7 +366,6 @@ def _cmd_bench_dist(a: argparse.Namespace) -> int:
         from autoprec.commands.launch import launch
 
         return launch(a.cmd, a.argv, a.nproc)
-    from pathlib import Path
 
     from autoprec.commands.bench_dist import format_dist_table, run_bench_dist
 
@@ -374,7 +378,7 @@ def _cmd_bench_dist(a: argparse.Namespace) -> int:
     print()
     print(table)
     if a.md:
-        Path(a.md).write_text(table + "\n")
+        _write_md(a.md, table)
     for path in (a.json, a.md):
         if path:
             print(f"wrote {path}")
