@@ -357,6 +357,30 @@ class ModelFacade(nn.Module):
             raise ValueError("load_state_dict(assign=True) would replace the Parameters the graph reads")
         return self.model.load_state_dict(state_dict, strict=strict)
 
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, local_metadata: dict[str, Any],
+                              strict: bool, missing_keys: list[str], unexpected_keys: list[str],
+                              error_msgs: list[str]) -> None:
+        """``nn.Module``'s per-module load step, which a *parent's* ``load_state_dict`` (DDP, a model
+        holding this module as a child) calls instead of :meth:`load_state_dict`: the keys under
+        ``prefix`` load into the wrapped model, and its missing and unexpected keys are reported
+        with the prefix. Without it every key came back unexpected and none missing: a container's
+        own state_dict did not load (strict), or the wrapped weights stayed as they were without a
+        word (``strict=False``).
+
+        Raises:
+            ValueError: the load assigns (``assign=True``): it would replace the Parameters the
+                graph reads."""
+        if local_metadata.get("assign_to_params_buffers", False):
+            raise ValueError("load_state_dict(assign=True) would replace the Parameters the graph reads")
+        own = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
+        try:
+            result = self.model.load_state_dict(own, strict=False)
+        except RuntimeError as e:  # sizes that do not match: the parent raises with every message
+            error_msgs.append(str(e))
+            return
+        missing_keys += [prefix + k for k in result.missing_keys]
+        unexpected_keys += [prefix + k for k in result.unexpected_keys]
+
     def _apply(self, fn: Any, recurse: bool = True) -> ModelFacade:
         """``nn.Module``'s conversion hook (``.to()``, ``.half()``, ``.cuda()``...), refusing a floating
         dtype other than fp32 before anything is converted.

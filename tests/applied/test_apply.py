@@ -40,6 +40,46 @@ def test_apply_shares_parameters_and_state_dict(model_and_batch):
     assert all(p.dtype == torch.float32 for p in mp.parameters())  # master weights stay fp32
 
 
+def test_a_module_holding_the_applied_one_loads_its_own_state_dict(model_and_batch):
+    """A user's model with a new head around the applied backbone (and DDP, such a parent): its own
+    state_dict did not load back ("Unexpected key(s): inner.emb.weight, ..."), and with
+    ``strict=False`` the backbone kept its weights while ``missing_keys`` was empty."""
+    from torch import nn
+
+    model, ids = model_and_batch
+
+    class Head(nn.Module):
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self.inner, self.head = inner, nn.Linear(4, 2)
+
+    saved = Head(autoprec.apply(model, autoprec.Policy.default("bf16"), ids, compile=False))
+    sd = saved.state_dict()
+    assert [k for k in sd if k.startswith("inner.")] == [f"inner.{k}" for k in model.state_dict()]
+    torch.manual_seed(1)
+    fresh = Block()
+    mp = autoprec.apply(fresh, autoprec.Policy.default("bf16"), ids, compile=False)
+    holder = Head(mp)
+    assert not all(torch.equal(a, b) for a, b in zip(fresh.parameters(), model.parameters()))
+    result = holder.load_state_dict(sd)
+    assert not result.missing_keys and not result.unexpected_keys
+    assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), model.parameters()))
+    # the graph reads the loaded weights
+    torch.testing.assert_close(mp(ids), saved.inner(ids), rtol=0, atol=0)
+    first = next(iter(model.state_dict()))
+    partial = {k: v for k, v in sd.items() if k != f"inner.{first}"} | {"inner.extra": torch.zeros(1)}
+
+    def another() -> Head:
+        return Head(autoprec.apply(Block(), autoprec.Policy.default("bf16"), ids, compile=False))
+
+    result = another().load_state_dict(partial, strict=False)
+    assert result.missing_keys == [f"inner.{first}"] and result.unexpected_keys == ["inner.extra"]
+    with pytest.raises(RuntimeError, match=rf'Missing key\(s\) in state_dict: "inner\.{first}"'):
+        another().load_state_dict(partial)
+    with pytest.raises(ValueError, match="assign=True"):
+        holder.load_state_dict(sd, assign=True)
+
+
 def test_bf16_policy_drift_within_bf16_tolerance(model_and_batch):
     model, ids = model_and_batch
     ref_loss, ref = _grads(model, model, ids)
