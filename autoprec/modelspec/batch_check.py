@@ -93,6 +93,8 @@ class CheckedGetBatch:
         path: The model file, as messages name it.
         fn: The entry point, ``(step, device, **kw) -> batch``.
         name: Its name in messages (``"get_batch"``).
+        like: Another checked entry point whose first batch this one's batches are held to as well
+            (``get_heldout_batch`` to ``get_batch``'s: both run through the same model), or None.
 
     Raises (on a call):
         ModelSpecError: names the file, the call (``get_batch(3)``), what it returned and what was
@@ -100,9 +102,10 @@ class CheckedGetBatch:
             structure than the first call's (naming the first place that differs).
     """
 
-    def __init__(self, path: str, fn: Callable[..., Any], name: str = "get_batch") -> None:
+    def __init__(self, path: str, fn: Callable[..., Any], name: str = "get_batch",
+                 like: CheckedGetBatch | None = None) -> None:
         functools.update_wrapper(self, fn)
-        self.path, self.fn, self.name = path, fn, name
+        self.path, self.fn, self.name, self.like = path, fn, name, like
         self._first: tuple[str, _Structure] | None = None  # the call every later one is held to
 
     def __call__(self, step: int, device: Any, *args: Any, **kwargs: Any) -> Any:
@@ -117,9 +120,11 @@ class CheckedGetBatch:
                                  f"{empty[1]}); a training step needs at least one example: make {self.name} "
                                  "skip it, e.g. drop a loader's empty or short last batch "
                                  "(DataLoader(drop_last=True))")
+        if self._first is None and self.like is not None and self.like._first is None:
+            self.like(0, device)  # the structure to hold this batch to: get_batch(0)'s
         if self._first is None:
-            self._first = (call, _Structure.of(batch))
-        elif (diff := self._first[1].difference(batch)) is not None:
+            self._first = self.like._first if self.like is not None else (call, _Structure.of(batch))
+        if (diff := self._first[1].difference(batch)) is not None:
             where, was, now = diff
             got = (f"{now}, where {self._first[0]} returned {was}" if not where
                    else f"batch{where} = {now}, where {self._first[0]}'s was {was}")

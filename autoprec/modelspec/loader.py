@@ -84,7 +84,9 @@ class ModelSpec:
         for name, entry in (("get_batch", "get_batch"), ("heldout_batch", "get_heldout_batch")):
             fn = getattr(self, name)
             if fn is not None and not isinstance(fn, CheckedGetBatch):
-                object.__setattr__(self, name, CheckedGetBatch(self.path, fn, entry))
+                # held-out batches run through the same model (train --compare): get_batch's structure
+                like = self.get_batch if name == "heldout_batch" else None
+                object.__setattr__(self, name, CheckedGetBatch(self.path, fn, entry, like=like))
 
 
 def load_model_spec(path: str | os.PathLike[str]) -> ModelSpec:

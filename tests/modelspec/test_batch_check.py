@@ -106,3 +106,23 @@ def test_every_model_spec_checks_get_batch_and_get_heldout_batch(tmp_path):
     import dataclasses
     again = dataclasses.replace(spec, loss_fn=spec.loss_fn)
     assert again.get_batch is spec.get_batch  # not wrapped twice
+
+
+def test_held_out_batches_are_held_to_get_batch_s_structure(tmp_path):
+    """A user's ``get_heldout_batch`` returned ``{"x": ids}`` where ``get_batch`` returned ``ids``:
+    ``tune`` passed, and ``train --compare`` trained the fp32 baseline, then died in a traceback
+    (``forward() got an unexpected keyword argument 'x'``). The model file is refused by the check
+    before any work (validate_spec calls get_heldout_batch(0))."""
+    from autoprec.modelspec import validate_spec
+
+    path = tmp_path / "model.py"
+    path.write_text("import torch\nfrom torch import nn\n"
+                    "def build_model():\n    return nn.Sequential(nn.Linear(4, 1))\n"
+                    "def get_batch(step, device):\n    return torch.ones(2, 4)\n"
+                    "def loss_fn(out, batch):\n    return out.sum()\n"
+                    "def get_heldout_batch(step, device):\n    return {'x': torch.ones(2, 4)}\n")
+    with pytest.raises(ModelSpecError, match=r"get_heldout_batch\(0\) returned dict with keys \['x'\], where "
+                                             r"get_batch\(0\) returned Tensor"):
+        validate_spec(load_model_spec(path))
+    with pytest.raises(ModelSpecError, match=r"get_heldout_batch\(3\) returned dict"):
+        load_model_spec(path).heldout_batch(3, "cpu")  # get_batch not called yet: its batch 0 is the rule
