@@ -285,6 +285,24 @@ class ModelFacade(nn.Module):
         """
         return self if target == "" else self.model.get_submodule(target)
 
+    def __getattr__(self, name: str) -> Any:
+        """``nn.Module``'s lookup (own Parameters, buffers, modules), then the wrapped model's direct
+        submodules by name, as ``named_children()`` gives them: code that walks a parameter's name
+        attribute by attribute (``torch.distributed.checkpoint.state_dict.get_state_dict``'s
+        ``_get_fqns``) reaches ``mp.transformer.wte.weight``; it raised AttributeError at a DDP
+        run's first save. Other attributes of the model are not forwarded.
+
+        Raises:
+            AttributeError: neither has ``name`` (torch's message)."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            model = self.__dict__.get("model")  # None while the subclass is being built
+            children = model.__dict__.get("_modules", {}) if model is not None else {}
+            if name in children:
+                return children[name]
+            raise
+
     def named_children(self) -> Iterator[tuple[str, nn.Module]]:
         """The wrapped model's children (so ``children()``, ``apply(fn)``, ``.to()`` and Trainer's
         weight-decay groups, ``get_parameter_names``, reach the model's modules under its names)."""

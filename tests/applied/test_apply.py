@@ -80,6 +80,29 @@ def test_a_module_holding_the_applied_one_loads_its_own_state_dict(model_and_bat
         holder.load_state_dict(sd, assign=True)
 
 
+def test_torch_distributed_checkpoint_state_dict_helpers_reach_the_model(model_and_batch):
+    """``get_state_dict``/``set_state_dict`` (torch.distributed.checkpoint.state_dict) walk each
+    parameter's name attribute by attribute: they raised AttributeError on an applied module."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model, ids = model_and_batch
+    mp = autoprec.apply(model, autoprec.Policy.fp32(), ids, compile=False)
+    opt = torch.optim.AdamW(mp.parameters(), lr=1e-2)
+    mp(ids).sum().backward()
+    opt.step()
+    msd, osd = get_state_dict(mp, opt)
+    assert list(msd) == list(model.state_dict())
+    assert set(osd["state"]) == {n for n, _ in model.named_parameters()}
+    fresh = Block()
+    mp2 = autoprec.apply(fresh, autoprec.Policy.fp32(), ids, compile=False)
+    opt2 = torch.optim.AdamW(mp2.parameters(), lr=1e-2)
+    set_state_dict(mp2, opt2, model_state_dict=msd, optim_state_dict=osd)
+    assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), model.parameters()))
+    assert len(opt2.state) == len(opt.state)
+    with pytest.raises(AttributeError, match="has no attribute 'nowhere'"):
+        mp.nowhere  # noqa: B018 - the model's children only, not any name
+
+
 def test_bf16_policy_drift_within_bf16_tolerance(model_and_batch):
     model, ids = model_and_batch
     ref_loss, ref = _grads(model, model, ids)

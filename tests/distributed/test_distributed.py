@@ -484,6 +484,9 @@ def _ddp_ckpt_worker(rank: int, world: int, path: str) -> dict:
         module(x).pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    dcp_keys = sorted(get_state_dict(module, opt)[0])  # PyTorch's own helper walks the names too
     if rank == 0:
         autoprec.save_checkpoint(path, module, opt, policy=mp.policy, step=2)
     dist.barrier()
@@ -493,17 +496,20 @@ def _ddp_ckpt_worker(rank: int, world: int, path: str) -> dict:
     opt2 = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
     step = autoprec.load_checkpoint(path, module2, opt2).step
     return {"step": step, "same": torch.equal(_flat_params(fresh), _flat_params(model)),
-            "opt_steps": [float(s["step"]) for s in opt2.state.values()]}
+            "opt_steps": [float(s["step"]) for s in opt2.state.values()], "dcp_keys": dcp_keys}
 
 
 def test_a_ddp_run_saves_and_loads_through_the_module_ddp_returned(tmp_path):
     """A user saved ``autoprec.ddp(mp)`` with ``save_checkpoint`` and resumed with ``load_checkpoint``
     into the same kind of module: "Unexpected key(s) in state_dict: module.transformer.wte.weight",
-    and the file did not load into the plain model either. Both now take the module's own keys."""
+    and the file did not load into the plain model either. Both now take the module's own keys.
+    torch.distributed.checkpoint's ``get_state_dict`` of that module raised AttributeError
+    ('MixedPrecisionModule' object has no attribute 'transformer'); it gives the model's keys."""
     ckpt = tmp_path / "ddp.pt"
     res = _run_ranks(_ddp_ckpt_worker, tmp_path / "run", str(ckpt))
+    plain = _mlp()
     for r in res:
         assert r["step"] == 2 and r["same"] and r["opt_steps"] == [2.0] * 6, r
-    plain = _mlp()
+        assert r["dcp_keys"] == sorted(plain.state_dict())  # get_state_dict raised AttributeError
     assert set(torch.load(ckpt, weights_only=True)["model"]) == set(plain.state_dict())  # no "module."
     assert autoprec.load_checkpoint(ckpt, plain).step == 2
