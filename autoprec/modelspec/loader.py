@@ -52,6 +52,23 @@ _ARITY: dict[str, tuple[str, ...]] = {
 _counter = itertools.count()
 
 
+class _Counted:
+    """A model file's ``tokens_per_batch`` whose one-element tensor result is read as its number
+    (``int(mask.sum())``): every tokens/s divides by it and the study stores it as JSON, where a
+    tensor made each trial fail ("Object of type Tensor is not JSON serializable"). Any other
+    value is returned as it is, for :func:`autoprec.modelspec.validate.validate_spec` to judge."""
+
+    def __init__(self, fn: Callable[[Any], Any]) -> None:
+        functools.update_wrapper(self, fn)
+        self.fn = fn
+
+    def __call__(self, batch: Any) -> Any:
+        n = self.fn(batch)
+        if isinstance(n, torch.Tensor) and n.numel() == 1 and not n.is_complex():
+            return n.item()
+        return n
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """The entry points of one model file, with defaults filled in.
@@ -66,7 +83,8 @@ class ModelSpec:
         loss_fn: ``(output, batch) -> Tensor``, a scalar floating-point loss.
         make_optimizer: ``(params) -> torch.optim.Optimizer``.
         tokens_per_batch: ``(batch) -> int``, the tokens (or samples) one batch counts for
-            throughput.
+            throughput; a one-element tensor the file returns (``mask.sum()``) is read as its
+            number (:class:`_Counted`).
         heldout_batch: ``(step, device) -> batch`` from held-out data, or ``None`` when the file
             defines no ``get_heldout_batch``.
     """
@@ -80,6 +98,8 @@ class ModelSpec:
     heldout_batch: Callable[[int, torch.device], Any] | None = None
 
     def __post_init__(self) -> None:
+        if not isinstance(self.tokens_per_batch, _Counted):
+            object.__setattr__(self, "tokens_per_batch", _Counted(self.tokens_per_batch))
         # every batch checked as it is returned (a type, not empty, the first batch's structure)
         for name, entry in (("get_batch", "get_batch"), ("heldout_batch", "get_heldout_batch")):
             fn = getattr(self, name)

@@ -100,9 +100,7 @@ def _check_loss(spec: ModelSpec, loss: Any) -> None:
 
 def _check_tokens(spec: ModelSpec, n: Any) -> None:
     """Raise unless ``tokens_per_batch(get_batch(0))`` gave a positive finite count: every tokens/s
-    number divides by it."""
-    if isinstance(n, torch.Tensor) and n.numel() == 1:
-        n = n.item()
+    number divides by it (a one-element tensor is read as its number by ``ModelSpec``)."""
     if isinstance(n, bool) or not isinstance(n, (int, float)) or not math.isfinite(n) or n <= 0:
         got = repr(n) if isinstance(n, (int, float)) else describe_value(n)
         raise ModelSpecError(f"{spec.path}: tokens_per_batch(get_batch(0)) returned {got}; expected a "

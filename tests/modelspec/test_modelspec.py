@@ -440,3 +440,22 @@ def test_forward_that_changes_its_input_on_every_call_is_refused(tmp_path: Path,
     settles = INPLACE.format(change="y.clamp_(max=0.5)", batch=batch)
     model, got = validate_spec(load_model_spec(write(tmp_path, settles, "settles.py")))
     assert float(got[1].max()) <= 0.5  # changed once (the batch the check ran), then settled
+
+
+def test_tokens_per_batch_may_return_a_one_element_tensor(tmp_path: Path) -> None:
+    """A user's ``tokens_per_batch`` returned ``mask.sum()`` (a 0-d tensor): validation passed, then
+    every trial failed storing it in the study ("Object of type Tensor is not JSON serializable").
+    The spec reads it as its number; a tensor of several elements is still refused."""
+    import json
+
+    from autoprec.modelspec import validate_spec
+
+    src = GOOD + ("\ndef loss_fn(out, batch):\n    return out.pow(2).mean()\n"
+                  "\ndef tokens_per_batch(batch):\n    return torch.tensor({n})\n")
+    spec = load_model_spec(write(tmp_path, src.format(n=64), "t0.py"))
+    n = spec.tokens_per_batch(spec.get_batch(0, "cpu"))
+    assert n == 64 and isinstance(n, int) and json.dumps({"tokens": n})
+    validate_spec(spec)
+    bad = load_model_spec(write(tmp_path, src.format(n="[1, 2]"), "t2.py"))
+    with pytest.raises(ModelSpecError, match=r"tokens_per_batch\(get_batch\(0\)\) returned Tensor"):
+        validate_spec(bad)
