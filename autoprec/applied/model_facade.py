@@ -285,23 +285,19 @@ class ModelFacade(nn.Module):
         """
         return self if target == "" else self.model.get_submodule(target)
 
-    def __getattr__(self, name: str) -> Any:
-        """``nn.Module``'s lookup (own Parameters, buffers, modules), then the wrapped model's direct
-        submodules by name, as ``named_children()`` gives them: code that walks a parameter's name
-        attribute by attribute (``torch.distributed.checkpoint.state_dict.get_state_dict``'s
-        ``_get_fqns``) reaches ``mp.transformer.wte.weight``; it raised AttributeError at a DDP
-        run's first save. Other attributes of the model are not forwarded.
+    @property
+    def _autoprec_wrapped(self) -> nn.Module:
+        """The wrapped model, under a name no model's child has (:meth:`_fqn_modifiers`)."""
+        return self.model
 
-        Raises:
-            AttributeError: neither has ``name`` (torch's message)."""
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            model = self.__dict__.get("model")  # None while the subclass is being built
-            children = model.__dict__.get("_modules", {}) if model is not None else {}
-            if name in children:
-                return children[name]
-            raise
+    def _fqn_modifiers(self) -> dict[str, str]:
+        """torch.distributed.checkpoint.state_dict's hook for a module whose state-dict names skip
+        an attribute (``_get_fqns`` steps into ``self.<value>`` before it looks ``<key>`` up): each
+        child name of the wrapped model goes through :attr:`_autoprec_wrapped`. Without it
+        ``get_state_dict``/``set_state_dict`` walked ``mp.transformer`` (AttributeError at a DDP
+        run's first save), and a Llama-family ``ForCausalLM``'s child ``model`` resolved to this
+        module's ``model``, the whole wrapped model."""
+        return dict.fromkeys(self.model._modules, "_autoprec_wrapped")
 
     def named_children(self) -> Iterator[tuple[str, nn.Module]]:
         """The wrapped model's children (so ``children()``, ``apply(fn)``, ``.to()`` and Trainer's
