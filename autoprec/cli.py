@@ -164,7 +164,8 @@ def _cmd_train(a: argparse.Namespace) -> int:
         print("autoprec train: error: --checkpoint-every needs --checkpoint PATH (where to save)",
               file=sys.stderr)
         return 2
-    out_dir = os.path.join(a.out_dir, "convergence.json") if a.compare is not None else None
+    out_dir = a.out_dir if a.compare is not None else None
+    out_dir = os.path.join(out_dir, "convergence.json") if out_dir else out_dir  # '' is refused
     with output_paths(("--checkpoint", a.checkpoint, "ckpt.pt"), ("--log", a.log, "train.jsonl"),
                       ("--out-dir", out_dir, "convergence.json")):  # before the steps, not at the first save
         return _train(a)

@@ -70,13 +70,17 @@ def remove_if_empty(dirs: list) -> None:
 @contextmanager
 def output_paths(*outputs: tuple[str, str | None, str]) -> Iterator[None]:
     """Check a command's output files before any work and undo the check's directories if the
-    command fails: for each ``(option, path, example)`` given a path, its missing parents are made
+    command fails: for each ``(option, path, example)`` given a path (None: not given; empty:
+    refused), its missing parents are made
     (:func:`make_parents`) and the path checked (:func:`check_writable`); an exception in the block
     removes the directories made that it left empty. A ``train --checkpoint`` under a file, or a
     ``bench --json`` naming a directory, failed after all the steps had run (the trained weights lost).
 
     Raises:
         AutoprecError: as :func:`make_parents` and :func:`check_writable`, before the block runs."""
+    for option, path, example in outputs:
+        if path is not None and not path.strip():  # --log '' opened '.', --out-dir '' wrote to the cwd
+            raise AutoprecError(f"{option} {path!r}: an empty path; give one, e.g. {example}")
     created: list = []
     for option, path, _example in outputs:
         try:

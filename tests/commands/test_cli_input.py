@@ -311,6 +311,9 @@ def test_train_interrupt_says_how_to_resume(monkeypatch, capsys, extra, says):
     ("compare", "--out-dir", "file", "cannot write there"),
     ("bench", "--json", "dir", "is a directory; give a file path"),
     ("bench", "--md", "under_file", "cannot create the directory"),
+    ("train", "--log", "empty", "an empty path"),
+    ("compare", "--out-dir", "empty", "an empty path"),
+    ("train", "--checkpoint", "empty", "an empty path"),
 ])
 def test_train_and_bench_check_their_output_paths_before_any_work(tmp_path, capsys, monkeypatch, cmd, option,
                                                                   where, says):
@@ -331,12 +334,13 @@ def test_train_and_bench_check_their_output_paths_before_any_work(tmp_path, caps
     blocker = tmp_path / "a_file"
     blocker.write_text("x")
     (tmp_path / "d").mkdir()
-    path = {"under_file": blocker / "new" / "out.x", "dir": tmp_path / "d", "file": blocker}[where]
+    path = {"under_file": blocker / "new" / "out.x", "dir": tmp_path / "d", "file": blocker,
+            "empty": ""}[where]
     argv = {"train": ["train", str(EXAMPLES / "tiny_mlp.py"), "--policy", str(pol), "--steps", "2"],
             "compare": ["train", str(EXAMPLES / "tiny_mlp.py"), "--policy", str(pol), "--compare", "fp32"],
             "bench": ["bench", str(EXAMPLES / "tiny_mlp.py"), "--policy", str(pol)]}[cmd]
     before = sorted(p.name for p in tmp_path.rglob("*"))
     assert main([*argv, option, str(path)]) == 2
     err = capsys.readouterr().err
-    assert f"{option} {path}" in err and says in err, err
+    assert f"{option} {path if path else repr('')}" in err and says in err, err
     assert sorted(p.name for p in tmp_path.rglob("*")) == before
