@@ -243,6 +243,21 @@ def sets_own_dtype(node: fx.Node) -> bool:
     return op_name(node) in FIXED_DTYPE_OPS or isinstance(op_argument(node, "dtype"), torch.dtype)
 
 
+def mutated_input(node: fx.Node) -> fx.Node | None:
+    """The graph input ``node`` changes in place (``x.mul_(2)`` on a batch tensor or a buffer: its
+    op's schema writes its first argument, ``Tensor(a!) self``), else None. Such an op computes in
+    the input's own dtype: a cast in front of it would give the op a copy to change, and the caller's
+    tensor would keep its old values (eager writes them)."""
+    schema = overload_schema(node.target) if node.op == "call_function" else None
+    if schema is None or not schema.arguments or not node.args:
+        return None
+    alias = schema.arguments[0].alias_info
+    first = node.args[0]
+    if alias is None or not alias.is_write or not isinstance(first, fx.Node) or first.op != "placeholder":
+        return None
+    return first
+
+
 def op_argument(node: fx.Node, name: str) -> Any:
     """The value of the argument ``name`` of ``node``'s op, read through the op's schema: given by
     keyword, by position, or the schema's default; None when the target is not an op overload

@@ -3,7 +3,9 @@
 Order of decisions for a ``call_function`` node with a floating output:
 
 1. ``nonfloat`` (not a float tensor): no dtype, never cast.
-2. Fixed-dtype ops (``.to(dtype)``, factories): keep the captured dtype.
+2. Fixed-dtype ops (``.to(dtype)``, factories): keep the captured dtype. An op that changes a graph
+   input in place (``x.mul_(2)`` on a batch tensor: :func:`autoprec.ops.mutated_input`) computes
+   in that input's dtype, so the caller's tensor is changed as in eager, not a cast copy of it.
 3. Nodes captured in a dtype other than fp32 (the user's own choice), ``torch.autocast`` /
    ``no_grad`` regions (higher-order ops, kept whole) and nodes marked ``autocast_disabled``:
    keep fp32 / the captured dtype in every policy (case C13).
@@ -38,6 +40,7 @@ from autoprec.ops import (
     RMSNORM_REASON,
     captured_dtype,
     classify,
+    mutated_input,
     op_name,
     reason,
     rmsnorm_regions,
@@ -336,6 +339,8 @@ def _decide(node, meta: NodeMeta, orig, policy: Policy, labels, casting) -> None
         meta.autocast_disabled = True
     elif sets_own_dtype(node):  # a factory, a cast, or an op called with dtype=
         dt, by = orig, "fixed-dtype op"
+    elif mutated_input(node) is not None:  # written back to the caller's tensor, in its dtype
+        dt, by = labels.get(mutated_input(node)) or orig, "in-place on a graph input"
     elif node.target is operator.getitem:
         dt, by = "auto", "getitem"
     elif orig != "fp32":

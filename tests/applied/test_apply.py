@@ -119,6 +119,34 @@ def test_torch_distributed_checkpoint_state_dict_helpers_reach_the_model(model_a
     assert len(opt2.state) == len(opt.state)
 
 
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_a_forward_that_changes_its_input_in_place_changes_the_callers_tensor(compile):
+    """``x.mul_(2)`` on a float batch tensor: eager doubles the caller's ``x``; a bf16 policy cast
+    ``x`` first and doubled the copy, so the caller's tensor kept its values (an integer one's
+    change was kept). The op now computes in the input's dtype, with no cast in front of it."""
+    from torch import nn
+
+    class Doubling(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x.mul_(2)
+            return self.fc(x).pow(2).mean()
+
+    torch.manual_seed(0)
+    x, model = torch.randn(4, 8), Doubling()
+    mp = autoprec.apply(model, autoprec.Policy.default("bf16"), (x.clone(),), compile=compile)
+    mutated = [n for n in mp.graph_module.graph.nodes if n.op == "call_function" and "mul_" in str(n.target)]
+    assert len(mutated) == 1 and mutated[0].args[0].op == "placeholder"  # the input itself, no cast
+    mine = x.clone()
+    loss = mp(mine)
+    torch.testing.assert_close(mine, x * 2, rtol=0, atol=0)
+    ref = model(x.clone())
+    torch.testing.assert_close(loss, ref, rtol=RTOL[torch.bfloat16], atol=0)  # the fc still computes in bf16
+
+
 def test_bf16_policy_drift_within_bf16_tolerance(model_and_batch):
     model, ids = model_and_batch
     ref_loss, ref = _grads(model, model, ids)
