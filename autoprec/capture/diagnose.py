@@ -208,12 +208,27 @@ def _explain(e: BaseException, model: nn.Module, eager: Exception | None = None)
             f"  {type(e).__name__}: {first}\n  What to do: {todo}{_experts_hint(model)}")
 
 
+#: Hugging Face config fields of LayerDrop (Fan et al. 2019, "Reducing Transformer Depth on
+#: Demand"): in training a layer is skipped when ``torch.rand([]) < p``, a Python branch on a tensor.
+_LAYERDROP_FIELDS = ("layerdrop", "encoder_layerdrop", "decoder_layerdrop")
+
+
 def _experts_hint(model: nn.Module) -> str:
     """For a Hugging Face mixture-of-experts model built with ``experts_implementation="eager"`` (a
     Python loop over the experts the tokens were routed to: data-dependent), the setting that
-    captures: transformers' default (``"grouped_mm"``, else ``"batched_mm"``); else empty."""
+    captures: transformers' default (``"grouped_mm"``, else ``"batched_mm"``); for a model whose
+    config sets LayerDrop (:data:`_LAYERDROP_FIELDS`), that field set to 0.0; else empty.
+    transformers 5 sets ``experts_implementation`` on models without experts too (a Wav2Vec2 was
+    told about experts for its LayerDrop), so the experts hint needs a module with experts."""
     config = getattr(model, "config", None)
-    if getattr(config, "_experts_implementation", None) != "eager":
+    drops = [f for f in _LAYERDROP_FIELDS if (getattr(config, f, 0) or 0) > 0]
+    if drops and model.training:
+        given = ", ".join(f"{f}={getattr(config, f)}" for f in drops)
+        return (f" This model's config sets LayerDrop ({given}): in training each layer is skipped "
+                "when a random number falls below it, a Python branch on a tensor; build it with "
+                f"{', '.join(f'{f}=0.0' for f in drops)}.")
+    experts = any("expert" in type(m).__name__.lower() for m in model.modules())
+    if getattr(config, "_experts_implementation", None) != "eager" or not experts:
         return ""
     return (" This model's config sets experts_implementation='eager', a Python loop over the experts "
             "the tokens were routed to, whose count depends on the data: build it with transformers' "

@@ -222,3 +222,20 @@ def test_a_moe_model_with_eager_experts_is_told_the_experts_implementation_that_
     msg = _message(tf.MixtralForCausalLM(cfg).train(), {"input_ids": ids, "labels": ids})
     assert "MixtralExperts" in msg and "experts_implementation='eager'" in msg, msg
     assert "no experts_implementation argument; 'grouped_mm' or 'batched_mm'" in msg, msg
+
+
+def test_layerdrop_is_named_and_no_experts_are_blamed_for_a_model_without_them():
+    """A Wav2Vec2 (transformers 5 sets ``experts_implementation`` on it too) was told to change its
+    experts implementation; the branch was LayerDrop's (``torch.rand([]) < layerdrop``)."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.Wav2Vec2Config(vocab_size=32, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                            intermediate_size=64, conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3),
+                            num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4, layerdrop=0.1,
+                            num_labels=3)
+    audio = torch.randn(2, 1600)
+    msg = _message(tf.Wav2Vec2ForSequenceClassification(cfg).train(),
+                   {"input_values": audio, "labels": torch.tensor([0, 2])})
+    assert "LayerDrop (layerdrop=0.1)" in msg and "build it with layerdrop=0.0" in msg, msg
+    assert "experts" not in msg, msg
