@@ -382,7 +382,7 @@ GLOBAL_BATCH_KEYS = ("global_batch", "micro_batch_tokens_per_s", "micro_batch_gr
 def global_batch_summary(policy: Policy) -> str:
     """A ``tune --global-batch`` policy's numbers at what it trains: ``"at global batch 16,
     micro-batch 8 x 2 accumulated: 13378 tokens/s, grad_rel_l2 ... (accumulated), peak 2.0 MiB
-    (budget 2.1 MiB); 1.05x, band ..., the baseline to beat at its own micro-batch 4 (... tokens/s)"``
+    (budget 2.1 MiB); 1.05x the baseline to beat at its own micro-batch 4 (... tokens/s; band ...)"``
     (from the policy's ``measured``, which holds :data:`GLOBAL_BATCH_KEYS`; ``tune``'s last line
     and ``show``)."""
     m = policy.measured
@@ -392,12 +392,12 @@ def global_batch_summary(policy: Policy) -> str:
     if "memory_budget_bytes" in m:
         line += f" (budget {m['memory_budget_bytes'] / 2**20:.1f} MiB)"
     if "baseline_micro_batch" in m:
-        band = (f", band {m['speedup_vs_baseline_at_global_batch_lo']:.2f}-"
+        band = (f"; band {m['speedup_vs_baseline_at_global_batch_lo']:.2f}-"
                 f"{m['speedup_vs_baseline_at_global_batch_hi']:.2f}"
                 if "speedup_vs_baseline_at_global_batch_lo" in m else "")
-        line += (f"; {m['speedup_vs_baseline_at_global_batch']:.2f}x{band} the baseline to beat at its own "
+        line += (f"; {m['speedup_vs_baseline_at_global_batch']:.2f}x the baseline to beat at its own "
                  f"micro-batch {m['baseline_micro_batch']:.0f} ({m['baseline_micro_batch_tokens_per_s']:.0f} "
-                 "tokens/s)")
+                 f"tokens/s{band})")
     return line
 
 

@@ -230,6 +230,12 @@ def test_show_leads_a_global_batch_policy_with_what_it_trains_at(tmp_path, capsy
     assert lines[3].startswith("measured at the model file's batch, without accumulation (the contest of "
                                "policies): 18767 tokens/s, 1.00x fp32 + torch.compile")
     assert "micro_batch" not in lines[3] and "budget" not in lines[3]
+    pol = Policy.load(p)  # the band last ("1.03x, band 0.79-1.14 the baseline to beat" read oddly)
+    pol.with_measured({**pol.measured, "speedup_vs_baseline_at_global_batch_lo": 0.95,
+                       "speedup_vs_baseline_at_global_batch_hi": 1.10}).save(p)
+    assert main(["show", str(p)]) == 0
+    assert capsys.readouterr().out.splitlines()[2].endswith(
+        "; 1.03x the baseline to beat at its own micro-batch 2 (13000 tokens/s; band 0.95-1.10)")
 
 #: A command warning as bench's rows do (the same warning once per apply, each apply's capture
 #: changing the filters), run by the real CLI in a subprocess (pytest records warnings instead).
