@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from autoprec.cli_parser import build_parser
-from autoprec.cli_paths import make_parents, output_paths
+from autoprec.cli_paths import Output, bench_json, bench_table, jsonl_log, make_parents, output_paths
 from autoprec.errors import AutoprecError
 
 __all__ = ["main"]
@@ -166,8 +166,9 @@ def _cmd_train(a: argparse.Namespace) -> int:
         return 2
     out_dir = a.out_dir if a.compare is not None else None
     out_dir = os.path.join(out_dir, "convergence.json") if out_dir else out_dir  # '' is refused
-    with output_paths(("--checkpoint", a.checkpoint, "ckpt.pt"), ("--log", a.log, "train.jsonl"),
-                      ("--out-dir", out_dir, "convergence.json")):  # before the steps, not at the first save
+    with output_paths(("--checkpoint", a.checkpoint, "ckpt.pt"),  # before the steps, not at the first save
+                      Output("--log", a.log, "train.jsonl", jsonl_log, "a JSONL log (a JSON object a line)"),
+                      ("--out-dir", out_dir, "convergence.json")):
         return _train(a)
 
 
@@ -259,7 +260,9 @@ def _cmd_show(a: argparse.Namespace) -> int:
 
 
 def _cmd_bench(a: argparse.Namespace) -> int:
-    with output_paths(("--json", a.json, "bench.json"), ("--md", a.md, "bench.md")):  # before the timing
+    # before the timing; an existing file only when bench wrote it (--json model.py replaced the model)
+    with output_paths(Output("--json", a.json, "bench.json", bench_json, "a bench JSON file"),
+                      Output("--md", a.md, "bench.md", bench_table, "a bench table (no '| config' line)")):
         return _bench(a)
 
 

@@ -314,6 +314,9 @@ def test_train_interrupt_says_how_to_resume(monkeypatch, capsys, extra, says):
     ("train", "--log", "empty", "an empty path"),
     ("compare", "--out-dir", "empty", "an empty path"),
     ("train", "--checkpoint", "empty", "an empty path"),
+    ("bench", "--json", "model", "exists and is not a bench JSON file, and it would be replaced"),
+    ("bench", "--md", "model", "exists and is not a bench table"),
+    ("train", "--log", "model", "exists and is not a JSONL log"),
 ])
 def test_train_and_bench_check_their_output_paths_before_any_work(tmp_path, capsys, monkeypatch, cmd, option,
                                                                   where, says):
@@ -334,8 +337,10 @@ def test_train_and_bench_check_their_output_paths_before_any_work(tmp_path, caps
     blocker = tmp_path / "a_file"
     blocker.write_text("x")
     (tmp_path / "d").mkdir()
+    model = tmp_path / "model.py"  # a user's file that bench --json replaced, and train --log appended to
+    model.write_text((EXAMPLES / "tiny_mlp.py").read_text())
     path = {"under_file": blocker / "new" / "out.x", "dir": tmp_path / "d", "file": blocker,
-            "empty": ""}[where]
+            "empty": "", "model": model}[where]
     argv = {"train": ["train", str(EXAMPLES / "tiny_mlp.py"), "--policy", str(pol), "--steps", "2"],
             "compare": ["train", str(EXAMPLES / "tiny_mlp.py"), "--policy", str(pol), "--compare", "fp32"],
             "bench": ["bench", str(EXAMPLES / "tiny_mlp.py"), "--policy", str(pol)]}[cmd]
@@ -344,3 +349,21 @@ def test_train_and_bench_check_their_output_paths_before_any_work(tmp_path, caps
     err = capsys.readouterr().err
     assert f"{option} {path if path else repr('')}" in err and says in err, err
     assert sorted(p.name for p in tmp_path.rglob("*")) == before
+    assert model.read_text() == (EXAMPLES / "tiny_mlp.py").read_text()
+
+
+def test_output_files_a_command_wrote_may_be_replaced(tmp_path):
+    """What bench and train write themselves (a rerun's) is not refused: bench JSON, a bench table,
+    a JSONL log, an empty file."""
+    from autoprec.cli_paths import Output, bench_json, bench_table, jsonl_log, output_paths
+
+    (tmp_path / "b.json").write_text(json.dumps({"machine": {}, "autoprec": "0", "configs": {}}))
+    (tmp_path / "b.md").write_text("note\n\n| config | dtype |\n|---|---|\n")
+    (tmp_path / "l.jsonl").write_text('{"step": 0}\n')
+    (tmp_path / "empty.md").write_text("")
+    with output_paths(Output("--json", str(tmp_path / "b.json"), "b.json", bench_json, "x"),
+                      Output("--md", str(tmp_path / "b.md"), "b.md", bench_table, "x"),
+                      Output("--md", str(tmp_path / "empty.md"), "b.md", bench_table, "x"),
+                      Output("--log", str(tmp_path / "l.jsonl"), "l.jsonl", jsonl_log, "x")):
+        pass
+    assert not bench_json(str(tmp_path / "l.jsonl")) and not jsonl_log(str(tmp_path / "b.md"))
