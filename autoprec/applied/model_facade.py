@@ -103,10 +103,11 @@ def check_no_autocast(what: str) -> None:
                 "autoprec.integrations.transformers.AutoprecTrainer, which adds the loss scaler).")
 
 
-@functools.cache
 def _fsdp_module() -> type | None:
     """FSDP2's ``FSDPModule`` (``torch.distributed.fsdp``; ``torch.distributed._composable.fsdp`` in
-    torch 2.5), the class ``fully_shard`` mixes into a module it wraps; None without it."""
+    torch 2.5), the class ``fully_shard`` mixes into a module it wraps; None without it. Not cached
+    with ``functools.cache``: a user's ``torch.compile`` of the applied module traces every call's
+    check, and Dynamo warns about a cache wrapper (the import after the first is a dict lookup)."""
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:

@@ -42,6 +42,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
+import torch
 from torch import fx
 
 from autoprec.applied.shape_cache import InputCheck, PositionLimit, ShapeCache, is_dynamic
@@ -145,8 +146,13 @@ class Recapture:
         self.limit = PositionLimit(model)
         self.recaptures = 0
 
+    @torch.compiler.disable  # a user's torch.compile(mp) runs it as it is, not traced (PassError)
     def __call__(self, mp: Applied, args: tuple[Any, ...], kwargs: dict[str, Any], error: ValueError) -> None:
         """Make ``mp`` serve a call of these shapes, or raise ``error`` (the input check's).
+        ``torch.compile`` of the applied module (by the user, or ``TrainingArguments(torch_compile=
+        True)``) does not trace into it (``torch.compiler.disable``): Dynamo tracing the capture and
+        the passes failed at the first batch of a new shape ("[assign_dtypes] RuntimeError:
+        expected int arg").
 
         Raises:
             ValueError: an empty batch (an input with a dimension of size 0: a re-capture on it

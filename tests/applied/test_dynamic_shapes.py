@@ -288,3 +288,22 @@ def _gpt2_64_positions():
                         embd_pdrop=0.0, attn_pdrop=0.0)
     model = tf.GPT2LMHeadModel(cfg)
     return model, autoprec.apply(model, autoprec.Policy.fp32(), lm_batch(2, 16, 0), compile=False)
+
+
+def test_a_users_torch_compile_of_the_applied_module_serves_a_new_shape():
+    """``torch.compile(mp)`` (by habit, or ``TrainingArguments(torch_compile=True)``): Dynamo traced
+    into the re-capture at the first batch outside the captured ranges (the epoch's short last batch)
+    and failed with "PassError: [assign_dtypes] RuntimeError: expected int arg". The re-capture runs
+    outside Dynamo now, and the new shape's loss is what the applied module alone gives."""
+    torch.manual_seed(0)
+    model = CausalLM()
+    policy = autoprec.Policy.default("bf16")
+    mp = autoprec.apply(model, policy, lm_batch(2, 16, 0), compile=False)
+    compiled = torch.compile(mp)
+    for step in range(2):
+        compiled(**lm_batch(2, 16, step)).backward()
+    short = lm_batch(1, 9, 5)  # batch 1, a length outside the captured range
+    got = compiled(**short)
+    alone = autoprec.apply(model, policy, lm_batch(2, 16, 0), compile=False)(**short)
+    torch.testing.assert_close(got, alone, rtol=RTOL[torch.bfloat16], atol=0)
+    assert mp.shape_stats["recaptures"] == 1 and mp.shape_stats["shapes"] == ["((1, 9), (1, 9))"]
