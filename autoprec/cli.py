@@ -157,6 +157,10 @@ def _cmd_train(a: argparse.Namespace) -> int:
         print("autoprec train: error: --checkpoint does not apply to --compare, which keeps its progress "
               "in --out-dir (use --checkpoint-every N and --resume)", file=sys.stderr)
         return 2
+    if a.compare is not None and a.log is not None:  # it wrote nothing, without a word
+        print("autoprec train: error: --log does not apply to --compare, which writes every configuration's "
+              "losses to --out-dir's convergence.json", file=sys.stderr)
+        return 2
     if a.resume and a.checkpoint is None and a.compare is None:
         print("autoprec train: error: --resume needs --checkpoint PATH", file=sys.stderr)
         return 2
@@ -217,7 +221,7 @@ def _cmd_compare(a: argparse.Namespace) -> int:
         return 2
     res = compare(a.model, a.policy, a.steps, baselines=names, device=a.device, compile=not a.no_compile,
                   out_dir=a.out_dir, log_every=a.log_every, checkpoint_every=a.checkpoint_every,
-                  resume=a.resume, seed=a.seed)
+                  resume=a.resume, seed=a.seed, max_grad_norm=a.max_grad_norm)
     print(f"\n{summary_table(res)}")
     print(f"wrote {a.out_dir}/convergence.json and {a.out_dir}/convergence.png")
     return 0 if all(math.isfinite(x) for x in res.curves["policy"]) else 1

@@ -150,10 +150,12 @@ class _State:
 def _run(name: str, spec: ModelSpec, init: dict[str, torch.Tensor], policy: Policy, steps: int,
          dev: torch.device, compile: bool, heldout_batches: int, seed: int,
          log: Callable[[int, str], None], state: _State | None = None,
-         checkpoint_every: int = 0, fp32_step_s: float | None = None) -> dict[str, Any]:
+         checkpoint_every: int = 0, fp32_step_s: float | None = None,
+         max_grad_norm: float | None = None) -> dict[str, Any]:
     """Train one configuration; returns its losses, held-out loss, median s/step, skipped steps and
     a note (torch.autocast's GEMMs computed in fp32 from some step on: :func:`_emulate_from`, given
-    ``fp32_step_s``, fp32's median seconds per step).
+    ``fp32_step_s``, fp32's median seconds per step). ``max_grad_norm``: clip the unscaled
+    gradients to this L2 norm, as ``autoprec train --max-grad-norm``.
 
     Every configuration trains at the policy's ``batching`` where it has one (micro-batch x
     accumulation of the same global batches, :func:`~autoprec.modelspec.micro_batches.step_batches`,
@@ -180,7 +182,7 @@ def _run(name: str, spec: ModelSpec, init: dict[str, torch.Tensor], policy: Poli
         scaler = autocast_scaler(ac)()
     optimizer = spec.make_optimizer(params)
     step = TrainStep(module, params, optimizer, spec.loss_fn, scaler=scaler, autocast_dtype=ac,
-                     device_type=dev.type)
+                     device_type=dev.type, max_grad_norm=max_grad_norm)
     run = {"losses": [], "times": [], "skipped": 0, "warm": [0]}  # warm: steps whose time includes compiling
     start = 0
     if state is not None and state.checkpoint(name).exists():
@@ -256,12 +258,13 @@ def median_step_seconds(times: list[float], warm: set[int]) -> float:
 
 
 def _run_key(model_path: str | os.PathLike, policy: Policy, steps: int, seed: int, dev: torch.device,
-             compile: bool, heldout_batches: int) -> dict[str, Any]:
+             compile: bool, heldout_batches: int, max_grad_norm: float | None = None) -> dict[str, Any]:
     """What must match for a saved compare state to be resumed."""
     sha = hashlib.sha256(Path(model_path).read_bytes()).hexdigest()
     return {"model_sha256": sha, "policy_sha256": hashlib.sha256(policy.to_json().encode()).hexdigest(),
             "steps": steps, "seed": seed, "device": str(dev), "compile_policy": compile,
-            "heldout_batches": heldout_batches, "torch": torch.__version__}
+            "heldout_batches": heldout_batches, "torch": torch.__version__,
+            **({"max_grad_norm": max_grad_norm} if max_grad_norm is not None else {})}
 
 
 def _meta(model_path: str | os.PathLike, policy_path: str | os.PathLike, policy: Policy, spec: ModelSpec,
@@ -283,7 +286,7 @@ def compare(model_path: str | os.PathLike, policy_path: str | os.PathLike, steps
             baselines: tuple[str, ...] | list[str] = BASELINES, device: str = "auto", compile: bool = True,
             out_dir: str | os.PathLike | None = None, heldout_batches: int = 4, seed: int = 0,
             quiet: bool = False, log_every: int = 10, checkpoint_every: int = 0,
-            resume: bool = False) -> CompareResult:
+            resume: bool = False, max_grad_norm: float | None = None) -> CompareResult:
     """Train the policy and the baselines from the same weights on the same batches; compare the curves.
 
     Args:
@@ -299,6 +302,8 @@ def compare(model_path: str | os.PathLike, policy_path: str | os.PathLike, steps
         checkpoint_every: Save the running configuration every N steps (0: only finished
             configurations are kept). Needs ``out_dir``.
         resume: Continue the unfinished run saved in ``out_dir/compare_state/``.
+        max_grad_norm: Clip every configuration's unscaled gradients to this L2 norm (``train
+            --max-grad-norm``; recorded in ``convergence.json``'s ``meta``), or None.
 
     Returns:
         A :class:`CompareResult`.
@@ -321,11 +326,12 @@ def compare(model_path: str | os.PathLike, policy_path: str | os.PathLike, steps
     spec = load_model_spec(model_path)
     dev = resolve_device(device)
     state = None if out_dir is None else _State(
-        Path(out_dir), _run_key(spec.path, policy, steps, seed, dev, compile, heldout_batches), resume)
+        Path(out_dir), _run_key(spec.path, policy, steps, seed, dev, compile, heldout_batches, max_grad_norm),
+        resume)
     init = {k: v.detach().clone() for k, v in spec.build_model().state_dict().items()}
     names = ["fp32", "policy"] + [b for b in BASELINES if b in baselines and b != "fp32"]
     res = CompareResult(meta=_meta(model_path, policy_path, policy, spec, steps, dev, compile, seed,
-                                   heldout_batches))
+                                   heldout_batches) | {"max_grad_norm": max_grad_norm})
 
     def log(i: int, msg: str) -> None:
         if not quiet and (i % max(log_every, 1) == 0 or i == steps - 1):
@@ -340,7 +346,8 @@ def compare(model_path: str | os.PathLike, policy_path: str | os.PathLike, steps
             log(0, f"[{name}] finished in an earlier run: kept from {state.dir}")
         else:
             r = _run(name, spec, init, policy, steps, dev, compile, heldout_batches, seed, log, state,
-                     checkpoint_every, fp32_step_s=res.seconds_per_step.get("fp32"))
+                     checkpoint_every, fp32_step_s=res.seconds_per_step.get("fp32"),
+                     max_grad_norm=max_grad_norm)
             if state is not None:
                 state.finish(name, r)
         res.curves[name], res.heldout_loss[name] = [float(x) for x in r["losses"]], float(r["heldout_loss"])

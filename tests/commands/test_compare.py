@@ -162,6 +162,27 @@ def test_compare_checkpoint_of_another_run_is_refused(tmp_path, monkeypatch):
     assert len(res.curves["fp32"]) == 6 and res.curves["policy"] == res.curves["fp32"]
 
 
+def test_every_configuration_clips_at_max_grad_norm(tmp_path, capsys):
+    """``train --compare --max-grad-norm 0.01`` gave the same curves as without it (the option was
+    not passed on): every configuration now clips, as plain ``train`` does, and ``--log`` (which
+    wrote nothing) is refused."""
+    from autoprec.commands.train import train
+
+    pol = tmp_path / "p.json"
+    Policy.fp32().save(pol)
+    kw = {"steps": 3, "baselines": ["fp32"], "compile": False, "quiet": True, "heldout_batches": 1}
+    free = compare(TINY, pol, **kw)
+    clipped = compare(TINY, pol, max_grad_norm=0.01, **kw)
+    assert clipped.curves["fp32"] != free.curves["fp32"]
+    assert clipped.curves["policy"] == clipped.curves["fp32"]
+    alone = train(TINY, pol, steps=3, compile=False, quiet=True, max_grad_norm=0.01)
+    assert clipped.curves["policy"] == pytest.approx(alone.losses, rel=1e-6)
+    assert clipped.meta["max_grad_norm"] == 0.01
+    assert main(["train", TINY, "--policy", str(pol), "--compare", "fp32", "--log", str(tmp_path / "l.jsonl"),
+                 "--out-dir", str(tmp_path / "o")]) == 2
+    assert "--log does not apply to --compare" in capsys.readouterr().err
+
+
 def test_cli_compare_checkpoint_flag_is_refused(tmp_path, capsys):
     pol = tmp_path / "p.json"
     Policy.fp32().save(pol)
