@@ -391,7 +391,7 @@ class ModelFacade(nn.Module):
         try:
             result = self.model.load_state_dict(own, strict=False)
         except RuntimeError as e:  # sizes that do not match: the parent raises with every message
-            error_msgs.append(str(e))
+            error_msgs.append(f"under {prefix!r}: {e}")  # the wrapped model's names are without it
             return
         missing_keys += [prefix + k for k in result.missing_keys]
         unexpected_keys += [prefix + k for k in result.unexpected_keys]

@@ -53,8 +53,8 @@ _counter = itertools.count()
 
 
 class _Counted:
-    """A model file's ``tokens_per_batch`` whose one-element tensor result is read as its number
-    (``int(mask.sum())``): every tokens/s divides by it and the study stores it as JSON, where a
+    """A model file's ``tokens_per_batch`` whose one-element tensor (or NumPy) result is read as its
+    number (``int(mask.sum())``): every tokens/s divides by it and the study stores it as JSON, where a
     tensor made each trial fail ("Object of type Tensor is not JSON serializable"). Any other
     value is returned as it is, for :func:`autoprec.modelspec.validate.validate_spec` to judge."""
 
@@ -65,6 +65,8 @@ class _Counted:
     def __call__(self, batch: Any) -> Any:
         n = self.fn(batch)
         if isinstance(n, torch.Tensor) and n.numel() == 1 and not n.is_complex():
+            return n.item()
+        if type(n).__module__ == "numpy" and getattr(n, "size", 0) == 1:  # np.int64(...), mask.sum() in numpy
             return n.item()
         return n
 

@@ -456,6 +456,9 @@ def test_tokens_per_batch_may_return_a_one_element_tensor(tmp_path: Path) -> Non
     n = spec.tokens_per_batch(spec.get_batch(0, "cpu"))
     assert n == 64 and isinstance(n, int) and json.dumps({"tokens": n})
     validate_spec(spec)
+    numpy = load_model_spec(write(tmp_path, src.replace("torch.tensor({n})", "np.int64(64)").replace(
+        "import torch", "import numpy as np\nimport torch"), "np.py"))
+    assert numpy.tokens_per_batch(None) == 64 and type(numpy.tokens_per_batch(None)) is int
     bad = load_model_spec(write(tmp_path, src.format(n="[1, 2]"), "t2.py"))
     with pytest.raises(ModelSpecError, match=r"tokens_per_batch\(get_batch\(0\)\) returned Tensor"):
         validate_spec(bad)
