@@ -23,6 +23,7 @@ An op missing from the table is treated as ``follow`` with one warning per op na
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -243,19 +244,37 @@ def sets_own_dtype(node: fx.Node) -> bool:
     return op_name(node) in FIXED_DTYPE_OPS or isinstance(op_argument(node, "dtype"), torch.dtype)
 
 
-def mutated_input(node: fx.Node) -> fx.Node | None:
-    """The graph input ``node`` changes in place (``x.mul_(2)`` on a batch tensor or a buffer: its
-    op's schema writes its first argument, ``Tensor(a!) self``), else None. Such an op computes in
-    the input's own dtype: a cast in front of it would give the op a copy to change, and the caller's
-    tensor would keep its old values (eager writes them)."""
+def _first_alias(node: fx.Node) -> tuple[Any, Any] | None:
+    """``(alias_info of the op's first argument, of its first return)`` for an op overload node
+    with a tensor first argument, else None (``Tensor(a!) self`` is written in place; a view op's
+    ``Tensor(a) self -> Tensor(a)`` returns an alias of it)."""
     schema = overload_schema(node.target) if node.op == "call_function" else None
-    if schema is None or not schema.arguments or not node.args:
+    if schema is None or not schema.arguments or not node.args or not isinstance(node.args[0], fx.Node):
         return None
-    alias = schema.arguments[0].alias_info
-    first = node.args[0]
-    if alias is None or not alias.is_write or not isinstance(first, fx.Node) or first.op != "placeholder":
-        return None
-    return first
+    return schema.arguments[0].alias_info, (schema.returns[0].alias_info if schema.returns else None)
+
+
+def written_inputs(nodes: Iterable[fx.Node]) -> dict[fx.Node, fx.Node]:
+    """``{node: graph input}`` for each op that changes a graph input in place (``x.mul_(2)`` on a
+    batch tensor; its schema writes its first argument, ``Tensor(a!) self``), directly or through
+    views of it (``x[:, 0] = 0``: ``slice``/``select`` then ``fill_``/``copy_``), and for those
+    views. These nodes compute in the input's own dtype: a cast in front of them would give the op a
+    copy to change, and the caller's tensor would keep its old values (eager writes them)."""
+    out: dict[fx.Node, fx.Node] = {}
+    for node in nodes:
+        alias = _first_alias(node)
+        if alias is None or alias[0] is None or not alias[0].is_write:
+            continue
+        chain, cur = [node], node.args[0]
+        while isinstance(cur, fx.Node) and cur.op != "placeholder":
+            view = _first_alias(cur)
+            if view is None or view[0] is None or view[0].is_write or view[1] is None:
+                break  # not a view of its first argument: an intermediate tensor, not the caller's
+            chain.append(cur)
+            cur = cur.args[0]
+        if isinstance(cur, fx.Node) and cur.op == "placeholder":
+            out.update(dict.fromkeys(chain, cur))
+    return out
 
 
 def op_argument(node: fx.Node, name: str) -> Any:

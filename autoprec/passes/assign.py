@@ -4,8 +4,9 @@ Order of decisions for a ``call_function`` node with a floating output:
 
 1. ``nonfloat`` (not a float tensor): no dtype, never cast.
 2. Fixed-dtype ops (``.to(dtype)``, factories): keep the captured dtype. An op that changes a graph
-   input in place (``x.mul_(2)`` on a batch tensor: :func:`autoprec.ops.mutated_input`) computes
-   in that input's dtype, so the caller's tensor is changed as in eager, not a cast copy of it.
+   input in place, directly or through views (``x.mul_(2)``, ``x[:, 0] = 0`` on a batch tensor:
+   :func:`autoprec.ops.written_inputs`), and those views compute in that input's dtype, so the
+   caller's tensor is changed as in eager, not a cast copy of it.
 3. Nodes captured in a dtype other than fp32 (the user's own choice), ``torch.autocast`` /
    ``no_grad`` regions (higher-order ops, kept whole) and nodes marked ``autocast_disabled``:
    keep fp32 / the captured dtype in every policy (case C13).
@@ -40,11 +41,11 @@ from autoprec.ops import (
     RMSNORM_REASON,
     captured_dtype,
     classify,
-    mutated_input,
     op_name,
     reason,
     rmsnorm_regions,
     sets_own_dtype,
+    written_inputs,
 )
 from autoprec.passes.attention import SDPA
 from autoprec.passes.base import PassBase, PassResult, pass_error, writable
@@ -147,12 +148,18 @@ def assign_dtypes(
             meta_of(n).pattern = "rms_norm"
     labels: dict[fx.Node, str | None] = {}
     casting: set[fx.Node] = set()
+    written = written_inputs(nodes)
     for node in nodes:
         meta = meta_of(node)
         orig = captured_dtype(node)
         if node.op in ("placeholder", "get_attr"):
             labels[node] = orig
             meta.dtype, meta.decided_by = orig, "input"
+        elif node in written and orig is not None:  # written back to the caller's tensor, in its dtype
+            meta.op_class, meta.reason = classify(node), reason(meta.op or "")
+            labels[node] = labels.get(written[node]) or orig
+            meta.dtype, meta.decided_by = labels[node], "in place on a graph input"
+            casting.add(node)
         elif node.op == "call_function":
             _decide(node, meta, orig, policy, labels, casting)
         elif node.op == "output":
@@ -339,8 +346,6 @@ def _decide(node, meta: NodeMeta, orig, policy: Policy, labels, casting) -> None
         meta.autocast_disabled = True
     elif sets_own_dtype(node):  # a factory, a cast, or an op called with dtype=
         dt, by = orig, "fixed-dtype op"
-    elif mutated_input(node) is not None:  # written back to the caller's tensor, in its dtype
-        dt, by = labels.get(mutated_input(node)) or orig, "in-place on a graph input"
     elif node.target is operator.getitem:
         dt, by = "auto", "getitem"
     elif orig != "fp32":

@@ -24,7 +24,7 @@ from torch import fx
 from autoprec.dtypes import DTYPES, to_torch
 from autoprec.graph import tensor_bytes
 from autoprec.nodemeta import NodeMeta, meta_of, read_meta, set_meta
-from autoprec.ops import captured_dtype, is_float_value
+from autoprec.ops import captured_dtype, is_float_value, written_inputs
 from autoprec.passes.base import PassBase, PassResult, pass_error, writable
 
 PASS = "insert_casts"
@@ -95,8 +95,11 @@ def insert_casts(gm: fx.GraphModule) -> PassResult:
     """
     gm = writable(gm)
     graph = gm.graph
-    cache: dict[tuple[fx.Node, str], fx.Node] = {}
+    cache: dict[tuple[fx.Node, ...], fx.Node] = {}
     stats = {"casts": 0, "cast_bytes": 0}
+    # a graph input changed in place (x[:, 0] = 0) is cast where it is read, after the change; a cast
+    # right after the input read the values before it
+    written = set(written_inputs(graph.nodes).values())
 
     def cast(u: fx.Node, dt: str, consumer: fx.Node) -> fx.Node:
         du = _dtype_of(u)
@@ -104,7 +107,8 @@ def insert_casts(gm: fx.GraphModule) -> PassResult:
             raise pass_error(PASS, u, f"no dtype assigned to this input of {consumer.name}")
         if du == dt:
             return u
-        if (u, dt) not in cache:
+        key = (u, dt, consumer) if u in written else (u, dt)
+        if key not in cache:
             src = u
             fill = _constant_fill_source(u, dt)
             if fill is not None:  # saturate: -1e9 -> finfo(dt).min, not -inf (case C03)
@@ -115,7 +119,7 @@ def insert_casts(gm: fx.GraphModule) -> PassResult:
                 set_meta(src, NodeMeta(dtype=du, op_class="cast", saturating_cast=True,
                                        reason=f"constant fill of {fill} is outside {dt}'s range",
                                        key=f"saturate({read_meta(u).key or u.name})"))
-            with graph.inserting_after(src):
+            with graph.inserting_before(consumer) if u in written else graph.inserting_after(src):
                 c = graph.call_function(CAST_OP, (src,), {"dtype": to_torch(dt)})
             if "val" in u.meta:  # shape only; dtypes are re-derived by the verifier
                 c.meta["val"] = u.meta["val"]
@@ -123,10 +127,10 @@ def insert_casts(gm: fx.GraphModule) -> PassResult:
             set_meta(c, NodeMeta(dtype=dt, inserted_cast=True, op_class="cast", decided_by=PASS,
                                  reason=f"{du} producer read in {dt}",
                                  key=f"cast({read_meta(u).key or u.name})->{dt}"))
-            cache[(u, dt)] = c
+            cache[key] = c
             stats["casts"] += 1
             stats["cast_bytes"] += tensor_bytes(u)
-        return cache[(u, dt)]
+        return cache[key]
 
     for node in list(graph.nodes):  # the casts added meanwhile are not visited
         compute = _float_compute(node)
