@@ -254,26 +254,32 @@ def _first_alias(node: fx.Node) -> tuple[Any, Any] | None:
     return schema.arguments[0].alias_info, (schema.returns[0].alias_info if schema.returns else None)
 
 
-def written_inputs(nodes: Iterable[fx.Node]) -> dict[fx.Node, fx.Node]:
-    """``{node: graph input}`` for each op that changes a graph input in place (``x.mul_(2)`` on a
-    batch tensor; its schema writes its first argument, ``Tensor(a!) self``), directly or through
-    views of it (``x[:, 0] = 0``: ``slice``/``select`` then ``fill_``/``copy_``), and for those
-    views. These nodes compute in the input's own dtype: a cast in front of them would give the op a
-    copy to change, and the caller's tensor would keep its old values (eager writes them)."""
+def written_in_place(nodes: Iterable[fx.Node]) -> dict[fx.Node, fx.Node]:
+    """``{node: base}`` for each tensor changed in place, directly or through views, and each op on
+    the way: the in-place op (its schema writes its first argument, ``Tensor(a!) self``), the views
+    it writes through (``z[:, :8] = x``: ``slice`` then ``copy_``; a view returns an alias of its
+    first argument, ``Tensor(a) self -> Tensor(a)``), and the base they alias, mapped to itself: a
+    graph input (a batch tensor the caller sees change) or a node (``torch.zeros(...)`` filled
+    slice by slice).
+
+    These nodes compute in the base's dtype, and the base's casts are placed where it is read
+    (:mod:`autoprec.passes.assign`, :mod:`autoprec.passes.casts`). A cast in front of the write
+    gave the op a copy to change; a cast placed right after the base read its values before the
+    write: the caller's ``x`` kept its values, and a zero-padded input computed on zeros."""
     out: dict[fx.Node, fx.Node] = {}
     for node in nodes:
         alias = _first_alias(node)
         if alias is None or alias[0] is None or not alias[0].is_write:
             continue
         chain, cur = [node], node.args[0]
-        while isinstance(cur, fx.Node) and cur.op != "placeholder":
+        while isinstance(cur, fx.Node):
             view = _first_alias(cur)
             if view is None or view[0] is None or view[0].is_write or view[1] is None:
-                break  # not a view of its first argument: an intermediate tensor, not the caller's
+                break  # not a view of its first argument: the base
             chain.append(cur)
             cur = cur.args[0]
-        if isinstance(cur, fx.Node) and cur.op == "placeholder":
-            out.update(dict.fromkeys(chain, cur))
+        if isinstance(cur, fx.Node):
+            out.update(dict.fromkeys([*chain, cur], cur))
     return out
 
 

@@ -3,10 +3,11 @@
 Order of decisions for a ``call_function`` node with a floating output:
 
 1. ``nonfloat`` (not a float tensor): no dtype, never cast.
-2. Fixed-dtype ops (``.to(dtype)``, factories): keep the captured dtype. An op that changes a graph
-   input in place, directly or through views (``x.mul_(2)``, ``x[:, 0] = 0`` on a batch tensor:
-   :func:`autoprec.ops.written_inputs`), and those views compute in that input's dtype, so the
-   caller's tensor is changed as in eager, not a cast copy of it.
+2. Fixed-dtype ops (``.to(dtype)``, factories): keep the captured dtype. A tensor changed in place,
+   directly or through views (``x.mul_(2)`` or ``x[:, 0] = 0`` on a batch tensor, ``z[:, :8] = x``
+   into ``torch.zeros``: :func:`autoprec.ops.written_in_place`), the views and the write keep the
+   base's captured dtype (an input's: its own), so the write changes the tensor itself, not a cast
+   copy, and its readers, cast where they read it, see the change.
 3. Nodes captured in a dtype other than fp32 (the user's own choice), ``torch.autocast`` /
    ``no_grad`` regions (higher-order ops, kept whole) and nodes marked ``autocast_disabled``:
    keep fp32 / the captured dtype in every policy (case C13).
@@ -45,7 +46,7 @@ from autoprec.ops import (
     reason,
     rmsnorm_regions,
     sets_own_dtype,
-    written_inputs,
+    written_in_place,
 )
 from autoprec.passes.attention import SDPA
 from autoprec.passes.base import PassBase, PassResult, pass_error, writable
@@ -59,6 +60,9 @@ from autoprec.passes.fp8 import fp8_lowerable
 from autoprec.policy import Policy, Rule
 
 PASS = "assign_dtypes"
+#: ``decided_by`` of a node changed in place, of the views a write goes through and of their base
+#: (:func:`autoprec.ops.written_in_place`): the base's captured dtype.
+WRITTEN = "written in place"
 
 
 def unmatched_rules(policy: Policy, nodes: Iterable[fx.Node]) -> list[int]:
@@ -148,17 +152,17 @@ def assign_dtypes(
             meta_of(n).pattern = "rms_norm"
     labels: dict[fx.Node, str | None] = {}
     casting: set[fx.Node] = set()
-    written = written_inputs(nodes)
+    written = written_in_place(nodes)
     for node in nodes:
         meta = meta_of(node)
         orig = captured_dtype(node)
         if node.op in ("placeholder", "get_attr"):
             labels[node] = orig
             meta.dtype, meta.decided_by = orig, "input"
-        elif node in written and orig is not None:  # written back to the caller's tensor, in its dtype
+        elif node in written and orig is not None and not sets_own_dtype(node):  # in the base's dtype
             meta.op_class, meta.reason = classify(node), reason(meta.op or "")
             labels[node] = labels.get(written[node]) or orig
-            meta.dtype, meta.decided_by = labels[node], "in place on a graph input"
+            meta.dtype, meta.decided_by = labels[node], WRITTEN
             casting.add(node)
         elif node.op == "call_function":
             _decide(node, meta, orig, policy, labels, casting)

@@ -24,7 +24,7 @@ from torch import fx
 from autoprec.dtypes import DTYPES, to_torch
 from autoprec.graph import tensor_bytes
 from autoprec.nodemeta import NodeMeta, meta_of, read_meta, set_meta
-from autoprec.ops import captured_dtype, is_float_value, written_inputs
+from autoprec.ops import captured_dtype, is_float_value, written_in_place
 from autoprec.passes.base import PassBase, PassResult, pass_error, writable
 
 PASS = "insert_casts"
@@ -97,9 +97,9 @@ def insert_casts(gm: fx.GraphModule) -> PassResult:
     graph = gm.graph
     cache: dict[tuple[fx.Node, ...], fx.Node] = {}
     stats = {"casts": 0, "cast_bytes": 0}
-    # a graph input changed in place (x[:, 0] = 0) is cast where it is read, after the change; a cast
-    # right after the input read the values before it
-    written = set(written_inputs(graph.nodes).values())
+    # a tensor changed in place (x[:, 0] = 0, z[:, :8] = x) is cast where it is read, after the
+    # change; a cast right after its producer read the values before it
+    written = set(written_in_place(graph.nodes).values())
 
     def cast(u: fx.Node, dt: str, consumer: fx.Node) -> fx.Node:
         du = _dtype_of(u)
