@@ -19,7 +19,15 @@ from collections.abc import Sequence
 from typing import Any
 
 from autoprec.cli_parser import build_parser
-from autoprec.cli_paths import Output, bench_json, bench_table, jsonl_log, make_parents, output_paths
+from autoprec.cli_paths import (
+    BENCH_MD_MARK,
+    Output,
+    bench_json,
+    bench_table,
+    jsonl_log,
+    make_parents,
+    output_paths,
+)
 from autoprec.errors import AutoprecError
 
 __all__ = ["main"]
@@ -266,7 +274,7 @@ def _cmd_show(a: argparse.Namespace) -> int:
 def _cmd_bench(a: argparse.Namespace) -> int:
     # before the timing; an existing file only when bench wrote it (--json model.py replaced the model)
     with output_paths(Output("--json", a.json, "bench.json", bench_json, "a bench JSON file"),
-                      Output("--md", a.md, "bench.md", bench_table, "a bench table (no '| config' line)")):
+                      Output("--md", a.md, "bench.md", bench_table, f"a bench table ({BENCH_MD_MARK})")):
         return _bench(a)
 
 
@@ -329,10 +337,11 @@ def _bench(a: argparse.Namespace) -> int:
 
 
 def _write_md(path: str, table: str) -> None:
-    """Write ``bench --md``'s table to ``path`` atomically (a whole file or the one before)."""
+    """Write ``bench --md``'s table to ``path`` atomically (a whole file or the one before), after
+    :data:`~autoprec.cli_paths.BENCH_MD_MARK`, by which a rerun may replace it."""
     from autoprec._io import atomic_write
 
-    atomic_write(path, lambda f: f.write(table + "\n"))
+    atomic_write(path, lambda f: f.write(f"{BENCH_MD_MARK}\n{table}\n"))
 
 
 def _given(a: argparse.Namespace, *names: str) -> dict[str, Any]:

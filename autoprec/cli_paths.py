@@ -12,8 +12,8 @@ from typing import NamedTuple
 
 from autoprec.errors import AutoprecError
 
-__all__ = ["Output", "bench_json", "bench_table", "check_writable", "jsonl_log", "make_parents",
-           "output_paths", "remove_if_empty"]
+__all__ = ["BENCH_MD_MARK", "Output", "bench_json", "bench_table", "check_writable", "jsonl_log",
+           "make_parents", "output_paths", "remove_if_empty"]
 
 
 class Output(NamedTuple):
@@ -52,23 +52,29 @@ def bench_json(path: str) -> bool:
     return isinstance(data, dict) and {"machine", "autoprec"} <= set(data)
 
 
+#: The first line of a ``bench --md`` file, by which a rerun knows it may replace the file (a
+#: user's Markdown with a table in it was replaced by a test that looked for ``| config``).
+BENCH_MD_MARK = "<!-- written by autoprec bench -->"
+
+
 def bench_table(path: str) -> bool:
-    """Whether ``path`` holds a table ``bench --md`` wrote (an empty file, or a line that starts
-    ``| config``)."""
+    """Whether ``path`` holds a table ``bench --md`` wrote (an empty file, or one that starts with
+    :data:`BENCH_MD_MARK`)."""
     text = _read_start(path)
-    return not text.strip() or any(line.startswith("| config") for line in text.splitlines())
+    return not text.strip() or text.startswith(BENCH_MD_MARK)
 
 
 def jsonl_log(path: str) -> bool:
-    """Whether ``path`` is a JSONL log ``train --log`` may append to (empty, or its first line a
-    JSON object)."""
+    """Whether ``path`` is a log ``train --log`` may append to: empty, or its first line a step
+    record (a JSON object with ``"step"``; a one-line policy file passed a test for any object)."""
     first = _read_start(path).split("\n", 1)[0].strip()
     if not first:
         return True
     try:
-        return isinstance(json.loads(first), dict)
+        record = json.loads(first)
     except ValueError:
         return False
+    return isinstance(record, dict) and "step" in record
 
 
 def make_parents(*paths: str | None) -> list:
@@ -143,8 +149,8 @@ def output_paths(*outputs: tuple[str, str | None, str] | Output) -> Iterator[Non
         if path is not None and not path.strip():  # --log '' opened '.', --out-dir '' wrote to the cwd
             raise AutoprecError(f"{option} {path!r}: an empty path; give one, e.g. {example}")
         if path and ours is not None and os.path.isfile(path) and not ours(path):
-            raise AutoprecError(f"{option} {path}: exists and is not {what}, and it would be replaced; give "
-                                "another path, or remove the file")
+            raise AutoprecError(f"{option} {path}: exists and is not {what}, which writing there would "
+                                "change; give another path, or remove the file")
     created: list = []
     for option, path, _example, _ours, _what in outs:
         try:

@@ -314,7 +314,7 @@ def test_train_interrupt_says_how_to_resume(monkeypatch, capsys, extra, says):
     ("train", "--log", "empty", "an empty path"),
     ("compare", "--out-dir", "empty", "an empty path"),
     ("train", "--checkpoint", "empty", "an empty path"),
-    ("bench", "--json", "model", "exists and is not a bench JSON file, and it would be replaced"),
+    ("bench", "--json", "model", "exists and is not a bench JSON file, which writing there would change"),
     ("bench", "--md", "model", "exists and is not a bench table"),
     ("train", "--log", "model", "exists and is not a JSONL log"),
 ])
@@ -355,10 +355,10 @@ def test_train_and_bench_check_their_output_paths_before_any_work(tmp_path, caps
 def test_output_files_a_command_wrote_may_be_replaced(tmp_path):
     """What bench and train write themselves (a rerun's) is not refused: bench JSON, a bench table,
     a JSONL log, an empty file."""
-    from autoprec.cli_paths import Output, bench_json, bench_table, jsonl_log, output_paths
+    from autoprec.cli_paths import BENCH_MD_MARK, Output, bench_json, bench_table, jsonl_log, output_paths
 
     (tmp_path / "b.json").write_text(json.dumps({"machine": {}, "autoprec": "0", "configs": {}}))
-    (tmp_path / "b.md").write_text("note\n\n| config | dtype |\n|---|---|\n")
+    (tmp_path / "b.md").write_text(f"{BENCH_MD_MARK}\nnote\n\n| config | dtype |\n|---|---|\n")
     (tmp_path / "l.jsonl").write_text('{"step": 0}\n')
     (tmp_path / "empty.md").write_text("")
     with output_paths(Output("--json", str(tmp_path / "b.json"), "b.json", bench_json, "x"),
@@ -367,3 +367,8 @@ def test_output_files_a_command_wrote_may_be_replaced(tmp_path):
                       Output("--log", str(tmp_path / "l.jsonl"), "l.jsonl", jsonl_log, "x")):
         pass
     assert not bench_json(str(tmp_path / "l.jsonl")) and not jsonl_log(str(tmp_path / "b.md"))
+    # a user's Markdown with a table, a one-line policy file: not ours (a bench replaced the one, a
+    # train --log appended to the other)
+    (tmp_path / "NOTES.md").write_text("# Notes\n\n| config | value |\n|---|---|\n")
+    (tmp_path / "p.json").write_text(Policy.fp32().to_json().replace("\n", "") + "\n")
+    assert not bench_table(str(tmp_path / "NOTES.md")) and not jsonl_log(str(tmp_path / "p.json"))
