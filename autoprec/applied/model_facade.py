@@ -298,7 +298,7 @@ class ModelFacade(nn.Module):
         ``get_state_dict``/``set_state_dict`` walked ``mp.transformer`` (AttributeError at a DDP
         run's first save), and a Llama-family ``ForCausalLM``'s child ``model`` resolved to this
         module's ``model``, the whole wrapped model."""
-        return dict.fromkeys(self.model._modules, "_autoprec_wrapped")
+        return dict.fromkeys((name for name, _ in self.model.named_children()), "_autoprec_wrapped")
 
     def named_children(self) -> Iterator[tuple[str, nn.Module]]:
         """The wrapped model's children (so ``children()``, ``apply(fn)``, ``.to()`` and Trainer's
